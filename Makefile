@@ -1,0 +1,50 @@
+# One entry point for set-up, build, tests and benchmarks. Every target sets up what it needs:
+# system packages through apt when run as root, a virtualenv in .venv, the build.
+#   make test   - everything CI runs: C unit tests, the same under ASan+UBSan, pytest
+#   make build  - (re)build the package into .venv
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+JOBS ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: all sysdeps venv build ctest asan pytest test bench clean
+
+all: build
+
+sysdeps:
+	@bash scripts/sysdeps.sh
+
+$(VENV)/.deps: requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+venv: sysdeps $(VENV)/.deps
+
+build: venv
+	$(PIP) install -q --no-build-isolation -e .
+
+ctest: sysdeps
+	cmake -S . -B build/ctest -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build build/ctest --parallel $(JOBS)
+	cd build/ctest && ctest --output-on-failure
+
+asan: sysdeps
+	cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=Debug -DRIPPLES_SANITIZE=address,undefined
+	cmake --build build/asan --parallel $(JOBS)
+	cd build/asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ctest --output-on-failure
+
+pytest: build
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test: ctest asan pytest
+
+bench: build
+	$(PY) benchmarks/collectives.py --out benchmarks/results
+
+clean:
+	rm -rf build $(VENV) *.egg-info ripples_pg/*.so

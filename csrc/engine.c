@@ -1,0 +1,459 @@
+/* engine.c - communicators: the operation queue, the progress thread, validation, completion. */
+#include "engine.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "kernels.h"
+
+#define DEFAULT_SMALL_BYTES (64u * 1024u)
+#define DEFAULT_CHUNK_BYTES (512u * 1024u)
+
+typedef struct rpl_op {
+  struct rpl_op *next;
+  rpl_op_desc d; /* in/out point into bufs */
+  rpl_buf *bufs;
+} rpl_op;
+
+struct rpl_comm {
+  int rank, size;
+  double timeout_s;
+  size_t small_bytes, chunk_bytes;
+  char name[32];
+  rpl_tr *tr;
+
+  pthread_t thread;
+  int thread_started;
+  pthread_mutex_t mu; /* guards the queue and the flags below */
+  pthread_cond_t cv;
+  rpl_op *head, *tail;
+  int closing;
+  int broken;
+  rpl_error first_error;
+
+  uint64_t coll_seq; /* progress thread only */
+  void *scratch[RPL_SCRATCH_SLOTS];
+  size_t scratch_cap[RPL_SCRATCH_SLOTS];
+
+  uint64_t ops_completed, ops_failed; /* relaxed atomics */
+};
+
+/* ---- helpers for algorithms ---------------------------------------------------------- */
+
+void *rpl_scratch(rpl_run *run, int slot, size_t bytes) {
+  rpl_comm *c = run->comm;
+  if (bytes == 0) bytes = 1;
+  if (c->scratch_cap[slot] < bytes) {
+    free(c->scratch[slot]);
+    c->scratch[slot] = malloc(bytes);
+    c->scratch_cap[slot] = c->scratch[slot] ? bytes : 0;
+    if (!c->scratch[slot]) {
+      rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory: %s needs %zu bytes of scratch space",
+               rpl_op_name(run->kind), bytes);
+      return NULL;
+    }
+  }
+  return c->scratch[slot];
+}
+
+static rpl_meta make_meta(const rpl_run *run, rpl_dtype dtype, uint64_t count, unsigned step) {
+  rpl_meta m = {.op = (uint8_t)run->kind,
+                .dtype = (uint8_t)dtype,
+                .step = (uint16_t)step,
+                .tag = run->nbufs,
+                .seq = run->seq,
+                .count = count};
+  return m;
+}
+
+rpl_xfer rpl_send(const rpl_run *run, int peer, const void *buf, size_t len, rpl_dtype dtype,
+                  uint64_t count, unsigned step) {
+  rpl_xfer x = {.peer = peer, .is_send = 1, .buf = (void *)buf, .len = len};
+  x.meta = make_meta(run, dtype, count, step);
+  return x;
+}
+
+rpl_xfer rpl_recv(const rpl_run *run, int peer, void *buf, size_t len, rpl_dtype dtype,
+                  uint64_t count, unsigned step) {
+  rpl_xfer x = {.peer = peer, .is_send = 0, .buf = buf, .len = len};
+  x.meta = make_meta(run, dtype, count, step);
+  return x;
+}
+
+rpl_xfer rpl_recv_reduce(const rpl_run *run, int peer, void *tmp, void *dst, size_t len,
+                         rpl_dtype dtype, rpl_redop op, uint64_t count, unsigned step) {
+  rpl_xfer x = rpl_recv(run, peer, tmp, len, dtype, count, step);
+  x.reduce_dst = dst;
+  x.rdtype = dtype;
+  x.rop = op;
+  return x;
+}
+
+rpl_status rpl_exchange(rpl_run *run, rpl_xfer *xs, int n) {
+  return rpl_tr_run(run->tr, xs, n, run->deadline, run->err);
+}
+
+void rpl_segment(size_t count, int parts, int i, size_t *off, size_t *cnt) {
+  size_t base = count / (size_t)parts, extra = count % (size_t)parts;
+  size_t ui = (size_t)i;
+  *cnt = base + (ui < extra ? 1 : 0);
+  *off = ui * base + (ui < extra ? ui : extra);
+}
+
+rpl_status rpl_ring_reduce_scatter(rpl_run *run, void *base, size_t count, rpl_dtype dtype,
+                                   rpl_redop op, int shift, unsigned step) {
+  int n = run->size, r = run->rank;
+  size_t esz = rpl_dtype_size(dtype);
+  size_t maxseg = count / (size_t)n + 1;
+  unsigned char *tmp = rpl_scratch(run, 1, maxseg * esz);
+  if (!tmp) return RPL_ERR_NOMEM;
+  int right = (r + 1) % n, left = (r - 1 + n) % n;
+  for (int s = 0; s < n - 1; s++) {
+    int sseg = ((r + shift - 1 - s) % n + 2 * n) % n;
+    int rseg = ((r + shift - 2 - s) % n + 2 * n) % n;
+    size_t so, sc, ro, rc;
+    rpl_segment(count, n, sseg, &so, &sc);
+    rpl_segment(count, n, rseg, &ro, &rc);
+    rpl_xfer xs[2] = {
+        rpl_send(run, right, (unsigned char *)base + so * esz, sc * esz, dtype, count, step),
+        rpl_recv_reduce(run, left, tmp, (unsigned char *)base + ro * esz, rc * esz, dtype, op,
+                        count, step),
+    };
+    rpl_status st = rpl_exchange(run, xs, 2);
+    if (st != RPL_OK) return st;
+  }
+  return RPL_OK;
+}
+
+/* ---- validation ---------------------------------------------------------------------- */
+
+static rpl_status check_bufs(const rpl_buf *b, int n, const char *what, rpl_error *err) {
+  for (int i = 0; i < n; i++) {
+    if ((unsigned)b[i].dtype >= RPL_DTYPE_COUNT)
+      return rpl_fail(err, RPL_ERR_UNSUPPORTED, "%s[%d] has an unsupported dtype (%d)", what, i,
+                      (int)b[i].dtype);
+    if (b[i].count && !b[i].ptr)
+      return rpl_fail(err, RPL_ERR_INVALID, "%s[%d] has %zu elements but no data", what, i,
+                      b[i].count);
+  }
+  return RPL_OK;
+}
+
+static rpl_status check_same(const rpl_buf *b, int n, rpl_dtype dtype, size_t count,
+                             int check_count, const char *what, const char *op,
+                             rpl_error *err) {
+  for (int i = 0; i < n; i++) {
+    if (b[i].dtype != dtype)
+      return rpl_fail(err, RPL_ERR_INVALID, "%s: %s[%d] is %s but the input is %s", op, what, i,
+                      rpl_dtype_name(b[i].dtype), rpl_dtype_name(dtype));
+    if (check_count && b[i].count != count)
+      return rpl_fail(err, RPL_ERR_INVALID,
+                      "%s: %s[%d] has %zu elements but the input has %zu", op, what, i,
+                      b[i].count, count);
+  }
+  return RPL_OK;
+}
+
+static rpl_status validate(const rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
+  const char *op = rpl_op_name(d->kind);
+  int n = c->size;
+  if (d->nin < 0 || d->nout < 0 || (d->nin && !d->in) || (d->nout && !d->out))
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: bad buffer lists", op);
+  rpl_status st = check_bufs(d->in, d->nin, "input", err);
+  if (st == RPL_OK) st = check_bufs(d->out, d->nout, "output", err);
+  if (st != RPL_OK) return st;
+  int rooted = d->kind == RPL_OP_BROADCAST || d->kind == RPL_OP_GATHER ||
+               d->kind == RPL_OP_SCATTER || d->kind == RPL_OP_REDUCE ||
+               d->kind == RPL_OP_SEND || d->kind == RPL_OP_RECV;
+  if (rooted && (d->root < 0 || d->root >= n))
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d is out of range for a group of size %d",
+                    op, d->root, n);
+  switch (d->kind) {
+    case RPL_OP_ALLREDUCE:
+      if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "allreduce needs a tensor");
+      for (int i = 0; i < d->nin; i++)
+        if ((st = rpl_reduce_check(d->in[i].dtype, d->redop, err)) != RPL_OK) return st;
+      return RPL_OK;
+    case RPL_OP_BROADCAST:
+      if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "broadcast needs a tensor");
+      return RPL_OK;
+    case RPL_OP_ALLGATHER:
+      if (d->nin != 1 || d->nout != n)
+        return rpl_fail(err, RPL_ERR_INVALID,
+                        "allgather needs 1 input and %d outputs (one per rank), got %d and %d",
+                        n, d->nin, d->nout);
+      return check_same(d->out, n, d->in[0].dtype, d->in[0].count, 1, "output", op, err);
+    case RPL_OP_REDUCE_SCATTER:
+      if (d->nin != n || d->nout != 1)
+        return rpl_fail(err, RPL_ERR_INVALID,
+                        "reduce_scatter needs %d inputs (one per rank) and 1 output, got %d "
+                        "and %d", n, d->nin, d->nout);
+      if ((st = rpl_reduce_check(d->out[0].dtype, d->redop, err)) != RPL_OK) return st;
+      return check_same(d->in, n, d->out[0].dtype, d->out[0].count, 1, "input", op, err);
+    case RPL_OP_ALLTOALL:
+      if (d->nin != n || d->nout != n)
+        return rpl_fail(err, RPL_ERR_INVALID,
+                        "alltoall needs %d inputs and %d outputs, got %d and %d", n, n, d->nin,
+                        d->nout);
+      if ((st = check_same(d->in, n, d->in[0].dtype, 0, 0, "input", op, err)) != RPL_OK)
+        return st;
+      if ((st = check_same(d->out, n, d->in[0].dtype, 0, 0, "output", op, err)) != RPL_OK)
+        return st;
+      if (d->in[c->rank].count != d->out[c->rank].count)
+        return rpl_fail(err, RPL_ERR_INVALID,
+                        "alltoall: this rank sends %zu elements to itself but expects %zu",
+                        d->in[c->rank].count, d->out[c->rank].count);
+      return RPL_OK;
+    case RPL_OP_GATHER:
+      if (d->nin != 1 || d->nout != (c->rank == d->root ? n : 0))
+        return rpl_fail(err, RPL_ERR_INVALID,
+                        "gather needs 1 input, and %d outputs on the root (none elsewhere); got "
+                        "%d and %d", n, d->nin, d->nout);
+      return check_same(d->out, d->nout, d->in[0].dtype, d->in[0].count, 1, "output", op, err);
+    case RPL_OP_SCATTER:
+      if (d->nout != 1 || d->nin != (c->rank == d->root ? n : 0))
+        return rpl_fail(err, RPL_ERR_INVALID,
+                        "scatter needs 1 output, and %d inputs on the root (none elsewhere); got "
+                        "%d and %d", n, d->nout, d->nin);
+      return check_same(d->in, d->nin, d->out[0].dtype, d->out[0].count, 1, "input", op, err);
+    case RPL_OP_REDUCE:
+      if (d->nin != 1)
+        return rpl_fail(err, RPL_ERR_INVALID, "reduce needs exactly 1 tensor, got %d", d->nin);
+      return rpl_reduce_check(d->in[0].dtype, d->redop, err);
+    case RPL_OP_BARRIER:
+      return RPL_OK;
+    case RPL_OP_SEND:
+    case RPL_OP_RECV:
+      if ((d->kind == RPL_OP_SEND ? d->nin : d->nout) != 1)
+        return rpl_fail(err, RPL_ERR_INVALID, "%s needs exactly 1 tensor", op);
+      if (d->root == c->rank)
+        return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d cannot %s itself", op, c->rank,
+                        d->kind == RPL_OP_SEND ? "send to" : "receive from");
+      if (d->tag < 0)
+        return rpl_fail(err, RPL_ERR_INVALID, "%s: tag must be >= 0, got %d", op, d->tag);
+      return RPL_OK;
+  }
+  return rpl_fail(err, RPL_ERR_INVALID, "unknown operation kind %d", (int)d->kind);
+}
+
+/* ---- execution ----------------------------------------------------------------------- */
+
+static rpl_status execute(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
+  int collective = d->kind != RPL_OP_SEND && d->kind != RPL_OP_RECV;
+  rpl_run run = {.comm = c,
+                 .tr = c->tr,
+                 .rank = c->rank,
+                 .size = c->size,
+                 .kind = d->kind,
+                 .seq = collective ? ++c->coll_seq : 0,
+                 /* Only these take a list of tensors whose length every rank must share;
+                  * elsewhere list lengths legitimately differ (a root has more). */
+                 .nbufs = d->kind == RPL_OP_ALLREDUCE || d->kind == RPL_OP_BROADCAST
+                              ? (uint32_t)d->nin : 1u,
+                 .deadline = rpl_now() + c->timeout_s,
+                 .small_bytes = c->small_bytes,
+                 .chunk_bytes = c->chunk_bytes,
+                 .err = err};
+  if (!collective) run.nbufs = (uint32_t)d->tag;
+  switch (d->kind) {
+    case RPL_OP_ALLREDUCE: return rpl_algo_allreduce(&run, d);
+    case RPL_OP_BROADCAST: return rpl_algo_broadcast(&run, d);
+    case RPL_OP_ALLGATHER: return rpl_algo_allgather(&run, d);
+    case RPL_OP_REDUCE_SCATTER: return rpl_algo_reduce_scatter(&run, d);
+    case RPL_OP_ALLTOALL: return rpl_algo_alltoall(&run, d);
+    case RPL_OP_GATHER: return rpl_algo_gather(&run, d);
+    case RPL_OP_SCATTER: return rpl_algo_scatter(&run, d);
+    case RPL_OP_REDUCE: return rpl_algo_reduce(&run, d);
+    case RPL_OP_BARRIER: return rpl_algo_barrier(&run, d);
+    case RPL_OP_SEND: return rpl_algo_send(&run, d);
+    case RPL_OP_RECV: return rpl_algo_recv(&run, d);
+  }
+  return rpl_fail(err, RPL_ERR_INVALID, "unknown operation kind %d", (int)d->kind);
+}
+
+static void *progress_main(void *arg) {
+  rpl_comm *c = arg;
+  char tname[48];
+  snprintf(tname, sizeof tname, "rpl-prog-%s", c->name);
+  rpl_set_thread_name(tname); /* truncated to 15 characters */
+  for (;;) {
+    pthread_mutex_lock(&c->mu);
+    while (!c->head && !c->closing) pthread_cond_wait(&c->cv, &c->mu);
+    rpl_op *op = c->head;
+    if (!op) {
+      pthread_mutex_unlock(&c->mu);
+      break;
+    }
+    c->head = op->next;
+    if (!c->head) c->tail = NULL;
+    int closing = c->closing, broken = c->broken;
+    rpl_error first = c->first_error;
+    pthread_mutex_unlock(&c->mu);
+
+    rpl_error err = {RPL_OK, ""};
+    rpl_status st;
+    if (closing)
+      st = rpl_fail(&err, RPL_ERR_CLOSED, "the process group was shut down before %s ran",
+                    rpl_op_name(op->d.kind));
+    else if (broken)
+      st = rpl_fail(&err, RPL_ERR_ABORTED,
+                    "the process group is unusable after an earlier error: %.400s", first.msg);
+    else
+      st = execute(c, &op->d, &err);
+
+    if (st != RPL_OK) {
+      err.code = st;
+      /* A failed exchange leaves streams mid-message: close everything so peers fail fast
+       * instead of waiting for data that will never come. Argument errors found before any
+       * data moved (none reach here: rpl_submit validates) would not need this. */
+      if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED) {
+        pthread_mutex_lock(&c->mu);
+        if (!c->broken) {
+          c->broken = 1;
+          c->first_error = err;
+        }
+        pthread_mutex_unlock(&c->mu);
+        rpl_tr_abort(c->tr);
+      }
+      __atomic_fetch_add(&c->ops_failed, 1, __ATOMIC_RELAXED);
+      if (op->d.on_done) op->d.on_done(op->d.done_arg, st, &err);
+    } else {
+      __atomic_fetch_add(&c->ops_completed, 1, __ATOMIC_RELAXED);
+      if (op->d.on_done) op->d.on_done(op->d.done_arg, RPL_OK, NULL);
+    }
+    free(op->bufs);
+    free(op);
+  }
+  return NULL;
+}
+
+/* ---- public API ---------------------------------------------------------------------- */
+
+rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, rpl_comm **out,
+                           rpl_error *err) {
+  *out = NULL;
+  if (cfg->size < 1 || cfg->rank < 0 || cfg->rank >= cfg->size)
+    return rpl_fail(err, RPL_ERR_INVALID, "rank %d is out of range for a group of size %d",
+                    cfg->rank, cfg->size);
+  if (!(cfg->timeout_s > 0))
+    return rpl_fail(err, RPL_ERR_INVALID, "timeout must be positive, got %g s", cfg->timeout_s);
+  if (!store || !store->set || !store->get)
+    return rpl_fail(err, RPL_ERR_INVALID, "a key-value store is required");
+  rpl_comm *c = calloc(1, sizeof *c);
+  if (!c) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a communicator");
+  c->rank = cfg->rank;
+  c->size = cfg->size;
+  c->timeout_s = cfg->timeout_s;
+  c->small_bytes = cfg->small_bytes ? cfg->small_bytes : DEFAULT_SMALL_BYTES;
+  c->chunk_bytes = cfg->chunk_bytes ? cfg->chunk_bytes : DEFAULT_CHUNK_BYTES;
+  snprintf(c->name, sizeof c->name, "%s", cfg->name && *cfg->name ? cfg->name : "pg");
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->cv, NULL);
+
+  rpl_status st = rpl_tr_create(c->rank, c->size, cfg->bind_addr, &c->tr, err);
+  if (st != RPL_OK) goto fail;
+
+  /* Exchange addresses: publish ours, then read every peer's (waits for all to arrive). */
+  char key[64], addr[128];
+  rpl_tr_address(c->tr, addr, sizeof addr);
+  snprintf(key, sizeof key, "ripples/addr/%d", c->rank);
+  if ((st = store->set(store->ctx, key, addr, strlen(addr), err)) != RPL_OK) goto fail;
+  for (int p = 0; p < c->size; p++) {
+    if (p == c->rank) continue;
+    char peer[128];
+    size_t len = 0;
+    snprintf(key, sizeof key, "ripples/addr/%d", p);
+    if ((st = store->get(store->ctx, key, peer, sizeof peer - 1, &len, err)) != RPL_OK) goto fail;
+    if (len >= sizeof peer) {
+      st = rpl_fail(err, RPL_ERR_INVALID, "rank %d published an over-long address", p);
+      goto fail;
+    }
+    peer[len] = '\0';
+    if ((st = rpl_tr_set_peer(c->tr, p, peer, err)) != RPL_OK) goto fail;
+  }
+
+  if (pthread_create(&c->thread, NULL, progress_main, c) != 0) {
+    st = rpl_fail_errno(err, RPL_ERR_SYSTEM, errno, "cannot start the progress thread");
+    goto fail;
+  }
+  c->thread_started = 1;
+  *out = c;
+  return RPL_OK;
+
+fail:
+  rpl_comm_destroy(c);
+  return st;
+}
+
+void rpl_comm_shutdown(rpl_comm *c) {
+  if (!c) return;
+  pthread_mutex_lock(&c->mu);
+  int was_closing = c->closing;
+  c->closing = 1;
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+  if (was_closing) return;
+  if (c->tr) rpl_tr_interrupt(c->tr);
+  if (c->thread_started) pthread_join(c->thread, NULL);
+  c->thread_started = 0;
+}
+
+void rpl_comm_destroy(rpl_comm *c) {
+  if (!c) return;
+  rpl_comm_shutdown(c);
+  rpl_tr_destroy(c->tr);
+  for (int i = 0; i < RPL_SCRATCH_SLOTS; i++) free(c->scratch[i]);
+  pthread_mutex_destroy(&c->mu);
+  pthread_cond_destroy(&c->cv);
+  free(c);
+}
+
+int rpl_comm_rank(const rpl_comm *c) { return c->rank; }
+int rpl_comm_size(const rpl_comm *c) { return c->size; }
+
+rpl_status rpl_submit(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
+  rpl_status st = validate(c, d, err);
+  if (st != RPL_OK) return st;
+  rpl_op *op = calloc(1, sizeof *op);
+  size_t nb = (size_t)d->nin + (size_t)d->nout;
+  if (op) op->bufs = calloc(nb ? nb : 1, sizeof(rpl_buf));
+  if (!op || !op->bufs) {
+    if (op) free(op);
+    return rpl_fail(err, RPL_ERR_NOMEM, "out of memory queueing %s", rpl_op_name(d->kind));
+  }
+  op->d = *d;
+  if (d->nin) memcpy(op->bufs, d->in, (size_t)d->nin * sizeof(rpl_buf));
+  if (d->nout) memcpy(op->bufs + d->nin, d->out, (size_t)d->nout * sizeof(rpl_buf));
+  op->d.in = op->bufs;
+  op->d.out = op->bufs + d->nin;
+
+  pthread_mutex_lock(&c->mu);
+  if (c->closing) {
+    pthread_mutex_unlock(&c->mu);
+    free(op->bufs);
+    free(op);
+    return rpl_fail(err, RPL_ERR_CLOSED,
+                    "%s on a ripples process group that has been shut down (destroyed)",
+                    rpl_op_name(d->kind));
+  }
+  if (c->tail) c->tail->next = op;
+  else c->head = op;
+  c->tail = op;
+  pthread_cond_signal(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+  return RPL_OK;
+}
+
+void rpl_comm_get_counters(const rpl_comm *c, rpl_comm_counters *out) {
+  rpl_tr_counters t;
+  rpl_tr_get_counters(c->tr, &t);
+  out->ops_completed = __atomic_load_n(&c->ops_completed, __ATOMIC_RELAXED);
+  out->ops_failed = __atomic_load_n(&c->ops_failed, __ATOMIC_RELAXED);
+  out->bytes_sent = t.bytes_sent;
+  out->bytes_received = t.bytes_received;
+  out->connections = t.connections;
+}

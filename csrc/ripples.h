@@ -1,0 +1,192 @@
+/*
+ * ripples.h - the one public header of the ripples C core.
+ *
+ * The core knows nothing about torch. A caller (the C++ shim in csrc/torch/, or a C test)
+ * creates one communicator per process group, hands it plain (pointer, count, dtype) buffers
+ * and gets a completion callback per operation.
+ *
+ * Threads: every communicator owns one progress thread ("rpl-prog") that executes its
+ * operations one at a time, in the order they were submitted, driving non-blocking sockets.
+ * Completion callbacks run on that thread: they must return quickly and must not submit
+ * or wait on operations of the same communicator (hand the completion to another thread).
+ *
+ * Errors: every function returns an rpl_status and, on failure, fills the caller's
+ * rpl_error with a message that names the cause. After a communication error (timeout,
+ * dead peer, size mismatch detected on the wire) a communicator is "broken": its sockets are
+ * closed so that peers fail fast too, and every later operation fails with RPL_ERR_ABORTED
+ * quoting the first error.
+ */
+#ifndef RIPPLES_H
+#define RIPPLES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RPL_VERSION_MAJOR 0
+#define RPL_VERSION_MINOR 1
+
+typedef enum {
+  RPL_OK = 0,
+  RPL_ERR_INVALID = 1,     /* bad argument: shapes, ranks, roots, counts */
+  RPL_ERR_UNSUPPORTED = 2, /* dtype/op combination the core does not reduce */
+  RPL_ERR_MISMATCH = 3,    /* peers disagree on the operation (sizes, dtypes, kind) */
+  RPL_ERR_TIMEOUT = 4,     /* an operation exceeded the communicator's timeout */
+  RPL_ERR_PEER = 5,        /* a peer closed its connection or could not be reached */
+  RPL_ERR_SYSTEM = 6,      /* an OS call failed (errno text in the message) */
+  RPL_ERR_CLOSED = 7,      /* the communicator was shut down */
+  RPL_ERR_ABORTED = 8,     /* the communicator is broken by an earlier error */
+  RPL_ERR_NOMEM = 9
+} rpl_status;
+
+#define RPL_ERRMSG_LEN 512
+typedef struct rpl_error {
+  rpl_status code;
+  char msg[RPL_ERRMSG_LEN];
+} rpl_error;
+
+/* Element types; values are stable (they go on the wire). */
+typedef enum {
+  RPL_BOOL = 0,
+  RPL_UINT8 = 1,
+  RPL_INT8 = 2,
+  RPL_INT16 = 3,
+  RPL_INT32 = 4,
+  RPL_INT64 = 5,
+  RPL_FLOAT16 = 6,
+  RPL_BFLOAT16 = 7,
+  RPL_FLOAT32 = 8,
+  RPL_FLOAT64 = 9,
+  RPL_DTYPE_COUNT = 10
+} rpl_dtype;
+
+/* Reduction operators. AVG is SUM followed by a division by the number of contributors;
+ * it is defined for floating dtypes only. BAND/BOR/BXOR are defined for integers and bool. */
+typedef enum {
+  RPL_SUM = 0,
+  RPL_AVG = 1,
+  RPL_PRODUCT = 2,
+  RPL_MIN = 3,
+  RPL_MAX = 4,
+  RPL_BAND = 5,
+  RPL_BOR = 6,
+  RPL_BXOR = 7,
+  RPL_REDOP_COUNT = 8
+} rpl_redop;
+
+size_t rpl_dtype_size(rpl_dtype dtype);           /* 0 for an unknown dtype */
+const char *rpl_dtype_name(rpl_dtype dtype);      /* "float32", ...; "?" if unknown */
+const char *rpl_redop_name(rpl_redop op);         /* "SUM", ... */
+const char *rpl_status_name(rpl_status status);   /* "RPL_ERR_TIMEOUT", ... */
+int rpl_dtype_is_floating(rpl_dtype dtype);
+
+/* RPL_OK if `op` can reduce `dtype`, else RPL_ERR_UNSUPPORTED with a message. */
+rpl_status rpl_reduce_check(rpl_dtype dtype, rpl_redop op, rpl_error *err);
+
+/* ---- Key-value store, provided by the caller (the c10d store in the shim) ---------------- */
+
+typedef struct rpl_store {
+  void *ctx;
+  /* Publish `len` bytes under `key`. */
+  rpl_status (*set)(void *ctx, const char *key, const void *val, size_t len, rpl_error *err);
+  /* Block until `key` exists (or the store's own timeout), then copy at most `cap` bytes into
+   * `buf` and set *len to the value's full length. */
+  rpl_status (*get)(void *ctx, const char *key, void *buf, size_t cap, size_t *len,
+                    rpl_error *err);
+} rpl_store;
+
+/* ---- Communicator -------------------------------------------------------------------------- */
+
+typedef struct rpl_comm_config {
+  int rank;                /* 0 <= rank < size */
+  int size;                /* >= 1 */
+  double timeout_s;        /* per operation, from the moment it starts executing; > 0 */
+  const char *bind_addr;   /* IPv4 address peers use to reach us; NULL means "127.0.0.1" */
+  const char *name;        /* short label used in thread names and messages; may be NULL */
+  size_t small_bytes;      /* latency-optimised algorithms at or below this; 0 = default */
+  size_t chunk_bytes;      /* pipeline chunk for large broadcasts; 0 = default */
+} rpl_comm_config;
+
+typedef struct rpl_comm rpl_comm;
+
+/* Publishes this rank's address in `store` and reads every peer's address (so it returns only
+ * once every rank of the group has called it). Connections are made lazily, on first use.
+ * The store is used only during this call. */
+rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, rpl_comm **out,
+                           rpl_error *err);
+
+/* Stops accepting operations; operations still queued complete with RPL_ERR_CLOSED, the one
+ * executing is allowed to finish (or time out). Joins the progress thread. Idempotent. */
+void rpl_comm_shutdown(rpl_comm *comm);
+
+/* Shuts down if needed and frees everything. */
+void rpl_comm_destroy(rpl_comm *comm);
+
+int rpl_comm_rank(const rpl_comm *comm);
+int rpl_comm_size(const rpl_comm *comm);
+
+/* ---- Operations ---------------------------------------------------------------------------- */
+
+typedef enum {
+  RPL_OP_ALLREDUCE = 1,      /* in[i] reduced in place, i < nin (several buffers = coalesced) */
+  RPL_OP_BROADCAST = 2,      /* in[i] in place from root, i < nin */
+  RPL_OP_ALLGATHER = 3,      /* in[0] -> out[r] for every rank r (nout == size) */
+  RPL_OP_REDUCE_SCATTER = 4, /* in[r] (nin == size, all the count of out[0]) -> out[0] */
+  RPL_OP_ALLTOALL = 5,       /* in[r] -> peer r's out[me]; nin == nout == size; counts may differ */
+  RPL_OP_GATHER = 6,         /* in[0] -> root's out[r] (nout == size at root, 0 elsewhere) */
+  RPL_OP_SCATTER = 7,        /* root's in[r] (nin == size at root) -> out[0] */
+  RPL_OP_REDUCE = 8,         /* in[0] reduced into root's in[0]; non-root buffers untouched */
+  RPL_OP_BARRIER = 9,        /* no buffers */
+  RPL_OP_SEND = 10,          /* in[0] to rank `root`, matched by `tag` */
+  RPL_OP_RECV = 11           /* out[0] from rank `root`, matched by `tag` */
+} rpl_op_kind;
+
+const char *rpl_op_name(rpl_op_kind kind);
+
+typedef struct rpl_buf {
+  void *ptr;       /* contiguous; may be NULL when count == 0 */
+  size_t count;    /* elements */
+  rpl_dtype dtype;
+} rpl_buf;
+
+/* Called exactly once per accepted operation, on the progress thread. `err` is NULL on
+ * success. See the threading note at the top. */
+typedef void (*rpl_done_fn)(void *arg, rpl_status status, const rpl_error *err);
+
+typedef struct rpl_op_desc {
+  rpl_op_kind kind;
+  rpl_redop redop;         /* ALLREDUCE, REDUCE_SCATTER, REDUCE */
+  int root;                /* BROADCAST, GATHER, SCATTER, REDUCE; the peer for SEND/RECV */
+  int tag;                 /* SEND/RECV */
+  const rpl_buf *in;
+  int nin;
+  const rpl_buf *out;
+  int nout;
+  rpl_done_fn on_done;
+  void *done_arg;
+} rpl_op_desc;
+
+/* Validates and enqueues. The descriptor is copied; the memory its buffers point at must stay
+ * valid and untouched until on_done runs. On a non-OK return nothing was enqueued and on_done
+ * will not be called. */
+rpl_status rpl_submit(rpl_comm *comm, const rpl_op_desc *desc, rpl_error *err);
+
+/* Counters for stats and tests. Read without stopping the progress thread. */
+typedef struct rpl_comm_counters {
+  uint64_t ops_completed;
+  uint64_t ops_failed;
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  uint64_t connections;
+} rpl_comm_counters;
+
+void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RIPPLES_H */

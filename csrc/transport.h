@@ -1,0 +1,84 @@
+/*
+ * transport.h - the TCP transport of one communicator (internal to csrc/).
+ *
+ * Algorithms never touch sockets: they describe one step as a set of transfers (sends and
+ * receives, each to or from one peer) and rpl_tr_run moves all of them concurrently until every
+ * one has completed, an error occurs, the deadline passes, or another thread interrupts.
+ *
+ * Every transfer is one framed message: a fixed header that names the sender's operation
+ * (kind, sequence number, dtype, element count, step) followed by the payload. The receiver
+ * checks the header against what it expects, which is how ranks that called different
+ * collectives, or the same one with different sizes, get a clear error instead of garbage.
+ *
+ * Point-to-point messages (send/recv) share the connections: one that arrives while the
+ * receiver waits for something else from that peer is stashed and handed to the matching
+ * recv later (matched by tag, in arrival order).
+ *
+ * Connections are made lazily: the lower rank connects, the higher rank accepts, and both
+ * sides prove they read each other's address from the store (a per-communicator nonce).
+ */
+#ifndef RPL_TRANSPORT_H
+#define RPL_TRANSPORT_H
+
+#include <stdint.h>
+
+#include "ripples.h"
+
+#define RPL_ANY_COUNT UINT64_MAX /* meta.count of a transfer whose count may differ per rank */
+
+/* What a message says about the operation that sent it. */
+typedef struct rpl_meta {
+  uint8_t op;     /* rpl_op_kind; RPL_OP_SEND for point-to-point */
+  uint8_t dtype;  /* rpl_dtype */
+  uint16_t step;  /* algorithm step or buffer index, checked like the rest */
+  uint32_t tag;   /* p2p tag; for collectives the number of buffers of the op */
+  uint64_t seq;   /* collective sequence number on this communicator; 0 for p2p */
+  uint64_t count; /* elements of the sender's buffer, or RPL_ANY_COUNT */
+} rpl_meta;
+
+typedef struct rpl_xfer {
+  int peer;
+  int is_send;
+  rpl_meta meta;     /* send: goes into the header; recv: what must arrive */
+  void *buf;         /* send: payload; recv: where the payload lands */
+  size_t len;        /* payload bytes */
+  void *reduce_dst;  /* recv only, optional: arriving payload is reduced into this */
+  rpl_dtype rdtype;
+  rpl_redop rop;
+  /* Progress, owned by the transport. */
+  size_t off;
+  size_t reduced;
+  int done;
+} rpl_xfer;
+
+typedef struct rpl_tr rpl_tr;
+
+/* Counters the transport updates (relaxed atomics; read from any thread). */
+typedef struct rpl_tr_counters {
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  uint64_t connections;
+} rpl_tr_counters;
+
+/* Binds a listening socket on bind_addr (an IPv4 address) with an ephemeral port. */
+rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, rpl_tr **out,
+                         rpl_error *err);
+void rpl_tr_destroy(rpl_tr *tr);
+
+/* "ADDR:PORT:NONCE", what peers need to connect; written into buf (cap >= 64). */
+void rpl_tr_address(const rpl_tr *tr, char *buf, size_t cap);
+rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error *err);
+
+/* Moves all transfers until done. Within one call, transfers to the same peer in the same
+ * direction happen in array order. Zero-length transfers still exchange a header. */
+rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err);
+
+/* Makes a running or the next rpl_tr_run return RPL_ERR_CLOSED. Any thread. */
+void rpl_tr_interrupt(rpl_tr *tr);
+
+/* Closes every connection and the listener, so peers blocked on us fail fast. */
+void rpl_tr_abort(rpl_tr *tr);
+
+void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out);
+
+#endif /* RPL_TRANSPORT_H */

@@ -1,0 +1,716 @@
+/* transport_tcp.c - non-blocking TCP transport driven by the communicator's progress thread. */
+#include "transport.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "kernels.h"
+
+#define HDR_SIZE 40
+#define HELLO_SIZE 24
+#define DATA_MAGIC 0x31444c52u  /* "RLD1" little-endian */
+#define HELLO_MAGIC 0x31484c52u /* "RLH1" */
+#define HELLO_WAIT_S 5.0        /* a peer sends its hello right after connecting */
+/* Reduce arriving data in pieces this large, so reduction overlaps the rest of the transfer. */
+#define REDUCE_GRAIN (256u * 1024u)
+
+enum { CONN_NONE = 0, CONN_CONNECTING, CONN_READY };
+enum { RX_HEADER = 0, RX_XFER, RX_STASH };
+
+typedef struct stash_msg {
+  struct stash_msg *next;
+  uint32_t tag;
+  size_t len;
+  unsigned char *data;
+} stash_msg;
+
+typedef struct conn {
+  int fd;
+  int state;
+  /* Receive side: a header, then a payload that goes to a transfer or to the stash. */
+  int rx_mode;
+  unsigned char rx_hdr[HDR_SIZE];
+  size_t rx_hdr_got;
+  stash_msg *rx_stash; /* being filled */
+  size_t rx_stash_got;
+  stash_msg *stash_head, *stash_tail; /* complete unexpected p2p messages, in arrival order */
+} conn;
+
+struct rpl_tr {
+  int rank, size;
+  int listen_fd;
+  int wake_fd; /* eventfd: rpl_tr_interrupt */
+  uint64_t nonce;
+  struct sockaddr_in self;
+  struct sockaddr_in *peer_addr;
+  uint64_t *peer_nonce;
+  conn *conns;
+  int *act_send, *act_recv; /* per peer: index of the active transfer in the current run */
+  struct pollfd *pfds;
+  int *pfd_peer;
+  int aborted;
+  rpl_tr_counters counters;
+};
+
+/* ---- little-endian encoding ---------------------------------------------------------- */
+
+static void put32(unsigned char *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static void put64(unsigned char *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
+}
+static uint32_t get32(const unsigned char *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static uint64_t get64(const unsigned char *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+static void encode_header(unsigned char *h, const rpl_meta *m, uint64_t len) {
+  put32(h, DATA_MAGIC);
+  h[4] = m->op;
+  h[5] = m->dtype;
+  h[6] = (unsigned char)(m->step & 0xff);
+  h[7] = (unsigned char)(m->step >> 8);
+  put32(h + 8, m->tag);
+  put64(h + 16, m->seq);
+  put64(h + 24, m->count);
+  put64(h + 32, len);
+}
+
+static void decode_header(const unsigned char *h, uint32_t *magic, rpl_meta *m, uint64_t *len) {
+  *magic = get32(h);
+  m->op = h[4];
+  m->dtype = h[5];
+  m->step = (uint16_t)(h[6] | (h[7] << 8));
+  m->tag = get32(h + 8);
+  m->seq = get64(h + 16);
+  m->count = get64(h + 24);
+  *len = get64(h + 32);
+}
+
+static void count_add(uint64_t *c, uint64_t v) { __atomic_fetch_add(c, v, __ATOMIC_RELAXED); }
+
+/* ---- setup --------------------------------------------------------------------------- */
+
+static void tune_data_socket(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, rpl_tr **out,
+                         rpl_error *err) {
+  *out = NULL;
+  rpl_tr *tr = calloc(1, sizeof *tr);
+  if (!tr) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating the transport");
+  tr->rank = rank;
+  tr->size = size;
+  tr->listen_fd = -1;
+  tr->wake_fd = -1;
+  tr->peer_addr = calloc((size_t)size, sizeof *tr->peer_addr);
+  tr->peer_nonce = calloc((size_t)size, sizeof *tr->peer_nonce);
+  tr->conns = calloc((size_t)size, sizeof *tr->conns);
+  tr->act_send = calloc((size_t)size, sizeof(int));
+  tr->act_recv = calloc((size_t)size, sizeof(int));
+  tr->pfds = calloc((size_t)size + 2, sizeof *tr->pfds);
+  tr->pfd_peer = calloc((size_t)size + 2, sizeof(int));
+  if (!tr->peer_addr || !tr->peer_nonce || !tr->conns || !tr->act_send || !tr->act_recv ||
+      !tr->pfds || !tr->pfd_peer) {
+    rpl_tr_destroy(tr);
+    return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating the transport");
+  }
+  for (int i = 0; i < size; i++) tr->conns[i].fd = -1;
+
+  if (getrandom(&tr->nonce, sizeof tr->nonce, 0) != (ssize_t)sizeof tr->nonce) {
+    tr->nonce = (uint64_t)rpl_now() * 2654435761u ^ (uint64_t)getpid() << 32;
+  }
+
+  const char *addr = bind_addr && *bind_addr ? bind_addr : "127.0.0.1";
+  memset(&tr->self, 0, sizeof tr->self);
+  tr->self.sin_family = AF_INET;
+  if (inet_pton(AF_INET, addr, &tr->self.sin_addr) != 1) {
+    rpl_tr_destroy(tr);
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "bind address '%s' is not an IPv4 address (set RIPPLES_BIND_ADDR to the IP "
+                    "peers should use to reach this process)", addr);
+  }
+  tr->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  tr->listen_fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (tr->wake_fd < 0 || tr->listen_fd < 0) {
+    int e = errno;
+    rpl_tr_destroy(tr);
+    return rpl_fail_errno(err, RPL_ERR_SYSTEM, e, "cannot create sockets");
+  }
+  socklen_t sl = sizeof tr->self;
+  if (bind(tr->listen_fd, (struct sockaddr *)&tr->self, sizeof tr->self) != 0 ||
+      listen(tr->listen_fd, 256) != 0 ||
+      getsockname(tr->listen_fd, (struct sockaddr *)&tr->self, &sl) != 0) {
+    int e = errno;
+    rpl_tr_destroy(tr);
+    return rpl_fail_errno(err, RPL_ERR_SYSTEM, e, "cannot listen on %s", addr);
+  }
+  *out = tr;
+  return RPL_OK;
+}
+
+static void free_stash(conn *c) {
+  for (stash_msg *m = c->stash_head; m;) {
+    stash_msg *next = m->next;
+    free(m->data);
+    free(m);
+    m = next;
+  }
+  c->stash_head = c->stash_tail = NULL;
+  if (c->rx_stash) {
+    free(c->rx_stash->data);
+    free(c->rx_stash);
+    c->rx_stash = NULL;
+  }
+}
+
+static void close_conn(conn *c) {
+  if (c->fd >= 0) {
+    shutdown(c->fd, SHUT_RDWR);
+    close(c->fd);
+  }
+  c->fd = -1;
+  c->state = CONN_NONE;
+  c->rx_mode = RX_HEADER;
+  c->rx_hdr_got = 0;
+  free_stash(c);
+}
+
+void rpl_tr_abort(rpl_tr *tr) {
+  if (!tr) return;
+  tr->aborted = 1;
+  if (tr->conns)
+    for (int i = 0; i < tr->size; i++) close_conn(&tr->conns[i]);
+  if (tr->listen_fd >= 0) close(tr->listen_fd);
+  tr->listen_fd = -1;
+}
+
+void rpl_tr_destroy(rpl_tr *tr) {
+  if (!tr) return;
+  rpl_tr_abort(tr);
+  if (tr->wake_fd >= 0) close(tr->wake_fd);
+  free(tr->peer_addr);
+  free(tr->peer_nonce);
+  free(tr->conns);
+  free(tr->act_send);
+  free(tr->act_recv);
+  free(tr->pfds);
+  free(tr->pfd_peer);
+  free(tr);
+}
+
+void rpl_tr_address(const rpl_tr *tr, char *buf, size_t cap) {
+  char ip[INET_ADDRSTRLEN];
+  inet_ntop(AF_INET, &tr->self.sin_addr, ip, sizeof ip);
+  snprintf(buf, cap, "%s:%u:%016" PRIx64, ip, (unsigned)ntohs(tr->self.sin_port), tr->nonce);
+}
+
+rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error *err) {
+  char ip[64];
+  unsigned port = 0;
+  uint64_t nonce = 0;
+  const char *c1 = strchr(address, ':');
+  const char *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+  if (!c1 || !c2 || (size_t)(c1 - address) >= sizeof ip ||
+      sscanf(c1 + 1, "%u", &port) != 1 || port == 0 || port > 65535 ||
+      sscanf(c2 + 1, "%" SCNx64, &nonce) != 1)
+    return rpl_fail(err, RPL_ERR_INVALID, "malformed address '%.80s' published by rank %d",
+                    address, peer);
+  memcpy(ip, address, (size_t)(c1 - address));
+  ip[c1 - address] = '\0';
+  struct sockaddr_in *sa = &tr->peer_addr[peer];
+  memset(sa, 0, sizeof *sa);
+  sa->sin_family = AF_INET;
+  sa->sin_port = htons((uint16_t)port);
+  if (inet_pton(AF_INET, ip, &sa->sin_addr) != 1)
+    return rpl_fail(err, RPL_ERR_INVALID, "rank %d published a bad IPv4 address '%s'", peer, ip);
+  tr->peer_nonce[peer] = nonce;
+  return RPL_OK;
+}
+
+void rpl_tr_interrupt(rpl_tr *tr) {
+  uint64_t one = 1;
+  ssize_t r = write(tr->wake_fd, &one, sizeof one);
+  (void)r;
+}
+
+void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
+  out->bytes_sent = __atomic_load_n(&tr->counters.bytes_sent, __ATOMIC_RELAXED);
+  out->bytes_received = __atomic_load_n(&tr->counters.bytes_received, __ATOMIC_RELAXED);
+  out->connections = __atomic_load_n(&tr->counters.connections, __ATOMIC_RELAXED);
+}
+
+/* ---- connection establishment -------------------------------------------------------- */
+
+static void peer_desc(const rpl_tr *tr, int peer, char *buf, size_t cap) {
+  char ip[INET_ADDRSTRLEN];
+  inet_ntop(AF_INET, &tr->peer_addr[peer].sin_addr, ip, sizeof ip);
+  snprintf(buf, cap, "rank %d (%s:%u)", peer, ip, (unsigned)ntohs(tr->peer_addr[peer].sin_port));
+}
+
+static rpl_status start_connect(rpl_tr *tr, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return rpl_fail_errno(err, RPL_ERR_SYSTEM, errno, "cannot create a socket");
+  int r = connect(fd, (struct sockaddr *)&tr->peer_addr[peer], sizeof tr->peer_addr[peer]);
+  if (r != 0 && errno != EINPROGRESS) {
+    int e = errno;
+    close(fd);
+    char d[96];
+    peer_desc(tr, peer, d, sizeof d);
+    return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot connect to %s (has it exited?)", d);
+  }
+  c->fd = fd;
+  c->state = CONN_CONNECTING;
+  return RPL_OK;
+}
+
+/* The connect completed (or failed): check, then introduce ourselves. */
+static rpl_status finish_connect(rpl_tr *tr, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  int soerr = 0;
+  socklen_t sl = sizeof soerr;
+  getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+  char d[96];
+  peer_desc(tr, peer, d, sizeof d);
+  if (soerr != 0) {
+    close_conn(c);
+    return rpl_fail_errno(err, RPL_ERR_PEER, soerr, "cannot connect to %s (has it exited?)", d);
+  }
+  unsigned char hello[HELLO_SIZE];
+  put32(hello, HELLO_MAGIC);
+  put32(hello + 4, (uint32_t)tr->rank);
+  put32(hello + 8, (uint32_t)tr->size);
+  put32(hello + 12, 0);
+  put64(hello + 16, tr->peer_nonce[peer]);
+  /* A fresh socket's send buffer takes 24 bytes at once. */
+  if (send(c->fd, hello, sizeof hello, MSG_NOSIGNAL) != (ssize_t)sizeof hello) {
+    int e = errno;
+    close_conn(c);
+    return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot greet %s", d);
+  }
+  tune_data_socket(c->fd);
+  c->state = CONN_READY;
+  count_add(&tr->counters.connections, 1);
+  return RPL_OK;
+}
+
+/* Reads exactly n bytes from a non-blocking socket, waiting at most `wait_s`. */
+static int read_full_wait(int fd, unsigned char *buf, size_t n, double wait_s) {
+  double end = rpl_now() + wait_s;
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = recv(fd, buf + got, n - got, 0);
+    if (r > 0) {
+      got += (size_t)r;
+      continue;
+    }
+    if (r == 0) return -1;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+    int ms = (int)((end - rpl_now()) * 1000);
+    if (ms <= 0) return -1;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, ms) < 0 && errno != EINTR) return -1;
+  }
+  return 0;
+}
+
+/* Accepts every pending connection; keeps those that present a valid hello from a lower rank.
+ * Anything else (a stranger, a stale job) is closed without affecting the run. */
+static void accept_pending(rpl_tr *tr) {
+  for (;;) {
+    int fd = accept4(tr->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    unsigned char h[HELLO_SIZE];
+    if (read_full_wait(fd, h, sizeof h, HELLO_WAIT_S) != 0 || get32(h) != HELLO_MAGIC ||
+        get64(h + 16) != tr->nonce || get32(h + 8) != (uint32_t)tr->size) {
+      close(fd);
+      continue;
+    }
+    uint32_t peer = get32(h + 4);
+    if (peer >= (uint32_t)tr->rank || tr->conns[peer].state != CONN_NONE) {
+      close(fd);
+      continue;
+    }
+    tune_data_socket(fd);
+    tr->conns[peer].fd = fd;
+    tr->conns[peer].state = CONN_READY;
+    count_add(&tr->counters.connections, 1);
+  }
+}
+
+/* ---- data movement ------------------------------------------------------------------- */
+
+static int next_active(const rpl_xfer *xs, int n, int from, int peer, int is_send) {
+  for (int i = from; i < n; i++)
+    if (!xs[i].done && xs[i].peer == peer && xs[i].is_send == is_send) return i;
+  return -1;
+}
+
+static rpl_status complete_from_stash(rpl_tr *tr, rpl_xfer *x, int *matched, rpl_error *err) {
+  conn *c = &tr->conns[x->peer];
+  stash_msg *prev = NULL;
+  *matched = 0;
+  for (stash_msg *m = c->stash_head; m; prev = m, m = m->next) {
+    if (m->tag != x->meta.tag) continue;
+    if (m->len != x->len)
+      return rpl_fail(err, RPL_ERR_MISMATCH,
+                      "recv from rank %d (tag %u) expects %zu bytes but rank %d sent %zu bytes",
+                      x->peer, x->meta.tag, x->len, x->peer, m->len);
+    if (m->len) memcpy(x->buf, m->data, m->len);
+    if (prev) prev->next = m->next;
+    else c->stash_head = m->next;
+    if (c->stash_tail == m) c->stash_tail = prev;
+    free(m->data);
+    free(m);
+    x->done = 1;
+    *matched = 1;
+    return RPL_OK;
+  }
+  return RPL_OK;
+}
+
+/* Makes the first unfinished receive from `peer` active, serving p2p receives from the stash. */
+static rpl_status activate_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, int from,
+                                rpl_error *err) {
+  for (;;) {
+    int i = next_active(xs, n, from, peer, 0);
+    tr->act_recv[peer] = i;
+    if (i < 0 || xs[i].meta.op != RPL_OP_SEND) return RPL_OK;
+    int matched;
+    rpl_status st = complete_from_stash(tr, &xs[i], &matched, err);
+    if (st != RPL_OK) return st;
+    if (!matched) return RPL_OK;
+    from = i + 1;
+  }
+}
+
+static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doing,
+                              rpl_error *err) {
+  char d[96];
+  peer_desc(tr, peer, d, sizeof d);
+  if (errnum)
+    return rpl_fail_errno(err, RPL_ERR_PEER, errnum,
+                          "lost the connection to %s while %s (the peer exited or aborted "
+                          "after an error)", d, doing);
+  return rpl_fail(err, RPL_ERR_PEER,
+                  "%s closed the connection while this rank was %s (the peer exited, or "
+                  "aborted after an error of its own)", d, doing);
+}
+
+static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  while (tr->act_send[peer] >= 0) {
+    rpl_xfer *x = &xs[tr->act_send[peer]];
+    unsigned char hdr[HDR_SIZE];
+    struct iovec iov[2];
+    int niov = 0;
+    if (x->off < HDR_SIZE) {
+      encode_header(hdr, &x->meta, x->len);
+      iov[niov].iov_base = hdr + x->off;
+      iov[niov].iov_len = HDR_SIZE - x->off;
+      niov++;
+    }
+    size_t poff = x->off > HDR_SIZE ? x->off - HDR_SIZE : 0;
+    if (poff < x->len) {
+      iov[niov].iov_base = (unsigned char *)x->buf + poff;
+      iov[niov].iov_len = x->len - poff;
+      niov++;
+    }
+    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
+    ssize_t r = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return RPL_OK;
+      return peer_closed(tr, peer, errno, "sending", err);
+    }
+    x->off += (size_t)r;
+    count_add(&tr->counters.bytes_sent, (uint64_t)r);
+    if (x->off == HDR_SIZE + x->len) {
+      x->done = 1;
+      tr->act_send[peer] = next_active(xs, n, tr->act_send[peer] + 1, peer, 1);
+    }
+  }
+  return RPL_OK;
+}
+
+static rpl_status check_header(rpl_tr *tr, int peer, const rpl_xfer *x, uint32_t magic,
+                               const rpl_meta *m, uint64_t len, rpl_error *err) {
+  const rpl_meta *e = &x->meta;
+  if (magic != DATA_MAGIC)
+    return rpl_fail(err, RPL_ERR_PEER, "corrupt message header from rank %d", peer);
+  if (m->op == RPL_OP_SEND && (e->op != RPL_OP_SEND || m->tag != e->tag))
+    return RPL_OK; /* a p2p message for a later recv: the caller stashes it */
+  if (m->op == RPL_OP_SEND) {
+    /* Point-to-point moves raw bytes, as gloo does: only the size must agree. */
+    if (len != x->len)
+      return rpl_fail(err, RPL_ERR_MISMATCH,
+                      "recv from rank %d (tag %u) expects %zu bytes but rank %d sent %llu bytes",
+                      peer, e->tag, x->len, peer, (unsigned long long)len);
+    return RPL_OK;
+  }
+  if (e->op == RPL_OP_SEND && m->op != RPL_OP_SEND)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "rank %d sent its %s #%llu while this rank waits in recv(src=%d, tag=%u): "
+                    "ranks issued operations in different orders", peer,
+                    rpl_op_name((rpl_op_kind)m->op), (unsigned long long)m->seq, peer, e->tag);
+  if (m->op != e->op || m->seq != e->seq)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "collective mismatch: this rank is in %s #%llu but rank %d sent data for "
+                    "%s #%llu (ranks called different collectives, or in a different order)",
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer,
+                    rpl_op_name((rpl_op_kind)m->op), (unsigned long long)m->seq);
+  if (m->dtype != e->dtype)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "dtype mismatch in %s #%llu: rank %d has %s tensors, this rank has %s",
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer,
+                    rpl_dtype_name((rpl_dtype)m->dtype), rpl_dtype_name((rpl_dtype)e->dtype));
+  if (m->tag != e->tag && e->op != RPL_OP_SEND)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "%s #%llu: rank %d passed %u tensors, this rank passed %u",
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer, m->tag,
+                    e->tag);
+  if (e->count != RPL_ANY_COUNT && m->count != e->count)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "size mismatch in %s #%llu: rank %d has %llu elements, this rank has %llu "
+                    "(tensor %u; every rank must pass tensors of the same size)",
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer,
+                    (unsigned long long)m->count, (unsigned long long)e->count, e->step);
+  if (m->step != e->step || len != x->len)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "size mismatch in %s #%llu: rank %d sends %llu bytes, this rank expects "
+                    "%zu (split sizes or tensor sizes differ across ranks)",
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer,
+                    (unsigned long long)len, x->len);
+  return RPL_OK;
+}
+
+static void reduce_arrived(rpl_xfer *x, size_t got) {
+  if (!x->reduce_dst) return;
+  size_t esz = rpl_dtype_size(x->rdtype);
+  size_t whole = got / esz;
+  if (whole == x->reduced) return;
+  if (got < x->len && (whole - x->reduced) * esz < REDUCE_GRAIN) return;
+  rpl_reduce_into((unsigned char *)x->reduce_dst + x->reduced * esz,
+                  (unsigned char *)x->buf + x->reduced * esz, whole - x->reduced, x->rdtype,
+                  x->rop);
+  x->reduced = whole;
+}
+
+static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  while (tr->act_recv[peer] >= 0) {
+    rpl_xfer *x = &xs[tr->act_recv[peer]];
+    unsigned char *dst;
+    size_t want;
+    if (c->rx_mode == RX_HEADER) {
+      dst = c->rx_hdr + c->rx_hdr_got;
+      want = HDR_SIZE - c->rx_hdr_got;
+    } else if (c->rx_mode == RX_XFER) {
+      dst = (unsigned char *)x->buf + (x->off - HDR_SIZE);
+      want = x->len - (x->off - HDR_SIZE);
+    } else {
+      dst = c->rx_stash->data + c->rx_stash_got;
+      want = c->rx_stash->len - c->rx_stash_got;
+    }
+    ssize_t r = want ? recv(c->fd, dst, want, MSG_DONTWAIT) : 0;
+    if (want && r < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return RPL_OK;
+      return peer_closed(tr, peer, errno, "receiving", err);
+    }
+    if (want && r == 0) return peer_closed(tr, peer, 0, "receiving", err);
+    count_add(&tr->counters.bytes_received, (uint64_t)r);
+
+    if (c->rx_mode == RX_HEADER) {
+      c->rx_hdr_got += (size_t)r;
+      if (c->rx_hdr_got < HDR_SIZE) continue;
+      c->rx_hdr_got = 0;
+      uint32_t magic;
+      rpl_meta m;
+      uint64_t len;
+      decode_header(c->rx_hdr, &magic, &m, &len);
+      rpl_status st = check_header(tr, peer, x, magic, &m, len, err);
+      if (st != RPL_OK) return st;
+      if (m.op == RPL_OP_SEND && (x->meta.op != RPL_OP_SEND || m.tag != x->meta.tag)) {
+        /* Unexpected point-to-point message: keep it for the recv that will want it. */
+        stash_msg *s = calloc(1, sizeof *s);
+        if (s) s->data = malloc(len ? (size_t)len : 1);
+        if (!s || !s->data) {
+          free(s);
+          return rpl_fail(err, RPL_ERR_NOMEM, "out of memory buffering a %llu-byte message "
+                          "from rank %d", (unsigned long long)len, peer);
+        }
+        s->tag = m.tag;
+        s->len = (size_t)len;
+        c->rx_stash = s;
+        c->rx_stash_got = 0;
+        c->rx_mode = RX_STASH;
+      } else {
+        x->off = HDR_SIZE;
+        c->rx_mode = RX_XFER;
+      }
+    } else if (c->rx_mode == RX_XFER) {
+      x->off += (size_t)r;
+      reduce_arrived(x, x->off - HDR_SIZE);
+    } else {
+      c->rx_stash_got += (size_t)r;
+    }
+
+    if (c->rx_mode == RX_XFER && x->off - HDR_SIZE == x->len) {
+      reduce_arrived(x, x->len);
+      x->done = 1;
+      c->rx_mode = RX_HEADER;
+      rpl_status st = activate_recv(tr, xs, n, peer, tr->act_recv[peer] + 1, err);
+      if (st != RPL_OK) return st;
+    } else if (c->rx_mode == RX_STASH && c->rx_stash_got == c->rx_stash->len) {
+      stash_msg *s = c->rx_stash;
+      c->rx_stash = NULL;
+      if (c->stash_tail) c->stash_tail->next = s;
+      else c->stash_head = s;
+      c->stash_tail = s;
+      c->rx_mode = RX_HEADER;
+    }
+  }
+  return RPL_OK;
+}
+
+/* ---- the run loop -------------------------------------------------------------------- */
+
+static rpl_status timeout_error(rpl_tr *tr, const rpl_xfer *xs, int n, double deadline_s,
+                                rpl_error *err) {
+  char who[256] = "";
+  size_t used = 0;
+  int listed = 0;
+  for (int i = 0; i < n && listed < 8; i++) {
+    if (xs[i].done) continue;
+    int dup = 0;
+    for (int j = 0; j < i; j++) dup |= !xs[j].done && xs[j].peer == xs[i].peer;
+    if (dup) continue;
+    int w = snprintf(who + used, sizeof who - used, "%s%d", listed ? ", " : "", xs[i].peer);
+    if (w < 0 || (size_t)w >= sizeof who - used) break;
+    used += (size_t)w;
+    listed++;
+  }
+  (void)deadline_s;
+  return rpl_fail(err, RPL_ERR_TIMEOUT,
+                  "timed out waiting for rank(s) %s (a peer is slow, stuck in another "
+                  "operation, or gone)", who);
+}
+
+rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {
+  if (tr->aborted) return rpl_fail(err, RPL_ERR_ABORTED, "the transport was closed");
+  for (int i = 0; i < n; i++) {
+    xs[i].off = 0;
+    xs[i].reduced = 0;
+    xs[i].done = 0;
+    if (xs[i].peer < 0 || xs[i].peer >= tr->size || xs[i].peer == tr->rank)
+      return rpl_fail(err, RPL_ERR_INVALID, "internal error: transfer to rank %d", xs[i].peer);
+  }
+  for (int p = 0; p < tr->size; p++) tr->act_send[p] = tr->act_recv[p] = -1;
+  for (int i = 0; i < n; i++) {
+    int p = xs[i].peer;
+    if (xs[i].is_send && tr->act_send[p] < 0) tr->act_send[p] = i;
+  }
+  for (int i = 0; i < n; i++) {
+    int p = xs[i].peer;
+    if (!xs[i].is_send && tr->act_recv[p] < 0) {
+      rpl_status st = activate_recv(tr, xs, n, p, i, err);
+      if (st != RPL_OK) return st;
+      if (tr->act_recv[p] < 0) tr->act_recv[p] = -2; /* all served from the stash */
+    }
+  }
+  for (int p = 0; p < tr->size; p++)
+    if (tr->act_recv[p] == -2) tr->act_recv[p] = -1;
+
+  for (;;) {
+    /* Collect what is left and what to wait for. */
+    int np = 0, pending = 0;
+    tr->pfds[np] = (struct pollfd){.fd = tr->wake_fd, .events = POLLIN};
+    tr->pfd_peer[np++] = -1;
+    tr->pfds[np] = (struct pollfd){.fd = tr->listen_fd, .events = POLLIN};
+    tr->pfd_peer[np++] = -2;
+    for (int p = 0; p < tr->size; p++) {
+      if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
+      pending = 1;
+      conn *c = &tr->conns[p];
+      if (c->state == CONN_NONE) {
+        if (tr->rank > p) continue; /* the lower rank connects; we accept */
+        rpl_status st = start_connect(tr, p, err);
+        if (st != RPL_OK) return st;
+      }
+      short ev = 0;
+      if (c->state == CONN_CONNECTING) ev = POLLOUT;
+      else {
+        if (tr->act_send[p] >= 0) ev |= POLLOUT;
+        if (tr->act_recv[p] >= 0) ev |= POLLIN;
+      }
+      tr->pfds[np] = (struct pollfd){.fd = c->fd, .events = ev};
+      tr->pfd_peer[np++] = p;
+    }
+    if (!pending) return RPL_OK;
+
+    double left = deadline - rpl_now();
+    if (left <= 0) return timeout_error(tr, xs, n, deadline, err);
+    int ms = left > 3600.0 ? 3600000 : (int)(left * 1000.0) + 1;
+    int r = poll(tr->pfds, (nfds_t)np, ms);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return rpl_fail_errno(err, RPL_ERR_SYSTEM, errno, "poll failed");
+    }
+    if (r == 0) continue;
+    for (int k = 0; k < np; k++) {
+      short re = tr->pfds[k].revents;
+      if (!re) continue;
+      int p = tr->pfd_peer[k];
+      if (p == -1) {
+        uint64_t v;
+        ssize_t rr = read(tr->wake_fd, &v, sizeof v);
+        (void)rr;
+        return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
+      }
+      if (p == -2) {
+        accept_pending(tr);
+        continue;
+      }
+      conn *c = &tr->conns[p];
+      if (c->state == CONN_CONNECTING) {
+        rpl_status st = finish_connect(tr, p, err);
+        if (st != RPL_OK) return st;
+        continue;
+      }
+      rpl_status st = RPL_OK;
+      if ((re & (POLLIN | POLLHUP | POLLERR)) && tr->act_recv[p] >= 0)
+        st = do_recv(tr, xs, n, p, err);
+      if (st == RPL_OK && (re & (POLLOUT | POLLERR | POLLHUP)) && tr->act_send[p] >= 0)
+        st = do_send(tr, xs, n, p, err);
+      if (st == RPL_OK && (re & (POLLHUP | POLLERR)) && tr->act_send[p] < 0 &&
+          tr->act_recv[p] < 0)
+        continue;
+      if (st != RPL_OK) return st;
+    }
+  }
+}

@@ -1,0 +1,467 @@
+/*
+ * test_collectives.c - the core's collectives, end to end over real TCP sockets.
+ *
+ * Each rank is a thread with its own communicator; an in-memory store stands in for the
+ * c10d store. Every result is checked against a reference computed here. Sizes cross the
+ * small/large algorithm threshold, which tests set low so the large paths run quickly.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kernels.h"
+#include "ripples.h"
+
+static int g_fail, g_pass;
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (cond) {                                            \
+      __atomic_fetch_add(&g_pass, 1, __ATOMIC_RELAXED);    \
+    } else {                                               \
+      __atomic_fetch_add(&g_fail, 1, __ATOMIC_RELAXED);    \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fprintf(stderr, "\n");                               \
+    }                                                      \
+  } while (0)
+
+/* ---- an in-memory store ---------------------------------------------------------------- */
+
+typedef struct kv {
+  struct kv *next;
+  char key[128];
+  char *val;
+  size_t len;
+} kv;
+
+typedef struct mem_store {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  kv *head;
+} mem_store;
+
+static rpl_status ms_set(void *ctx, const char *key, const void *val, size_t len,
+                         rpl_error *err) {
+  mem_store *s = ctx;
+  kv *e = calloc(1, sizeof *e);
+  snprintf(e->key, sizeof e->key, "%s", key);
+  e->val = malloc(len + 1);
+  memcpy(e->val, val, len);
+  e->len = len;
+  pthread_mutex_lock(&s->mu);
+  e->next = s->head;
+  s->head = e;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  return RPL_OK;
+}
+
+static rpl_status ms_get(void *ctx, const char *key, void *buf, size_t cap, size_t *len,
+                         rpl_error *err) {
+  mem_store *s = ctx;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    for (kv *e = s->head; e; e = e->next)
+      if (strcmp(e->key, key) == 0) {
+        memcpy(buf, e->val, e->len < cap ? e->len : cap);
+        *len = e->len;
+        pthread_mutex_unlock(&s->mu);
+        return RPL_OK;
+      }
+    pthread_cond_wait(&s->cv, &s->mu);
+  }
+}
+
+static void ms_free(mem_store *s) {
+  for (kv *e = s->head; e;) {
+    kv *n = e->next;
+    free(e->val);
+    free(e);
+    e = n;
+  }
+}
+
+/* ---- synchronous submit ------------------------------------------------------------------ */
+
+typedef struct waiter {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int done;
+  rpl_status st;
+  rpl_error err;
+} waiter;
+
+static void on_done(void *arg, rpl_status st, const rpl_error *err) {
+  waiter *w = arg;
+  pthread_mutex_lock(&w->mu);
+  w->done = 1;
+  w->st = st;
+  if (err) w->err = *err;
+  pthread_cond_signal(&w->cv);
+  pthread_mutex_unlock(&w->mu);
+}
+
+static rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err) {
+  waiter w = {.done = 0};
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  d.on_done = on_done;
+  d.done_arg = &w;
+  rpl_status st = rpl_submit(c, &d, err);
+  if (st != RPL_OK) return st;
+  pthread_mutex_lock(&w.mu);
+  while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
+  pthread_mutex_unlock(&w.mu);
+  if (err) *err = w.err;
+  pthread_mutex_destroy(&w.mu);
+  pthread_cond_destroy(&w.cv);
+  return w.st;
+}
+
+/* ---- the rank threads -------------------------------------------------------------------- */
+
+typedef struct job {
+  int rank, size;
+  mem_store *store;
+  double timeout;
+  void (*body)(struct job *, rpl_comm *);
+  rpl_comm *comm;
+  int result;
+} job;
+
+static void *rank_main(void *arg) {
+  job *j = arg;
+  rpl_store st = {.ctx = j->store, .set = ms_set, .get = ms_get};
+  rpl_comm_config cfg = {.rank = j->rank, .size = j->size, .timeout_s = j->timeout,
+                         .name = "test", .small_bytes = 256, .chunk_bytes = 1000};
+  rpl_error err;
+  rpl_status s = rpl_comm_create(&cfg, &st, &j->comm, &err);
+  CHECK(s == RPL_OK, "rank %d create: %s", j->rank, err.msg);
+  if (s == RPL_OK) {
+    j->body(j, j->comm);
+    rpl_comm_destroy(j->comm);
+  }
+  return NULL;
+}
+
+static void run_world(int size, double timeout, void (*body)(job *, rpl_comm *)) {
+  mem_store store = {.head = NULL};
+  pthread_mutex_init(&store.mu, NULL);
+  pthread_cond_init(&store.cv, NULL);
+  pthread_t th[16];
+  job jobs[16];
+  for (int r = 0; r < size; r++) {
+    jobs[r] = (job){.rank = r, .size = size, .store = &store, .timeout = timeout, .body = body};
+    pthread_create(&th[r], NULL, rank_main, &jobs[r]);
+  }
+  for (int r = 0; r < size; r++) pthread_join(th[r], NULL);
+  ms_free(&store);
+}
+
+/* Deterministic input: element i of rank r. */
+static float val(int r, size_t i) { return (float)((int)((r + 1) * 7 + i * 13) % 23) - 11.0f; }
+
+static const size_t SIZES[] = {0, 1, 5, 63, 64, 65, 1000, 100003};
+#define NSIZES (sizeof SIZES / sizeof SIZES[0])
+
+static void body_allreduce(job *j, rpl_comm *c) {
+  int n = j->size, r = j->rank;
+  for (size_t si = 0; si < NSIZES; si++) {
+    size_t cnt = SIZES[si];
+    float *x = malloc((cnt + 1) * sizeof *x);
+    double *y = malloc((cnt + 1) * sizeof *y);
+    int32_t *z = malloc((cnt + 1) * sizeof *z);
+    for (size_t i = 0; i < cnt; i++) {
+      x[i] = val(r, i);
+      y[i] = val(r, i);
+      z[i] = (int32_t)val(r, i);
+    }
+    rpl_buf bufs[3] = {{x, cnt, RPL_FLOAT32}, {y, cnt, RPL_FLOAT64}, {z, cnt, RPL_INT32}};
+    rpl_error err;
+    rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = bufs, .nin = 3};
+    rpl_status s = run_op(c, d, &err);
+    CHECK(s == RPL_OK, "allreduce n=%d cnt=%zu: %s", n, cnt, err.msg);
+    int bad = 0;
+    for (size_t i = 0; i < cnt; i++) {
+      double ref = 0;
+      for (int p = 0; p < n; p++) ref += val(p, i);
+      bad += fabs(x[i] - ref) > 1e-3 || y[i] != ref || z[i] != (int32_t)ref;
+    }
+    CHECK(bad == 0, "allreduce SUM n=%d cnt=%zu: %d wrong elements", n, cnt, bad);
+
+    /* MAX and AVG on one buffer. */
+    for (size_t i = 0; i < cnt; i++) x[i] = val(r, i);
+    d = (rpl_op_desc){.kind = RPL_OP_ALLREDUCE, .redop = RPL_MAX, .in = bufs, .nin = 1};
+    CHECK(run_op(c, d, &err) == RPL_OK, "allreduce MAX: %s", err.msg);
+    bad = 0;
+    for (size_t i = 0; i < cnt; i++) {
+      float ref = val(0, i);
+      for (int p = 1; p < n; p++) ref = val(p, i) > ref ? val(p, i) : ref;
+      bad += x[i] != ref;
+    }
+    CHECK(bad == 0, "allreduce MAX n=%d cnt=%zu: %d wrong", n, cnt, bad);
+    for (size_t i = 0; i < cnt; i++) y[i] = val(r, i);
+    d = (rpl_op_desc){.kind = RPL_OP_ALLREDUCE, .redop = RPL_AVG, .in = &bufs[1], .nin = 1};
+    CHECK(run_op(c, d, &err) == RPL_OK, "allreduce AVG: %s", err.msg);
+    bad = 0;
+    for (size_t i = 0; i < cnt; i++) {
+      double ref = 0;
+      for (int p = 0; p < n; p++) ref += val(p, i);
+      bad += fabs(y[i] - ref / n) > 1e-12;
+    }
+    CHECK(bad == 0, "allreduce AVG n=%d cnt=%zu: %d wrong", n, cnt, bad);
+    free(x);
+    free(y);
+    free(z);
+  }
+}
+
+static void body_broadcast(job *j, rpl_comm *c) {
+  int n = j->size, r = j->rank;
+  for (size_t si = 0; si < NSIZES; si++) {
+    size_t cnt = SIZES[si];
+    for (int root = 0; root < n; root++) {
+      float *x = malloc((cnt + 1) * sizeof *x);
+      for (size_t i = 0; i < cnt; i++) x[i] = val(r, i);
+      rpl_buf b = {x, cnt, RPL_FLOAT32};
+      rpl_error err;
+      rpl_op_desc d = {.kind = RPL_OP_BROADCAST, .root = root, .in = &b, .nin = 1};
+      CHECK(run_op(c, d, &err) == RPL_OK, "broadcast: %s", err.msg);
+      int bad = 0;
+      for (size_t i = 0; i < cnt; i++) bad += x[i] != val(root, i);
+      CHECK(bad == 0, "broadcast n=%d cnt=%zu root=%d: %d wrong", n, cnt, root, bad);
+      free(x);
+    }
+  }
+}
+
+static void body_gathers(job *j, rpl_comm *c) {
+  int n = j->size, r = j->rank;
+  for (size_t si = 0; si < NSIZES; si++) {
+    size_t cnt = SIZES[si];
+    float *in = malloc((cnt + 1) * sizeof(float));
+    float *out = malloc((cnt * (size_t)n + 1) * sizeof(float));
+    rpl_buf ob[16], ib[16];
+    for (size_t i = 0; i < cnt; i++) in[i] = val(r, i);
+    for (int p = 0; p < n; p++) ob[p] = (rpl_buf){out + (size_t)p * cnt, cnt, RPL_FLOAT32};
+    rpl_buf inb = {in, cnt, RPL_FLOAT32};
+    rpl_error err;
+    /* allgather */
+    rpl_op_desc d = {.kind = RPL_OP_ALLGATHER, .in = &inb, .nin = 1, .out = ob, .nout = n};
+    CHECK(run_op(c, d, &err) == RPL_OK, "allgather: %s", err.msg);
+    int bad = 0;
+    for (int p = 0; p < n; p++)
+      for (size_t i = 0; i < cnt; i++) bad += out[(size_t)p * cnt + i] != val(p, i);
+    CHECK(bad == 0, "allgather n=%d cnt=%zu: %d wrong", n, cnt, bad);
+
+    /* reduce_scatter: rank r's block p is val(r, p*cnt + i); out = sum over ranks */
+    float *rs_in = malloc((cnt * (size_t)n + 1) * sizeof(float));
+    for (int p = 0; p < n; p++) {
+      for (size_t i = 0; i < cnt; i++) rs_in[(size_t)p * cnt + i] = val(r, (size_t)p * cnt + i);
+      ib[p] = (rpl_buf){rs_in + (size_t)p * cnt, cnt, RPL_FLOAT32};
+    }
+    rpl_buf rso = {in, cnt, RPL_FLOAT32};
+    d = (rpl_op_desc){.kind = RPL_OP_REDUCE_SCATTER, .redop = RPL_SUM, .in = ib, .nin = n,
+                      .out = &rso, .nout = 1};
+    CHECK(run_op(c, d, &err) == RPL_OK, "reduce_scatter: %s", err.msg);
+    bad = 0;
+    for (size_t i = 0; i < cnt; i++) {
+      float ref = 0;
+      for (int p = 0; p < n; p++) ref += val(p, (size_t)r * cnt + i);
+      bad += fabsf(in[i] - ref) > 1e-3f;
+    }
+    CHECK(bad == 0, "reduce_scatter n=%d cnt=%zu: %d wrong", n, cnt, bad);
+    int changed = 0;
+    for (int p = 0; p < n; p++)
+      for (size_t i = 0; i < cnt; i++)
+        changed += rs_in[(size_t)p * cnt + i] != val(r, (size_t)p * cnt + i);
+    CHECK(changed == 0, "reduce_scatter modified its input");
+
+    /* gather and scatter at every root */
+    for (int root = 0; root < n; root++) {
+      for (size_t i = 0; i < cnt; i++) in[i] = val(r, i);
+      memset(out, 0, cnt * (size_t)n * sizeof(float));
+      d = (rpl_op_desc){.kind = RPL_OP_GATHER, .root = root, .in = &inb, .nin = 1, .out = ob,
+                        .nout = r == root ? n : 0};
+      CHECK(run_op(c, d, &err) == RPL_OK, "gather: %s", err.msg);
+      if (r == root) {
+        bad = 0;
+        for (int p = 0; p < n; p++)
+          for (size_t i = 0; i < cnt; i++) bad += out[(size_t)p * cnt + i] != val(p, i);
+        CHECK(bad == 0, "gather n=%d cnt=%zu root=%d: %d wrong", n, cnt, root, bad);
+      }
+      /* scatter root's blocks val(root, p*cnt+i) */
+      for (int p = 0; p < n; p++)
+        for (size_t i = 0; i < cnt; i++) out[(size_t)p * cnt + i] = val(root, (size_t)p * cnt + i);
+      d = (rpl_op_desc){.kind = RPL_OP_SCATTER, .root = root, .in = ob,
+                        .nin = r == root ? n : 0, .out = &inb, .nout = 1};
+      CHECK(run_op(c, d, &err) == RPL_OK, "scatter: %s", err.msg);
+      bad = 0;
+      for (size_t i = 0; i < cnt; i++) bad += in[i] != val(root, (size_t)r * cnt + i);
+      CHECK(bad == 0, "scatter n=%d cnt=%zu root=%d: %d wrong", n, cnt, root, bad);
+
+      /* reduce: only the root changes */
+      for (size_t i = 0; i < cnt; i++) in[i] = val(r, i);
+      d = (rpl_op_desc){.kind = RPL_OP_REDUCE, .redop = RPL_SUM, .root = root, .in = &inb,
+                        .nin = 1};
+      CHECK(run_op(c, d, &err) == RPL_OK, "reduce: %s", err.msg);
+      bad = 0;
+      for (size_t i = 0; i < cnt; i++) {
+        float ref = val(r, i);
+        if (r == root) {
+          ref = 0;
+          for (int p = 0; p < n; p++) ref += val(p, i);
+        }
+        bad += fabsf(in[i] - ref) > 1e-3f;
+      }
+      CHECK(bad == 0, "reduce n=%d cnt=%zu root=%d rank=%d: %d wrong", n, cnt, root, r, bad);
+    }
+
+    /* alltoall with unequal blocks: rank r sends (r + p) % 3 * cnt/2 elements to p */
+    size_t sc[16], rc[16];
+    float *a_in = malloc((cnt * 2 * (size_t)n + 1) * sizeof(float));
+    float *a_out = malloc((cnt * 2 * (size_t)n + 1) * sizeof(float));
+    size_t so = 0, ro = 0;
+    for (int p = 0; p < n; p++) {
+      sc[p] = (size_t)((r + p) % 3) * cnt / 2;
+      rc[p] = (size_t)((p + r) % 3) * cnt / 2;
+      for (size_t i = 0; i < sc[p]; i++) a_in[so + i] = val(r * 16 + p, i);
+      ib[p] = (rpl_buf){a_in + so, sc[p], RPL_FLOAT32};
+      ob[p] = (rpl_buf){a_out + ro, rc[p], RPL_FLOAT32};
+      so += sc[p];
+      ro += rc[p];
+    }
+    d = (rpl_op_desc){.kind = RPL_OP_ALLTOALL, .in = ib, .nin = n, .out = ob, .nout = n};
+    CHECK(run_op(c, d, &err) == RPL_OK, "alltoall: %s", err.msg);
+    bad = 0;
+    for (int p = 0; p < n; p++)
+      for (size_t i = 0; i < rc[p]; i++) bad += ((float *)ob[p].ptr)[i] != val(p * 16 + r, i);
+    CHECK(bad == 0, "alltoall n=%d cnt=%zu: %d wrong", n, cnt, bad);
+    free(a_in);
+    free(a_out);
+    free(rs_in);
+    free(in);
+    free(out);
+  }
+  rpl_error err;
+  rpl_op_desc d = {.kind = RPL_OP_BARRIER};
+  CHECK(run_op(c, d, &err) == RPL_OK, "barrier: %s", err.msg);
+}
+
+/* send/recv: rank 0 sends tags 1..3 to every rank; receivers post them in reverse order. */
+static void body_p2p(job *j, rpl_comm *c) {
+  int n = j->size, r = j->rank;
+  rpl_error err;
+  float v[3][100];
+  if (r == 0) {
+    for (int p = 1; p < n; p++)
+      for (int t = 1; t <= 3; t++) {
+        for (int i = 0; i < 100; i++) v[t - 1][i] = val(p * 10 + t, (size_t)i);
+        rpl_buf b = {v[t - 1], 100, RPL_FLOAT32};
+        rpl_op_desc d = {.kind = RPL_OP_SEND, .root = p, .tag = t, .in = &b, .nin = 1};
+        CHECK(run_op(c, d, &err) == RPL_OK, "send: %s", err.msg);
+      }
+  } else {
+    for (int t = 3; t >= 1; t--) {
+      rpl_buf b = {v[t - 1], 100, RPL_FLOAT32};
+      rpl_op_desc d = {.kind = RPL_OP_RECV, .root = 0, .tag = t, .out = &b, .nout = 1};
+      CHECK(run_op(c, d, &err) == RPL_OK, "recv: %s", err.msg);
+      int bad = 0;
+      for (int i = 0; i < 100; i++) bad += v[t - 1][i] != val(r * 10 + t, (size_t)i);
+      CHECK(bad == 0, "recv tag %d: %d wrong", t, bad);
+    }
+  }
+  /* A collective after the p2p traffic still lines up. */
+  float x = (float)r;
+  rpl_buf b = {&x, 1, RPL_FLOAT32};
+  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
+  CHECK(run_op(c, d, &err) == RPL_OK, "allreduce after p2p: %s", err.msg);
+  CHECK(x == (float)(n * (n - 1) / 2), "allreduce after p2p: %g", x);
+}
+
+/* Rank 1 passes a different size: every rank fails with a message, nobody hangs, and the
+ * communicator then refuses further work. */
+static void body_mismatch(job *j, rpl_comm *c) {
+  float x[2000] = {0};
+  size_t cnt = j->rank == 1 ? 1000 : 2000;
+  rpl_buf b = {x, cnt, RPL_FLOAT32};
+  rpl_error err = {RPL_OK, ""};
+  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
+  rpl_status s = run_op(c, d, &err);
+  CHECK(s == RPL_ERR_MISMATCH || s == RPL_ERR_PEER, "rank %d: mismatch gave %s (%s)", j->rank,
+        rpl_status_name(s), err.msg);
+  CHECK(strlen(err.msg) > 10, "rank %d: empty message", j->rank);
+  s = run_op(c, d, &err);
+  CHECK(s == RPL_ERR_ABORTED, "after an error: %s (%s)", rpl_status_name(s), err.msg);
+}
+
+/* Rank 1 never shows up for the second allreduce: rank 0 times out. */
+static void body_timeout(job *j, rpl_comm *c) {
+  float x = 1;
+  rpl_buf b = {&x, 1, RPL_FLOAT32};
+  rpl_error err = {RPL_OK, ""};
+  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
+  CHECK(run_op(c, d, &err) == RPL_OK, "first allreduce: %s", err.msg);
+  if (j->rank == 1) {
+    struct timespec ts = {2, 0}; /* stay connected but absent, past rank 0's timeout */
+    nanosleep(&ts, NULL);
+  } else {
+    rpl_status s = run_op(c, d, &err);
+    CHECK(s == RPL_ERR_TIMEOUT, "expected a timeout, got %s (%s)", rpl_status_name(s), err.msg);
+    CHECK(strstr(err.msg, "rank(s) 1") != NULL, "timeout message names the peer: %s", err.msg);
+  }
+}
+
+/* Bad arguments are refused at submit time and do not break the communicator. */
+static void body_invalid(job *j, rpl_comm *c) {
+  float x[4] = {1, 2, 3, 4};
+  rpl_buf b = {x, 4, RPL_FLOAT32};
+  rpl_error err;
+  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_BAND, .in = &b, .nin = 1};
+  CHECK(rpl_submit(c, &d, &err) == RPL_ERR_UNSUPPORTED, "BAND on float32 accepted");
+  d = (rpl_op_desc){.kind = RPL_OP_BROADCAST, .root = j->size, .in = &b, .nin = 1};
+  CHECK(rpl_submit(c, &d, &err) == RPL_ERR_INVALID, "root out of range accepted");
+  d = (rpl_op_desc){.kind = RPL_OP_ALLGATHER, .in = &b, .nin = 1, .out = &b, .nout = 1};
+  if (j->size > 1) CHECK(rpl_submit(c, &d, &err) == RPL_ERR_INVALID, "allgather 1 output");
+  d = (rpl_op_desc){.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
+  CHECK(run_op(c, d, &err) == RPL_OK, "allreduce after refused calls: %s", err.msg);
+  CHECK(x[0] == (float)j->size, "allreduce value %g", x[0]);
+}
+
+/* Shutting down while an operation waits for a peer that never comes ends it promptly.
+ * Rank 1 waits for rank 0 to connect (the lower rank connects), which it never does. */
+static void body_shutdown(job *j, rpl_comm *c) {
+  if (j->rank != 1) return;
+  float x = 1;
+  rpl_buf b = {&x, 1, RPL_FLOAT32};
+  waiter w = {.done = 0};
+  pthread_mutex_init(&w.mu, NULL);
+  pthread_cond_init(&w.cv, NULL);
+  rpl_error err;
+  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1,
+                   .on_done = on_done, .done_arg = &w};
+  CHECK(rpl_submit(c, &d, &err) == RPL_OK, "submit: %s", err.msg);
+  CHECK(rpl_submit(c, &d, &err) == RPL_OK, "submit 2: %s", err.msg);
+  rpl_comm_shutdown(c);
+  CHECK(w.done && w.st == RPL_ERR_CLOSED, "shutdown: done=%d st=%s", w.done,
+        rpl_status_name(w.st));
+  CHECK(rpl_submit(c, &d, &err) == RPL_ERR_CLOSED, "submit after shutdown accepted");
+}
+
+int main(void) {
+  for (int n = 1; n <= 5; n++) {
+    run_world(n, 30, body_allreduce);
+    run_world(n, 30, body_broadcast);
+    run_world(n, 30, body_gathers);
+    if (n > 1) run_world(n, 30, body_p2p);
+    run_world(n, 30, body_invalid);
+  }
+  run_world(3, 30, body_mismatch);
+  run_world(2, 1.0, body_timeout);
+  run_world(2, 30, body_shutdown);
+  printf("collectives: %d passed, %d failed\n", g_pass, g_fail);
+  return g_fail ? 1 : 0;
+}
