@@ -75,6 +75,7 @@ const char *rpl_op_name(rpl_op_kind kind) {
     case RPL_OP_BARRIER: return "barrier";
     case RPL_OP_SEND: return "send";
     case RPL_OP_RECV: return "recv";
+    case RPL_OP_PARTIAL_ALLREDUCE: return "partial allreduce";
   }
   return "unknown-op";
 }

@@ -9,6 +9,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "partial.h"
 
 #define DEFAULT_SMALL_BYTES (64u * 1024u)
 #define DEFAULT_CHUNK_BYTES (512u * 1024u)
@@ -34,6 +35,8 @@ struct rpl_comm {
   int closing;
   int broken;
   rpl_error first_error;
+
+  rpl_partial *partial; /* set once by rpl_comm_enable_partial; NULL until then */
 
   uint64_t coll_seq; /* progress thread only */
   void *scratch[RPL_SCRATCH_SLOTS];
@@ -72,14 +75,16 @@ static rpl_meta make_meta(const rpl_run *run, rpl_dtype dtype, uint64_t count, u
 
 rpl_xfer rpl_send(const rpl_run *run, int peer, const void *buf, size_t len, rpl_dtype dtype,
                   uint64_t count, unsigned step) {
-  rpl_xfer x = {.peer = peer, .is_send = 1, .buf = (void *)buf, .len = len};
+  rpl_xfer x = {.peer = run->members ? run->members[peer] : peer, .is_send = 1,
+                .buf = (void *)buf, .len = len};
   x.meta = make_meta(run, dtype, count, step);
   return x;
 }
 
 rpl_xfer rpl_recv(const rpl_run *run, int peer, void *buf, size_t len, rpl_dtype dtype,
                   uint64_t count, unsigned step) {
-  rpl_xfer x = {.peer = peer, .is_send = 0, .buf = buf, .len = len};
+  rpl_xfer x = {.peer = run->members ? run->members[peer] : peer, .is_send = 0, .buf = buf,
+                .len = len};
   x.meta = make_meta(run, dtype, count, step);
   return x;
 }
@@ -173,6 +178,11 @@ static rpl_status validate(const rpl_comm *c, const rpl_op_desc *d, rpl_error *e
     return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d is out of range for a group of size %d",
                     op, d->root, n);
   switch (d->kind) {
+    case RPL_OP_PARTIAL_ALLREDUCE:
+      if (!c->partial)
+        return rpl_fail(err, RPL_ERR_INVALID,
+                        "partial allreduce on a communicator without a partial schedule");
+      /* fall through */
     case RPL_OP_ALLREDUCE:
       if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "allreduce needs a tensor");
       for (int i = 0; i < d->nin; i++)
@@ -242,8 +252,29 @@ static rpl_status validate(const rpl_comm *c, const rpl_op_desc *d, rpl_error *e
 
 /* ---- execution ----------------------------------------------------------------------- */
 
-static rpl_status execute(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
+/* Runs one operation. *contained is set when a failure was already dealt with and must not
+ * break the communicator (a partial round cleans up after its own group). */
+static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *d,
+                          int *contained, rpl_error *err) {
+  *contained = 0;
+  rpl_op_desc exact;
+  if (d->kind == RPL_OP_PARTIAL_ALLREDUCE) {
+    if (rpl_partial_eligible(d)) {
+      rpl_run run = {.comm = c, .tr = c->tr, .rank = c->rank, .size = c->size,
+                     .kind = d->kind, .nbufs = (uint32_t)d->nin,
+                     .small_bytes = c->small_bytes, .chunk_bytes = c->chunk_bytes, .err = err};
+      *contained = 1;
+      return rpl_partial_run(partial, &run, d, err);
+    }
+    rpl_partial_count_fallback(partial);
+    exact = *d;
+    exact.kind = RPL_OP_ALLREDUCE;
+    d = &exact;
+  }
   int collective = d->kind != RPL_OP_SEND && d->kind != RPL_OP_RECV;
+  /* Peers placed in a group with us by the coordinator would wait while we sit in an exact
+   * collective: fence first (a no-op for the static schedule or when already fenced). */
+  if (partial) rpl_partial_before_exact(partial);
   rpl_run run = {.comm = c,
                  .tr = c->tr,
                  .rank = c->rank,
@@ -271,6 +302,7 @@ static rpl_status execute(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
     case RPL_OP_BARRIER: return rpl_algo_barrier(&run, d);
     case RPL_OP_SEND: return rpl_algo_send(&run, d);
     case RPL_OP_RECV: return rpl_algo_recv(&run, d);
+    case RPL_OP_PARTIAL_ALLREDUCE: break; /* handled above */
   }
   return rpl_fail(err, RPL_ERR_INVALID, "unknown operation kind %d", (int)d->kind);
 }
@@ -292,10 +324,12 @@ static void *progress_main(void *arg) {
     if (!c->head) c->tail = NULL;
     int closing = c->closing, broken = c->broken;
     rpl_error first = c->first_error;
+    rpl_partial *partial = c->partial;
     pthread_mutex_unlock(&c->mu);
 
     rpl_error err = {RPL_OK, ""};
     rpl_status st;
+    int contained = 0;
     if (closing)
       st = rpl_fail(&err, RPL_ERR_CLOSED, "the process group was shut down before %s ran",
                     rpl_op_name(op->d.kind));
@@ -303,14 +337,14 @@ static void *progress_main(void *arg) {
       st = rpl_fail(&err, RPL_ERR_ABORTED,
                     "the process group is unusable after an earlier error: %.400s", first.msg);
     else
-      st = execute(c, &op->d, &err);
+      st = execute(c, partial, &op->d, &contained, &err);
 
     if (st != RPL_OK) {
       err.code = st;
       /* A failed exchange leaves streams mid-message: close everything so peers fail fast
        * instead of waiting for data that will never come. Argument errors found before any
        * data moved (none reach here: rpl_submit validates) would not need this. */
-      if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED) {
+      if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) {
         pthread_mutex_lock(&c->mu);
         if (!c->broken) {
           c->broken = 1;
@@ -400,11 +434,14 @@ void rpl_comm_shutdown(rpl_comm *c) {
   if (c->tr) rpl_tr_interrupt(c->tr);
   if (c->thread_started) pthread_join(c->thread, NULL);
   c->thread_started = 0;
+  /* The progress thread is gone, so this thread may use the coordinator client. */
+  if (c->partial) rpl_partial_leave(c->partial);
 }
 
 void rpl_comm_destroy(rpl_comm *c) {
   if (!c) return;
   rpl_comm_shutdown(c);
+  rpl_partial_destroy(c->partial);
   rpl_tr_destroy(c->tr);
   for (int i = 0; i < RPL_SCRATCH_SLOTS; i++) free(c->scratch[i]);
   pthread_mutex_destroy(&c->mu);
@@ -456,4 +493,30 @@ void rpl_comm_get_counters(const rpl_comm *c, rpl_comm_counters *out) {
   out->bytes_sent = t.bytes_sent;
   out->bytes_received = t.bytes_received;
   out->connections = t.connections;
+}
+
+rpl_status rpl_comm_enable_partial(rpl_comm *c, const rpl_partial_config *cfg, rpl_error *err) {
+  pthread_mutex_lock(&c->mu);
+  int already = c->partial != NULL, closing = c->closing;
+  pthread_mutex_unlock(&c->mu);
+  if (already)
+    return rpl_fail(err, RPL_ERR_INVALID, "partial rounds are already enabled on this group");
+  if (closing) return rpl_fail(err, RPL_ERR_CLOSED, "the process group was shut down");
+  double timeout = cfg->timeout_s > 0 ? cfg->timeout_s : c->timeout_s;
+  rpl_partial *p;
+  rpl_status st = rpl_partial_create(cfg, c->rank, c->size, timeout, &p, err);
+  if (st != RPL_OK) return st;
+  pthread_mutex_lock(&c->mu);
+  c->partial = p;
+  pthread_mutex_unlock(&c->mu);
+  return RPL_OK;
+}
+
+void rpl_comm_partial_stats(const rpl_comm *c, rpl_partial_stats *out) {
+  memset(out, 0, sizeof *out);
+  if (c->partial) rpl_partial_get_stats(c->partial, out);
+}
+
+size_t rpl_comm_trace(const rpl_comm *c, uint64_t from, rpl_trace_entry *out, size_t cap) {
+  return c->partial ? rpl_partial_get_trace(c->partial, from, out, cap) : 0;
 }

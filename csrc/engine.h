@@ -16,7 +16,11 @@
 typedef struct rpl_run {
   rpl_comm *comm;
   rpl_tr *tr;
+  /* rank and size within the set of ranks the op runs over: the whole communicator, or a
+   * partial round's group, whose communicator ranks are members[0..size). Algorithms only
+   * ever see these; the transfer builders translate peers through `members`. */
   int rank, size;
+  const int *members; /* NULL = every rank of the communicator */
   rpl_op_kind kind;
   uint64_t seq;       /* collective sequence number, the same on every rank */
   uint32_t nbufs;     /* how many buffers the op has (goes into every header) */
@@ -26,7 +30,8 @@ typedef struct rpl_run {
   rpl_error *err;
 } rpl_run;
 
-#define RPL_SCRATCH_SLOTS 2
+/* Slots 0 and 1 belong to the algorithms; slot 2 holds a partial round's working copy. */
+#define RPL_SCRATCH_SLOTS 3
 
 /* Reusable memory owned by the communicator, grown on demand, valid until the op ends. */
 void *rpl_scratch(rpl_run *run, int slot, size_t bytes);
@@ -50,6 +55,9 @@ void rpl_segment(size_t count, int parts, int i, size_t *off, size_t *cnt);
  * segment (rank + shift) mod size of `base` holds the reduction over all ranks. */
 rpl_status rpl_ring_reduce_scatter(rpl_run *run, void *base, size_t count, rpl_dtype dtype,
                                    rpl_redop op, int shift, unsigned step);
+
+/* All-reduce of one buffer in place over the run's ranks, without AVG's division. */
+rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step);
 
 /* The algorithms, one per operation kind (csrc/algorithms/). */
 rpl_status rpl_algo_allreduce(rpl_run *run, const rpl_op_desc *d);

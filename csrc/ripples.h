@@ -141,7 +141,8 @@ typedef enum {
   RPL_OP_REDUCE = 8,         /* in[0] reduced into root's in[0]; non-root buffers untouched */
   RPL_OP_BARRIER = 9,        /* no buffers */
   RPL_OP_SEND = 10,          /* in[0] to rank `root`, matched by `tag` */
-  RPL_OP_RECV = 11           /* out[0] from rank `root`, matched by `tag` */
+  RPL_OP_RECV = 11,          /* out[0] from rank `root`, matched by `tag` */
+  RPL_OP_PARTIAL_ALLREDUCE = 12 /* in[i] reduced over this round's group only (see below) */
 } rpl_op_kind;
 
 const char *rpl_op_name(rpl_op_kind kind);
@@ -184,6 +185,77 @@ typedef struct rpl_comm_counters {
 } rpl_comm_counters;
 
 void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
+
+/* ---- Partial all-reduce (P-Reduce) ---------------------------------------------------------
+ *
+ * An RPL_OP_PARTIAL_ALLREDUCE is one *round*: the group generator places this rank in a group
+ * G (sorted member ranks, the same on every member), and its buffers are reduced over G only:
+ * AVG gives the mean over G, SUM gives (size/|G|) * the sum over G (the unbiased estimate of
+ * the global sum, so callers that pre-divide by the world size get the group mean). A group of
+ * one moves no data (AVG leaves the buffers as they are; SUM still applies its scaling).
+ * Other ops, and any non-floating buffer, make the call an exact all-reduce instead (the same
+ * decision on every rank, since every rank passes the same dtypes).
+ *
+ * Members first exchange a signature (buffer count, sizes, dtypes); if it differs, every
+ * member fails with the same RPL_ERR_MISMATCH before any data moves. The reduction runs in
+ * scratch memory and is written back only once complete: a failed round leaves the buffers
+ * untouched (atomic). Rounds run in the order the group generator produced them.
+ *
+ * Schedules: "static" computes groups locally (no coordinator); "random", "smart", "adpsgd"
+ * ask the coordinator at `endpoint`. With a coordinator, exact collectives on this
+ * communicator fence it first (the coordinator then leaves it out of new groups until its next
+ * partial round), and shutdown tells the coordinator it left. */
+
+typedef enum { RPL_ON_FAILURE_RAISE = 0, RPL_ON_FAILURE_SKIP = 1 } rpl_on_failure;
+
+typedef struct rpl_partial_config {
+  const char *schedule;      /* "static", "random", "smart" or "adpsgd" */
+  const int *host_of;        /* host label of every rank (size entries); NULL = one host */
+  const char *endpoint;      /* the coordinator, for every schedule but "static" */
+  const char *token_hex;     /* the job's coordinator token */
+  double timeout_s;          /* deadline of one round; 0 = the communicator's timeout */
+  rpl_on_failure on_failure; /* SKIP: a failed round leaves the buffers, counts, and succeeds */
+  int trace;                 /* keep a per-round trace for rpl_comm_trace() */
+} rpl_partial_config;
+
+/* Enables partial rounds (once, before the first one). Connects to the coordinator for
+ * dynamic schedules and fails with RPL_ERR_PEER naming the endpoint if it is unreachable. */
+rpl_status rpl_comm_enable_partial(rpl_comm *comm, const rpl_partial_config *cfg,
+                                   rpl_error *err);
+
+#define RPL_HIST_BUCKETS 17 /* group sizes 0..15, and 16 or more */
+
+typedef struct rpl_partial_stats {
+  uint64_t rounds;          /* partial calls that ran (reduced, no-op, skipped or failed) */
+  uint64_t reduced;         /* rounds that moved data (a group of two or more) */
+  uint64_t singletons;      /* rounds in a group of one */
+  uint64_t skipped;         /* failed rounds absorbed by on_failure = SKIP */
+  uint64_t failed;          /* failed rounds reported as errors */
+  uint64_t exact_fallbacks; /* partial calls reduced exactly (non-floating buffer or op) */
+  uint64_t fences;          /* fences sent to the coordinator before exact collectives */
+  uint64_t group_sizes[RPL_HIST_BUCKETS];
+  uint64_t bytes;           /* payload bytes of rounds that moved data */
+  double group_s;           /* time obtaining groups (the coordinator round trip) */
+  double wait_s;            /* time waiting for the group's members (signature exchange) */
+  double reduce_s;          /* time moving, reducing and writing back data */
+} rpl_partial_stats;
+
+void rpl_comm_partial_stats(const rpl_comm *comm, rpl_partial_stats *out);
+
+#define RPL_TRACE_MEMBERS 64 /* members recorded per trace entry (nmembers may be larger) */
+#define RPL_TRACE_CAPACITY 65536
+
+typedef struct rpl_trace_entry {
+  uint64_t round;           /* this rank's partial-round number, from 0 */
+  uint64_t group_id;        /* the same on every member of the group */
+  int status;               /* rpl_status of the round */
+  int nmembers;
+  int members[RPL_TRACE_MEMBERS];
+} rpl_trace_entry;
+
+/* Copies trace entries with index >= `from` (indices count every round since tracing began;
+ * the oldest are dropped past RPL_TRACE_CAPACITY) into out[0..cap); returns how many. */
+size_t rpl_comm_trace(const rpl_comm *comm, uint64_t from, rpl_trace_entry *out, size_t cap);
 
 #ifdef __cplusplus
 }

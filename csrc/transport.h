@@ -76,6 +76,10 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
 /* Makes a running or the next rpl_tr_run return RPL_ERR_CLOSED. Any thread. */
 void rpl_tr_interrupt(rpl_tr *tr);
 
+/* Closes the connection to one peer (its stream state is unknown after a failed exchange);
+ * the next transfer with that peer connects afresh. */
+void rpl_tr_reset_peer(rpl_tr *tr, int peer);
+
 /* Closes every connection and the listener, so peers blocked on us fail fast. */
 void rpl_tr_abort(rpl_tr *tr);
 

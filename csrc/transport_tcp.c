@@ -62,6 +62,7 @@ struct rpl_tr {
   struct pollfd *pfds;
   int *pfd_peer;
   int aborted;
+  int replaced; /* a peer this run was using reconnected, or -1 */
   rpl_tr_counters counters;
 };
 
@@ -196,6 +197,10 @@ static void close_conn(conn *c) {
   c->rx_mode = RX_HEADER;
   c->rx_hdr_got = 0;
   free_stash(c);
+}
+
+void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
+  if (tr && peer >= 0 && peer < tr->size && peer != tr->rank) close_conn(&tr->conns[peer]);
 }
 
 void rpl_tr_abort(rpl_tr *tr) {
@@ -351,9 +356,15 @@ static void accept_pending(rpl_tr *tr) {
       continue;
     }
     uint32_t peer = get32(h + 4);
-    if (peer >= (uint32_t)tr->rank || tr->conns[peer].state != CONN_NONE) {
+    if (peer >= (uint32_t)tr->rank) {
       close(fd);
       continue;
+    }
+    if (tr->conns[peer].state != CONN_NONE) {
+      /* The peer dropped its end after a failed exchange and connected afresh: its old stream
+       * is dead. If this run was still using it, the run fails (see rpl_tr_run). */
+      if (tr->act_send[peer] >= 0 || tr->act_recv[peer] >= 0) tr->replaced = (int)peer;
+      close_conn(&tr->conns[peer]);
     }
     tune_data_socket(fd);
     tr->conns[peer].fd = fd;
@@ -693,7 +704,13 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
         return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
       }
       if (p == -2) {
+        tr->replaced = -1;
         accept_pending(tr);
+        if (tr->replaced >= 0)
+          return rpl_fail(err, RPL_ERR_PEER,
+                          "rank %d reconnected while this rank was still exchanging data with "
+                          "it (it gave up on the operation after an error of its own)",
+                          tr->replaced);
         continue;
       }
       conn *c = &tr->conns[p];

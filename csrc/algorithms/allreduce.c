@@ -55,15 +55,18 @@ static rpl_status ring(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned st
   return RPL_OK;
 }
 
+rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step) {
+  if (run->size == 1) return RPL_OK;
+  size_t bytes = b->count * rpl_dtype_size(b->dtype);
+  int small = bytes <= run->small_bytes && run->size <= 64;
+  return small ? direct(run, b, op, step) : ring(run, b, op, step);
+}
+
 rpl_status rpl_algo_allreduce(rpl_run *run, const rpl_op_desc *d) {
   for (int i = 0; i < d->nin; i++) {
     const rpl_buf *b = &d->in[i];
-    if (run->size > 1) {
-      size_t bytes = b->count * rpl_dtype_size(b->dtype);
-      int small = bytes <= run->small_bytes && run->size <= 64;
-      rpl_status st = small ? direct(run, b, d->redop, (unsigned)i) : ring(run, b, d->redop, (unsigned)i);
-      if (st != RPL_OK) return st;
-    }
+    rpl_status st = rpl_allreduce_buf(run, b, d->redop, (unsigned)i);
+    if (st != RPL_OK) return st;
     if (d->redop == RPL_AVG) rpl_divide(b->ptr, b->count, b->dtype, (double)run->size);
   }
   return RPL_OK;

@@ -12,154 +12,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "harness.h"
 #include "kernels.h"
 #include "ripples.h"
-
-static int g_fail, g_pass;
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (cond) {                                            \
-      __atomic_fetch_add(&g_pass, 1, __ATOMIC_RELAXED);    \
-    } else {                                               \
-      __atomic_fetch_add(&g_fail, 1, __ATOMIC_RELAXED);    \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-    }                                                      \
-  } while (0)
-
-/* ---- an in-memory store ---------------------------------------------------------------- */
-
-typedef struct kv {
-  struct kv *next;
-  char key[128];
-  char *val;
-  size_t len;
-} kv;
-
-typedef struct mem_store {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  kv *head;
-} mem_store;
-
-static rpl_status ms_set(void *ctx, const char *key, const void *val, size_t len,
-                         rpl_error *err) {
-  mem_store *s = ctx;
-  kv *e = calloc(1, sizeof *e);
-  snprintf(e->key, sizeof e->key, "%s", key);
-  e->val = malloc(len + 1);
-  memcpy(e->val, val, len);
-  e->len = len;
-  pthread_mutex_lock(&s->mu);
-  e->next = s->head;
-  s->head = e;
-  pthread_cond_broadcast(&s->cv);
-  pthread_mutex_unlock(&s->mu);
-  return RPL_OK;
-}
-
-static rpl_status ms_get(void *ctx, const char *key, void *buf, size_t cap, size_t *len,
-                         rpl_error *err) {
-  mem_store *s = ctx;
-  pthread_mutex_lock(&s->mu);
-  for (;;) {
-    for (kv *e = s->head; e; e = e->next)
-      if (strcmp(e->key, key) == 0) {
-        memcpy(buf, e->val, e->len < cap ? e->len : cap);
-        *len = e->len;
-        pthread_mutex_unlock(&s->mu);
-        return RPL_OK;
-      }
-    pthread_cond_wait(&s->cv, &s->mu);
-  }
-}
-
-static void ms_free(mem_store *s) {
-  for (kv *e = s->head; e;) {
-    kv *n = e->next;
-    free(e->val);
-    free(e);
-    e = n;
-  }
-}
-
-/* ---- synchronous submit ------------------------------------------------------------------ */
-
-typedef struct waiter {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  int done;
-  rpl_status st;
-  rpl_error err;
-} waiter;
-
-static void on_done(void *arg, rpl_status st, const rpl_error *err) {
-  waiter *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->done = 1;
-  w->st = st;
-  if (err) w->err = *err;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
-
-static rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err) {
-  waiter w = {.done = 0};
-  pthread_mutex_init(&w.mu, NULL);
-  pthread_cond_init(&w.cv, NULL);
-  d.on_done = on_done;
-  d.done_arg = &w;
-  rpl_status st = rpl_submit(c, &d, err);
-  if (st != RPL_OK) return st;
-  pthread_mutex_lock(&w.mu);
-  while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
-  pthread_mutex_unlock(&w.mu);
-  if (err) *err = w.err;
-  pthread_mutex_destroy(&w.mu);
-  pthread_cond_destroy(&w.cv);
-  return w.st;
-}
-
-/* ---- the rank threads -------------------------------------------------------------------- */
-
-typedef struct job {
-  int rank, size;
-  mem_store *store;
-  double timeout;
-  void (*body)(struct job *, rpl_comm *);
-  rpl_comm *comm;
-  int result;
-} job;
-
-static void *rank_main(void *arg) {
-  job *j = arg;
-  rpl_store st = {.ctx = j->store, .set = ms_set, .get = ms_get};
-  rpl_comm_config cfg = {.rank = j->rank, .size = j->size, .timeout_s = j->timeout,
-                         .name = "test", .small_bytes = 256, .chunk_bytes = 1000};
-  rpl_error err;
-  rpl_status s = rpl_comm_create(&cfg, &st, &j->comm, &err);
-  CHECK(s == RPL_OK, "rank %d create: %s", j->rank, err.msg);
-  if (s == RPL_OK) {
-    j->body(j, j->comm);
-    rpl_comm_destroy(j->comm);
-  }
-  return NULL;
-}
-
-static void run_world(int size, double timeout, void (*body)(job *, rpl_comm *)) {
-  mem_store store = {.head = NULL};
-  pthread_mutex_init(&store.mu, NULL);
-  pthread_cond_init(&store.cv, NULL);
-  pthread_t th[16];
-  job jobs[16];
-  for (int r = 0; r < size; r++) {
-    jobs[r] = (job){.rank = r, .size = size, .store = &store, .timeout = timeout, .body = body};
-    pthread_create(&th[r], NULL, rank_main, &jobs[r]);
-  }
-  for (int r = 0; r < size; r++) pthread_join(th[r], NULL);
-  ms_free(&store);
-}
 
 /* Deterministic input: element i of rank r. */
 static float val(int r, size_t i) { return (float)((int)((r + 1) * 7 + i * 13) % 23) - 11.0f; }
@@ -431,37 +286,43 @@ static void body_invalid(job *j, rpl_comm *c) {
   CHECK(x[0] == (float)j->size, "allreduce value %g", x[0]);
 }
 
+typedef struct closed_count {
+  int calls, closed;
+} closed_count;
+
+static void count_closed(void *arg, rpl_status st, const rpl_error *err) {
+  closed_count *w = arg;
+  w->calls++;
+  w->closed += st == RPL_ERR_CLOSED;
+}
+
 /* Shutting down while an operation waits for a peer that never comes ends it promptly.
  * Rank 1 waits for rank 0 to connect (the lower rank connects), which it never does. */
 static void body_shutdown(job *j, rpl_comm *c) {
   if (j->rank != 1) return;
   float x = 1;
   rpl_buf b = {&x, 1, RPL_FLOAT32};
-  waiter w = {.done = 0};
-  pthread_mutex_init(&w.mu, NULL);
-  pthread_cond_init(&w.cv, NULL);
+  closed_count w = {0, 0};
   rpl_error err;
   rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1,
-                   .on_done = on_done, .done_arg = &w};
+                   .on_done = count_closed, .done_arg = &w};
   CHECK(rpl_submit(c, &d, &err) == RPL_OK, "submit: %s", err.msg);
   CHECK(rpl_submit(c, &d, &err) == RPL_OK, "submit 2: %s", err.msg);
-  rpl_comm_shutdown(c);
-  CHECK(w.done && w.st == RPL_ERR_CLOSED, "shutdown: done=%d st=%s", w.done,
-        rpl_status_name(w.st));
+  rpl_comm_shutdown(c); /* joins the progress thread: both callbacks have run */
+  CHECK(w.calls == 2 && w.closed == 2, "shutdown: %d callbacks, %d closed", w.calls, w.closed);
   CHECK(rpl_submit(c, &d, &err) == RPL_ERR_CLOSED, "submit after shutdown accepted");
 }
 
 int main(void) {
   for (int n = 1; n <= 5; n++) {
-    run_world(n, 30, body_allreduce);
-    run_world(n, 30, body_broadcast);
-    run_world(n, 30, body_gathers);
-    if (n > 1) run_world(n, 30, body_p2p);
-    run_world(n, 30, body_invalid);
+    run_world(n, 30, body_allreduce, NULL);
+    run_world(n, 30, body_broadcast, NULL);
+    run_world(n, 30, body_gathers, NULL);
+    if (n > 1) run_world(n, 30, body_p2p, NULL);
+    run_world(n, 30, body_invalid, NULL);
   }
-  run_world(3, 30, body_mismatch);
-  run_world(2, 1.0, body_timeout);
-  run_world(2, 30, body_shutdown);
-  printf("collectives: %d passed, %d failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  run_world(3, 30, body_mismatch, NULL);
+  run_world(2, 1.0, body_timeout, NULL);
+  run_world(2, 30, body_shutdown, NULL);
+  return report("collectives");
 }

@@ -1,0 +1,322 @@
+/* partial.c - partial all-reduce rounds: group, signature check, reduction, atomic write-back. */
+#include "partial.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "kernels.h"
+#include "sched/rpl_sched.h"
+
+#define SIG_BYTES 24
+#define TRACE_SLOTS 8192
+
+struct rpl_partial {
+  int rank, size;
+  double timeout_s;
+  rpl_on_failure on_failure;
+  int dynamic;
+  rpl_layout *layout;       /* static */
+  rpl_gg_client *client;    /* dynamic */
+  int fenced;               /* progress thread only */
+  int left;
+  uint64_t round;           /* progress thread only */
+  int *members;             /* size entries */
+
+  pthread_mutex_t mu;       /* guards stats and the trace */
+  rpl_partial_stats stats;
+  rpl_trace_entry *trace;   /* TRACE_SLOTS ring, NULL when tracing is off */
+  uint64_t trace_next;      /* index of the next entry */
+};
+
+int rpl_partial_eligible(const rpl_op_desc *d) {
+  if (d->redop != RPL_SUM && d->redop != RPL_AVG) return 0;
+  for (int i = 0; i < d->nin; i++)
+    if (!rpl_dtype_is_floating(d->in[i].dtype)) return 0;
+  return 1;
+}
+
+rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
+                              double timeout_s, rpl_partial **out, rpl_error *err) {
+  *out = NULL;
+  if (!cfg->schedule)
+    return rpl_fail(err, RPL_ERR_INVALID, "a partial schedule needs a policy name");
+  rpl_policy policy;
+  rpl_status st = rpl_policy_parse(cfg->schedule, &policy, err);
+  if (st != RPL_OK) return st;
+  rpl_partial *p = calloc(1, sizeof *p);
+  if (!p) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
+  pthread_mutex_init(&p->mu, NULL);
+  p->rank = rank;
+  p->size = size;
+  p->timeout_s = timeout_s;
+  p->on_failure = cfg->on_failure;
+  p->members = calloc((size_t)size, sizeof(int));
+  if (!p->members) {
+    st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
+    goto fail;
+  }
+  if (cfg->trace) {
+    p->trace = calloc(TRACE_SLOTS, sizeof *p->trace);
+    if (!p->trace) {
+      st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory for the round trace");
+      goto fail;
+    }
+  }
+  if (policy == RPL_POLICY_STATIC) {
+    if ((st = rpl_layout_create(size, cfg->host_of, &p->layout, err)) != RPL_OK) goto fail;
+  } else {
+    if (!cfg->endpoint || !*cfg->endpoint || !cfg->token_hex) {
+      st = rpl_fail(err, RPL_ERR_INVALID,
+                    "schedule '%s' needs a coordinator endpoint and token", cfg->schedule);
+      goto fail;
+    }
+    p->dynamic = 1;
+    int timeout_ms = (int)RPL_MIN(timeout_s * 1000.0, 2e9);
+    rpl_gg_client_config cc = {.endpoint = cfg->endpoint,
+                               .token_hex = cfg->token_hex,
+                               .rank = rank,
+                               .nworkers = size,
+                               .host_label = cfg->host_of ? cfg->host_of[rank] : -1,
+                               .timeout_ms = RPL_MIN(timeout_ms, 30000),
+                               .request_timeout_ms = timeout_ms};
+    if ((st = rpl_gg_client_create(&cc, &p->client, err)) != RPL_OK) goto fail;
+  }
+  *out = p;
+  return RPL_OK;
+fail:
+  rpl_partial_destroy(p);
+  return st;
+}
+
+void rpl_partial_leave(rpl_partial *p) {
+  if (!p || !p->client || p->left) return;
+  p->left = 1;
+  rpl_error err;
+  rpl_gg_client_leave(p->client, &err); /* best effort: heartbeats stopping says the same */
+}
+
+void rpl_partial_destroy(rpl_partial *p) {
+  if (!p) return;
+  rpl_partial_leave(p);
+  if (p->client) rpl_gg_client_destroy(p->client);
+  rpl_layout_destroy(p->layout);
+  free(p->members);
+  free(p->trace);
+  pthread_mutex_destroy(&p->mu);
+  free(p);
+}
+
+void rpl_partial_count_fallback(rpl_partial *p) {
+  pthread_mutex_lock(&p->mu);
+  p->stats.exact_fallbacks++;
+  pthread_mutex_unlock(&p->mu);
+}
+
+void rpl_partial_before_exact(rpl_partial *p) {
+  if (!p->dynamic || p->fenced) return;
+  rpl_error err;
+  if (rpl_gg_client_fence(p->client, &err) == RPL_OK) {
+    p->fenced = 1;
+    pthread_mutex_lock(&p->mu);
+    p->stats.fences++;
+    pthread_mutex_unlock(&p->mu);
+  }
+}
+
+/* ---- one round ------------------------------------------------------------------------- */
+
+static uint64_t sig_hash(const rpl_op_desc *d) {
+  uint64_t h = 1469598103934665603ull; /* FNV-1a over (dtype, count) pairs */
+  for (int i = 0; i < d->nin; i++) {
+    uint64_t v[2] = {(uint64_t)d->in[i].dtype, (uint64_t)d->in[i].count};
+    const unsigned char *b = (const unsigned char *)v;
+    for (size_t k = 0; k < sizeof v; k++) h = (h ^ b[k]) * 1099511628211ull;
+  }
+  return h;
+}
+
+static void put64(unsigned char *b, uint64_t v) {
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)(v >> (8 * i));
+}
+static uint64_t get64(const unsigned char *b) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)b[i] << (8 * i);
+  return v;
+}
+
+/* Every member sends its signature to every other. Either all agree, or every member builds
+ * the same error message from the same set of signatures. No tensor data has moved yet. */
+static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t group_id,
+                                   rpl_error *err) {
+  int n = run->size, me = run->rank;
+  uint64_t total = 0;
+  for (int i = 0; i < d->nin; i++) total += d->in[i].count;
+  unsigned char *all = rpl_scratch(run, 0, (size_t)n * SIG_BYTES);
+  if (!all) return RPL_ERR_NOMEM;
+  unsigned char *mine = all + (size_t)me * SIG_BYTES;
+  put64(mine, (uint64_t)d->nin);
+  put64(mine + 8, total);
+  put64(mine + 16, sig_hash(d));
+  rpl_xfer *xs = malloc(sizeof(rpl_xfer) * 2 * (size_t)n);
+  if (!xs) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory in a partial round");
+  int k = 0;
+  for (int v = 0; v < n; v++) {
+    if (v == me) continue;
+    /* dtype/count checks belong to the signature itself, so the headers carry neutral values */
+    xs[k++] = rpl_send(run, v, mine, SIG_BYTES, RPL_UINT8, SIG_BYTES, 0xffff);
+    xs[k++] = rpl_recv(run, v, all + (size_t)v * SIG_BYTES, SIG_BYTES, RPL_UINT8, SIG_BYTES,
+                       0xffff);
+  }
+  /* The header's tag carries nbufs; let it differ here so the signature reports it. */
+  for (int i = 0; i < k; i++) xs[i].meta.tag = 0;
+  rpl_status st = rpl_exchange(run, xs, k);
+  free(xs);
+  if (st != RPL_OK) return st;
+  int same = 1;
+  for (int v = 0; v < n; v++) same &= memcmp(all + (size_t)v * SIG_BYTES, all, SIG_BYTES) == 0;
+  if (same) return RPL_OK;
+  char list[300] = "";
+  size_t used = 0;
+  for (int v = 0; v < n && used < sizeof list - 1; v++) {
+    const unsigned char *s = all + (size_t)v * SIG_BYTES;
+    int w = snprintf(list + used, sizeof list - used, "%srank %d: %llu tensor(s), %llu elements",
+                     v ? "; " : "", run->members[v], (unsigned long long)get64(s),
+                     (unsigned long long)get64(s + 8));
+    if (w < 0) break;
+    used += (size_t)w;
+  }
+  return rpl_fail(err, RPL_ERR_MISMATCH,
+                  "partial all-reduce group %llu: members passed different tensors (%s); every "
+                  "member of a round must pass the same number of tensors with the same sizes "
+                  "and dtypes", (unsigned long long)group_id, list);
+}
+
+static void record(rpl_partial *p, uint64_t round, uint64_t group_id, const int *members,
+                   int n, rpl_status st) {
+  if (!p->trace) return;
+  rpl_trace_entry *e = &p->trace[p->trace_next % TRACE_SLOTS];
+  e->round = round;
+  e->group_id = group_id;
+  e->status = (int)st;
+  e->nmembers = n;
+  for (int i = 0; i < n && i < RPL_TRACE_MEMBERS; i++) e->members[i] = members[i];
+  p->trace_next++;
+}
+
+rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, rpl_error *err) {
+  uint64_t round = p->round++;
+  double t0 = rpl_now();
+  run->deadline = t0 + p->timeout_s;
+  int n = 0;
+  uint64_t gid = 0;
+  rpl_status st;
+  if (p->dynamic) {
+    st = rpl_gg_client_request(p->client, round, p->members, p->size, &n, &gid, err);
+    p->fenced = 0; /* a request unfences */
+  } else {
+    st = rpl_static_group(p->layout, p->rank, round, p->members, p->size, &n, &gid, err);
+  }
+  double t1 = rpl_now();
+  int me = -1;
+  for (int i = 0; st == RPL_OK && i < n; i++)
+    if (p->members[i] == p->rank) me = i;
+  if (st == RPL_OK && me < 0)
+    st = rpl_fail(err, RPL_ERR_INVALID, "the group generator left rank %d out of its own group",
+                  p->rank);
+
+  size_t bytes = 0;
+  double t2 = t1, t3 = t1;
+  int moved = 0;
+  if (st == RPL_OK && n > 1) {
+    run->members = p->members;
+    run->rank = me;
+    run->size = n;
+    run->seq = gid;
+    st = check_signatures(run, d, gid, err);
+    t2 = rpl_now();
+    if (st == RPL_OK) {
+      /* Reduce a working copy; the caller's buffers change only once everything arrived. */
+      for (int i = 0; i < d->nin; i++) bytes += d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+      unsigned char *work = rpl_scratch(run, 2, bytes);
+      st = work ? RPL_OK : RPL_ERR_NOMEM;
+      size_t off = 0;
+      for (int i = 0; st == RPL_OK && i < d->nin; i++) {
+        size_t b = d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+        if (b) memcpy(work + off, d->in[i].ptr, b);
+        rpl_buf wb = {work + off, d->in[i].count, d->in[i].dtype};
+        st = rpl_allreduce_buf(run, &wb, RPL_SUM, (unsigned)i);
+        off += b;
+      }
+      if (st == RPL_OK) {
+        off = 0;
+        for (int i = 0; i < d->nin; i++) {
+          size_t b = d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+          if (d->redop == RPL_AVG) rpl_divide(work + off, d->in[i].count, d->in[i].dtype, n);
+          else rpl_scale(work + off, d->in[i].count, d->in[i].dtype, (double)p->size / n);
+          if (b) memcpy(d->in[i].ptr, work + off, b);
+          off += b;
+        }
+        moved = 1;
+      }
+    }
+    t3 = rpl_now();
+    if (st != RPL_OK && st != RPL_ERR_MISMATCH) {
+      /* Streams with the group may be mid-message: start them afresh next time. A signature
+       * mismatch is detected after complete messages, so those connections stay usable. */
+      for (int i = 0; i < n; i++)
+        if (i != me) rpl_tr_reset_peer(run->tr, p->members[i]);
+    }
+  } else if (st == RPL_OK && d->redop == RPL_SUM && p->size > 1) {
+    for (int i = 0; i < d->nin; i++)
+      rpl_scale(d->in[i].ptr, d->in[i].count, d->in[i].dtype, (double)p->size);
+  }
+  if (p->dynamic && gid) {
+    rpl_error e2;
+    rpl_gg_client_done(p->client, gid, st == RPL_OK ? 0u : (uint32_t)st, &e2);
+  }
+
+  int skip = st != RPL_OK && p->on_failure == RPL_ON_FAILURE_SKIP && st != RPL_ERR_CLOSED;
+  pthread_mutex_lock(&p->mu);
+  rpl_partial_stats *s = &p->stats;
+  s->rounds++;
+  if (st == RPL_OK) {
+    if (moved) s->reduced++;
+    else s->singletons++;
+    s->group_sizes[n < RPL_HIST_BUCKETS - 1 ? n : RPL_HIST_BUCKETS - 1]++;
+    s->bytes += moved ? bytes : 0;
+  } else if (skip) {
+    s->skipped++;
+  } else {
+    s->failed++;
+  }
+  s->group_s += t1 - t0;
+  s->wait_s += t2 - t1;
+  s->reduce_s += t3 - t2;
+  record(p, round, gid, p->members, st == RPL_OK || gid ? n : 0, st);
+  pthread_mutex_unlock(&p->mu);
+  return skip ? RPL_OK : st;
+}
+
+void rpl_partial_get_stats(const rpl_partial *p, rpl_partial_stats *out) {
+  rpl_partial *m = (rpl_partial *)p; /* the mutex is not part of the logical state */
+  pthread_mutex_lock(&m->mu);
+  *out = p->stats;
+  pthread_mutex_unlock(&m->mu);
+}
+
+size_t rpl_partial_get_trace(const rpl_partial *p, uint64_t from, rpl_trace_entry *out,
+                             size_t cap) {
+  rpl_partial *m = (rpl_partial *)p;
+  size_t k = 0;
+  pthread_mutex_lock(&m->mu);
+  if (p->trace) {
+    uint64_t oldest = p->trace_next > TRACE_SLOTS ? p->trace_next - TRACE_SLOTS : 0;
+    for (uint64_t i = from > oldest ? from : oldest; i < p->trace_next && k < cap; i++)
+      out[k++] = p->trace[i % TRACE_SLOTS];
+  }
+  pthread_mutex_unlock(&m->mu);
+  return k;
+}

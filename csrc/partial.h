@@ -1,0 +1,37 @@
+/*
+ * partial.h - partial all-reduce rounds of one communicator (internal to csrc/).
+ *
+ * Owns where groups come from (the static schedule, or the coordinator client), the round
+ * counter, the per-round statistics and trace. The engine calls in from its progress thread;
+ * statistics may be read from any thread.
+ */
+#ifndef RPL_PARTIAL_H
+#define RPL_PARTIAL_H
+
+#include "engine.h"
+#include "ripples.h"
+
+typedef struct rpl_partial rpl_partial;
+
+rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
+                              double timeout_s, rpl_partial **out, rpl_error *err);
+/* Tells the coordinator this worker left (once; no-op for the static schedule). */
+void rpl_partial_leave(rpl_partial *p);
+void rpl_partial_destroy(rpl_partial *p);
+
+/* 1 if the call is a true partial round: SUM or AVG over floating buffers only. */
+int rpl_partial_eligible(const rpl_op_desc *d);
+void rpl_partial_count_fallback(rpl_partial *p);
+
+/* Fences at the coordinator before an exact collective, unless already fenced. */
+void rpl_partial_before_exact(rpl_partial *p);
+
+/* One round. `run` comes with the communicator's transport and sizes; this fills in the group.
+ * Failures never break the communicator: connections to the group are reset instead. */
+rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, rpl_error *err);
+
+void rpl_partial_get_stats(const rpl_partial *p, rpl_partial_stats *out);
+size_t rpl_partial_get_trace(const rpl_partial *p, uint64_t from, rpl_trace_entry *out,
+                             size_t cap);
+
+#endif /* RPL_PARTIAL_H */

@@ -1,0 +1,47 @@
+/*
+ * harness.h - what the core's C tests share: check counters, an in-memory key-value store
+ * standing in for the c10d store, synchronous submission, and ranks run as threads.
+ */
+#ifndef RPL_TEST_HARNESS_H
+#define RPL_TEST_HARNESS_H
+
+#include <pthread.h>
+#include <stdio.h>
+
+#include "ripples.h"
+
+extern int g_fail, g_pass;
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (cond) {                                            \
+      __atomic_fetch_add(&g_pass, 1, __ATOMIC_RELAXED);    \
+    } else {                                               \
+      __atomic_fetch_add(&g_fail, 1, __ATOMIC_RELAXED);    \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      fprintf(stderr, __VA_ARGS__);                        \
+      fprintf(stderr, "\n");                               \
+    }                                                      \
+  } while (0)
+
+typedef struct mem_store mem_store;
+
+/* Runs `op` and waits for its completion; *err gets the completion's message. */
+rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err);
+
+typedef struct job {
+  int rank, size;
+  mem_store *store;
+  double timeout;
+  void (*body)(struct job *, rpl_comm *);
+  void *arg;      /* the test's own data, shared by all ranks */
+  rpl_comm *comm;
+} job;
+
+/* Starts `size` ranks as threads, each creating a communicator (small thresholds so the
+ * large-message algorithms run on small data) and calling body(job, comm). */
+void run_world(int size, double timeout, void (*body)(job *, rpl_comm *), void *arg);
+
+/* Prints the summary line and returns main's exit code. */
+int report(const char *suite);
+
+#endif
