@@ -4,7 +4,9 @@
  * Plain loops over contiguous buffers that the compiler vectorises. float16 and bfloat16 are
  * converted to float32, combined in float32 and rounded back (round-to-nearest-even).
  * Bool buffers hold 0/1 bytes: SUM/MAX/BOR are OR, PRODUCT/MIN/BAND are AND, BXOR is XOR.
- * AVG combines like SUM; the caller divides with rpl_scale() once all contributions are in.
+ * AVG combines like SUM; the caller divides with rpl_divide() once all contributions are in.
+ * Unsupported (dtype, op) pairs leave the output untouched: callers check with
+ * rpl_reduce_check() first.
  */
 #ifndef RPL_KERNELS_H
 #define RPL_KERNELS_H

@@ -83,7 +83,7 @@ const char *rpl_redop_name(rpl_redop op);         /* "SUM", ... */
 const char *rpl_status_name(rpl_status status);   /* "RPL_ERR_TIMEOUT", ... */
 int rpl_dtype_is_floating(rpl_dtype dtype);
 
-/* RPL_OK if `op` can reduce `dtype`, else RPL_ERR_UNSUPPORTED with a message. */
+/* RPL_OK if `op` can reduce `dtype` (err untouched), else RPL_ERR_UNSUPPORTED with a message. */
 rpl_status rpl_reduce_check(rpl_dtype dtype, rpl_redop op, rpl_error *err);
 
 /* ---- Key-value store, provided by the caller (the c10d store in the shim) ---------------- */
