@@ -1,0 +1,349 @@
+/* The coordinator's message handling, independent of ZeroMQ (see coord_core.h). Every input
+ * is parsed by rpl_msg_parse (bounds-checked) before anything else looks at it; a message
+ * that fails is counted and dropped without a reply. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../csrc/sched/sched_internal.h"
+#include "coord_core.h"
+
+rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err) {
+  memset(core, 0, sizeof *core);
+  rpl_status st;
+  if (cfg->token_hex) st = rpl_token_from_hex(cfg->token_hex, core->token, err);
+  else st = rpl_token_generate(core->token, err);
+  if (st != RPL_OK) return st;
+  rpl_token_to_hex(core->token, core->token_hex);
+  rpl_gg_config g = cfg->gg;
+  g.trace = NULL;
+  g.trace_ctx = NULL;
+  st = rpl_gg_create(&g, &core->gg, err);
+  if (st != RPL_OK) return st;
+  core->nworkers = g.nworkers;
+  core->heartbeat_ms = cfg->heartbeat_ms > 0 ? (uint32_t)cfg->heartbeat_ms : 1000;
+  core->dead_ms = cfg->dead_ms > 0 ? (uint32_t)cfg->dead_ms : 10 * core->heartbeat_ms;
+  core->join_ms = cfg->join_ms == 0 ? 120000 : cfg->join_ms;
+  core->w = calloc((size_t)core->nworkers, sizeof *core->w);
+  core->members = malloc(sizeof(int) * (size_t)core->nworkers);
+  core->out_cap = RPL_PROTO_HEADER + 20 + 4 * (size_t)core->nworkers + RPL_PROTO_MAX_TEXT + 4;
+  core->out = malloc(core->out_cap);
+  if (!core->w || !core->members || !core->out) {
+    coord_core_free(core);
+    return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
+  }
+  for (int i = 0; i < core->nworkers; i++) core->w[i].host_label = -1;
+  return RPL_OK;
+}
+
+void coord_core_free(coord_core *core) {
+  rpl_gg_destroy(core->gg);
+  free(core->w);
+  free(core->members);
+  free(core->out);
+  core->gg = NULL;
+  core->w = NULL;
+  core->members = NULL;
+  core->out = NULL;
+}
+
+static void reply(coord_core *core, const uint8_t *route, size_t route_len, rpl_msg *m,
+                  const int *members) {
+  memcpy(m->token, core->token, RPL_TOKEN_LEN);
+  size_t len = rpl_msg_encode(m, members, core->out, core->out_cap);
+  if (len == 0 || core->send(core->send_ctx, route, route_len, core->out, len) != 0)
+    atomic_fetch_add(&core->send_failures, 1);
+}
+
+static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
+                                         size_t route_len, const rpl_msg *req, uint32_t code,
+                                         const char *fmt, ...) {
+  char text[512];
+  va_list ap;
+  va_start(ap, fmt);
+  int n = vsnprintf(text, sizeof text, fmt, ap);
+  va_end(ap);
+  if (n < 0) n = 0;
+  if ((size_t)n >= sizeof text) n = sizeof text - 1;
+  rpl_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = RPL_MSG_ERROR;
+  m.rank = req->rank;
+  m.seq = req->seq;
+  m.code = code;
+  m.text = text;
+  m.text_len = (uint32_t)n;
+  atomic_fetch_add(&core->errors_sent, 1);
+  reply(core, route, route_len, &m, NULL);
+}
+
+/* Sends what the policy decided: groups to their members, cancellations to waiting ones. */
+static void flush_events(coord_core *core) {
+  rpl_gg_event ev;
+  while (rpl_gg_poll(core->gg, &ev, core->members, core->nworkers)) {
+    coord_worker *w = &core->w[ev.worker];
+    rpl_msg m;
+    memset(&m, 0, sizeof m);
+    m.rank = ev.worker;
+    m.seq = w->req_seq;
+    m.round = ev.round;
+    m.group_id = ev.group_id;
+    if (ev.kind == RPL_EV_GROUP) {
+      m.type = RPL_MSG_GROUP;
+      m.nmembers = (uint32_t)ev.nmembers;
+    } else {
+      m.type = RPL_MSG_CANCEL;
+      m.culprit = ev.culprit;
+      m.reason = (uint32_t)ev.reason;
+    }
+    if (w->route_len == 0) {
+      atomic_fetch_add(&core->send_failures, 1);
+      continue;
+    }
+    reply(core, w->route, w->route_len, &m, core->members);
+  }
+}
+
+void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
+                       const void *msg, size_t len, double now) {
+  atomic_fetch_add(&core->messages, 1);
+  rpl_msg m;
+  rpl_error err;
+  if (route_len == 0 || route_len > RPL_ROUTE_MAX ||
+      rpl_msg_parse(msg, len, core->nworkers, &m, &err) != RPL_OK) {
+    atomic_fetch_add(&core->malformed, 1);
+    return;
+  }
+  if (!rpl_token_equal(m.token, core->token)) {
+    atomic_fetch_add(&core->bad_token, 1);
+    reply_error(core, route, route_len, &m, RPL_PERR_BAD_TOKEN,
+                "wrong job token: this coordinator serves another job");
+    return;
+  }
+  if (m.type == RPL_MSG_STATUS) {
+    size_t jlen = 0;
+    char *json = coord_core_status_json(core, now, &jlen);
+    if (!json || jlen > RPL_PROTO_MAX_BODY) {
+      free(json);
+      reply_error(core, route, route_len, &m, RPL_PERR_INTERNAL, "status unavailable");
+      return;
+    }
+    rpl_msg r;
+    memset(&r, 0, sizeof r);
+    r.type = RPL_MSG_STATUS_REPLY;
+    r.rank = -1;
+    r.seq = m.seq;
+    r.text = json;
+    r.text_len = (uint32_t)jlen;
+    memcpy(r.token, core->token, RPL_TOKEN_LEN);
+    size_t need = rpl_msg_encoded_size(&r);
+    uint8_t *b = malloc(need);
+    size_t n = b ? rpl_msg_encode(&r, NULL, b, need) : 0;
+    if (n == 0 || core->send(core->send_ctx, route, route_len, b, n) != 0)
+      atomic_fetch_add(&core->send_failures, 1);
+    free(b);
+    free(json);
+    return;
+  }
+  /* Everything else comes from a worker; the parser checked 0 <= rank < nworkers. */
+  if (m.rank < 0) {
+    atomic_fetch_add(&core->malformed, 1);
+    return;
+  }
+  coord_worker *w = &core->w[m.rank];
+  rpl_gg_worker_info info;
+  rpl_gg_worker(core->gg, m.rank, &info, &err);
+  rpl_msg r;
+  memset(&r, 0, sizeof r);
+  r.rank = m.rank;
+  r.seq = m.seq;
+  rpl_status st = RPL_OK;
+  switch (m.type) {
+    case RPL_MSG_HELLO:
+      if (m.nworkers != core->nworkers) {
+        reply_error(core, route, route_len, &m, RPL_PERR_WORLD_MISMATCH,
+                    "world size %d, but this coordinator serves %d workers", (int)m.nworkers,
+                    core->nworkers);
+        return;
+      }
+      if (info.state == RPL_WORKER_LEFT) {
+        reply_error(core, route, route_len, &m, RPL_PERR_LEFT, "rank %d has left this job",
+                    (int)m.rank);
+        return;
+      }
+      w->host_label = m.host_label;
+      r.type = RPL_MSG_HELLO_ACK;
+      r.policy = (uint8_t)rpl_gg_policy(core->gg);
+      r.nworkers = core->nworkers;
+      r.heartbeat_ms = core->heartbeat_ms;
+      r.dead_ms = core->dead_ms;
+      reply(core, route, route_len, &r, NULL);
+      break;
+    case RPL_MSG_REQUEST:
+      memcpy(w->route, route, route_len);
+      w->route_len = (uint8_t)route_len;
+      w->req_seq = m.seq;
+      st = rpl_gg_request(core->gg, m.rank, m.round, &err);
+      if (st != RPL_OK) {
+        reply_error(core, route, route_len, &m,
+                    st == RPL_ERR_CLOSED ? RPL_PERR_LEFT : RPL_PERR_INTERNAL, "%s", err.msg);
+      }
+      break;
+    case RPL_MSG_DONE:
+      st = rpl_gg_done(core->gg, m.rank, m.group_id, &err);
+      break;
+    case RPL_MSG_HEARTBEAT:
+      r.type = RPL_MSG_HEARTBEAT_ACK;
+      reply(core, route, route_len, &r, NULL);
+      break;
+    case RPL_MSG_FENCE:
+      st = rpl_gg_fence(core->gg, m.rank, &err);
+      break;
+    case RPL_MSG_UNFENCE:
+      st = rpl_gg_unfence(core->gg, m.rank, &err);
+      break;
+    case RPL_MSG_LEAVE:
+      st = rpl_gg_leave(core->gg, m.rank, &err);
+      r.type = RPL_MSG_ACK;
+      reply(core, route, route_len, &r, NULL);
+      break;
+    default:
+      /* A reply type sent to the coordinator: not something a worker sends. */
+      atomic_fetch_add(&core->malformed, 1);
+      return;
+  }
+  (void)st; /* fence/unfence after leave: nothing to undo; the worker learns on its request */
+  w->seen = 1;
+  w->last_seen = now;
+  flush_events(core);
+}
+
+void coord_core_tick(coord_core *core, double now) {
+  int changed = 0;
+  for (int i = 0; i < core->nworkers; i++) {
+    coord_worker *w = &core->w[i];
+    rpl_gg_worker_info info;
+    rpl_error err;
+    rpl_gg_worker(core->gg, i, &info, &err);
+    if (info.state == RPL_WORKER_LEFT || info.state == RPL_WORKER_DEAD) continue;
+    int dead = w->seen ? (now - w->last_seen) * 1000.0 > core->dead_ms
+                       : core->join_ms > 0 && (now - core->start) * 1000.0 > core->join_ms;
+    if (dead) {
+      rpl_gg_dead(core->gg, i, &err);
+      atomic_fetch_add(&core->dead_declared, 1);
+      changed = 1;
+    }
+  }
+  if (changed) flush_events(core);
+}
+
+/* ---- status JSON ------------------------------------------------------------------------- */
+
+typedef struct {
+  char *p;
+  size_t len, cap;
+  int oom;
+} sbuf;
+
+static RPL_PRINTF(2, 3) void sb_printf(sbuf *b, const char *fmt, ...) {
+  if (b->oom) return;
+  for (;;) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+    va_end(ap);
+    if (n < 0) {
+      b->oom = 1;
+      return;
+    }
+    if ((size_t)n < b->cap - b->len) {
+      b->len += (size_t)n;
+      return;
+    }
+    size_t cap = 2 * b->cap + (size_t)n;
+    char *np = realloc(b->p, cap);
+    if (!np) {
+      b->oom = 1;
+      return;
+    }
+    b->p = np;
+    b->cap = cap;
+  }
+}
+
+typedef struct {
+  sbuf *b;
+  int count;
+} pend_ctx;
+
+static int pend_json(void *ctx, uint64_t id, const int *members, int n, int arrived) {
+  pend_ctx *pc = ctx;
+  if (pc->count >= 1000) return 1; /* keep the document bounded */
+  sb_printf(pc->b, "%s{\"id\":%llu,\"arrived\":%d,\"members\":[", pc->count ? "," : "",
+            (unsigned long long)id, arrived);
+  for (int i = 0; i < n; i++) sb_printf(pc->b, "%s%d", i ? "," : "", members[i]);
+  sb_printf(pc->b, "]}");
+  pc->count++;
+  return 0;
+}
+
+char *coord_core_status_json(coord_core *core, double now, size_t *len) {
+  sbuf b = {malloc(4096), 0, 4096, 0};
+  if (!b.p) return NULL;
+  rpl_gg_stats st;
+  rpl_gg_get_stats(core->gg, &st);
+  sb_printf(&b,
+            "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"group_size\":%d,"
+            "\"c_thres\":%d,\"inter_intra\":%s,\"heartbeat_ms\":%u,\"dead_ms\":%u,"
+            "\"uptime_s\":%.3f,",
+            RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
+            rpl_gg_group_size(core->gg), rpl_gg_c_thres(core->gg),
+            rpl_gg_inter_intra(core->gg) ? "true" : "false", core->heartbeat_ms, core->dead_ms,
+            now - core->start);
+  sb_printf(&b,
+            "\"counters\":{\"messages\":%llu,\"malformed\":%llu,\"bad_token\":%llu,"
+            "\"errors_sent\":%llu,\"dead_declared\":%llu,\"send_failures\":%llu,"
+            "\"requests\":%llu,\"groups_created\":%llu,\"groups_handed\":%llu,"
+            "\"groups_cancelled\":%llu,\"singletons_handed\":%llu,\"divisions\":%llu,"
+            "\"filtered\":%llu,\"conflicts\":%llu,\"implicit_dones\":%llu,"
+            "\"stale_dones\":%llu,\"pending\":%llu},",
+            (unsigned long long)atomic_load(&core->messages),
+            (unsigned long long)atomic_load(&core->malformed),
+            (unsigned long long)atomic_load(&core->bad_token),
+            (unsigned long long)atomic_load(&core->errors_sent),
+            (unsigned long long)atomic_load(&core->dead_declared),
+            (unsigned long long)atomic_load(&core->send_failures),
+            (unsigned long long)st.requests, (unsigned long long)st.groups_created,
+            (unsigned long long)st.groups_handed, (unsigned long long)st.groups_cancelled,
+            (unsigned long long)st.singletons_handed, (unsigned long long)st.divisions,
+            (unsigned long long)st.filtered, (unsigned long long)st.conflicts,
+            (unsigned long long)st.implicit_dones, (unsigned long long)st.stale_dones,
+            (unsigned long long)st.pending);
+  sb_printf(&b, "\"workers\":[");
+  for (int i = 0; i < core->nworkers; i++) {
+    rpl_gg_worker_info wi;
+    rpl_error err;
+    rpl_gg_worker(core->gg, i, &wi, &err);
+    const coord_worker *w = &core->w[i];
+    sb_printf(&b,
+              "%s{\"rank\":%d,\"state\":\"%s\",\"host\":%d,\"host_label\":%d,\"requests\":%llu,"
+              "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
+              "\"handed\":%llu,\"cancels\":%llu,\"seen\":%s,\"silent_s\":%.3f}",
+              i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
+              (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
+              (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
+              (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
+              w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
+  }
+  sb_printf(&b, "],\"pending\":[");
+  pend_ctx pc = {&b, 0};
+  rpl_gg_foreach_pending(core->gg, pend_json, &pc);
+  sb_printf(&b, "]}");
+  if (b.oom) {
+    free(b.p);
+    return NULL;
+  }
+  *len = b.len;
+  return b.p;
+}

@@ -1,0 +1,54 @@
+/* The coordinator's I/O-free core: what the ZeroMQ loop (coord.c) and the fuzz target share.
+ * It owns the policy state and per-worker routing; replies go out through a callback. */
+#ifndef RPL_COORD_CORE_H
+#define RPL_COORD_CORE_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rpl_coord.h"
+
+#define RPL_ROUTE_MAX 255
+
+/* Sends `len` bytes to the peer named by route (a zmq routing id). Returns 0 on success. */
+typedef int (*coord_send_fn)(void *ctx, const uint8_t *route, size_t route_len,
+                             const void *msg, size_t len);
+
+typedef struct coord_worker {
+  uint8_t route[RPL_ROUTE_MAX]; /* where its request replies go */
+  uint8_t route_len;
+  uint32_t req_seq;             /* sequence number of its outstanding request */
+  int32_t host_label;
+  int seen;                     /* has sent anything valid */
+  double last_seen;
+} coord_worker;
+
+typedef struct coord_core {
+  rpl_gg *gg;
+  int nworkers;
+  uint8_t token[RPL_TOKEN_LEN];
+  char token_hex[2 * RPL_TOKEN_LEN + 1];
+  uint32_t heartbeat_ms, dead_ms;
+  int join_ms;
+  double start;
+  coord_worker *w;
+  uint8_t *out;                 /* encode buffer */
+  size_t out_cap;
+  int *members;                 /* [nworkers] */
+  coord_send_fn send;
+  void *send_ctx;
+  atomic_ullong messages, malformed, bad_token, errors_sent, dead_declared, send_failures;
+} coord_core;
+
+rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err);
+void coord_core_free(coord_core *core);
+/* Handles one received message (payload of one frame from `route`) at time `now` (seconds). */
+void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
+                       const void *msg, size_t len, double now);
+/* Declares dead the workers silent for too long. */
+void coord_core_tick(coord_core *core, double now);
+/* The status document (malloc'd JSON, caller frees), or NULL when out of memory. */
+char *coord_core_status_json(coord_core *core, double now, size_t *len);
+
+#endif

@@ -1,0 +1,182 @@
+/* ripples-coordinator: the Group Generator as a standalone service, or a status query.
+ *   ripples-coordinator --bind tcp://0.0.0.0:29600 --workers 16 --per-host 4 --policy smart
+ *   ripples-coordinator --status tcp://host:29600 --token HEX */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rpl_coord.h"
+
+static rpl_coord *g_coord; /* for the signal handler only */
+
+static void on_signal(int sig) {
+  (void)sig;
+  if (g_coord) rpl_coord_stop(g_coord); /* sets an atomic flag: the loop ends */
+}
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: ripples-coordinator --workers N [--bind ENDPOINT] [--policy P]\n"
+          "                           [--per-host L | --hosts LABEL,LABEL,...]\n"
+          "                           [--group-size G] [--c-thres C] [--inter-intra]\n"
+          "                           [--seed S] [--token HEX | --token-file PATH]\n"
+          "                           [--heartbeat-ms MS] [--dead-ms MS] [--join-ms MS]\n"
+          "       ripples-coordinator --status ENDPOINT [--token HEX | --token-file PATH]\n"
+          "                           [--timeout-ms MS]\n"
+          "Policies: random, smart, adpsgd, static. The token defaults to $RIPPLES_GG_TOKEN,\n"
+          "else a new one is printed. --join-ms -1 waits for ever for workers to connect.\n");
+}
+
+static int read_token_file(const char *path, char *hex, size_t cap) {
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  size_t n = fread(hex, 1, cap - 1, f);
+  fclose(f);
+  hex[n] = '\0';
+  while (n > 0 && (hex[n - 1] == '\n' || hex[n - 1] == '\r' || hex[n - 1] == ' ')) hex[--n] = '\0';
+  return 0;
+}
+
+static int parse_int(const char *s, const char *what, long lo, long hi, int *out) {
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (!*s || *end || v < lo || v > hi) {
+    fprintf(stderr, "ripples-coordinator: %s must be an integer in [%ld, %ld], got '%s'\n", what,
+            lo, hi, s);
+    return -1;
+  }
+  *out = (int)v;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  const char *bind = "tcp://0.0.0.0:29600", *status = NULL, *token = getenv("RIPPLES_GG_TOKEN");
+  const char *policy = "smart", *hosts = NULL, *token_file = NULL;
+  int workers = 0, per_host = 0, group_size = 0, c_thres = 0, inter_intra = 0;
+  int heartbeat_ms = 0, dead_ms = 0, join_ms = 0, timeout_ms = 5000;
+  unsigned long long seed = 0;
+  char token_buf[128];
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED_VALUE                                                             \
+  if (!v) {                                                                    \
+    fprintf(stderr, "ripples-coordinator: %s needs a value\n", a);             \
+    return 2;                                                                  \
+  }                                                                            \
+  i++
+    if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
+    else if (!strcmp(a, "--inter-intra")) inter_intra = 1;
+    else if (!strcmp(a, "--bind")) { NEED_VALUE; bind = v; }
+    else if (!strcmp(a, "--status")) { NEED_VALUE; status = v; }
+    else if (!strcmp(a, "--token")) { NEED_VALUE; token = v; }
+    else if (!strcmp(a, "--token-file")) { NEED_VALUE; token_file = v; }
+    else if (!strcmp(a, "--policy")) { NEED_VALUE; policy = v; }
+    else if (!strcmp(a, "--hosts")) { NEED_VALUE; hosts = v; }
+    else if (!strcmp(a, "--seed")) { NEED_VALUE; seed = strtoull(v, NULL, 0); }
+    else if (!strcmp(a, "--workers")) { NEED_VALUE; if (parse_int(v, a, 1, RPL_SCHED_MAX_WORKERS, &workers)) return 2; }
+    else if (!strcmp(a, "--per-host")) { NEED_VALUE; if (parse_int(v, a, 1, RPL_SCHED_MAX_WORKERS, &per_host)) return 2; }
+    else if (!strcmp(a, "--group-size")) { NEED_VALUE; if (parse_int(v, a, 1, RPL_SCHED_MAX_WORKERS, &group_size)) return 2; }
+    else if (!strcmp(a, "--c-thres")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &c_thres)) return 2; }
+    else if (!strcmp(a, "--heartbeat-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &heartbeat_ms)) return 2; }
+    else if (!strcmp(a, "--dead-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &dead_ms)) return 2; }
+    else if (!strcmp(a, "--join-ms")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &join_ms)) return 2; }
+    else if (!strcmp(a, "--timeout-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &timeout_ms)) return 2; }
+    else {
+      fprintf(stderr, "ripples-coordinator: unknown argument '%s'\n", a);
+      usage(stderr);
+      return 2;
+    }
+#undef NEED_VALUE
+  }
+  if (token_file) {
+    if (read_token_file(token_file, token_buf, sizeof token_buf) != 0) {
+      fprintf(stderr, "ripples-coordinator: cannot read token file '%s'\n", token_file);
+      return 2;
+    }
+    token = token_buf;
+  }
+  rpl_error err;
+  if (status) {
+    if (!token) {
+      fprintf(stderr, "ripples-coordinator: --status needs the job token (--token, "
+                      "--token-file or $RIPPLES_GG_TOKEN)\n");
+      return 2;
+    }
+    char *json = NULL;
+    if (rpl_gg_query_status(status, token, timeout_ms, &json, &err) != RPL_OK) {
+      fprintf(stderr, "ripples-coordinator: %s\n", err.msg);
+      return 1;
+    }
+    printf("%s\n", json);
+    free(json);
+    return 0;
+  }
+  if (workers < 1) {
+    fprintf(stderr, "ripples-coordinator: --workers N is required\n");
+    usage(stderr);
+    return 2;
+  }
+  rpl_coord_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  if (rpl_policy_parse(policy, &cfg.gg.policy, &err) != RPL_OK) {
+    fprintf(stderr, "ripples-coordinator: %s\n", err.msg);
+    return 2;
+  }
+  int *labels = malloc(sizeof(int) * (size_t)workers);
+  if (!labels) return 1;
+  for (int r = 0; r < workers; r++) labels[r] = per_host ? r / per_host : 0;
+  if (hosts) {
+    const char *p = hosts;
+    for (int r = 0; r < workers; r++) {
+      char *end;
+      long v = strtol(p, &end, 10);
+      if (end == p || (*end != ',' && *end != '\0') || (*end == '\0' && r != workers - 1)) {
+        fprintf(stderr, "ripples-coordinator: --hosts needs %d comma-separated integers\n",
+                workers);
+        free(labels);
+        return 2;
+      }
+      labels[r] = (int)v;
+      p = *end ? end + 1 : end;
+    }
+    if (*p) {
+      fprintf(stderr, "ripples-coordinator: --hosts has more than %d labels\n", workers);
+      free(labels);
+      return 2;
+    }
+  }
+  cfg.bind = bind;
+  cfg.token_hex = token;
+  cfg.gg.nworkers = workers;
+  cfg.gg.host_of = labels;
+  cfg.gg.group_size = group_size;
+  cfg.gg.c_thres = c_thres;
+  cfg.gg.inter_intra = inter_intra;
+  cfg.gg.seed = seed;
+  cfg.heartbeat_ms = heartbeat_ms;
+  cfg.dead_ms = dead_ms;
+  cfg.join_ms = join_ms;
+  rpl_coord *c;
+  if (rpl_coord_create(&cfg, &c, &err) != RPL_OK) {
+    fprintf(stderr, "ripples-coordinator: %s\n", err.msg);
+    free(labels);
+    return 1;
+  }
+  free(labels);
+  g_coord = c;
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_handler = on_signal;
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  printf("ripples-coordinator: %s for %d workers at %s token %s\n", policy, workers,
+         rpl_coord_endpoint(c), rpl_coord_token(c));
+  fflush(stdout);
+  rpl_status st = rpl_coord_run(c, &err);
+  if (st != RPL_OK) fprintf(stderr, "ripples-coordinator: %s\n", err.msg);
+  g_coord = NULL;
+  rpl_coord_destroy(c);
+  return st == RPL_OK ? 0 : 1;
+}

@@ -1,0 +1,62 @@
+/*
+ * rpl_coord.h - the Group Generator service: a ZeroMQ ROUTER that runs a dynamic policy
+ * (csrc/sched) for one job. Runs embedded (a thread started by rank 0, rpl_coord_start) or
+ * standalone (rpl_coord_run in the ripples-coordinator binary). Protocol: PROTOCOL.md.
+ */
+#ifndef RPL_COORD_H
+#define RPL_COORD_H
+
+#include <stdint.h>
+
+#include "rpl_sched.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct rpl_coord_config {
+  const char *bind;        /* zmq endpoint; NULL = "tcp://127.0.0.1:*" (a free port) */
+  const char *token_hex;   /* the job token; NULL = generate one (rpl_coord_token) */
+  rpl_gg_config gg;        /* policy and its knobs (the trace hook is ignored) */
+  int heartbeat_ms;        /* period asked of clients; 0 = 1000 */
+  int dead_ms;             /* a worker silent this long is dead; 0 = 10 * heartbeat_ms */
+  int join_ms;             /* a worker never heard from within this is dead; 0 = 120000,
+                              negative = wait for ever */
+} rpl_coord_config;
+
+typedef struct rpl_coord rpl_coord;
+
+/* Creates the service and binds its socket, so rpl_coord_endpoint is known at once. */
+rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_error *err);
+/* Serves on a new thread ("rpl-gg-coord") until rpl_coord_stop. */
+rpl_status rpl_coord_start(rpl_coord *c, rpl_error *err);
+/* Serves on the calling thread until rpl_coord_stop (from another thread or a signal
+ * handler: it only sets a flag). */
+rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err);
+/* Asks the service to stop; joins the thread if rpl_coord_start made one. Idempotent. */
+void rpl_coord_stop(rpl_coord *c);
+/* Stops if needed and frees everything. */
+void rpl_coord_destroy(rpl_coord *c);
+
+/* The endpoint clients connect to (the bound one, with the port resolved). */
+const char *rpl_coord_endpoint(const rpl_coord *c);
+/* The job token as 32 hex digits. */
+const char *rpl_coord_token(const rpl_coord *c);
+
+typedef struct rpl_coord_counters {
+  uint64_t messages;       /* received, valid or not */
+  uint64_t malformed;      /* dropped: failed parsing, wrong framing, unexpected type */
+  uint64_t bad_token;      /* rejected: wrong job token */
+  uint64_t errors_sent;    /* ERROR replies */
+  uint64_t dead_declared;  /* workers declared dead (missed heartbeats or never joined) */
+  uint64_t send_failures;  /* replies a peer was no longer there to take */
+} rpl_coord_counters;
+
+/* Readable from any thread while the service runs. */
+void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

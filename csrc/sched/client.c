@@ -1,0 +1,432 @@
+/* Worker-side client of the Group Generator service: one DEALER socket for requests (used by
+ * the caller's thread) and a heartbeat thread with its own socket (zmq sockets are not
+ * thread-safe). Replies carry the sequence number of what they answer, so a reply that
+ * arrives after its request timed out is recognised and dropped. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#include "sched_internal.h"
+
+#define MAX_MSG (RPL_PROTO_HEADER + 20 + 4 * (size_t)RPL_SCHED_MAX_WORKERS)
+
+struct rpl_gg_client {
+  char *endpoint;
+  uint8_t token[RPL_TOKEN_LEN];
+  int rank, nworkers, host_label;
+  int timeout_ms, request_timeout_ms, heartbeat_ms;
+  uint32_t dead_ms;            /* from the coordinator's HELLO_ACK */
+  void *ctx;
+  int own_ctx;
+  void *sock;
+  uint32_t seq;
+  uint8_t *buf;                /* receive buffer, MAX_MSG bytes */
+  pthread_mutex_t lock;        /* serialises use of sock */
+  pthread_t beat;
+  int beat_started;
+  atomic_int stop;
+  atomic_int lost;             /* heartbeats unanswered for longer than dead_ms */
+  atomic_ullong hb_sent, hb_acked, requests, cancels;
+  double wait_s;
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static rpl_status zfail(rpl_error *err, const char *what, const char *endpoint) {
+  return rpl_sched_fail(err, RPL_ERR_SYSTEM, "group generator client: %s (%s): %s", what,
+                        endpoint ? endpoint : "", zmq_strerror(zmq_errno()));
+}
+
+static rpl_status send_msg(void *sock, rpl_msg *m, const int *members, rpl_error *err,
+                           const char *endpoint) {
+  uint8_t small[128];
+  size_t need = rpl_msg_encoded_size(m);
+  uint8_t *b = need <= sizeof small ? small : malloc(need);
+  if (!b) return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+  size_t len = rpl_msg_encode(m, members, b, need);
+  int rc = len ? zmq_send(sock, b, len, ZMQ_DONTWAIT) : -1;
+  if (b != small) free(b);
+  if (!len) return rpl_sched_fail(err, RPL_ERR_INVALID, "cannot encode %s", rpl_msg_type_name(m->type));
+  if (rc < 0) return zfail(err, "send", endpoint);
+  return RPL_OK;
+}
+
+static void fill_header(const rpl_gg_client *c, rpl_msg *m, int type, uint32_t seq) {
+  memset(m, 0, sizeof *m);
+  m->type = (uint8_t)type;
+  memcpy(m->token, c->token, RPL_TOKEN_LEN);
+  m->rank = c->rank;
+  m->seq = seq;
+}
+
+/* Error text carried by an ERROR reply, as a status for the caller. */
+static rpl_status from_error_reply(const rpl_msg *m, const char *endpoint, rpl_error *err) {
+  rpl_status code = m->code == RPL_PERR_LEFT ? RPL_ERR_CLOSED : RPL_ERR_INVALID;
+  return rpl_sched_fail(err, code, "group generator at %s refused: %.*s", endpoint,
+                        (int)(m->text_len > 400 ? 400 : m->text_len), m->text ? m->text : "");
+}
+
+/* Waits until `deadline` for a reply on sock answering `seq`; drops stale or foreign ones.
+ * Returns RPL_OK with *m filled, RPL_ERR_TIMEOUT, or another error. `lost` may be NULL. */
+static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_TOKEN_LEN],
+                             int nworkers, uint32_t seq, double deadline, atomic_int *lost,
+                             const char *endpoint, rpl_msg *m, rpl_error *err) {
+  for (;;) {
+    double left = deadline - now_s();
+    if (left <= 0) return rpl_sched_fail(err, RPL_ERR_TIMEOUT, "timed out");
+    if (lost && atomic_load(lost))
+      return rpl_sched_fail(err, RPL_ERR_PEER,
+                            "group generator at %s stopped answering heartbeats", endpoint);
+    long ms = (long)(left * 1000.0) + 1;
+    if (ms > 100) ms = 100; /* wake up to notice a lost coordinator */
+    zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
+    int rc = zmq_poll(&it, 1, ms);
+    if (rc < 0) {
+      if (zmq_errno() == EINTR) continue;
+      return zfail(err, "poll", endpoint);
+    }
+    if (rc == 0) continue;
+    int n = zmq_recv(sock, buf, MAX_MSG, ZMQ_DONTWAIT);
+    if (n < 0) {
+      if (zmq_errno() == EAGAIN || zmq_errno() == EINTR) continue;
+      return zfail(err, "recv", endpoint);
+    }
+    if ((size_t)n > MAX_MSG) continue; /* truncated: not ours */
+    rpl_error perr;
+    if (rpl_msg_parse(buf, (size_t)n, nworkers, m, &perr) != RPL_OK) continue;
+    if (!rpl_token_equal(m->token, token) && m->type != RPL_MSG_ERROR) continue;
+    if (m->seq != seq) continue;
+    return RPL_OK;
+  }
+}
+
+static void *beat_main(void *arg) {
+  rpl_gg_client *c = arg;
+  pthread_setname_np(pthread_self(), "rpl-gg-beat");
+  void *s = zmq_socket(c->ctx, ZMQ_DEALER);
+  if (!s) return NULL;
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  if (zmq_connect(s, c->endpoint) != 0) {
+    zmq_close(s);
+    return NULL;
+  }
+  uint8_t *buf = malloc(MAX_MSG);
+  double last_ack = now_s(), next_send = 0;
+  uint32_t seq = 0;
+  while (buf && !atomic_load(&c->stop)) {
+    double t = now_s();
+    if (t >= next_send) {
+      rpl_msg m;
+      fill_header(c, &m, RPL_MSG_HEARTBEAT, ++seq);
+      rpl_error e;
+      if (send_msg(s, &m, NULL, &e, c->endpoint) == RPL_OK) atomic_fetch_add(&c->hb_sent, 1);
+      next_send = t + c->heartbeat_ms / 1000.0;
+    }
+    zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 50) > 0) {
+      int n;
+      while ((n = zmq_recv(s, buf, MAX_MSG, ZMQ_DONTWAIT)) >= 0) {
+        rpl_msg m;
+        rpl_error e;
+        if ((size_t)n <= MAX_MSG && rpl_msg_parse(buf, (size_t)n, c->nworkers, &m, &e) == RPL_OK &&
+            m.type == RPL_MSG_HEARTBEAT_ACK && rpl_token_equal(m.token, c->token)) {
+          atomic_fetch_add(&c->hb_acked, 1);
+          last_ack = now_s();
+          atomic_store(&c->lost, 0);
+        }
+      }
+    }
+    if (now_s() - last_ack > c->dead_ms / 1000.0) atomic_store(&c->lost, 1);
+  }
+  free(buf);
+  zmq_close(s);
+  return NULL;
+}
+
+rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client **out,
+                                rpl_error *err) {
+  *out = NULL;
+  if (!cfg || !cfg->endpoint || !*cfg->endpoint)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: no endpoint");
+  if (cfg->nworkers < 1 || cfg->nworkers > RPL_SCHED_MAX_WORKERS || cfg->rank < 0 ||
+      cfg->rank >= cfg->nworkers)
+    return rpl_sched_fail(err, RPL_ERR_INVALID,
+                          "group generator client: rank %d / nworkers %d out of range",
+                          cfg->rank, cfg->nworkers);
+  rpl_gg_client *c = calloc(1, sizeof *c);
+  if (!c) return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+  rpl_status st = rpl_token_from_hex(cfg->token_hex, c->token, err);
+  if (st != RPL_OK) {
+    free(c);
+    return st;
+  }
+  pthread_mutex_init(&c->lock, NULL);
+  c->endpoint = strdup(cfg->endpoint);
+  c->buf = malloc(MAX_MSG);
+  c->rank = cfg->rank;
+  c->nworkers = cfg->nworkers;
+  c->host_label = cfg->host_label;
+  c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 10000;
+  c->request_timeout_ms = cfg->request_timeout_ms > 0 ? cfg->request_timeout_ms : 300000;
+  c->heartbeat_ms = cfg->heartbeat_ms == 0 ? 1000 : cfg->heartbeat_ms;
+  if (!c->endpoint || !c->buf) {
+    rpl_gg_client_destroy(c);
+    return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+  }
+  c->ctx = cfg->zmq_context;
+  if (!c->ctx) {
+    c->ctx = zmq_ctx_new();
+    c->own_ctx = 1;
+  }
+  c->sock = c->ctx ? zmq_socket(c->ctx, ZMQ_DEALER) : NULL;
+  if (!c->sock) {
+    st = zfail(err, "socket", c->endpoint);
+    rpl_gg_client_destroy(c);
+    return st;
+  }
+  int linger = 1000; /* let a final DONE/LEAVE go out on close */
+  zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
+  if (zmq_connect(c->sock, c->endpoint) != 0) {
+    st = rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
+                        c->endpoint, zmq_strerror(zmq_errno()));
+    rpl_gg_client_destroy(c);
+    return st;
+  }
+  rpl_msg m;
+  fill_header(c, &m, RPL_MSG_HELLO, ++c->seq);
+  m.nworkers = c->nworkers;
+  m.host_label = c->host_label;
+  st = send_msg(c->sock, &m, NULL, err, c->endpoint);
+  if (st == RPL_OK)
+    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq,
+                    now_s() + c->timeout_ms / 1000.0, NULL, c->endpoint, &m, err);
+  if (st == RPL_ERR_TIMEOUT)
+    st = rpl_sched_fail(err, RPL_ERR_PEER,
+                        "group generator at %s did not answer within %d ms (not running, wrong "
+                        "endpoint, or unreachable)",
+                        c->endpoint, c->timeout_ms);
+  else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
+    st = from_error_reply(&m, c->endpoint, err);
+  else if (st == RPL_OK && m.type != RPL_MSG_HELLO_ACK)
+    st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
+                        c->endpoint, rpl_msg_type_name(m.type));
+  if (st != RPL_OK) {
+    rpl_gg_client_destroy(c);
+    return st;
+  }
+  c->dead_ms = m.dead_ms ? m.dead_ms : 10000;
+  if (c->heartbeat_ms > 0) {
+    if (pthread_create(&c->beat, NULL, beat_main, c) != 0) {
+      rpl_gg_client_destroy(c);
+      return rpl_sched_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
+    }
+    c->beat_started = 1;
+  }
+  *out = c;
+  return RPL_OK;
+}
+
+static rpl_status send_simple(rpl_gg_client *c, int type, rpl_error *err) {
+  rpl_msg m;
+  fill_header(c, &m, type, ++c->seq);
+  return send_msg(c->sock, &m, NULL, err, c->endpoint);
+}
+
+rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members, int cap,
+                                 int *n, uint64_t *group_id, rpl_error *err) {
+  pthread_mutex_lock(&c->lock);
+  double t0 = now_s(), deadline = t0 + c->request_timeout_ms / 1000.0;
+  rpl_status st;
+  atomic_fetch_add(&c->requests, 1);
+  for (;;) {
+    rpl_msg m;
+    fill_header(c, &m, RPL_MSG_REQUEST, ++c->seq);
+    m.round = round;
+    st = send_msg(c->sock, &m, NULL, err, c->endpoint);
+    if (st != RPL_OK) break;
+    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq, deadline, &c->lost,
+                    c->endpoint, &m, err);
+    if (st == RPL_ERR_TIMEOUT) {
+      /* Nobody must wait for a group we will not run: drop our place in every group. */
+      rpl_error e2;
+      send_simple(c, RPL_MSG_FENCE, &e2);
+      send_simple(c, RPL_MSG_UNFENCE, &e2);
+      st = rpl_sched_fail(err, RPL_ERR_TIMEOUT,
+                          "no group from the group generator at %s for round %llu within %d ms",
+                          c->endpoint, (unsigned long long)round, c->request_timeout_ms);
+      break;
+    }
+    if (st != RPL_OK) break;
+    if (m.type == RPL_MSG_CANCEL) {
+      atomic_fetch_add(&c->cancels, 1);
+      continue; /* a member fenced, left or died before the group started: ask again */
+    }
+    if (m.type == RPL_MSG_ERROR) {
+      st = from_error_reply(&m, c->endpoint, err);
+      break;
+    }
+    if (m.type != RPL_MSG_GROUP || m.round != round) {
+      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator answered a request with %s",
+                          rpl_msg_type_name(m.type));
+      break;
+    }
+    if ((int)m.nmembers > cap) {
+      *n = (int)m.nmembers;
+      st = rpl_sched_fail(err, RPL_ERR_INVALID, "group of %u members, buffer holds %d",
+                          m.nmembers, cap);
+      break;
+    }
+    int self = 0;
+    for (uint32_t i = 0; i < m.nmembers; i++) {
+      members[i] = rpl_msg_member(&m, i);
+      self |= members[i] == c->rank;
+    }
+    if (!self) {
+      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator sent a group without rank %d",
+                          c->rank);
+      break;
+    }
+    *n = (int)m.nmembers;
+    *group_id = m.group_id;
+    break;
+  }
+  c->wait_s += now_s() - t0;
+  pthread_mutex_unlock(&c->lock);
+  return st;
+}
+
+rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t status,
+                              rpl_error *err) {
+  pthread_mutex_lock(&c->lock);
+  rpl_msg m;
+  fill_header(c, &m, RPL_MSG_DONE, ++c->seq);
+  m.group_id = group_id;
+  m.status = status;
+  rpl_status st = send_msg(c->sock, &m, NULL, err, c->endpoint);
+  pthread_mutex_unlock(&c->lock);
+  return st;
+}
+
+rpl_status rpl_gg_client_fence(rpl_gg_client *c, rpl_error *err) {
+  pthread_mutex_lock(&c->lock);
+  rpl_status st = send_simple(c, RPL_MSG_FENCE, err);
+  pthread_mutex_unlock(&c->lock);
+  return st;
+}
+
+rpl_status rpl_gg_client_unfence(rpl_gg_client *c, rpl_error *err) {
+  pthread_mutex_lock(&c->lock);
+  rpl_status st = send_simple(c, RPL_MSG_UNFENCE, err);
+  pthread_mutex_unlock(&c->lock);
+  return st;
+}
+
+rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {
+  pthread_mutex_lock(&c->lock);
+  rpl_status st = send_simple(c, RPL_MSG_LEAVE, err);
+  rpl_msg m;
+  if (st == RPL_OK)
+    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq,
+                    now_s() + c->timeout_ms / 1000.0, NULL, c->endpoint, &m, err);
+  if (st == RPL_ERR_TIMEOUT)
+    st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s did not acknowledge LEAVE "
+                        "within %d ms", c->endpoint, c->timeout_ms);
+  else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
+    st = from_error_reply(&m, c->endpoint, err);
+  pthread_mutex_unlock(&c->lock);
+  return st;
+}
+
+void rpl_gg_client_destroy(rpl_gg_client *c) {
+  if (!c) return;
+  atomic_store(&c->stop, 1);
+  if (c->beat_started) pthread_join(c->beat, NULL);
+  if (c->sock) zmq_close(c->sock);
+  if (c->own_ctx && c->ctx) zmq_ctx_term(c->ctx);
+  pthread_mutex_destroy(&c->lock);
+  free(c->endpoint);
+  free(c->buf);
+  free(c);
+}
+
+void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out) {
+  out->requests = atomic_load(&c->requests);
+  out->cancels = atomic_load(&c->cancels);
+  out->heartbeats_sent = atomic_load(&c->hb_sent);
+  out->heartbeats_acked = atomic_load(&c->hb_acked);
+  pthread_mutex_lock(&c->lock);
+  out->wait_s = c->wait_s;
+  pthread_mutex_unlock(&c->lock);
+}
+
+rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int timeout_ms,
+                               char **json, rpl_error *err) {
+  *json = NULL;
+  uint8_t token[RPL_TOKEN_LEN];
+  rpl_status st = rpl_token_from_hex(token_hex, token, err);
+  if (st != RPL_OK) return st;
+  if (timeout_ms <= 0) timeout_ms = 5000;
+  void *ctx = zmq_ctx_new();
+  void *s = ctx ? zmq_socket(ctx, ZMQ_DEALER) : NULL;
+  uint8_t *buf = malloc(RPL_PROTO_HEADER + RPL_PROTO_MAX_BODY);
+  if (!s || !buf) {
+    st = zfail(err, "socket", endpoint);
+    goto out;
+  }
+  int linger = 0;
+  zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  if (zmq_connect(s, endpoint) != 0) {
+    st = rpl_sched_fail(err, RPL_ERR_INVALID, "cannot connect to '%s': %s", endpoint,
+                        zmq_strerror(zmq_errno()));
+    goto out;
+  }
+  rpl_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = RPL_MSG_STATUS;
+  memcpy(m.token, token, RPL_TOKEN_LEN);
+  m.rank = -1;
+  m.seq = 1;
+  st = send_msg(s, &m, NULL, err, endpoint);
+  if (st != RPL_OK) goto out;
+  for (;;) {
+    zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
+    int rc = zmq_poll(&it, 1, timeout_ms);
+    if (rc <= 0) {
+      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s did not answer within %d ms",
+                          endpoint, timeout_ms);
+      goto out;
+    }
+    int n = zmq_recv(s, buf, RPL_PROTO_HEADER + RPL_PROTO_MAX_BODY, 0);
+    if (n < 0 || (size_t)n > RPL_PROTO_HEADER + RPL_PROTO_MAX_BODY) continue;
+    rpl_error perr;
+    if (rpl_msg_parse(buf, (size_t)n, 0, &m, &perr) != RPL_OK) continue;
+    if (m.type == RPL_MSG_ERROR) {
+      st = from_error_reply(&m, endpoint, err);
+      goto out;
+    }
+    if (m.type != RPL_MSG_STATUS_REPLY || !rpl_token_equal(m.token, token)) continue;
+    *json = malloc((size_t)m.text_len + 1);
+    if (!*json) {
+      st = rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+      goto out;
+    }
+    memcpy(*json, m.text, m.text_len);
+    (*json)[m.text_len] = '\0';
+    st = RPL_OK;
+    goto out;
+  }
+out:
+  free(buf);
+  if (s) zmq_close(s);
+  if (ctx) zmq_ctx_term(ctx);
+  return st;
+}

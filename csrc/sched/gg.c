@@ -1,0 +1,735 @@
+/*
+ * The dynamic Group Generator: a state machine over plain structs, no I/O, no clock.
+ *
+ * Model (shared by every policy). One partial call of a worker is one round and one group.
+ * Each worker has a Group Buffer: the groups it belongs to and has not yet received, in
+ * generation order. A group is handed to its members all at once, when every member is
+ * waiting (has an outstanding request) with that group at the head of its buffer and holds no
+ * lock. Handing sets each member's lock (the paper's lock vector), released by its done.
+ * Consequences, relied on by the tests:
+ *   - every worker receives its groups in generation order (buffers are FIFO);
+ *   - no worker is in two running groups (a lock is held from handing to done, and a member
+ *     only asks again after its done);
+ *   - no deadlock: the oldest pending group is at the head of all its members' buffers, so it
+ *     is handed as soon as they all ask;
+ *   - cancelling a group that has not been handed is always safe: nobody has started it.
+ * Policies differ only in what they generate when a requester's buffer is empty:
+ *   random  - one group: the requester plus group_size-1 live workers drawn uniformly. Drawn
+ *             workers may be busy; the group then waits (a conflict, counted).
+ *   adpsgd  - random with pairs.
+ *   smart   - a Global Division: every idle live worker (empty buffer, no lock) that passes the
+ *             slowdown filter c_i - c_w < c_thres is partitioned into groups of about
+ *             group_size; with inter_intra, an Inter then an Intra group per participant.
+ *   static  - the static schedule's group for the request's round (for simulation).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "sched_internal.h"
+
+enum { G_PENDING = 0, G_HANDED = 1, G_CANCELLED = 2 };
+
+typedef struct gg_group {
+  uint64_t id;
+  uint64_t key;                /* static: the schedule's group id for matching; else 0 */
+  int n;
+  int refs;                    /* buffer entries + queued events */
+  uint8_t state;
+  uint8_t phase;
+  uint8_t heads;
+  struct gg_group *prev, *next; /* pending list, generation order */
+  int members[];               /* sorted */
+} gg_group;
+
+typedef struct gg_worker {
+  uint8_t state;               /* rpl_worker_state */
+  uint8_t waiting;
+  uint8_t counted;             /* has made a counted request (last_round valid) */
+  uint64_t waiting_round;
+  uint64_t last_round;
+  uint64_t c;                  /* requests counted, the slowdown filter's c_w */
+  uint64_t locked;
+  uint64_t handed;
+  uint64_t cancels;
+  gg_group **buf;
+  int blen, bcap;
+} gg_worker;
+
+typedef struct gg_event {
+  uint8_t kind;
+  uint8_t reason;
+  int worker;
+  int culprit;
+  uint64_t round;
+  gg_group *group;
+} gg_event;
+
+struct rpl_gg {
+  rpl_policy policy;
+  int n;
+  int group_size;
+  int c_thres;                 /* negative = off */
+  int inter_intra;
+  uint64_t rng;
+  rpl_layout *layout;
+  gg_worker *w;
+  int nlive;
+  uint64_t next_id;
+  uint64_t next_division;
+  gg_group *pend_head, *pend_tail;
+  gg_event *ev;
+  size_t ev_len, ev_cap, ev_pos;
+  int *scratch_a, *scratch_b;  /* [n] */
+  int *host_cnt;               /* [hosts + 1] */
+  rpl_gg_stats st;
+  void (*trace)(void *ctx, const rpl_gg_trace *t);
+  void *trace_ctx;
+};
+
+const char *rpl_policy_name(rpl_policy p) {
+  switch (p) {
+    case RPL_POLICY_STATIC: return "static";
+    case RPL_POLICY_RANDOM: return "random";
+    case RPL_POLICY_SMART: return "smart";
+    case RPL_POLICY_ADPSGD: return "adpsgd";
+    default: return "?";
+  }
+}
+
+rpl_status rpl_policy_parse(const char *name, rpl_policy *out, rpl_error *err) {
+  for (int p = 0; p < RPL_POLICY_COUNT; p++) {
+    if (name && strcmp(name, rpl_policy_name((rpl_policy)p)) == 0) {
+      *out = (rpl_policy)p;
+      return RPL_OK;
+    }
+  }
+  return rpl_sched_fail(err, RPL_ERR_INVALID,
+                        "unknown schedule policy '%s' (static, random, smart, adpsgd)",
+                        name ? name : "(null)");
+}
+
+const char *rpl_reason_name(rpl_reason r) {
+  switch (r) {
+    case RPL_REASON_NONE: return "none";
+    case RPL_REASON_FENCED: return "fenced";
+    case RPL_REASON_LEFT: return "left";
+    case RPL_REASON_DEAD: return "dead";
+    default: return "?";
+  }
+}
+
+const char *rpl_worker_state_name(rpl_worker_state s) {
+  switch (s) {
+    case RPL_WORKER_LIVE: return "live";
+    case RPL_WORKER_FENCED: return "fenced";
+    case RPL_WORKER_LEFT: return "left";
+    case RPL_WORKER_DEAD: return "dead";
+    default: return "?";
+  }
+}
+
+/* ---- small containers ------------------------------------------------------------------- */
+
+static int buf_push(gg_worker *w, gg_group *g) {
+  if (w->blen == w->bcap) {
+    int cap = w->bcap ? 2 * w->bcap : 4;
+    gg_group **nb = realloc(w->buf, sizeof *nb * (size_t)cap);
+    if (!nb) return -1;
+    w->buf = nb;
+    w->bcap = cap;
+  }
+  w->buf[w->blen++] = g;
+  g->refs++;
+  return 0;
+}
+
+/* Removes g from w's buffer; returns its former position or -1. */
+static int buf_remove(gg_worker *w, gg_group *g) {
+  for (int i = 0; i < w->blen; i++) {
+    if (w->buf[i] == g) {
+      memmove(w->buf + i, w->buf + i + 1, sizeof *w->buf * (size_t)(w->blen - i - 1));
+      w->blen--;
+      g->refs--;
+      return i;
+    }
+  }
+  return -1;
+}
+
+static void group_maybe_free(gg_group *g) {
+  if (g->refs == 0 && g->state != G_PENDING) free(g);
+}
+
+static int ev_push(rpl_gg *gg, uint8_t kind, int worker, gg_group *g, uint64_t round,
+                   int culprit, rpl_reason reason) {
+  if (gg->ev_pos > 0 && gg->ev_pos == gg->ev_len) gg->ev_pos = gg->ev_len = 0;
+  if (gg->ev_len == gg->ev_cap) {
+    size_t cap = gg->ev_cap ? 2 * gg->ev_cap : 64;
+    gg_event *ne = realloc(gg->ev, sizeof *ne * cap);
+    if (!ne) return -1;
+    gg->ev = ne;
+    gg->ev_cap = cap;
+  }
+  gg_event *e = &gg->ev[gg->ev_len++];
+  e->kind = kind;
+  e->worker = worker;
+  e->group = g;
+  e->round = round;
+  e->culprit = culprit;
+  e->reason = (uint8_t)reason;
+  g->refs++;
+  return 0;
+}
+
+static int group_has(const gg_group *g, int w) {
+  int lo = 0, hi = g->n - 1;
+  while (lo <= hi) {
+    int mid = (lo + hi) / 2;
+    if (g->members[mid] == w) return 1;
+    if (g->members[mid] < w) lo = mid + 1;
+    else hi = mid - 1;
+  }
+  return 0;
+}
+
+static void trace_group(rpl_gg *gg, rpl_trace_kind kind, const gg_group *g, int initiator,
+                        uint64_t division) {
+  if (!gg->trace) return;
+  rpl_gg_trace t = {kind, g->id, g->members, g->n, (rpl_phase)g->phase, g->heads, initiator,
+                    division};
+  gg->trace(gg->trace_ctx, &t);
+}
+
+/* ---- lifecycle ------------------------------------------------------------------------- */
+
+rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err) {
+  *out = NULL;
+  if (!cfg) return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: no config");
+  if ((int)cfg->policy < 0 || cfg->policy >= RPL_POLICY_COUNT)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: unknown policy %d", (int)cfg->policy);
+  if (cfg->nworkers < 1 || cfg->nworkers > RPL_SCHED_MAX_WORKERS)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: nworkers %d out of range [1, %d]",
+                          cfg->nworkers, RPL_SCHED_MAX_WORKERS);
+  if (cfg->group_size < 0 || cfg->group_size > RPL_SCHED_MAX_WORKERS)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: group_size %d must be >= 1 (0 = default)",
+                          cfg->group_size);
+  rpl_gg *gg = calloc(1, sizeof *gg);
+  if (!gg) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  gg->policy = cfg->policy;
+  gg->n = cfg->nworkers;
+  gg->group_size = cfg->group_size ? cfg->group_size : RPL_GG_DEFAULT_GROUP_SIZE;
+  if (gg->policy == RPL_POLICY_ADPSGD) gg->group_size = 2;
+  gg->c_thres = cfg->c_thres ? cfg->c_thres : RPL_GG_DEFAULT_C_THRES;
+  gg->inter_intra = cfg->inter_intra ? 1 : 0;
+  gg->rng = cfg->seed ^ 0x5851f42d4c957f2dull;
+  gg->trace = cfg->trace;
+  gg->trace_ctx = cfg->trace_ctx;
+  gg->next_id = 1;
+  gg->nlive = gg->n;
+  rpl_status st = rpl_layout_create(gg->n, cfg->host_of, &gg->layout, err);
+  if (st != RPL_OK) {
+    free(gg);
+    return st;
+  }
+  gg->w = calloc((size_t)gg->n, sizeof *gg->w);
+  gg->scratch_a = malloc(sizeof(int) * (size_t)gg->n);
+  gg->scratch_b = malloc(sizeof(int) * (size_t)gg->n);
+  gg->host_cnt = calloc((size_t)rpl_layout_hosts(gg->layout) + 1, sizeof(int));
+  if (!gg->w || !gg->scratch_a || !gg->scratch_b || !gg->host_cnt) {
+    rpl_gg_destroy(gg);
+    return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  }
+  *out = gg;
+  return RPL_OK;
+}
+
+void rpl_gg_destroy(rpl_gg *gg) {
+  if (!gg) return;
+  /* Every group is reachable from the pending list, a buffer or an event: drop all refs. */
+  for (size_t i = gg->ev_pos; i < gg->ev_len; i++) {
+    gg_group *g = gg->ev[i].group;
+    g->refs--;
+    group_maybe_free(g);
+  }
+  while (gg->pend_head) {
+    gg_group *g = gg->pend_head;
+    gg->pend_head = g->next;
+    g->state = G_CANCELLED;
+    g->prev = g->next = NULL;
+  }
+  if (gg->w) {
+    for (int i = 0; i < gg->n; i++) {
+      gg_worker *w = &gg->w[i];
+      for (int k = 0; k < w->blen; k++) {
+        w->buf[k]->refs--;
+        group_maybe_free(w->buf[k]);
+      }
+      free(w->buf);
+    }
+  }
+  free(gg->w);
+  free(gg->ev);
+  free(gg->scratch_a);
+  free(gg->scratch_b);
+  free(gg->host_cnt);
+  rpl_layout_destroy(gg->layout);
+  free(gg);
+}
+
+/* ---- groups -------------------------------------------------------------------------------- */
+
+static void pend_unlink(rpl_gg *gg, gg_group *g) {
+  if (g->prev) g->prev->next = g->next;
+  else gg->pend_head = g->next;
+  if (g->next) g->next->prev = g->prev;
+  else gg->pend_tail = g->prev;
+  g->prev = g->next = NULL;
+  gg->st.pending--;
+}
+
+static int worker_idle(const gg_worker *w) { return w->blen == 0 && w->locked == 0; }
+
+/* Creates a group from members[0..n) (any order; sorted here), appends it to every member's
+ * buffer and the pending list. */
+static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase phase,
+                               int heads, uint64_t key, int initiator, uint64_t division,
+                               gg_group **out, rpl_error *err) {
+  gg_group *g = calloc(1, sizeof *g + sizeof(int) * (size_t)n);
+  if (!g) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  g->id = gg->next_id++;
+  g->key = key;
+  g->n = n;
+  g->phase = (uint8_t)phase;
+  g->heads = (uint8_t)heads;
+  memcpy(g->members, members, sizeof(int) * (size_t)n);
+  rpl_sort_ints(g->members, n);
+  int conflict = 0;
+  for (int i = 0; i < n; i++) {
+    gg_worker *w = &gg->w[g->members[i]];
+    /* A conflict: a drawn member already has groups to serve. Divisions draw idle workers
+     * only (their second, Intra group follows the Inter group by design, not a conflict). */
+    if (division == 0 && g->members[i] != initiator && !worker_idle(w)) conflict = 1;
+    if (buf_push(w, g) != 0) {
+      for (int k = 0; k < i; k++) buf_remove(&gg->w[g->members[k]], g);
+      free(g);
+      return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+    }
+  }
+  g->prev = gg->pend_tail;
+  if (gg->pend_tail) gg->pend_tail->next = g;
+  else gg->pend_head = g;
+  gg->pend_tail = g;
+  gg->st.pending++;
+  gg->st.groups_created++;
+  if (conflict) gg->st.conflicts++;
+  trace_group(gg, RPL_TRACE_CREATED, g, initiator, division);
+  if (out) *out = g;
+  return RPL_OK;
+}
+
+/* Hands g to all members if each is waiting with g first in its buffer and unlocked. */
+static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err) {
+  if (!g || g->state != G_PENDING) return RPL_OK;
+  for (int i = 0; i < g->n; i++) {
+    const gg_worker *w = &gg->w[g->members[i]];
+    if (!w->waiting || w->blen == 0 || w->buf[0] != g || w->locked) return RPL_OK;
+  }
+  g->state = G_HANDED;
+  pend_unlink(gg, g);
+  for (int i = 0; i < g->n; i++) {
+    gg_worker *w = &gg->w[g->members[i]];
+    buf_remove(w, g);
+    w->waiting = 0;
+    w->locked = g->id;
+    w->handed++;
+    if (ev_push(gg, RPL_EV_GROUP, g->members[i], g, w->waiting_round, -1, RPL_REASON_NONE) != 0)
+      return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  }
+  gg->st.groups_handed++;
+  if (g->n == 1) gg->st.singletons_handed++;
+  trace_group(gg, RPL_TRACE_HANDED, g, -1, 0);
+  group_maybe_free(g);
+  return RPL_OK;
+}
+
+static rpl_status group_cancel(rpl_gg *gg, gg_group *g, int culprit, rpl_reason reason,
+                               rpl_error *err) {
+  rpl_status st = RPL_OK;
+  g->state = G_CANCELLED;
+  pend_unlink(gg, g);
+  g->refs++; /* keep g alive while members let go */
+  for (int i = 0; i < g->n; i++) {
+    int m = g->members[i];
+    gg_worker *w = &gg->w[m];
+    int pos = buf_remove(w, g);
+    if (pos == 0 && w->waiting) {
+      w->waiting = 0;
+      if (m != culprit) {
+        w->cancels++;
+        if (ev_push(gg, RPL_EV_CANCEL, m, g, w->waiting_round, culprit, reason) != 0)
+          st = rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+      }
+    }
+  }
+  gg->st.groups_cancelled++;
+  trace_group(gg, RPL_TRACE_CANCELLED, g, culprit, 0);
+  g->refs--;
+  group_maybe_free(g);
+  return st;
+}
+
+/* ---- generation ----------------------------------------------------------------------------- */
+
+static void shuffle(uint64_t *rng, int *a, int n) {
+  for (int i = n - 1; i > 0; i--) {
+    int j = (int)rpl_rng_below(rng, (uint32_t)i + 1);
+    int t = a[i];
+    a[i] = a[j];
+    a[j] = t;
+  }
+}
+
+/* k distinct live workers other than w, uniformly; returns how many (fewer if not enough). */
+static int draw_others(rpl_gg *gg, int w, int k, int *out) {
+  int others = gg->nlive - (gg->w[w].state == RPL_WORKER_LIVE ? 1 : 0);
+  if (k > others) k = others;
+  if (k <= 0) return 0;
+  if (others * 4 >= gg->n && others > 2 * k) {
+    /* Plenty of candidates: rejection sampling costs O(k) instead of a scan of all workers. */
+    int got = 0;
+    while (got < k) {
+      int r = (int)rpl_rng_below(&gg->rng, (uint32_t)gg->n);
+      if (r == w || gg->w[r].state != RPL_WORKER_LIVE) continue;
+      int dup = 0;
+      for (int i = 0; i < got; i++) dup |= out[i] == r;
+      if (!dup) out[got++] = r;
+    }
+    return got;
+  }
+  int *cand = gg->scratch_b, nc = 0;
+  for (int r = 0; r < gg->n; r++)
+    if (r != w && gg->w[r].state == RPL_WORKER_LIVE) cand[nc++] = r;
+  for (int i = 0; i < k; i++) { /* partial Fisher-Yates */
+    int j = i + (int)rpl_rng_below(&gg->rng, (uint32_t)(nc - i));
+    int t = cand[i];
+    cand[i] = cand[j];
+    cand[j] = t;
+    out[i] = cand[i];
+  }
+  return k;
+}
+
+/* Splits a[0..n) (already shuffled) into max(1, round(n/g)) groups whose sizes differ by at
+ * most one, and creates them. */
+static rpl_status partition_create(rpl_gg *gg, int *a, int n, rpl_phase phase, int heads,
+                                   int initiator, uint64_t division, rpl_error *err) {
+  if (n <= 0) return RPL_OK;
+  int g = gg->group_size;
+  int k = (n + g / 2) / g;
+  if (k < 1) k = 1;
+  for (int i = 0; i < k; i++) {
+    int lo = (int)((int64_t)i * n / k), hi = (int)((int64_t)(i + 1) * n / k);
+    rpl_status st = group_create(gg, a + lo, hi - lo, phase, heads, 0, initiator, division,
+                                 NULL, err);
+    if (st != RPL_OK) return st;
+  }
+  return RPL_OK;
+}
+
+static rpl_status generate_random(rpl_gg *gg, int w, rpl_error *err) {
+  int *m = gg->scratch_a;
+  int k = draw_others(gg, w, gg->group_size - 1, m + 1);
+  m[0] = w;
+  return group_create(gg, m, k + 1, RPL_PHASE_PLAIN, 0, 0, w, 0, NULL, err);
+}
+
+static rpl_status generate_division(rpl_gg *gg, int w, rpl_error *err) {
+  int *p = gg->scratch_a, np = 0;
+  uint64_t ci = gg->w[w].c;
+  p[np++] = w;
+  for (int r = 0; r < gg->n; r++) {
+    const gg_worker *x = &gg->w[r];
+    if (r == w || x->state != RPL_WORKER_LIVE || !worker_idle(x)) continue;
+    /* Slowdown filter (paper 5.3): keep out workers far behind the initiator. */
+    if (gg->c_thres >= 0 && ci > x->c && ci - x->c >= (uint64_t)gg->c_thres) {
+      gg->st.filtered++;
+      continue;
+    }
+    p[np++] = r;
+  }
+  uint64_t division = ++gg->next_division;
+  gg->st.divisions++;
+  if (gg->trace) { /* a sorted copy: tracing must not change the draws */
+    memcpy(gg->scratch_b, p, sizeof(int) * (size_t)np);
+    rpl_sort_ints(gg->scratch_b, np);
+    rpl_gg_trace t = {RPL_TRACE_DIVISION, 0, gg->scratch_b, np, RPL_PHASE_PLAIN, 0, w,
+                      division};
+    gg->trace(gg->trace_ctx, &t);
+  }
+  if (!gg->inter_intra) {
+    shuffle(&gg->rng, p, np);
+    return partition_create(gg, p, np, RPL_PHASE_PLAIN, 0, w, division, err);
+  }
+  /* Inter-Intra (paper 5.2): bucket participants by host (counting sort into scratch_b). */
+  const rpl_layout *l = gg->layout;
+  int nh = rpl_layout_hosts(l);
+  int *cnt = gg->host_cnt, *by = gg->scratch_b;
+  memset(cnt, 0, sizeof(int) * (size_t)(nh + 1));
+  for (int i = 0; i < np; i++) cnt[rpl_layout_host(l, p[i]) + 1]++;
+  for (int h = 0; h < nh; h++) cnt[h + 1] += cnt[h];
+  for (int i = 0; i < np; i++) by[cnt[rpl_layout_host(l, p[i])]++] = p[i];
+  for (int h = nh; h > 0; h--) cnt[h] = cnt[h - 1]; /* restore starts: host h = [cnt[h], cnt[h+1]) */
+  cnt[0] = 0;
+  int represented = 0;
+  for (int h = 0; h < nh; h++) represented += cnt[h + 1] > cnt[h];
+  rpl_status st = RPL_OK;
+  if (represented >= 2) {
+    /* One random head per represented host; heads grouped across hosts. p is reused for the
+     * heads, which are moved to the front of each host's slice. */
+    int nheads = 0;
+    for (int h = 0; h < nh && st == RPL_OK; h++) {
+      int lo = cnt[h], hi = cnt[h + 1];
+      if (hi == lo) continue;
+      int j = lo + (int)rpl_rng_below(&gg->rng, (uint32_t)(hi - lo));
+      int t = by[lo];
+      by[lo] = by[j];
+      by[j] = t;
+      p[nheads++] = by[lo];
+    }
+    shuffle(&gg->rng, p, nheads);
+    st = partition_create(gg, p, nheads, RPL_PHASE_INTER, 1, w, division, err);
+    for (int h = 0; h < nh && st == RPL_OK; h++) {
+      int lo = cnt[h] + 1, hi = cnt[h + 1];
+      if (hi <= lo) continue;
+      shuffle(&gg->rng, by + lo, hi - lo);
+      st = partition_create(gg, by + lo, hi - lo, RPL_PHASE_INTER, 0, w, division, err);
+    }
+  } else {
+    shuffle(&gg->rng, by, np);
+    st = partition_create(gg, by, np, RPL_PHASE_INTER, 0, w, division, err);
+  }
+  for (int h = 0; h < nh && st == RPL_OK; h++) {
+    int lo = cnt[h], hi = cnt[h + 1];
+    if (hi > lo)
+      st = group_create(gg, by + lo, hi - lo, RPL_PHASE_INTRA, 0, 0, w, division, NULL, err);
+  }
+  return st;
+}
+
+static rpl_status request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
+  gg_worker *me = &gg->w[w];
+  if (me->blen > 0) return try_hand(gg, me->buf[0], err);
+  int *m = gg->scratch_a, n = 0;
+  uint64_t key = 0;
+  rpl_status st = rpl_static_group(gg->layout, w, round, m, gg->n, &n, &key, err);
+  if (st != RPL_OK) return st;
+  int k = 0; /* members out of the schedule (fenced, left, dead) sit this round out */
+  for (int i = 0; i < n; i++)
+    if (m[i] == w || gg->w[m[i]].state == RPL_WORKER_LIVE) m[k++] = m[i];
+  n = k;
+  /* A member that asked for this round already holds the group. */
+  for (int i = 0; i < n; i++) {
+    const gg_worker *x = &gg->w[m[i]];
+    if (m[i] != w && x->waiting && x->blen > 0 && x->buf[0]->key == key &&
+        x->buf[0]->state == G_PENDING) {
+      gg_group *g = x->buf[0];
+      if (buf_push(me, g) != 0) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+      return try_hand(gg, g, err);
+    }
+  }
+  gg_group *g = NULL;
+  /* Only the requester gets it now; the others join when they ask for the same round. */
+  g = calloc(1, sizeof *g + sizeof(int) * (size_t)n);
+  if (!g) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  g->id = gg->next_id++;
+  g->key = key;
+  g->n = n;
+  g->phase = RPL_PHASE_STATIC;
+  memcpy(g->members, m, sizeof(int) * (size_t)n);
+  if (buf_push(me, g) != 0) {
+    free(g);
+    return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  }
+  g->prev = gg->pend_tail;
+  if (gg->pend_tail) gg->pend_tail->next = g;
+  else gg->pend_head = g;
+  gg->pend_tail = g;
+  gg->st.pending++;
+  gg->st.groups_created++;
+  trace_group(gg, RPL_TRACE_CREATED, g, w, 0);
+  return try_hand(gg, g, err);
+}
+
+/* ---- worker events --------------------------------------------------------------------------- */
+
+static rpl_status check_worker(const rpl_gg *gg, int w, const char *what, rpl_error *err) {
+  if (w < 0 || w >= gg->n)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg %s: worker %d out of range [0, %d)", what,
+                          w, gg->n);
+  return RPL_OK;
+}
+
+static void set_state(rpl_gg *gg, gg_worker *w, rpl_worker_state s) {
+  if (w->state == RPL_WORKER_LIVE && s != RPL_WORKER_LIVE) gg->nlive--;
+  if (w->state != RPL_WORKER_LIVE && s == RPL_WORKER_LIVE) gg->nlive++;
+  w->state = (uint8_t)s;
+}
+
+rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, "request", err);
+  if (st != RPL_OK) return st;
+  gg_worker *me = &gg->w[w];
+  if (me->state == RPL_WORKER_LEFT)
+    return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg request: worker %d has left the job", w);
+  if (me->state != RPL_WORKER_LIVE) set_state(gg, me, RPL_WORKER_LIVE);
+  if (me->waiting && me->waiting_round == round) return RPL_OK; /* a repeat */
+  if (me->locked) {
+    me->locked = 0; /* asking again means the previous group is over */
+    gg->st.implicit_dones++;
+  }
+  if (!me->counted || me->last_round != round) {
+    me->c++;
+    me->counted = 1;
+    me->last_round = round;
+    gg->st.requests++;
+  }
+  me->waiting = 1;
+  me->waiting_round = round;
+  if (gg->policy == RPL_POLICY_STATIC) return request_static(gg, w, round, err);
+  if (me->blen == 0) {
+    st = gg->policy == RPL_POLICY_SMART ? generate_division(gg, w, err)
+                                        : generate_random(gg, w, err);
+    if (st != RPL_OK) return st;
+  }
+  return try_hand(gg, me->buf[0], err);
+}
+
+rpl_status rpl_gg_done(rpl_gg *gg, int w, uint64_t group_id, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, "done", err);
+  if (st != RPL_OK) return st;
+  gg_worker *me = &gg->w[w];
+  if (me->locked && me->locked == group_id) {
+    me->locked = 0;
+    if (me->waiting && me->blen > 0) return try_hand(gg, me->buf[0], err);
+  } else {
+    gg->st.stale_dones++;
+  }
+  return RPL_OK;
+}
+
+/* Cancels every pending group containing w. */
+static rpl_status remove_from_schedule(rpl_gg *gg, int w, rpl_reason reason, rpl_error *err) {
+  rpl_status st = RPL_OK;
+  gg_group *g = gg->pend_head;
+  while (g) {
+    gg_group *next = g->next;
+    if (group_has(g, w)) {
+      rpl_status s2 = group_cancel(gg, g, w, reason, err);
+      if (s2 != RPL_OK) st = s2;
+    }
+    g = next;
+  }
+  gg->w[w].waiting = 0;
+  return st;
+}
+
+rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, "fence", err);
+  if (st != RPL_OK) return st;
+  gg_worker *me = &gg->w[w];
+  if (me->state == RPL_WORKER_LEFT)
+    return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg fence: worker %d has left the job", w);
+  set_state(gg, me, RPL_WORKER_FENCED);
+  return remove_from_schedule(gg, w, RPL_REASON_FENCED, err);
+}
+
+rpl_status rpl_gg_unfence(rpl_gg *gg, int w, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, "unfence", err);
+  if (st != RPL_OK) return st;
+  gg_worker *me = &gg->w[w];
+  if (me->state == RPL_WORKER_LEFT)
+    return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg unfence: worker %d has left the job", w);
+  if (me->state == RPL_WORKER_FENCED) set_state(gg, me, RPL_WORKER_LIVE);
+  return RPL_OK;
+}
+
+rpl_status rpl_gg_leave(rpl_gg *gg, int w, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, "leave", err);
+  if (st != RPL_OK) return st;
+  gg_worker *me = &gg->w[w];
+  set_state(gg, me, RPL_WORKER_LEFT);
+  me->locked = 0;
+  return remove_from_schedule(gg, w, RPL_REASON_LEFT, err);
+}
+
+rpl_status rpl_gg_dead(rpl_gg *gg, int w, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, "dead", err);
+  if (st != RPL_OK) return st;
+  gg_worker *me = &gg->w[w];
+  if (me->state == RPL_WORKER_LEFT) return RPL_OK; /* gone already */
+  set_state(gg, me, RPL_WORKER_DEAD);
+  me->locked = 0;
+  return remove_from_schedule(gg, w, RPL_REASON_DEAD, err);
+}
+
+int rpl_gg_poll(rpl_gg *gg, rpl_gg_event *ev, int *members, int cap) {
+  if (gg->ev_pos >= gg->ev_len) return 0;
+  gg_event *e = &gg->ev[gg->ev_pos++];
+  gg_group *g = e->group;
+  memset(ev, 0, sizeof *ev);
+  ev->kind = (rpl_event_kind)e->kind;
+  ev->worker = e->worker;
+  ev->group_id = g->id;
+  ev->round = e->round;
+  ev->culprit = e->culprit;
+  ev->reason = (rpl_reason)e->reason;
+  if (e->kind == RPL_EV_GROUP) {
+    ev->nmembers = g->n;
+    int k = g->n < cap ? g->n : cap;
+    if (members && k > 0) memcpy(members, g->members, sizeof(int) * (size_t)k);
+  }
+  g->refs--;
+  group_maybe_free(g);
+  return 1;
+}
+
+/* ---- introspection --------------------------------------------------------------------- */
+
+rpl_status rpl_gg_worker(const rpl_gg *gg, int w, rpl_gg_worker_info *out, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, "worker", err);
+  if (st != RPL_OK) return st;
+  const gg_worker *x = &gg->w[w];
+  out->state = (rpl_worker_state)x->state;
+  out->host = rpl_layout_host(gg->layout, w);
+  out->requests = x->c;
+  out->waiting = x->waiting;
+  out->waiting_round = x->waiting_round;
+  out->buffered = x->blen;
+  out->head_group = x->blen ? x->buf[0]->id : 0;
+  out->locked_group = x->locked;
+  out->handed = x->handed;
+  out->cancels = x->cancels;
+  return RPL_OK;
+}
+
+void rpl_gg_get_stats(const rpl_gg *gg, rpl_gg_stats *out) { *out = gg->st; }
+rpl_policy rpl_gg_policy(const rpl_gg *gg) { return gg->policy; }
+int rpl_gg_workers(const rpl_gg *gg) { return gg->n; }
+int rpl_gg_group_size(const rpl_gg *gg) { return gg->group_size; }
+int rpl_gg_c_thres(const rpl_gg *gg) { return gg->c_thres; }
+int rpl_gg_inter_intra(const rpl_gg *gg) { return gg->inter_intra; }
+const rpl_layout *rpl_gg_layout(const rpl_gg *gg) { return gg->layout; }
+
+void rpl_gg_foreach_pending(const rpl_gg *gg,
+                            int (*fn)(void *ctx, uint64_t group_id, const int *members, int n,
+                                      int arrived),
+                            void *ctx) {
+  for (const gg_group *g = gg->pend_head; g; g = g->next) {
+    int arrived = 0;
+    for (int i = 0; i < g->n; i++) {
+      const gg_worker *x = &gg->w[g->members[i]];
+      arrived += x->waiting && x->blen > 0 && x->buf[0] == g;
+    }
+    if (fn(ctx, g->id, g->members, g->n, arrived)) return;
+  }
+}

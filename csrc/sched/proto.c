@@ -1,0 +1,297 @@
+/* The coordinator's wire protocol: fixed little-endian layouts, parsed with explicit bounds
+ * checks (fuzzed by coordinator/fuzz). The layout is documented in coordinator/PROTOCOL.md. */
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "sched_internal.h"
+
+static uint32_t rd32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t rd64(const uint8_t *p) { return (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32; }
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static void wr32(uint8_t *p, uint32_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+  p[2] = (uint8_t)(v >> 16);
+  p[3] = (uint8_t)(v >> 24);
+}
+static void wr64(uint8_t *p, uint64_t v) {
+  wr32(p, (uint32_t)v);
+  wr32(p + 4, (uint32_t)(v >> 32));
+}
+static void wr16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+
+const char *rpl_msg_type_name(int t) {
+  static const char *names[] = {"?",         "HELLO",  "HELLO_ACK", "REQUEST",      "GROUP",
+                                "CANCEL",    "DONE",   "HEARTBEAT", "HEARTBEAT_ACK", "FENCE",
+                                "UNFENCE",   "LEAVE",  "ACK",       "STATUS",       "STATUS_REPLY",
+                                "ERROR"};
+  return (t >= 1 && t <= RPL_MSG_TYPE_MAX) ? names[t] : "?";
+}
+
+/* Fixed body size per type; -1 = variable (checked by the type's own rule). */
+static long fixed_body(int type) {
+  switch (type) {
+    case RPL_MSG_HELLO: return 8;
+    case RPL_MSG_HELLO_ACK: return 16;
+    case RPL_MSG_REQUEST: return 8;
+    case RPL_MSG_CANCEL: return 24;
+    case RPL_MSG_DONE: return 12;
+    case RPL_MSG_HEARTBEAT:
+    case RPL_MSG_HEARTBEAT_ACK:
+    case RPL_MSG_FENCE:
+    case RPL_MSG_UNFENCE:
+    case RPL_MSG_LEAVE:
+    case RPL_MSG_ACK:
+    case RPL_MSG_STATUS: return 0;
+    default: return -1;
+  }
+}
+
+static int from_worker(int type) {
+  return type == RPL_MSG_HELLO || type == RPL_MSG_REQUEST || type == RPL_MSG_DONE ||
+         type == RPL_MSG_HEARTBEAT || type == RPL_MSG_FENCE || type == RPL_MSG_UNFENCE ||
+         type == RPL_MSG_LEAVE;
+}
+
+rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *m,
+                         rpl_error *err) {
+  const uint8_t *p = buf;
+  memset(m, 0, sizeof *m);
+  int maxw = (max_workers > 0 && max_workers <= RPL_SCHED_MAX_WORKERS) ? max_workers
+                                                                      : RPL_SCHED_MAX_WORKERS;
+  if (!buf || len < RPL_PROTO_HEADER)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "message of %zu bytes, shorter than the %d-byte "
+                          "header", len, RPL_PROTO_HEADER);
+  if (rd32(p) != RPL_PROTO_MAGIC)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "bad magic 0x%08x", rd32(p));
+  if (p[4] != RPL_PROTO_VERSION)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "protocol version %u, this side speaks %d",
+                          p[4], RPL_PROTO_VERSION);
+  int type = p[5];
+  if (type < 1 || type > RPL_MSG_TYPE_MAX)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "unknown message type %d", type);
+  if (rd16(p + 6) != 0)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "non-zero flags 0x%04x", rd16(p + 6));
+  uint32_t body = rd32(p + 8);
+  if (body > RPL_PROTO_MAX_BODY || (size_t)body != len - RPL_PROTO_HEADER)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: body length %u, message carries %zu",
+                          rpl_msg_type_name(type), body, len - RPL_PROTO_HEADER);
+  m->type = (uint8_t)type;
+  m->rank = (int32_t)rd32(p + 12);
+  m->seq = rd32(p + 16);
+  memcpy(m->token, p + 20, RPL_TOKEN_LEN);
+  if (m->rank < -1 || m->rank >= maxw || (from_worker(type) && m->rank < 0))
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: rank %d out of range [0, %d)",
+                          rpl_msg_type_name(type), (int)m->rank, maxw);
+  long fixed = fixed_body(type);
+  if (fixed >= 0 && body != (uint32_t)fixed)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: body of %u bytes, expected %ld",
+                          rpl_msg_type_name(type), body, fixed);
+  const uint8_t *b = p + RPL_PROTO_HEADER;
+  switch (type) {
+    case RPL_MSG_HELLO:
+      m->nworkers = (int32_t)rd32(b);
+      m->host_label = (int32_t)rd32(b + 4);
+      if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO: nworkers %d out of range",
+                              (int)m->nworkers);
+      break;
+    case RPL_MSG_HELLO_ACK:
+      m->policy = b[0];
+      if (b[1] || b[2] || b[3])
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: non-zero padding");
+      if (m->policy >= RPL_POLICY_COUNT)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: unknown policy %u", m->policy);
+      m->nworkers = (int32_t)rd32(b + 4);
+      m->heartbeat_ms = rd32(b + 8);
+      m->dead_ms = rd32(b + 12);
+      if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: nworkers %d out of range",
+                              (int)m->nworkers);
+      break;
+    case RPL_MSG_REQUEST:
+      m->round = rd64(b);
+      break;
+    case RPL_MSG_GROUP: {
+      if (body < 20)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 20", body);
+      m->group_id = rd64(b);
+      m->round = rd64(b + 8);
+      m->nmembers = rd32(b + 16);
+      if (m->nmembers < 1 || m->nmembers > (uint32_t)maxw ||
+          (uint64_t)body != 20 + 4 * (uint64_t)m->nmembers)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
+                              m->nmembers, body);
+      m->members_le = b + 20;
+      int32_t prev = -1;
+      for (uint32_t i = 0; i < m->nmembers; i++) {
+        int32_t r = rpl_msg_member(m, i);
+        if (r <= prev || r >= maxw)
+          return rpl_sched_fail(err, RPL_ERR_INVALID,
+                                "GROUP: member %u is %d: members must be sorted, unique and in "
+                                "[0, %d)", i, (int)r, maxw);
+        prev = r;
+      }
+      if (m->group_id == 0)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: group id 0");
+      break;
+    }
+    case RPL_MSG_CANCEL:
+      m->group_id = rd64(b);
+      m->round = rd64(b + 8);
+      m->culprit = (int32_t)rd32(b + 16);
+      m->reason = rd32(b + 20);
+      if (m->culprit < -1 || m->culprit >= maxw || m->reason > RPL_REASON_DEAD)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "CANCEL: culprit %d / reason %u invalid",
+                              (int)m->culprit, m->reason);
+      break;
+    case RPL_MSG_DONE:
+      m->group_id = rd64(b);
+      m->status = rd32(b + 8);
+      break;
+    case RPL_MSG_STATUS_REPLY:
+      m->text = (const char *)b;
+      m->text_len = body;
+      break;
+    case RPL_MSG_ERROR:
+      if (body < 4 || body - 4 > RPL_PROTO_MAX_TEXT)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "ERROR: body of %u bytes", body);
+      m->code = rd32(b);
+      m->text = (const char *)b + 4;
+      m->text_len = body - 4;
+      break;
+    default:
+      break;
+  }
+  return RPL_OK;
+}
+
+int32_t rpl_msg_member(const rpl_msg *m, uint32_t i) {
+  if (!m->members_le || i >= m->nmembers) return -1;
+  return (int32_t)rd32(m->members_le + 4 * (size_t)i);
+}
+
+size_t rpl_msg_encoded_size(const rpl_msg *m) {
+  long fixed = fixed_body(m->type);
+  if (fixed >= 0) return RPL_PROTO_HEADER + (size_t)fixed;
+  switch (m->type) {
+    case RPL_MSG_GROUP: return RPL_PROTO_HEADER + 20 + 4 * (size_t)m->nmembers;
+    case RPL_MSG_STATUS_REPLY: return RPL_PROTO_HEADER + (size_t)m->text_len;
+    case RPL_MSG_ERROR:
+      return RPL_PROTO_HEADER + 4 +
+             (size_t)(m->text_len > RPL_PROTO_MAX_TEXT ? RPL_PROTO_MAX_TEXT : m->text_len);
+    default: return 0;
+  }
+}
+
+size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *out, size_t cap) {
+  size_t need = rpl_msg_encoded_size(m);
+  if (need == 0 || need > cap || need - RPL_PROTO_HEADER > RPL_PROTO_MAX_BODY) return 0;
+  if (m->type == RPL_MSG_GROUP && (m->nmembers == 0 || !members)) return 0;
+  uint8_t *p = out;
+  memset(p, 0, need);
+  wr32(p, RPL_PROTO_MAGIC);
+  p[4] = RPL_PROTO_VERSION;
+  p[5] = m->type;
+  wr16(p + 6, 0);
+  wr32(p + 8, (uint32_t)(need - RPL_PROTO_HEADER));
+  wr32(p + 12, (uint32_t)m->rank);
+  wr32(p + 16, m->seq);
+  memcpy(p + 20, m->token, RPL_TOKEN_LEN);
+  uint8_t *b = p + RPL_PROTO_HEADER;
+  switch (m->type) {
+    case RPL_MSG_HELLO:
+      wr32(b, (uint32_t)m->nworkers);
+      wr32(b + 4, (uint32_t)m->host_label);
+      break;
+    case RPL_MSG_HELLO_ACK:
+      b[0] = m->policy;
+      wr32(b + 4, (uint32_t)m->nworkers);
+      wr32(b + 8, m->heartbeat_ms);
+      wr32(b + 12, m->dead_ms);
+      break;
+    case RPL_MSG_REQUEST: wr64(b, m->round); break;
+    case RPL_MSG_GROUP:
+      wr64(b, m->group_id);
+      wr64(b + 8, m->round);
+      wr32(b + 16, m->nmembers);
+      for (uint32_t i = 0; i < m->nmembers; i++) wr32(b + 20 + 4 * (size_t)i, (uint32_t)members[i]);
+      break;
+    case RPL_MSG_CANCEL:
+      wr64(b, m->group_id);
+      wr64(b + 8, m->round);
+      wr32(b + 16, (uint32_t)m->culprit);
+      wr32(b + 20, m->reason);
+      break;
+    case RPL_MSG_DONE:
+      wr64(b, m->group_id);
+      wr32(b + 8, m->status);
+      break;
+    case RPL_MSG_STATUS_REPLY:
+      if (m->text_len) memcpy(b, m->text, m->text_len);
+      break;
+    case RPL_MSG_ERROR:
+      wr32(b, m->code);
+      if (need > RPL_PROTO_HEADER + 4) memcpy(b + 4, m->text, need - RPL_PROTO_HEADER - 4);
+      break;
+    default: break;
+  }
+  return need;
+}
+
+void rpl_token_to_hex(const uint8_t token[RPL_TOKEN_LEN], char hex[2 * RPL_TOKEN_LEN + 1]) {
+  static const char digits[] = "0123456789abcdef";
+  for (int i = 0; i < RPL_TOKEN_LEN; i++) {
+    hex[2 * i] = digits[token[i] >> 4];
+    hex[2 * i + 1] = digits[token[i] & 15];
+  }
+  hex[2 * RPL_TOKEN_LEN] = '\0';
+}
+
+static int hexval(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+rpl_status rpl_token_from_hex(const char *hex, uint8_t token[RPL_TOKEN_LEN], rpl_error *err) {
+  if (!hex || strlen(hex) != 2 * RPL_TOKEN_LEN)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
+                          2 * RPL_TOKEN_LEN);
+  for (int i = 0; i < RPL_TOKEN_LEN; i++) {
+    int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
+    if (hi < 0 || lo < 0)
+      return rpl_sched_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
+                            2 * RPL_TOKEN_LEN);
+    token[i] = (uint8_t)(hi << 4 | lo);
+  }
+  return RPL_OK;
+}
+
+rpl_status rpl_token_generate(uint8_t token[RPL_TOKEN_LEN], rpl_error *err) {
+  size_t got = 0;
+  while (got < RPL_TOKEN_LEN) {
+    ssize_t r = getrandom(token + got, RPL_TOKEN_LEN - got, 0);
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return rpl_sched_fail(err, RPL_ERR_SYSTEM, "getrandom: %s", strerror(errno));
+    }
+    got += (size_t)r;
+  }
+  return RPL_OK;
+}
+
+int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LEN]) {
+  uint8_t diff = 0;
+  for (int i = 0; i < RPL_TOKEN_LEN; i++) diff |= (uint8_t)(a[i] ^ b[i]);
+  return diff == 0;
+}

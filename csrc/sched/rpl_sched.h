@@ -1,0 +1,376 @@
+/*
+ * rpl_sched.h - the one public header of the Group Generator (GG): who averages with whom.
+ *
+ * Three layers, each usable alone:
+ *   1. Worker layout and the static schedule (paper Fig. 9-10): pure functions, run inside
+ *      every worker, no coordinator.
+ *   2. The dynamic group generator `rpl_gg` (random, smart, adpsgd, and static for simulation):
+ *      a state machine with no I/O and no clock. Callers feed it what workers do (request,
+ *      done, fence, unfence, leave, dead) and drain the events it produces (a group handed to a
+ *      worker, a request cancelled). The coordinator service and the simulator both drive it.
+ *   3. The wire protocol (encode/parse, no I/O) and the worker-side client (libzmq).
+ *
+ * Ownership: every object is created by a *_create function and freed by its *_destroy; inputs
+ * are copied, so callers keep ownership of what they pass in. No global state: every random
+ * choice comes from the object's own generator, seeded by the caller.
+ *
+ * Errors: functions return an rpl_status and fill the caller's rpl_error (from ripples.h).
+ */
+#ifndef RPL_SCHED_H
+#define RPL_SCHED_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ripples.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Upper bound on workers a layout, a GG or a protocol message may describe. */
+#define RPL_SCHED_MAX_WORKERS 65536
+
+/* ---- 1. Layout and static schedule -------------------------------------------------------- */
+
+/* Which host each rank runs on. Hosts are numbered densely 0..H-1 in the order of their lowest
+ * rank; a rank's local index is its position among its host's ranks in rank order. */
+typedef struct rpl_layout rpl_layout;
+
+/* host_of[rank] holds any integer label per rank (equal labels = same host); NULL means all
+ * ranks on one host. */
+rpl_status rpl_layout_create(int nworkers, const int *host_of, rpl_layout **out, rpl_error *err);
+/* nworkers ranks on hosts of per_host ranks each (the last host may be smaller). */
+rpl_status rpl_layout_create_uniform(int nworkers, int per_host, rpl_layout **out,
+                                     rpl_error *err);
+void rpl_layout_destroy(rpl_layout *layout);
+int rpl_layout_workers(const rpl_layout *layout);
+int rpl_layout_hosts(const rpl_layout *layout);
+int rpl_layout_host(const rpl_layout *layout, int rank);       /* dense host index */
+int rpl_layout_local(const rpl_layout *layout, int rank);      /* local index on its host */
+int rpl_layout_host_size(const rpl_layout *layout, int host);
+int rpl_layout_rank(const rpl_layout *layout, int host, int local); /* -1 if out of range */
+
+/* The static schedule repeats every RPL_STATIC_PERIOD rounds. */
+#define RPL_STATIC_PERIOD 4
+
+/* The group of `rank` in `round`: sorted members (including rank) in members[0..*n), and a
+ * group id that every member computes identically (unique over rounds, never 0). Fails with
+ * RPL_ERR_INVALID if cap is too small (*n then holds the size needed). The rule (L = size of
+ * the rank's host, j = local index, H = hosts, see csrc/sched/README.md):
+ *   phase 0: j=0 with local worker 0 of every host; j=1 alone; j>=2 pairs (2,3),(4,5),...
+ *            (an unpaired last one is alone)
+ *   phase 1, 3: all workers of the host
+ *   phase 2: the "cross" worker (j=1, or j=0 when L=1) with the cross worker of the opposite
+ *            host on the ring (h <-> h+H/2; with H odd the last host's cross worker is alone);
+ *            the others pair by mirror j <-> L-1-j, and the mirror of the cross worker is alone.
+ * With L=4 this is exactly the paper's Figure 10. */
+rpl_status rpl_static_group(const rpl_layout *layout, int rank, uint64_t round, int *members,
+                            int cap, int *n, uint64_t *group_id, rpl_error *err);
+
+/* ---- 2. Dynamic group generator ----------------------------------------------------------- */
+
+typedef enum {
+  RPL_POLICY_STATIC = 0, /* the static schedule, matched by round (simulation, CLI) */
+  RPL_POLICY_RANDOM = 1, /* paper Fig. 8: random group with the requester; lock vector */
+  RPL_POLICY_SMART = 2,  /* paper 5.1-5.3: Global Division + slowdown filter (+ inter_intra) */
+  RPL_POLICY_ADPSGD = 3, /* AD-PSGD baseline: random pairs, serialised per worker */
+  RPL_POLICY_COUNT = 4
+} rpl_policy;
+
+const char *rpl_policy_name(rpl_policy policy); /* "static", "random", "smart", "adpsgd" */
+rpl_status rpl_policy_parse(const char *name, rpl_policy *out, rpl_error *err);
+
+#define RPL_GG_DEFAULT_GROUP_SIZE 3
+/* Default of the slowdown filter, chosen with benchmarks/gg_sim (see benchmarks/gg_sim.md). */
+#define RPL_GG_DEFAULT_C_THRES 4
+
+typedef enum {
+  RPL_TRACE_CREATED = 1,   /* a group was generated (appended to its members' buffers) */
+  RPL_TRACE_HANDED = 2,    /* every member asked for it: handed to all members at once */
+  RPL_TRACE_CANCELLED = 3, /* cancelled before it was handed */
+  RPL_TRACE_DIVISION = 4   /* a Global Division starts (members = its participants) */
+} rpl_trace_kind;
+
+typedef enum {
+  RPL_PHASE_PLAIN = 0,  /* random, adpsgd, smart without inter_intra */
+  RPL_PHASE_INTER = 1,  /* inter_intra: heads across hosts, or non-heads within a host */
+  RPL_PHASE_INTRA = 2,  /* inter_intra: all participants of one host */
+  RPL_PHASE_STATIC = 3
+} rpl_phase;
+
+/* What a trace callback sees. Pointers are valid only during the callback. */
+typedef struct rpl_gg_trace {
+  rpl_trace_kind kind;
+  uint64_t group_id;      /* 0 for DIVISION */
+  const int *members;     /* sorted */
+  int nmembers;
+  rpl_phase phase;
+  int heads;              /* INTER: 1 if this is a group of head workers */
+  int initiator;          /* DIVISION and CREATED: the requester that caused it */
+  uint64_t division;      /* CREATED by a division / DIVISION: its sequence number, else 0 */
+} rpl_gg_trace;
+
+typedef struct rpl_gg_config {
+  rpl_policy policy;
+  int nworkers;           /* 1 .. RPL_SCHED_MAX_WORKERS */
+  const int *host_of;     /* host label per rank (copied); NULL = one host */
+  int group_size;         /* 0 = RPL_GG_DEFAULT_GROUP_SIZE; adpsgd always uses 2 */
+  int c_thres;            /* smart: admit w into i's division iff c_i - c_w < c_thres;
+                             0 = RPL_GG_DEFAULT_C_THRES, negative = no filter */
+  int inter_intra;        /* smart: two groups per worker per division (paper 5.2) */
+  uint64_t seed;
+  /* Optional observer (tests, simulator); called synchronously, must not call back in. */
+  void (*trace)(void *ctx, const rpl_gg_trace *t);
+  void *trace_ctx;
+} rpl_gg_config;
+
+typedef struct rpl_gg rpl_gg;
+
+rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err);
+void rpl_gg_destroy(rpl_gg *gg);
+
+/* Why a request was cancelled, or why a worker is out of the schedule. */
+typedef enum {
+  RPL_REASON_NONE = 0,
+  RPL_REASON_FENCED = 1,
+  RPL_REASON_LEFT = 2,
+  RPL_REASON_DEAD = 3
+} rpl_reason;
+const char *rpl_reason_name(rpl_reason reason);
+
+/* Worker `w` asks for the group of its round `round` (its count of partial calls so far,
+ * from 0). The answer comes as an RPL_EV_GROUP event, possibly later, once every member has
+ * asked for that group. A request while fenced unfences; a request from a worker declared
+ * dead revives it; a request from a worker that left fails with RPL_ERR_CLOSED. A repeated
+ * request while one is outstanding only updates nothing and succeeds. */
+rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err);
+/* `w` finished group `group_id`: releases its lock. A done for another group is counted as
+ * stale and ignored. */
+rpl_status rpl_gg_done(rpl_gg *gg, int w, uint64_t group_id, rpl_error *err);
+/* Cancels every not-yet-handed group that contains `w` (members waiting on one get an
+ * RPL_EV_CANCEL and must ask again) and keeps `w` out of new groups until it unfences
+ * (fence), for ever (leave), or until it shows up again (dead). An outstanding request of w
+ * is dropped. */
+rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err);
+rpl_status rpl_gg_unfence(rpl_gg *gg, int w, rpl_error *err);
+rpl_status rpl_gg_leave(rpl_gg *gg, int w, rpl_error *err);
+rpl_status rpl_gg_dead(rpl_gg *gg, int w, rpl_error *err);
+
+typedef enum { RPL_EV_GROUP = 1, RPL_EV_CANCEL = 2 } rpl_event_kind;
+
+typedef struct rpl_gg_event {
+  rpl_event_kind kind;
+  int worker;             /* whom to tell */
+  uint64_t group_id;
+  uint64_t round;         /* the round of the request this answers */
+  int nmembers;           /* GROUP: full member count (members copied up to cap) */
+  int culprit;            /* CANCEL: the worker whose fence/leave/death cancelled it */
+  rpl_reason reason;      /* CANCEL */
+} rpl_gg_event;
+
+/* Pops the oldest pending event: returns 1 and fills *ev (and members[0..min(n,cap))), or 0. */
+int rpl_gg_poll(rpl_gg *gg, rpl_gg_event *ev, int *members, int cap);
+
+typedef enum {
+  RPL_WORKER_LIVE = 0,
+  RPL_WORKER_FENCED = 1,
+  RPL_WORKER_LEFT = 2,
+  RPL_WORKER_DEAD = 3
+} rpl_worker_state;
+const char *rpl_worker_state_name(rpl_worker_state s);
+
+typedef struct rpl_gg_worker_info {
+  rpl_worker_state state;
+  int host;               /* dense host index */
+  uint64_t requests;      /* c_w: rounds requested so far (the slowdown filter's counter) */
+  int waiting;            /* a request is outstanding */
+  uint64_t waiting_round;
+  int buffered;           /* groups in its Group Buffer */
+  uint64_t head_group;    /* first group in the buffer, 0 if none */
+  uint64_t locked_group;  /* handed and not yet done, 0 if none (the lock vector) */
+  uint64_t handed;        /* groups handed to it */
+  uint64_t cancels;       /* requests of it cancelled */
+} rpl_gg_worker_info;
+
+rpl_status rpl_gg_worker(const rpl_gg *gg, int w, rpl_gg_worker_info *out, rpl_error *err);
+
+typedef struct rpl_gg_stats {
+  uint64_t requests;
+  uint64_t groups_created;
+  uint64_t groups_handed;
+  uint64_t groups_cancelled;
+  uint64_t singletons_handed;  /* groups of one (no partner available) */
+  uint64_t divisions;          /* smart: Global Divisions */
+  uint64_t filtered;           /* smart: idle workers kept out of a division by c_thres */
+  uint64_t conflicts;          /* groups created with a member that was not idle */
+  uint64_t implicit_dones;     /* requests that arrived while still locked */
+  uint64_t stale_dones;
+  uint64_t pending;            /* groups created and not yet handed or cancelled */
+} rpl_gg_stats;
+
+void rpl_gg_get_stats(const rpl_gg *gg, rpl_gg_stats *out);
+rpl_policy rpl_gg_policy(const rpl_gg *gg);
+int rpl_gg_workers(const rpl_gg *gg);
+int rpl_gg_group_size(const rpl_gg *gg);
+int rpl_gg_c_thres(const rpl_gg *gg);    /* effective value; negative = off */
+int rpl_gg_inter_intra(const rpl_gg *gg);
+const rpl_layout *rpl_gg_layout(const rpl_gg *gg);
+
+/* Visits pending groups in generation order; stops early if fn returns non-zero. `arrived`
+ * is how many members are waiting with it at the head of their buffer. */
+void rpl_gg_foreach_pending(const rpl_gg *gg,
+                            int (*fn)(void *ctx, uint64_t group_id, const int *members, int n,
+                                      int arrived),
+                            void *ctx);
+
+/* ---- 3a. Wire protocol (coordinator/PROTOCOL.md) ------------------------------------------- */
+
+#define RPL_PROTO_MAGIC 0x47504c52u /* "RPLG" little-endian */
+#define RPL_PROTO_VERSION 1
+#define RPL_PROTO_HEADER 36
+#define RPL_TOKEN_LEN 16
+#define RPL_PROTO_MAX_TEXT 4096                 /* ERROR text */
+#define RPL_PROTO_MAX_BODY (1u << 24)           /* STATUS_REPLY json; everything else smaller */
+
+typedef enum {
+  RPL_MSG_HELLO = 1,
+  RPL_MSG_HELLO_ACK = 2,
+  RPL_MSG_REQUEST = 3,
+  RPL_MSG_GROUP = 4,
+  RPL_MSG_CANCEL = 5,
+  RPL_MSG_DONE = 6,
+  RPL_MSG_HEARTBEAT = 7,
+  RPL_MSG_HEARTBEAT_ACK = 8,
+  RPL_MSG_FENCE = 9,
+  RPL_MSG_UNFENCE = 10,
+  RPL_MSG_LEAVE = 11,
+  RPL_MSG_ACK = 12,
+  RPL_MSG_STATUS = 13,
+  RPL_MSG_STATUS_REPLY = 14,
+  RPL_MSG_ERROR = 15,
+  RPL_MSG_TYPE_MAX = 15
+} rpl_msg_type;
+
+const char *rpl_msg_type_name(int type);
+
+/* Error codes carried by RPL_MSG_ERROR. */
+typedef enum {
+  RPL_PERR_BAD_TOKEN = 1,
+  RPL_PERR_BAD_RANK = 2,
+  RPL_PERR_WORLD_MISMATCH = 3,
+  RPL_PERR_LEFT = 4,
+  RPL_PERR_MALFORMED = 5,
+  RPL_PERR_INTERNAL = 6
+} rpl_proto_error;
+
+/* A decoded message. Variable parts point into the parsed buffer (valid while it is). */
+typedef struct rpl_msg {
+  uint8_t type;
+  uint8_t token[RPL_TOKEN_LEN];
+  int32_t rank;             /* sender (worker messages) or addressee (replies); -1 = tool */
+  uint32_t seq;             /* replies echo the sequence number of what they answer */
+  /* HELLO */
+  int32_t nworkers;
+  int32_t host_label;
+  /* HELLO_ACK */
+  uint8_t policy;
+  uint32_t heartbeat_ms;
+  uint32_t dead_ms;
+  /* REQUEST, GROUP */
+  uint64_t round;
+  /* GROUP, CANCEL, DONE */
+  uint64_t group_id;
+  uint32_t nmembers;
+  const uint8_t *members_le;/* nmembers little-endian int32, use rpl_msg_member() */
+  /* CANCEL */
+  int32_t culprit;
+  uint32_t reason;
+  /* DONE */
+  uint32_t status;
+  /* ERROR (code + text), STATUS_REPLY (text = json) */
+  uint32_t code;
+  const char *text;         /* not NUL-terminated */
+  uint32_t text_len;
+} rpl_msg;
+
+/* Parses and bounds-checks one message. RPL_ERR_INVALID with a reason for anything
+ * malformed: short, wrong magic/version/type, lengths that disagree, member counts or ranks
+ * out of range (ranks must be in [0, max_workers) when max_workers > 0). Never reads past
+ * buf[len). */
+rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *out,
+                         rpl_error *err);
+int32_t rpl_msg_member(const rpl_msg *m, uint32_t i);
+
+/* Bytes rpl_msg_encode needs for m. */
+size_t rpl_msg_encoded_size(const rpl_msg *m);
+/* Encodes m into buf; for GROUP the members come from `members` (host ints), not
+ * m->members_le. Returns bytes written, 0 if cap is too small or m is invalid. */
+size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *buf, size_t cap);
+
+/* 32 lowercase hex digits <-> 16 bytes. */
+void rpl_token_to_hex(const uint8_t token[RPL_TOKEN_LEN], char hex[2 * RPL_TOKEN_LEN + 1]);
+rpl_status rpl_token_from_hex(const char *hex, uint8_t token[RPL_TOKEN_LEN], rpl_error *err);
+/* Fresh random token from the OS. */
+rpl_status rpl_token_generate(uint8_t token[RPL_TOKEN_LEN], rpl_error *err);
+/* Constant-time comparison: 1 if equal. */
+int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LEN]);
+
+/* ---- 3b. Worker-side client (libzmq) ------------------------------------------------------- */
+
+typedef struct rpl_gg_client_config {
+  const char *endpoint;     /* e.g. "tcp://10.0.0.1:29600" */
+  const char *token_hex;    /* the job's token */
+  int rank;
+  int nworkers;             /* checked against the coordinator's */
+  int host_label;           /* sent for status; -1 = unknown */
+  int timeout_ms;           /* hello, leave and status replies; 0 = 10000 */
+  int request_timeout_ms;   /* waiting for a group; 0 = 300000 */
+  int heartbeat_ms;         /* heartbeat period; 0 = 1000; negative = no heartbeat thread */
+  void *zmq_context;        /* optional shared context (not owned); NULL = own context */
+} rpl_gg_client_config;
+
+typedef struct rpl_gg_client rpl_gg_client;
+
+/* Connects and says HELLO (waiting up to timeout_ms): fails with RPL_ERR_PEER naming the
+ * endpoint if the coordinator does not answer, RPL_ERR_INVALID on a wrong token or world size.
+ * Starts the heartbeat thread ("rpl-gg-beat"). */
+rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client **out,
+                                rpl_error *err);
+
+/* The group of this worker's round `round`: blocks until the coordinator hands it (asking
+ * again by itself after a cancellation) or request_timeout_ms passes (RPL_ERR_TIMEOUT; the
+ * client then fences and unfences so nobody waits on it). members must hold nworkers ints. */
+rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members, int cap,
+                                 int *n, uint64_t *group_id, rpl_error *err);
+/* Reports group done (status 0 = reduced, else failed); fire-and-forget. */
+rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t status,
+                              rpl_error *err);
+/* Fire-and-forget: messages from one client are processed in order, so a fence is in effect
+ * for everything this worker asks afterwards. */
+rpl_status rpl_gg_client_fence(rpl_gg_client *c, rpl_error *err);
+rpl_status rpl_gg_client_unfence(rpl_gg_client *c, rpl_error *err);
+/* Tells the coordinator this worker is gone for good and waits for its ACK. */
+rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err);
+/* Stops the heartbeat thread and closes the sockets (no leave: call leave first). */
+void rpl_gg_client_destroy(rpl_gg_client *c);
+
+typedef struct rpl_gg_client_stats {
+  uint64_t requests;
+  uint64_t cancels;         /* requests cancelled by the coordinator and re-sent */
+  uint64_t heartbeats_sent;
+  uint64_t heartbeats_acked;
+  double wait_s;            /* total time blocked in rpl_gg_client_request */
+} rpl_gg_client_stats;
+void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out);
+
+/* One-shot STATUS query (no client needed): fills *json (malloc'd, NUL-terminated, caller
+ * frees) with the coordinator's state. */
+rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int timeout_ms,
+                               char **json, rpl_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* RPL_SCHED_H */

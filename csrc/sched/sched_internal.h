@@ -1,0 +1,49 @@
+/* Helpers shared by the Group Generator's sources; not part of the public API. */
+#ifndef RPL_SCHED_INTERNAL_H
+#define RPL_SCHED_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "rpl_sched.h"
+
+#if defined(__GNUC__)
+#define RPL_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define RPL_PRINTF(a, b)
+#endif
+
+/* Fills err (if any) and returns code, so callers can `return rpl_sched_fail(...)`. */
+static inline RPL_PRINTF(3, 4) rpl_status rpl_sched_fail(rpl_error *err, rpl_status code,
+                                                          const char *fmt, ...) {
+  if (err) {
+    va_list ap;
+    va_start(ap, fmt);
+    err->code = code;
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+/* splitmix64: tiny, seedable, good enough to draw groups; state lives in the caller's object. */
+static inline uint64_t rpl_rng_next(uint64_t *state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* Uniform in [0, n), n > 0; rejection removes modulo bias. */
+static inline uint32_t rpl_rng_below(uint64_t *state, uint32_t n) {
+  uint64_t limit = UINT64_MAX - (UINT64_MAX % n);
+  uint64_t x;
+  do {
+    x = rpl_rng_next(state);
+  } while (x >= limit);
+  return (uint32_t)(x % n);
+}
+
+void rpl_sort_ints(int *a, int n);
+
+#endif
