@@ -6,13 +6,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "kernels.h"
 #include "partial.h"
+#include "shm.h"
 
 #define DEFAULT_SMALL_BYTES (64u * 1024u)
 #define DEFAULT_CHUNK_BYTES (512u * 1024u)
+#define DEFAULT_RING_BYTES (1u << 20)
 
 typedef struct rpl_op {
   struct rpl_op *next;
@@ -365,6 +368,68 @@ static void *progress_main(void *arg) {
   return NULL;
 }
 
+/* ---- creation ------------------------------------------------------------------------ */
+
+static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
+  const unsigned char *b = data;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
+
+/* Equal on ranks that can share memory: the caller's key, or hostname + boot id (two
+ * containers with the same hostname on different machines must not match). */
+static uint64_t host_hash(const char *key) {
+  uint64_t h = 1469598103934665603ull;
+  if (key && *key) return fnv1a(h, key, strlen(key));
+  char host[256] = "";
+  gethostname(host, sizeof host - 1);
+  h = fnv1a(h, host, strlen(host));
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f) {
+    char boot[64] = "";
+    if (fgets(boot, sizeof boot, f)) h = fnv1a(h, boot, strlen(boot));
+    fclose(f);
+  }
+  return h;
+}
+
+/* Creates our rings, maps every local peer's, and unlinks ours once all have mapped it. */
+static rpl_status setup_shm(rpl_comm *c, const rpl_comm_config *cfg, const rpl_store *store,
+                            const int *local_of, rpl_error *err) {
+  char name[96], key[64];
+  uint64_t nonce;
+  memcpy(&nonce, &c, sizeof nonce < sizeof c ? sizeof nonce : sizeof c);
+  nonce ^= (uint64_t)(rpl_now() * 1e9);
+  rpl_shm *shm;
+  rpl_status st = rpl_shm_create(c->rank, c->size, local_of, nonce,
+                                 cfg->ring_bytes ? cfg->ring_bytes : DEFAULT_RING_BYTES, &shm,
+                                 name, sizeof name, err);
+  if (st != RPL_OK) return st;
+  rpl_tr_set_shm(c->tr, shm); /* the transport owns it from here, also on failure */
+  snprintf(key, sizeof key, "ripples/shm/%d", c->rank);
+  if ((st = store->set(store->ctx, key, name, strlen(name), err)) != RPL_OK) return st;
+  for (int p = 0; p < c->size; p++) {
+    if (p == c->rank || local_of[p] < 0) continue;
+    char peer[96];
+    size_t len = 0;
+    snprintf(key, sizeof key, "ripples/shm/%d", p);
+    if ((st = store->get(store->ctx, key, peer, sizeof peer - 1, &len, err)) != RPL_OK) return st;
+    peer[len < sizeof peer ? len : sizeof peer - 1] = '\0';
+    if ((st = rpl_shm_attach(shm, p, peer, err)) != RPL_OK) return st;
+  }
+  snprintf(key, sizeof key, "ripples/shm-mapped/%d", c->rank);
+  if ((st = store->set(store->ctx, key, "1", 1, err)) != RPL_OK) return st;
+  for (int p = 0; p < c->size; p++) {
+    if (p == c->rank || local_of[p] < 0) continue;
+    char v[8];
+    size_t len;
+    snprintf(key, sizeof key, "ripples/shm-mapped/%d", p);
+    if ((st = store->get(store->ctx, key, v, sizeof v, &len, err)) != RPL_OK) return st;
+  }
+  rpl_shm_unlink(shm);
+  return RPL_OK;
+}
+
 /* ---- public API ---------------------------------------------------------------------- */
 
 rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, rpl_comm **out,
@@ -377,6 +442,7 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
     return rpl_fail(err, RPL_ERR_INVALID, "timeout must be positive, got %g s", cfg->timeout_s);
   if (!store || !store->set || !store->get)
     return rpl_fail(err, RPL_ERR_INVALID, "a key-value store is required");
+  int *local_of = NULL;
   rpl_comm *c = calloc(1, sizeof *c);
   if (!c) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a communicator");
   c->rank = cfg->rank;
@@ -391,24 +457,50 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
   rpl_status st = rpl_tr_create(c->rank, c->size, cfg->bind_addr, &c->tr, err);
   if (st != RPL_OK) goto fail;
 
-  /* Exchange addresses: publish ours, then read every peer's (waits for all to arrive). */
-  char key[64], addr[128];
-  rpl_tr_address(c->tr, addr, sizeof addr);
+  /* Exchange addresses: publish ours (with a hash of our host key, so peers can tell who
+   * shares this machine), then read every peer's (waits for all to arrive). */
+  char key[64], addr[160];
+  uint64_t my_host = host_hash(cfg->host_key);
+  rpl_tr_address(c->tr, addr, 128);
+  snprintf(addr + strlen(addr), sizeof addr - strlen(addr), ":%016llx",
+           (unsigned long long)my_host);
   snprintf(key, sizeof key, "ripples/addr/%d", c->rank);
   if ((st = store->set(store->ctx, key, addr, strlen(addr), err)) != RPL_OK) goto fail;
-  for (int p = 0; p < c->size; p++) {
-    if (p == c->rank) continue;
-    char peer[128];
-    size_t len = 0;
-    snprintf(key, sizeof key, "ripples/addr/%d", p);
-    if ((st = store->get(store->ctx, key, peer, sizeof peer - 1, &len, err)) != RPL_OK) goto fail;
-    if (len >= sizeof peer) {
-      st = rpl_fail(err, RPL_ERR_INVALID, "rank %d published an over-long address", p);
-      goto fail;
-    }
-    peer[len] = '\0';
-    if ((st = rpl_tr_set_peer(c->tr, p, peer, err)) != RPL_OK) goto fail;
+  local_of = malloc(sizeof(int) * (size_t)c->size);
+  if (!local_of) {
+    st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a communicator");
+    goto fail;
   }
+  int nlocal = 0;
+  for (int p = 0; p < c->size; p++) {
+    uint64_t h = my_host;
+    if (p != c->rank) {
+      char peer[160];
+      size_t len = 0;
+      snprintf(key, sizeof key, "ripples/addr/%d", p);
+      if ((st = store->get(store->ctx, key, peer, sizeof peer - 1, &len, err)) != RPL_OK)
+        goto fail;
+      if (len >= sizeof peer) {
+        st = rpl_fail(err, RPL_ERR_INVALID, "rank %d published an over-long address", p);
+        goto fail;
+      }
+      peer[len] = '\0';
+      const char *hk = strrchr(peer, ':');
+      unsigned long long hv = 0;
+      if (!hk || sscanf(hk + 1, "%llx", &hv) != 1) {
+        st = rpl_fail(err, RPL_ERR_INVALID, "rank %d published a malformed address '%.60s' "
+                      "(a different ripples version?)", p, peer);
+        goto fail;
+      }
+      h = hv;
+      if ((st = rpl_tr_set_peer(c->tr, p, peer, err)) != RPL_OK) goto fail;
+    }
+    local_of[p] = h == my_host ? nlocal++ : -1;
+  }
+  if (!cfg->tcp_only && nlocal > 1 && (st = setup_shm(c, cfg, store, local_of, err)) != RPL_OK)
+    goto fail;
+  free(local_of);
+  local_of = NULL;
 
   if (pthread_create(&c->thread, NULL, progress_main, c) != 0) {
     st = rpl_fail_errno(err, RPL_ERR_SYSTEM, errno, "cannot start the progress thread");
@@ -419,6 +511,7 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
   return RPL_OK;
 
 fail:
+  free(local_of);
   rpl_comm_destroy(c);
   return st;
 }

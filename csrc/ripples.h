@@ -108,13 +108,18 @@ typedef struct rpl_comm_config {
   const char *name;        /* short label used in thread names and messages; may be NULL */
   size_t small_bytes;      /* latency-optimised algorithms at or below this; 0 = default */
   size_t chunk_bytes;      /* pipeline chunk for large broadcasts; 0 = default */
+  const char *host_key;    /* ranks with equal keys talk through shared memory; NULL = this
+                            * machine's hostname and boot id */
+  int tcp_only;            /* never use shared memory */
+  size_t ring_bytes;       /* shared-memory ring per peer pair; 0 = default (1 MiB) */
 } rpl_comm_config;
 
 typedef struct rpl_comm rpl_comm;
 
 /* Publishes this rank's address in `store` and reads every peer's address (so it returns only
- * once every rank of the group has called it). Connections are made lazily, on first use.
- * The store is used only during this call. */
+ * once every rank of the group has called it). Ranks on the same host map each other's
+ * shared-memory rings here; TCP connections are made lazily, on first use. The store is used
+ * only during this call. */
 rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, rpl_comm **out,
                            rpl_error *err);
 

@@ -1,5 +1,6 @@
 /*
- * transport.h - the TCP transport of one communicator (internal to csrc/).
+ * transport.h - the transport of one communicator: shared-memory rings to peers on the same
+ * host, TCP to the others (internal to csrc/).
  *
  * Algorithms never touch sockets: they describe one step as a set of transfers (sends and
  * receives, each to or from one peer) and rpl_tr_run moves all of them concurrently until every
@@ -68,6 +69,11 @@ void rpl_tr_destroy(rpl_tr *tr);
 /* "ADDR:PORT:NONCE", what peers need to connect; written into buf (cap >= 64). */
 void rpl_tr_address(const rpl_tr *tr, char *buf, size_t cap);
 rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error *err);
+
+/* Hands the transport shared-memory rings to this host's peers (it takes ownership): those
+ * peers are then reached through the rings instead of TCP, until a pair breaks. */
+struct rpl_shm;
+void rpl_tr_set_shm(rpl_tr *tr, struct rpl_shm *shm);
 
 /* Moves all transfers until done. Within one call, transfers to the same peer in the same
  * direction happen in array order. Zero-length transfers still exchange a header. */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 int g_fail, g_pass;
+world_layout g_layout;
 
 typedef struct kv {
   struct kv *next;
@@ -89,8 +90,12 @@ rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err) {
 static void *rank_main(void *arg) {
   job *j = arg;
   rpl_store st = {.ctx = j->store, .set = ms_set, .get = ms_get};
+  char host[32];
+  snprintf(host, sizeof host, "host%d", g_layout.hosts > 0 ? j->rank % g_layout.hosts : 0);
   rpl_comm_config cfg = {.rank = j->rank, .size = j->size, .timeout_s = j->timeout,
-                         .name = "test", .small_bytes = 256, .chunk_bytes = 1000};
+                         .name = "test", .small_bytes = 256, .chunk_bytes = 1000,
+                         .host_key = host, .tcp_only = g_layout.tcp_only,
+                         .ring_bytes = 64 * 1024 /* small: wrap-around happens often */};
   rpl_error err;
   rpl_status s = rpl_comm_create(&cfg, &st, &j->comm, &err);
   CHECK(s == RPL_OK, "rank %d create: %s", j->rank, err.msg);

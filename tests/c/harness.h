@@ -37,6 +37,14 @@ typedef struct job {
   rpl_comm *comm;
 } job;
 
+/* How run_world lays ranks out: `hosts` > 0 simulates that many hosts (rank r on host
+ * r % hosts: shared memory inside a host, TCP across); `tcp_only` disables shared memory. */
+typedef struct world_layout {
+  int hosts;
+  int tcp_only;
+} world_layout;
+extern world_layout g_layout;
+
 /* Starts `size` ranks as threads, each creating a communicator (small thresholds so the
  * large-message algorithms run on small data) and calling body(job, comm). */
 void run_world(int size, double timeout, void (*body)(job *, rpl_comm *), void *arg);

@@ -313,7 +313,7 @@ static void body_shutdown(job *j, rpl_comm *c) {
   CHECK(rpl_submit(c, &d, &err) == RPL_ERR_CLOSED, "submit after shutdown accepted");
 }
 
-int main(void) {
+static void run_all(void) {
   for (int n = 1; n <= 5; n++) {
     run_world(n, 30, body_allreduce, NULL);
     run_world(n, 30, body_broadcast, NULL);
@@ -324,5 +324,16 @@ int main(void) {
   run_world(3, 30, body_mismatch, NULL);
   run_world(2, 1.0, body_timeout, NULL);
   run_world(2, 30, body_shutdown, NULL);
+}
+
+int main(void) {
+  /* Every collective over each transport: shared memory only (one host), TCP only, and
+   * mixed (two simulated hosts: rings inside, sockets across, in the same operation). */
+  g_layout = (world_layout){.hosts = 1};
+  run_all();
+  g_layout = (world_layout){.hosts = 1, .tcp_only = 1};
+  run_all();
+  g_layout = (world_layout){.hosts = 2};
+  run_all();
   return report("collectives");
 }

@@ -206,9 +206,16 @@ static void body_skip(job *j, rpl_comm *c) {
 
 int main(void) {
   static shared sh;
+  /* Hosts of the schedule are HOST_OF; the transport is mixed: two simulated machines. */
+  g_layout = (world_layout){.hosts = 2};
   run_world(N, 30, body_rounds, &sh);
   run_world(N, 30, body_sum_and_fallback, NULL);
   run_world(N, 30, body_mismatch, NULL);
   run_world(N, 30, body_skip, NULL);
+  /* Failures on shared-memory pairs: everyone on one machine. */
+  g_layout = (world_layout){.hosts = 1};
+  run_world(N, 30, body_mismatch, NULL);
+  run_world(N, 30, body_skip, NULL);
+  run_world(N, 30, body_rounds, &sh);
   return report("partial");
 }

@@ -1,4 +1,5 @@
-/* transport_tcp.c - non-blocking TCP transport driven by the communicator's progress thread. */
+/* transport.c - the communicator's byte streams: shared-memory rings to peers on this host,
+ * non-blocking TCP sockets to the others, one framing and one run loop for both. */
 #include "transport.h"
 
 #include <arpa/inet.h>
@@ -18,6 +19,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "shm.h"
 
 #define HDR_SIZE 40
 #define HELLO_SIZE 24
@@ -27,7 +29,7 @@
 /* Reduce arriving data in pieces this large, so reduction overlaps the rest of the transfer. */
 #define REDUCE_GRAIN (256u * 1024u)
 
-enum { CONN_NONE = 0, CONN_CONNECTING, CONN_READY };
+enum { CONN_NONE = 0, CONN_CONNECTING, CONN_READY, CONN_SHM };
 enum { RX_HEADER = 0, RX_XFER, RX_STASH };
 
 typedef struct stash_msg {
@@ -63,6 +65,7 @@ struct rpl_tr {
   int *pfd_peer;
   int aborted;
   int replaced; /* a peer this run was using reconnected, or -1 */
+  rpl_shm *shm; /* rings to local peers, or NULL */
   rpl_tr_counters counters;
 };
 
@@ -200,12 +203,17 @@ static void close_conn(conn *c) {
 }
 
 void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
-  if (tr && peer >= 0 && peer < tr->size && peer != tr->rank) close_conn(&tr->conns[peer]);
+  if (!tr || peer < 0 || peer >= tr->size || peer == tr->rank) return;
+  if (rpl_shm_usable(tr->shm, peer)) rpl_shm_break(tr->shm, peer); /* both sides move to TCP */
+  close_conn(&tr->conns[peer]);
 }
+
+void rpl_tr_set_shm(rpl_tr *tr, rpl_shm *shm) { tr->shm = shm; }
 
 void rpl_tr_abort(rpl_tr *tr) {
   if (!tr) return;
   tr->aborted = 1;
+  rpl_shm_close(tr->shm);
   if (tr->conns)
     for (int i = 0; i < tr->size; i++) close_conn(&tr->conns[i]);
   if (tr->listen_fd >= 0) close(tr->listen_fd);
@@ -215,6 +223,7 @@ void rpl_tr_abort(rpl_tr *tr) {
 void rpl_tr_destroy(rpl_tr *tr) {
   if (!tr) return;
   rpl_tr_abort(tr);
+  rpl_shm_destroy(tr->shm);
   if (tr->wake_fd >= 0) close(tr->wake_fd);
   free(tr->peer_addr);
   free(tr->peer_nonce);
@@ -259,6 +268,7 @@ void rpl_tr_interrupt(rpl_tr *tr) {
   uint64_t one = 1;
   ssize_t r = write(tr->wake_fd, &one, sizeof one);
   (void)r;
+  if (tr->shm) rpl_shm_ring_self(tr->shm);
 }
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
@@ -451,12 +461,18 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       iov[niov].iov_len = x->len - poff;
       niov++;
     }
-    struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
-    ssize_t r = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return RPL_OK;
-      return peer_closed(tr, peer, errno, "sending", err);
+    ssize_t r;
+    if (c->state == CONN_SHM) {
+      r = (ssize_t)rpl_shm_write(tr->shm, peer, iov, niov);
+      if (r == 0) return RPL_OK; /* ring full */
+    } else {
+      struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
+      r = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return RPL_OK;
+        return peer_closed(tr, peer, errno, "sending", err);
+      }
     }
     x->off += (size_t)r;
     count_add(&tr->counters.bytes_sent, (uint64_t)r);
@@ -547,13 +563,19 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       dst = c->rx_stash->data + c->rx_stash_got;
       want = c->rx_stash->len - c->rx_stash_got;
     }
-    ssize_t r = want ? recv(c->fd, dst, want, MSG_DONTWAIT) : 0;
-    if (want && r < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return RPL_OK;
-      return peer_closed(tr, peer, errno, "receiving", err);
+    ssize_t r = 0;
+    if (want && c->state == CONN_SHM) {
+      r = (ssize_t)rpl_shm_read(tr->shm, peer, dst, want);
+      if (r == 0) return RPL_OK; /* ring empty */
+    } else if (want) {
+      r = recv(c->fd, dst, want, MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return RPL_OK;
+        return peer_closed(tr, peer, errno, "receiving", err);
+      }
+      if (r == 0) return peer_closed(tr, peer, 0, "receiving", err);
     }
-    if (want && r == 0) return peer_closed(tr, peer, 0, "receiving", err);
     count_add(&tr->counters.bytes_received, (uint64_t)r);
 
     if (c->rx_mode == RX_HEADER) {
@@ -641,7 +663,11 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
     if (xs[i].peer < 0 || xs[i].peer >= tr->size || xs[i].peer == tr->rank)
       return rpl_fail(err, RPL_ERR_INVALID, "internal error: transfer to rank %d", xs[i].peer);
   }
-  for (int p = 0; p < tr->size; p++) tr->act_send[p] = tr->act_recv[p] = -1;
+  for (int p = 0; p < tr->size; p++) {
+    tr->act_send[p] = tr->act_recv[p] = -1;
+    /* A ring pair the peer gave up on (after an error of its own) is abandoned for TCP. */
+    if (tr->conns[p].state == CONN_SHM && !rpl_shm_usable(tr->shm, p)) close_conn(&tr->conns[p]);
+  }
   for (int i = 0; i < n; i++) {
     int p = xs[i].peer;
     if (xs[i].is_send && tr->act_send[p] < 0) tr->act_send[p] = i;
@@ -658,8 +684,27 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
     if (tr->act_recv[p] == -2) tr->act_recv[p] = -1;
 
   for (;;) {
+    /* Shared-memory peers first: move whatever the rings allow, no system call. */
+    uint32_t bell = tr->shm ? rpl_shm_doorbell(tr->shm) : 0;
+    int shm_pending = 0;
+    uint64_t moved_before = tr->counters.bytes_sent + tr->counters.bytes_received;
+    for (int p = 0; p < tr->size && tr->shm; p++) {
+      if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
+      conn *c = &tr->conns[p];
+      if (c->state == CONN_NONE && rpl_shm_usable(tr->shm, p)) c->state = CONN_SHM;
+      if (c->state != CONN_SHM) continue;
+      if (!rpl_shm_usable(tr->shm, p)) return rpl_shm_check_peer(tr->shm, p, err);
+      rpl_status st = RPL_OK;
+      if (tr->act_recv[p] >= 0) st = do_recv(tr, xs, n, p, err);
+      if (st == RPL_OK && tr->act_send[p] >= 0) st = do_send(tr, xs, n, p, err);
+      if (st != RPL_OK) return st;
+      if (tr->act_send[p] >= 0 || tr->act_recv[p] >= 0) shm_pending = 1;
+    }
+    int shm_moved =
+        tr->counters.bytes_sent + tr->counters.bytes_received != moved_before;
+
     /* Collect what is left and what to wait for. */
-    int np = 0, pending = 0;
+    int np = 0, pending = shm_pending, tcp_pending = 0;
     tr->pfds[np] = (struct pollfd){.fd = tr->wake_fd, .events = POLLIN};
     tr->pfd_peer[np++] = -1;
     tr->pfds[np] = (struct pollfd){.fd = tr->listen_fd, .events = POLLIN};
@@ -668,6 +713,8 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
       if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
       pending = 1;
       conn *c = &tr->conns[p];
+      if (c->state == CONN_SHM) continue;
+      tcp_pending = 1;
       if (c->state == CONN_NONE) {
         if (tr->rank > p) continue; /* the lower rank connects; we accept */
         rpl_status st = start_connect(tr, p, err);
@@ -687,6 +734,24 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
     double left = deadline - rpl_now();
     if (left <= 0) return timeout_error(tr, xs, n, deadline, err);
     int ms = left > 3600.0 ? 3600000 : (int)(left * 1000.0) + 1;
+    if (shm_pending) {
+      if (shm_moved) ms = 0;
+      else if (!tcp_pending) {
+        /* Only rings to wait on: make sure the peers are still there, then sleep on our
+         * doorbell (rung by their progress, by an abort, or by an interrupt). */
+        for (int p = 0; p < tr->size; p++) {
+          if (tr->conns[p].state != CONN_SHM) continue;
+          if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
+          rpl_status st = rpl_shm_check_peer(tr->shm, p, err);
+          if (st != RPL_OK) return st;
+        }
+        rpl_shm_wait(tr->shm, bell, RPL_MIN(left, 0.1));
+        ms = 0;
+      } else {
+        rpl_shm_wait(tr->shm, bell, 0); /* spin briefly, then look at the sockets */
+        ms = RPL_MIN(ms, 1);
+      }
+    }
     int r = poll(tr->pfds, (nfds_t)np, ms);
     if (r < 0) {
       if (errno == EINTR) continue;

@@ -1,0 +1,60 @@
+/*
+ * shm.h - shared-memory byte streams between ranks on the same host (internal to csrc/).
+ *
+ * Every rank creates one segment holding an inbound ring per local peer; peers map each
+ * other's segments at communicator creation, after which the segment names are unlinked (a
+ * crash leaves nothing behind in /dev/shm). A ring is a single-producer single-consumer byte
+ * stream, so the transport frames messages on it exactly as on a TCP socket.
+ *
+ * Waiting: each segment has a doorbell word. A writer rings the reader's doorbell after adding
+ * bytes, a reader rings the writer's after freeing space; a rank with nothing to do sleeps on
+ * its own doorbell (futex) for a bounded time, then checks that the peers it waits for are
+ * alive. A rank that aborts sets a flag in its segment and rings every peer.
+ *
+ * A pair can be "broken" by either side after a failed exchange (its stream state is
+ * unknown); from then on both sides use TCP for that pair.
+ */
+#ifndef RPL_SHM_H
+#define RPL_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+#include "ripples.h"
+
+typedef struct rpl_shm rpl_shm;
+
+/* `local_of[r]` is r's index among the ranks of this host, or -1 for ranks elsewhere.
+ * Writes the segment's name (to publish) into name[cap]. */
+rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonce,
+                          size_t ring_bytes, rpl_shm **out, char *name, size_t cap,
+                          rpl_error *err);
+rpl_status rpl_shm_attach(rpl_shm *s, int peer, const char *name, rpl_error *err);
+/* Removes the segment's name; mappings stay valid. */
+void rpl_shm_unlink(rpl_shm *s);
+void rpl_shm_destroy(rpl_shm *s);
+
+/* 1 if `peer` is reachable through shared memory and the pair is not broken. */
+int rpl_shm_usable(const rpl_shm *s, int peer);
+
+/* Non-blocking stream I/O with a local peer: bytes moved (0 = ring full/empty). */
+size_t rpl_shm_write(rpl_shm *s, int peer, const struct iovec *iov, int niov);
+size_t rpl_shm_read(rpl_shm *s, int peer, void *buf, size_t len);
+
+/* The doorbell value to pass to rpl_shm_wait; read it before trying to make progress. */
+uint32_t rpl_shm_doorbell(const rpl_shm *s);
+/* Sleeps until the doorbell moves from `seen`, or `max_s` passes. */
+void rpl_shm_wait(rpl_shm *s, uint32_t seen, double max_s);
+/* Rings our own doorbell (another thread interrupting a wait). */
+void rpl_shm_ring_self(rpl_shm *s);
+
+/* 0 if the peer is alive and has not aborted; otherwise fills err (RPL_ERR_PEER). */
+rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, rpl_error *err);
+/* Marks the pair broken on both sides and wakes the peer. */
+void rpl_shm_break(rpl_shm *s, int peer);
+/* Announces that this rank aborted (peers blocked on it fail) and wakes every local peer. */
+void rpl_shm_close(rpl_shm *s);
+
+#endif /* RPL_SHM_H */
