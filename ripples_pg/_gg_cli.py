@@ -1,0 +1,39 @@
+"""Shared command-line pieces of ``ripples_pg.schedule`` and ``ripples_pg.coordinator``."""
+import argparse
+
+
+def add_layout_args(p: argparse.ArgumentParser, workers_required: bool = True) -> None:
+    p.add_argument("--workers", type=int, required=workers_required, help="number of workers")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--per-host", type=int, default=None,
+                   help="workers per host (ranks 0..L-1 on host 0, ...); default: one host")
+    g.add_argument("--hosts", default=None,
+                   help="comma-separated host label of every rank, e.g. 0,0,1,1,1")
+
+
+def add_policy_args(p: argparse.ArgumentParser, default_policy: str) -> None:
+    p.add_argument("--policy", default=default_policy,
+                   choices=["static", "random", "smart", "adpsgd"])
+    p.add_argument("--group-size", type=int, default=0, help="0 = default (3)")
+    p.add_argument("--c-thres", type=int, default=0,
+                   help="smart: slowdown filter threshold; 0 = default, -1 = off")
+    p.add_argument("--inter-intra", action="store_true", help="smart: Inter-Intra phases")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def host_labels(args: argparse.Namespace):
+    """The host label of every rank, or None for a single host."""
+    n = args.workers
+    if args.hosts:
+        try:
+            labels = [int(x) for x in args.hosts.split(",")]
+        except ValueError:
+            raise SystemExit("--hosts must be comma-separated integers") from None
+        if len(labels) != n:
+            raise SystemExit(f"--hosts has {len(labels)} labels, --workers is {n}")
+        return labels
+    if args.per_host:
+        if args.per_host < 1:
+            raise SystemExit("--per-host must be >= 1")
+        return [r // args.per_host for r in range(n)]
+    return None
