@@ -1,0 +1,179 @@
+// ripples_pg._C: the pybind11 module. Exposes the backend class (a subclass of torch's
+// c10d Backend, so torch can register it in a ProcessGroup) and the factory the Python creator
+// (ripples_pg/_backend.py) calls with an already-resolved configuration.
+#include <torch/extension.h>
+
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+
+#include "ProcessGroupRipples.hpp"
+
+namespace py = pybind11;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ripples_pg C++ shim: the 'ripples' c10d backend over the ripples C core";
+
+  // torch's c10d classes (Backend, Store, Work) must be registered before ours derives
+  // from them.
+  py::module_::import("torch.distributed");
+
+  py::class_<
+      ripples::ProcessGroupRipples,
+      c10::intrusive_ptr<ripples::ProcessGroupRipples>,
+      c10d::Backend>(m, "ProcessGroupRipples")
+      .def_property_readonly(
+          "timeout_s",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.config().timeout_s; },
+          "Per-operation timeout of the core communicator, in seconds.")
+      .def_property_readonly(
+          "bind_addr",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.config().bind_addr; },
+          "IPv4 address this rank's peers connect to (empty: the core default, 127.0.0.1).")
+      .def_property_readonly(
+          "name",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.config().name; })
+      .def_property_readonly(
+          "is_shutdown",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.isShutdown(); })
+      .def(
+          "counters",
+          [](const ripples::ProcessGroupRipples& pg) {
+            rpl_comm_counters c = pg.counters();
+            py::dict d;
+            d["ops_completed"] = c.ops_completed;
+            d["ops_failed"] = c.ops_failed;
+            d["bytes_sent"] = c.bytes_sent;
+            d["bytes_received"] = c.bytes_received;
+            d["connections"] = c.connections;
+            return d;
+          },
+          "Counters of the core communicator (operations, bytes, connections).")
+      .def_property_readonly(
+          "schedule",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.config().schedule; },
+          "The partial-round schedule of this group ('' if partial rounds are off).")
+      .def_property_readonly(
+          "partial_by_default",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.config().partial_by_default; })
+      .def_property_readonly(
+          "host_of",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.config().host_of; },
+          "Dense host index of every rank of the group.")
+      .def(
+          "partial_stats",
+          [](const ripples::ProcessGroupRipples& pg) {
+            rpl_partial_stats s = pg.partialStats();
+            py::dict d;
+            d["rounds"] = s.rounds;
+            d["reduced"] = s.reduced;
+            d["singletons"] = s.singletons;
+            d["skipped"] = s.skipped;
+            d["failed"] = s.failed;
+            d["exact_fallbacks"] = s.exact_fallbacks;
+            d["fences"] = s.fences;
+            py::list sizes;
+            for (uint64_t v : s.group_sizes) {
+              sizes.append(v);
+            }
+            d["group_sizes"] = sizes;
+            d["bytes"] = s.bytes;
+            d["group_s"] = s.group_s;
+            d["wait_s"] = s.wait_s;
+            d["reduce_s"] = s.reduce_s;
+            return d;
+          },
+          "Partial-round counters of this rank (see ripples_pg.stats).")
+      .def(
+          "trace",
+          [](const ripples::ProcessGroupRipples& pg, uint64_t from) {
+            py::list out;
+            for (const rpl_trace_entry& e : pg.trace(from)) {
+              py::dict d;
+              d["round"] = e.round;
+              d["group_id"] = e.group_id;
+              d["status"] = e.status;
+              py::list members;
+              for (int i = 0; i < e.nmembers && i < RPL_TRACE_MEMBERS; ++i) {
+                members.append(e.members[i]);
+              }
+              d["members"] = members;
+              d["nmembers"] = e.nmembers;
+              out.append(d);
+            }
+            return out;
+          },
+          py::arg("start") = 0,
+          "Per-round trace entries from index `start` (needs Options(trace=True)).");
+
+  m.def(
+      "_set_partial_mode",
+      [](int mode) {
+        TORCH_CHECK_VALUE(mode >= 0 && mode <= 2, "partial mode must be 0, 1 or 2");
+        return static_cast<int>(
+            ripples::setThreadPartialMode(static_cast<ripples::PartialMode>(mode)));
+      },
+      py::arg("mode"),
+      "Sets this thread's partial mode (0 group default, 1 partial, 2 exact); returns the "
+      "previous one.");
+
+  m.def(
+      "_create_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store,
+         int rank,
+         int size,
+         double timeout_s,
+         const std::string& bind_addr,
+         const std::string& name,
+         size_t small_bytes,
+         size_t chunk_bytes,
+         const std::string& host_key,
+         bool tcp_only,
+         const std::string& schedule,
+         const std::vector<int>& host_of,
+         const std::string& endpoint,
+         const std::string& token,
+         bool on_failure_skip,
+         bool trace,
+         bool partial_by_default) {
+        ripples::Config cfg;
+        cfg.timeout_s = timeout_s;
+        cfg.bind_addr = bind_addr;
+        cfg.name = name;
+        cfg.small_bytes = small_bytes;
+        cfg.chunk_bytes = chunk_bytes;
+        cfg.host_key = host_key;
+        cfg.tcp_only = tcp_only;
+        cfg.schedule = schedule;
+        cfg.host_of = host_of;
+        cfg.endpoint = endpoint;
+        cfg.token = token;
+        cfg.on_failure_skip = on_failure_skip;
+        cfg.trace = trace;
+        cfg.partial_by_default = partial_by_default;
+        return ripples::createProcessGroupRipples(store, rank, size, cfg);
+      },
+      py::arg("store"),
+      py::arg("rank"),
+      py::arg("size"),
+      py::arg("timeout_s"),
+      py::arg("bind_addr") = std::string(),
+      py::arg("name") = std::string(),
+      py::arg("small_bytes") = 0,
+      py::arg("chunk_bytes") = 0,
+      py::arg("host_key") = std::string(),
+      py::arg("tcp_only") = false,
+      py::arg("schedule") = std::string(),
+      py::arg("host_of") = std::vector<int>(),
+      py::arg("endpoint") = std::string(),
+      py::arg("token") = std::string(),
+      py::arg("on_failure_skip") = false,
+      py::arg("trace") = false,
+      py::arg("partial_by_default") = false,
+      // Blocks until every rank of the group has joined (through the store).
+      py::call_guard<py::gil_scoped_release>(),
+      "Creates the backend; every rank of the group must call it.");
+
+  m.attr("CORE_VERSION") =
+      py::make_tuple(RPL_VERSION_MAJOR, RPL_VERSION_MINOR);
+  m.attr("MAX_COMPLETION_THREADS") = ripples::kMaxCompletionThreads;
+}

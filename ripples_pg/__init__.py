@@ -1,0 +1,105 @@
+"""ripples_pg: a PyTorch c10d process-group backend ("ripples") with a C core.
+
+``import ripples_pg`` registers the backend, after which::
+
+    import torch.distributed as dist
+    dist.init_process_group("ripples")                       # e.g. under torchrun
+    dist.init_process_group("ripples", pg_options=ripples_pg.Options(timeout=120))
+
+When the package is installed, torch also loads it through its ``torch.backends`` entry point
+(``ripples_pg:_autoload``), so ``init_process_group("ripples")`` works without the import
+(unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``).
+"""
+from __future__ import annotations
+
+from ._api import exact, host_of, partial, partial_all_reduce, stats, trace
+from ._backend import pick_bind_addr, register
+from .options import Options
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Options", "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "hooks",
+    "host_of", "is_registered", "partial", "partial_all_reduce", "pick_bind_addr", "register",
+    "stats", "trace", "wrap",
+]
+
+# The training integration imports torch's optimizers and averagers; load it on first use so
+# that torch's backend autoload (which imports this package inside `import torch`) stays
+# cycle-free and fast.
+_LAZY = {
+    "RipplesAverager": ("averager", "RipplesAverager"),
+    "RipplesOptimizer": ("_wrap", "RipplesOptimizer"),
+    "wrap": ("_wrap", "wrap"),
+    "hooks": ("hooks", None),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(f".{module}", __name__)
+        value = mod if attr is None else getattr(mod, attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ripples_pg' has no attribute {name!r}")
+
+
+def is_registered() -> bool:
+    """Whether ``"ripples"`` is registered with torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.is_available() and hasattr(dist.Backend, "RIPPLES")
+
+
+def _autoload() -> None:
+    """Entry point of group ``torch.backends``, called near the end of ``import torch``.
+
+    By then torch.distributed is already imported (torch imports it itself), so registering
+    cannot create an import cycle; the C extension is not loaded here. This must never raise:
+    torch turns an exception into a failure of ``import torch`` itself."""
+    try:
+        register()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        import warnings
+
+        warnings.warn(
+            f"ripples_pg: could not register the 'ripples' backend automatically ({exc!r}); "
+            f"'import ripples_pg' explicitly to see the error.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    if _register_error is not None:
+        import warnings
+
+        warnings.warn(
+            f"ripples_pg: could not register the 'ripples' backend automatically "
+            f"({_register_error!r}); 'import ripples_pg' explicitly to see the error.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _inside_torch_autoload() -> bool:
+    """True while torch's entry-point loader (torch._import_device_backends) imports us."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_import_device_backends":
+            return True
+        frame = frame.f_back
+    return False
+
+
+_register_error = None
+try:
+    register()
+except Exception as _exc:  # noqa: BLE001
+    # An explicit import shows the error; torch's autoload must not fail `import torch`.
+    if not _inside_torch_autoload():
+        raise
+    _register_error = _exc

@@ -1,0 +1,100 @@
+"""Partial mode, statistics and host layout of ``ripples`` process groups."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional, Sequence
+
+_GROUP_DEFAULT, _PARTIAL, _EXACT = 0, 1, 2
+
+
+@contextlib.contextmanager
+def partial(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, all-reduces issued by this thread on a ``ripples`` group are partial
+    rounds (``enabled=True``) or exact (``enabled=False``, same as :func:`exact`).
+
+    One call is one round: ``AVG`` gives the mean over the round's group, ``SUM`` gives
+    ``world_size / |group|`` times the group's sum. Non-floating tensors and other ops stay
+    exact. Blocks nest; leaving one restores the mode outside it.
+    """
+    from . import _C
+
+    prev = _C._set_partial_mode(_PARTIAL if enabled else _EXACT)
+    try:
+        yield
+    finally:
+        _C._set_partial_mode(prev)
+
+
+def exact() -> contextlib.AbstractContextManager:
+    """Inside the block, all-reduces issued by this thread are exact, even on a group created
+    with ``Options(partial=True)`` or inside an enclosing :func:`partial` block."""
+    return partial(False)
+
+
+def _ripples_backend(group: Any = None):
+    import torch
+    import torch.distributed as dist
+
+    from . import _C
+
+    if not dist.is_initialized():
+        raise RuntimeError("ripples_pg: torch.distributed is not initialized "
+                           "(call dist.init_process_group first)")
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        be = pg._get_backend(torch.device("cpu"))
+    except Exception as exc:  # noqa: BLE001 - re-raised with the cause named
+        raise ValueError(f"ripples_pg: {pg!r} has no CPU backend ({exc})") from exc
+    if not isinstance(be, _C.ProcessGroupRipples):
+        name = dist.get_backend(pg) if pg is not None else "?"
+        raise ValueError(f"ripples_pg: the process group uses backend {name!r}, not 'ripples'")
+    return be
+
+
+def stats(group: Any = None) -> dict:
+    """This rank's counters for a ``ripples`` group (default: the world group).
+
+    Partial rounds: ``rounds``, ``reduced`` (rounds that moved data), ``singletons`` (groups
+    of one), ``skipped`` / ``failed``, ``exact_fallbacks`` (partial calls on non-floating
+    tensors or other ops), ``fences``, ``group_sizes`` (histogram: index = group size, the last
+    bucket 16 or more), ``bytes``, and seconds spent obtaining groups (``group_s``, the
+    coordinator round trip), waiting for the group's members (``wait_s``) and reducing
+    (``reduce_s``). All operations: ``ops_completed``, ``ops_failed``, ``bytes_sent``,
+    ``bytes_received``, ``connections``.
+    """
+    be = _ripples_backend(group)
+    out = dict(be.partial_stats())
+    out.update(be.counters())
+    out["schedule"] = be.schedule
+    return out
+
+
+def trace(group: Any = None, start: int = 0) -> List[dict]:
+    """Per-round trace of a group created with ``Options(trace=True)``: one dict per partial
+    round of this rank with ``round``, ``group_id`` (the same on every member), ``members``
+    (group ranks, sorted) and ``status`` (0 = done). Empty if tracing is off."""
+    return list(_ripples_backend(group).trace(start))
+
+
+def host_of(group: Any = None) -> List[int]:
+    """Dense host index of every rank of the group (hosts numbered by their lowest rank),
+    from the host names (or ``RIPPLES_HOST_ID``) exchanged when the group was created."""
+    return list(_ripples_backend(group).host_of)
+
+
+def partial_all_reduce(tensors: Sequence[Any], group: Any = None, op: Any = None,
+                       async_op: bool = False):
+    """One partial round over several tensors (any floating dtypes): every tensor is averaged
+    (``op=AVG``, the default) or summed and rescaled (``op=SUM``) over the same group."""
+    import torch.distributed as dist
+
+    _ripples_backend(group)  # a clear error for a non-ripples group
+    pg = group if group is not None else dist.group.WORLD
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = op if op is not None else dist.ReduceOp.AVG
+    with partial():
+        work = pg.allreduce_coalesced(list(tensors), opts)
+    if async_op:
+        return work
+    work.wait()
+    return None

@@ -1,0 +1,358 @@
+"""``ripples_pg.Options``: the knobs of a ``ripples`` process group.
+
+Pass an instance as ``pg_options=`` to ``torch.distributed.init_process_group`` or
+``new_group``. Every field can also be set through the environment as ``RIPPLES_<FIELD>``
+(upper case); precedence is environment < Options < call arguments. A field left at ``None``
+is "not set here" and falls back to the environment, then to its default.
+
+Adding a field: append a ``_Field`` to ``_FIELDS`` (name, parser, default, help) and a
+matching attribute to ``Options.__init__``'s signature; validation, the environment
+variable, ``resolve()`` and ``repr`` follow from the table.
+"""
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+__all__ = ["Options"]
+
+_ENV_PREFIX = "RIPPLES_"
+
+
+# ----------------------------------------------------------------------------- parsers
+# Each parser takes (field name, raw value, from_env) and returns the canonical value or raises
+# ValueError naming the field and what it accepts. Strings come from the environment (or from
+# users who prefer them); other types come from Python.
+
+
+def _fail(name: str, value: Any, accepted: str, from_env: bool) -> None:
+    where = f"environment variable {_ENV_PREFIX}{name.upper()}" if from_env else f"Options.{name}"
+    raise ValueError(f"ripples_pg: {where}={value!r} is invalid; accepted: {accepted}")
+
+
+def _parse_timeout(name: str, value: Any, from_env: bool) -> float:
+    accepted = "a number of seconds > 0 (int, float or numeric string), or None for the " \
+               "process group's timeout"
+    if isinstance(value, bool):
+        _fail(name, value, accepted, from_env)
+    if hasattr(value, "total_seconds"):  # datetime.timedelta
+        value = value.total_seconds()
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        _fail(name, value, accepted, from_env)
+    if not math.isfinite(seconds) or seconds <= 0:
+        _fail(name, value, accepted, from_env)
+    return seconds
+
+
+def _parse_bind_addr(name: str, value: Any, from_env: bool) -> str:
+    accepted = "an IPv4 address such as '10.0.0.5' (the address peers use to reach this " \
+               "rank), or 'auto' to pick it from MASTER_ADDR's route"
+    if not isinstance(value, str):
+        _fail(name, value, accepted, from_env)
+    text = value.strip()
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        addr = ipaddress.IPv4Address(text)
+    except ValueError:
+        _fail(name, value, accepted, from_env)
+    if addr.is_unspecified or addr.is_multicast:
+        _fail(name, value, accepted + " (not 0.0.0.0 or a multicast address)", from_env)
+    return str(addr)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+def _parse_bytes(name: str, value: Any, from_env: bool) -> int:
+    accepted = "a byte count >= 0 (int, or a string such as '65536', '64K', '4M', '1G'); " \
+               "0 means the core's default"
+    if isinstance(value, bool):
+        _fail(name, value, accepted, from_env)
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m:
+            _fail(name, value, accepted, from_env)
+        unit = (m.group(2) or "").lower()[:1]
+        n = int(m.group(1)) * _SIZE_UNITS[unit]
+    else:
+        _fail(name, value, accepted, from_env)
+    if n < 0 or n > (1 << 62):
+        _fail(name, value, accepted, from_env)
+    return n
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse_bool(name: str, value: Any, from_env: bool) -> bool:
+    accepted = "True or False (in the environment: 1/0, true/false, yes/no, on/off)"
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    _fail(name, value, accepted, from_env)
+
+
+def _choice(*choices: str) -> Callable[[str, Any, bool], str]:
+    def parse(name: str, value: Any, from_env: bool) -> str:
+        if isinstance(value, str) and value.strip().lower() in choices:
+            return value.strip().lower()
+        _fail(name, value, " or ".join(repr(c) for c in choices), from_env)
+    return parse
+
+
+def _int_at_least(low: int, what: str) -> Callable[[str, Any, bool], int]:
+    def parse(name: str, value: Any, from_env: bool) -> int:
+        accepted = f"an integer >= {low} ({what})"
+        if isinstance(value, bool):
+            _fail(name, value, accepted, from_env)
+        try:
+            n = int(value) if isinstance(value, (int, str)) else None
+        except ValueError:
+            n = None
+        if n is None or n < low:
+            _fail(name, value, accepted, from_env)
+        return n
+    return parse
+
+
+def _parse_coordinator(name: str, value: Any, from_env: bool) -> str:
+    accepted = "'embedded' (rank 0 of the group runs it) or a ZeroMQ endpoint " \
+               "'tcp://HOST:PORT' of a running ripples-coordinator"
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "embedded":
+            return "embedded"
+        if re.match(r"^tcp://[^:/\s]+:\d{1,5}$", text):
+            return text
+    _fail(name, value, accepted, from_env)
+
+
+def _parse_token(name: str, value: Any, from_env: bool) -> str:
+    if isinstance(value, str) and re.match(r"^[0-9a-fA-F]{32}$", value.strip()):
+        return value.strip().lower()
+    _fail(name, value, "the coordinator's job token: 32 hexadecimal digits", from_env)
+
+
+def _parse_host_id(name: str, value: Any, from_env: bool) -> str:
+    if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value).strip() \
+            and len(str(value)) <= 200:
+        return str(value).strip()
+    _fail(name, value, "a non-empty label (ranks with equal labels count as one host)", from_env)
+
+
+def _parse_seed(name: str, value: Any, from_env: bool) -> int:
+    return _int_at_least(0, "the Group Generator's random seed")(name, value, from_env)
+
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    parse: Callable[[str, Any, bool], Any]
+    default: Any  # the value when neither Options, the environment nor a call sets it
+    help: str
+
+    @property
+    def env(self) -> str:
+        return _ENV_PREFIX + self.name.upper()
+
+
+_FIELDS: dict[str, _Field] = {
+    f.name: f
+    for f in (
+        _Field("timeout", _parse_timeout, None,
+               "Per-operation timeout in seconds; None = the process group's timeout."),
+        _Field("bind_addr", _parse_bind_addr, None,
+               "IPv4 address peers use to reach this rank; None/'auto' = 127.0.0.1 when "
+               "MASTER_ADDR is local, else the address of the interface routing to it."),
+        _Field("small_bytes", _parse_bytes, 0,
+               "Messages at or below this size use latency-optimised algorithms; 0 = core "
+               "default."),
+        _Field("chunk_bytes", _parse_bytes, 0,
+               "Pipeline chunk for large transfers; 0 = core default."),
+        _Field("transport", _choice("auto", "tcp"), "auto",
+               "'auto': shared memory between ranks of one host, TCP across hosts; 'tcp': "
+               "TCP everywhere."),
+        _Field("host_id", _parse_host_id, None,
+               "Label of this rank's host (RIPPLES_HOST_ID); None = the machine's hostname. "
+               "Tests set it to simulate several hosts on one machine."),
+        _Field("partial", _parse_bool, False,
+               "Every floating SUM/AVG all_reduce on the group is a partial round, without "
+               "ripples_pg.partial()."),
+        _Field("schedule", _choice("static", "random", "smart", "adpsgd"), "static",
+               "Where partial groups come from: 'static' (local, no coordinator), 'random', "
+               "'smart', 'adpsgd' (the coordinator)."),
+        _Field("group_size", _int_at_least(1, "workers per partial group"), 3,
+               "Group size of the random and smart schedules."),
+        _Field("c_thres", _int_at_least(-1, "-1 turns the filter off"), None,
+               "Slowdown filter of the smart schedule; None = the coordinator's default."),
+        _Field("inter_intra", _parse_bool, False,
+               "smart: alternate Inter (across hosts) and Intra (within a host) groups."),
+        _Field("coordinator", _parse_coordinator, "embedded",
+               "'embedded' or the endpoint of a standalone ripples-coordinator."),
+        _Field("coordinator_token", _parse_token, None,
+               "Job token of a standalone coordinator (printed by ripples-coordinator)."),
+        _Field("on_failure", _choice("raise", "skip"), "raise",
+               "A partial round that fails (timeout, dead member): raise, or leave the "
+               "tensors unchanged and count a skipped round."),
+        _Field("seed", _parse_seed, None,
+               "Seed of the coordinator's random choices; None = random."),
+        _Field("trace", _parse_bool, False,
+               "Keep a per-round trace (ripples_pg.trace)."),
+    )
+}
+
+
+class Options:
+    """Options of a ``ripples`` process group (``pg_options=`` of ``init_process_group`` /
+    ``new_group``).
+
+    Args:
+        timeout: per-operation timeout in seconds (float or ``timedelta``). ``None``: the
+            process group's timeout (``init_process_group(timeout=...)``).
+        bind_addr: IPv4 address peers use to reach this rank. ``None`` or ``"auto"``:
+            ``127.0.0.1`` when ``MASTER_ADDR`` is unset or local, otherwise the address of the
+            interface that routes to ``MASTER_ADDR``.
+        small_bytes: messages at or below this many bytes use latency-optimised algorithms
+            (``0``: the core's default).
+        chunk_bytes: pipeline chunk size for large transfers (``0``: the core's default).
+        transport: ``"auto"`` (shared memory between ranks of one host, TCP across hosts)
+            or ``"tcp"``.
+        host_id: label of this rank's host (``RIPPLES_HOST_ID``); ranks with equal labels
+            form one host for the schedules and share memory. ``None``: the hostname.
+        partial: make every floating ``SUM``/``AVG`` all-reduce on the group a partial round
+            (otherwise only calls inside ``ripples_pg.partial()`` are).
+        schedule: where partial groups come from: ``"static"`` (computed locally, no
+            coordinator; the default), ``"random"``, ``"smart"`` or ``"adpsgd"`` (a
+            coordinator).
+        group_size: workers per group for ``random`` and ``smart`` (default 3).
+        c_thres: the smart schedule's slowdown filter (``None``: the coordinator's default,
+            ``-1``: off).
+        inter_intra: smart only: Inter and Intra groups per division (paper §5.2).
+        coordinator: ``"embedded"`` (the default: the group's rank 0 runs it) or the
+            ``tcp://HOST:PORT`` endpoint of a standalone ``ripples-coordinator``.
+        coordinator_token: the job token of a standalone coordinator.
+        on_failure: ``"raise"`` (default) or ``"skip"``: a failed partial round leaves the
+            tensors unchanged and is counted in ``ripples_pg.stats()``.
+        seed: seed of the coordinator's random choices (``None``: random).
+        trace: keep a per-round trace, read with ``ripples_pg.trace()``.
+
+    Every field may also come from ``RIPPLES_<FIELD>`` in the environment (e.g.
+    ``RIPPLES_TIMEOUT=120``, ``RIPPLES_CHUNK_BYTES=1M``); a value set here wins over the
+    environment. Invalid values raise ``ValueError`` naming the field and what it accepts.
+    """
+
+    __slots__ = tuple("_" + n for n in _FIELDS)
+
+    def __init__(
+        self,
+        timeout: Optional[float] = None,
+        bind_addr: Optional[str] = None,
+        small_bytes: Optional[int] = None,
+        chunk_bytes: Optional[int] = None,
+        transport: Optional[str] = None,
+        host_id: Optional[str] = None,
+        partial: Optional[bool] = None,
+        schedule: Optional[str] = None,
+        group_size: Optional[int] = None,
+        c_thres: Optional[int] = None,
+        inter_intra: Optional[bool] = None,
+        coordinator: Optional[str] = None,
+        coordinator_token: Optional[str] = None,
+        on_failure: Optional[str] = None,
+        seed: Optional[int] = None,
+        trace: Optional[bool] = None,
+    ) -> None:
+        args = locals()  # every field is a parameter of the same name
+        for name in _FIELDS:
+            setattr(self, name, args[name])
+
+    # Attribute access goes through the field table, so assignment validates too.
+    def __getattr__(self, name: str) -> Any:
+        if name in _FIELDS:
+            return object.__getattribute__(self, "_" + name)
+        raise AttributeError(f"'Options' object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _FIELDS:
+            raise AttributeError(
+                f"ripples_pg.Options has no field {name!r}; fields: {', '.join(_FIELDS)}")
+        if value is not None:
+            value = _FIELDS[name].parse(name, value, False)
+        object.__setattr__(self, "_" + name, value)
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """Names of all fields, in declaration order."""
+        return tuple(_FIELDS)
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Options":
+        """Options holding only what ``RIPPLES_<FIELD>`` variables set (others None)."""
+        env = os.environ if env is None else env
+        opts = cls()
+        for name, field in _FIELDS.items():
+            raw = env.get(field.env)
+            if raw is not None and raw.strip() != "":
+                object.__setattr__(opts, "_" + name, field.parse(name, raw, True))
+        return opts
+
+    def set_fields(self) -> dict[str, Any]:
+        """The fields set explicitly (not None) on this instance."""
+        return {n: getattr(self, n) for n in _FIELDS if getattr(self, n) is not None}
+
+    def resolve(self, env: Optional[Mapping[str, str]] = None, **overrides: Any) -> "Options":
+        """A new Options with every field filled: environment < self < ``overrides``.
+
+        ``overrides`` are call arguments; ``None`` among them means "not given". Fields that
+        nobody set take their default (which may itself be None, e.g. ``timeout``: "use the
+        process group's timeout")."""
+        unknown = set(overrides) - set(_FIELDS)
+        if unknown:
+            raise TypeError(
+                f"ripples_pg: unknown option(s) {', '.join(sorted(unknown))}; "
+                f"fields: {', '.join(_FIELDS)}")
+        merged = Options.from_env(env)
+        for layer in (self.set_fields(), {k: v for k, v in overrides.items() if v is not None}):
+            for name, value in layer.items():
+                setattr(merged, name, value)
+        for name, field in _FIELDS.items():
+            if getattr(merged, name) is None and field.default is not None:
+                object.__setattr__(merged, "_" + name, field.default)
+        return merged
+
+    def replace(self, **changes: Any) -> "Options":
+        """A copy with some fields changed (validated)."""
+        new = Options(**{n: getattr(self, n) for n in _FIELDS})
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Options):
+            return NotImplemented
+        return all(getattr(self, n) == getattr(other, n) for n in _FIELDS)
+
+    __hash__ = None  # mutable
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{n}={getattr(self, n)!r}" for n in _FIELDS)
+        return f"ripples_pg.Options({body})"
+
+    def __reduce__(self):
+        return (_rebuild_options, (self.set_fields(),))
+
+
+def _rebuild_options(values: dict) -> Options:
+    return Options(**values)
