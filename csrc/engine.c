@@ -23,6 +23,18 @@ typedef struct rpl_op {
   rpl_buf *bufs;
 } rpl_op;
 
+/* The sends and recvs that run together (progress thread only). Entry i of every array is one
+ * op and its transfer; ops[i] is NULL once that op has completed. Entries are appended, and
+ * dropped only by compaction (which tells the transport) or when the batch empties. */
+typedef struct p2p_batch {
+  rpl_op **ops;
+  rpl_xfer *xs;
+  double *deadline; /* start of execution + the op's timeout */
+  int *map;         /* compaction scratch */
+  int n, cap;
+  int live;         /* entries whose op has not completed */
+} p2p_batch;
+
 struct rpl_comm {
   int rank, size;
   double timeout_s;
@@ -35,6 +47,7 @@ struct rpl_comm {
   pthread_mutex_t mu; /* guards the queue and the flags below */
   pthread_cond_t cv;
   rpl_op *head, *tail;
+  int p2p_active; /* the progress thread runs a p2p batch: p2p submits poke the transport */
   int closing;
   int broken;
   rpl_error first_error;
@@ -42,6 +55,7 @@ struct rpl_comm {
   rpl_partial *partial; /* set once by rpl_comm_enable_partial; NULL until then */
 
   uint64_t coll_seq; /* progress thread only */
+  p2p_batch batch;   /* progress thread only */
   void *scratch[RPL_SCRATCH_SLOTS];
   size_t scratch_cap[RPL_SCRATCH_SLOTS];
 
@@ -169,6 +183,10 @@ static rpl_status check_same(const rpl_buf *b, int n, rpl_dtype dtype, size_t co
 static rpl_status validate(const rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
   const char *op = rpl_op_name(d->kind);
   int n = c->size;
+  if (!(d->timeout_s >= 0))
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "%s: timeout must be >= 0 seconds (0 = the process group's), got %g", op,
+                    d->timeout_s);
   if (d->nin < 0 || d->nout < 0 || (d->nin && !d->in) || (d->nout && !d->out))
     return rpl_fail(err, RPL_ERR_INVALID, "%s: bad buffer lists", op);
   rpl_status st = check_bufs(d->in, d->nin, "input", err);
@@ -255,6 +273,40 @@ static rpl_status validate(const rpl_comm *c, const rpl_op_desc *d, rpl_error *e
 
 /* ---- execution ----------------------------------------------------------------------- */
 
+static double op_timeout(const rpl_comm *c, const rpl_op_desc *d) {
+  return d->timeout_s > 0 ? d->timeout_s : c->timeout_s;
+}
+
+static int is_p2p(const rpl_op *op) {
+  return op->d.kind == RPL_OP_SEND || op->d.kind == RPL_OP_RECV;
+}
+
+/* A failed exchange leaves streams mid-message: close everything so peers fail fast instead
+ * of waiting for data that will never come. */
+static void break_comm(rpl_comm *c, const rpl_error *err) {
+  pthread_mutex_lock(&c->mu);
+  if (!c->broken) {
+    c->broken = 1;
+    c->first_error = *err;
+  }
+  pthread_mutex_unlock(&c->mu);
+  rpl_tr_abort(c->tr);
+}
+
+/* Counts, calls on_done, frees. */
+static void finish_op(rpl_comm *c, rpl_op *op, rpl_status st, rpl_error *err) {
+  if (st != RPL_OK) {
+    err->code = st;
+    __atomic_fetch_add(&c->ops_failed, 1, __ATOMIC_RELAXED);
+    if (op->d.on_done) op->d.on_done(op->d.done_arg, st, err);
+  } else {
+    __atomic_fetch_add(&c->ops_completed, 1, __ATOMIC_RELAXED);
+    if (op->d.on_done) op->d.on_done(op->d.done_arg, RPL_OK, NULL);
+  }
+  free(op->bufs);
+  free(op);
+}
+
 /* Runs one operation. *contained is set when a failure was already dealt with and must not
  * break the communicator (a partial round cleans up after its own group). */
 static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *d,
@@ -288,7 +340,7 @@ static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *
                   * elsewhere list lengths legitimately differ (a root has more). */
                  .nbufs = d->kind == RPL_OP_ALLREDUCE || d->kind == RPL_OP_BROADCAST
                               ? (uint32_t)d->nin : 1u,
-                 .deadline = rpl_now() + c->timeout_s,
+                 .deadline = rpl_now() + op_timeout(c, d),
                  .small_bytes = c->small_bytes,
                  .chunk_bytes = c->chunk_bytes,
                  .err = err};
@@ -303,11 +355,190 @@ static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *
     case RPL_OP_SCATTER: return rpl_algo_scatter(&run, d);
     case RPL_OP_REDUCE: return rpl_algo_reduce(&run, d);
     case RPL_OP_BARRIER: return rpl_algo_barrier(&run, d);
-    case RPL_OP_SEND: return rpl_algo_send(&run, d);
-    case RPL_OP_RECV: return rpl_algo_recv(&run, d);
+    case RPL_OP_SEND:
+    case RPL_OP_RECV: /* run in batches by run_p2p */
     case RPL_OP_PARTIAL_ALLREDUCE: break; /* handled above */
   }
   return rpl_fail(err, RPL_ERR_INVALID, "unknown operation kind %d", (int)d->kind);
+}
+
+static int batch_grow(p2p_batch *b) {
+  if (b->n < b->cap) return 1;
+  int cap = b->cap ? b->cap * 2 : 16;
+  rpl_op **ops = realloc(b->ops, sizeof *ops * (size_t)cap);
+  if (ops) b->ops = ops;
+  rpl_xfer *xs = ops ? realloc(b->xs, sizeof *xs * (size_t)cap) : NULL;
+  if (xs) b->xs = xs;
+  double *dl = xs ? realloc(b->deadline, sizeof *dl * (size_t)cap) : NULL;
+  if (dl) b->deadline = dl;
+  int *map = dl ? realloc(b->map, sizeof *map * (size_t)cap) : NULL;
+  if (map) b->map = map;
+  if (!map) return 0;
+  b->cap = cap;
+  return 1;
+}
+
+/* Drops completed entries once they are the majority of a large batch (a stream of p2p ops
+ * that never drains must not grow it without bound). */
+static void batch_compact(rpl_comm *c, p2p_batch *b) {
+  if (b->n < 64 || (b->n - b->live) * 2 < b->n) return;
+  int j = 0;
+  for (int i = 0; i < b->n; i++) {
+    b->map[i] = -1;
+    if (!b->ops[i]) continue;
+    b->map[i] = j;
+    b->ops[j] = b->ops[i];
+    b->xs[j] = b->xs[i];
+    b->deadline[j] = b->deadline[i];
+    j++;
+  }
+  rpl_tr_p2p_remap(c->tr, b->map, b->n);
+  b->n = j;
+}
+
+static void p2p_desc(const rpl_op *op, char *buf, size_t cap) {
+  snprintf(buf, cap, "%s %s rank %d (tag %d)", op->d.kind == RPL_OP_SEND ? "send" : "recv",
+           op->d.kind == RPL_OP_SEND ? "to" : "from", op->d.root, op->d.tag);
+}
+
+/* Fails every live op of the batch after the run failed with `st`/`err` and empties it. */
+static void batch_fail(rpl_comm *c, p2p_batch *b, rpl_status st, const rpl_error *err) {
+  double now = rpl_now();
+  rpl_error first = *err;
+  int broke = 0;
+  if (st == RPL_ERR_TIMEOUT) {
+    /* The ops past their own deadline time out, naming their peer; the first of them is the
+     * communicator's error. */
+    for (int i = 0; i < b->n; i++) {
+      rpl_op *op = b->ops[i];
+      if (!op || b->deadline[i] > now) continue;
+      char what[96];
+      p2p_desc(op, what, sizeof what);
+      rpl_error e;
+      rpl_fail(&e, RPL_ERR_TIMEOUT,
+               "%s timed out after %g s waiting for rank(s) %d (%s)", what,
+               op_timeout(c, &op->d), op->d.root,
+               op->d.kind == RPL_OP_RECV
+                   ? "it never sent a matching message: it is slow, stuck in another "
+                     "operation, or gone"
+                   : "it never took the message: it has not posted the matching recv, is "
+                     "stuck in another operation, or is gone");
+      if (!broke) {
+        first = e;
+        break_comm(c, &first);
+        broke = 1;
+      }
+      b->ops[i] = NULL;
+      b->live--;
+      finish_op(c, op, RPL_ERR_TIMEOUT, &e);
+    }
+  }
+  if (!broke && st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED) {
+    break_comm(c, &first);
+    broke = 1;
+  }
+  for (int i = 0; i < b->n; i++) {
+    rpl_op *op = b->ops[i];
+    if (!op) continue;
+    rpl_error e;
+    rpl_status s = st;
+    if (st == RPL_ERR_TIMEOUT) {
+      /* Not past its own deadline, but the communicator is broken now. */
+      s = RPL_ERR_ABORTED;
+      char what[96];
+      p2p_desc(op, what, sizeof what);
+      rpl_fail(&e, s, "%s was abandoned: the process group is unusable after an error of an "
+               "operation running with it: %.380s", what, first.msg);
+    } else {
+      e = *err;
+    }
+    b->ops[i] = NULL;
+    b->live--;
+    finish_op(c, op, s, &e);
+  }
+  b->n = 0;
+  b->live = 0;
+}
+
+/* Runs the sends and recvs at the head of the queue, and those that join while they run, until
+ * none is pending. Each op completes (on_done) as soon as its transfer has. */
+static void run_p2p(rpl_comm *c) {
+  p2p_batch *b = &c->batch;
+  b->n = b->live = 0;
+  for (;;) {
+    int first_new = b->n, closing;
+    rpl_op *nomem = NULL;
+    pthread_mutex_lock(&c->mu);
+    closing = c->closing;
+    if (!closing && !c->broken) {
+      while (c->head && is_p2p(c->head)) {
+        rpl_op *op = c->head;
+        c->head = op->next;
+        if (!c->head) c->tail = NULL;
+        op->next = NULL;
+        if (!batch_grow(b)) {
+          nomem = op;
+          break;
+        }
+        b->ops[b->n++] = op;
+        b->live++;
+      }
+    }
+    /* Leaving the batch is decided under the lock, so a p2p op submitted from here on is
+     * seen by the main loop rather than relying on a poke. */
+    c->p2p_active = b->live > 0 && !closing;
+    pthread_mutex_unlock(&c->mu);
+
+    if (nomem) {
+      rpl_error e;
+      rpl_fail(&e, RPL_ERR_NOMEM, "out of memory running %s", rpl_op_name(nomem->d.kind));
+      finish_op(c, nomem, RPL_ERR_NOMEM, &e);
+    }
+    if (b->live == 0) break;
+    if (closing) {
+      rpl_error e;
+      rpl_fail(&e, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
+      batch_fail(c, b, RPL_ERR_CLOSED, &e);
+      break;
+    }
+
+    double now = rpl_now();
+    for (int i = first_new; i < b->n; i++) {
+      rpl_op *op = b->ops[i];
+      rpl_run run = {.comm = c, .tr = c->tr, .rank = c->rank, .size = c->size,
+                     .kind = op->d.kind, .seq = 0, .nbufs = (uint32_t)op->d.tag};
+      b->xs[i] = rpl_p2p_xfer(&run, &op->d);
+      b->deadline[i] = now + op_timeout(c, &op->d);
+    }
+    double deadline = 0;
+    int have = 0;
+    for (int i = 0; i < b->n; i++)
+      if (b->ops[i] && (!have || b->deadline[i] < deadline)) {
+        deadline = b->deadline[i];
+        have = 1;
+      }
+
+    rpl_error err = {RPL_OK, ""};
+    rpl_status st = rpl_tr_run_p2p(c->tr, b->xs, b->n, deadline, &err);
+    /* Complete what finished (also when the run then failed on something else). */
+    for (int i = 0; i < b->n; i++) {
+      rpl_op *op = b->ops[i];
+      if (!op || !b->xs[i].done) continue;
+      b->ops[i] = NULL;
+      b->live--;
+      finish_op(c, op, RPL_OK, NULL);
+    }
+    if (st != RPL_OK) {
+      err.code = st;
+      batch_fail(c, b, st, &err);
+      pthread_mutex_lock(&c->mu);
+      c->p2p_active = 0;
+      pthread_mutex_unlock(&c->mu);
+      break;
+    }
+    if (b->live == 0) b->n = 0; /* drained: nothing refers to the entries any more */
+    else batch_compact(c, b);
+  }
 }
 
 static void *progress_main(void *arg) {
@@ -323,9 +554,14 @@ static void *progress_main(void *arg) {
       pthread_mutex_unlock(&c->mu);
       break;
     }
+    int closing = c->closing, broken = c->broken;
+    if (is_p2p(op) && !closing && !broken) {
+      pthread_mutex_unlock(&c->mu);
+      run_p2p(c);
+      continue;
+    }
     c->head = op->next;
     if (!c->head) c->tail = NULL;
-    int closing = c->closing, broken = c->broken;
     rpl_error first = c->first_error;
     rpl_partial *partial = c->partial;
     pthread_mutex_unlock(&c->mu);
@@ -344,26 +580,11 @@ static void *progress_main(void *arg) {
 
     if (st != RPL_OK) {
       err.code = st;
-      /* A failed exchange leaves streams mid-message: close everything so peers fail fast
-       * instead of waiting for data that will never come. Argument errors found before any
-       * data moved (none reach here: rpl_submit validates) would not need this. */
-      if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) {
-        pthread_mutex_lock(&c->mu);
-        if (!c->broken) {
-          c->broken = 1;
-          c->first_error = err;
-        }
-        pthread_mutex_unlock(&c->mu);
-        rpl_tr_abort(c->tr);
-      }
-      __atomic_fetch_add(&c->ops_failed, 1, __ATOMIC_RELAXED);
-      if (op->d.on_done) op->d.on_done(op->d.done_arg, st, &err);
-    } else {
-      __atomic_fetch_add(&c->ops_completed, 1, __ATOMIC_RELAXED);
-      if (op->d.on_done) op->d.on_done(op->d.done_arg, RPL_OK, NULL);
+      /* Argument errors found before any data moved (none reach here: rpl_submit validates)
+       * would not need breaking the communicator. */
+      if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) break_comm(c, &err);
     }
-    free(op->bufs);
-    free(op);
+    finish_op(c, op, st, &err);
   }
   return NULL;
 }
@@ -537,6 +758,10 @@ void rpl_comm_destroy(rpl_comm *c) {
   rpl_partial_destroy(c->partial);
   rpl_tr_destroy(c->tr);
   for (int i = 0; i < RPL_SCRATCH_SLOTS; i++) free(c->scratch[i]);
+  free(c->batch.ops);
+  free(c->batch.xs);
+  free(c->batch.deadline);
+  free(c->batch.map);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
   free(c);
@@ -573,6 +798,8 @@ rpl_status rpl_submit(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
   if (c->tail) c->tail->next = op;
   else c->head = op;
   c->tail = op;
+  /* A running p2p batch takes new sends and recvs at once: wake its transport wait. */
+  if (c->p2p_active && (d->kind == RPL_OP_SEND || d->kind == RPL_OP_RECV)) rpl_tr_poke(c->tr);
   pthread_cond_signal(&c->cv);
   pthread_mutex_unlock(&c->mu);
   return RPL_OK;

@@ -6,6 +6,11 @@
  * number, and reusable scratch memory. An algorithm is a sequence of steps; each step is a
  * small array of transfers handed to rpl_exchange. Algorithms never write a caller's output
  * before the data it depends on has fully arrived.
+ *
+ * Sends and recvs are not algorithms: consecutive ones at the head of the queue form a batch
+ * whose transfers progress together (rpl_tr_run_p2p); each completes as soon as its own
+ * transfer has, and p2p ops submitted while a batch runs join it. A collective starts only
+ * once every earlier p2p op has completed.
  */
 #ifndef RPL_ENGINE_H
 #define RPL_ENGINE_H
@@ -69,7 +74,7 @@ rpl_status rpl_algo_gather(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_scatter(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_reduce(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_barrier(rpl_run *run, const rpl_op_desc *d);
-rpl_status rpl_algo_send(rpl_run *run, const rpl_op_desc *d);
-rpl_status rpl_algo_recv(rpl_run *run, const rpl_op_desc *d);
+/* The one transfer of a SEND or RECV (progress zeroed), for the engine's p2p batches. */
+rpl_xfer rpl_p2p_xfer(const rpl_run *run, const rpl_op_desc *d);
 
 #endif /* RPL_ENGINE_H */

@@ -44,6 +44,7 @@ typedef struct conn {
   int state;
   /* Receive side: a header, then a payload that goes to a transfer or to the stash. */
   int rx_mode;
+  int rx_idx; /* RX_XFER: index of the transfer the payload goes to (stable across p2p calls) */
   unsigned char rx_hdr[HDR_SIZE];
   size_t rx_hdr_got;
   stash_msg *rx_stash; /* being filled */
@@ -64,6 +65,10 @@ struct rpl_tr {
   struct pollfd *pfds;
   int *pfd_peer;
   int aborted;
+  int interrupted; /* sticky, set by rpl_tr_interrupt (atomic) */
+  int p2p;         /* the current run is a point-to-point batch (rpl_tr_run_p2p) */
+  uint64_t completions; /* transfers completed, for rpl_tr_run_p2p's early return */
+  double run_deadline;  /* of the current run: bounds the wait for a new peer's hello */
   int replaced; /* a peer this run was using reconnected, or -1 */
   rpl_shm *shm; /* rings to local peers, or NULL */
   rpl_tr_counters counters;
@@ -264,12 +269,19 @@ rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error 
   return RPL_OK;
 }
 
-void rpl_tr_interrupt(rpl_tr *tr) {
+static void wake(rpl_tr *tr) {
   uint64_t one = 1;
   ssize_t r = write(tr->wake_fd, &one, sizeof one);
   (void)r;
   if (tr->shm) rpl_shm_ring_self(tr->shm);
 }
+
+void rpl_tr_interrupt(rpl_tr *tr) {
+  __atomic_store_n(&tr->interrupted, 1, __ATOMIC_SEQ_CST);
+  wake(tr);
+}
+
+void rpl_tr_poke(rpl_tr *tr) { wake(tr); }
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
   out->bytes_sent = __atomic_load_n(&tr->counters.bytes_sent, __ATOMIC_RELAXED);
@@ -360,7 +372,10 @@ static void accept_pending(rpl_tr *tr) {
     int fd = accept4(tr->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) return;
     unsigned char h[HELLO_SIZE];
-    if (read_full_wait(fd, h, sizeof h, HELLO_WAIT_S) != 0 || get32(h) != HELLO_MAGIC ||
+    /* Bounded by the run's deadline too (with a floor, so a hello already on its way is read). */
+    double wait = RPL_MAX(0.05, RPL_MIN(HELLO_WAIT_S, tr->run_deadline - rpl_now()));
+    if (!(wait <= HELLO_WAIT_S)) wait = HELLO_WAIT_S;
+    if (read_full_wait(fd, h, sizeof h, wait) != 0 || get32(h) != HELLO_MAGIC ||
         get64(h + 16) != tr->nonce || get32(h + 8) != (uint32_t)tr->size) {
       close(fd);
       continue;
@@ -408,6 +423,7 @@ static rpl_status complete_from_stash(rpl_tr *tr, rpl_xfer *x, int *matched, rpl
     free(m->data);
     free(m);
     x->done = 1;
+    tr->completions++;
     *matched = 1;
     return RPL_OK;
   }
@@ -478,6 +494,7 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
     count_add(&tr->counters.bytes_sent, (uint64_t)r);
     if (x->off == HDR_SIZE + x->len) {
       x->done = 1;
+      tr->completions++;
       tr->act_send[peer] = next_active(xs, n, tr->act_send[peer] + 1, peer, 1);
     }
   }
@@ -547,18 +564,62 @@ static void reduce_arrived(rpl_xfer *x, size_t got) {
   x->reduced = whole;
 }
 
+/* The first unfinished point-to-point receive from `peer` with `tag`, or -1. */
+static int find_p2p_recv(const rpl_xfer *xs, int n, int peer, uint32_t tag) {
+  for (int i = 0; i < n; i++)
+    if (!xs[i].done && !xs[i].is_send && xs[i].peer == peer && xs[i].meta.op == RPL_OP_SEND &&
+        xs[i].meta.tag == tag)
+      return i;
+  return -1;
+}
+
+static rpl_status p2p_size_mismatch(int peer, const rpl_xfer *x, uint64_t len, rpl_error *err) {
+  return rpl_fail(err, RPL_ERR_MISMATCH,
+                  "recv from rank %d (tag %u) expects %zu bytes but rank %d sent %llu bytes",
+                  peer, x->meta.tag, x->len, peer, (unsigned long long)len);
+}
+
+/* A p2p message finished arriving into the stash. In a p2p run, a receive posted since its
+ * header arrived takes it at once; otherwise it waits in the stash, in arrival order. */
+static rpl_status stash_complete(rpl_tr *tr, rpl_xfer *xs, int n, int peer, stash_msg *s,
+                                 rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  int j = tr->p2p ? find_p2p_recv(xs, n, peer, s->tag) : -1;
+  if (j < 0) {
+    if (c->stash_tail) c->stash_tail->next = s;
+    else c->stash_head = s;
+    c->stash_tail = s;
+    return RPL_OK;
+  }
+  rpl_status st = RPL_OK;
+  if (s->len != xs[j].len) {
+    st = p2p_size_mismatch(peer, &xs[j], s->len, err);
+  } else {
+    if (s->len) memcpy(xs[j].buf, s->data, s->len);
+    xs[j].done = 1;
+    tr->completions++;
+    if (tr->act_recv[peer] == j) st = activate_recv(tr, xs, n, peer, j + 1, err);
+  }
+  free(s->data);
+  free(s);
+  return st;
+}
+
 static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *err) {
   conn *c = &tr->conns[peer];
   while (tr->act_recv[peer] >= 0) {
+    /* The active receive decides what may arrive next; in a p2p run the payload may go to a
+     * later receive with the message's tag (c->rx_idx). */
     rpl_xfer *x = &xs[tr->act_recv[peer]];
+    rpl_xfer *t = c->rx_mode == RX_XFER ? &xs[c->rx_idx] : NULL;
     unsigned char *dst;
     size_t want;
     if (c->rx_mode == RX_HEADER) {
       dst = c->rx_hdr + c->rx_hdr_got;
       want = HDR_SIZE - c->rx_hdr_got;
     } else if (c->rx_mode == RX_XFER) {
-      dst = (unsigned char *)x->buf + (x->off - HDR_SIZE);
-      want = x->len - (x->off - HDR_SIZE);
+      dst = (unsigned char *)t->buf + (t->off - HDR_SIZE);
+      want = t->len - (t->off - HDR_SIZE);
     } else {
       dst = c->rx_stash->data + c->rx_stash_got;
       want = c->rx_stash->len - c->rx_stash_got;
@@ -586,9 +647,20 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       rpl_meta m;
       uint64_t len;
       decode_header(c->rx_hdr, &magic, &m, &len);
-      rpl_status st = check_header(tr, peer, x, magic, &m, len, err);
-      if (st != RPL_OK) return st;
-      if (m.op == RPL_OP_SEND && (x->meta.op != RPL_OP_SEND || m.tag != x->meta.tag)) {
+      int target;
+      if (tr->p2p && magic == DATA_MAGIC && m.op == RPL_OP_SEND) {
+        /* Point-to-point run: the first unfinished receive with this tag takes it. */
+        target = find_p2p_recv(xs, n, peer, m.tag);
+        if (target >= 0 && len != xs[target].len)
+          return p2p_size_mismatch(peer, &xs[target], len, err);
+      } else {
+        rpl_status st = check_header(tr, peer, x, magic, &m, len, err);
+        if (st != RPL_OK) return st;
+        target = m.op == RPL_OP_SEND && (x->meta.op != RPL_OP_SEND || m.tag != x->meta.tag)
+                     ? -1
+                     : tr->act_recv[peer];
+      }
+      if (target < 0) {
         /* Unexpected point-to-point message: keep it for the recv that will want it. */
         stash_msg *s = calloc(1, sizeof *s);
         if (s) s->data = malloc(len ? (size_t)len : 1);
@@ -603,29 +675,33 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
         c->rx_stash_got = 0;
         c->rx_mode = RX_STASH;
       } else {
-        x->off = HDR_SIZE;
+        c->rx_idx = target;
+        t = &xs[target];
+        t->off = HDR_SIZE;
         c->rx_mode = RX_XFER;
       }
     } else if (c->rx_mode == RX_XFER) {
-      x->off += (size_t)r;
-      reduce_arrived(x, x->off - HDR_SIZE);
+      t->off += (size_t)r;
+      reduce_arrived(t, t->off - HDR_SIZE);
     } else {
       c->rx_stash_got += (size_t)r;
     }
 
-    if (c->rx_mode == RX_XFER && x->off - HDR_SIZE == x->len) {
-      reduce_arrived(x, x->len);
-      x->done = 1;
+    if (c->rx_mode == RX_XFER && t->off - HDR_SIZE == t->len) {
+      reduce_arrived(t, t->len);
+      t->done = 1;
+      tr->completions++;
       c->rx_mode = RX_HEADER;
-      rpl_status st = activate_recv(tr, xs, n, peer, tr->act_recv[peer] + 1, err);
-      if (st != RPL_OK) return st;
+      if (c->rx_idx == tr->act_recv[peer]) {
+        rpl_status st = activate_recv(tr, xs, n, peer, tr->act_recv[peer] + 1, err);
+        if (st != RPL_OK) return st;
+      }
     } else if (c->rx_mode == RX_STASH && c->rx_stash_got == c->rx_stash->len) {
       stash_msg *s = c->rx_stash;
       c->rx_stash = NULL;
-      if (c->stash_tail) c->stash_tail->next = s;
-      else c->stash_head = s;
-      c->stash_tail = s;
       c->rx_mode = RX_HEADER;
+      rpl_status st = stash_complete(tr, xs, n, peer, s, err);
+      if (st != RPL_OK) return st;
     }
   }
   return RPL_OK;
@@ -654,27 +730,53 @@ static rpl_status timeout_error(rpl_tr *tr, const rpl_xfer *xs, int n, double de
                   "operation, or gone)", who);
 }
 
-rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {
+/* Sets up a run: validates peers, (re)computes the active transfer per peer and direction,
+ * and, for p2p runs, serves receives from the stash. Collective runs start every transfer
+ * afresh; p2p runs keep the progress of transfers already under way. */
+static rpl_status run_begin(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int p2p,
+                            rpl_error *err) {
   if (tr->aborted) return rpl_fail(err, RPL_ERR_ABORTED, "the transport was closed");
+  if (__atomic_load_n(&tr->interrupted, __ATOMIC_SEQ_CST))
+    return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
+  tr->p2p = p2p;
+  tr->run_deadline = deadline;
   for (int i = 0; i < n; i++) {
-    xs[i].off = 0;
-    xs[i].reduced = 0;
-    xs[i].done = 0;
+    if (!p2p) {
+      xs[i].off = 0;
+      xs[i].reduced = 0;
+      xs[i].done = 0;
+    }
     if (xs[i].peer < 0 || xs[i].peer >= tr->size || xs[i].peer == tr->rank)
       return rpl_fail(err, RPL_ERR_INVALID, "internal error: transfer to rank %d", xs[i].peer);
   }
+  for (int p = 0; p < tr->size; p++) tr->act_send[p] = tr->act_recv[p] = -1;
+  for (int i = 0; i < n; i++) {
+    int p = xs[i].peer;
+    if (xs[i].is_send && !xs[i].done && tr->act_send[p] < 0) tr->act_send[p] = i;
+  }
   for (int p = 0; p < tr->size; p++) {
-    tr->act_send[p] = tr->act_recv[p] = -1;
-    /* A ring pair the peer gave up on (after an error of its own) is abandoned for TCP. */
-    if (tr->conns[p].state == CONN_SHM && !rpl_shm_usable(tr->shm, p)) close_conn(&tr->conns[p]);
+    /* A ring pair the peer gave up on (after an error of its own) is abandoned for TCP,
+     * unless a message is under way on it (the run then fails on the broken pair). */
+    conn *c = &tr->conns[p];
+    int idle = c->rx_mode != RX_XFER &&
+               (tr->act_send[p] < 0 || xs[tr->act_send[p]].off == 0);
+    if (c->state == CONN_SHM && !rpl_shm_usable(tr->shm, p) && idle) close_conn(c);
+  }
+  if (p2p) {
+    /* Receives posted since the last call take the messages already stashed for them, in
+     * arrival order per tag (the stash never holds a message a pending receive could take). */
+    for (int i = 0; i < n; i++) {
+      rpl_xfer *x = &xs[i];
+      conn *c = &tr->conns[x->peer];
+      if (x->done || x->is_send || (c->rx_mode == RX_XFER && c->rx_idx == i)) continue;
+      int matched;
+      rpl_status st = complete_from_stash(tr, x, &matched, err);
+      if (st != RPL_OK) return st;
+    }
   }
   for (int i = 0; i < n; i++) {
     int p = xs[i].peer;
-    if (xs[i].is_send && tr->act_send[p] < 0) tr->act_send[p] = i;
-  }
-  for (int i = 0; i < n; i++) {
-    int p = xs[i].peer;
-    if (!xs[i].is_send && tr->act_recv[p] < 0) {
+    if (!xs[i].is_send && !xs[i].done && tr->act_recv[p] < 0) {
       rpl_status st = activate_recv(tr, xs, n, p, i, err);
       if (st != RPL_OK) return st;
       if (tr->act_recv[p] < 0) tr->act_recv[p] = -2; /* all served from the stash */
@@ -682,6 +784,14 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
   }
   for (int p = 0; p < tr->size; p++)
     if (tr->act_recv[p] == -2) tr->act_recv[p] = -1;
+  return RPL_OK;
+}
+
+static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int p2p,
+                           rpl_error *err) {
+  uint64_t completions0 = tr->completions;
+  rpl_status st0 = run_begin(tr, xs, n, deadline, p2p, err);
+  if (st0 != RPL_OK) return st0;
 
   for (;;) {
     /* Shared-memory peers first: move whatever the rings allow, no system call. */
@@ -730,10 +840,14 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
       tr->pfd_peer[np++] = p;
     }
     if (!pending) return RPL_OK;
+    /* A p2p run returns as soon as any of its transfers completed, so that the engine can
+     * complete that operation (its owner may wait on it before posting the next). */
+    if (p2p && tr->completions != completions0) return RPL_OK;
 
+    /* Every wait below is finite and ends by the deadline. */
     double left = deadline - rpl_now();
-    if (left <= 0) return timeout_error(tr, xs, n, deadline, err);
-    int ms = left > 3600.0 ? 3600000 : (int)(left * 1000.0) + 1;
+    if (!(left > 0)) return timeout_error(tr, xs, n, deadline, err);
+    int ms = left < 3600.0 ? (int)(left * 1000.0) + 1 : 3600000;
     if (shm_pending) {
       if (shm_moved) ms = 0;
       else if (!tcp_pending) {
@@ -766,7 +880,11 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
         uint64_t v;
         ssize_t rr = read(tr->wake_fd, &v, sizeof v);
         (void)rr;
-        return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
+        if (__atomic_load_n(&tr->interrupted, __ATOMIC_SEQ_CST))
+          return rpl_fail(err, RPL_ERR_CLOSED,
+                          "interrupted: the process group is shutting down");
+        if (p2p) return RPL_OK; /* poked: the engine has new operations for the batch */
+        continue;               /* a stale poke: nothing for a collective */
       }
       if (p == -2) {
         tr->replaced = -1;
@@ -794,5 +912,20 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
         continue;
       if (st != RPL_OK) return st;
     }
+  }
+}
+
+rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {
+  return run_loop(tr, xs, n, deadline, 0, err);
+}
+
+rpl_status rpl_tr_run_p2p(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {
+  return run_loop(tr, xs, n, deadline, 1, err);
+}
+
+void rpl_tr_p2p_remap(rpl_tr *tr, const int *new_index, int n) {
+  for (int p = 0; p < tr->size; p++) {
+    conn *c = &tr->conns[p];
+    if (c->rx_mode == RX_XFER && c->rx_idx >= 0 && c->rx_idx < n) c->rx_idx = new_index[c->rx_idx];
   }
 }

@@ -76,10 +76,28 @@ struct rpl_shm;
 void rpl_tr_set_shm(rpl_tr *tr, struct rpl_shm *shm);
 
 /* Moves all transfers until done. Within one call, transfers to the same peer in the same
- * direction happen in array order. Zero-length transfers still exchange a header. */
+ * direction happen in array order. Zero-length transfers still exchange a header. Every
+ * transfer starts afresh (its progress fields are reset). Waits are bounded by `deadline`. */
 rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err);
 
-/* Makes a running or the next rpl_tr_run return RPL_ERR_CLOSED. Any thread. */
+/* A batch of point-to-point transfers (meta.op == RPL_OP_SEND; built with zeroed progress),
+ * driven over several calls: progress is kept between calls, so the caller may append
+ * transfers between calls but must not remove or reorder entries while any is unfinished
+ * (except through rpl_tr_p2p_remap). Sends to one peer go out in array order; a message from
+ * a peer goes to the first unfinished receive from that peer with its tag, or to the stash.
+ * Returns RPL_OK once at least one transfer completed during the call (including receives
+ * served from the stash at entry), once none is left, or when poked (rpl_tr_poke);
+ * RPL_ERR_TIMEOUT at `deadline`; RPL_ERR_CLOSED when interrupted; other errors as rpl_tr_run. */
+rpl_status rpl_tr_run_p2p(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err);
+
+/* Tells the transport that finished entries of a p2p batch of `n` were dropped: entry i (an
+ * unfinished one) is now entry new_index[i]. Call between rpl_tr_run_p2p calls only. */
+void rpl_tr_p2p_remap(rpl_tr *tr, const int *new_index, int n);
+
+/* Makes a running rpl_tr_run_p2p return RPL_OK (ignored by a collective run). Any thread. */
+void rpl_tr_poke(rpl_tr *tr);
+
+/* Makes a running and every later run return RPL_ERR_CLOSED. Any thread. */
 void rpl_tr_interrupt(rpl_tr *tr);
 
 /* Closes the connection to one peer (its stream state is unknown after a failed exchange);

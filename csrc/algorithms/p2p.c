@@ -1,29 +1,23 @@
 /* p2p.c - send, recv, and the barrier.
  *
  * send/recv are one message each, matched by (peer, tag) in order; a message that arrives
- * before its recv is posted waits in the transport's stash.
+ * before its recv is posted waits in the transport's stash. The engine runs consecutive
+ * sends and recvs together as one batch (rpl_tr_run_p2p), so they progress independently.
  * The barrier is a dissemination barrier: ceil(log2 n) rounds of empty messages, in round k to
  * rank+2^k and from rank-2^k; nobody leaves before everyone has arrived. */
 #include "../common.h"
 #include "../engine.h"
 #include "../kernels.h"
 
-rpl_status rpl_algo_send(rpl_run *run, const rpl_op_desc *d) {
-  const rpl_buf *b = &d->in[0];
-  rpl_xfer x = rpl_send(run, d->root, b->ptr, b->count * rpl_dtype_size(b->dtype), b->dtype,
-                        b->count, 0);
-  x.meta.op = RPL_OP_SEND;
-  x.meta.tag = (uint32_t)d->tag;
-  return rpl_exchange(run, &x, 1);
-}
-
-rpl_status rpl_algo_recv(rpl_run *run, const rpl_op_desc *d) {
-  const rpl_buf *b = &d->out[0];
-  rpl_xfer x = rpl_recv(run, d->root, b->ptr, b->count * rpl_dtype_size(b->dtype), b->dtype,
-                        b->count, 0);
+rpl_xfer rpl_p2p_xfer(const rpl_run *run, const rpl_op_desc *d) {
+  int send = d->kind == RPL_OP_SEND;
+  const rpl_buf *b = send ? &d->in[0] : &d->out[0];
+  size_t len = b->count * rpl_dtype_size(b->dtype);
+  rpl_xfer x = send ? rpl_send(run, d->root, b->ptr, len, b->dtype, b->count, 0)
+                    : rpl_recv(run, d->root, b->ptr, len, b->dtype, b->count, 0);
   x.meta.op = RPL_OP_SEND; /* the wire kind of a point-to-point message */
   x.meta.tag = (uint32_t)d->tag;
-  return rpl_exchange(run, &x, 1);
+  return x;
 }
 
 rpl_status rpl_algo_barrier(rpl_run *run, const rpl_op_desc *d) {

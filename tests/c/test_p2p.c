@@ -1,0 +1,517 @@
+/*
+ * test_p2p.c - asynchronous send/recv: point-to-point ops progress independently of each
+ * other (as in gloo), collectives stay ordered behind them, and timeouts stay bounded.
+ *
+ * Ranks are threads (see harness.h); every scenario runs over shared memory, TCP only, and a
+ * mix of both. Ops are submitted without waiting and waited on later, the way
+ * dist.batch_isend_irecv / irecv(); isend(); wait() use the backend.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "harness.h"
+#include "ripples.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  nanosleep(&ts, NULL);
+}
+
+/* ---- asynchronous requests ------------------------------------------------------------ */
+
+static int g_order; /* global completion counter: orders completions within a rank's ops */
+
+typedef struct req {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int submitted, done;
+  rpl_status st;
+  rpl_error err;
+  int order; /* value of g_order when it completed */
+} req;
+
+static void req_done(void *arg, rpl_status st, const rpl_error *err) {
+  req *r = arg;
+  pthread_mutex_lock(&r->mu);
+  r->done = 1;
+  r->st = st;
+  r->order = __atomic_add_fetch(&g_order, 1, __ATOMIC_SEQ_CST);
+  if (err) r->err = *err;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+static rpl_status submit(rpl_comm *c, rpl_op_desc d, req *r) {
+  memset(r, 0, sizeof *r);
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  d.on_done = req_done;
+  d.done_arg = r;
+  rpl_status st = rpl_submit(c, &d, &r->err);
+  r->submitted = st == RPL_OK;
+  if (st != RPL_OK) {
+    r->done = 1;
+    r->st = st;
+  }
+  return st;
+}
+
+/* Waits at most max_s (a safety net: ops time out on their own); -1 if still not done. */
+static int wait_for(req *r, double max_s) {
+  double end = now_s() + max_s;
+  pthread_mutex_lock(&r->mu);
+  while (!r->done) {
+    double left = end - now_s();
+    if (left <= 0) break;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double t = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + (left < 0.05 ? left : 0.05);
+    ts.tv_sec = (time_t)t;
+    ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+    pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+  }
+  int done = r->done;
+  pthread_mutex_unlock(&r->mu);
+  return done ? 0 : -1;
+}
+
+static int is_done(req *r) {
+  pthread_mutex_lock(&r->mu);
+  int d = r->done;
+  pthread_mutex_unlock(&r->mu);
+  return d;
+}
+
+/* Waits (bounded) and checks success; the request stays usable for order checks. */
+#define EXPECT_OK(r, what, ...)                                                          \
+  do {                                                                                   \
+    int _w = wait_for((r), 60);                                                          \
+    CHECK(_w == 0 && (r)->st == RPL_OK, "%s " what ": %s (%s)", _w ? "hung" : "failed", \
+          ##__VA_ARGS__, rpl_status_name((r)->st), (r)->err.msg);                        \
+  } while (0)
+
+static void req_free(req *r) {
+  wait_for(r, 60);
+  pthread_mutex_destroy(&r->mu);
+  pthread_cond_destroy(&r->cv);
+}
+
+static rpl_op_desc send_d(const rpl_buf *b, int peer, int tag) {
+  return (rpl_op_desc){.kind = RPL_OP_SEND, .root = peer, .tag = tag, .in = b, .nin = 1};
+}
+static rpl_op_desc recv_d(const rpl_buf *b, int peer, int tag) {
+  return (rpl_op_desc){.kind = RPL_OP_RECV, .root = peer, .tag = tag, .out = b, .nout = 1};
+}
+
+/* Element i of the message tagged `tag` from rank `from` to rank `to`. */
+static float pv(int from, int to, int tag, size_t i) {
+  return (float)((from * 31 + to * 17 + tag * 7 + (int)(i % 1009)) % 251) - 125.0f;
+}
+static void fill(float *x, size_t n, int from, int to, int tag) {
+  for (size_t i = 0; i < n; i++) x[i] = pv(from, to, tag, i);
+}
+static size_t wrong(const float *x, size_t n, int from, int to, int tag) {
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++) bad += x[i] != pv(from, to, tag, i);
+  return bad;
+}
+
+/* Message sizes: tiny, and larger than a ring (64 KiB in tests) and a socket buffer. */
+static const size_t COUNTS[] = {1, 300000};
+#define NCOUNTS (sizeof COUNTS / sizeof COUNTS[0])
+
+/* ---- scenarios ------------------------------------------------------------------------ */
+
+/* Both ranks post their recv before their send, then wait: must complete, not time out. */
+static void body_recv_first(job *j, rpl_comm *c) {
+  int r = j->rank, peer = 1 - r;
+  for (size_t k = 0; k < NCOUNTS; k++) {
+    size_t n = COUNTS[k];
+    float *in = malloc(n * sizeof *in), *out = calloc(n, sizeof *out);
+    fill(in, n, r, peer, 3);
+    rpl_buf sb = {in, n, RPL_FLOAT32}, rb = {out, n, RPL_FLOAT32};
+    req rr, sr;
+    double t0 = now_s();
+    CHECK(submit(c, recv_d(&rb, peer, 3), &rr) == RPL_OK, "submit recv: %s", rr.err.msg);
+    CHECK(submit(c, send_d(&sb, peer, 3), &sr) == RPL_OK, "submit send: %s", sr.err.msg);
+    EXPECT_OK(&rr, "recv-first recv n=%zu", n);
+    EXPECT_OK(&sr, "recv-first send n=%zu", n);
+    CHECK(now_s() - t0 < j->timeout / 2, "recv-first took %.2f s", now_s() - t0);
+    CHECK(wrong(out, n, peer, r, 3) == 0, "recv-first n=%zu: wrong data", n);
+    req_free(&rr);
+    req_free(&sr);
+    free(in);
+    free(out);
+  }
+}
+
+/* Every rank posts recv-from-left, recv-from-right, send-right, send-left all at once. */
+static void body_ring(job *j, rpl_comm *c) {
+  int r = j->rank, n = j->size, left = (r - 1 + n) % n, right = (r + 1) % n;
+  for (size_t k = 0; k < NCOUNTS; k++) {
+    size_t cnt = COUNTS[k];
+    float *sl = malloc(cnt * 4), *sr = malloc(cnt * 4), *rl = calloc(cnt, 4), *rr = calloc(cnt, 4);
+    fill(sr, cnt, r, right, 10);
+    fill(sl, cnt, r, left, 11);
+    rpl_buf bsr = {sr, cnt, RPL_FLOAT32}, bsl = {sl, cnt, RPL_FLOAT32};
+    rpl_buf brl = {rl, cnt, RPL_FLOAT32}, brr = {rr, cnt, RPL_FLOAT32};
+    req q[4];
+    submit(c, recv_d(&brl, left, 10), &q[0]);  /* left's send-right */
+    submit(c, recv_d(&brr, right, 11), &q[1]); /* right's send-left */
+    submit(c, send_d(&bsr, right, 10), &q[2]);
+    submit(c, send_d(&bsl, left, 11), &q[3]);
+    for (int i = 0; i < 4; i++) {
+      EXPECT_OK(&q[i], "ring op %d cnt=%zu rank %d", i, cnt, r);
+      req_free(&q[i]);
+    }
+    CHECK(wrong(rl, cnt, left, r, 10) == 0, "ring: wrong data from left (rank %d)", r);
+    CHECK(wrong(rr, cnt, right, r, 11) == 0, "ring: wrong data from right (rank %d)", r);
+    free(sl);
+    free(sr);
+    free(rl);
+    free(rr);
+  }
+}
+
+/* Rank 0 sends tags 1 and 2 (and two messages with tag 5); rank 1 has posted recv(3), recv(1),
+ * recv(5), recv(2), recv(5). Tags 1, 2 and both 5s must complete while recv(3) still waits,
+ * each 5 in posting order; rank 0 sends tag 3 only after rank 1 has confirmed that. */
+static void body_tags(job *j, rpl_comm *c) {
+  int r = j->rank;
+  float v[6][64];
+  float ack = 0;
+  rpl_buf ab = {&ack, 1, RPL_FLOAT32};
+  if (r == 0) {
+    int tags[5] = {1, 2, 5, 5, 3};
+    req q[5], ar;
+    for (int i = 0; i < 5; i++) fill(v[i], 64, 0, 1, 100 + i);
+    rpl_buf b[5];
+    for (int i = 0; i < 4; i++) {
+      b[i] = (rpl_buf){v[i], 64, RPL_FLOAT32};
+      submit(c, send_d(&b[i], 1, tags[i]), &q[i]);
+    }
+    for (int i = 0; i < 4; i++) EXPECT_OK(&q[i], "send tag %d", tags[i]);
+    submit(c, recv_d(&ab, 1, 99), &ar);
+    EXPECT_OK(&ar, "recv ack");
+    b[4] = (rpl_buf){v[4], 64, RPL_FLOAT32};
+    submit(c, send_d(&b[4], 1, 3), &q[4]);
+    EXPECT_OK(&q[4], "send tag 3");
+    for (int i = 0; i < 5; i++) req_free(&q[i]);
+    req_free(&ar);
+  } else {
+    memset(v, 0, sizeof v);
+    /* posting order: 3, 1, 5(a), 2, 5(b); message i (0..4) was sent with tags 1, 2, 5, 5, 3 */
+    int tag_of[5] = {3, 1, 5, 2, 5}, msg_of[5] = {4, 0, 2, 1, 3};
+    rpl_buf b[5];
+    req q[5], ar;
+    for (int i = 0; i < 5; i++) {
+      b[i] = (rpl_buf){v[i], 64, RPL_FLOAT32};
+      submit(c, recv_d(&b[i], 0, tag_of[i]), &q[i]);
+    }
+    for (int i = 1; i < 5; i++) {
+      int w = wait_for(&q[i], j->timeout / 2);
+      CHECK(w == 0 && q[i].st == RPL_OK,
+            "recv tag %d did not complete while recv(tag 3) was pending: %s %s", tag_of[i],
+            w ? "still waiting" : rpl_status_name(q[i].st), q[i].err.msg);
+      CHECK(wrong(v[i], 64, 0, 1, 100 + msg_of[i]) == 0,
+            "recv #%d (tag %d) got the wrong message", i, tag_of[i]);
+    }
+    CHECK(!is_done(&q[0]), "recv(tag 3) completed before tag 3 was sent");
+    CHECK(q[2].order < q[4].order, "two recvs with tag 5 completed out of posting order");
+    submit(c, send_d(&ab, 0, 99), &ar);
+    EXPECT_OK(&ar, "send ack");
+    EXPECT_OK(&q[0], "recv tag 3");
+    CHECK(wrong(v[0], 64, 0, 1, 104) == 0, "recv tag 3: wrong data");
+    for (int i = 0; i < 5; i++) req_free(&q[i]);
+    req_free(&ar);
+  }
+}
+
+/* A: isend(t1); irecv(t2); wait(t1); send(t3); wait(t2).
+ * B: recv(t1); recv(t3); send(t2).  A's send(t1) must complete on its own, before t2. */
+static void body_wait_one(job *j, rpl_comm *c) {
+  int r = j->rank, peer = 1 - r;
+  for (size_t k = 0; k < NCOUNTS; k++) {
+    size_t n = COUNTS[k];
+    float *m1 = malloc(n * 4), *m2 = calloc(n, 4), *m3 = malloc(n * 4);
+    rpl_buf b1 = {m1, n, RPL_FLOAT32}, b2 = {m2, n, RPL_FLOAT32}, b3 = {m3, n, RPL_FLOAT32};
+    req q1, q2, q3;
+    if (r == 0) {
+      fill(m1, n, 0, 1, 1);
+      fill(m3, n, 0, 1, 3);
+      submit(c, send_d(&b1, peer, 1), &q1);
+      submit(c, recv_d(&b2, peer, 2), &q2);
+      EXPECT_OK(&q1, "A send t1 n=%zu", n);
+      CHECK(!is_done(&q2), "A recv t2 done before B sent it");
+      submit(c, send_d(&b3, peer, 3), &q3);
+      EXPECT_OK(&q3, "A send t3 n=%zu", n);
+      EXPECT_OK(&q2, "A recv t2 n=%zu", n);
+      CHECK(wrong(m2, n, 1, 0, 2) == 0, "A recv t2: wrong data");
+    } else {
+      memset(m1, 0, n * 4);
+      memset(m3, 0, n * 4);
+      fill(m2, n, 1, 0, 2);
+      submit(c, recv_d(&b1, peer, 1), &q1);
+      EXPECT_OK(&q1, "B recv t1 n=%zu", n);
+      submit(c, recv_d(&b3, peer, 3), &q3);
+      EXPECT_OK(&q3, "B recv t3 n=%zu", n);
+      submit(c, send_d(&b2, peer, 2), &q2);
+      EXPECT_OK(&q2, "B send t2 n=%zu", n);
+      CHECK(wrong(m1, n, 0, 1, 1) == 0, "B recv t1: wrong data");
+      CHECK(wrong(m3, n, 0, 1, 3) == 0, "B recv t3: wrong data");
+    }
+    req_free(&q1);
+    req_free(&q2);
+    req_free(&q3);
+    free(m1);
+    free(m2);
+    free(m3);
+  }
+}
+
+/* p2p ops, then a collective submitted right behind them without waiting, then more p2p and
+ * another collective: the results are right and each collective completes after every p2p op
+ * submitted before it (and before every one submitted after it). */
+static void body_then_collective(job *j, rpl_comm *c) {
+  int r = j->rank, n = j->size, left = (r - 1 + n) % n, right = (r + 1) % n;
+  size_t cnt = 100000;
+  float *s1 = malloc(cnt * 4), *r1 = calloc(cnt, 4), *s2 = malloc(cnt * 4), *r2 = calloc(cnt, 4);
+  fill(s1, cnt, r, right, 20);
+  fill(s2, cnt, r, left, 21);
+  rpl_buf bs1 = {s1, cnt, RPL_FLOAT32}, br1 = {r1, cnt, RPL_FLOAT32};
+  rpl_buf bs2 = {s2, cnt, RPL_FLOAT32}, br2 = {r2, cnt, RPL_FLOAT32};
+  float x = (float)r + 1, y = (float)r * 2;
+  rpl_buf bx = {&x, 1, RPL_FLOAT32}, by = {&y, 1, RPL_FLOAT32};
+  rpl_op_desc ax = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &bx, .nin = 1};
+  rpl_op_desc ay = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_MAX, .in = &by, .nin = 1};
+  req q[6];
+  submit(c, recv_d(&br1, left, 20), &q[0]);
+  submit(c, send_d(&bs1, right, 20), &q[1]);
+  submit(c, ax, &q[2]);
+  submit(c, send_d(&bs2, left, 21), &q[3]);
+  submit(c, recv_d(&br2, right, 21), &q[4]);
+  submit(c, ay, &q[5]);
+  for (int i = 0; i < 6; i++) EXPECT_OK(&q[i], "op %d rank %d", i, r);
+  CHECK(q[2].order > q[0].order && q[2].order > q[1].order,
+        "allreduce completed before the p2p ops submitted before it");
+  CHECK(q[3].order > q[2].order && q[4].order > q[2].order,
+        "p2p ops submitted after a collective completed before it");
+  CHECK(q[5].order > q[3].order && q[5].order > q[4].order, "second allreduce out of order");
+  CHECK(x == (float)(n * (n + 1) / 2), "allreduce after p2p: %g", x);
+  CHECK(y == (float)((n - 1) * 2), "allreduce MAX after p2p: %g", y);
+  CHECK(wrong(r1, cnt, left, r, 20) == 0, "p2p before collective: wrong data");
+  CHECK(wrong(r2, cnt, right, r, 21) == 0, "p2p after collective: wrong data");
+  for (int i = 0; i < 6; i++) req_free(&q[i]);
+  free(s1);
+  free(r1);
+  free(s2);
+  free(r2);
+}
+
+/* A large recv is under way while many small ops join the batch and complete (the batch grows,
+ * is compacted, and the transfer in flight must keep its progress). Rank 2 streams a big
+ * message to rank 0; ranks 0 and 1 ping-pong meanwhile. */
+static void body_join_in_flight(job *j, rpl_comm *c) {
+  int r = j->rank;
+  size_t big = 2000000;
+  float one = 0;
+  rpl_buf ob = {&one, 1, RPL_FLOAT32};
+  if (r == 2) {
+    float *m = malloc(big * 4);
+    fill(m, big, 2, 0, 50);
+    rpl_buf b = {m, big, RPL_FLOAT32};
+    req q;
+    submit(c, send_d(&b, 0, 50), &q);
+    EXPECT_OK(&q, "big send");
+    req_free(&q);
+    free(m);
+  } else if (r == 0) {
+    float *m = calloc(big, 4);
+    rpl_buf b = {m, big, RPL_FLOAT32};
+    req q;
+    submit(c, recv_d(&b, 2, 50), &q);
+    for (int i = 0; i < 300; i++) {
+      req a, s;
+      one = (float)i;
+      submit(c, send_d(&ob, 1, i % 7), &s);
+      EXPECT_OK(&s, "ping %d", i);
+      submit(c, recv_d(&ob, 1, i % 7), &a);
+      EXPECT_OK(&a, "pong %d", i);
+      CHECK(one == (float)i + 0.5f, "pong %d: %g", i, one);
+      req_free(&a);
+      req_free(&s);
+    }
+    EXPECT_OK(&q, "big recv");
+    CHECK(wrong(m, big, 2, 0, 50) == 0, "big recv: wrong data after ops joined the batch");
+    req_free(&q);
+    free(m);
+  } else if (r == 1) {
+    for (int i = 0; i < 300; i++) {
+      req a;
+      submit(c, recv_d(&ob, 0, i % 7), &a);
+      EXPECT_OK(&a, "ping recv %d", i);
+      req_free(&a);
+      one += 0.5f;
+      submit(c, send_d(&ob, 0, i % 7), &a);
+      EXPECT_OK(&a, "pong send %d", i);
+      req_free(&a);
+    }
+  }
+  /* Everyone leaves together (a barrier also checks collectives still line up). */
+  req q;
+  submit(c, (rpl_op_desc){.kind = RPL_OP_BARRIER}, &q);
+  EXPECT_OK(&q, "barrier after join");
+  req_free(&q);
+}
+
+/* Rank 1 waits for a message rank 0 never sends: it fails with RPL_ERR_TIMEOUT naming rank 0
+ * within the op timeout (the group's, 1 s here), and the group is then unusable. */
+static void body_recv_timeout(job *j, rpl_comm *c) {
+  if (j->rank == 0) {
+    sleep_s(j->timeout * 2 + 0.5); /* alive and connected, but never sends */
+    return;
+  }
+  float x = 0, y = 0;
+  rpl_buf b = {&x, 1, RPL_FLOAT32}, by = {&y, 1, RPL_FLOAT32};
+  req q, q2;
+  double t0 = now_s();
+  submit(c, recv_d(&b, 0, 5), &q);
+  /* A second recv in the same batch with a longer deadline of its own. */
+  rpl_op_desc d2 = recv_d(&by, 0, 6);
+  d2.timeout_s = 20;
+  submit(c, d2, &q2);
+  int w = wait_for(&q, j->timeout * 2);
+  double dt = now_s() - t0;
+  CHECK(w == 0, "recv with no sender still pending after %.2f s (timeout %.2f s)", dt,
+        j->timeout);
+  CHECK(q.st == RPL_ERR_TIMEOUT, "recv with no sender: %s (%s)", rpl_status_name(q.st),
+        q.err.msg);
+  CHECK(dt >= j->timeout * 0.95 && dt < j->timeout + 0.5, "timed out after %.2f s (timeout %g)",
+        dt, j->timeout);
+  CHECK(strstr(q.err.msg, "rank(s) 0") != NULL && strstr(q.err.msg, "recv from rank 0 (tag 5)"),
+        "timeout message names the peer and the op: %s", q.err.msg);
+  req_free(&q);
+  /* The timeout broke the group: the other recv of the batch is abandoned at once (not after
+   * its own 20 s), and later ops are refused. */
+  w = wait_for(&q2, 2);
+  CHECK(w == 0 && q2.st == RPL_ERR_ABORTED, "batch partner after a timeout: %s (%s)",
+        w ? "pending" : rpl_status_name(q2.st), q2.err.msg);
+  req_free(&q2);
+  submit(c, recv_d(&b, 0, 7), &q);
+  wait_for(&q, 10);
+  CHECK(q.st == RPL_ERR_ABORTED, "after a timeout: %s (%s)", rpl_status_name(q.st), q.err.msg);
+  req_free(&q);
+}
+
+/* Per-op timeouts: the group's timeout is long (30 s) but an op's timeout_s of 0.5 s wins, for
+ * a recv and for a collective; and an op's timeout_s may also be longer than the group's. */
+static void body_op_timeout_short(job *j, rpl_comm *c) {
+  int which = *(int *)j->arg; /* 0: recv, 1: allreduce */
+  if (j->rank == 0) {
+    sleep_s(3.0);
+    return;
+  }
+  float x = 0;
+  rpl_buf b = {&x, 1, RPL_FLOAT32};
+  rpl_op_desc d = which == 0 ? recv_d(&b, 0, 1)
+                             : (rpl_op_desc){.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM,
+                                             .in = &b, .nin = 1};
+  d.timeout_s = 0.5;
+  req q;
+  double t0 = now_s();
+  submit(c, d, &q);
+  int w = wait_for(&q, 10);
+  double dt = now_s() - t0;
+  CHECK(w == 0 && q.st == RPL_ERR_TIMEOUT, "%s with timeout_s=0.5: %s after %.2f s (%s)",
+        which ? "allreduce" : "recv", w ? "pending" : rpl_status_name(q.st), dt, q.err.msg);
+  CHECK(dt >= 0.45 && dt < 1.5, "%s with timeout_s=0.5 ended after %.2f s",
+        which ? "allreduce" : "recv", dt);
+  req_free(&q);
+}
+
+static void body_op_timeout_long(job *j, rpl_comm *c) {
+  /* The group's timeout is 0.5 s; the recv asks for 5 s and its message comes after 1.5 s. */
+  float x = 0;
+  rpl_buf b = {&x, 1, RPL_FLOAT32};
+  req q;
+  if (j->rank == 0) {
+    sleep_s(1.5);
+    x = 42;
+    rpl_op_desc d = send_d(&b, 1, 1);
+    d.timeout_s = 5;
+    submit(c, d, &q);
+    EXPECT_OK(&q, "late send");
+  } else {
+    rpl_op_desc d = recv_d(&b, 0, 1);
+    d.timeout_s = 5;
+    submit(c, d, &q);
+    EXPECT_OK(&q, "recv with timeout_s=5 on a group with 0.5 s");
+    CHECK(x == 42, "late recv: %g", x);
+    rpl_error err;
+    d.timeout_s = -1;
+    CHECK(rpl_submit(c, &d, &err) == RPL_ERR_INVALID, "negative timeout_s accepted");
+    d.timeout_s = NAN;
+    CHECK(rpl_submit(c, &d, &err) == RPL_ERR_INVALID, "NaN timeout_s accepted");
+  }
+  req_free(&q);
+}
+
+/* Shutdown interrupts a recv waiting in a batch: it fails with RPL_ERR_CLOSED, promptly. */
+static void body_shutdown(job *j, rpl_comm *c) {
+  if (j->rank == 0) {
+    sleep_s(1.0); /* stay alive: rank 1 must fail from its own shutdown, not our exit */
+    return;
+  }
+  float x = 0;
+  rpl_buf b = {&x, 1, RPL_FLOAT32};
+  req q1, q2;
+  submit(c, recv_d(&b, 0, 1), &q1);
+  submit(c, recv_d(&b, 0, 2), &q2);
+  sleep_s(0.2);
+  double t0 = now_s();
+  rpl_comm_shutdown(c);
+  CHECK(now_s() - t0 < 2.0, "shutdown took %.2f s", now_s() - t0);
+  CHECK(is_done(&q1) && q1.st == RPL_ERR_CLOSED, "pending recv on shutdown: %s (%s)",
+        rpl_status_name(q1.st), q1.err.msg);
+  CHECK(is_done(&q2) && q2.st == RPL_ERR_CLOSED, "second pending recv on shutdown: %s",
+        rpl_status_name(q2.st));
+  req_free(&q1);
+  req_free(&q2);
+}
+
+static void run_all(void) {
+  for (int rep = 0; rep < 3; rep++) run_world(2, 20, body_recv_first, NULL);
+  run_world(4, 20, body_ring, NULL);
+  run_world(2, 20, body_ring, NULL);
+  run_world(2, 20, body_tags, NULL);
+  run_world(2, 20, body_wait_one, NULL);
+  run_world(4, 20, body_then_collective, NULL);
+  run_world(2, 20, body_then_collective, NULL);
+  run_world(3, 30, body_join_in_flight, NULL);
+  run_world(2, 1.0, body_recv_timeout, NULL);
+  int which0 = 0, which1 = 1;
+  run_world(2, 30, body_op_timeout_short, &which0);
+  run_world(2, 30, body_op_timeout_short, &which1);
+  run_world(2, 0.5, body_op_timeout_long, NULL);
+  run_world(2, 30, body_shutdown, NULL);
+}
+
+int main(void) {
+  g_layout = (world_layout){.hosts = 1};
+  run_all();
+  g_layout = (world_layout){.hosts = 1, .tcp_only = 1};
+  run_all();
+  g_layout = (world_layout){.hosts = 2};
+  run_all();
+  return report("p2p");
+}
