@@ -13,14 +13,22 @@
 #define SIG_BYTES 24
 #define TRACE_SLOTS 8192
 
+/* A fence domain: the dynamic schedules of one process. */
+struct rpl_domain {
+  pthread_mutex_t mu; /* guards the list */
+  rpl_partial **members;
+  int n, cap;
+};
+
 struct rpl_partial {
+  rpl_domain *domain;
   int rank, size;
   double timeout_s;
   rpl_on_failure on_failure;
   int dynamic;
   rpl_layout *layout;       /* static */
   rpl_gg_client *client;    /* dynamic */
-  int fenced;               /* progress thread only */
+  int fenced;               /* atomic: set by any domain member's exact op, cleared by a request */
   int left;
   uint64_t round;           /* progress thread only */
   int *members;             /* size entries */
@@ -30,6 +38,60 @@ struct rpl_partial {
   rpl_trace_entry *trace;   /* TRACE_SLOTS ring, NULL when tracing is off */
   uint64_t trace_next;      /* index of the next entry */
 };
+
+rpl_status rpl_domain_create(rpl_domain **out, rpl_error *err) {
+  rpl_domain *d = calloc(1, sizeof *d);
+  if (!d) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a fence domain");
+  pthread_mutex_init(&d->mu, NULL);
+  *out = d;
+  return RPL_OK;
+}
+
+void rpl_domain_destroy(rpl_domain *d) {
+  if (!d) return;
+  pthread_mutex_destroy(&d->mu);
+  free(d->members);
+  free(d);
+}
+
+static rpl_status domain_add(rpl_domain *d, rpl_partial *p, rpl_error *err) {
+  pthread_mutex_lock(&d->mu);
+  if (d->n == d->cap) {
+    int cap = d->cap ? 2 * d->cap : 8;
+    rpl_partial **m = realloc(d->members, sizeof *m * (size_t)cap);
+    if (!m) {
+      pthread_mutex_unlock(&d->mu);
+      return rpl_fail(err, RPL_ERR_NOMEM, "out of memory joining a fence domain");
+    }
+    d->members = m;
+    d->cap = cap;
+  }
+  d->members[d->n++] = p;
+  pthread_mutex_unlock(&d->mu);
+  return RPL_OK;
+}
+
+static void domain_remove(rpl_domain *d, rpl_partial *p) {
+  pthread_mutex_lock(&d->mu);
+  for (int i = 0; i < d->n; i++)
+    if (d->members[i] == p) d->members[i] = d->members[--d->n];
+  pthread_mutex_unlock(&d->mu);
+}
+
+static void fence_one(rpl_partial *p) {
+  if (!p->dynamic || p->left) return;
+  if (__atomic_exchange_n(&p->fenced, 1, __ATOMIC_ACQ_REL)) return; /* already fenced */
+  rpl_error err;
+  /* The client serialises its socket: if this schedule's own progress thread is inside a
+   * request right now, the fence goes out when that request returns. */
+  if (rpl_gg_client_fence(p->client, &err) == RPL_OK) {
+    pthread_mutex_lock(&p->mu);
+    p->stats.fences++;
+    pthread_mutex_unlock(&p->mu);
+  } else {
+    __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE);
+  }
+}
 
 int rpl_partial_eligible(const rpl_op_desc *d) {
   if (d->redop != RPL_SUM && d->redop != RPL_AVG) return 0;
@@ -84,6 +146,11 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
                                .request_timeout_ms = timeout_ms};
     if ((st = rpl_gg_client_create(&cc, &p->client, err)) != RPL_OK) goto fail;
   }
+  /* Every schedule joins the domain: its exact collectives must fence the dynamic ones. */
+  if (cfg->domain) {
+    if ((st = domain_add(cfg->domain, p, err)) != RPL_OK) goto fail;
+    p->domain = cfg->domain;
+  }
   *out = p;
   return RPL_OK;
 fail:
@@ -100,6 +167,7 @@ void rpl_partial_leave(rpl_partial *p) {
 
 void rpl_partial_destroy(rpl_partial *p) {
   if (!p) return;
+  if (p->domain) domain_remove(p->domain, p);
   rpl_partial_leave(p);
   if (p->client) rpl_gg_client_destroy(p->client);
   rpl_layout_destroy(p->layout);
@@ -116,14 +184,13 @@ void rpl_partial_count_fallback(rpl_partial *p) {
 }
 
 void rpl_partial_before_exact(rpl_partial *p) {
-  if (!p->dynamic || p->fenced) return;
-  rpl_error err;
-  if (rpl_gg_client_fence(p->client, &err) == RPL_OK) {
-    p->fenced = 1;
-    pthread_mutex_lock(&p->mu);
-    p->stats.fences++;
-    pthread_mutex_unlock(&p->mu);
+  if (!p->domain) {
+    fence_one(p);
+    return;
   }
+  pthread_mutex_lock(&p->domain->mu);
+  for (int i = 0; i < p->domain->n; i++) fence_one(p->domain->members[i]);
+  pthread_mutex_unlock(&p->domain->mu);
 }
 
 /* ---- one round ------------------------------------------------------------------------- */
@@ -209,13 +276,13 @@ static void record(rpl_partial *p, uint64_t round, uint64_t group_id, const int 
 rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, rpl_error *err) {
   uint64_t round = p->round++;
   double t0 = rpl_now();
-  run->deadline = t0 + p->timeout_s;
+  run->deadline = t0 + (d->timeout_s > 0 ? d->timeout_s : p->timeout_s);
   int n = 0;
   uint64_t gid = 0;
   rpl_status st;
   if (p->dynamic) {
+    __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE); /* a request unfences */
     st = rpl_gg_client_request(p->client, round, p->members, p->size, &n, &gid, err);
-    p->fenced = 0; /* a request unfences */
   } else {
     st = rpl_static_group(p->layout, p->rank, round, p->members, p->size, &n, &gid, err);
   }

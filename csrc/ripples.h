@@ -6,7 +6,10 @@
  * and gets a completion callback per operation.
  *
  * Threads: every communicator owns one progress thread ("rpl-prog") that executes its
- * operations one at a time, in the order they were submitted, driving non-blocking sockets.
+ * collectives one at a time, in the order they were submitted, driving shared-memory rings
+ * and non-blocking sockets. Consecutive send/recv operations progress together (as gloo's
+ * do: a recv posted before the matching send on both sides completes), and a collective
+ * starts once every earlier send/recv has completed.
  * Completion callbacks run on that thread: they must return quickly and must not submit
  * or wait on operations of the same communicator (hand the completion to another thread).
  *
@@ -123,8 +126,9 @@ typedef struct rpl_comm rpl_comm;
 rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, rpl_comm **out,
                            rpl_error *err);
 
-/* Stops accepting operations; operations still queued complete with RPL_ERR_CLOSED, the one
- * executing is allowed to finish (or time out). Joins the progress thread. Idempotent. */
+/* Stops accepting operations; operations still queued complete with RPL_ERR_CLOSED, and the
+ * executing operation is interrupted and fails with RPL_ERR_CLOSED. Joins the progress
+ * thread. Idempotent. */
 void rpl_comm_shutdown(rpl_comm *comm);
 
 /* Shuts down if needed and frees everything. */
@@ -173,6 +177,7 @@ typedef struct rpl_op_desc {
   int nout;
   rpl_done_fn on_done;
   void *done_arg;
+  double timeout_s;        /* 0 = the communicator's timeout */
 } rpl_op_desc;
 
 /* Validates and enqueues. The descriptor is copied; the memory its buffers point at must stay
@@ -213,6 +218,14 @@ void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
 
 typedef enum { RPL_ON_FAILURE_RAISE = 0, RPL_ON_FAILURE_SKIP = 1 } rpl_on_failure;
 
+/* The communicators of one process that must fence each other: a worker blocked in an exact
+ * collective on *any* of them cannot serve a group the coordinator forms for another, so an
+ * exact collective on one fences every dynamic schedule in the domain (each once, until its
+ * next partial round). Create one per process; destroy it after its communicators. */
+typedef struct rpl_domain rpl_domain;
+rpl_status rpl_domain_create(rpl_domain **out, rpl_error *err);
+void rpl_domain_destroy(rpl_domain *domain);
+
 typedef struct rpl_partial_config {
   const char *schedule;      /* "static", "random", "smart" or "adpsgd" */
   const int *host_of;        /* host label of every rank (size entries); NULL = one host */
@@ -221,6 +234,7 @@ typedef struct rpl_partial_config {
   double timeout_s;          /* deadline of one round; 0 = the communicator's timeout */
   rpl_on_failure on_failure; /* SKIP: a failed round leaves the buffers, counts, and succeeds */
   int trace;                 /* keep a per-round trace for rpl_comm_trace() */
+  rpl_domain *domain;        /* fence domain (see above); NULL = this communicator alone */
 } rpl_partial_config;
 
 /* Enables partial rounds (once, before the first one). Connects to the coordinator for

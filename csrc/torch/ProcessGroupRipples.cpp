@@ -591,6 +591,7 @@ void CompletionExecutor::process(OpContext* raw) {
 // ---- ProcessGroupRipples -------------------------------------------------------------------------
 
 struct ProcessGroupRipples::Call {
+  double timeoutS = 0;  // per-call timeout (opts.timeout); 0 = the group's
   std::unique_ptr<OpContext> ctx;
   const char* opName;
 
@@ -731,6 +732,7 @@ ProcessGroupRipples::ProcessGroupRipples(
     pc.token_hex = cfg_.token.empty() ? nullptr : cfg_.token.c_str();
     pc.on_failure = cfg_.on_failure_skip ? RPL_ON_FAILURE_SKIP : RPL_ON_FAILURE_RAISE;
     pc.trace = cfg_.trace ? 1 : 0;
+    pc.domain = processFenceDomain();
     st = rpl_comm_enable_partial(comm_, &pc, &err);
     if (st != RPL_OK) {
       rpl_comm_destroy(comm_);
@@ -821,6 +823,18 @@ namespace {
 thread_local PartialMode tlsPartialMode = PartialMode::kGroupDefault;
 }  // namespace
 
+rpl_domain* processFenceDomain() {
+  // One per process, on purpose: an exact collective on any ripples group must fence the
+  // dynamic schedules of all of them (DESIGN §3). It lives as long as the process.
+  static rpl_domain* domain = [] {
+    rpl_domain* d = nullptr;
+    rpl_error err;
+    TORCH_CHECK(rpl_domain_create(&d, &err) == RPL_OK, "ripples: ", err.msg);
+    return d;
+  }();
+  return domain;
+}
+
 PartialMode setThreadPartialMode(PartialMode mode) {
   PartialMode prev = tlsPartialMode;
   tlsPartialMode = mode;
@@ -856,6 +870,8 @@ ProcessGroupRipples::Call ProcessGroupRipples::begin(
       opTimeout.count() > 0 ? opTimeout : std::chrono::milliseconds::zero(), seq);
   call.ctx->executor = executor_;
   call.ctx->group = group_;
+  // torch's "unset" is negative; the core takes 0 for "the communicator's timeout".
+  call.timeoutS = opTimeout.count() > 0 ? static_cast<double>(opTimeout.count()) / 1000.0 : 0;
   return call;
 }
 
@@ -867,6 +883,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
   for (auto& d : descs) {
     d.on_done = &onDone;
     d.done_arg = ctx;
+    d.timeout_s = call.timeoutS;
   }
   const int n = static_cast<int>(descs.size());
   rpl_status firstFail = RPL_OK;

@@ -83,6 +83,8 @@ struct Config {
 enum class PartialMode : int { kGroupDefault = 0, kPartial = 1, kExact = 2 };
 // Sets the calling thread's mode and returns the previous one.
 PartialMode setThreadPartialMode(PartialMode mode);
+// The fence domain shared by every ripples group of this process.
+rpl_domain* processFenceDomain();
 
 class CompletionExecutor;
 struct OpContext;
