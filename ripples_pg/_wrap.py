@@ -1,0 +1,214 @@
+"""``ripples_pg.wrap()``: turn a DDP model + optimizer into Ripples training in one call.
+
+::
+
+    model = DDP(model)                                   # on a "ripples" process group
+    optimizer = ripples_pg.wrap(model, optimizer)        # schedule="smart", group_size=3
+    for x, y in loader:                                  # the loop is unchanged
+        optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+
+``wrap`` creates a ``ripples`` process group for the partial rounds (over the DDP group's
+ranks, with the schedule options given), registers :func:`ripples_pg.hooks.ripples_hook` on
+the model (exact gradient averaging for ``warmup_steps`` steps, then local gradients) and
+returns a :class:`RipplesOptimizer`: torch's ``PostLocalSGDOptimizer`` around ``optimizer``
+with a :class:`ripples_pg.RipplesAverager` whose step count the hook follows. Every rank of
+the default group must call it, at the same point of the program (it creates process groups).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from .averager import RipplesAverager, parse_levels
+from .hooks import POST_WARMUP_MODES, RipplesHookState, _is_ripples, host_group, ripples_hook
+
+__all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "WRAP_DEFAULTS"]
+
+DEFAULT_WARMUP_STEPS = 50
+# Defaults of the partial group wrap() creates (an argument or RIPPLES_* variable wins).
+WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3}
+
+# Options fields wrap() forwards to the partial group it creates.
+_GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinator", "timeout",
+                 "on_failure", "seed", "trace")
+
+
+class RipplesOptimizer(PostLocalSGDOptimizer):
+    """What :func:`wrap` returns: ``PostLocalSGDOptimizer(optimizer, averager)`` that also knows
+    its hook state and partial group.
+
+    ``state_dict()`` holds the inner optimizer's state, the averager's ``step`` (as torch's
+    ``PostLocalSGDOptimizer`` saves it) and ``"ripples"``: the averager's state; loading it
+    restores the step of both the averager and the comm hook, so warm-up is not repeated and
+    the levels continue at the right step.
+    """
+
+    def __init__(self, optim: torch.optim.Optimizer, averager: RipplesAverager,
+                 hook_state: Optional[RipplesHookState] = None, group=None):
+        super().__init__(optim, averager)
+        self.hook_state = hook_state
+        self.group = group
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["ripples"] = self.averager.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("ripples", None)
+        super().load_state_dict(state_dict)
+        if extra is not None:
+            self.averager.load_state_dict(extra)
+
+    def __repr__(self):
+        return f"RipplesOptimizer({self.optim!r}, {self.averager!r})"
+
+
+def _group_timeout(group) -> Optional[float]:
+    """The per-operation timeout (seconds) of a ``ripples`` group, or None if unknown."""
+    try:
+        from ._api import _ripples_backend
+
+        t = float(_ripples_backend(group).timeout_s)
+    except Exception:  # noqa: BLE001 - an older build without timeout_s: keep the default
+        return None
+    return t if t > 0 else None
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"ripples_pg.wrap: {name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"ripples_pg.wrap: {name} must be >= {minimum}, got {value}")
+
+
+def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
+         schedule: Optional[str] = None,
+         group_size: Optional[int] = None,
+         warmup_steps: Optional[int] = None,
+         levels=None,
+         post_warmup: str = "local",
+         average_optimizer_state: Union[bool, Sequence[str]] = False,
+         group=None,
+         c_thres: Optional[float] = None,
+         inter_intra: Optional[bool] = None,
+         coordinator: Optional[str] = None,
+         timeout: Optional[float] = None,
+         on_failure: Optional[str] = None,
+         seed: Optional[int] = None,
+         trace: Optional[bool] = None) -> RipplesOptimizer:
+    """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` model on a ``ripples`` process group.
+        optimizer: its (local) optimizer.
+        schedule, group_size, c_thres, inter_intra, coordinator, timeout, on_failure, seed,
+            trace: ``ripples_pg.Options`` of the partial group that ``wrap`` creates over the
+            DDP group's ranks (``None``: the ``RIPPLES_*`` environment, else the default).
+            ``wrap``'s defaults: the straggler-aware ``"smart"`` schedule, groups of 3, and
+            the DDP group's timeout (``init_process_group(timeout=...)``).
+        warmup_steps: steps of exact synchronous SGD before model averaging starts (default
+            ``DEFAULT_WARMUP_STEPS`` = 50; a few percent of training is typical).
+        levels: the averager's ``{period: level}`` (see :class:`ripples_pg.RipplesAverager`);
+            default ``{1: "partial"}``. Add e.g. ``64: "world"`` to bound drift with an exact
+            average every 64 steps, at the price of waiting for the slowest worker then.
+        post_warmup: gradients after warm-up: ``"local"`` (default) or ``"host"`` (exact
+            average among the workers of the same host).
+        average_optimizer_state: also average optimizer state (momentum buffers...).
+        group: an existing ``ripples`` group for the partial rounds instead of a new one
+            (then the schedule options must not be given).
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(
+            f"ripples_pg.wrap: the model must be a torch.nn.parallel.DistributedDataParallel, "
+            f"got {type(ddp_model).__module__}.{type(ddp_model).__qualname__}; wrap it with "
+            f"DDP(model) on a 'ripples' process group first")
+    if isinstance(optimizer, PostLocalSGDOptimizer):
+        raise TypeError("ripples_pg.wrap: the optimizer is already a PostLocalSGDOptimizer; "
+                        "pass the inner (local) optimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"ripples_pg.wrap: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    model_params = {id(p) for p in ddp_model.parameters()}
+    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not opt_params or not any(id(p) in model_params for p in opt_params):
+        raise ValueError("ripples_pg.wrap: the optimizer holds none of the model's parameters "
+                         "(create it from ddp_model.parameters())")
+    ddp_group = ddp_model.process_group
+    if not _is_ripples(ddp_group):
+        raise ValueError(
+            f"ripples_pg.wrap: the DDP model's process group uses backend "
+            f"{str(dist.get_backend(ddp_group))!r}, not 'ripples'. Initialise with "
+            f"dist.init_process_group('ripples') (after 'import ripples_pg') or pass "
+            f"process_group= a ripples group to DDP. (Exact collectives of other backends "
+            f"cannot be fenced against partial rounds, so mixing them can deadlock.)")
+    if warmup_steps is None:
+        warmup_steps = DEFAULT_WARMUP_STEPS
+    _check_int("warmup_steps", warmup_steps, 0)
+    if post_warmup not in POST_WARMUP_MODES:
+        raise ValueError(f"ripples_pg.wrap: post_warmup must be one of {POST_WARMUP_MODES}, "
+                         f"got {post_warmup!r}")
+    levels = parse_levels(levels)
+    if group_size is not None:
+        _check_int("group_size", group_size, 1)
+
+    import ripples_pg
+
+    given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
+             "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
+             "on_failure": on_failure, "seed": seed, "trace": trace}
+    if group is not None:
+        explicit = {k: v for k, v in given.items() if v is not None}
+        if explicit:
+            raise ValueError(f"ripples_pg.wrap: group= was given, so the schedule options "
+                             f"{sorted(explicit)} cannot apply; set them on that group's "
+                             f"ripples_pg.Options instead")
+        if not _is_ripples(group):
+            raise ValueError(f"ripples_pg.wrap: group= must be a 'ripples' process group, "
+                             f"got backend {str(dist.get_backend(group))!r}")
+    else:
+        fields = set(ripples_pg.Options.fields())
+        kw = {k: v for k, v in given.items() if v is not None}
+        env = ripples_pg.Options.from_env()
+        for k, v in WRAP_DEFAULTS.items():  # wrap's defaults yield to RIPPLES_* variables
+            if k not in kw and k in fields and getattr(env, k) is None:
+                kw[k] = v
+        if "timeout" not in kw and "timeout" in fields and env.timeout is None:
+            # dist.new_group's own default is 30 minutes whatever init_process_group was
+            # given; the partial rounds should be bounded by the DDP group's timeout instead.
+            inherited = _group_timeout(ddp_group)
+            if inherited is not None:
+                kw["timeout"] = inherited
+        missing = sorted(set(kw) - fields)
+        if missing:
+            raise RuntimeError(f"ripples_pg.wrap: this build's ripples_pg.Options has no "
+                               f"field(s) {missing}")
+        opts = ripples_pg.Options(**kw)  # validates the values (clear ValueErrors)
+        ranks = dist.get_process_group_ranks(ddp_group)
+        group = dist.new_group(ranks=ranks, backend="ripples", pg_options=opts)
+
+    hgroup = None
+    if post_warmup == "host" or "host" in levels.values():
+        hgroup = host_group(ddp_group)
+    averager = RipplesAverager(group, levels=levels, warmup_steps=warmup_steps,
+                               host_group=hgroup, world_group=ddp_group, optimizer=optimizer,
+                               average_optimizer_state=average_optimizer_state)
+    state = RipplesHookState(ddp_group, warmup_steps=warmup_steps, post_warmup=post_warmup,
+                             host_group=hgroup)
+    averager.link_hook_state(state)
+    try:
+        ddp_model.register_comm_hook(state, ripples_hook)
+    except RuntimeError as e:
+        raise RuntimeError(f"ripples_pg.wrap: could not register the comm hook ({e}); a DDP "
+                           f"model takes one comm hook, so wrap() it only once and do not "
+                           f"register another hook") from e
+    return RipplesOptimizer(optimizer, averager, hook_state=state, group=group)

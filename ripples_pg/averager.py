@@ -1,0 +1,388 @@
+"""``RipplesAverager``: hierarchical model averaging with Partial All-Reduce.
+
+After every optimizer step the averager averages the model's parameters at one *level*, chosen
+like torch's ``HierarchicalModelAverager``: ``levels`` maps a period (in steps) to a level, and
+at step ``s`` the level with the largest period dividing ``s`` runs (none if no period divides
+``s``). The levels are
+
+* ``"partial"``: one Partial All-Reduce round (``AVG``) on the averager's ``ripples`` group: the
+  worker averages its model with the group the scheduler puts it in (paper Fig. 7);
+* ``"host"``: an exact average among the workers of the same host (``ripples_pg.host_of``);
+* ``"world"``: an exact average over the whole group, which bounds how far replicas drift.
+
+Nothing is averaged during the first ``warmup_steps`` steps: the comm hook
+(``ripples_pg.hooks``) averages gradients exactly then, so the replicas stay identical.
+
+The parameters are flattened once: on the first averaging they are copied into one flat buffer
+per dtype and re-pointed (``p.data``) at views of it, exactly like torch's own
+``average_parameters`` does, so each later step reduces the buffers in place without copying.
+All dtypes go into the same call, so a step is one round. If something re-points a parameter
+later (``model.to()``, say), the layout is rebuilt on the next step. Optimizer state tensors
+shaped like their parameter (momentum buffers, Adam moments) can be averaged in the same round
+(``average_optimizer_state``); they are copied into a tail of the flat buffers and back.
+
+Ending training with a dynamic schedule (``random``, ``smart``, ``adpsgd``): a worker's
+partners can be placed in a group with it that it has not served yet, so a worker that has done
+its last partial round should next call a collective on a ``ripples`` group (a final exact
+average, ``dist.barrier()``), which fences it and cancels such groups, or leave
+(``destroy_process_group``) -- not block on something else (a gloo collective, a queue) while
+others still average, or they wait for it until the round timeout.
+
+The averager counts steps like torch's averagers (``step`` increases by one per call of
+``average_parameters``), so it works inside torch's ``PostLocalSGDOptimizer``, whose
+``state_dict`` saves ``averager.step``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections import OrderedDict
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+
+from .hooks import _exact, _is_ripples, host_group as _host_group
+
+__all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
+
+logger = logging.getLogger(__name__)
+
+LEVELS = ("partial", "host", "world")
+
+
+def parse_levels(levels) -> "OrderedDict[int, str]":
+    """Validates ``levels`` ({period: level} or a string such as ``"1:partial,64:world"``) and
+    returns it ordered by period."""
+    if levels is None:
+        levels = {1: "partial"}
+    if isinstance(levels, str):
+        items = []
+        for part in levels.replace(";", ",").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if ":" not in part:
+                raise ValueError(f"ripples_pg: bad level {part!r} in levels={levels!r}; "
+                                 f"expected PERIOD:LEVEL, e.g. '1:partial,64:world'")
+            p, kind = part.split(":", 1)
+            try:
+                items.append((int(p), kind.strip()))
+            except ValueError:
+                raise ValueError(f"ripples_pg: bad period {p!r} in levels={levels!r}") from None
+        levels = items
+    elif isinstance(levels, Mapping):
+        levels = list(levels.items())
+    else:
+        try:
+            levels = list(levels)
+        except TypeError:
+            raise TypeError(f"ripples_pg: levels must be a dict {{period: level}} or a string, "
+                            f"got {type(levels).__name__}") from None
+    if not levels:
+        raise ValueError("ripples_pg: levels must not be empty")
+    out: Dict[int, str] = {}
+    for period, kind in levels:
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"ripples_pg: level periods must be ints >= 1, got {period!r}")
+        if kind not in LEVELS:
+            raise ValueError(f"ripples_pg: unknown level {kind!r} for period {period}; "
+                             f"levels are {', '.join(LEVELS)}")
+        if period in out:
+            raise ValueError(f"ripples_pg: period {period} appears twice in levels")
+        out[period] = kind
+    return OrderedDict(sorted(out.items()))
+
+
+def _params_of(params) -> List[torch.Tensor]:
+    """Parameters (deduplicated, in order) from params or optimizer param groups."""
+    seen = set()
+    out = []
+    if isinstance(params, torch.nn.Module):
+        params = params.parameters()
+    for item in params:
+        if isinstance(item, dict):
+            group = item["params"]
+            group = [group] if isinstance(group, torch.Tensor) else group
+        elif isinstance(item, torch.Tensor):
+            group = [item]
+        else:
+            raise TypeError(f"ripples_pg.RipplesAverager: expected parameters or parameter "
+                            f"groups, got {type(item).__name__}")
+        for p in group:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _all_reduce_one_call(tensors: List[torch.Tensor], op, group) -> None:
+    """All-reduces ``tensors`` (possibly of several dtypes) in a single collective call, i.e.
+    one partial round when partial mode is on."""
+    import ripples_pg
+
+    fn = getattr(ripples_pg, "partial_all_reduce", None)
+    if fn is not None:
+        fn(tensors, group=group, op=op)
+        return
+    if len(tensors) == 1:
+        dist.all_reduce(tensors[0], op=op, group=group)
+        return
+    # One allreduce_coalesced call on the backend: dist.all_reduce_coalesced insists on a
+    # single dtype, the ripples backend does not.
+    pg = group if group is not None else dist.group.WORLD
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = op
+    work = pg.allreduce_coalesced(tensors, opts)
+    if work is not None:
+        work.wait()
+
+
+class _Layout:
+    """Flat per-dtype buffers; parameters alias their head, optimizer state is copied to the
+    tail."""
+
+    def __init__(self, params: List[torch.Tensor], states: List[torch.Tensor]):
+        self.params = params
+        self.states = states
+        by_dtype: "OrderedDict[torch.dtype, List[torch.Tensor]]" = OrderedDict()
+        for t in params + states:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        self.flats: List[torch.Tensor] = []
+        self.param_views: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.state_views: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        state_ids = {id(s) for s in states}
+        for dtype, ts in by_dtype.items():
+            total = sum(t.numel() for t in ts)
+            flat = torch.empty(total, dtype=dtype, device=ts[0].device)
+            off = 0
+            for t in ts:
+                n = t.numel()
+                view = flat[off:off + n].view(t.shape)
+                view.copy_(t.detach())
+                if id(t) in state_ids:
+                    self.state_views.append((t, view))
+                else:
+                    self.param_views.append((t, view))
+                off += n
+            self.flats.append(flat)
+        for p, view in self.param_views:
+            p.data = view
+        self.ptrs = [p.data_ptr() for p in params]
+        self.numel = sum(f.numel() for f in self.flats)
+        self.bytes = sum(f.numel() * f.element_size() for f in self.flats)
+
+    def valid_for(self, params: List[torch.Tensor], states: List[torch.Tensor]) -> bool:
+        if len(params) != len(self.params) or len(states) != len(self.states):
+            return False
+        for a, b, ptr in zip(params, self.params, self.ptrs):
+            if a is not b or a.data_ptr() != ptr:
+                return False
+        for a, b in zip(states, self.states):
+            if a is not b:
+                return False
+        return True
+
+    def pack_states(self) -> None:
+        for s, view in self.state_views:
+            view.copy_(s.detach())
+
+    def unpack_states(self) -> None:
+        for s, view in self.state_views:
+            s.detach().copy_(view)
+
+
+class RipplesAverager(ModelAverager):
+    """Hierarchical model averager with Partial All-Reduce rounds.
+
+    Args:
+        process_group: the ``ripples`` group of the partial rounds (default: the world). A
+            ``"partial"`` level needs a ``ripples`` group.
+        levels: ``{period: level}`` with levels ``"partial"``, ``"host"``, ``"world"`` (or a
+            string like ``"1:partial,8:host,64:world"``); at each step the level with the
+            largest period dividing the step runs. Default ``{1: "partial"}``: one partial
+            round per step. A ``"world"`` (or ``"host"``) level is a barrier among all (or the
+            host's) workers, so with a persistent straggler its period sets how often everyone
+            waits for it.
+        warmup_steps: steps (counted from 0) without averaging; use the hook's warm-up
+            (exact gradient averaging) for the same number of steps.
+        host_group: the exact intra-host group of the ``"host"`` level; default
+            :func:`ripples_pg.hooks.host_group` of ``process_group`` (created in the
+            constructor, so every rank must construct the averager at the same point).
+        world_group: the group of the ``"world"`` level (default: ``process_group``).
+        optimizer: the (inner) optimizer, needed for ``average_optimizer_state``.
+        average_optimizer_state: also average optimizer state tensors shaped like their
+            parameter: ``True`` for all of them (``momentum_buffer``, ``exp_avg``,
+            ``exp_avg_sq``, ...), or a list of state keys.
+
+    ``step`` counts calls of :meth:`average_parameters` (one per optimizer step), as in torch's
+    averagers. ``counts`` holds how many times each level ran.
+    """
+
+    def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
+                 host_group=None, world_group=None, optimizer: Optional[torch.optim.Optimizer]
+                 = None, average_optimizer_state: Union[bool, Sequence[str]] = False):
+        self._hook_states: list = []
+        super().__init__(process_group)
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
+            raise TypeError(f"ripples_pg.RipplesAverager: warmup_steps must be an int >= 0, "
+                            f"got {warmup_steps!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"ripples_pg.RipplesAverager: warmup_steps must be >= 0, got "
+                             f"{warmup_steps}")
+        self.warmup_steps = warmup_steps
+        self.levels = parse_levels(levels)
+        self._periods = list(self.levels)
+        kinds = set(self.levels.values())
+        if "partial" in kinds and not _is_ripples(self.process_group):
+            raise ValueError(
+                f"ripples_pg.RipplesAverager: a 'partial' level needs a process group on the "
+                f"'ripples' backend, got one on {dist.get_backend(self.process_group)!r}; "
+                f"create it with dist.new_group(backend='ripples', "
+                f"pg_options=ripples_pg.Options(...))")
+        if average_optimizer_state and optimizer is None:
+            raise ValueError("ripples_pg.RipplesAverager: average_optimizer_state needs "
+                             "optimizer= (the optimizer whose state to average)")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"ripples_pg.RipplesAverager: optimizer must be a "
+                            f"torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(average_optimizer_state, str):
+            average_optimizer_state = [average_optimizer_state]
+        self.optimizer = optimizer
+        self.average_optimizer_state = average_optimizer_state
+        self.world_group = world_group if world_group is not None else self.process_group
+        self.host_group = None
+        if "host" in kinds:
+            self.host_group = host_group if host_group is not None else \
+                _host_group(self.process_group)
+        self.counts: Dict[str, int] = {k: 0 for k in LEVELS}
+        self.last_level: Optional[str] = None
+        self._layout: Optional[_Layout] = None
+        self._skipped_nonfloat = False
+
+    # -- step, linked to hook states so that restoring it restores theirs
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
+        for st in getattr(self, "_hook_states", ()):
+            st.iter = self._step
+
+    def link_hook_state(self, state) -> None:
+        """Makes ``state`` (a :class:`ripples_pg.hooks.RipplesHookState`) follow this
+        averager's step count."""
+        state.averager = self
+        state.iter = self._step
+        if state not in self._hook_states:
+            self._hook_states.append(state)
+
+    # -- levels
+    def level_at(self, step: int) -> Optional[str]:
+        """The level that runs at ``step`` (None: no averaging)."""
+        if step < self.warmup_steps:
+            return None
+        for period in reversed(self._periods):
+            if step % period == 0:
+                return self.levels[period]
+        return None
+
+    # -- averaging
+    def _state_tensors(self, params: List[torch.Tensor]) -> List[torch.Tensor]:
+        if not self.average_optimizer_state or self.optimizer is None:
+            return []
+        keys = None if self.average_optimizer_state is True else set(self.average_optimizer_state)
+        out = []
+        for p in params:
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            for k in sorted(st, key=str):
+                v = st[k]
+                if keys is not None and k not in keys:
+                    continue
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                        v.shape == p.shape and v.device == p.device:
+                    out.append(v)
+        return out
+
+    def _layout_for(self, params) -> Optional[_Layout]:
+        plist = []
+        for p in _params_of(params):
+            if p.is_floating_point() and p.layout == torch.strided:
+                plist.append(p)
+            elif not self._skipped_nonfloat:
+                self._skipped_nonfloat = True
+                warnings.warn("ripples_pg.RipplesAverager: non-floating or sparse parameters "
+                              "are not averaged", stacklevel=3)
+        if not plist:
+            return None
+        states = self._state_tensors(plist)
+        lay = self._layout
+        if lay is None or not lay.valid_for(plist, states):
+            if lay is not None:
+                logger.info("ripples_pg.RipplesAverager: parameter layout changed; re-flattening")
+            lay = self._layout = _Layout(plist, states)
+        return lay
+
+    def average_parameters(self, params) -> None:
+        """Averages ``params`` (parameters or optimizer param groups) at this step's level,
+        then advances ``step``."""
+        level = self.level_at(self.step)
+        self.last_level = level
+        if level is not None:
+            self._average(params, level)
+            self.counts[level] += 1
+        self.step += 1
+
+    def _average(self, params, level: str) -> None:
+        if level == "partial":
+            group = self.process_group
+        elif level == "host":
+            group = self.host_group
+            if group is None:  # alone on this host
+                return
+        else:
+            group = self.world_group
+        if dist._rank_not_in_group(group):
+            return
+        lay = self._layout_for(params)
+        if lay is None:
+            return
+        lay.pack_states()
+        if level == "partial":
+            import ripples_pg
+
+            ctx = ripples_pg.partial()
+        else:
+            ctx = _exact() if _is_ripples(group) else contextlib.nullcontext()
+        with ctx:
+            if level == "partial":
+                _all_reduce_one_call(lay.flats, dist.ReduceOp.AVG, group)
+            else:  # exact: one call per dtype is fine (and works on any backend)
+                for flat in lay.flats:
+                    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+        lay.unpack_states()
+
+    # -- checkpointing (PostLocalSGDOptimizer saves only ``step``)
+    def state_dict(self) -> dict:
+        return {"step": self.step, "warmup_steps": self.warmup_steps,
+                "levels": dict(self.levels), "counts": dict(self.counts)}
+
+    def load_state_dict(self, sd: Mapping) -> None:
+        if "levels" in sd and parse_levels(sd["levels"]) != self.levels:
+            warnings.warn(f"ripples_pg.RipplesAverager: restoring a state saved with levels "
+                          f"{dict(sd['levels'])} into an averager with {dict(self.levels)}",
+                          stacklevel=2)
+        self.step = int(sd["step"])
+        if "counts" in sd:
+            self.counts.update(sd["counts"])
+
+    def __repr__(self) -> str:
+        lv = ", ".join(f"{p}: {k!r}" for p, k in self.levels.items())
+        return (f"RipplesAverager(levels={{{lv}}}, warmup_steps={self.warmup_steps}, "
+                f"step={self.step})")

@@ -1,0 +1,239 @@
+"""DDP communication hooks for training with Partial All-Reduce.
+
+Ripples averages *models*, not gradients (paper Fig. 7): after a warm-up of ordinary
+synchronous SGD, each worker applies its own gradient and then averages its parameters with
+a small group (:class:`ripples_pg.RipplesAverager`). The DDP side of that is this hook:
+
+* for the first ``warmup_steps`` optimizer steps it averages gradients exactly over the whole
+  process group, like DDP's default all-reduce (so every rank applies the same gradient and the
+  replicas stay bit-identical);
+* afterwards it leaves each worker with its own local gradient (``post_warmup="local"``), or
+  averages gradients exactly among the workers of the same host (``post_warmup="host"``,
+  torch's post-local SGD default: cheap intra-host traffic that speeds convergence).
+
+Usage::
+
+    state = ripples_pg.hooks.RipplesHookState(warmup_steps=100)
+    ddp_model.register_comm_hook(state, ripples_pg.hooks.ripples_hook)
+
+``ripples_pg.wrap()`` does this (and links the state to its averager) for you.
+
+Counting steps. A DDP comm hook is called once per gradient bucket; the number of buckets and
+their indices change after the first iteration (DDP rebuilds its buckets). The state counts
+one step per backward pass on the bucket for which ``bucket.is_last()`` holds, which is the
+last bucket reduced in every iteration, before and after the rebuild; all buckets of one
+backward pass therefore see the same step. When the state is linked to an averager
+(``averager=``, as ``wrap()`` does), the step is the averager's instead: the number of
+optimizer steps taken so far. That stays right with gradient accumulation and is restored by
+``PostLocalSGDOptimizer.load_state_dict`` together with the averager's.
+"""
+import contextlib
+import logging
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RipplesHookState", "ripples_hook", "host_group", "POST_WARMUP_MODES"]
+
+logger = logging.getLogger(__name__)
+
+POST_WARMUP_MODES = ("local", "host")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _is_ripples(group) -> bool:
+    try:
+        return str(dist.get_backend(group)).lower() == "ripples"
+    except Exception:  # noqa: BLE001 - not a group we can ask about
+        return False
+
+
+def _exact():
+    """A context in which ``all_reduce`` on a ripples group is exact even if a caller further
+    up the stack entered ``ripples_pg.partial()``: ``ripples_pg.exact()`` if the build has it,
+    else ``ripples_pg.partial(False)`` if ``partial`` takes an on/off flag, else nothing."""
+    import inspect
+
+    import ripples_pg
+
+    fn = getattr(ripples_pg, "exact", None)
+    if callable(fn):
+        return fn()
+    fn = getattr(ripples_pg, "partial", None)
+    if callable(fn):
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            params = []
+        if params and params[0] in ("enabled", "enable", "on", "flag", "mode"):
+            return fn(False)
+    return contextlib.nullcontext()
+
+
+_HOST_GROUPS: Dict[tuple, tuple] = {}
+
+
+def host_group(group=None, backend: Optional[str] = None, pg_options=None):
+    """The process group of this rank's host inside ``group`` (default: the world).
+
+    Hosts come from ``ripples_pg.host_of(group)`` (host names exchanged when the group was
+    created, or ``RIPPLES_HOST_ID``) for a ``ripples`` group. Every rank of the *default* group
+    must call this, in the same order, because it creates one subgroup per host with
+    ``torch.distributed.new_subgroups_by_enumeration``; the result is cached per group, so later
+    calls are free. Returns ``None`` if this rank is alone on its host (nothing to average).
+    """
+    group = group if group is not None else dist.group.WORLD
+    key = (id(group),)
+    if key in _HOST_GROUPS:
+        return _HOST_GROUPS[key][0]
+    import ripples_pg
+
+    host_of = getattr(ripples_pg, "host_of", None)
+    if host_of is None:
+        raise RuntimeError("ripples_pg.host_of is not available in this build")
+    hosts: List[int] = [int(h) for h in host_of(group)]
+    global_ranks = dist.get_process_group_ranks(group)
+    if len(hosts) != len(global_ranks):
+        raise RuntimeError(
+            f"ripples_pg.host_of returned {len(hosts)} entries for a group of "
+            f"{len(global_ranks)} ranks")
+    per_host: Dict[int, List[int]] = {}
+    for grank, h in zip(global_ranks, hosts):
+        per_host.setdefault(h, []).append(grank)
+    ranks_lists = [per_host[h] for h in sorted(per_host)]
+    if backend is None:
+        backend = dist.get_backend(group)
+    kw = {"pg_options": pg_options} if pg_options is not None else {}
+    mine, _all = dist.new_subgroups_by_enumeration(ranks_lists, backend=backend, **kw)
+    if mine is not None and dist.get_world_size(mine) <= 1:
+        mine = None
+    _HOST_GROUPS[key] = (mine, group)  # keep `group` alive so its id is not reused
+    return mine
+
+
+# ----------------------------------------------------------------------------- state
+
+
+class RipplesHookState:
+    """State of :func:`ripples_hook`.
+
+    Args:
+        process_group: group of the exact gradient average during warm-up (default: the
+            world). It should be the DDP model's process group.
+        warmup_steps: number of optimizer steps with exact gradient averaging (>= 0).
+        post_warmup: ``"local"`` (each worker keeps its own gradient) or ``"host"`` (exact
+            gradient average among the workers of the same host).
+        host_group: the host subgroup for ``post_warmup="host"``; default:
+            :func:`host_group` of ``process_group`` (created here, so every rank must
+            construct the state at the same point of the program).
+        averager: optional :class:`ripples_pg.RipplesAverager` (or any object with a
+            ``step`` attribute counting optimizer steps) whose step count the hook uses
+            instead of counting backward passes itself.
+    """
+
+    def __init__(self, process_group=None, warmup_steps: int = 0, post_warmup: str = "local",
+                 host_group=None, averager=None):
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
+            raise TypeError(f"ripples_pg.hooks: warmup_steps must be an int >= 0, got "
+                            f"{warmup_steps!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"ripples_pg.hooks: warmup_steps must be >= 0, got {warmup_steps}")
+        if post_warmup not in POST_WARMUP_MODES:
+            raise ValueError(f"ripples_pg.hooks: post_warmup must be one of "
+                             f"{POST_WARMUP_MODES}, got {post_warmup!r}")
+        self.process_group = process_group
+        self.warmup_steps = warmup_steps
+        self.post_warmup = post_warmup
+        self.averager = averager
+        self.iter = 0  # backward passes seen (used when no averager is linked)
+        self.exact_buckets = 0  # buckets averaged exactly over process_group
+        self.local_buckets = 0  # buckets left local
+        self.host_buckets = 0  # buckets averaged within the host
+        if post_warmup == "host" and host_group is None:
+            host_group = globals()["host_group"](process_group)
+        self.host_group = host_group
+        self._announced = False
+
+    @property
+    def step(self) -> int:  # noqa: D401
+        """Optimizer steps taken so far (the step the current backward pass belongs to)."""
+        if self.averager is not None:
+            return int(self.averager.step)
+        return self.iter
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.iter = int(value)
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.step < self.warmup_steps
+
+    def _count(self, bucket) -> None:
+        if bucket.is_last():
+            self.iter += 1
+
+    def state_dict(self) -> dict:
+        return {"iter": self.iter, "warmup_steps": self.warmup_steps,
+                "post_warmup": self.post_warmup}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.iter = int(sd["iter"])
+
+    # DDP pickles the state when the model is pickled; groups cannot be.
+    def __getstate__(self):
+        d = dict(self.__dict__)
+        d["process_group"] = None
+        d["host_group"] = None
+        d["averager"] = None
+        return d
+
+    def __setstate__(self, d):
+        self.__dict__.update(d)
+
+    def __repr__(self) -> str:
+        return (f"RipplesHookState(warmup_steps={self.warmup_steps}, "
+                f"post_warmup={self.post_warmup!r}, step={self.step})")
+
+
+# ----------------------------------------------------------------------------- the hook
+
+
+def _allreduce_mean_fut(group, tensor: torch.Tensor) -> torch.futures.Future:
+    n = dist.get_world_size(group)
+    tensor.div_(n)
+    with _exact():
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(tensor)
+    return fut
+
+
+def ripples_hook(state: RipplesHookState,
+                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: exact gradient average during warm-up, then local (or intra-host)."""
+    buf = bucket.buffer()
+    warm = state.in_warmup
+    if state.averager is None:
+        state._count(bucket)
+    if warm:
+        state.exact_buckets += 1
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        return _allreduce_mean_fut(group, buf)
+    if not state._announced:
+        state._announced = True
+        logger.info("ripples_pg: warm-up over after %d steps; gradients are now %s",
+                    state.warmup_steps,
+                    "averaged within the host" if state.post_warmup == "host" else "local")
+    if state.post_warmup == "host" and state.host_group is not None:
+        state.host_buckets += 1
+        return _allreduce_mean_fut(state.host_group, buf)
+    state.local_buckets += 1
+    return _done(buf)
