@@ -1,5 +1,6 @@
 # One entry point for set-up, build, tests and benchmarks. Every target sets up what it needs:
 # system packages through apt when run as root, a virtualenv in .venv, the build.
+#   make demo   - the main job: torchrun training, 4 workers, one 5x straggler, gloo vs ripples
 #   make test   - everything CI runs: C unit tests, the same under ASan+UBSan, pytest
 #   make build  - (re)build the package into .venv
 SHELL := /bin/bash
@@ -10,7 +11,7 @@ PIP := $(VENV)/bin/pip
 JOBS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: all sysdeps venv build ctest asan pytest test bench clean
+.PHONY: all sysdeps venv build ctest asan pytest test demo bench clean
 
 all: build
 
@@ -42,6 +43,9 @@ pytest: build
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 test: ctest asan pytest
+
+demo: build
+	PYTHON=$(abspath $(PY)) bash scripts/demo.sh
 
 bench: build
 	$(PY) benchmarks/collectives.py --out benchmarks/results
