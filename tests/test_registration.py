@@ -1,0 +1,238 @@
+"""Registration of the "ripples" backend, Options, and the ways a user starts a group.
+
+Fresh interpreters (subprocesses) are used wherever import-time behaviour matters.
+"""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import Checker, import_backend, run_spawn
+
+PY = sys.executable
+SUB_TIMEOUT = 120
+
+
+def run_py(code, env=None, timeout=SUB_TIMEOUT):
+    """Runs ``code`` in a fresh interpreter; fails the test with its output on error."""
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    try:
+        p = subprocess.run([PY, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                           env=full_env, timeout=timeout, cwd="/")
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"subprocess timed out after {timeout}s (hang)\nstdout:\n{e.stdout}\n"
+                    f"stderr:\n{e.stderr}")
+    assert p.returncode == 0, (f"subprocess failed with exit code {p.returncode}\n"
+                               f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p.stdout
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ import
+
+
+def test_import_registers_backend():
+    """With torch's entry-point autoload off, ``import ripples_pg`` is what registers the
+    backend; importing again and reloading are harmless."""
+    out = run_py("""
+        import importlib
+        import torch.distributed as dist
+        assert not dist.is_backend_available("ripples"), "registered before the import"
+        import ripples_pg
+        assert dist.is_backend_available("ripples")
+        assert dist.Backend.RIPPLES == "ripples"
+        assert dist.Backend("ripples") == "ripples"
+        assert dist.Backend("RIPPLES") == "ripples"
+        import ripples_pg as again
+        assert again is ripples_pg
+        importlib.reload(ripples_pg)
+        assert dist.is_backend_available("ripples")
+        assert dist.Backend.RIPPLES == "ripples"
+        print("OK")
+    """, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert "OK" in out
+
+
+def test_import_after_autoload():
+    """With autoload on (the default), ``import torch`` already registered the backend through
+    the entry point; an explicit import on top of it is fine."""
+    out = run_py("""
+        import torch, torch.distributed as dist
+        assert dist.is_backend_available("ripples"), "the entry point did not register it"
+        import ripples_pg
+        import ripples_pg
+        assert dist.is_backend_available("ripples")
+        assert dist.Backend.RIPPLES == "ripples"
+        print("OK")
+    """, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "1"})
+    assert "OK" in out
+
+
+def test_backend_in_this_process():
+    import_backend("ripples")
+    assert dist.is_backend_available("ripples")
+    assert dist.Backend.RIPPLES == "ripples"
+
+
+# ------------------------------------------------------------------------------ entry point / env://
+
+
+ENV_INIT_SCRIPT = """
+    import torch, torch.distributed as dist  # no "import ripples_pg" anywhere in this script
+    from importlib.metadata import entry_points
+    names = [ep.name for ep in entry_points(group="torch.backends")]
+    assert "ripples" in names, f"no torch.backends entry point named ripples: {names}"
+    dist.init_process_group("ripples")          # env:// from MASTER_ADDR/PORT, RANK, WORLD_SIZE
+    assert dist.get_backend() == "ripples", dist.get_backend()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1000,), float(ws * (ws + 1) // 2))), t[:4]
+    dist.barrier()
+    dist.destroy_process_group()
+    print("OK", rank)
+"""
+
+
+def _run_ranks(script, ws, env_extra=None, timeout=SUB_TIMEOUT):
+    port = free_port()
+    procs = []
+    for r in range(ws):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                   WORLD_SIZE=str(ws), LOCAL_RANK=str(r), TORCH_DEVICE_BACKEND_AUTOLOAD="1")
+        env.update(env_extra or {})
+        procs.append(subprocess.Popen([PY, "-c", textwrap.dedent(script)], env=env, cwd="/",
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    deadline = time.monotonic() + timeout
+    outs = []
+    try:
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=max(1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail(f"rank processes did not finish within {timeout}s (hang)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, (so, se)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exit code {p.returncode}\nstdout:\n{so}\nstderr:\n{se}"
+        assert f"OK {r}" in so, so
+    return outs
+
+
+def test_init_without_import_via_entry_point():
+    """In fresh interpreters that never ``import ripples_pg``, ``init_process_group("ripples")``
+    (env://, as under torchrun) works through the ``torch.backends`` entry point."""
+    _run_ranks(ENV_INIT_SCRIPT, 2)
+
+
+def test_torchrun(tmp_path):
+    """``torchrun --standalone --nproc_per_node=3 train.py`` with an explicit import."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import torch, torch.distributed as dist
+        import ripples_pg
+        dist.init_process_group("ripples")
+        rank, ws = dist.get_rank(), dist.get_world_size()
+        assert ws == int(os.environ["WORLD_SIZE"]) == 3
+        t = torch.arange(10, dtype=torch.float64) * (rank + 1)
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.arange(10, dtype=torch.float64) * 6), t
+        out = [torch.zeros(2) for _ in range(ws)]
+        dist.all_gather(out, torch.full((2,), float(rank)))
+        assert all(torch.equal(o, torch.full((2,), float(r))) for r, o in enumerate(out))
+        dist.destroy_process_group()
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"rank{rank}.ok"),
+                  "w") as f:
+            f.write("ok")
+    """))
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           "--max_restarts=0", "--monitor_interval=0.5", str(script)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=SUB_TIMEOUT,
+                           cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun timed out (hang)\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}")
+    assert p.returncode == 0, f"torchrun failed\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    for r in range(3):
+        assert (tmp_path / f"rank{r}.ok").exists(), (
+            f"rank {r} did not finish\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+
+
+# ------------------------------------------------------------------------------ Options
+
+
+def test_options_validation():
+    import ripples_pg
+
+    o = ripples_pg.Options()
+    repr(o)
+    ripples_pg.Options(timeout=5, small_bytes=1024, chunk_bytes="64K", bind_addr="127.0.0.1")
+    ripples_pg.Options(timeout=timedelta(seconds=3))
+    for bad in [dict(timeout=-1), dict(timeout=0), dict(small_bytes=-5),
+                dict(chunk_bytes="lots"), dict(bind_addr="not-an-ip")]:
+        with pytest.raises(ValueError):
+            ripples_pg.Options(**bad)
+
+
+def _t_options(ctx):
+    import ripples_pg
+
+    ck = Checker(ctx)
+    opts = ripples_pg.Options(timeout=60, small_bytes=4096, chunk_bytes=64 * 1024)
+    dist.init_process_group("ripples", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank,
+                            world_size=ctx.ws, timeout=timedelta(seconds=30), pg_options=opts)
+    ck.true(dist.get_backend() == "ripples", "dist.get_backend()", dist.get_backend())
+    sub = dist.new_group(backend="ripples", pg_options=ripples_pg.Options(small_bytes=1),
+                         timeout=timedelta(seconds=30))
+    ck.true(dist.get_backend(sub) == "ripples", "dist.get_backend(subgroup)")
+    for g, name in [(None, "default group with Options"), (sub, "new_group with Options")]:
+        for n in [1, 1000, (1 << 20) + 3]:
+            t = torch.full((n,), float(ctx.rank + 1))
+            dist.all_reduce(t, group=g)
+            ck.equal(t, torch.full((n,), float(ctx.ws * (ctx.ws + 1) // 2)), f"{name} n={n}")
+            b = torch.full((n,), float(ctx.rank))
+            dist.broadcast(b, src=ctx.ws - 1, group=g)
+            ck.equal(b, torch.full((n,), float(ctx.ws - 1)), f"{name} broadcast n={n}")
+    # Options.timeout is honoured: a group whose peer never joins fails after ~2 s, long
+    # before the 30 s process-group timeout.
+    short = dist.new_group(backend="ripples", pg_options=ripples_pg.Options(timeout=2),
+                           timeout=timedelta(seconds=30))
+    if ctx.rank == 0:
+        start = time.monotonic()
+        ck.raises("Options(timeout=2) with an absent peer",
+                  lambda: dist.all_reduce(torch.ones(4), group=short),
+                  (RuntimeError, ValueError), r"timed out|timeout")
+        elapsed = time.monotonic() - start
+        ck.true(elapsed < 20, "Options.timeout used instead of the group's 30 s",
+                f"took {elapsed:.1f}s")
+        ctx.store.set(ctx.key("done"), b"1")
+    else:
+        ctx.store.wait([ctx.key("done")], timedelta(seconds=90))
+    dist.destroy_process_group()
+    return ck.finish()
+
+
+def test_pg_options_accepted():
+    """``pg_options=ripples_pg.Options(...)`` in init_process_group and new_group; the knobs
+    take effect (timeout) and the groups compute correctly."""
+    run_spawn(_t_options, 2, init=False, timeout=120)
