@@ -76,5 +76,7 @@ setup(
     install_requires=["torch>=2.4,<3"],
     entry_points={
         "torch.backends": ["ripples = ripples_pg:_autoload"],
+        # The coordinator CLI (same flags as the C binary built under build/cmake-ext/).
+        "console_scripts": ["ripples-coordinator = ripples_pg.coordinator:main"],
     },
 )

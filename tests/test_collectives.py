@@ -132,7 +132,7 @@ VIEWS = [
     ("stride2", (6, 20), lambda b: b[:, ::2]),
     ("slice", (8, 12), lambda b: b[1:7, 3:11]),
     ("channels_last", (2, 3, 4, 5), lambda b: b),
-    ("negstep_free_3d", (4, 6, 5), lambda b: b.permute(2, 0, 1)[:, 1:, ::2]),
+    ("permuted_3d", (4, 6, 5), lambda b: b.permute(2, 0, 1)[:, 1:, ::2]),
 ]
 
 
