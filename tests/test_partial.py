@@ -90,7 +90,9 @@ def test_rounds_average_exactly_the_traced_group(schedule):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,inter_intra", [("static", False), ("smart", True)])
+@pytest.mark.parametrize("schedule,inter_intra", [("static", False), ("random", False),
+                                                  ("smart", False), ("smart", True),
+                                                  ("adpsgd", False)])
 def test_rounds_eight_workers_simulated_hosts(schedule, inter_intra):
     _dist.run_spawn(task_rounds, 8, schedule, 4, 2, inter_intra, timeout=300)
 
