@@ -334,12 +334,16 @@ rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {
   pthread_mutex_lock(&c->lock);
   rpl_status st = send_simple(c, RPL_MSG_LEAVE, err);
   rpl_msg m;
+  /* Leaving runs at shutdown, often at process exit, when the coordinator (on rank 0) may be
+   * gone already; its ACK is a courtesy (silence is noticed through heartbeats anyway), so do
+   * not hold the exit up for long. */
+  int wait_ms = c->timeout_ms < 2000 ? c->timeout_ms : 2000;
   if (st == RPL_OK)
     st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq,
-                    now_s() + c->timeout_ms / 1000.0, NULL, c->endpoint, &m, err);
+                    now_s() + wait_ms / 1000.0, NULL, c->endpoint, &m, err);
   if (st == RPL_ERR_TIMEOUT)
     st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s did not acknowledge LEAVE "
-                        "within %d ms", c->endpoint, c->timeout_ms);
+                        "within %d ms", c->endpoint, wait_ms);
   else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
     st = from_error_reply(&m, c->endpoint, err);
   pthread_mutex_unlock(&c->lock);
