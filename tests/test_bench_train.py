@@ -1,0 +1,38 @@
+"""Smoke test of the straggler training benchmark (benchmarks/train.py --quick): it runs,
+exits 0 and writes its outputs. No timing assertions (the machine may be shared)."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_train_quick(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.join(REPO, "benchmarks", "train.py"), "--quick",
+             "--out", str(tmp_path)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"benchmarks/train.py --quick did not finish in 240 s; stderr tail:\n"
+                    f"{(e.stderr or b'')[-3000:]!r}")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
+    strategies = {r["strategy"] for r in res["results"]}
+    assert strategies == set(res["strategies"]) == {"gloo", "exact", "static", "random",
+                                                    "smart"}
+    assert len(res["results"]) == len(res["strategies"]) * len(res["scenarios"])
+    assert all(not r.get("error") for r in res["results"])
+    assert (tmp_path / "results.md").read_text().count("|") > 10
+    assert glob.glob(str(tmp_path / "*.png"))
