@@ -1166,36 +1166,67 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather_into_tensor_coales
   return submit(call, std::move(descs));
 }
 
+namespace {
+// gather and scatter are mirror images: one tensor of this rank on every rank, and a list of one
+// tensor per rank that only the root passes. The labels keep each op's own error messages.
+struct RootedList {
+  rpl_dtype dtype;                  // of this rank's tensor, which fixes the list's dtype
+  std::vector<at::Tensor> tensors;  // the root's list; empty on the other ranks
+};
+
+RootedList checkRootedList(
+    const char* opName,
+    int64_t root,
+    int rank,
+    int size,
+    const std::vector<at::Tensor>& mine,
+    const char* mineSide,  // "input" for gather, "output" for scatter
+    const std::vector<std::vector<at::Tensor>>& rooted,
+    const char* rootedSide,  // the other side
+    const char* listName) {  // the torch.distributed argument: "gather_list", "scatter_list"
+  checkRank(root, size, opName, "root rank");
+  checkListSize(
+      mine.size(), 1, opName, std::string("the ") + mineSide + " list", "one tensor per process");
+  const std::string mineWhat = std::string("the ") + mineSide + " tensor";
+  const at::Tensor& t = mine[0];
+  RootedList r;
+  r.dtype = checkTensor(t, opName, mineWhat);
+  if (root == rank) {
+    checkListSize(
+        rooted.size(), 1, opName, std::string("the ") + rootedSide + " list of lists on the root",
+        "one list per process");
+    r.tensors = rooted[0];
+    checkListSize(
+        r.tensors.size(), size, opName, std::string(listName) + " on the root",
+        "one tensor per rank of the group");
+    for (size_t i = 0; i < r.tensors.size(); ++i) {
+      const std::string what = listName + ordinal(i);
+      checkTensor(r.tensors[i], opName, what);
+      checkSameDtype(r.tensors[i], t, opName, what, mineWhat);
+      checkNumel(r.tensors[i], t.numel(), opName, what, "as " + mineWhat);
+    }
+  } else {
+    TORCH_CHECK_VALUE(
+        rooted.empty() || (rooted.size() == 1 && rooted[0].empty()),
+        "ripples ", opName, ": only the root (rank ", root, ") may pass a ", listName, "; rank ",
+        rank, " passed one");
+  }
+  return r;
+}
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::gather(
     std::vector<std::vector<at::Tensor>>& outputTensors,
     std::vector<at::Tensor>& inputTensors,
     const c10d::GatherOptions& opts) {
   static const char* op = "gather";
   checkOpen(op);
-  checkRank(opts.rootRank, size_, op, "root rank");
-  checkListSize(inputTensors.size(), 1, op, "the input list", "one tensor per process");
+  RootedList rl = checkRootedList(
+      op, opts.rootRank, rank_, size_, inputTensors, "input", outputTensors, "output",
+      "gather_list");
   const at::Tensor& input = inputTensors[0];
-  rpl_dtype d = checkTensor(input, op, "the input tensor");
-  const bool isRoot = opts.rootRank == rank_;
-  std::vector<at::Tensor> outs;
-  if (isRoot) {
-    checkListSize(
-        outputTensors.size(), 1, op, "the output list of lists on the root",
-        "one list per process");
-    outs = outputTensors[0];
-    checkListSize(
-        outs.size(), size_, op, "gather_list on the root", "one tensor per rank of the group");
-    for (size_t i = 0; i < outs.size(); ++i) {
-      checkTensor(outs[i], op, "gather_list" + ordinal(i));
-      checkSameDtype(outs[i], input, op, "gather_list" + ordinal(i), "the input tensor");
-      checkNumel(outs[i], input.numel(), op, "gather_list" + ordinal(i), "as the input tensor");
-    }
-  } else {
-    TORCH_CHECK_VALUE(
-        outputTensors.empty() || (outputTensors.size() == 1 && outputTensors[0].empty()),
-        "ripples gather: only the root (rank ", opts.rootRank,
-        ") may pass a gather_list; rank ", rank_, " passed one");
-  }
+  const rpl_dtype d = rl.dtype;
+  const std::vector<at::Tensor>& outs = rl.tensors;
 
   Call call = begin(c10d::OpType::GATHER, "ripples:gather", op, outs, opts.timeout);
   call.c().in = {call.in(input, d)};
@@ -1217,30 +1248,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::scatter(
     const c10d::ScatterOptions& opts) {
   static const char* op = "scatter";
   checkOpen(op);
-  checkRank(opts.rootRank, size_, op, "root rank");
-  checkListSize(outputTensors.size(), 1, op, "the output list", "one tensor per process");
+  RootedList rl = checkRootedList(
+      op, opts.rootRank, rank_, size_, outputTensors, "output", inputTensors, "input",
+      "scatter_list");
   const at::Tensor& output = outputTensors[0];
-  rpl_dtype d = checkTensor(output, op, "the output tensor");
-  const bool isRoot = opts.rootRank == rank_;
-  std::vector<at::Tensor> ins;
-  if (isRoot) {
-    checkListSize(
-        inputTensors.size(), 1, op, "the input list of lists on the root",
-        "one list per process");
-    ins = inputTensors[0];
-    checkListSize(
-        ins.size(), size_, op, "scatter_list on the root", "one tensor per rank of the group");
-    for (size_t i = 0; i < ins.size(); ++i) {
-      checkTensor(ins[i], op, "scatter_list" + ordinal(i));
-      checkSameDtype(ins[i], output, op, "scatter_list" + ordinal(i), "the output tensor");
-      checkNumel(ins[i], output.numel(), op, "scatter_list" + ordinal(i), "as the output tensor");
-    }
-  } else {
-    TORCH_CHECK_VALUE(
-        inputTensors.empty() || (inputTensors.size() == 1 && inputTensors[0].empty()),
-        "ripples scatter: only the root (rank ", opts.rootRank,
-        ") may pass a scatter_list; rank ", rank_, " passed one");
-  }
+  const rpl_dtype d = rl.dtype;
+  const std::vector<at::Tensor>& ins = rl.tensors;
 
   Call call = begin(c10d::OpType::SCATTER, "ripples:scatter", op, outputTensors, opts.timeout);
   for (size_t i = 0; i < ins.size(); ++i) {

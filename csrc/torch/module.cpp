@@ -3,12 +3,38 @@
 // (ripples_pg/_backend.py) calls with an already-resolved configuration.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <initializer_list>
+#include <utility>
+
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
 #include "ProcessGroupRipples.hpp"
 
 namespace py = pybind11;
+
+namespace {
+// The stats accessors return flat dicts; one name/value list per accessor keeps each key next
+// to its field, and Python sees the keys in the order listed.
+py::dict dictOf(std::initializer_list<std::pair<const char*, py::object>> items) {
+  py::dict d;
+  for (const auto& kv : items) {
+    d[kv.first] = kv.second;
+  }
+  return d;
+}
+
+// The first n of values (none if n <= 0).
+template <typename T>
+py::list listOf(const T* values, int n) {
+  py::list l;
+  for (int i = 0; i < n; ++i) {
+    l.append(values[i]);
+  }
+  return l;
+}
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ripples_pg C++ shim: the 'ripples' c10d backend over the ripples C core";
@@ -39,13 +65,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "counters",
           [](const ripples::ProcessGroupRipples& pg) {
             rpl_comm_counters c = pg.counters();
-            py::dict d;
-            d["ops_completed"] = c.ops_completed;
-            d["ops_failed"] = c.ops_failed;
-            d["bytes_sent"] = c.bytes_sent;
-            d["bytes_received"] = c.bytes_received;
-            d["connections"] = c.connections;
-            return d;
+            return dictOf({
+                {"ops_completed", py::cast(c.ops_completed)},
+                {"ops_failed", py::cast(c.ops_failed)},
+                {"bytes_sent", py::cast(c.bytes_sent)},
+                {"bytes_received", py::cast(c.bytes_received)},
+                {"connections", py::cast(c.connections)},
+            });
           },
           "Counters of the core communicator (operations, bytes, connections).")
       .def_property_readonly(
@@ -63,24 +89,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "partial_stats",
           [](const ripples::ProcessGroupRipples& pg) {
             rpl_partial_stats s = pg.partialStats();
-            py::dict d;
-            d["rounds"] = s.rounds;
-            d["reduced"] = s.reduced;
-            d["singletons"] = s.singletons;
-            d["skipped"] = s.skipped;
-            d["failed"] = s.failed;
-            d["exact_fallbacks"] = s.exact_fallbacks;
-            d["fences"] = s.fences;
-            py::list sizes;
-            for (uint64_t v : s.group_sizes) {
-              sizes.append(v);
-            }
-            d["group_sizes"] = sizes;
-            d["bytes"] = s.bytes;
-            d["group_s"] = s.group_s;
-            d["wait_s"] = s.wait_s;
-            d["reduce_s"] = s.reduce_s;
-            return d;
+            return dictOf({
+                {"rounds", py::cast(s.rounds)},
+                {"reduced", py::cast(s.reduced)},
+                {"singletons", py::cast(s.singletons)},
+                {"skipped", py::cast(s.skipped)},
+                {"failed", py::cast(s.failed)},
+                {"exact_fallbacks", py::cast(s.exact_fallbacks)},
+                {"fences", py::cast(s.fences)},
+                {"group_sizes", listOf(s.group_sizes, RPL_HIST_BUCKETS)},
+                {"bytes", py::cast(s.bytes)},
+                {"group_s", py::cast(s.group_s)},
+                {"wait_s", py::cast(s.wait_s)},
+                {"reduce_s", py::cast(s.reduce_s)},
+            });
           },
           "Partial-round counters of this rank (see ripples_pg.stats).")
       .def(
@@ -88,17 +110,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const ripples::ProcessGroupRipples& pg, uint64_t from) {
             py::list out;
             for (const rpl_trace_entry& e : pg.trace(from)) {
-              py::dict d;
-              d["round"] = e.round;
-              d["group_id"] = e.group_id;
-              d["status"] = e.status;
-              py::list members;
-              for (int i = 0; i < e.nmembers && i < RPL_TRACE_MEMBERS; ++i) {
-                members.append(e.members[i]);
-              }
-              d["members"] = members;
-              d["nmembers"] = e.nmembers;
-              out.append(d);
+              // Only the first RPL_TRACE_MEMBERS members are recorded (nmembers may be larger).
+              out.append(dictOf({
+                  {"round", py::cast(e.round)},
+                  {"group_id", py::cast(e.group_id)},
+                  {"status", py::cast(e.status)},
+                  {"members", listOf(e.members, std::min(e.nmembers, RPL_TRACE_MEMBERS))},
+                  {"nmembers", py::cast(e.nmembers)},
+              }));
             }
             return out;
           },

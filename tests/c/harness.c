@@ -128,6 +128,30 @@ void run_world(int size, double timeout, void (*body)(job *, rpl_comm *), void *
   free(jobs);
 }
 
+static void count_closed(void *arg, rpl_status st, const rpl_error *err) {
+  closed_count *w = arg;
+  w->calls++;
+  if (st == RPL_ERR_CLOSED)
+    w->closed++;
+  else
+    w->other = st;
+}
+
+void submit_counting_closed(rpl_comm *c, rpl_op_desc *d, int n, closed_count *w,
+                            const char *what) {
+  for (int i = 0; i < n; i++) {
+    rpl_error err;
+    d[i].on_done = count_closed;
+    d[i].done_arg = w;
+    CHECK(rpl_submit(c, &d[i], &err) == RPL_OK, "%s: submit %d: %s", what, i + 1, err.msg);
+  }
+}
+
+void check_all_closed(const closed_count *w, int n, const char *what) {
+  CHECK(w->calls == n && w->closed == n, "%s: %d callbacks, %d closed (of %d; other: %s)", what,
+        w->calls, w->closed, n, rpl_status_name(w->other));
+}
+
 int report(const char *suite) {
   printf("%s: %d passed, %d failed\n", suite, g_pass, g_fail);
   return g_fail ? 1 : 0;

@@ -49,6 +49,21 @@ extern world_layout g_layout;
  * large-message algorithms run on small data) and calling body(job, comm). */
 void run_world(int size, double timeout, void (*body)(job *, rpl_comm *), void *arg);
 
+/* Shutdown tests leave ops pending and count how they end. The callbacks run on the progress
+ * thread, which rpl_comm_shutdown joins: read the counts after it, without a lock. */
+typedef struct closed_count {
+  int calls, closed; /* callbacks run, and how many of them reported RPL_ERR_CLOSED */
+  rpl_status other;  /* the last other status, so a failure names what the op got instead */
+} closed_count;
+
+/* Submits d[0..n), each completing into *w (d[i].on_done/done_arg are set in place, so a
+ * later resubmission of d[i] counts too); CHECKs that every submission was accepted. */
+void submit_counting_closed(rpl_comm *c, rpl_op_desc *d, int n, closed_count *w,
+                            const char *what);
+
+/* After rpl_comm_shutdown: CHECKs that all n ops submitted into *w ended RPL_ERR_CLOSED. */
+void check_all_closed(const closed_count *w, int n, const char *what);
+
 /* Prints the summary line and returns main's exit code. */
 int report(const char *suite);
 

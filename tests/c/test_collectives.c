@@ -286,31 +286,20 @@ static void body_invalid(job *j, rpl_comm *c) {
   CHECK(x[0] == (float)j->size, "allreduce value %g", x[0]);
 }
 
-typedef struct closed_count {
-  int calls, closed;
-} closed_count;
-
-static void count_closed(void *arg, rpl_status st, const rpl_error *err) {
-  closed_count *w = arg;
-  w->calls++;
-  w->closed += st == RPL_ERR_CLOSED;
-}
-
 /* Shutting down while an operation waits for a peer that never comes ends it promptly.
  * Rank 1 waits for rank 0 to connect (the lower rank connects), which it never does. */
 static void body_shutdown(job *j, rpl_comm *c) {
   if (j->rank != 1) return;
   float x = 1;
   rpl_buf b = {&x, 1, RPL_FLOAT32};
-  closed_count w = {0, 0};
-  rpl_error err;
-  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1,
-                   .on_done = count_closed, .done_arg = &w};
-  CHECK(rpl_submit(c, &d, &err) == RPL_OK, "submit: %s", err.msg);
-  CHECK(rpl_submit(c, &d, &err) == RPL_OK, "submit 2: %s", err.msg);
+  closed_count w = {0};
+  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
+  rpl_op_desc ds[2] = {d, d}; /* the same allreduce twice */
+  submit_counting_closed(c, ds, 2, &w, "shutdown");
   rpl_comm_shutdown(c); /* joins the progress thread: both callbacks have run */
-  CHECK(w.calls == 2 && w.closed == 2, "shutdown: %d callbacks, %d closed", w.calls, w.closed);
-  CHECK(rpl_submit(c, &d, &err) == RPL_ERR_CLOSED, "submit after shutdown accepted");
+  check_all_closed(&w, 2, "shutdown");
+  rpl_error err;
+  CHECK(rpl_submit(c, &ds[0], &err) == RPL_ERR_CLOSED, "submit after shutdown accepted");
 }
 
 static void run_all(void) {
