@@ -8,26 +8,47 @@ Launch with torchrun, e.g. 4 workers, worker 3 five times slower:
 
 Strategies:
   allreduce  plain DDP (gradient all-reduce every step) on --backend (default gloo)
+  localsgd   torch's post-local SGD: DDP gradient all-reduce for --warmup-steps steps, then
+             local steps, all workers' models averaged every --local-period steps
+             (post_localSGD_hook + PostLocalSGDOptimizer + PeriodicModelAverager)
+  hier       torch's hierarchical SGD (the PyTorch blog's method): like localsgd, but the
+             models are averaged in groups of several sizes at several periods,
+             --hier-levels PERIOD:GROUP_SIZE,... (HierarchicalModelAverager)
   ripples    DDP on the "ripples" backend + ripples_pg.wrap(): exact gradient averaging for
              --warmup-steps steps, then local SGD steps each followed by one Partial All-Reduce
              round of the model in a group chosen by --schedule (static|random|smart|adpsgd)
 
 Stragglers (--straggler):
-  R:F        worker R is F times slower: after each step it sleeps (F-1) x its compute time
+  R:F        worker R is F times slower: after each step it sleeps (F-1) x the delay unit
   p:F        each step one worker, drawn at random (the same draw on every worker), is slowed
   pX:F       each step each worker is slowed independently with probability X (e.g. p0.1:5)
-The compute time is measured once at start-up (median forward+backward+update of the model
-on one batch), so the injected delay is the same for every strategy.
+The blog's rare long stalls (1 s on a ~55 ms step at 1-2 % of steps) are pX:F with a large F,
+e.g. p0.02:19. The delay unit is --step-s if given (benchmarks/train.py passes the step time of
+synchronous DDP, so "5x slower" means what it means in the paper), else the compute time,
+measured once at start-up (median forward+backward+update of the model on one batch, all
+ranks at once, averaged over ranks) unless --compute-s gives it.
 
 Stopping: after --steps steps or --time-limit seconds of training, whichever comes first.
-With all-reduce (and the static schedule, whose rounds pair every worker's k-th step with the
-others') all workers must stop at the same step, so the time limit is agreed through a tiny
-exact all-reduce at each evaluation; with the dynamic schedules every worker stops on its own
-clock (no global barrier). At the end the models are averaged exactly once ("final" model).
+With all-reduce, local/hierarchical SGD and the static schedule (whose rounds pair every
+worker's k-th step with the others') all workers must stop at the same step, so the time limit
+is agreed through a tiny exact all-reduce at steps where all workers meet anyway (every
+--eval-every steps for all-reduce and static; at the global averaging steps for local and
+hierarchical SGD); with the dynamic schedules every worker stops on its own clock (no global
+barrier). The clock leaves evaluations out. At the end the models are averaged exactly once ("final" model).
+
+Simulated hosts (--sim-hosts H): rank r gets RIPPLES_HOST_ID=host<r // (W/H)>, so the ripples
+backend treats each block of W/H ranks as one host (TCP between blocks, shared memory inside)
+and the smart schedule's --inter-intra rule sees H hosts.
 
 Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.jsonl:
-  {"event": "eval", "rank", "step", "time", "loss", "acc"}   every --eval-every steps
-  {"event": "summary", "rank", "steps", "train_time", "steps_per_s", ...}  per rank
+  {"event": "eval", "rank", "step", "time", "loss", "acc", "batch_loss", "test_loss"}
+      every --eval-every steps: "time" is seconds of training (evaluations left out), "loss"
+      this worker's model's loss on the whole training set (every shard), "acc" its test
+      accuracy, "batch_loss" the mean of its minibatch losses since the last evaluation
+  {"event": "summary", "rank", "steps", "train_time", "steps_per_s", "comm_wait_s", ...}
+  "comm_wait_s" estimates the time not spent computing: the sum over steps of (forward +
+  backward + optimizer step) wall time minus the calibrated compute time of one step, so it
+  holds communication, waiting for slower peers, and contention for cores.
   {"event": "final", "acc", "loss", "time_to_target", ...}   rank 0, after the final average
 """
 from __future__ import annotations
@@ -108,6 +129,7 @@ class Straggler:
         self.who, self.factor = parse_straggler(spec, world)
         self.rank, self.world, self.seed = rank, world, seed
         self.compute_s = 0.0
+        self.step_s = None  # the delay unit if set (--step-s), else compute_s
         self.slept = 0.0
         self.slowed_steps = 0
         if self.who is not None and self.who not in ("p",) and not self.who.startswith("p"):
@@ -127,7 +149,7 @@ class Straggler:
 
     def after_step(self, step: int) -> None:
         if self.slowed(step):
-            d = (self.factor - 1.0) * self.compute_s
+            d = (self.factor - 1.0) * (self.step_s or self.compute_s)
             time.sleep(d)
             self.slept += d
             self.slowed_steps += 1
@@ -147,18 +169,120 @@ def calibrate_compute(model: nn.Module, x, y, lr, reps=30) -> float:
     return float(np.median(times[5:]))
 
 
+def calibrate_step(model, optimizer, xs, ys, bs: int, world: int, steps: int = 60) -> float:
+    """The normal step time of synchronous training (forward, backward with DDP's all-reduce,
+    update) with every worker stepping: the median of the last 2/3 of ``steps`` steps,
+    averaged over ranks. This is what "F times slower" multiplies in the benchmark (the
+    paper's and the blog's stragglers are slow relative to a whole training step)."""
+    times = []
+    dist.barrier()
+    for i in range(steps):
+        idx = torch.arange(i * bs, (i + 1) * bs) % len(xs)
+        t = time.perf_counter()
+        optimizer.zero_grad()
+        F.cross_entropy(model(xs[idx]), ys[idx]).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - t)
+    med = torch.tensor([float(np.median(times[steps // 3:]))], dtype=torch.float64)
+    dist.all_reduce(med)
+    return med.item() / world
+
+
+# ----------------------------------------------------------------------------- torch's averagers
+
+
+def parse_hier_levels(spec: str, world: int):
+    """'2:2,8:W' -> OrderedDict({2: 2, 8: world}), checked as HierarchicalModelAverager
+    would, but with a message naming the option."""
+    from collections import OrderedDict
+
+    levels = OrderedDict()
+    try:
+        for part in spec.split(","):
+            period, size = part.split(":")
+            levels[int(period)] = world if size.strip().upper() == "W" else int(size)
+    except ValueError:
+        raise SystemExit(f"--hier-levels {spec!r}: expected PERIOD:GROUP_SIZE,... "
+                         "(GROUP_SIZE may be W, the world size)")
+    periods, sizes = list(levels), list(levels.values())
+    if periods != sorted(periods) or periods[0] < 1:
+        raise SystemExit(f"--hier-levels {spec!r}: periods must be positive and ascending")
+    if sizes[-1] != world or any(g < 1 or world % g for g in sizes):
+        raise SystemExit(f"--hier-levels {spec!r}: group sizes must divide the world size "
+                         f"{world}, and the last must be {world}")
+    if periods[-1] == 1:
+        raise SystemExit(f"--hier-levels {spec!r}: a largest period of 1 is plain all-reduce")
+    return levels
+
+
+def torch_local_sgd(model: DDP, base_opt, args, world: int):
+    """torch's post-local SGD (PeriodicModelAverager) or hierarchical SGD
+    (HierarchicalModelAverager), as the PyTorch blog sets them up: DDP's gradient all-reduce
+    during warm-up, local gradients afterwards (post_local_gradient_allreduce=False: there is
+    no real host whose cheap intra-host links would make per-step gradient sync worth it),
+    and model averaging inside optimizer.step()."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState, post_localSGD_hook)
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import (
+        HierarchicalModelAverager)
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    state = PostLocalSGDState(process_group=None, subgroup=None,
+                              start_localSGD_iter=args.warmup_steps,
+                              post_local_gradient_allreduce=False)
+    model.register_comm_hook(state, post_localSGD_hook)
+    if args.strategy == "localsgd":
+        if args.local_period < 2:
+            raise SystemExit("--local-period must be >= 2 (1 is plain all-reduce)")
+        averager = PeriodicModelAverager(period=args.local_period,
+                                         warmup_steps=args.warmup_steps)
+    else:
+        averager = HierarchicalModelAverager(
+            period_group_size_dict=parse_hier_levels(args.hier_levels, world),
+            warmup_steps=args.warmup_steps)
+    return PostLocalSGDOptimizer(base_opt, averager)
+
+
+def global_sync_step(args, i: int) -> bool:
+    """Whether every worker synchronises with all others at 0-based step ``i`` anyway, so that
+    agreeing on the time limit there adds no wait of its own. None: never (dynamic
+    schedules stop on their own clock)."""
+    if args.strategy == "allreduce" or (args.strategy == "ripples" and args.schedule == "static"):
+        return (i + 1) % args.eval_every == 0
+    if args.strategy in ("localsgd", "hier"):
+        if i < args.warmup_steps:  # gradient all-reduce every step
+            return (i + 1) % args.eval_every == 0
+        if args.strategy == "localsgd":  # PeriodicModelAverager's rule
+            return (i - args.warmup_steps) % args.local_period == 0
+        # HierarchicalModelAverager's rule: the largest period is the whole world
+        return i % max(parse_hier_levels(args.hier_levels, dist.get_world_size())) == 0
+    return None
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", choices=["allreduce", "ripples"], default="ripples")
+    p.add_argument("--strategy", choices=["allreduce", "localsgd", "hier", "ripples"],
+                   default="ripples")
     p.add_argument("--backend", default=None,
-                   help="process group backend (default: gloo for allreduce, ripples for ripples)")
+                   help="process group backend (default: ripples for ripples, else gloo)")
     p.add_argument("--schedule", default="smart", help="ripples: static|random|smart|adpsgd")
     p.add_argument("--group-size", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--warmup-steps", type=int, default=50,
+                   help="steps of exact synchronous SGD before local steps (all but allreduce)")
+    p.add_argument("--local-period", type=int, default=4,
+                   help="localsgd: average all workers' models every this many steps")
+    p.add_argument("--hier-levels", default="2:2,8:W",
+                   help="hier: PERIOD:GROUP_SIZE,... ascending; W = the world size, which the "
+                        "last level must be (torch's rule)")
+    p.add_argument("--sim-hosts", type=int, default=0,
+                   help="simulate this many hosts (sets RIPPLES_HOST_ID per rank; 0: off)")
+    p.add_argument("--inter-intra", action="store_true",
+                   help="ripples smart schedule: use the inter-intra rule (with --sim-hosts)")
     p.add_argument("--levels", default="1:partial",
                    help="ripples averager levels, e.g. '1:partial,8:host,64:world'")
     p.add_argument("--post-warmup", choices=["local", "host"], default="local")
@@ -166,6 +290,18 @@ def parse_args(argv=None):
     p.add_argument("--c-thres", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="keep the per-round trace (ripples)")
     p.add_argument("--straggler", default=None, help="R:F, p:F or pX:F (see above)")
+    p.add_argument("--compute-s", type=float, default=None,
+                   help="compute time of one step (s) for the straggler delays and the "
+                        "comm_wait_s estimate; default: measured at start-up (the mean over "
+                        "ranks). A benchmark passes one value to every run so that the "
+                        "injected delays are identical across strategies")
+    p.add_argument("--step-s", type=float, default=None,
+                   help="the unit of the straggler delays (s): a slowed step sleeps "
+                        "(F-1) x this; default: the compute time (--compute-s). The benchmark "
+                        "passes the normal step time of synchronous DDP")
+    p.add_argument("--calibrate-only", action="store_true",
+                   help="measure the compute time of one step and the step time of "
+                        "synchronous training (--strategy allreduce), print them as JSON, exit")
     p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=32)
@@ -186,16 +322,29 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(1)
-    backend = args.backend or ("gloo" if args.strategy == "allreduce" else "ripples")
+    backend = args.backend or ("ripples" if args.strategy == "ripples" else "gloo")
     if backend == "ripples" or args.strategy == "ripples":
         import ripples_pg  # noqa: F401  registers the backend
     if args.strategy == "ripples" and backend != "ripples":
         raise SystemExit("--strategy ripples needs --backend ripples")
+    if args.sim_hosts:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        if args.sim_hosts < 1 or world % args.sim_hosts:
+            raise SystemExit(f"--sim-hosts {args.sim_hosts} must divide the world size {world}")
+        os.environ["RIPPLES_HOST_ID"] = f"host{rank // (world // args.sim_hosts)}"
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         run(args)
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalisation: gloo's worker threads can still hold work
+    # objects with tensors whose destruction then needs the GIL of a dying interpreter and
+    # aborts the process ("terminate called without an active exception"; see pytorch
+    # PR 179291). Everything is written and every group destroyed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(args):
@@ -234,19 +383,41 @@ def run(args):
                   average_optimizer_state=args.average_optimizer_state)
         if args.c_thres is not None:
             kw["c_thres"] = args.c_thres
+        if args.inter_intra:
+            kw["inter_intra"] = True
         if args.trace:
             kw["trace"] = True
         optimizer = ripples_pg.wrap(model, base_opt, **kw)
+    elif args.strategy in ("localsgd", "hier"):
+        optimizer = torch_local_sgd(model, base_opt, args, world)
     else:
         optimizer = base_opt
 
     gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     bs = min(args.batch_size, len(xs))
     straggler = Straggler(args.straggler, rank, world, args.seed)
-    if straggler.who is not None:
-        straggler.compute_s = calibrate_compute(module, xs[:bs], ys[:bs], args.lr)
-    # all workers stop together (allreduce, static schedule) or each on its own clock
-    sync_stop = args.strategy == "allreduce" or args.schedule == "static"
+    # needed for every strategy: it is also the yardstick of the comm_wait_s estimate
+    if args.compute_s is not None:
+        straggler.compute_s = args.compute_s
+    else:  # all ranks at once, so the contention for cores is the training's
+        c = torch.tensor([calibrate_compute(module, xs[:bs], ys[:bs], args.lr)],
+                         dtype=torch.float64)
+        dist.all_reduce(c)
+        straggler.compute_s = c.item() / world
+    straggler.step_s = args.step_s
+    if args.calibrate_only:
+        step_s = calibrate_step(model, optimizer, xs, ys, bs, world)
+        if rank == 0:
+            print(json.dumps({"event": "calibration", "compute_s": straggler.compute_s,
+                              "step_s": step_s, "world": world, "backend": backend,
+                              "batch_size": bs, "model": args.model,
+                              "hidden": args.hidden}), flush=True)
+        if logf:
+            logf.close()
+        return None
+    # all workers stop together (allreduce, local/hierarchical SGD, static schedule: they
+    # meet at global synchronisation points) or each on its own clock (dynamic schedules)
+    sync_stop = global_sync_step(args, 0) is not None
 
     def batches():
         while True:
@@ -257,43 +428,60 @@ def run(args):
 
     dist.barrier()
     t0 = time.perf_counter()
+    eval_s = 0.0  # evaluations are not training: the clock below leaves them out
+
+    def clock():
+        return time.perf_counter() - t0 - eval_s
+
     step = 0
     loss_sum, loss_n = 0.0, 0
     time_to_target = None
+    busy = 0.0  # wall time of forward + backward + optimizer step (+ stop agreement)
     it = batches()
     while step < args.steps:
         x, y = next(it)
+        t_step = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
-        straggler.after_step(step)
         loss_sum += loss.item()
+        busy += time.perf_counter() - t_step
+        straggler.after_step(step)
         loss_n += 1
+        stop = False
+        if args.time_limit > 0 and sync_stop and global_sync_step(args, step):
+            t_agree = time.perf_counter()
+            flag = torch.tensor([float(clock() >= args.time_limit)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+            busy += time.perf_counter() - t_agree
         step += 1
-        if step % args.eval_every == 0 or step == args.steps:
-            elapsed = time.perf_counter() - t0
-            _, acc = evaluate(module, xte, yte)
+        if step % args.eval_every == 0 or step == args.steps or stop:
+            elapsed = clock()
+            t_eval = time.perf_counter()
+            test_loss, acc = evaluate(module, xte, yte)
+            train_loss, _ = evaluate(module, xtr, ytr)  # the whole training set, all shards
+            eval_s += time.perf_counter() - t_eval
             emit({"event": "eval", "rank": rank, "step": step, "time": round(elapsed, 4),
-                  "loss": round(loss_sum / max(loss_n, 1), 5), "acc": round(acc, 5)})
+                  "loss": round(train_loss, 5), "acc": round(acc, 5),
+                  "batch_loss": round(loss_sum / max(loss_n, 1), 5),
+                  "test_loss": round(test_loss, 5)})
             loss_sum, loss_n = 0.0, 0
             if time_to_target is None and acc >= args.target_acc:
                 time_to_target = elapsed
-            if args.time_limit > 0:
-                stop = float(elapsed >= args.time_limit)
-                if sync_stop:
-                    flag = torch.tensor([stop])
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                    stop = flag.item()
-                if stop:
-                    break
-    train_time = time.perf_counter() - t0
+            if args.time_limit > 0 and not sync_stop and elapsed >= args.time_limit:
+                stop = True
+        if stop:
+            break
+    train_time = clock()
     _, local_acc = evaluate(module, xte, yte)
     summary = {"event": "summary", "rank": rank, "strategy": args.strategy,
                "backend": backend, "steps": step, "train_time": round(train_time, 4),
                "steps_per_s": round(step / train_time, 3), "local_acc": round(local_acc, 5),
                "time_to_target": None if time_to_target is None else round(time_to_target, 4),
-               "straggler_compute_s": round(straggler.compute_s, 6),
+               "compute_s": round(straggler.compute_s, 6),
+               "comm_wait_s": round(max(0.0, busy - step * straggler.compute_s), 4),
                "straggler_sleep_s": round(straggler.slept, 4),
                "slowed_steps": straggler.slowed_steps}
     if args.strategy == "ripples":
@@ -332,6 +520,8 @@ def run(args):
               "train_time": summary["train_time"],
               "steps": [s["steps"] for s in summaries],
               "steps_per_s": [s["steps_per_s"] for s in summaries],
+              "comm_wait_s": [s["comm_wait_s"] for s in summaries],
+              "compute_s": [s["compute_s"] for s in summaries],
               "local_acc": [s["local_acc"] for s in summaries],
               "level_counts": summary.get("level_counts"), "stats": summary.get("stats")}
         emit(final, stdout=True)
