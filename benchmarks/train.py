@@ -108,6 +108,9 @@ def parse_args(argv=None):
     p.add_argument("--extra", default="",
                    help="more train_digits.py arguments for every run (one string)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: write results.md and the plots again from "
+                        "--out/results.json (e.g. after changing the report)")
     p.add_argument("--retries", type=int, default=1,
                    help="run a failed launch again this many times (the failure is kept in "
                         "the JSON as 'retried_after'); 0: never")
@@ -467,6 +470,8 @@ class Progress:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        return render(args)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     n = sum(len(sc) for sc in args.plan.values()) * len(args.strategies)
@@ -502,41 +507,7 @@ def main(argv=None) -> int:
                         f"steps/s {m['steps_per_s']}, launch {res['launch_s']:.0f} s")
     finally:
         progress.close()
-
-    md = [f"# Straggler benchmark: {args.workers} workers", "",
-          f"Seed {args.seed}; warm-up {args.warmup_steps} exact steps; Ripples group size "
-          f"{args.group_size}; host {platform.node()} ({os.cpu_count()} CPUs), "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S')}{' (quick mode)' if args.quick else ''}.",
-          "Times are rank 0's wall time of training (evaluations left out) to the first "
-          "evaluation at the target; the loss is rank 0's model's on the whole training set. "
-          "x DDP = time of DDP all-reduce on gloo / this strategy's; x hier = the same against "
-          "torch's hierarchical SGD (above 1: faster). See benchmarks/train.md for the "
-          "columns.", ""]
-    for wl, scenarios in args.plan.items():
-        cfg = settings(args, wl)
-        md += [f"## Workload {wl}: {cfg['description']}", "",
-               f"Targets: training loss {cfg['target_loss']:g}, test accuracy "
-               f"{cfg['target_acc']:.0%}; {cfg['time_limit']:g} s of training per run. One "
-               f"step computes in {calib[wl]['compute_s'] * 1e3:.2f} ms and takes "
-               f"{calib[wl]['step_s'] * 1e3:.2f} ms with DDP all-reduce on gloo and no "
-               "straggler: a worker F x slower sleeps (F-1) x that after each of its steps.",
-               ""]
-        for sc in scenarios:
-            rows = [r for r in results if r["workload"] == wl and r["scenario"] == sc]
-            md += [f"### {wl} / {sc}: {SCENARIOS[sc][0]} (--straggler "
-                   f"{straggler_spec(sc, args.workers) or 'none'})", ""]
-            md += table(rows, cfg)
-            png = f"{wl}_{sc}.png"
-            try:
-                plot(wl, sc, rows, cfg, args.workers, os.path.join(args.out, png))
-                md += ["", f"![{wl} {sc}]({png})", ""]
-            except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
-                log(f"plot for {wl}/{sc} failed: {e!r}")
-                md += ["", f"(plot failed: {e!r})", ""]
     total = time.perf_counter() - t_start
-    md.append(f"Total benchmark time {total:.0f} s.")
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
     out = {"config": {k: v for k, v in vars(args).items()},
            "workloads": {w: dict(settings(args, w), **calib.get(w, {}),
                                  scenarios=args.plan[w]) for w in args.plan},
@@ -548,14 +519,109 @@ def main(argv=None) -> int:
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "total_s": round(total, 1),
            "results": results}
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    print("\n".join(md))
+        json.dump(out, f, separators=(",", ":"))  # every eval of every rank: keep it compact
+    print("\n".join(report(args, out)))
     failed = [f"{r['workload']}/{r['scenario']}/{r['strategy']}"
               for r in results if r.get("error")]
     if failed:
         log(f"FAILED runs: {', '.join(failed)} (logs under {args.out}/logs)")
         return 1
     log(f"all {n} runs finished in {total:.0f} s; results in {args.out}")
+    return 0
+
+
+def speedup_cell(res: dict, base: dict, key: str, limit: float) -> str:
+    """x DDP for the summary; when the baseline never reached the target within the time
+    limit, the speedup is at least limit / this run's time (shown as >=)."""
+    if res is None or res.get("error"):
+        return "failed"
+    t = res["metrics"][key]
+    if t is None:
+        return "-"
+    if base is None or base.get("error"):
+        return "?"
+    tb = base["metrics"][key]
+    return f">={limit / t:.1f}" if tb is None else f"{tb / t:.2f}"
+
+
+def summary(args, out: dict, wl: str) -> list[str]:
+    """Scenario x strategy matrices: speedup to the loss target, and final accuracy."""
+    cfg = settings(args, wl)
+    res = {(r["scenario"], r["strategy"]): r for r in out["results"] if r["workload"] == wl}
+    head = ["scenario"] + list(args.strategies)
+    lines = [f"Time to training loss {cfg['target_loss']:g}, as a speedup over DDP all-reduce "
+             f"on gloo (above 1: sooner; `-`: not reached in {cfg['time_limit']:g} s):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for sc in args.plan[wl]:
+        base = res.get((sc, BASELINE))
+        lines.append("| " + " | ".join([sc] + [
+            speedup_cell(res.get((sc, st)), base, "time_to_loss", cfg["time_limit"])
+            for st in args.strategies]) + " |")
+    lines += ["", "Final test accuracy (exact average of all workers' models):", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for sc in args.plan[wl]:
+        cells = []
+        for st in args.strategies:
+            r = res.get((sc, st))
+            cells.append("failed" if r is None or r.get("error")
+                         else fmt(r["metrics"]["final_acc"], ".3f"))
+        lines.append("| " + " | ".join([sc] + cells) + " |")
+    return lines + [""]
+
+
+def report(args, out: dict) -> list[str]:
+    """Writes results.md and the plots from a results dict; returns the markdown lines."""
+    results = out["results"]
+    calib = {w: out["workloads"][w] for w in args.plan}
+    md = [f"# Straggler benchmark: {args.workers} workers", "",
+          f"Seed {args.seed}; warm-up {args.warmup_steps} exact steps; Ripples group size "
+          f"{args.group_size}; host {out['host']} ({out['cpus']} CPUs), "
+          f"{out['date']}{' (quick mode)' if args.quick else ''}.",
+          "Times are rank 0's wall time of training (evaluations left out) to the first "
+          "evaluation at the target; the loss is rank 0's model's on the whole training set. "
+          "x DDP = time of DDP all-reduce on gloo / this strategy's; x hier = the same against "
+          "torch's hierarchical SGD (above 1: faster). See benchmarks/train.md for the "
+          "columns.", ""]
+    for wl in args.plan:
+        cfg = settings(args, wl)
+        md += [f"## Workload {wl}: {cfg['description']}", "",
+               f"Targets: training loss {cfg['target_loss']:g}, test accuracy "
+               f"{cfg['target_acc']:.0%}; {cfg['time_limit']:g} s of training per run. One "
+               f"step computes in {calib[wl]['compute_s'] * 1e3:.2f} ms and takes "
+               f"{calib[wl]['step_s'] * 1e3:.2f} ms with DDP all-reduce on gloo and no "
+               "straggler: a worker F x slower sleeps (F-1) x that after each of its steps.",
+               ""]
+        md += summary(args, out, wl)
+        for sc in args.plan[wl]:
+            rows = [r for r in results if r["workload"] == wl and r["scenario"] == sc]
+            md += [f"### {wl} / {sc}: {SCENARIOS[sc][0]} (--straggler "
+                   f"{straggler_spec(sc, args.workers) or 'none'})", ""]
+            md += table(rows, cfg)
+            png = f"{wl}_{sc}.png"
+            try:
+                plot(wl, sc, rows, cfg, args.workers, os.path.join(args.out, png))
+                md += ["", f"![{wl} {sc}]({png})", ""]
+            except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
+                log(f"plot for {wl}/{sc} failed: {e!r}")
+                md += ["", f"(plot failed: {e!r})", ""]
+    md.append(f"Total benchmark time {out['total_s']:.0f} s.")
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    return md
+
+
+def render(args) -> int:
+    """--render: the report again from --out/results.json (no runs)."""
+    path = os.path.join(args.out, "results.json")
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--render: cannot read {path}: {e}")
+    for k, v in out["config"].items():
+        if k not in ("out", "render"):
+            setattr(args, k, v)
+    print("\n".join(report(args, out)))
     return 0
 
 

@@ -49,6 +49,18 @@ def task_train_digits(ctx, schedule):
     return td.run(args)
 
 
+def task_torch_local_sgd(ctx, strategy):
+    """torch's own post-local / hierarchical SGD on a default group of backend "ripples":
+    DDP's gradient all-reduce during warm-up, then PeriodicModelAverager or
+    HierarchicalModelAverager (whose subgroups come from new_subgroups on this backend)."""
+    td = _example()
+    args = td.parse_args(["--strategy", strategy, "--steps", "300", "--warmup-steps", "30",
+                          "--local-period", "4", "--hier-levels", "2:2,8:W", "--hidden", "64",
+                          "--eval-every", "100", "--target-acc", str(TARGET_ACC), "--quiet",
+                          "--seed", "1"])
+    return td.run(args)
+
+
 def task_wrap_restore(ctx):
     import ripples_pg
 
@@ -162,6 +174,35 @@ def test_wrap_trains_digits(pool, schedule):
     # real partial rounds: one per post-warm-up step, and some of them moved data
     assert final["stats"]["rounds"] == 300 - 30, final
     assert final["stats"]["reduced"] > 0 and final["stats"]["failed"] == 0, final
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["localsgd", "hier"])
+def test_torch_local_and_hierarchical_sgd_on_ripples(pool, strategy):
+    final = pool.run(task_torch_local_sgd, strategy)[0]
+    assert final is not None and final["backend"] == "ripples", final
+    assert final["acc"] >= TARGET_ACC, final
+    assert final["steps"] == [300] * WS
+    # averaging every 4 (8) steps keeps the workers' own models close to their average
+    assert min(final["local_acc"]) >= TARGET_ACC - 0.05, final
+
+
+def test_example_option_checks():
+    """The example's parsing of --hier-levels and its rule for where all workers meet."""
+    td = _example()
+    assert dict(td.parse_hier_levels("2:2,8:W", 4)) == {2: 2, 8: 4}
+    assert dict(td.parse_hier_levels("4:4", 4)) == {4: 4}
+    for bad, why in [("2-2", "expected"), ("8:2,2:4", "ascending"), ("2:3,8:W", "divide"),
+                     ("2:2,8:2", "last must be 4"), ("1:4", "plain all-reduce")]:
+        with pytest.raises(SystemExit, match=why):
+            td.parse_hier_levels(bad, 4)
+    a = td.parse_args(["--strategy", "localsgd", "--warmup-steps", "10", "--local-period", "4",
+                       "--eval-every", "5"])
+    # warm-up: every step is an all-reduce, agree at evaluations; then PeriodicModelAverager's
+    # steps (step - warmup) % period == 0
+    assert [i for i in range(20) if td.global_sync_step(a, i)] == [4, 9, 10, 14, 18]
+    assert td.global_sync_step(td.parse_args(["--strategy", "ripples", "--schedule", "smart"]),
+                               7) is None
 
 
 def test_wrap_checkpoint_resumes_at_the_right_step(pool):
