@@ -3,6 +3,7 @@
 #   make demo   - the main job: torchrun training, 4 workers, one 5x straggler, gloo vs ripples
 #   make test   - everything CI runs: C unit tests, the same under ASan+UBSan, pytest
 #   make build  - (re)build the package into .venv
+#   make bench, make bench-train - collectives vs gloo; training under stragglers (~1 h)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +12,7 @@ PIP := $(VENV)/bin/pip
 JOBS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: all sysdeps venv build ctest asan pytest test demo bench clean
+.PHONY: all sysdeps venv build ctest asan pytest test demo bench bench-train clean
 
 all: build
 
@@ -49,6 +50,9 @@ demo: build
 
 bench: build
 	$(PY) benchmarks/collectives.py --out benchmarks/results
+
+bench-train: build
+	$(PY) benchmarks/train.py --out benchmarks/results/train
 
 clean:
 	rm -rf build $(VENV) *.egg-info ripples_pg/*.so
