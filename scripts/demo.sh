@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's demo: DDP training on scikit-learn's digits with 4 workers, one of them 5x
 # slower, once with DDP's gradient all-reduce on gloo and once with Ripples (DDP on the
-# "ripples" backend + ripples_pg.wrap(), smart schedule, embedded coordinator). Prints a table:
+# "ripples" backend + ripples_pg.wrap(), smart schedule, embedded coordinator). "5x slower": after
+# each step the straggler sleeps 4 step times of synchronous DDP (measured first). Prints a table:
 # time to the target accuracy, steps per second of each worker, final accuracy.
 #
 # Uses the active environment's Python (`make demo` activates .venv and builds first):
@@ -20,11 +21,9 @@ SCHEDULE=${SCHEDULE:-smart}
 SEED=${SEED:-0}
 DEMO_DIR=${DEMO_DIR:-build/demo}
 EXTRA_ARGS=${EXTRA_ARGS:-}
-# Model and batch: big enough that computing a step, not Python overhead, dominates its
-# time, so that the straggler's sleep ((factor-1) x its compute time) is what slows it.
-COMMON="--model mlp --hidden 512 --batch-size 64 --lr 0.05 --momentum 0.9 --steps 100000
-        --time-limit $TIME_LIMIT --eval-every 20 --target-acc $TARGET_ACC --seed $SEED
-        --straggler $STRAGGLER --quiet $EXTRA_ARGS"
+MODEL="--model mlp --hidden 512 --batch-size 64 --lr 0.05 --momentum 0.9 --seed $SEED"
+COMMON="$MODEL --steps 100000 --time-limit $TIME_LIMIT --eval-every 20
+        --target-acc $TARGET_ACC --straggler $STRAGGLER --quiet $EXTRA_ARGS"
 
 "$PYTHON" -c "import torch, sklearn, ripples_pg" 2>/dev/null || {
     echo "demo: needs torch, scikit-learn and ripples_pg importable by $PYTHON (run 'make demo')" >&2
@@ -45,8 +44,23 @@ run() {  # name, then train_digits.py arguments
     }
 }
 
-run allreduce --strategy allreduce --backend gloo
-run ripples --strategy ripples --schedule "$SCHEDULE"
+# "F x slower" as in the paper and benchmarks/train.py: the straggler sleeps (F-1) normal step
+# times of synchronous DDP after each step. Measure that step time once, pass it to both runs.
+echo "== calibration: the step time of DDP all-reduce on gloo, $WORKERS workers" >&2
+OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$WORKERS" \
+    examples/train_digits.py --strategy allreduce --backend gloo $MODEL --calibrate-only \
+    >"$DEMO_DIR/calibration.out" 2>"$DEMO_DIR/calibration.err" || {
+    echo "demo: the calibration failed; its output:" >&2
+    tail -n 40 "$DEMO_DIR/calibration.out" "$DEMO_DIR/calibration.err" >&2
+    exit 1
+}
+STEP_S=$("$PYTHON" -c 'import json, sys
+print([json.loads(l) for l in open(sys.argv[1]) if "calibration" in l][0]["step_s"])' \
+    "$DEMO_DIR/calibration.out")
+echo "== one synchronous step takes ${STEP_S}s" >&2
+
+run allreduce --strategy allreduce --backend gloo --step-s "$STEP_S"
+run ripples --strategy ripples --schedule "$SCHEDULE" --warmup-steps 20 --step-s "$STEP_S"
 
 "$PYTHON" - "$DEMO_DIR" "$TARGET_ACC" "$STRAGGLER" "$WORKERS" <<'EOF'
 import glob, json, os, sys
