@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import random
@@ -191,9 +192,10 @@ def calibrate_step(model, optimizer, xs, ys, bs: int, world: int, steps: int = 6
 # ----------------------------------------------------------------------------- torch's averagers
 
 
+@functools.lru_cache(maxsize=8)  # global_sync_step asks at every step: parse once
 def parse_hier_levels(spec: str, world: int):
     """'2:2,8:W' -> OrderedDict({2: 2, 8: world}), checked as HierarchicalModelAverager
-    would, but with a message naming the option."""
+    would, but with a message naming the option. Callers must not modify the result."""
     from collections import OrderedDict
 
     levels = OrderedDict()
