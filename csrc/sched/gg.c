@@ -13,6 +13,17 @@
  *   - no deadlock: the oldest pending group is at the head of all its members' buffers, so it
  *     is handed as soon as they all ask;
  *   - cancelling a group that has not been handed is always safe: nobody has started it.
+ * Groups must stay groups (DESIGN 3): a worker in a group of one averages with nobody, so
+ * before generating for a requester whose buffer is empty the GG checks how many partners
+ * it could get now. If fewer than group_size, and others are about to be available (busy in a
+ * group, or fenced inside an exact collective), the request is *deferred*: it waits, at most
+ * partner_wait, while every event re-checks it (a worker finishing a group, unfencing,
+ * asking). A deferred requester is idle and waiting, so others' divisions take it in, past
+ * the slowdown filter (it makes nobody wait). The isolation bound: a worker that got
+ * max_isolated groups of one in a row waits past its deadline, with the filters widened, until
+ * it is in a group of two or more (it may join a pending group) -- unless no other worker is
+ * live or fenced. None of this changes the model above: a deferred request has no group yet,
+ * a joined group is still pending and at the head of the joiner's (empty) buffer.
  * Policies differ only in what they generate when a requester's buffer is empty:
  *   random  - one group: the requester plus group_size-1 live workers drawn uniformly. Drawn
  *             workers may be busy; the group then waits (a conflict, counted).
@@ -20,6 +31,10 @@
  *   smart   - a Global Division: every idle live worker (empty buffer, no lock) that passes the
  *             slowdown filter c_i - c_w < c_thres is partitioned into groups of about
  *             group_size; with inter_intra, an Inter then an Intra group per participant.
+ *             Beyond the paper, the arrival filter also leaves out idle workers not expected
+ *             to ask within the partner wait: without it a straggler drawn while computing
+ *             holds its group (at 4 workers and groups of 3, the whole job) at its pace, and
+ *             the counters c never drift apart for the slowdown filter to see it.
  *   static  - the static schedule's group for the request's round (for simulation).
  */
 #include <stdlib.h>
@@ -33,6 +48,7 @@ typedef struct gg_group {
   uint64_t id;
   uint64_t key;                /* static: the schedule's group id for matching; else 0 */
   int n;
+  int cap;                     /* room in members[] (isolated workers may join) */
   int refs;                    /* buffer entries + queued events */
   uint8_t state;
   uint8_t phase;
@@ -51,6 +67,13 @@ typedef struct gg_worker {
   uint64_t locked;
   uint64_t handed;
   uint64_t cancels;
+  uint64_t singletons;
+  uint32_t lonely, lonely_max; /* groups of one in a row; the longest such run */
+  uint8_t deferred;            /* waiting for partners: no group generated yet */
+  uint8_t held;                /* ... and past its wait, held by the isolation bound */
+  double deadline;             /* when the deferral (or the hold) ends */
+  double asked_at;             /* clock at its last counted request, < 0 before the first */
+  double iv;                   /* EWMA of its intervals between requests, 0 = unknown */
   gg_group **buf;
   int blen, bcap;
 } gg_worker;
@@ -70,6 +93,13 @@ struct rpl_gg {
   int group_size;
   int c_thres;                 /* negative = off */
   int inter_intra;
+  double partner_wait;         /* seconds; 0 = adaptive, negative = never wait */
+  int max_isolated;            /* negative = no bound */
+  int arrival_filter;
+  double now;                  /* the clock (rpl_gg_advance) */
+  double interval;             /* EWMA of intervals between requests, 0 = unknown */
+  int *dq, dq_len;             /* deferred workers, in order of deferral [n] */
+  int ngone;                   /* workers left or dead */
   uint64_t rng;
   rpl_layout *layout;
   gg_worker *w;
@@ -221,6 +251,9 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   if (gg->policy == RPL_POLICY_ADPSGD) gg->group_size = 2;
   gg->c_thres = cfg->c_thres ? cfg->c_thres : RPL_GG_DEFAULT_C_THRES;
   gg->inter_intra = cfg->inter_intra ? 1 : 0;
+  gg->partner_wait = cfg->partner_wait_ms < 0 ? -1.0 : cfg->partner_wait_ms / 1000.0;
+  gg->max_isolated = cfg->max_isolated ? cfg->max_isolated : RPL_GG_DEFAULT_MAX_ISOLATED;
+  gg->arrival_filter = cfg->arrival_filter >= 0;
   gg->rng = cfg->seed ^ 0x5851f42d4c957f2dull;
   gg->trace = cfg->trace;
   gg->trace_ctx = cfg->trace_ctx;
@@ -235,10 +268,12 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   gg->scratch_a = malloc(sizeof(int) * (size_t)gg->n);
   gg->scratch_b = malloc(sizeof(int) * (size_t)gg->n);
   gg->host_cnt = calloc((size_t)rpl_layout_hosts(gg->layout) + 1, sizeof(int));
-  if (!gg->w || !gg->scratch_a || !gg->scratch_b || !gg->host_cnt) {
+  gg->dq = malloc(sizeof(int) * (size_t)gg->n);
+  if (!gg->w || !gg->scratch_a || !gg->scratch_b || !gg->host_cnt || !gg->dq) {
     rpl_gg_destroy(gg);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
+  for (int i = 0; i < gg->n; i++) gg->w[i].asked_at = -1.0;
   *out = gg;
   return RPL_OK;
 }
@@ -272,6 +307,7 @@ void rpl_gg_destroy(rpl_gg *gg) {
   free(gg->scratch_a);
   free(gg->scratch_b);
   free(gg->host_cnt);
+  free(gg->dq);
   rpl_layout_destroy(gg->layout);
   free(gg);
 }
@@ -289,16 +325,34 @@ static void pend_unlink(rpl_gg *gg, gg_group *g) {
 
 static int worker_idle(const gg_worker *w) { return w->blen == 0 && w->locked == 0; }
 
+static void undefer(rpl_gg *gg, int w) {
+  gg_worker *x = &gg->w[w];
+  if (!x->deferred) return;
+  x->deferred = 0;
+  x->held = 0;
+  for (int i = 0; i < gg->dq_len; i++) {
+    if (gg->dq[i] == w) {
+      memmove(gg->dq + i, gg->dq + i + 1, sizeof *gg->dq * (size_t)(gg->dq_len - i - 1));
+      gg->dq_len--;
+      break;
+    }
+  }
+}
+
+static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err);
+
 /* Creates a group from members[0..n) (any order; sorted here), appends it to every member's
  * buffer and the pending list. */
 static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase phase,
                                int heads, uint64_t key, int initiator, uint64_t division,
                                gg_group **out, rpl_error *err) {
-  gg_group *g = calloc(1, sizeof *g + sizeof(int) * (size_t)n);
+  int cap = n > 2 * gg->group_size ? n : 2 * gg->group_size; /* room for isolated joiners */
+  gg_group *g = calloc(1, sizeof *g + sizeof(int) * (size_t)cap);
   if (!g) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   g->id = gg->next_id++;
   g->key = key;
   g->n = n;
+  g->cap = cap;
   g->phase = (uint8_t)phase;
   g->heads = (uint8_t)heads;
   memcpy(g->members, members, sizeof(int) * (size_t)n);
@@ -322,9 +376,11 @@ static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase 
   gg->st.pending++;
   gg->st.groups_created++;
   if (conflict) gg->st.conflicts++;
+  for (int i = 0; i < n; i++) undefer(gg, g->members[i]); /* a waiting member has its group */
   trace_group(gg, RPL_TRACE_CREATED, g, initiator, division);
   if (out) *out = g;
-  return RPL_OK;
+  /* Deferred members are waiting already: the group may be complete at once. */
+  return try_hand(gg, g, err);
 }
 
 /* Hands g to all members if each is waiting with g first in its buffer and unlocked. */
@@ -342,6 +398,12 @@ static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err) {
     w->waiting = 0;
     w->locked = g->id;
     w->handed++;
+    if (g->n == 1) {
+      w->singletons++;
+      if (++w->lonely > w->lonely_max) w->lonely_max = w->lonely;
+    } else {
+      w->lonely = 0;
+    }
     if (ev_push(gg, RPL_EV_GROUP, g->members[i], g, w->waiting_round, -1, RPL_REASON_NONE) != 0)
       return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
@@ -443,20 +505,51 @@ static rpl_status generate_random(rpl_gg *gg, int w, rpl_error *err) {
   return group_create(gg, m, k + 1, RPL_PHASE_PLAIN, 0, 0, w, 0, NULL, err);
 }
 
-static rpl_status generate_division(rpl_gg *gg, int w, rpl_error *err) {
-  int *p = gg->scratch_a, np = 0;
-  uint64_t ci = gg->w[w].c;
-  p[np++] = w;
+/* Slowdown filter (paper 5.3): x is far behind the initiator i. */
+static int filtered_out(const rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
+  return gg->c_thres >= 0 && i->c > x->c && i->c - x->c >= (uint64_t)gg->c_thres;
+}
+
+static double partner_wait(const rpl_gg *gg);
+
+/* Arrival filter: an idle worker not expected to ask within one step of the initiator (or
+ * the partner wait, if longer) would make the initiator's group wait for it -- a straggler
+ * computing. A slow initiator still takes fast workers in. Unknown intervals never exclude. */
+static int not_due(const rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
+  if (!gg->arrival_filter || x->iv <= 0 || x->asked_at < 0) return 0;
+  double window = partner_wait(gg);
+  if (i->iv > window) window = i->iv;
+  return x->asked_at + x->iv - gg->now > window;
+}
+
+/* The participants of a division started by w (w first) into p; returns how many. A deferred
+ * worker is waiting already, so taking it in makes nobody wait: the filters do not apply to
+ * it, nor to anyone when `widen` (w is isolated). NULL p only counts. */
+static int division_participants(rpl_gg *gg, int w, int widen, int *p, uint64_t *nfiltered) {
+  const gg_worker *me = &gg->w[w];
+  int np = 0;
+  if (p) p[np] = w;
+  np++;
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (r == w || x->state != RPL_WORKER_LIVE || !worker_idle(x)) continue;
-    /* Slowdown filter (paper 5.3): keep out workers far behind the initiator. */
-    if (gg->c_thres >= 0 && ci > x->c && ci - x->c >= (uint64_t)gg->c_thres) {
-      gg->st.filtered++;
+    if (!widen && !x->deferred && filtered_out(gg, me, x)) {
+      if (nfiltered) (*nfiltered)++;
       continue;
     }
-    p[np++] = r;
+    if (!widen && !x->deferred && not_due(gg, me, x)) {
+      if (nfiltered) gg->st.late++;
+      continue;
+    }
+    if (p) p[np] = r;
+    np++;
   }
+  return np;
+}
+
+static rpl_status generate_division(rpl_gg *gg, int w, int widen, rpl_error *err) {
+  int *p = gg->scratch_a;
+  int np = division_participants(gg, w, widen, p, &gg->st.filtered);
   uint64_t division = ++gg->next_division;
   gg->st.divisions++;
   if (gg->trace) { /* a sorted copy: tracing must not change the draws */
@@ -544,6 +637,7 @@ static rpl_status request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *e
   g->id = gg->next_id++;
   g->key = key;
   g->n = n;
+  g->cap = n;
   g->phase = RPL_PHASE_STATIC;
   memcpy(g->members, m, sizeof(int) * (size_t)n);
   if (buf_push(me, g) != 0) {
@@ -560,7 +654,146 @@ static rpl_status request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *e
   return try_hand(gg, g, err);
 }
 
-/* ---- worker events --------------------------------------------------------------------------- */
+/* ---- partners: the bounded wait and the isolation bound (see the top) ------------------------ */
+
+static double partner_wait(const rpl_gg *gg) {
+  if (gg->partner_wait > 0) return gg->partner_wait;
+  double w = gg->interval > 0 ? 1.5 * gg->interval : RPL_GG_FIRST_PARTNER_WAIT;
+  return w < RPL_GG_MIN_PARTNER_WAIT ? RPL_GG_MIN_PARTNER_WAIT
+                                     : w > RPL_GG_MAX_PARTNER_WAIT ? RPL_GG_MAX_PARTNER_WAIT : w;
+}
+
+static int is_isolated(const rpl_gg *gg, const gg_worker *x) {
+  return gg->max_isolated >= 0 && x->lonely >= (uint32_t)gg->max_isolated;
+}
+
+/* How many members w's group would have if generated now (w included). */
+static int available(rpl_gg *gg, int w, int widen) {
+  if (gg->policy == RPL_POLICY_SMART) return division_participants(gg, w, widen, NULL, NULL);
+  int others = gg->nlive - (gg->w[w].state == RPL_WORKER_LIVE ? 1 : 0);
+  return 1 + (others < gg->group_size - 1 ? others : gg->group_size - 1);
+}
+
+/* Whether a worker w could group with is about to become available and is not far behind w:
+ * fenced inside an exact collective, or (smart) live but busy in a group or not due yet. */
+static int others_coming(const rpl_gg *gg, int w, int widen) {
+  const gg_worker *me = &gg->w[w];
+  for (int r = 0; r < gg->n; r++) {
+    const gg_worker *x = &gg->w[r];
+    if (r == w) continue;
+    int soon = x->state == RPL_WORKER_FENCED ||
+               (gg->policy == RPL_POLICY_SMART && x->state == RPL_WORKER_LIVE &&
+                (!worker_idle(x) || not_due(gg, me, x))); /* the idle and due are in already */
+    if (soon && (widen || !filtered_out(gg, me, x))) return 1;
+  }
+  return 0;
+}
+
+static void defer(rpl_gg *gg, int w, double deadline) {
+  gg->w[w].deferred = 1;
+  gg->w[w].deadline = deadline;
+  gg->dq[gg->dq_len++] = w;
+  gg->st.deferred++;
+}
+
+static rpl_status generate(rpl_gg *gg, int w, int widen, rpl_error *err) {
+  undefer(gg, w);
+  return gg->policy == RPL_POLICY_SMART ? generate_division(gg, w, widen, err)
+                                        : generate_random(gg, w, err);
+}
+
+/* Adds the isolated, waiting w to the pending group most of whose members are waiting (the
+ * one handed soonest). w's buffer is empty, so the group is at its head and in generation
+ * order. Returns 1 if it joined one. */
+static int join_pending(rpl_gg *gg, int w, rpl_status *st, rpl_error *err) {
+  gg_group *best = NULL;
+  int best_arrived = -1;
+  for (gg_group *g = gg->pend_head; g; g = g->next) {
+    if (g->key != 0 || g->n >= g->cap || group_has(g, w)) continue;
+    int arrived = 0;
+    for (int i = 0; i < g->n; i++) {
+      const gg_worker *x = &gg->w[g->members[i]];
+      arrived += x->waiting && x->blen > 0 && x->buf[0] == g;
+    }
+    if (arrived > best_arrived) {
+      best = g;
+      best_arrived = arrived;
+    }
+  }
+  if (!best) return 0;
+  if (buf_push(&gg->w[w], best) != 0) {
+    *st = rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+    return 1;
+  }
+  int i = best->n++;
+  while (i > 0 && best->members[i - 1] > w) {
+    best->members[i] = best->members[i - 1];
+    i--;
+  }
+  best->members[i] = w;
+  undefer(gg, w);
+  gg->st.joins++;
+  trace_group(gg, RPL_TRACE_JOINED, best, w, 0);
+  *st = try_hand(gg, best, err);
+  return 1;
+}
+
+/* w is waiting with an empty buffer: generate its group now, or let it wait for partners. */
+static rpl_status serve(rpl_gg *gg, int w, rpl_error *err) {
+  gg_worker *me = &gg->w[w];
+  int isolated = is_isolated(gg, me);
+  int active = gg->n - gg->ngone;
+  int need = isolated ? 2 : gg->group_size < active ? gg->group_size : active;
+  if (available(gg, w, isolated) >= need || !others_coming(gg, w, isolated))
+    return generate(gg, w, isolated, err);
+  if (!me->deferred) {
+    if (gg->partner_wait < 0 && !isolated) return generate(gg, w, 0, err);
+    defer(gg, w, gg->now + (gg->partner_wait < 0 ? 0 : partner_wait(gg)));
+  }
+  if (isolated) { /* isolated and alone while others are coming: join a pending group */
+    rpl_status st = RPL_OK;
+    if (join_pending(gg, w, &st, err)) return st;
+  }
+  if (me->deadline > gg->now) return RPL_OK;
+  if (isolated && !me->held) {
+    /* Hold on past the wait -- bounded, so that a worker nobody serves (the others stuck in
+     * a long exact collective, say) still gets its no-op round before its request times out. */
+    double hold = 10 * partner_wait(gg);
+    me->held = 1;
+    me->deadline = gg->now + (hold > 0.1 ? hold : 0.1);
+    gg->st.isolation_holds++;
+    return RPL_OK;
+  }
+  gg->st.wait_expired++; /* a smaller group, or one of one */
+  return generate(gg, w, isolated, err);
+}
+
+/* Re-checks every deferred request after an event (or a clock step) changed who is available. */
+static rpl_status serve_deferred(rpl_gg *gg, rpl_error *err) {
+  rpl_status st = RPL_OK;
+  /* serve() only ever removes entries (a generated or joined group takes its waiting members
+   * out): start again from the front after each removal. */
+  for (int i = 0; i < gg->dq_len && st == RPL_OK;) {
+    int w = gg->dq[i], len = gg->dq_len;
+    st = serve(gg, w, err);
+    i = gg->dq_len != len ? 0 : i + 1;
+  }
+  return st;
+}
+
+rpl_status rpl_gg_advance(rpl_gg *gg, double now, rpl_error *err) {
+  if (now > gg->now) gg->now = now;
+  return serve_deferred(gg, err);
+}
+
+double rpl_gg_next_deadline(const rpl_gg *gg) {
+  double next = -1.0;
+  for (int i = 0; i < gg->dq_len; i++) {
+    double d = gg->w[gg->dq[i]].deadline;
+    if (next < 0 || d < next) next = d;
+  }
+  return next;
+}
 
 static rpl_status check_worker(const rpl_gg *gg, int w, const char *what, rpl_error *err) {
   if (w < 0 || w >= gg->n)
@@ -569,10 +802,19 @@ static rpl_status check_worker(const rpl_gg *gg, int w, const char *what, rpl_er
   return RPL_OK;
 }
 
+static int gone(uint8_t s) { return s == RPL_WORKER_LEFT || s == RPL_WORKER_DEAD; }
+
 static void set_state(rpl_gg *gg, gg_worker *w, rpl_worker_state s) {
   if (w->state == RPL_WORKER_LIVE && s != RPL_WORKER_LIVE) gg->nlive--;
   if (w->state != RPL_WORKER_LIVE && s == RPL_WORKER_LIVE) gg->nlive++;
+  gg->ngone += gone((uint8_t)s) - gone(w->state);
   w->state = (uint8_t)s;
+}
+
+/* Every event may change who is available to the deferred requests: re-check them. */
+static rpl_status settle(rpl_gg *gg, rpl_status st, rpl_error *err) {
+  if (st != RPL_OK || gg->dq_len == 0) return st;
+  return serve_deferred(gg, err);
 }
 
 rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
@@ -592,16 +834,18 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
     me->counted = 1;
     me->last_round = round;
     gg->st.requests++;
+    if (me->asked_at >= 0 && gg->now > me->asked_at) { /* the partner wait's time scale */
+      double dt = gg->now - me->asked_at;
+      gg->interval = gg->interval > 0 ? gg->interval + (dt - gg->interval) / 16 : dt;
+      me->iv = me->iv > 0 ? me->iv + (dt - me->iv) / 4 : dt;
+    }
+    me->asked_at = gg->now;
   }
   me->waiting = 1;
   me->waiting_round = round;
   if (gg->policy == RPL_POLICY_STATIC) return request_static(gg, w, round, err);
-  if (me->blen == 0) {
-    st = gg->policy == RPL_POLICY_SMART ? generate_division(gg, w, err)
-                                        : generate_random(gg, w, err);
-    if (st != RPL_OK) return st;
-  }
-  return try_hand(gg, me->buf[0], err);
+  st = me->blen == 0 ? serve(gg, w, err) : try_hand(gg, me->buf[0], err);
+  return settle(gg, st, err);
 }
 
 rpl_status rpl_gg_done(rpl_gg *gg, int w, uint64_t group_id, rpl_error *err) {
@@ -610,10 +854,10 @@ rpl_status rpl_gg_done(rpl_gg *gg, int w, uint64_t group_id, rpl_error *err) {
   gg_worker *me = &gg->w[w];
   if (me->locked && me->locked == group_id) {
     me->locked = 0;
-    if (me->waiting && me->blen > 0) return try_hand(gg, me->buf[0], err);
-  } else {
-    gg->st.stale_dones++;
+    if (me->waiting && me->blen > 0) st = try_hand(gg, me->buf[0], err);
+    return settle(gg, st, err); /* it may be idle now: a partner for the deferred */
   }
+  gg->st.stale_dones++;
   return RPL_OK;
 }
 
@@ -630,7 +874,8 @@ static rpl_status remove_from_schedule(rpl_gg *gg, int w, rpl_reason reason, rpl
     g = next;
   }
   gg->w[w].waiting = 0;
-  return st;
+  undefer(gg, w);
+  return settle(gg, st, err); /* a partner less: some deferred may stop waiting */
 }
 
 rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err) {
@@ -650,7 +895,7 @@ rpl_status rpl_gg_unfence(rpl_gg *gg, int w, rpl_error *err) {
   if (me->state == RPL_WORKER_LEFT)
     return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg unfence: worker %d has left the job", w);
   if (me->state == RPL_WORKER_FENCED) set_state(gg, me, RPL_WORKER_LIVE);
-  return RPL_OK;
+  return settle(gg, RPL_OK, err); /* back in: a partner for the deferred */
 }
 
 rpl_status rpl_gg_leave(rpl_gg *gg, int w, rpl_error *err) {
@@ -709,6 +954,10 @@ rpl_status rpl_gg_worker(const rpl_gg *gg, int w, rpl_gg_worker_info *out, rpl_e
   out->locked_group = x->locked;
   out->handed = x->handed;
   out->cancels = x->cancels;
+  out->singletons = x->singletons;
+  out->lonely = x->lonely;
+  out->lonely_max = x->lonely_max;
+  out->deferred = x->deferred;
   return RPL_OK;
 }
 

@@ -84,12 +84,21 @@ rpl_status rpl_policy_parse(const char *name, rpl_policy *out, rpl_error *err);
 #define RPL_GG_DEFAULT_GROUP_SIZE 3
 /* Default of the slowdown filter, chosen with benchmarks/gg_sim (see benchmarks/gg_sim.md). */
 #define RPL_GG_DEFAULT_C_THRES 4
+/* Default isolation bound: consecutive groups of one a worker may get while others live. */
+#define RPL_GG_DEFAULT_MAX_ISOLATED 2
+/* The adaptive partner wait (partner_wait_ms = 0): 1.5 x the recent mean interval between
+ * requests (weighted by requests, so about one step of the fast workers), within [MIN, MAX];
+ * FIRST until an interval is known. Seconds of the GG's clock (rpl_gg_advance). */
+#define RPL_GG_MIN_PARTNER_WAIT 0.002
+#define RPL_GG_MAX_PARTNER_WAIT 0.5
+#define RPL_GG_FIRST_PARTNER_WAIT 0.02
 
 typedef enum {
   RPL_TRACE_CREATED = 1,   /* a group was generated (appended to its members' buffers) */
   RPL_TRACE_HANDED = 2,    /* every member asked for it: handed to all members at once */
   RPL_TRACE_CANCELLED = 3, /* cancelled before it was handed */
-  RPL_TRACE_DIVISION = 4   /* a Global Division starts (members = its participants) */
+  RPL_TRACE_DIVISION = 4,  /* a Global Division starts (members = its participants) */
+  RPL_TRACE_JOINED = 5     /* an isolated worker (initiator) joined a pending group */
 } rpl_trace_kind;
 
 typedef enum {
@@ -119,6 +128,21 @@ typedef struct rpl_gg_config {
   int c_thres;            /* smart: admit w into i's division iff c_i - c_w < c_thres;
                              0 = RPL_GG_DEFAULT_C_THRES, negative = no filter */
   int inter_intra;        /* smart: two groups per worker per division (paper 5.2) */
+  /* Groups must stay groups (DESIGN 3). A requester for whom fewer than group_size members
+   * are available, while others are about to be (busy in a group, or fenced inside an exact
+   * collective), waits for them at most this long before it gets a smaller group: 0 = the
+   * adaptive default (RPL_GG_*_PARTNER_WAIT), > 0 = fixed milliseconds, < 0 = never waits.
+   * Waiting needs the clock: the caller must call rpl_gg_advance. */
+  int partner_wait_ms;
+  /* After this many consecutive groups of one a worker gets no more while other live workers
+   * exist: it waits, outside the slowdown filter, until it is placed into the next group
+   * formed (or joins a pending one). 0 = RPL_GG_DEFAULT_MAX_ISOLATED, negative = no bound. */
+  int max_isolated;
+  /* smart, beyond the paper: a division leaves out an idle worker that is not expected to ask
+   * within the partner wait (from its measured interval between requests), so that nobody
+   * waits for a straggler; it is taken in once it asks. 0 = on, negative = off (the paper's
+   * division: every idle worker that passes the slowdown filter). Needs the clock. */
+  int arrival_filter;
   uint64_t seed;
   /* Optional observer (tests, simulator); called synchronously, must not call back in. */
   void (*trace)(void *ctx, const rpl_gg_trace *t);
@@ -139,9 +163,18 @@ typedef enum {
 } rpl_reason;
 const char *rpl_reason_name(rpl_reason reason);
 
+/* The GG's clock, in seconds (any origin, never going back): deadlines of requests waiting
+ * for partners are measured on it. Advancing hands out the requests whose wait is over. A GG
+ * never advanced has time 0 for ever: waits then end only through other workers' events. */
+rpl_status rpl_gg_advance(rpl_gg *gg, double now, rpl_error *err);
+/* Seconds of the clock at which the next wait ends, or a negative value if none is pending:
+ * when the caller should call rpl_gg_advance next. */
+double rpl_gg_next_deadline(const rpl_gg *gg);
+
 /* Worker `w` asks for the group of its round `round` (its count of partial calls so far,
  * from 0). The answer comes as an RPL_EV_GROUP event, possibly later, once every member has
- * asked for that group. A request while fenced unfences; a request from a worker declared
+ * asked for that group, or once a short wait for partners ends (partner_wait_ms). A request
+ * while fenced unfences; a request from a worker declared
  * dead revives it; a request from a worker that left fails with RPL_ERR_CLOSED. A repeated
  * request while one is outstanding only updates nothing and succeeds. */
 rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err);
@@ -191,6 +224,10 @@ typedef struct rpl_gg_worker_info {
   uint64_t locked_group;  /* handed and not yet done, 0 if none (the lock vector) */
   uint64_t handed;        /* groups handed to it */
   uint64_t cancels;       /* requests of it cancelled */
+  uint64_t singletons;    /* groups of one handed to it */
+  uint32_t lonely;        /* groups of one since its last group of two or more */
+  uint32_t lonely_max;    /* longest such run */
+  int deferred;           /* its request waits for partners */
 } rpl_gg_worker_info;
 
 rpl_status rpl_gg_worker(const rpl_gg *gg, int w, rpl_gg_worker_info *out, rpl_error *err);
@@ -207,6 +244,11 @@ typedef struct rpl_gg_stats {
   uint64_t implicit_dones;     /* requests that arrived while still locked */
   uint64_t stale_dones;
   uint64_t pending;            /* groups created and not yet handed or cancelled */
+  uint64_t deferred;           /* requests that waited for partners */
+  uint64_t wait_expired;       /* ... whose wait ended before enough partners came */
+  uint64_t isolation_holds;    /* waits prolonged by the isolation bound */
+  uint64_t joins;              /* isolated workers added to a pending group */
+  uint64_t late;               /* smart: idle workers left out of a division, not due yet */
 } rpl_gg_stats;
 
 void rpl_gg_get_stats(const rpl_gg *gg, rpl_gg_stats *out);

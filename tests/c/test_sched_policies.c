@@ -4,7 +4,10 @@
  *   - the requester is always in its group, and every member receives the same group;
  *   - no worker is ever in two running groups;
  *   - every worker receives its groups in generation order (none skipped unless cancelled);
- *   - a Global Division groups exactly the idle workers that pass the slowdown filter;
+ *   - a Global Division groups exactly the idle workers that pass the slowdown filter, or
+ *     wait already (deferred), or all idle ones for an isolated initiator;
+ *   - only isolated workers join pending groups, and no worker gets more than max_isolated
+ *     groups of one in a row, beyond a bounded hold, while others are about;
  *   - inter-intra groups respect hosts and heads;
  *   - workers keep making progress (no deadlock) and nothing leaks (ASan). */
 #include <stdio.h>
@@ -60,6 +63,9 @@ typedef struct {
   uint64_t *gen;        /* groups generated with it, in generation order */
   int ngen, capgen, next;
   uint64_t rounds_done;
+  int lonely;           /* groups of one in a row */
+  int told_cancel;      /* a CANCEL is on its way to it: the GG no longer counts it waiting */
+  int handed_soon;      /* a GROUP is on its way to it: the GG holds its lock already */
 } wk;
 
 typedef struct {
@@ -75,9 +81,11 @@ typedef struct {
   int *in_div;          /* per worker: participant of the current division */
   uint64_t cur_div;
   uint64_t divisions, handed;
+  rpl_gg *gg;
 } harness;
 
 static harness H;
+static uint64_t total_joins, total_singletons, total_groups; /* over every seed */
 
 static int buffered(int w) { /* groups generated with w, not yet received, not cancelled */
   int k = 0;
@@ -103,10 +111,19 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     CHECK(H.in_div[t->initiator], "initiator %d not in its division", t->initiator);
     for (int r = 0; r < H.n; r++) {
       const wk *x = &H.w[r];
-      int idle = live(r) && buffered(r) == 0 && !x->locked;
+      int idle = live(r) && buffered(r) == 0 && !x->locked && !x->handed_soon;
       int pass = H.c_thres < 0 || ini->c <= x->c || ini->c - x->c < (uint64_t)H.c_thres;
+      pass |= x->state == W_WAITING && !x->told_cancel;     /* deferred: waits already */
+      pass |= ini->lonely >= RPL_GG_DEFAULT_MAX_ISOLATED;   /* isolated initiator widens */
       if (r == t->initiator) continue;
-      if (H.in_div[r] != (idle && pass)) fprintf(stderr, "state=%d buffered=%d locked=%d out=%d\n", x->state, buffered(r), x->locked, x->out);
+      if (H.in_div[r] != (idle && pass)) {
+        fprintf(stderr, "state=%d buffered=%d locked=%d out=%d\n", x->state, buffered(r), x->locked, x->out);
+        rpl_gg_worker_info wi; rpl_error ee;
+        rpl_gg_worker(H.gg, r, &wi, &ee);
+        fprintf(stderr, "gg: state=%d waiting=%d buffered=%d locked=%llu deferred=%d lonely=%u c=%llu\n", wi.state, wi.waiting, wi.buffered, (unsigned long long)wi.locked_group, wi.deferred, wi.lonely, (unsigned long long)wi.requests);
+        rpl_gg_worker(H.gg, t->initiator, &wi, &ee);
+        fprintf(stderr, "ini gg: state=%d waiting=%d buffered=%d deferred=%d lonely=%u c=%llu harness lonely=%d\n", wi.state, wi.waiting, wi.buffered, wi.deferred, wi.lonely, (unsigned long long)wi.requests, ini->lonely);
+      }
       CHECK(H.in_div[r] == (idle && pass),
             "division by %d: worker %d idle=%d pass=%d (c %llu vs %llu) but participant=%d",
             t->initiator, r, idle, pass, (unsigned long long)ini->c, (unsigned long long)x->c,
@@ -187,9 +204,40 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     }
     return;
   }
+  if (t->kind == RPL_TRACE_HANDED) { /* one call may hand a group, then divide again */
+    for (int i = 0; i < t->nmembers; i++) H.w[t->members[i]].handed_soon = 1;
+    return;
+  }
+  if (t->kind == RPL_TRACE_JOINED) {
+    CHECK(t->group_id < (uint64_t)H.gcap && H.g[t->group_id].m, "join of unknown group");
+    grp *g = &H.g[t->group_id];
+    wk *x = &H.w[t->initiator];
+    CHECK(x->state == W_WAITING && buffered(t->initiator) == 0,
+          "worker %d joined a group while not waiting with an empty buffer", t->initiator);
+    CHECK(x->lonely >= RPL_GG_DEFAULT_MAX_ISOLATED, "worker %d joined without being isolated",
+          t->initiator);
+    CHECK(t->nmembers == g->n + 1 && g->handed_to == 0 && !g->cancelled, "join bookkeeping");
+    free(g->m);
+    g->n = t->nmembers;
+    g->m = malloc(sizeof(int) * (size_t)g->n);
+    memcpy(g->m, t->members, sizeof(int) * (size_t)g->n);
+    if (x->ngen == x->capgen) {
+      x->capgen = x->capgen ? 2 * x->capgen : 16;
+      x->gen = realloc(x->gen, sizeof *x->gen * (size_t)x->capgen);
+    }
+    x->gen[x->ngen++] = t->group_id;
+    total_joins++;
+    return;
+  }
   if (t->kind == RPL_TRACE_CANCELLED) {
     CHECK(t->group_id < (uint64_t)H.gcap && H.g[t->group_id].m, "cancel of unknown group");
     CHECK(H.g[t->group_id].handed_to == 0, "cancelled a group already handed");
+    for (int i = 0; i < t->nmembers; i++) { /* the GG tells waiting members it was first for */
+      wk *x = &H.w[t->members[i]];
+      int k = x->next;
+      while (k < x->ngen && H.g[x->gen[k]].cancelled) k++;
+      if (x->state == W_WAITING && k < x->ngen && x->gen[k] == t->group_id) x->told_cancel = 1;
+    }
     H.g[t->group_id].cancelled = 1;
     return;
   }
@@ -226,6 +274,10 @@ static void on_group(int w, uint64_t gid, const int *members, int n) {
           (unsigned long long)x->round);
   }
   g->handed_to++;
+  total_groups++;
+  total_singletons += n == 1;
+  x->handed_soon = 0;
+  x->lonely = n == 1 ? x->lonely + 1 : 0;
   x->state = W_RUNNING;
   x->gid = gid;
   x->locked = 1;
@@ -267,8 +319,10 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
   cfg.c_thres = sc->c_thres;
   cfg.seed = seed;
   cfg.trace = tracer;
+  cfg.arrival_filter = -1; /* the tracer checks the paper's division rule (tested below) */
   rpl_gg *gg;
   OK(rpl_gg_create(&cfg, &gg, &e_));
+  H.gg = gg;
   H.layout = rpl_gg_layout(gg);
   H.c_thres = rpl_gg_c_thres(gg);
   H.w = calloc((size_t)sc->n, sizeof *H.w);
@@ -287,9 +341,11 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
         case W_COMPUTE:
           if (x->timer > 0) { x->timer--; break; }
           if (sc->churn && rnd(40) == 0) { /* an exact collective: fence around it */
-            OK(rpl_gg_fence(gg, r, &e_));
+            /* The harness's view changes first: the call may trigger divisions (deferred
+             * requests re-checked) whose trace is checked against it. */
             x->out = 0; /* a fence from a worker declared dead shows it is back */
             x->state = W_FENCED;
+            OK(rpl_gg_fence(gg, r, &e_));
             x->timer = 1 + (int)rnd(4);
             break;
           }
@@ -311,8 +367,8 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
           if (x->timer > 0) { x->timer--; break; }
           /* Usually report done; sometimes not, so the next request releases the lock. */
           if (rnd(50) != 0) {
-            OK(rpl_gg_done(gg, r, x->gid, &e_));
             x->locked = 0;
+            OK(rpl_gg_done(gg, r, x->gid, &e_));
           }
           x->round++;
           x->rounds_done++;
@@ -321,8 +377,8 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
           break;
         case W_FENCED:
           if (x->timer > 0) { x->timer--; break; }
-          OK(rpl_gg_unfence(gg, r, &e_));
           x->state = W_COMPUTE;
+          OK(rpl_gg_unfence(gg, r, &e_));
           break;
         case W_DEAD:
           if (x->timer > 0) { x->timer--; break; }
@@ -335,6 +391,8 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
         x->locked = 0;
         OK(rpl_gg_leave(gg, r, &e_));
       }
+      /* One step is 10 ms of the GG's clock: waits for partners end on it. */
+      OK(rpl_gg_advance(gg, step * 0.01 + r * 1e-5, &e_));
       rpl_gg_event ev;
       while (rpl_gg_poll(gg, &ev, mem, sc->n)) {
         hash = (hash ^ (ev.group_id * 31 + (uint64_t)ev.worker + ev.kind)) * 1099511628211ull;
@@ -350,6 +408,7 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
           CHECK(ev.culprit >= 0 && ev.culprit != ev.worker, "cancel culprit");
           CHECK(H.g[ev.group_id].cancelled, "cancel event for a live group");
           /* Ask again at once, same round (not counted again). */
+          y->told_cancel = 0;
           count_request(y);
           OK(rpl_gg_request(gg, ev.worker, y->round, &e_));
         }
@@ -364,10 +423,14 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
             rpl_policy_name(sc->policy), sc->n, (unsigned long long)seed, r,
             (unsigned long long)H.w[r].rounds_done, sc->steps);
   /* Everyone leaves: nothing stays pending, and every group was handed to all or none. */
-  for (int r = 0; r < sc->n; r++)
-    if (H.w[r].state != W_LEFT) OK(rpl_gg_leave(gg, r, &e_));
+  for (int r = 0; r < sc->n; r++) {
+    if (H.w[r].state == W_LEFT) continue;
+    H.w[r].state = W_LEFT;
+    OK(rpl_gg_leave(gg, r, &e_));
+  }
   rpl_gg_event ev;
-  while (rpl_gg_poll(gg, &ev, mem, sc->n)) {
+  while (rpl_gg_poll(gg, &ev, mem, sc->n)) { /* a worker left alone got its last group */
+    if (ev.kind == RPL_EV_GROUP) H.g[ev.group_id].handed_to++;
   }
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
@@ -420,6 +483,11 @@ static void test_many_seeds(void) {
            rpl_policy_name(scs[i].policy), scs[i].n, scs[i].per_host, scs[i].inter_intra,
            scs[i].c_thres, scs[i].churn, ns);
   }
+  /* The churn (fences, deaths) isolates workers now and then: the bound must have acted. */
+  printf("  %llu groups handed, %.1f%% of one, %llu isolated joins\n",
+         (unsigned long long)total_groups, 100.0 * (double)total_singletons / (double)total_groups,
+         (unsigned long long)total_joins);
+  CHECK(total_joins > 0, "no isolated worker ever joined a pending group");
 }
 
 /* Figure 11: with 4 idle workers, the first request divides all of them; the next request
@@ -430,6 +498,7 @@ static void test_figure11(void) {
   cfg.nworkers = 4;
   cfg.group_size = 2;
   cfg.seed = 3;
+  cfg.partner_wait_ms = 10;
   rpl_gg *gg;
   OK(rpl_gg_create(&cfg, &gg, &e_));
   OK(rpl_gg_request(gg, 0, 0, &e_));
@@ -474,8 +543,14 @@ static void test_figure11(void) {
   CHECK(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_CANCEL && ev.worker == waiting &&
             ev.reason == RPL_REASON_FENCED,
         "waiting member told of the cancel");
-  /* Asking again: the fenced worker is left out; with everyone else busy it's a group of one. */
+  /* Asking again: the fenced worker is left out and everyone else is busy, so it waits for
+   * partners about to be free; when the wait ends first, it gets a group of one. */
   OK(rpl_gg_request(gg, waiting, 0, &e_));
+  CHECK(!rpl_gg_poll(gg, &ev, m, 4), "the request waits for partners");
+  CHECK(rpl_gg_next_deadline(gg) > 0.0099 && rpl_gg_next_deadline(gg) < 0.0101, "deadline");
+  OK(rpl_gg_advance(gg, 0.005, &e_));
+  CHECK(!rpl_gg_poll(gg, &ev, m, 4), "still waiting within the wait");
+  OK(rpl_gg_advance(gg, 0.011, &e_));
   CHECK(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP && ev.nmembers == 1 &&
             m[0] == waiting,
         "group of one when no partner is available (got %d members)", ev.nmembers);
@@ -491,6 +566,7 @@ static void filter_case(int c_thres, int expect_slow_in) {
   cfg.group_size = 3;
   cfg.c_thres = c_thres;
   cfg.seed = 9;
+  cfg.partner_wait_ms = -1; /* this test is about the filter: no waiting for the fenced one */
   rpl_gg *gg;
   OK(rpl_gg_create(&cfg, &gg, &e_));
   rpl_gg_event ev;
@@ -549,12 +625,243 @@ static void test_errors(void) {
   CHECK(rpl_policy_parse("bogus", &p, &e) == RPL_ERR_INVALID && strstr(e.msg, "bogus"), "parse");
 }
 
+static rpl_gg *make_smart(int n, int group_size, int wait_ms) {
+  rpl_gg_config cfg = {0};
+  cfg.policy = RPL_POLICY_SMART;
+  cfg.nworkers = n;
+  cfg.group_size = group_size;
+  cfg.partner_wait_ms = wait_ms;
+  cfg.seed = 5;
+  rpl_gg *gg;
+  OK(rpl_gg_create(&cfg, &gg, &e_));
+  return gg;
+}
+
+/* Collects the GROUP events for worker w (members of the last one in m); returns its size. */
+static int group_of(rpl_gg *gg, int w, int *m, int cap, uint64_t *gid, int *events) {
+  rpl_gg_event ev;
+  int size = 0, mm[64];
+  while (rpl_gg_poll(gg, &ev, mm, 64)) {
+    (*events)++;
+    if (ev.kind == RPL_EV_GROUP && ev.worker == w) {
+      size = ev.nmembers;
+      if (gid) *gid = ev.group_id;
+      if (m) memcpy(m, mm, sizeof(int) * (size_t)(size < cap ? size : cap));
+    }
+  }
+  return size;
+}
+
+/* Three workers run a group; the fourth asks meanwhile. It waits for them rather than take a
+ * group of one, and gets a full group once they are done. */
+static void test_waits_for_busy_partners(void) {
+  rpl_gg *gg = make_smart(4, 3, 50);
+  int ev = 0;
+  uint64_t gid = 0;
+  for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, 0, &e_));
+  /* 0 asked first with 1, 2, 3 idle: a division of all four (round(4/3) = 1 group). */
+  rpl_gg_worker_info wi;
+  OK(rpl_gg_worker(gg, 3, &wi, &e_));
+  CHECK(wi.buffered == 1, "idle worker 3 is in the division");
+  OK(rpl_gg_request(gg, 3, 0, &e_));
+  CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 4, "first group of four");
+  for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
+  /* Now 3 is still running while 0 asks: it waits for 3 (others idle: 1, 2 are enough). */
+  OK(rpl_gg_request(gg, 0, 1, &e_));
+  int size = group_of(gg, 0, NULL, 0, &gid, &ev);
+  CHECK(size == 0, "0 has its group generated, waiting for its members");
+  OK(rpl_gg_worker(gg, 0, &wi, &e_));
+  CHECK(wi.buffered == 1 && !wi.deferred, "0's division was made at once (3 members idle)");
+  rpl_gg_destroy(gg);
+
+  /* Two of three busy: the asker waits, and a done is enough to end the wait. */
+  gg = make_smart(3, 3, 50);
+  ev = 0;
+  for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, 0, &e_));
+  CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "group of three");
+  OK(rpl_gg_done(gg, 2, gid, &e_));
+  OK(rpl_gg_request(gg, 2, 1, &e_));
+  CHECK(group_of(gg, 2, NULL, 0, NULL, &ev) == 0, "2 waits for 0 and 1");
+  OK(rpl_gg_worker(gg, 2, &wi, &e_));
+  CHECK(wi.deferred && wi.buffered == 0, "2 is deferred");
+  OK(rpl_gg_done(gg, 0, gid, &e_));
+  OK(rpl_gg_done(gg, 1, gid, &e_));
+  OK(rpl_gg_worker(gg, 2, &wi, &e_));
+  CHECK(!wi.deferred && wi.buffered == 1, "2's group was made when its partners were free");
+  OK(rpl_gg_request(gg, 0, 1, &e_));
+  OK(rpl_gg_request(gg, 1, 1, &e_));
+  CHECK(group_of(gg, 2, NULL, 0, NULL, &ev) == 3, "a full group, not one of one");
+  rpl_gg_stats st;
+  rpl_gg_get_stats(gg, &st);
+  CHECK(st.singletons_handed == 0 && st.deferred == 1 && st.wait_expired == 0, "stats");
+  rpl_gg_destroy(gg);
+}
+
+/* After an exact collective every worker is fenced; the first to come back must not find
+ * everyone still fenced and take a group of one: it waits for the others to unfence. */
+static void test_unfence_reentry(void) {
+  for (int pol = RPL_POLICY_RANDOM; pol <= RPL_POLICY_ADPSGD; pol++) {
+    rpl_gg_config cfg = {0};
+    cfg.policy = (rpl_policy)pol;
+    cfg.nworkers = 8;
+    cfg.group_size = 3;
+    cfg.seed = 11;
+    rpl_gg *gg;
+    OK(rpl_gg_create(&cfg, &gg, &e_));
+    for (int w = 0; w < 8; w++) OK(rpl_gg_fence(gg, w, &e_));
+    OK(rpl_gg_unfence(gg, 5, &e_));
+    OK(rpl_gg_request(gg, 5, 0, &e_));
+    int ev = 0;
+    CHECK(group_of(gg, 5, NULL, 0, NULL, &ev) == 0 && ev == 0, "%s: 5 waits",
+          rpl_policy_name(cfg.policy));
+    for (int w = 0; w < 8; w++) {
+      if (w == 5) continue;
+      OK(rpl_gg_unfence(gg, w, &e_));
+      OK(rpl_gg_request(gg, w, 0, &e_));
+    }
+    rpl_gg_event e;
+    int mm[8], handed = 0;
+    while (rpl_gg_poll(gg, &e, mm, 8)) {
+      CHECK(e.kind == RPL_EV_GROUP && e.nmembers >= 2, "%s: worker %d got a group of %d",
+            rpl_policy_name(cfg.policy), e.worker, e.nmembers);
+      handed++;
+    }
+    rpl_gg_stats st;
+    rpl_gg_get_stats(gg, &st);
+    CHECK(handed >= 2 && st.singletons_handed == 0, "%s: no group of one after the fence",
+          rpl_policy_name(cfg.policy));
+    rpl_gg_destroy(gg);
+  }
+}
+
+/* A worker that keeps finding its partners busy gets at most max_isolated groups of one in a
+ * row; then it holds on, past the slowdown filter, until the next division takes it in. */
+static void test_isolation_bound(void) {
+  rpl_gg *gg = make_smart(4, 3, 10);
+  int ev = 0;
+  uint64_t gid = 0, mine = 0;
+  double t = 0;
+  /* Fast workers 0-2 get far ahead of 3 (fenced meanwhile), so the filter keeps 3 out of
+   * their divisions; then they are in a group whenever the slow worker 3 asks. */
+  OK(rpl_gg_fence(gg, 3, &e_));
+  for (uint64_t r = 0; r < 4; r++) {
+    for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, r, &e_));
+    CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "fast group");
+    for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
+  }
+  OK(rpl_gg_unfence(gg, 3, &e_));
+  for (uint64_t r = 0; r < 3; r++) {
+    for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, r + 4, &e_));
+    CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "fast group (round %d)", (int)r);
+    OK(rpl_gg_request(gg, 3, r, &e_));
+    t += 0.02; /* past the wait */
+    OK(rpl_gg_advance(gg, t, &e_));
+    int s3 = group_of(gg, 3, NULL, 0, &mine, &ev);
+    rpl_gg_worker_info wi;
+    OK(rpl_gg_worker(gg, 3, &wi, &e_));
+    if (r < 2) {
+      CHECK(s3 == 1 && wi.lonely == r + 1, "round %d: a group of one for 3 (lonely %u)", (int)r,
+            wi.lonely);
+      OK(rpl_gg_done(gg, 3, mine, &e_));
+    } else {
+      CHECK(s3 == 0 && wi.deferred && wi.lonely == 2, "isolated 3 holds on instead");
+    }
+    for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
+  }
+  /* Fast worker 0 asks: its division takes the waiting 3 in. */
+  OK(rpl_gg_request(gg, 0, 7, &e_));
+  OK(rpl_gg_request(gg, 1, 7, &e_));
+  OK(rpl_gg_request(gg, 2, 7, &e_));
+  int m[8];
+  int s3 = group_of(gg, 3, m, 8, NULL, &ev);
+  CHECK(s3 >= 2, "the isolated worker is in a group of %d", s3);
+  rpl_gg_worker_info wi;
+  OK(rpl_gg_worker(gg, 3, &wi, &e_));
+  CHECK(wi.lonely == 0 && wi.lonely_max == 2 && wi.singletons == 2, "isolation counters");
+  rpl_gg_stats st;
+  rpl_gg_get_stats(gg, &st);
+  CHECK(st.isolation_holds == 1, "one hold");
+  rpl_gg_destroy(gg);
+
+  /* Nobody comes: the hold is bounded, the worker gets its no-op round. */
+  gg = make_smart(2, 2, 10);
+  ev = 0;
+  t = 0;
+  for (uint64_t r = 0; r < 2; r++) {
+    OK(rpl_gg_fence(gg, 1, &e_));
+    OK(rpl_gg_request(gg, 0, r, &e_));
+    t += 0.02;
+    OK(rpl_gg_advance(gg, t, &e_));
+    CHECK(group_of(gg, 0, NULL, 0, &mine, &ev) == 1, "group of one while 1 is fenced");
+    OK(rpl_gg_done(gg, 0, mine, &e_));
+  }
+  OK(rpl_gg_request(gg, 0, 2, &e_));
+  t += 0.02;
+  OK(rpl_gg_advance(gg, t, &e_));
+  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 0, "isolated: holds on");
+  t += 1.0;
+  OK(rpl_gg_advance(gg, t, &e_));
+  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "the hold ends in a group of one");
+  /* With every other worker gone there is nothing to wait for. */
+  OK(rpl_gg_leave(gg, 1, &e_));
+  OK(rpl_gg_request(gg, 0, 3, &e_));
+  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "alone in the job: at once");
+  rpl_gg_destroy(gg);
+}
+
+/* The arrival filter: a division by a fast worker leaves out a slow worker that is computing
+ * and not due for a while; once the slow worker asks it waits, and the next division takes it
+ * in -- nobody waits for it, and it is not left alone. */
+static void test_arrival_filter(void) {
+  rpl_gg *gg = make_smart(4, 3, 10);
+  /* 1 ms ticks; 0-2 compute 10 ms, 3 computes 50 ms; a handed group ends at once. */
+  double period[4] = {0.01, 0.01, 0.01, 0.05}, next_ask[4] = {0, 0, 0, 0}, asked[4];
+  uint64_t round[4] = {0}, slow_groups = 0;
+  int waiting[4] = {0};
+  double worst_fast_wait = 0;
+  for (int tick = 0; tick <= 600; tick++) {
+    double t = tick * 0.001;
+    OK(rpl_gg_advance(gg, t, &e_));
+    for (int w = 0; w < 4; w++) {
+      if (!waiting[w] && t >= next_ask[w] - 1e-9) {
+        waiting[w] = 1;
+        asked[w] = t;
+        OK(rpl_gg_request(gg, w, round[w], &e_));
+      }
+    }
+    rpl_gg_event ev;
+    int mm[8];
+    while (rpl_gg_poll(gg, &ev, mm, 8)) {
+      CHECK(ev.kind == RPL_EV_GROUP, "no cancels here");
+      int w = ev.worker;
+      CHECK(ev.nmembers >= 2, "worker %d got a group of one at %.3f s", w, t);
+      if (w < 3 && t > 0.2 && t - asked[w] > worst_fast_wait) worst_fast_wait = t - asked[w];
+      if (w == 3) slow_groups++;
+      waiting[w] = 0;
+      round[w]++;
+      next_ask[w] = t + period[w];
+      OK(rpl_gg_done(gg, w, ev.group_id, &e_));
+    }
+  }
+  rpl_gg_stats st;
+  rpl_gg_get_stats(gg, &st);
+  CHECK(st.late > 0, "the slow worker was left out of divisions while computing");
+  CHECK(worst_fast_wait < 0.0125, "a fast worker waited %.3f s for a group", worst_fast_wait);
+  CHECK(slow_groups >= 10 && round[0] >= 4 * round[3], "rounds: fast %llu, slow %llu",
+        (unsigned long long)round[0], (unsigned long long)round[3]);
+  rpl_gg_destroy(gg);
+}
+
 int main(void) {
   test_errors();
   test_figure11();
   filter_case(2, 0);
   filter_case(-1, 1);
   filter_case(100, 1);
+  test_waits_for_busy_partners();
+  test_unfence_reentry();
+  test_isolation_bound();
+  test_arrival_filter();
   test_many_seeds();
   printf("test_sched_policies: all passed\n");
   return 0;
