@@ -86,10 +86,16 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
   uint8_t *msg = malloc(COORD_MAX_IN);
   if (!msg) return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   double tick_every = c->core.heartbeat_ms / 4000.0, next_tick = now_s() + tick_every;
+  double next_wait = -1; /* when a request waiting for partners must be served */
   rpl_status st = RPL_OK;
   while (!atomic_load(&c->stop)) {
     zmq_pollitem_t it = {c->sock, 0, ZMQ_POLLIN, 0};
-    int rc = zmq_poll(&it, 1, 50);
+    long ms = 50;
+    if (next_wait >= 0) {
+      double left = (next_wait - now_s()) * 1000.0;
+      ms = left <= 0 ? 0 : left < 50 ? (long)left + 1 : 50;
+    }
+    int rc = zmq_poll(&it, 1, ms);
     if (rc < 0 && zmq_errno() != EINTR) {
       st = rpl_sched_fail(err, RPL_ERR_SYSTEM, "coordinator: poll: %s", zmq_strerror(zmq_errno()));
       break;
@@ -125,6 +131,7 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
       coord_core_handle(&c->core, route, (size_t)rl, msg, (size_t)n, now_s());
     }
     double t = now_s();
+    next_wait = coord_core_advance(&c->core, t);
     if (t >= next_tick) {
       coord_core_tick(&c->core, t);
       next_tick = t + tick_every;

@@ -108,6 +108,7 @@ static void flush_events(coord_core *core) {
 void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
                        const void *msg, size_t len, double now) {
   atomic_fetch_add(&core->messages, 1);
+  coord_core_advance(core, now); /* waits for partners are measured from arrival */
   rpl_msg m;
   rpl_error err;
   if (route_len == 0 || route_len > RPL_ROUTE_MAX ||
@@ -219,6 +220,14 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   flush_events(core);
 }
 
+double coord_core_advance(coord_core *core, double now) {
+  rpl_error err;
+  rpl_gg_advance(core->gg, now - core->start, &err);
+  flush_events(core);
+  double next = rpl_gg_next_deadline(core->gg);
+  return next < 0 ? -1.0 : next + core->start;
+}
+
 void coord_core_tick(coord_core *core, double now) {
   int changed = 0;
   for (int i = 0; i < core->nworkers; i++) {
@@ -307,7 +316,8 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             "\"requests\":%llu,\"groups_created\":%llu,\"groups_handed\":%llu,"
             "\"groups_cancelled\":%llu,\"singletons_handed\":%llu,\"divisions\":%llu,"
             "\"filtered\":%llu,\"conflicts\":%llu,\"implicit_dones\":%llu,"
-            "\"stale_dones\":%llu,\"pending\":%llu},",
+            "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
+            "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu},",
             (unsigned long long)atomic_load(&core->messages),
             (unsigned long long)atomic_load(&core->malformed),
             (unsigned long long)atomic_load(&core->bad_token),
@@ -319,7 +329,9 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             (unsigned long long)st.singletons_handed, (unsigned long long)st.divisions,
             (unsigned long long)st.filtered, (unsigned long long)st.conflicts,
             (unsigned long long)st.implicit_dones, (unsigned long long)st.stale_dones,
-            (unsigned long long)st.pending);
+            (unsigned long long)st.pending, (unsigned long long)st.deferred,
+            (unsigned long long)st.wait_expired, (unsigned long long)st.isolation_holds,
+            (unsigned long long)st.joins, (unsigned long long)st.late);
   sb_printf(&b, "\"workers\":[");
   for (int i = 0; i < core->nworkers; i++) {
     rpl_gg_worker_info wi;
@@ -329,12 +341,14 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
     sb_printf(&b,
               "%s{\"rank\":%d,\"state\":\"%s\",\"host\":%d,\"host_label\":%d,\"requests\":%llu,"
               "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
-              "\"handed\":%llu,\"cancels\":%llu,\"seen\":%s,\"silent_s\":%.3f}",
+              "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
+              "\"lonely_max\":%u,\"deferred\":%s,\"seen\":%s,\"silent_s\":%.3f}",
               i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
               (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
               (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
               (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
-              w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
+              (unsigned long long)wi.singletons, wi.lonely, wi.lonely_max,
+              wi.deferred ? "true" : "false", w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
   }
   sb_printf(&b, "],\"pending\":[");
   pend_ctx pc = {&b, 0};

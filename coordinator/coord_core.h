@@ -46,6 +46,9 @@ void coord_core_free(coord_core *core);
 /* Handles one received message (payload of one frame from `route`) at time `now` (seconds). */
 void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
                        const void *msg, size_t len, double now);
+/* Moves the policy's clock to `now` (ending waits for partners that are over) and sends what
+ * that decided. Returns when the next wait ends (same clock as now), or < 0 if none. */
+double coord_core_advance(coord_core *core, double now);
 /* Declares dead the workers silent for too long. */
 void coord_core_tick(coord_core *core, double now);
 /* The status document (malloc'd JSON, caller frees), or NULL when out of memory. */

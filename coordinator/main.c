@@ -20,12 +20,15 @@ static void usage(FILE *f) {
           "usage: ripples-coordinator --workers N [--bind ENDPOINT] [--policy P]\n"
           "                           [--per-host L | --hosts LABEL,LABEL,...]\n"
           "                           [--group-size G] [--c-thres C] [--inter-intra]\n"
+          "                           [--partner-wait-ms MS] [--max-isolated K]\n"
           "                           [--seed S] [--token HEX | --token-file PATH]\n"
           "                           [--heartbeat-ms MS] [--dead-ms MS] [--join-ms MS]\n"
           "       ripples-coordinator --status ENDPOINT [--token HEX | --token-file PATH]\n"
           "                           [--timeout-ms MS]\n"
           "Policies: random, smart, adpsgd, static. The token defaults to $RIPPLES_GG_TOKEN,\n"
-          "else a new one is printed. --join-ms -1 waits for ever for workers to connect.\n");
+          "else a new one is printed. --join-ms -1 waits for ever for workers to connect.\n"
+          "--partner-wait-ms: longest wait for partners before a smaller group (0 = adaptive,\n"
+          "-1 = never); --max-isolated: groups of one in a row per worker (0 = 2, -1 = no bound).\n");
 }
 
 static int read_token_file(const char *path, char *hex, size_t cap) {
@@ -55,6 +58,7 @@ int main(int argc, char **argv) {
   const char *policy = "smart", *hosts = NULL, *token_file = NULL;
   int workers = 0, per_host = 0, group_size = 0, c_thres = 0, inter_intra = 0;
   int heartbeat_ms = 0, dead_ms = 0, join_ms = 0, timeout_ms = 5000;
+  int partner_wait_ms = 0, max_isolated = 0;
   unsigned long long seed = 0;
   char token_buf[128];
   for (int i = 1; i < argc; i++) {
@@ -79,6 +83,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--per-host")) { NEED_VALUE; if (parse_int(v, a, 1, RPL_SCHED_MAX_WORKERS, &per_host)) return 2; }
     else if (!strcmp(a, "--group-size")) { NEED_VALUE; if (parse_int(v, a, 1, RPL_SCHED_MAX_WORKERS, &group_size)) return 2; }
     else if (!strcmp(a, "--c-thres")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &c_thres)) return 2; }
+    else if (!strcmp(a, "--partner-wait-ms")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &partner_wait_ms)) return 2; }
+    else if (!strcmp(a, "--max-isolated")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &max_isolated)) return 2; }
     else if (!strcmp(a, "--heartbeat-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &heartbeat_ms)) return 2; }
     else if (!strcmp(a, "--dead-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &dead_ms)) return 2; }
     else if (!strcmp(a, "--join-ms")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &join_ms)) return 2; }
@@ -155,6 +161,8 @@ int main(int argc, char **argv) {
   cfg.gg.c_thres = c_thres;
   cfg.gg.inter_intra = inter_intra;
   cfg.gg.seed = seed;
+  cfg.gg.partner_wait_ms = partner_wait_ms;
+  cfg.gg.max_isolated = max_isolated;
   cfg.heartbeat_ms = heartbeat_ms;
   cfg.dead_ms = dead_ms;
   cfg.join_ms = join_ms;

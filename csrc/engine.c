@@ -307,6 +307,10 @@ static void finish_op(rpl_comm *c, rpl_op *op, rpl_status st, rpl_error *err) {
   free(op);
 }
 
+static int next_is_exact(rpl_comm *c);
+static rpl_status execute_exact(rpl_comm *c, const rpl_op_desc *d, int collective,
+                                rpl_error *err);
+
 /* Runs one operation. *contained is set when a failure was already dealt with and must not
  * break the communicator (a partial round cleans up after its own group). */
 static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *d,
@@ -330,6 +334,22 @@ static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *
   /* Peers placed in a group with us by the coordinator would wait while we sit in an exact
    * collective: fence first (a no-op for the static schedule or when already fenced). */
   if (partial) rpl_partial_before_exact(partial);
+  rpl_status st = execute_exact(c, d, collective, err);
+  if (partial) rpl_partial_after_exact(partial, next_is_exact(c));
+  return st;
+}
+
+/* Whether the op queued next is an exact collective (a fence can span both). */
+static int next_is_exact(rpl_comm *c) {
+  pthread_mutex_lock(&c->mu);
+  const rpl_op *n = c->head;
+  int more = n && !is_p2p(n) && n->d.kind != RPL_OP_PARTIAL_ALLREDUCE && !c->closing;
+  pthread_mutex_unlock(&c->mu);
+  return more;
+}
+
+static rpl_status execute_exact(rpl_comm *c, const rpl_op_desc *d, int collective,
+                                rpl_error *err) {
   rpl_run run = {.comm = c,
                  .tr = c->tr,
                  .rank = c->rank,

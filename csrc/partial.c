@@ -15,9 +15,10 @@
 
 /* A fence domain: the dynamic schedules of one process. */
 struct rpl_domain {
-  pthread_mutex_t mu; /* guards the list */
+  pthread_mutex_t mu; /* guards the list and the count */
   rpl_partial **members;
   int n, cap;
+  int in_exact;       /* exact collectives of the process running now */
 };
 
 struct rpl_partial {
@@ -28,7 +29,8 @@ struct rpl_partial {
   int dynamic;
   rpl_layout *layout;       /* static */
   rpl_gg_client *client;    /* dynamic */
-  int fenced;               /* atomic: set by any domain member's exact op, cleared by a request */
+  int fenced;               /* atomic: set by any domain member's exact op, cleared when the
+                               last one ends (an unfence) or by a request */
   int left;
   uint64_t round;           /* progress thread only */
   int *members;             /* size entries */
@@ -90,6 +92,19 @@ static void fence_one(rpl_partial *p) {
     pthread_mutex_unlock(&p->mu);
   } else {
     __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE);
+  }
+}
+
+/* The worker is back from its exact collectives: tell the GG at once, so that partners
+ * asking now find it available (a fire-and-forget message, off the critical path). */
+static void unfence_one(rpl_partial *p) {
+  if (!p->dynamic || p->left) return;
+  if (!__atomic_exchange_n(&p->fenced, 0, __ATOMIC_ACQ_REL)) return; /* not fenced */
+  rpl_error err;
+  if (rpl_gg_client_unfence(p->client, &err) == RPL_OK) {
+    pthread_mutex_lock(&p->mu);
+    p->stats.unfences++;
+    pthread_mutex_unlock(&p->mu);
   }
 }
 
@@ -189,7 +204,20 @@ void rpl_partial_before_exact(rpl_partial *p) {
     return;
   }
   pthread_mutex_lock(&p->domain->mu);
+  p->domain->in_exact++;
   for (int i = 0; i < p->domain->n; i++) fence_one(p->domain->members[i]);
+  pthread_mutex_unlock(&p->domain->mu);
+}
+
+void rpl_partial_after_exact(rpl_partial *p, int more) {
+  if (!p->domain) {
+    if (!more) unfence_one(p);
+    return;
+  }
+  pthread_mutex_lock(&p->domain->mu);
+  if (p->domain->in_exact > 0) p->domain->in_exact--;
+  if (p->domain->in_exact == 0 && !more)
+    for (int i = 0; i < p->domain->n; i++) unfence_one(p->domain->members[i]);
   pthread_mutex_unlock(&p->domain->mu);
 }
 
@@ -349,6 +377,11 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
   pthread_mutex_lock(&p->mu);
   rpl_partial_stats *s = &p->stats;
   s->rounds++;
+  if (moved) {
+    s->singleton_run = 0;
+  } else if (++s->singleton_run > s->singleton_run_max) {
+    s->singleton_run_max = s->singleton_run;
+  }
   if (st == RPL_OK) {
     if (moved) s->reduced++;
     else s->singletons++;

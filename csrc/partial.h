@@ -25,6 +25,9 @@ void rpl_partial_count_fallback(rpl_partial *p);
 
 /* Fences at the coordinator before an exact collective, unless already fenced. */
 void rpl_partial_before_exact(rpl_partial *p);
+/* After it: unfences once no exact collective of the process runs any more, unless `more`
+ * (another is queued right behind, so the fence spans both: two messages, not four). */
+void rpl_partial_after_exact(rpl_partial *p, int more);
 
 /* One round. `run` comes with the communicator's transport and sizes; this fills in the group.
  * Failures never break the communicator: connections to the group are reset instead. */

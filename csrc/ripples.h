@@ -213,15 +213,16 @@ void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
  *
  * Schedules: "static" computes groups locally (no coordinator); "random", "smart", "adpsgd"
  * ask the coordinator at `endpoint`. With a coordinator, exact collectives on this
- * communicator fence it first (the coordinator then leaves it out of new groups until its next
- * partial round), and shutdown tells the coordinator it left. */
+ * communicator fence it first (the coordinator then leaves it out of new groups) and unfence
+ * it as soon as no exact collective of the process runs any more (it is back in at once, not
+ * at its next partial round); shutdown tells the coordinator it left. */
 
 typedef enum { RPL_ON_FAILURE_RAISE = 0, RPL_ON_FAILURE_SKIP = 1 } rpl_on_failure;
 
 /* The communicators of one process that must fence each other: a worker blocked in an exact
  * collective on *any* of them cannot serve a group the coordinator forms for another, so an
- * exact collective on one fences every dynamic schedule in the domain (each once, until its
- * next partial round). Create one per process; destroy it after its communicators. */
+ * exact collective on one fences every dynamic schedule in the domain (each once, until the
+ * last exact collective of the domain ends). Create one per process; destroy it after its communicators. */
 typedef struct rpl_domain rpl_domain;
 rpl_status rpl_domain_create(rpl_domain **out, rpl_error *err);
 void rpl_domain_destroy(rpl_domain *domain);
@@ -252,6 +253,10 @@ typedef struct rpl_partial_stats {
   uint64_t failed;          /* failed rounds reported as errors */
   uint64_t exact_fallbacks; /* partial calls reduced exactly (non-floating buffer or op) */
   uint64_t fences;          /* fences sent to the coordinator before exact collectives */
+  uint64_t unfences;        /* unfences sent when they ended */
+  uint64_t singleton_run;   /* rounds since the last one in a group of two or more (groups of
+                               one, skipped and failed rounds) */
+  uint64_t singleton_run_max; /* the longest such run */
   uint64_t group_sizes[RPL_HIST_BUCKETS];
   uint64_t bytes;           /* payload bytes of rounds that moved data */
   double group_s;           /* time obtaining groups (the coordinator round trip) */

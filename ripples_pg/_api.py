@@ -55,15 +55,19 @@ def stats(group: Any = None) -> dict:
     """This rank's counters for a ``ripples`` group (default: the world group).
 
     Partial rounds: ``rounds``, ``reduced`` (rounds that moved data), ``singletons`` (groups
-    of one), ``skipped`` / ``failed``, ``exact_fallbacks`` (partial calls on non-floating
-    tensors or other ops), ``fences``, ``group_sizes`` (histogram: index = group size, the last
-    bucket 16 or more), ``bytes``, and seconds spent obtaining groups (``group_s``, the
-    coordinator round trip), waiting for the group's members (``wait_s``) and reducing
-    (``reduce_s``). All operations: ``ops_completed``, ``ops_failed``, ``bytes_sent``,
+    of one), ``singleton_share`` (``singletons / rounds``, None before the first round),
+    ``rounds_since_group`` (rounds since the last one in a group of two or more: groups of one,
+    skipped and failed rounds), ``singleton_run_max`` (the longest such run), ``skipped`` /
+    ``failed``, ``exact_fallbacks`` (partial calls on non-floating tensors or other ops),
+    ``fences`` / ``unfences`` (messages to the coordinator around exact collectives),
+    ``group_sizes`` (histogram: index = group size, the last bucket 16 or more), ``bytes``, and
+    seconds spent obtaining groups (``group_s``, the coordinator round trip, including any wait
+    for partners), waiting for the group's members (``wait_s``) and reducing (``reduce_s``). All operations: ``ops_completed``, ``ops_failed``, ``bytes_sent``,
     ``bytes_received``, ``connections``.
     """
     be = _ripples_backend(group)
     out = dict(be.partial_stats())
+    out["singleton_share"] = out["singletons"] / out["rounds"] if out["rounds"] else None
     out.update(be.counters())
     out["schedule"] = be.schedule
     return out

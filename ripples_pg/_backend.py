@@ -151,7 +151,9 @@ def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: 
         c = coordinator.start_embedded(
             store, size, opts.schedule, host_of=host_of, group_size=opts.group_size,
             c_thres=opts.c_thres if opts.c_thres is not None else 0,
-            inter_intra=bool(opts.inter_intra), seed=seed)
+            inter_intra=bool(opts.inter_intra), seed=seed,
+            partner_wait_ms=opts.partner_wait_ms if opts.partner_wait_ms is not None else 0,
+            max_isolated=opts.max_isolated if opts.max_isolated is not None else 0)
         if not _embedded_coordinators:
             atexit.register(_stop_embedded)
         _embedded_coordinators.append(c)

@@ -18,6 +18,12 @@ def add_policy_args(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("--c-thres", type=int, default=0,
                    help="smart: slowdown filter threshold; 0 = default, -1 = off")
     p.add_argument("--inter-intra", action="store_true", help="smart: Inter-Intra phases")
+    p.add_argument("--partner-wait-ms", type=int, default=0,
+                   help="longest wait for partners before a smaller group; 0 = adaptive "
+                        "(about one step of the fast workers), -1 = never wait")
+    p.add_argument("--max-isolated", type=int, default=0,
+                   help="groups of one in a row a worker may get while others live; "
+                        "0 = default (2), -1 = no bound")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -43,11 +43,14 @@ def _advertised(endpoint: str, advertise_host: Optional[str]) -> str:
 def start(nworkers: int, policy: str = "smart", *, bind: Optional[str] = None,
           token: Optional[str] = None, host_of: Optional[Sequence[int]] = None,
           group_size: int = 0, c_thres: int = 0, inter_intra: bool = False, seed: int = 0,
-          heartbeat_ms: int = 0, dead_ms: int = 0, join_ms: int = 0) -> "Coordinator":
+          heartbeat_ms: int = 0, dead_ms: int = 0, join_ms: int = 0, partner_wait_ms: int = 0,
+          max_isolated: int = 0) -> "Coordinator":
     """Starts a coordinator on a background thread ("rpl-gg-coord") and returns it.
-    ``coord.endpoint`` and ``coord.token`` say how to reach it; ``coord.close()`` stops it."""
+    ``coord.endpoint`` and ``coord.token`` say how to reach it; ``coord.close()`` stops it.
+    ``partner_wait_ms`` and ``max_isolated``: see ``ripples_pg.Options``."""
     c = Coordinator(nworkers, policy, bind, token, list(host_of) if host_of else None,
-                    group_size, c_thres, bool(inter_intra), seed, heartbeat_ms, dead_ms, join_ms)
+                    group_size, c_thres, bool(inter_intra), seed, heartbeat_ms, dead_ms, join_ms,
+                    partner_wait_ms, max_isolated)
     c.start()
     return c
 
@@ -120,7 +123,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         c = start(args.workers, args.policy, bind=args.bind, token=token,
                   host_of=host_labels(args), group_size=args.group_size, c_thres=args.c_thres,
                   inter_intra=args.inter_intra, seed=args.seed, heartbeat_ms=args.heartbeat_ms,
-                  dead_ms=args.dead_ms, join_ms=args.join_ms)
+                  dead_ms=args.dead_ms, join_ms=args.join_ms,
+                  partner_wait_ms=args.partner_wait_ms, max_isolated=args.max_isolated)
     except (ValueError, RuntimeError) as e:
         print(f"ripples-coordinator: {e}", file=sys.stderr)
         return 1

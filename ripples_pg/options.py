@@ -199,6 +199,12 @@ _FIELDS: dict[str, _Field] = {
                "Slowdown filter of the smart schedule; None = the coordinator's default."),
         _Field("inter_intra", _parse_bool, False,
                "smart: alternate Inter (across hosts) and Intra (within a host) groups."),
+        _Field("partner_wait_ms", _int_at_least(-1, "-1 never waits"), None,
+               "Longest wait of a request for partners before a smaller group; None = "
+               "adaptive (about one step of the fast workers), -1 = never wait."),
+        _Field("max_isolated", _int_at_least(-1, "-1 = no bound"), None,
+               "Groups of one in a row a worker may get while others live; None = the "
+               "coordinator's default (2), -1 = no bound."),
         _Field("coordinator", _parse_coordinator, "embedded",
                "'embedded' or the endpoint of a standalone ripples-coordinator."),
         _Field("coordinator_token", _parse_token, None,
@@ -240,6 +246,13 @@ class Options:
         c_thres: the smart schedule's slowdown filter (``None``: the coordinator's default,
             ``-1``: off).
         inter_intra: smart only: Inter and Intra groups per division (paper §5.2).
+        partner_wait_ms: dynamic schedules: how long a request for which fewer than
+            ``group_size`` members are free, while others soon will be, waits for them before
+            it takes a smaller group (``None``: adaptive, 1.5x the recent mean interval
+            between requests, 2-500 ms; ``-1``: never wait).
+        max_isolated: dynamic schedules: after this many groups of one in a row a worker
+            waits (bounded) until it is placed in a group of two or more (``None``: 2,
+            ``-1``: no bound).
         coordinator: ``"embedded"`` (the default: the group's rank 0 runs it) or the
             ``tcp://HOST:PORT`` endpoint of a standalone ``ripples-coordinator``.
         coordinator_token: the job token of a standalone coordinator.
@@ -268,6 +281,8 @@ class Options:
         group_size: Optional[int] = None,
         c_thres: Optional[int] = None,
         inter_intra: Optional[bool] = None,
+        partner_wait_ms: Optional[int] = None,
+        max_isolated: Optional[int] = None,
         coordinator: Optional[str] = None,
         coordinator_token: Optional[str] = None,
         on_failure: Optional[str] = None,

@@ -33,13 +33,15 @@ def static_rounds(workers: int, host_of: Optional[Sequence[int]], rounds: int) -
 
 def dynamic_rounds(policy: str, workers: int, host_of: Optional[Sequence[int]], rounds: int,
                    group_size: int = 0, c_thres: int = 0, inter_intra: bool = False,
-                   seed: int = 0, arrival: str = "random") -> List[Round]:
-    gg = _gg.GroupGenerator(policy, workers, host_of, group_size, c_thres, inter_intra, seed)
+                   seed: int = 0, arrival: str = "random", partner_wait_ms: int = 0,
+                   max_isolated: int = 0) -> List[Round]:
+    gg = _gg.GroupGenerator(policy, workers, host_of, group_size, c_thres, inter_intra, seed,
+                            partner_wait_ms, max_isolated)
     rng = random.Random(seed)
     next_round = [0] * workers
     waiting = [False] * workers
     out: List[Round] = []
-    for _ in range(rounds):
+    for k in range(rounds):
         order = list(range(workers))
         if arrival == "random":
             rng.shuffle(order)
@@ -58,6 +60,15 @@ def dynamic_rounds(policy: str, workers: int, host_of: Optional[Sequence[int]], 
         for gid, members in handed.items():
             for m in members:
                 gg.done(m, gid)
+        # A round lasts long enough for any wait for partners to end (a second of the GG's
+        # clock): a request still waiting gets its group at the start of the next round.
+        gg.advance(float(k + 1))
+        for ev in gg.poll():
+            if ev[0] == "group":
+                _, who, gid, _, members = ev
+                waiting[who] = False
+                next_round[who] += 1
+                gg.done(who, gid)
         out.append(sorted(sorted(m) for m in handed.values()))
     return out
 
@@ -67,7 +78,8 @@ def rounds_for(args: argparse.Namespace) -> List[Round]:
     if args.policy == "static":
         return static_rounds(args.workers, host_of, args.rounds)
     return dynamic_rounds(args.policy, args.workers, host_of, args.rounds, args.group_size,
-                          args.c_thres, args.inter_intra, args.seed, args.arrival)
+                          args.c_thres, args.inter_intra, args.seed, args.arrival,
+                          args.partner_wait_ms, args.max_isolated)
 
 
 def _label(i: int) -> str:

@@ -132,13 +132,13 @@ static void GG_dealloc(GGObject *o) {
 
 static int GG_init(GGObject *o, PyObject *args, PyObject *kw) {
   static const char *kwl[] = {"policy", "nworkers", "host_of", "group_size", "c_thres", "inter_intra",
-                        "seed", NULL};
+                        "seed", "partner_wait_ms", "max_isolated", NULL};
   const char *policy;
-  int n, group_size = 0, c_thres = 0, inter_intra = 0;
+  int n, group_size = 0, c_thres = 0, inter_intra = 0, wait_ms = 0, max_isolated = 0;
   unsigned long long seed = 0;
   PyObject *hosts = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "si|OiipK", (char **)kwl, &policy, &n, &hosts, &group_size,
-                                   &c_thres, &inter_intra, &seed))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "si|OiipKii", (char **)kwl, &policy, &n, &hosts, &group_size,
+                                   &c_thres, &inter_intra, &seed, &wait_ms, &max_isolated))
     return -1;
   rpl_gg_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -155,6 +155,8 @@ static int GG_init(GGObject *o, PyObject *args, PyObject *kw) {
   cfg.c_thres = c_thres;
   cfg.inter_intra = inter_intra;
   cfg.seed = seed;
+  cfg.partner_wait_ms = wait_ms;
+  cfg.max_isolated = max_isolated;
   rpl_error err;
   rpl_gg_destroy(o->gg);
   o->gg = NULL;
@@ -243,13 +245,16 @@ static PyObject *GG_stats(GGObject *o, PyObject *unused) {
   rpl_gg_stats s;
   rpl_gg_get_stats(o->gg, &s);
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsKsKsKsK}", "requests", (unsigned long long)s.requests, "groups_created",
+      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "requests", (unsigned long long)s.requests, "groups_created",
       (unsigned long long)s.groups_created, "groups_handed", (unsigned long long)s.groups_handed,
       "groups_cancelled", (unsigned long long)s.groups_cancelled, "singletons_handed",
       (unsigned long long)s.singletons_handed, "divisions", (unsigned long long)s.divisions,
       "filtered", (unsigned long long)s.filtered, "conflicts", (unsigned long long)s.conflicts,
       "implicit_dones", (unsigned long long)s.implicit_dones, "stale_dones",
-      (unsigned long long)s.stale_dones, "pending", (unsigned long long)s.pending);
+      (unsigned long long)s.stale_dones, "pending", (unsigned long long)s.pending, "deferred",
+      (unsigned long long)s.deferred, "wait_expired", (unsigned long long)s.wait_expired,
+      "isolation_holds", (unsigned long long)s.isolation_holds, "joins",
+      (unsigned long long)s.joins, "late", (unsigned long long)s.late);
 }
 
 static PyObject *GG_worker(GGObject *o, PyObject *args) {
@@ -260,11 +265,26 @@ static PyObject *GG_worker(GGObject *o, PyObject *args) {
   rpl_error err;
   rpl_status st = rpl_gg_worker(o->gg, w, &wi, &err);
   if (st != RPL_OK) return raise_rpl(st, &err);
-  return Py_BuildValue("{sssisKsOsisKsK}", "state", rpl_worker_state_name(wi.state), "host",
-                       wi.host, "requests", (unsigned long long)wi.requests, "waiting",
+  return Py_BuildValue("{sssisKsOsisKsKsKsIsIsO}", "state", rpl_worker_state_name(wi.state),
+                       "host", wi.host, "requests", (unsigned long long)wi.requests, "waiting",
                        wi.waiting ? Py_True : Py_False, "buffered", wi.buffered, "head_group",
                        (unsigned long long)wi.head_group, "locked_group",
-                       (unsigned long long)wi.locked_group);
+                       (unsigned long long)wi.locked_group, "singletons",
+                       (unsigned long long)wi.singletons, "lonely", (unsigned int)wi.lonely,
+                       "lonely_max", (unsigned int)wi.lonely_max, "deferred",
+                       wi.deferred ? Py_True : Py_False);
+}
+
+static PyObject *GG_advance(GGObject *o, PyObject *args) {
+  double now;
+  if (!PyArg_ParseTuple(args, "d", &now)) return NULL;
+  GG_READY(o);
+  rpl_error err;
+  rpl_status st = rpl_gg_advance(o->gg, now, &err);
+  if (st != RPL_OK) return raise_rpl(st, &err);
+  double next = rpl_gg_next_deadline(o->gg);
+  if (next < 0) Py_RETURN_NONE;
+  return PyFloat_FromDouble(next);
 }
 
 static PyMethodDef GG_methods[] = {
@@ -279,6 +299,8 @@ static PyMethodDef GG_methods[] = {
      "culprit, reason)]"},
     {"stats", (PyCFunction)GG_stats, METH_NOARGS, "counters as a dict"},
     {"worker", (PyCFunction)GG_worker, METH_VARARGS, "worker(w) -> dict"},
+    {"advance", (PyCFunction)GG_advance, METH_VARARGS,
+     "advance(now_s) -> next deadline or None: move the clock, end waits for partners"},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject GGType = {PyVarObject_HEAD_INIT(NULL, 0)};
@@ -300,14 +322,15 @@ static void Coord_dealloc(CoordObject *o) {
 static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   static const char *kwl[] = {"nworkers",    "policy", "bind",         "token",   "host_of",
                         "group_size",  "c_thres", "inter_intra", "seed",    "heartbeat_ms",
-                        "dead_ms",     "join_ms", NULL};
+                        "dead_ms",     "join_ms", "partner_wait_ms", "max_isolated", NULL};
   int n, group_size = 0, c_thres = 0, inter_intra = 0, hb = 0, dead = 0, join = 0;
+  int wait_ms = 0, max_isolated = 0;
   const char *policy = "smart", *bind = NULL, *token = NULL;
   PyObject *hosts = Py_None;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiii", (char **)kwl, &n, &policy, &bind, &token,
-                                   &hosts, &group_size, &c_thres, &inter_intra, &seed, &hb,
-                                   &dead, &join))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiiiii", (char **)kwl, &n, &policy, &bind,
+                                   &token, &hosts, &group_size, &c_thres, &inter_intra, &seed,
+                                   &hb, &dead, &join, &wait_ms, &max_isolated))
     return -1;
   rpl_coord_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -326,6 +349,8 @@ static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   cfg.gg.c_thres = c_thres;
   cfg.gg.inter_intra = inter_intra;
   cfg.gg.seed = seed;
+  cfg.gg.partner_wait_ms = wait_ms;
+  cfg.gg.max_isolated = max_isolated;
   cfg.heartbeat_ms = hb;
   cfg.dead_ms = dead;
   cfg.join_ms = join;
@@ -607,7 +632,8 @@ static void init_types(void) {
   GGType.tp_dealloc = (destructor)GG_dealloc;
   GGType.tp_flags = Py_TPFLAGS_DEFAULT;
   GGType.tp_doc = "GroupGenerator(policy, nworkers, host_of=None, group_size=0, c_thres=0, "
-                  "inter_intra=False, seed=0): the policy state machine, no I/O.";
+                  "inter_intra=False, seed=0, partner_wait_ms=0, max_isolated=0): the policy "
+                  "state machine, no I/O (advance() moves its clock).";
   GGType.tp_methods = GG_methods;
   GGType.tp_init = (initproc)GG_init;
   GGType.tp_new = PyType_GenericNew;
@@ -618,7 +644,8 @@ static void init_types(void) {
   CoordType.tp_flags = Py_TPFLAGS_DEFAULT;
   CoordType.tp_doc = "Coordinator(nworkers, policy='smart', bind=None, token=None, host_of=None, "
                      "group_size=0, c_thres=0, inter_intra=False, seed=0, heartbeat_ms=0, "
-                     "dead_ms=0, join_ms=0): the Group Generator service (bound at construction).";
+                     "dead_ms=0, join_ms=0, partner_wait_ms=0, max_isolated=0): the Group "
+                     "Generator service (bound at construction).";
   CoordType.tp_methods = Coord_methods;
   CoordType.tp_getset = Coord_getset;
   CoordType.tp_init = (initproc)Coord_init;
