@@ -72,8 +72,9 @@ typedef struct gg_worker {
   uint8_t deferred;            /* waiting for partners: no group generated yet */
   uint8_t held;                /* ... and past its wait, held by the isolation bound */
   double deadline;             /* when the deferral (or the hold) ends */
-  double asked_at;             /* clock at its last counted request, < 0 before the first */
-  double iv;                   /* EWMA of its intervals between requests, 0 = unknown */
+  double handed_at;            /* clock when its last group was handed, < 0 before */
+  double fenced_at;            /* clock when it last fenced */
+  double iv;                   /* EWMA of its step: group handed -> next request, 0 = unknown */
   gg_group **buf;
   int blen, bcap;
 } gg_worker;
@@ -273,7 +274,7 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
     rpl_gg_destroy(gg);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
-  for (int i = 0; i < gg->n; i++) gg->w[i].asked_at = -1.0;
+  for (int i = 0; i < gg->n; i++) gg->w[i].handed_at = -1.0;
   *out = gg;
   return RPL_OK;
 }
@@ -398,6 +399,7 @@ static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err) {
     w->waiting = 0;
     w->locked = g->id;
     w->handed++;
+    w->handed_at = gg->now;
     if (g->n == 1) {
       w->singletons++;
       if (++w->lonely > w->lonely_max) w->lonely_max = w->lonely;
@@ -516,10 +518,10 @@ static double partner_wait(const rpl_gg *gg);
  * the partner wait, if longer) would make the initiator's group wait for it -- a straggler
  * computing. A slow initiator still takes fast workers in. Unknown intervals never exclude. */
 static int not_due(const rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
-  if (!gg->arrival_filter || x->iv <= 0 || x->asked_at < 0) return 0;
+  if (!gg->arrival_filter || x->iv <= 0 || x->handed_at < 0) return 0;
   double window = partner_wait(gg);
   if (i->iv > window) window = i->iv;
-  return x->asked_at + x->iv - gg->now > window;
+  return x->handed_at + x->iv - gg->now > window;
 }
 
 /* The participants of a division started by w (w first) into p; returns how many. A deferred
@@ -681,7 +683,9 @@ static int others_coming(const rpl_gg *gg, int w, int widen) {
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (r == w) continue;
-    int soon = x->state == RPL_WORKER_FENCED ||
+    /* A worker fenced for longer than a wait is in a long exact collective -- perhaps one
+     * that waits for w itself, like a final average: not coming. */
+    int soon = (x->state == RPL_WORKER_FENCED && gg->now - x->fenced_at < partner_wait(gg)) ||
                (gg->policy == RPL_POLICY_SMART && x->state == RPL_WORKER_LIVE &&
                 (!worker_idle(x) || not_due(gg, me, x))); /* the idle and due are in already */
     if (soon && (widen || !filtered_out(gg, me, x))) return 1;
@@ -758,9 +762,9 @@ static rpl_status serve(rpl_gg *gg, int w, rpl_error *err) {
   if (isolated && !me->held) {
     /* Hold on past the wait -- bounded, so that a worker nobody serves (the others stuck in
      * a long exact collective, say) still gets its no-op round before its request times out. */
-    double hold = 10 * partner_wait(gg);
+    double hold = 4 * partner_wait(gg);
     me->held = 1;
-    me->deadline = gg->now + (hold > 0.1 ? hold : 0.1);
+    me->deadline = gg->now + hold;
     gg->st.isolation_holds++;
     return RPL_OK;
   }
@@ -834,12 +838,13 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
     me->counted = 1;
     me->last_round = round;
     gg->st.requests++;
-    if (me->asked_at >= 0 && gg->now > me->asked_at) { /* the partner wait's time scale */
-      double dt = gg->now - me->asked_at;
+    /* The partner wait's time scale: steps measured from the group handed to the next request,
+     * so that time spent waiting in the GG does not feed back into the wait. */
+    if (me->handed_at >= 0 && gg->now > me->handed_at) {
+      double dt = gg->now - me->handed_at;
       gg->interval = gg->interval > 0 ? gg->interval + (dt - gg->interval) / 16 : dt;
       me->iv = me->iv > 0 ? me->iv + (dt - me->iv) / 4 : dt;
     }
-    me->asked_at = gg->now;
   }
   me->waiting = 1;
   me->waiting_round = round;
@@ -884,6 +889,7 @@ rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err) {
   gg_worker *me = &gg->w[w];
   if (me->state == RPL_WORKER_LEFT)
     return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg fence: worker %d has left the job", w);
+  if (me->state != RPL_WORKER_FENCED) me->fenced_at = gg->now;
   set_state(gg, me, RPL_WORKER_FENCED);
   return remove_from_schedule(gg, w, RPL_REASON_FENCED, err);
 }

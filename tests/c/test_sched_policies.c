@@ -783,16 +783,21 @@ static void test_isolation_bound(void) {
   CHECK(st.isolation_holds == 1, "one hold");
   rpl_gg_destroy(gg);
 
-  /* Nobody comes: the hold is bounded, the worker gets its no-op round. */
-  gg = make_smart(2, 2, 10);
+  /* Nobody comes (1 and 2 stay in a long round): the hold is bounded, the worker gets its
+   * no-op round. */
+  gg = make_smart(3, 2, 10);
   ev = 0;
   t = 0;
+  OK(rpl_gg_fence(gg, 0, &e_));
+  OK(rpl_gg_request(gg, 1, 0, &e_));
+  OK(rpl_gg_request(gg, 2, 0, &e_));
+  CHECK(group_of(gg, 1, NULL, 0, NULL, &ev) == 2, "1 and 2 run a group");
+  OK(rpl_gg_unfence(gg, 0, &e_));
   for (uint64_t r = 0; r < 2; r++) {
-    OK(rpl_gg_fence(gg, 1, &e_));
     OK(rpl_gg_request(gg, 0, r, &e_));
     t += 0.02;
     OK(rpl_gg_advance(gg, t, &e_));
-    CHECK(group_of(gg, 0, NULL, 0, &mine, &ev) == 1, "group of one while 1 is fenced");
+    CHECK(group_of(gg, 0, NULL, 0, &mine, &ev) == 1, "group of one while 1, 2 are busy");
     OK(rpl_gg_done(gg, 0, mine, &e_));
   }
   OK(rpl_gg_request(gg, 0, 2, &e_));
@@ -802,9 +807,17 @@ static void test_isolation_bound(void) {
   t += 1.0;
   OK(rpl_gg_advance(gg, t, &e_));
   CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "the hold ends in a group of one");
-  /* With every other worker gone there is nothing to wait for. */
-  OK(rpl_gg_leave(gg, 1, &e_));
+  OK(rpl_gg_leave(gg, 2, &e_));
+  /* A worker fenced longer than a wait is in a long exact collective (perhaps waiting for
+   * this very worker): nothing to wait for. */
+  OK(rpl_gg_fence(gg, 1, &e_));
+  t += 1.0;
+  OK(rpl_gg_advance(gg, t, &e_));
   OK(rpl_gg_request(gg, 0, 3, &e_));
+  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "long-fenced partner: at once");
+  OK(rpl_gg_leave(gg, 1, &e_));
+  /* With every other worker gone there is nothing to wait for. */
+  OK(rpl_gg_request(gg, 0, 4, &e_));
   CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "alone in the job: at once");
   rpl_gg_destroy(gg);
 }
