@@ -317,7 +317,8 @@ def read_rank_logs(rank_dir: str, workers: int) -> dict:
                         continue
                     if rec.get("event") == "eval":
                         recs.append({k: rec.get(k) for k in ("step", "time", "loss", "acc",
-                                                              "batch_loss", "test_loss")})
+                                                              "batch_loss", "test_loss",
+                                                              "consensus")})
         except OSError:
             pass
         evals[str(r)] = recs
@@ -356,6 +357,18 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     m["comm_wait_frac"] = (cw[0] / fin["train_time"] if cw and fin.get("train_time") else None)
     m["level_counts"] = fin.get("level_counts")
     m["stats"] = fin.get("stats")
+    # did the workers really average? (None: not reported, e.g. results of an older version)
+    m["consensus"] = fin.get("consensus")
+    # at the evaluations, where measured (all workers at the same step: all-reduce,
+    # local/hierarchical SGD, static): local/hierarchical SGD stop right after a global
+    # average, so their drift shows here, not at the end
+    at_evals = [e["consensus"] for e in r0 if e.get("consensus") is not None]
+    m["consensus_eval_max"] = max(at_evals) if at_evals else None
+    shares = [x for x in fin.get("singleton_share") or [] if x is not None]
+    m["singleton_share_max"] = max(shares) if shares else None
+    m["singleton_share_mean"] = sum(shares) / len(shares) if shares else None
+    runs = [x for x in fin.get("singleton_run_max") or [] if x is not None]
+    m["singleton_run_max"] = max(runs) if runs else None
     return m
 
 
@@ -367,13 +380,29 @@ def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
+def fmt_share(m: dict) -> str:
+    """Groups of one in % of partial rounds: max over ranks / mean over ranks."""
+    hi, mean = m.get("singleton_share_max"), m.get("singleton_share_mean")
+    if hi is None:
+        return "-"
+    return f"{100 * hi:.0f} / {100 * mean:.0f}"
+
+
+def fmt_consensus(x, at_evals=None) -> str:
+    """The consensus distance at the end, and (in brackets) its maximum at the evaluations
+    where it was measured."""
+    out = "-" if x is None else format(x, ".2g")
+    return out if at_evals is None else f"{out} ({at_evals:.2g})"
+
+
 def table(rows, cfg) -> list[str]:
     ref = {k: next((r["metrics"] for r in rows if r["strategy"] == k and not r.get("error")),
                    {}) for k in (BASELINE, SECOND)}
     head = ("strategy", f"time to loss {cfg['target_loss']:g} (s)", "steps to loss",
             "x DDP (loss)", "x hier (loss)", f"time to {cfg['target_acc']:.0%} acc (s)",
             "x DDP (acc)", "all workers at acc (s)", "steps/s per worker (rank 0..)",
-            "comm+wait % (rank 0)", "final acc", "launch s")
+            "comm+wait % (rank 0)", "groups of one % (max / mean)",
+            "longest run of ones", "consensus end (max at evals)", "final acc", "launch s")
     body = []
     for r in rows:
         m = r["metrics"]
@@ -389,6 +418,8 @@ def table(rows, cfg) -> list[str]:
                      fmt(m["time_to_acc_all"]), " ".join(f"{x:.0f}" for x in sp),
                      fmt(None if m["comm_wait_frac"] is None else 100 * m["comm_wait_frac"],
                          ".0f"),
+                     fmt_share(m), fmt(m.get("singleton_run_max"), "d"),
+                     fmt_consensus(m.get("consensus"), m.get("consensus_eval_max")),
                      fmt(m["final_acc"], ".3f"), fmt(r.get("launch_s"), ".0f")))
     w = [max(len(str(row[i])) for row in body + [head]) for i in range(len(head))]
     lines = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |",
@@ -504,7 +535,9 @@ def main(argv=None) -> int:
                         f"{what}: FAILED ({res['error']})" if res.get("error") else
                         f"{what}: loss target at {fmt(m['time_to_loss'])} s, acc target at "
                         f"{fmt(m['time_to_acc'])} s, final acc {fmt(m['final_acc'], '.3f')}, "
-                        f"steps/s {m['steps_per_s']}, launch {res['launch_s']:.0f} s")
+                        f"steps/s {m['steps_per_s']}, groups of one % {fmt_share(m)}, "
+                        f"consensus {fmt_consensus(m['consensus'], m['consensus_eval_max'])}, "
+                        f"launch {res['launch_s']:.0f} s")
     finally:
         progress.close()
     total = time.perf_counter() - t_start
@@ -545,7 +578,8 @@ def speedup_cell(res: dict, base: dict, key: str, limit: float) -> str:
 
 
 def summary(args, out: dict, wl: str) -> list[str]:
-    """Scenario x strategy matrices: speedup to the loss target, and final accuracy."""
+    """Scenario x strategy matrices: speedup to the loss target, final accuracy, and groups
+    of one / consensus distance."""
     cfg = settings(args, wl)
     res = {(r["scenario"], r["strategy"]): r for r in out["results"] if r["workload"] == wl}
     head = ["scenario"] + list(args.strategies)
@@ -566,6 +600,27 @@ def summary(args, out: dict, wl: str) -> list[str]:
             cells.append("failed" if r is None or r.get("error")
                          else fmt(r["metrics"]["final_acc"], ".3f"))
         lines.append("| " + " | ".join([sc] + cells) + " |")
+    if all((r.get("metrics") or {}).get("consensus") is None for r in res.values()):
+        # results written before the runs reported these (--render of an old results.json)
+        return lines + ["", "(Groups of one and consensus distance: not recorded in these "
+                        "results.)", ""]
+    lines += ["", "Did the workers average? Groups of one in % of partial rounds (max over ranks; "
+              "`-`: no partial rounds) / consensus distance at the end (max over workers of "
+              "||x_i - mean|| / ||mean||; 0: identical models) and, in brackets, its maximum "
+              "at the evaluations where all workers evaluate at the same step:", "",
+              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for sc in args.plan[wl]:
+        cells = []
+        for st in args.strategies:
+            r = res.get((sc, st))
+            if r is None or r.get("error"):
+                cells.append("failed")
+                continue
+            m = r["metrics"]
+            share = m.get("singleton_share_max")
+            cells.append(f"{fmt(None if share is None else 100 * share, '.0f')} / "
+                         f"{fmt_consensus(m.get('consensus'), m.get('consensus_eval_max'))}")
+        lines.append("| " + " | ".join([sc] + cells) + " |")
     return lines + [""]
 
 
@@ -580,8 +635,10 @@ def report(args, out: dict) -> list[str]:
           "Times are rank 0's wall time of training (evaluations left out) to the first "
           "evaluation at the target; the loss is rank 0's model's on the whole training set. "
           "x DDP = time of DDP all-reduce on gloo / this strategy's; x hier = the same against "
-          "torch's hierarchical SGD (above 1: faster). See benchmarks/train.md for the "
-          "columns.", ""]
+          "torch's hierarchical SGD (above 1: faster). Groups of one = partial rounds in "
+          "which a worker averaged with nobody; consensus = max over workers of "
+          "||x_i - mean|| / ||mean|| at the end of training, before the final average. See "
+          "benchmarks/train.md for the columns.", ""]
     for wl in args.plan:
         cfg = settings(args, wl)
         md += [f"## Workload {wl}: {cfg['description']}", "",
@@ -621,6 +678,8 @@ def render(args) -> int:
     for k, v in out["config"].items():
         if k not in ("out", "render"):
             setattr(args, k, v)
+    for r in out["results"]:  # derived again from the stored records: the current metrics
+        r["metrics"] = metrics(r, settings(args, r["workload"]), args.workers)
     print("\n".join(report(args, out)))
     return 0
 

@@ -36,24 +36,47 @@ is agreed through a tiny exact all-reduce at steps where all workers meet anyway
 hierarchical SGD); with the dynamic schedules every worker stops on its own clock (no global
 barrier). The clock leaves evaluations out. At the end the models are averaged exactly once ("final" model).
 
+Consensus ("consensus"): whether the workers really averaged. The consensus distance is
+max over workers i of ||x_i - mean|| / ||mean||, x_i = worker i's floating-point parameters and
+buffers (flattened, float64), mean = their exact average: 0 when every worker holds the same
+model (all-reduce), growing as workers drift apart (a worker that averages with nobody does
+local SGD). Measured with one exact all-reduce of the model and one MAX all-reduce of a scalar,
+off the clock: at the end of training (before the final average), and at every evaluation
+where all workers evaluate at the same step (all-reduce, local/hierarchical SGD, the static
+schedule; --no-eval-consensus: only at the end). With the dynamic schedules workers evaluate at
+different steps, so only the end is measured (their evaluations record null). At those
+evaluations the workers first meet in a tiny all-reduce on the clock (skipped where the time
+limit agreement has just met), so that waiting for slower peers stays on the clock as it
+would at the next synchronisation point; only the measurement itself is left out.
+
 Simulated hosts (--sim-hosts H): rank r gets RIPPLES_HOST_ID=host<r // (W/H)>, so the ripples
 backend treats each block of W/H ranks as one host (TCP between blocks, shared memory inside)
 and the smart schedule's --inter-intra rule sees H hosts.
 
 Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.jsonl:
-  {"event": "eval", "rank", "step", "time", "loss", "acc", "batch_loss", "test_loss"}
+  {"event": "eval", "rank", "step", "time", "loss", "acc", "batch_loss", "test_loss",
+   "consensus"}
       every --eval-every steps: "time" is seconds of training (evaluations left out), "loss"
       this worker's model's loss on the whole training set (every shard), "acc" its test
-      accuracy, "batch_loss" the mean of its minibatch losses since the last evaluation
-  {"event": "summary", "rank", "steps", "train_time", "steps_per_s", "comm_wait_s", ...}
+      accuracy, "batch_loss" the mean of its minibatch losses since the last evaluation,
+      "consensus" the consensus distance at this step (null where not measured, see above)
+  {"event": "summary", "rank", "steps", "train_time", "steps_per_s", "comm_wait_s",
+   "consensus", "rounds", "singletons", "singleton_share", "singleton_run_max", ...}
   "comm_wait_s" estimates the time not spent computing: the sum over steps of (forward +
   backward + optimizer step) wall time minus the calibrated compute time of one step, so it
-  holds communication, waiting for slower peers, and contention for cores.
-  {"event": "final", "acc", "loss", "time_to_target", ...}   rank 0, after the final average
+  holds communication, waiting for slower peers, and contention for cores. "consensus" is the
+  consensus distance at the end of training (the same on every rank). "rounds",
+  "singletons" (groups of one), "singleton_share" (singletons / rounds; null without rounds)
+  and "singleton_run_max" (the longest run of consecutive rounds without a group of two or
+  more; null where ripples_pg.stats() does not report it) are this rank's partial rounds,
+  from ripples_pg.stats() (ripples strategy; null for the others).
+  {"event": "final", "acc", "loss", "time_to_target", "consensus", "singleton_share", ...}
+      rank 0, after the final average; the per-rank numbers are lists in rank order
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -105,6 +128,59 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     loss = F.cross_entropy(out, y).item()
     acc = (out.argmax(1) == y).float().mean().item()
     return loss, acc
+
+
+def exact_context(backend: str):
+    """A context in which all-reduces on the default group are exact: ripples_pg.exact() on
+    the ripples backend (in case partial mode is on for it), nothing to do elsewhere."""
+    if backend == "ripples":
+        import ripples_pg
+
+        return ripples_pg.exact()
+    return contextlib.nullcontext()
+
+
+def model_vector(module: nn.Module) -> torch.Tensor:
+    """The floating-point parameters and buffers of ``module``, flattened into one float64
+    vector (float64: the differences between workers' models can be tiny)."""
+    ts = [p.detach() for p in module.parameters()]
+    ts += [b.detach() for b in module.buffers() if b.is_floating_point()]
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in ts])
+
+
+@torch.no_grad()
+def consensus_distance(module: nn.Module, backend: str) -> float:
+    """max over workers i of ||x_i - mean|| / ||mean|| (x_i: worker i's model_vector, mean:
+    the exact average over the default group's workers). A collective: every rank calls it
+    at the same point. One exact all-reduce of the model, one MAX all-reduce of a scalar."""
+    x = model_vector(module)
+    mean = x.clone()
+    with exact_context(backend):
+        dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+        mean /= dist.get_world_size()
+        norm = mean.norm().item()
+        d = (x - mean).norm().item()
+        rel = torch.tensor([d / norm if norm > 0 else d], dtype=torch.float64)
+        dist.all_reduce(rel, op=dist.ReduceOp.MAX)
+    return rel.item()
+
+
+def round_stats(optimizer, strategy: str) -> dict:
+    """This rank's partial-round statistics for the summary (None for non-ripples
+    strategies, and where ripples_pg.stats() cannot tell)."""
+    out = {"rounds": None, "singletons": None, "singleton_share": None,
+           "singleton_run_max": None}
+    if strategy != "ripples":
+        return out
+    import ripples_pg
+
+    st = ripples_pg.stats(optimizer.group)
+    rounds, singles = st.get("rounds"), st.get("singletons")
+    out["rounds"], out["singletons"] = rounds, singles
+    if rounds and singles is not None:
+        out["singleton_share"] = round(singles / rounds, 5)
+    out["singleton_run_max"] = st.get("singleton_run_max")
+    return out
 
 
 # ----------------------------------------------------------------------------- stragglers
@@ -313,6 +389,9 @@ def parse_args(argv=None):
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="stop after this many seconds of training (0: no limit)")
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--no-eval-consensus", action="store_true",
+                   help="measure the consensus distance only at the end of training, not at "
+                        "every evaluation (where all workers evaluate at the same step)")
     p.add_argument("--target-acc", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None)
@@ -420,6 +499,9 @@ def run(args):
     # all workers stop together (allreduce, local/hierarchical SGD, static schedule: they
     # meet at global synchronisation points) or each on its own clock (dynamic schedules)
     sync_stop = global_sync_step(args, 0) is not None
+    # the consensus distance at every evaluation: only where every worker evaluates at the
+    # same step (a collective at an evaluation that only some workers make would hang)
+    eval_consensus = sync_stop and not args.no_eval_consensus
 
     def batches():
         while True:
@@ -452,23 +534,36 @@ def run(args):
         straggler.after_step(step)
         loss_n += 1
         stop = False
+        met = False  # all workers have just met in an exact collective on the clock
         if args.time_limit > 0 and sync_stop and global_sync_step(args, step):
             t_agree = time.perf_counter()
             flag = torch.tensor([float(clock() >= args.time_limit)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            with exact_context(backend):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())
             busy += time.perf_counter() - t_agree
+            met = True
         step += 1
         if step % args.eval_every == 0 or step == args.steps or stop:
+            consensus = None
+            if eval_consensus:
+                if not met:  # wait for slower peers on the clock, as a sync point would
+                    t_meet = time.perf_counter()
+                    with exact_context(backend):
+                        dist.all_reduce(torch.zeros(1), op=dist.ReduceOp.MAX)
+                    busy += time.perf_counter() - t_meet
             elapsed = clock()
             t_eval = time.perf_counter()
+            if eval_consensus:
+                consensus = consensus_distance(module, backend)
             test_loss, acc = evaluate(module, xte, yte)
             train_loss, _ = evaluate(module, xtr, ytr)  # the whole training set, all shards
             eval_s += time.perf_counter() - t_eval
             emit({"event": "eval", "rank": rank, "step": step, "time": round(elapsed, 4),
                   "loss": round(train_loss, 5), "acc": round(acc, 5),
                   "batch_loss": round(loss_sum / max(loss_n, 1), 5),
-                  "test_loss": round(test_loss, 5)})
+                  "test_loss": round(test_loss, 5),
+                  "consensus": None if consensus is None else float(f"{consensus:.6g}")})
             loss_sum, loss_n = 0.0, 0
             if time_to_target is None and acc >= args.target_acc:
                 time_to_target = elapsed
@@ -477,6 +572,8 @@ def run(args):
         if stop:
             break
     train_time = clock()
+    # off the clock, every rank (the dynamic schedules' fast workers wait here for the rest)
+    consensus = consensus_distance(module, backend)
     _, local_acc = evaluate(module, xte, yte)
     summary = {"event": "summary", "rank": rank, "strategy": args.strategy,
                "backend": backend, "steps": step, "train_time": round(train_time, 4),
@@ -485,7 +582,13 @@ def run(args):
                "compute_s": round(straggler.compute_s, 6),
                "comm_wait_s": round(max(0.0, busy - step * straggler.compute_s), 4),
                "straggler_sleep_s": round(straggler.slept, 4),
-               "slowed_steps": straggler.slowed_steps}
+               "slowed_steps": straggler.slowed_steps,
+               "consensus": float(f"{consensus:.6g}")}
+    try:
+        summary.update(round_stats(optimizer, args.strategy))
+    except Exception as e:  # noqa: BLE001 - stats are informative only
+        summary.update(round_stats(None, "none"))
+        summary["stats_error"] = repr(e)
     if args.strategy == "ripples":
         import ripples_pg
 
@@ -496,7 +599,8 @@ def run(args):
             try:
                 st = ripples_pg.stats(optimizer.group)
                 summary["stats"] = {k: st[k] for k in ("rounds", "reduced", "singletons",
-                                                       "skipped", "failed", "wait_s")
+                                                       "singleton_run_max", "skipped",
+                                                       "failed", "wait_s")
                                     if k in st}
                 if "group_sizes" in st:
                     summary["stats"]["group_sizes"] = st["group_sizes"]
@@ -505,7 +609,7 @@ def run(args):
     emit(summary, stdout=False)
 
     # the "final" model: one exact average over all workers (a no-op change for allreduce)
-    with torch.no_grad():
+    with torch.no_grad(), exact_context(backend):
         for p in module.parameters():
             dist.all_reduce(p.data, op=dist.ReduceOp.AVG)
     final_loss, final_acc = evaluate(module, xte, yte)
@@ -525,6 +629,11 @@ def run(args):
               "comm_wait_s": [s["comm_wait_s"] for s in summaries],
               "compute_s": [s["compute_s"] for s in summaries],
               "local_acc": [s["local_acc"] for s in summaries],
+              "consensus": summary["consensus"],
+              "rounds": [s["rounds"] for s in summaries],
+              "singletons": [s["singletons"] for s in summaries],
+              "singleton_share": [s["singleton_share"] for s in summaries],
+              "singleton_run_max": [s["singleton_run_max"] for s in summaries],
               "level_counts": summary.get("level_counts"), "stats": summary.get("stats")}
         emit(final, stdout=True)
     if logf:

@@ -3,7 +3,10 @@
 # slower, once with DDP's gradient all-reduce on gloo and once with Ripples (DDP on the
 # "ripples" backend + ripples_pg.wrap(), smart schedule, embedded coordinator). "5x slower": after
 # each step the straggler sleeps 4 step times of synchronous DDP (measured first). Prints a table:
-# time to the target accuracy, steps per second of each worker, final accuracy.
+# time to the target accuracy, steps per second of each worker, whether the workers really
+# averaged (the share of each worker's partial rounds that were groups of one, and the consensus
+# distance max_i ||x_i - mean|| / ||mean|| between the workers' models at the end of training),
+# final accuracy.
 #
 # Uses the active environment's Python (`make demo` activates .venv and builds first):
 #   PYTHON=.venv/bin/python bash scripts/demo.sh
@@ -80,11 +83,17 @@ for name, label in (("allreduce", "DDP all-reduce (gloo)"), ("ripples", "Ripples
     # time to target: the first evaluation of rank 0's own model at or above the target
     ttt = final.get("time_to_target")
     sps = final["steps_per_s"]
+    # groups of one: per rank, in % of its partial rounds ("-": no partial rounds)
+    shares = final.get("singleton_share") or []
+    ones = ("-" if not any(x is not None for x in shares) else
+            " ".join("-" if x is None else f"{100 * x:.0f}" for x in shares))
+    cons = final.get("consensus")
     rows.append((label, "-" if ttt is None else f"{ttt:.1f}",
-                 " ".join(f"{x:.0f}" for x in sps), f"{final['acc']:.3f}",
+                 " ".join(f"{x:.0f}" for x in sps), ones,
+                 "-" if cons is None else f"{cons:.2g}", f"{final['acc']:.3f}",
                  f"{final['train_time']:.0f}"))
 head = ("strategy", f"time to {target:.0%} acc (s)", "steps/s per worker (rank 0..)",
-        "final acc", "train s")
+        "groups of one % (rank 0..)", "consensus (end)", "final acc", "train s")
 w = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
 print(f"\n{workers} workers, straggler {straggler} (rank:factor), digits test accuracy of the "
       f"workers' averaged model at the end")
@@ -92,5 +101,7 @@ print("| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |")
 print("|" + "|".join("-" * (x + 2) for x in w) + "|")
 for r in rows:
     print("| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(r)) + " |")
+print("groups of one: partial rounds in which the worker averaged with nobody; consensus: "
+      "max over workers of ||x_i - mean|| / ||mean|| before the final average (0: identical)")
 print(f"\nlogs: {demo_dir}/<strategy>/rank<R>.jsonl (one JSON object per evaluation)")
 EOF
