@@ -30,7 +30,8 @@
  *   adpsgd  - random with pairs.
  *   smart   - a Global Division: every idle live worker (empty buffer, no lock) that passes the
  *             slowdown filter c_i - c_w < c_thres is partitioned into groups of about
- *             group_size; with inter_intra, an Inter then an Intra group per participant.
+ *             group_size; with inter_intra, an Inter then an Intra group per participant
+ *             (a group of one is left out: it would be a no-op round).
  *             Beyond the paper, the arrival filter also leaves out idle workers not expected
  *             to ask within the partner wait: without it a straggler drawn while computing
  *             holds its group (at 4 workers and groups of 3, the whole job) at its pace, and
@@ -595,7 +596,8 @@ static rpl_status generate_division(rpl_gg *gg, int w, int widen, rpl_error *err
     st = partition_create(gg, p, nheads, RPL_PHASE_INTER, 1, w, division, err);
     for (int h = 0; h < nh && st == RPL_OK; h++) {
       int lo = cnt[h] + 1, hi = cnt[h + 1];
-      if (hi <= lo) continue;
+      /* A lone non-head would average with nobody: it waits for its Intra group instead. */
+      if (hi - lo < 2) continue;
       shuffle(&gg->rng, by + lo, hi - lo);
       st = partition_create(gg, by + lo, hi - lo, RPL_PHASE_INTER, 0, w, division, err);
     }
@@ -603,9 +605,11 @@ static rpl_status generate_division(rpl_gg *gg, int w, int widen, rpl_error *err
     shuffle(&gg->rng, by, np);
     st = partition_create(gg, by, np, RPL_PHASE_INTER, 0, w, division, err);
   }
+  /* Intra groups of one are left out: their worker (a head, or the initiator alone) has its
+   * Inter group already, and its next request starts a division instead of a no-op round. */
   for (int h = 0; h < nh && st == RPL_OK; h++) {
     int lo = cnt[h], hi = cnt[h + 1];
-    if (hi > lo)
+    if (hi - lo >= 2)
       st = group_create(gg, by + lo, hi - lo, RPL_PHASE_INTRA, 0, 0, w, division, NULL, err);
   }
   return st;

@@ -173,6 +173,10 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
       CHECK(t->division == H.cur_div, "group outside its division");
       for (int i = 0; i < g->n; i++)
         CHECK(H.in_div[g->m[i]], "division group has non-participant %d", g->m[i]);
+      /* A group of one is a no-op round: only a division of one makes one. */
+      int ndiv = 0;
+      for (int r = 0; r < H.n; r++) ndiv += H.in_div[r];
+      CHECK(g->n > 1 || ndiv == 1, "a group of one in a division of %d", ndiv);
       if (H.inter_intra) {
         const rpl_layout *l = H.layout;
         int h0 = rpl_layout_host(l, g->m[0]);
