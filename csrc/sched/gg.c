@@ -112,6 +112,9 @@ struct rpl_gg {
   gg_event *ev;
   size_t ev_len, ev_cap, ev_pos;
   int *scratch_a, *scratch_b;  /* [n] */
+  uint64_t *scratch_c;         /* [n], for c_bulk */
+  uint64_t c_med;              /* c_bulk's value while !c_dirty */
+  int c_dirty;
   int *host_cnt;               /* [hosts + 1] */
   rpl_gg_stats st;
   void (*trace)(void *ctx, const rpl_gg_trace *t);
@@ -269,9 +272,11 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   gg->w = calloc((size_t)gg->n, sizeof *gg->w);
   gg->scratch_a = malloc(sizeof(int) * (size_t)gg->n);
   gg->scratch_b = malloc(sizeof(int) * (size_t)gg->n);
+  gg->scratch_c = malloc(sizeof(uint64_t) * (size_t)gg->n);
+  gg->c_dirty = 1;
   gg->host_cnt = calloc((size_t)rpl_layout_hosts(gg->layout) + 1, sizeof(int));
   gg->dq = malloc(sizeof(int) * (size_t)gg->n);
-  if (!gg->w || !gg->scratch_a || !gg->scratch_b || !gg->host_cnt || !gg->dq) {
+  if (!gg->w || !gg->scratch_a || !gg->scratch_b || !gg->scratch_c || !gg->host_cnt || !gg->dq) {
     rpl_gg_destroy(gg);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
@@ -308,6 +313,7 @@ void rpl_gg_destroy(rpl_gg *gg) {
   free(gg->ev);
   free(gg->scratch_a);
   free(gg->scratch_b);
+  free(gg->scratch_c);
   free(gg->host_cnt);
   free(gg->dq);
   rpl_layout_destroy(gg->layout);
@@ -508,9 +514,49 @@ static rpl_status generate_random(rpl_gg *gg, int w, rpl_error *err) {
   return group_create(gg, m, k + 1, RPL_PHASE_PLAIN, 0, 0, w, 0, NULL, err);
 }
 
-/* Slowdown filter (paper 5.3): x is far behind the initiator i. */
-static int filtered_out(const rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
-  return gg->c_thres >= 0 && i->c > x->c && i->c - x->c >= (uint64_t)gg->c_thres;
+/* The lower median of the request counts of the workers not gone: where the bulk of the job
+ * is. Recomputed when a count or the set of workers changed (O(n) selection). */
+static uint64_t c_bulk(rpl_gg *gg) {
+  if (!gg->c_dirty) return gg->c_med;
+  uint64_t *a = gg->scratch_c;
+  int k = 0;
+  for (int r = 0; r < gg->n; r++)
+    if (gg->w[r].state == RPL_WORKER_LIVE || gg->w[r].state == RPL_WORKER_FENCED)
+      a[k++] = gg->w[r].c;
+  uint64_t med = 0;
+  if (k > 0) { /* quickselect of the element of rank (k - 1) / 2 */
+    int lo = 0, hi = k - 1, want = (k - 1) / 2;
+    while (lo < hi) {
+      uint64_t pivot = a[(lo + hi) / 2];
+      int i = lo, j = hi;
+      while (i <= j) {
+        while (a[i] < pivot) i++;
+        while (a[j] > pivot) j--;
+        if (i <= j) {
+          uint64_t t = a[i];
+          a[i++] = a[j];
+          a[j--] = t;
+        }
+      }
+      if (want <= j) hi = j;
+      else if (want >= i) lo = i;
+      else break;
+    }
+    med = a[want];
+  }
+  gg->c_med = med;
+  gg->c_dirty = 0;
+  return med;
+}
+
+/* Slowdown filter (paper 5.3): x is far behind the initiator i -- and, beyond the paper, far
+ * behind the bulk of the job too. The paper's rule alone ratchets: a worker that got c_thres
+ * ahead (a few groups of one, a pause of the others) saw everyone as slow, went alone, and at
+ * equal speeds the counts never came back together. A straggler is behind both. */
+static int filtered_out(rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
+  if (gg->c_thres < 0 || i->c <= x->c || i->c - x->c < (uint64_t)gg->c_thres) return 0;
+  uint64_t bulk = c_bulk(gg);
+  return bulk > x->c && bulk - x->c >= (uint64_t)gg->c_thres;
 }
 
 static double partner_wait(const rpl_gg *gg);
@@ -682,7 +728,7 @@ static int available(rpl_gg *gg, int w, int widen) {
 
 /* Whether a worker w could group with is about to become available and is not far behind w:
  * fenced inside an exact collective, or (smart) live but busy in a group or not due yet. */
-static int others_coming(const rpl_gg *gg, int w, int widen) {
+static int others_coming(rpl_gg *gg, int w, int widen) {
   const gg_worker *me = &gg->w[w];
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
@@ -817,6 +863,7 @@ static void set_state(rpl_gg *gg, gg_worker *w, rpl_worker_state s) {
   if (w->state != RPL_WORKER_LIVE && s == RPL_WORKER_LIVE) gg->nlive++;
   gg->ngone += gone((uint8_t)s) - gone(w->state);
   w->state = (uint8_t)s;
+  gg->c_dirty = 1; /* the bulk's median is over the workers not gone */
 }
 
 /* Every event may change who is available to the deferred requests: re-check them. */
@@ -839,6 +886,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
   }
   if (!me->counted || me->last_round != round) {
     me->c++;
+    gg->c_dirty = 1;
     me->counted = 1;
     me->last_round = round;
     gg->st.requests++;
