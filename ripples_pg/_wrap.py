@@ -13,6 +13,13 @@ the model (exact gradient averaging for ``warmup_steps`` steps, then local gradi
 returns a :class:`RipplesOptimizer`: torch's ``PostLocalSGDOptimizer`` around ``optimizer``
 with a :class:`ripples_pg.RipplesAverager` whose step count the hook follows. Every rank of
 the default group must call it, at the same point of the program (it creates process groups).
+
+The averager averages the model's floating-point buffers (BatchNorm statistics) together with
+the parameters, so after warm-up ``wrap`` turns off DDP's per-forward buffer broadcast from
+rank 0 (``broadcast_buffers``), an exact collective every step: a global meeting point at rank
+0's pace and a fence at the Group Generator. It is on (if the user had it on) while the step is
+inside warm-up, also after loading a checkpoint from then. :meth:`RipplesOptimizer.unwrap` ends
+Ripples training: plain synchronous DDP again.
 """
 from __future__ import annotations
 
@@ -44,7 +51,8 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
     ``state_dict()`` holds the inner optimizer's state, the averager's ``step`` (as torch's
     ``PostLocalSGDOptimizer`` saves it) and ``"ripples"``: the averager's state; loading it
     restores the step of both the averager and the comm hook, so warm-up is not repeated and
-    the levels continue at the right step.
+    the levels continue at the right step (and DDP's buffer broadcast is on again for a step
+    inside warm-up).
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: RipplesAverager,
@@ -52,6 +60,34 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         super().__init__(optim, averager)
         self.hook_state = hook_state
         self.group = group
+        self.unwrapped = False
+
+    def unwrap(self, average: bool = True) -> torch.optim.Optimizer:
+        """Ends Ripples training and returns the inner optimizer: from now on the model is
+        plain synchronous DDP. The comm hook averages gradients exactly at every step (a DDP
+        model takes only one comm hook, so it stays registered), DDP's ``broadcast_buffers`` is
+        the user's again, and the averager no longer averages (this object's ``step()`` then
+        only steps the inner optimizer).
+
+        With ``average`` (default) the parameters, the floating-point buffers and every
+        optimizer state tensor shaped like its parameter (momentum, Adam moments) are first
+        averaged exactly over the DDP group, so that the replicas are identical, as synchronous
+        DDP assumes; then every rank of that group must call ``unwrap`` at the same point (an
+        exact collective on a ``ripples`` group, which also ends this worker's partial rounds
+        cleanly under a dynamic schedule). With ``average=False`` the replicas keep whatever
+        differences partial averaging left. A second call only returns the inner optimizer.
+        """
+        if self.unwrapped:
+            return self.optim
+        if average:
+            group = self.hook_state.process_group if self.hook_state is not None else None
+            self.averager.synchronize(self.param_groups, group=group)
+        if self.hook_state is not None:
+            self.averager.unlink_hook_state(self.hook_state)
+            self.hook_state.set_synchronous()
+        self.averager.detach()
+        self.unwrapped = True
+        return self.optim
 
     @property
     def defaults(self):
@@ -126,6 +162,15 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         average_optimizer_state: also average optimizer state (momentum buffers...).
         group: an existing ``ripples`` group for the partial rounds instead of a new one
             (then the schedule options must not be given).
+
+    Buffers: the averager averages the module's floating-point buffers (BatchNorm's running
+    statistics) with the parameters; integer buffers (``num_batches_tracked``) stay each
+    worker's own. DDP's ``broadcast_buffers`` is kept as given during warm-up and turned off
+    after it (back on if a checkpoint inside warm-up is loaded).
+
+    Ending: ``optimizer.unwrap()`` (:meth:`RipplesOptimizer.unwrap`) returns the inner
+    optimizer and makes the model plain synchronous DDP again (exact gradient all-reduce, the
+    original ``broadcast_buffers``), after an exact average of the replicas by default.
     """
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
@@ -201,13 +246,15 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         hgroup = host_group(ddp_group)
     averager = RipplesAverager(group, levels=levels, warmup_steps=warmup_steps,
                                host_group=hgroup, world_group=ddp_group, optimizer=optimizer,
-                               average_optimizer_state=average_optimizer_state)
+                               average_optimizer_state=average_optimizer_state,
+                               module=ddp_model.module)
     state = RipplesHookState(ddp_group, warmup_steps=warmup_steps, post_warmup=post_warmup,
-                             host_group=hgroup)
+                             host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)
     try:
         ddp_model.register_comm_hook(state, ripples_hook)
     except RuntimeError as e:
+        ddp_model.broadcast_buffers = state.user_broadcast_buffers  # as it was before wrap()
         raise RuntimeError(f"ripples_pg.wrap: could not register the comm hook ({e}); a DDP "
                            f"model takes one comm hook, so wrap() it only once and do not "
                            f"register another hook") from e

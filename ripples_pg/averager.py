@@ -21,6 +21,15 @@ later (``model.to()``, say), the layout is rebuilt on the next step. Optimizer s
 shaped like their parameter (momentum buffers, Adam moments) can be averaged in the same round
 (``average_optimizer_state``); they are copied into a tail of the flat buffers and back.
 
+Buffers. Given the module (``module=``; for DDP ``ddp_model.module``), the averager also
+averages its floating-point buffers (BatchNorm's ``running_mean`` / ``running_var``) in the same
+call as the parameters, at every level; like optimizer state they are copied into the tail of
+the flat buffers of their dtype, so buffers of the parameters' dtype add no call and no round.
+Integer buffers (BatchNorm's ``num_batches_tracked``) are not averaged: each worker keeps its own
+count. A buffer replaced by user code (``module.running_mean = t``) is picked up at the next
+step. With buffers averaged, DDP's per-forward buffer broadcast from rank 0 is not needed after
+warm-up, and ``ripples_pg.wrap()`` turns it off then (``ripples_pg.hooks``).
+
 Ending training with a dynamic schedule (``random``, ``smart``, ``adpsgd``): a worker's
 partners can be placed in a group with it that it has not served yet, so a worker that has done
 its last partial round should next call a collective on a ``ripples`` group (a final exact
@@ -141,19 +150,19 @@ def _all_reduce_one_call(tensors: List[torch.Tensor], op, group) -> None:
 
 
 class _Layout:
-    """Flat per-dtype buffers; parameters alias their head, optimizer state is copied to the
-    tail."""
+    """Flat per-dtype buffers; parameters alias their head, *extras* (optimizer state, module
+    buffers) are copied to the tail before the reduction and back after it."""
 
-    def __init__(self, params: List[torch.Tensor], states: List[torch.Tensor]):
+    def __init__(self, params: List[torch.Tensor], extras: List[torch.Tensor]):
         self.params = params
-        self.states = states
+        self.extras = extras
         by_dtype: "OrderedDict[torch.dtype, List[torch.Tensor]]" = OrderedDict()
-        for t in params + states:
+        for t in params + extras:
             by_dtype.setdefault(t.dtype, []).append(t)
         self.flats: List[torch.Tensor] = []
         self.param_views: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.state_views: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        state_ids = {id(s) for s in states}
+        self.extra_views: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        extra_ids = {id(e) for e in extras}
         for dtype, ts in by_dtype.items():
             total = sum(t.numel() for t in ts)
             flat = torch.empty(total, dtype=dtype, device=ts[0].device)
@@ -162,8 +171,8 @@ class _Layout:
                 n = t.numel()
                 view = flat[off:off + n].view(t.shape)
                 view.copy_(t.detach())
-                if id(t) in state_ids:
-                    self.state_views.append((t, view))
+                if id(t) in extra_ids:
+                    self.extra_views.append((t, view))
                 else:
                     self.param_views.append((t, view))
                 off += n
@@ -171,27 +180,29 @@ class _Layout:
         for p, view in self.param_views:
             p.data = view
         self.ptrs = [p.data_ptr() for p in params]
+        # an extra whose .data was swapped for one of another shape no longer fits its view
+        self.extra_shapes = [e.shape for e in extras]
         self.numel = sum(f.numel() for f in self.flats)
         self.bytes = sum(f.numel() * f.element_size() for f in self.flats)
 
-    def valid_for(self, params: List[torch.Tensor], states: List[torch.Tensor]) -> bool:
-        if len(params) != len(self.params) or len(states) != len(self.states):
+    def valid_for(self, params: List[torch.Tensor], extras: List[torch.Tensor]) -> bool:
+        if len(params) != len(self.params) or len(extras) != len(self.extras):
             return False
         for a, b, ptr in zip(params, self.params, self.ptrs):
             if a is not b or a.data_ptr() != ptr:
                 return False
-        for a, b in zip(states, self.states):
-            if a is not b:
+        for a, b, shape in zip(extras, self.extras, self.extra_shapes):
+            if a is not b or a.shape != shape:
                 return False
         return True
 
-    def pack_states(self) -> None:
-        for s, view in self.state_views:
-            view.copy_(s.detach())
+    def pack_extras(self) -> None:
+        for e, view in self.extra_views:
+            view.copy_(e.detach())
 
-    def unpack_states(self) -> None:
-        for s, view in self.state_views:
-            s.detach().copy_(view)
+    def unpack_extras(self) -> None:
+        for e, view in self.extra_views:
+            e.detach().copy_(view)
 
 
 class RipplesAverager(ModelAverager):
@@ -216,6 +227,10 @@ class RipplesAverager(ModelAverager):
         average_optimizer_state: also average optimizer state tensors shaped like their
             parameter: ``True`` for all of them (``momentum_buffer``, ``exp_avg``,
             ``exp_avg_sq``, ...), or a list of state keys.
+        module: the model (an ``nn.Module``; for DDP pass ``ddp_model.module``) whose
+            floating-point buffers (BatchNorm's ``running_mean``, ``running_var``) are averaged
+            in the same call as the parameters, at every level. Integer buffers
+            (``num_batches_tracked``) are not averaged: each worker keeps its own.
 
     ``step`` counts calls of :meth:`average_parameters` (one per optimizer step), as in torch's
     averagers. ``counts`` holds how many times each level ran.
@@ -223,7 +238,8 @@ class RipplesAverager(ModelAverager):
 
     def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
                  host_group=None, world_group=None, optimizer: Optional[torch.optim.Optimizer]
-                 = None, average_optimizer_state: Union[bool, Sequence[str]] = False):
+                 = None, average_optimizer_state: Union[bool, Sequence[str]] = False,
+                 module: Optional[torch.nn.Module] = None):
         self._hook_states: list = []
         super().__init__(process_group)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
@@ -248,8 +264,13 @@ class RipplesAverager(ModelAverager):
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ripples_pg.RipplesAverager: optimizer must be a "
                             f"torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"ripples_pg.RipplesAverager: module must be a torch.nn.Module "
+                            f"(for DDP, ddp_model.module), got {type(module).__name__}")
         if isinstance(average_optimizer_state, str):
             average_optimizer_state = [average_optimizer_state]
+        self.module = module
+        self.detached = False
         self.optimizer = optimizer
         self.average_optimizer_state = average_optimizer_state
         self.world_group = world_group if world_group is not None else self.process_group
@@ -271,20 +292,35 @@ class RipplesAverager(ModelAverager):
     def step(self, value: int) -> None:
         self._step = int(value)
         for st in getattr(self, "_hook_states", ()):
-            st.iter = self._step
+            st.step = self._step  # also switches the DDP buffer broadcast (warm-up or not)
 
     def link_hook_state(self, state) -> None:
         """Makes ``state`` (a :class:`ripples_pg.hooks.RipplesHookState`) follow this
         averager's step count."""
         state.averager = self
-        state.iter = self._step
+        state.step = self._step
         if state not in self._hook_states:
             self._hook_states.append(state)
+
+    def unlink_hook_state(self, state) -> None:
+        """Undoes :meth:`link_hook_state`: ``state`` counts its own steps again."""
+        if state in self._hook_states:
+            self._hook_states.remove(state)
+        if getattr(state, "averager", None) is self:
+            state.averager = None
+
+    def detach(self) -> None:
+        """Stops averaging for good: later :meth:`average_parameters` calls only count the
+        step. Used by ``RipplesOptimizer.unwrap()``."""
+        for st in list(self._hook_states):
+            self.unlink_hook_state(st)
+        self.detached = True
+        self._layout = None  # the parameters keep their storage (views of the flat buffers)
 
     # -- levels
     def level_at(self, step: int) -> Optional[str]:
         """The level that runs at ``step`` (None: no averaging)."""
-        if step < self.warmup_steps:
+        if self.detached or step < self.warmup_steps:
             return None
         for period in reversed(self._periods):
             if step % period == 0:
@@ -310,6 +346,15 @@ class RipplesAverager(ModelAverager):
                     out.append(v)
         return out
 
+    def _buffer_tensors(self) -> List[torch.Tensor]:
+        """The module's floating-point, strided buffers, deduplicated, in ``named_buffers()``
+        order; integer buffers (``num_batches_tracked``) stay each worker's own."""
+        if self.module is None:
+            return []
+        # named_buffers() skips duplicates (a buffer shared by two submodules) itself
+        return [b for _, b in self.module.named_buffers()
+                if b.is_floating_point() and b.layout == torch.strided]
+
     def _layout_for(self, params) -> Optional[_Layout]:
         plist = []
         for p in _params_of(params):
@@ -319,14 +364,18 @@ class RipplesAverager(ModelAverager):
                 self._skipped_nonfloat = True
                 warnings.warn("ripples_pg.RipplesAverager: non-floating or sparse parameters "
                               "are not averaged", stacklevel=3)
-        if not plist:
+        pids = {id(p) for p in plist}
+        # a buffer that is also a parameter (unusual, but legal) is averaged once, as such
+        extras = self._state_tensors(plist) + [b for b in self._buffer_tensors()
+                                               if id(b) not in pids]
+        if not plist and not extras:
             return None
-        states = self._state_tensors(plist)
         lay = self._layout
-        if lay is None or not lay.valid_for(plist, states):
+        if lay is None or not lay.valid_for(plist, extras):
             if lay is not None:
-                logger.info("ripples_pg.RipplesAverager: parameter layout changed; re-flattening")
-            lay = self._layout = _Layout(plist, states)
+                logger.info("ripples_pg.RipplesAverager: parameter, state or buffer layout "
+                            "changed; re-flattening")
+            lay = self._layout = _Layout(plist, extras)
         return lay
 
     def average_parameters(self, params) -> None:
@@ -353,7 +402,7 @@ class RipplesAverager(ModelAverager):
         lay = self._layout_for(params)
         if lay is None:
             return
-        lay.pack_states()
+        lay.pack_extras()
         if level == "partial":
             import ripples_pg
 
@@ -366,7 +415,41 @@ class RipplesAverager(ModelAverager):
             else:  # exact: one call per dtype is fine (and works on any backend)
                 for flat in lay.flats:
                     dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
-        lay.unpack_states()
+        lay.unpack_extras()
+
+    def synchronize(self, params, group=None) -> None:
+        """Exact average over ``group`` (default: the ``"world"`` level's group) of ``params``,
+        the module's floating-point buffers and *every* optimizer state tensor shaped like its
+        parameter (whether or not ``average_optimizer_state`` is set): afterwards the replicas
+        are identical, as synchronous DDP assumes. Every rank of ``group`` must call it."""
+        group = group if group is not None else self.world_group
+        if dist._rank_not_in_group(group):
+            return
+        plist = [p for p in _params_of(params)
+                 if p.is_floating_point() and p.layout == torch.strided]
+        tensors = list(plist)
+        if self.optimizer is not None:
+            for p in plist:
+                for k in sorted(self.optimizer.state.get(p) or {}, key=str):
+                    v = self.optimizer.state[p][k]
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                            v.shape == p.shape and v.device == p.device:
+                        tensors.append(v)
+        ids = {id(t) for t in tensors}
+        tensors += [b for b in self._buffer_tensors() if id(b) not in ids]
+        by_kind: "OrderedDict[tuple, List[torch.Tensor]]" = OrderedDict()
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        ctx = _exact() if _is_ripples(group) else contextlib.nullcontext()
+        with ctx:
+            for ts in by_kind.values():  # a few calls, once: no need for the flat layout
+                flat = torch.cat([t.detach().reshape(-1) for t in ts])
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
+                off = 0
+                for t in ts:
+                    n = t.numel()
+                    t.detach().copy_(flat[off:off + n].view(t.shape))
+                    off += n
 
     # -- checkpointing (PostLocalSGDOptimizer saves only ``step``)
     def state_dict(self) -> dict:

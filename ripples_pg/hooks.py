@@ -18,6 +18,17 @@ Usage::
 
 ``ripples_pg.wrap()`` does this (and links the state to its averager) for you.
 
+Buffers. DDP broadcasts the module's buffers (BatchNorm statistics) from rank 0 before every
+forward (``broadcast_buffers``): an exact collective each step, i.e. a global meeting point at
+rank 0's pace and a fence at the Group Generator. Given the DDP model (``ddp_model=``, as
+``wrap()`` does), the state keeps that broadcast as the user set it during warm-up and turns it
+off afterwards, when the averager averages the buffers together with the parameters. It follows
+the step, so restoring a step inside warm-up turns it back on.
+
+Ending. :meth:`RipplesHookState.set_synchronous` makes the hook average gradients exactly over
+the process group from then on (plain synchronous DDP; a DDP model takes only one comm hook, so
+it cannot be swapped for the default one) and restores the user's ``broadcast_buffers``.
+
 Counting steps. A DDP comm hook is called once per gradient bucket; the number of buckets and
 their indices change after the first iteration (DDP rebuilds its buckets). The state counts
 one step per backward pass on the bucket for which ``bucket.is_last()`` holds, which is the
@@ -29,6 +40,7 @@ optimizer steps taken so far. That stays right with gradient accumulation and is
 """
 import contextlib
 import logging
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -132,10 +144,17 @@ class RipplesHookState:
         averager: optional :class:`ripples_pg.RipplesAverager` (or any object with a
             ``step`` attribute counting optimizer steps) whose step count the hook uses
             instead of counting backward passes itself.
+        ddp_model: optional, the ``DistributedDataParallel`` model the hook is registered on.
+            Its per-forward buffer broadcast (``broadcast_buffers``) is then a function of the
+            step: as the user set it (read here) while in warm-up, off afterwards (the
+            averager averages the buffers instead). Only a weak reference is kept.
+
+    ``synchronous`` (see :meth:`set_synchronous`): exact gradient averaging at every step,
+    whatever the step, and the user's ``broadcast_buffers``.
     """
 
     def __init__(self, process_group=None, warmup_steps: int = 0, post_warmup: str = "local",
-                 host_group=None, averager=None):
+                 host_group=None, averager=None, ddp_model=None):
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
             raise TypeError(f"ripples_pg.hooks: warmup_steps must be an int >= 0, got "
                             f"{warmup_steps!r}")
@@ -156,6 +175,19 @@ class RipplesHookState:
             host_group = globals()["host_group"](process_group)
         self.host_group = host_group
         self._announced = False
+        self.synchronous = False
+        # The DDP model holds this state through its C++ reducer, which the garbage collector
+        # cannot see through: a strong reference back would keep the model alive forever.
+        self._ddp = None
+        self.user_broadcast_buffers: Optional[bool] = None
+        if ddp_model is not None:
+            if not hasattr(ddp_model, "broadcast_buffers"):
+                raise TypeError(f"ripples_pg.hooks: ddp_model must be a "
+                                f"DistributedDataParallel model, got "
+                                f"{type(ddp_model).__name__}")
+            self._ddp = weakref.ref(ddp_model)
+            self.user_broadcast_buffers = bool(ddp_model.broadcast_buffers)
+            self._sync_buffer_broadcast()
 
     @property
     def step(self) -> int:  # noqa: D401
@@ -167,14 +199,43 @@ class RipplesHookState:
     @step.setter
     def step(self, value: int) -> None:
         self.iter = int(value)
+        self._sync_buffer_broadcast(self.iter)
 
     @property
     def in_warmup(self) -> bool:
         return self.step < self.warmup_steps
 
+    @property
+    def ddp_model(self):
+        """The DDP model given as ``ddp_model=`` (None if none, or if it no longer exists)."""
+        return self._ddp() if self._ddp is not None else None
+
+    def _sync_buffer_broadcast(self, step: Optional[int] = None) -> None:
+        """Sets the DDP model's ``broadcast_buffers`` for ``step`` (default: the current
+        step): the user's value during warm-up or when synchronous, else off."""
+        ddp = self.ddp_model
+        if ddp is None:
+            return
+        if step is None:
+            step = self.step
+        want = bool(self.user_broadcast_buffers) and (self.synchronous or
+                                                      step < self.warmup_steps)
+        if bool(ddp.broadcast_buffers) != want:
+            ddp.broadcast_buffers = want
+            logger.info("ripples_pg: DDP buffer broadcast %s at step %d",
+                        "on" if want else "off", step)
+
+    def set_synchronous(self) -> None:
+        """From now on: exact gradient average over ``process_group`` at every step (plain
+        synchronous DDP) and the user's ``broadcast_buffers``. Used by
+        ``RipplesOptimizer.unwrap()``."""
+        self.synchronous = True
+        self._sync_buffer_broadcast()
+
     def _count(self, bucket) -> None:
         if bucket.is_last():
             self.iter += 1
+            self._sync_buffer_broadcast(self.iter)  # before the next forward
 
     def state_dict(self) -> dict:
         return {"iter": self.iter, "warmup_steps": self.warmup_steps,
@@ -182,21 +243,27 @@ class RipplesHookState:
 
     def load_state_dict(self, sd: dict) -> None:
         self.iter = int(sd["iter"])
+        self._sync_buffer_broadcast()
 
-    # DDP pickles the state when the model is pickled; groups cannot be.
+    # DDP pickles the state when the model is pickled; groups cannot be (nor weak references).
     def __getstate__(self):
         d = dict(self.__dict__)
         d["process_group"] = None
         d["host_group"] = None
         d["averager"] = None
+        d["_ddp"] = None
         return d
 
     def __setstate__(self, d):
+        d.setdefault("synchronous", False)
+        d.setdefault("_ddp", None)
+        d.setdefault("user_broadcast_buffers", None)
         self.__dict__.update(d)
 
     def __repr__(self) -> str:
+        sync = ", synchronous" if self.synchronous else ""
         return (f"RipplesHookState(warmup_steps={self.warmup_steps}, "
-                f"post_warmup={self.post_warmup!r}, step={self.step})")
+                f"post_warmup={self.post_warmup!r}, step={self.step}{sync})")
 
 
 # ----------------------------------------------------------------------------- the hook
@@ -218,9 +285,10 @@ def _done(tensor: torch.Tensor) -> torch.futures.Future:
 
 def ripples_hook(state: RipplesHookState,
                  bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: exact gradient average during warm-up, then local (or intra-host)."""
+    """DDP comm hook: exact gradient average during warm-up, then local (or intra-host);
+    exact at every step once the state is synchronous."""
     buf = bucket.buffer()
-    warm = state.in_warmup
+    warm = state.in_warmup or state.synchronous
     if state.averager is None:
         state._count(bucket)
     if warm:
