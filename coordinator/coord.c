@@ -179,6 +179,10 @@ void rpl_coord_destroy(rpl_coord *c) {
 const char *rpl_coord_endpoint(const rpl_coord *c) { return c->endpoint; }
 const char *rpl_coord_token(const rpl_coord *c) { return c->core.token_hex; }
 
+int rpl_coord_active_workers(const rpl_coord *c, int except_rank) {
+  return coord_core_active(&c->core, except_rank);
+}
+
 void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out) {
   coord_core *k = (coord_core *)&c->core;
   out->messages = atomic_load(&k->messages);

@@ -27,9 +27,10 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
   core->join_ms = cfg->join_ms == 0 ? 120000 : cfg->join_ms;
   core->w = calloc((size_t)core->nworkers, sizeof *core->w);
   core->members = malloc(sizeof(int) * (size_t)core->nworkers);
+  core->gone = calloc((size_t)core->nworkers, sizeof *core->gone);
   core->out_cap = RPL_PROTO_HEADER + 20 + 4 * (size_t)core->nworkers + RPL_PROTO_MAX_TEXT + 4;
   core->out = malloc(core->out_cap);
-  if (!core->w || !core->members || !core->out) {
+  if (!core->w || !core->members || !core->out || !core->gone) {
     coord_core_free(core);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   }
@@ -42,6 +43,8 @@ void coord_core_free(coord_core *core) {
   free(core->w);
   free(core->members);
   free(core->out);
+  free((void *)core->gone);
+  core->gone = NULL;
   core->gg = NULL;
   core->w = NULL;
   core->members = NULL;
@@ -103,6 +106,15 @@ static void flush_events(coord_core *core) {
     }
     reply(core, w->route, w->route_len, &m, core->members);
   }
+}
+
+/* Publishes whether worker w has left or died, for coord_core_active. */
+static void note_state(coord_core *core, int w) {
+  rpl_gg_worker_info info;
+  rpl_error err;
+  if (rpl_gg_worker(core->gg, w, &info, &err) != RPL_OK) return;
+  int gone = info.state == RPL_WORKER_LEFT || info.state == RPL_WORKER_DEAD;
+  atomic_store_explicit(&core->gone[w], (unsigned char)gone, memory_order_release);
 }
 
 void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
@@ -217,7 +229,15 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   (void)st; /* fence/unfence after leave: nothing to undo; the worker learns on its request */
   w->seen = 1;
   w->last_seen = now;
+  note_state(core, m.rank); /* a leave, or a dead worker back */
   flush_events(core);
+}
+
+int coord_core_active(const coord_core *core, int except_rank) {
+  int k = 0;
+  for (int i = 0; i < core->nworkers; i++)
+    k += i != except_rank && !atomic_load_explicit(&core->gone[i], memory_order_acquire);
+  return k;
 }
 
 double coord_core_advance(coord_core *core, double now) {
@@ -241,6 +261,7 @@ void coord_core_tick(coord_core *core, double now) {
     if (dead) {
       rpl_gg_dead(core->gg, i, &err);
       atomic_fetch_add(&core->dead_declared, 1);
+      note_state(core, i);
       changed = 1;
     }
   }

@@ -39,6 +39,7 @@ typedef struct coord_core {
   coord_send_fn send;
   void *send_ctx;
   atomic_ullong messages, malformed, bad_token, errors_sent, dead_declared, send_failures;
+  atomic_uchar *gone;           /* [nworkers]: left or dead, readable from other threads */
 } coord_core;
 
 rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err);
@@ -51,6 +52,8 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
 double coord_core_advance(coord_core *core, double now);
 /* Declares dead the workers silent for too long. */
 void coord_core_tick(coord_core *core, double now);
+/* Workers neither left nor dead, not counting `except_rank` (-1: count all). Any thread. */
+int coord_core_active(const coord_core *core, int except_rank);
 /* The status document (malloc'd JSON, caller frees), or NULL when out of memory. */
 char *coord_core_status_json(coord_core *core, double now, size_t *len);
 

@@ -43,6 +43,12 @@ const char *rpl_coord_endpoint(const rpl_coord *c);
 /* The job token as 32 hex digits. */
 const char *rpl_coord_token(const rpl_coord *c);
 
+/* How many workers have neither left nor been declared dead, not counting `except_rank`
+ * (-1: count all). Readable from any thread while the service runs: an embedding process
+ * waits on it before it stops the service, so that workers still training keep their
+ * coordinator. */
+int rpl_coord_active_workers(const rpl_coord *c, int except_rank);
+
 typedef struct rpl_coord_counters {
   uint64_t messages;       /* received, valid or not */
   uint64_t malformed;      /* dropped: failed parsing, wrong framing, unexpected type */

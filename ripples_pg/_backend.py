@@ -10,6 +10,8 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import sys
+import time
 import warnings
 from typing import Any, Optional
 
@@ -65,7 +67,7 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     size = int(dist_backend_opts.group_size)
     host_label = opts.host_id if opts.host_id is not None else socket.gethostname()
     host_of = _exchange_hosts(store, rank, size, host_label)
-    endpoint, token = _find_coordinator(store, rank, size, opts, host_of)
+    endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s)
     return _C._create_backend(
         store,
         rank,
@@ -118,20 +120,80 @@ def _host_key(label: str) -> str:
 
 # ----------------------------------------------------------------------------- coordinator
 
-# Coordinators this process started for its groups (embedded mode). They must outlive every
-# partial round of their group, so they live until the interpreter exits.
+# Coordinators this process started for its groups (embedded mode), with their group's
+# timeout. They must outlive every partial round of their group -- also the rounds of workers
+# still training after this one finished -- so they are stopped only at interpreter exit, once
+# the other workers have left or died (bounded by the timeout).
 _embedded_coordinators: list = []
+
+# How long an exiting process waits silently for the others before it says why it waits.
+_DRAIN_QUIET_S = 2.0
+
+
+def _leave_own_schedules() -> None:
+    """At exit: this process's ``ripples`` backends shut down, as ``destroy_process_group``
+    would, so that their workers leave the Group Generator instead of looking idle to it (a
+    coordinator would otherwise group the others with a worker that never asks again)."""
+    try:
+        import torch
+        from torch.distributed import distributed_c10d as c10d
+
+        from . import _C
+
+        groups = list(getattr(c10d._world, "pg_map", {}))
+    except Exception:  # noqa: BLE001 - torch's internals moved: destroy_process_group is the way
+        return
+    for pg in groups:
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+        except Exception:  # noqa: BLE001 - a group without a cpu backend
+            continue
+        if isinstance(backend, _C.ProcessGroupRipples):
+            try:
+                backend.shutdown()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+
+
+def _drain(coord: Any, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Waits until every worker of ``coord`` other than rank 0 (this process) has left or been
+    declared dead, at most ``timeout_s``; says so once on stderr if that takes a while."""
+    start = time.monotonic()
+    said = False
+    while True:
+        try:
+            active = coord.active_workers(0)
+        except Exception:  # noqa: BLE001 - closed already
+            return
+        if active == 0:
+            return
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            print(f"ripples_pg: stopping the group generator after {timeout_s:.0f} s with "
+                  f"{active} worker(s) still registered", file=sys.stderr, flush=True)
+            return
+        if not said and waited >= _DRAIN_QUIET_S:
+            print(f"ripples_pg: this process embeds the group generator; it keeps serving "
+                  f"until the other workers finish ({active} still training, at most "
+                  f"{timeout_s - waited:.0f} s more)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(poll_s)
 
 
 def _stop_embedded() -> None:
+    if _embedded_coordinators:
+        _leave_own_schedules()
     while _embedded_coordinators:
+        coord, timeout_s = _embedded_coordinators.pop()
         try:
-            _embedded_coordinators.pop().close()
+            _drain(coord, timeout_s)
+            coord.close()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
 
 
-def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: list):
+def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: list,
+                      timeout_s: float):
     """(endpoint, token) of the coordinator of this group; ("", "") for the static schedule."""
     if opts.schedule == "static":
         return "", ""
@@ -156,7 +218,7 @@ def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: 
             max_isolated=opts.max_isolated if opts.max_isolated is not None else 0)
         if not _embedded_coordinators:
             atexit.register(_stop_embedded)
-        _embedded_coordinators.append(c)
+        _embedded_coordinators.append((c, timeout_s))
     return coordinator.lookup(store)
 
 

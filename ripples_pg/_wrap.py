@@ -37,7 +37,10 @@ __all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "WRAP_DEFAULTS"]
 
 DEFAULT_WARMUP_STEPS = 50
 # Defaults of the partial group wrap() creates (an argument or RIPPLES_* variable wins).
-WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3}
+# on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
+# missed averaging step -- the buffers are left as they were, atomically -- while raising would
+# end the training of every survivor. Exact collectives still raise.
+WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip"}
 
 # Options fields wrap() forwards to the partial group it creates.
 _GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinator", "timeout",
@@ -150,8 +153,11 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         schedule, group_size, c_thres, inter_intra, coordinator, timeout, on_failure, seed,
             trace: ``ripples_pg.Options`` of the partial group that ``wrap`` creates over the
             DDP group's ranks (``None``: the ``RIPPLES_*`` environment, else the default).
-            ``wrap``'s defaults: the straggler-aware ``"smart"`` schedule, groups of 3, and
-            the DDP group's timeout (``init_process_group(timeout=...)``).
+            ``wrap``'s defaults: the straggler-aware ``"smart"`` schedule, groups of 3,
+            ``on_failure="skip"`` (a partial round that fails because a partner died is a
+            missed averaging step, counted in ``ripples_pg.stats()``, not the end of
+            training; exact collectives still raise) and the DDP group's timeout
+            (``init_process_group(timeout=...)``).
         warmup_steps: steps of exact synchronous SGD before model averaging starts (default
             ``DEFAULT_WARMUP_STEPS`` = 50; a few percent of training is typical).
         levels: the averager's ``{period: level}`` (see :class:`ripples_pg.RipplesAverager`);

@@ -433,7 +433,16 @@ static PyObject *Coord_counters(CoordObject *o, PyObject *unused) {
                        (unsigned long long)k.send_failures);
 }
 
+static PyObject *Coord_active_workers(CoordObject *o, PyObject *args) {
+  COORD_READY(o);
+  int except_rank = -1;
+  if (!PyArg_ParseTuple(args, "|i", &except_rank)) return NULL;
+  return PyLong_FromLong(rpl_coord_active_workers(o->c, except_rank));
+}
+
 static PyMethodDef Coord_methods[] = {
+    {"active_workers", (PyCFunction)Coord_active_workers, METH_VARARGS,
+     "active_workers(except_rank=-1): workers neither left nor dead"},
     {"start", (PyCFunction)Coord_start, METH_NOARGS, "serve on a background thread"},
     {"run", (PyCFunction)Coord_run, METH_NOARGS, "serve on this thread until stop()"},
     {"stop", (PyCFunction)Coord_stop, METH_NOARGS, "stop serving (joins the thread)"},
