@@ -371,6 +371,46 @@ def run_spawn(fn, world_size, *args, backend=BACKEND, init=True, pg_timeout=PG_T
     return res
 
 
+# ------------------------------------------------------------ workers spawned directly
+
+# Fault and lifetime tests spawn their workers themselves (a pool would restart the one that
+# dies, torchrun would end the job): these two helpers are what they share.
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT or an endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def collect_reports(procs, results, n, timeout, stop_on_failure=False) -> dict:
+    """Reads up to ``n`` report dicts (each with a ``"rank"``) from the queue ``results``,
+    then waits for ``procs`` to exit, all within ``timeout`` seconds; kills what is still
+    running at the end. ``stop_on_failure``: stop reading once a process exited non-zero.
+    Returns {rank: report}."""
+    got = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < n and time.monotonic() < deadline:
+            try:
+                r = results.get(timeout=1.0)
+                got[r["rank"]] = r
+            except queue.Empty:
+                if stop_on_failure and any(p.exitcode not in (None, 0) for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got
+
+
 # ----------------------------------------------------------------------------- comparisons
 
 

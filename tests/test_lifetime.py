@@ -8,21 +8,15 @@ when the first one exits), each in a real process that really exits.
 """
 import multiprocessing as mp
 import os
-import queue
-import socket
 import time
 from datetime import timedelta
 
 import pytest
 
+import _dist
+
 WS = 4
 STEPS = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fixed_steps_worker(rank, ws, port, schedule, slow_rank, steps, results):
@@ -66,29 +60,13 @@ def _fixed_steps_worker(rank, ws, port, schedule, slow_rank, steps, results):
 def test_fast_ranks_finishing_first_do_not_fail_the_others(schedule, slow_rank):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = _dist.free_port()
     procs = [ctx.Process(target=_fixed_steps_worker,
                          args=(r, WS, port, schedule, slow_rank, STEPS, results))
              for r in range(WS)]
     for p in procs:
         p.start()
-    got = {}
-    deadline = time.monotonic() + 180
-    try:
-        while len(got) < WS and time.monotonic() < deadline:
-            try:
-                r = results.get(timeout=1.0)
-                got[r["rank"]] = r
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-        for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    got = _dist.collect_reports(procs, results, WS, 180, stop_on_failure=True)
     codes = {r: p.exitcode for r, p in enumerate(procs)}
     assert all(c == 0 for c in codes.values()), f"{schedule}: exit codes {codes}, reports {got}"
     assert sorted(got) == list(range(WS)), f"{schedule}: reports from {sorted(got)} only"
