@@ -5,11 +5,12 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <linux/futex.h>
-#include <signal.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -25,21 +26,28 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SEG_MAGIC 0x31474553504c52ull /* "RLPSEG1" */
+#define SEG_MAGIC 0x32474553504c52ull /* "RLPSEG2" */
 #define PAGE 4096u
+#define CAUSE_LEN 320 /* bytes of a rank's cause kept in its segment */
+/* Who broke a pair, as the owner of the segment holding the flag sees it. */
+enum { BROKE_BY_PEER = 1, BROKE_BY_OWNER = 2 };
 
 /* The first page of a segment. Fields written by other processes are accessed with atomics. */
 typedef struct seg_header {
   uint64_t magic;
   uint64_t nonce;
   uint64_t ring_bytes;
+  uint64_t process;  /* the owner process's token (see process_token) */
   uint32_t nlocal;
-  uint32_t pid;
+  uint32_t pid;      /* for messages only: it means nothing in another pid namespace */
   uint32_t doorbell; /* futex word: rung by anyone who gives this rank something to do */
   uint32_t sleeping; /* the owner is (about to be) in futex_wait */
   uint32_t closed;   /* the owner aborted or shut down */
+  uint32_t locked;   /* the owner holds its liveness lock (see take_lock) */
+  uint32_t cause_seq; /* seqlock over cause: odd while the owner rewrites it */
   uint32_t pad;
-  uint32_t broken[]; /* per local peer: the pair fell back to TCP */
+  char cause[CAUSE_LEN]; /* why the owner last gave up on its links, "" if never */
+  uint32_t broken[];     /* per local peer: the pair fell back to TCP (BROKE_*) */
 } seg_header;
 
 /* Control block in front of every ring; head and tail on their own cache lines. */
@@ -57,6 +65,7 @@ struct rpl_shm {
   size_t ring_bytes, ring_stride, header_bytes, seg_bytes;
   char name[64];
   int linked;
+  int lock_fd;           /* the anchor's segment, where every local rank holds its lock */
   unsigned char *mine;   /* our segment */
   unsigned char **peer;  /* peers' segments by rank, NULL if not mapped */
 };
@@ -70,6 +79,52 @@ static ring_ctl *ring_at(const rpl_shm *s, unsigned char *seg, int idx) {
 }
 
 static unsigned char *ring_data(ring_ctl *r) { return (unsigned char *)(r + 1); }
+
+/* Liveness. Every local rank holds a POSIX record lock on one byte (its local index) of the
+ * anchor's segment (local index 0's) until it ends; a peer asks the kernel (F_GETLK) whether
+ * someone still holds the byte. The kernel drops a process's record locks when it closes its
+ * files during exit, before the process becomes a zombie: a SIGKILLed rank whose parent has not
+ * reaped it reads as dead (kill(pid, 0) still succeeds on a zombie, and pidfd_open would need
+ * the pid to mean the same in both pid namespaces). The lock lives on the file, so it works
+ * across pid namespaces (ranks that share /dev/shm but not pids), a recycled pid cannot make a
+ * dead rank look alive, and a child forked by the rank (a data loader) does not inherit it.
+ * One shared file: one descriptor per communicator, however many local peers. Two limits,
+ * both only hiding a death, never inventing one: F_GETLK does not report the caller's own
+ * locks, so peers in this process (ranks as threads, in the C tests) are not probed; and a
+ * process drops its locks on a file when it closes any descriptor of it, so the anchor's
+ * segment stays open once, in lock_fd, until rpl_shm_destroy. */
+static struct flock lock_byte(short type, int local) {
+  struct flock fl;
+  memset(&fl, 0, sizeof fl);
+  fl.l_type = type;
+  fl.l_whence = SEEK_SET;
+  fl.l_start = local;
+  fl.l_len = 1;
+  return fl;
+}
+
+/* Keeps `fd` (the anchor's segment) and locks our byte in it. Without the lock (a filesystem
+ * without record locks) peers fall back to the closed flag and the timeout. */
+static void take_lock(rpl_shm *s, int fd) {
+  s->lock_fd = fd;
+  struct flock fl = lock_byte(F_WRLCK, s->me);
+  if (fcntl(fd, F_SETLK, &fl) == 0)
+    __atomic_store_n(&hdr(s->mine)->locked, 1, __ATOMIC_RELEASE);
+}
+
+/* Tells processes apart (pids do not across namespaces): random per process, re-drawn in a
+ * forked child because the pid is mixed in. */
+static uint64_t process_seed;
+static void draw_seed(void) {
+  ssize_t got = getrandom(&process_seed, sizeof process_seed, GRND_NONBLOCK);
+  if (got != (ssize_t)sizeof process_seed)
+    process_seed = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)clock();
+}
+static uint64_t process_token(void) {
+  static pthread_once_t once = PTHREAD_ONCE_INIT;
+  pthread_once(&once, draw_seed);
+  return (process_seed ^ (uint64_t)getpid() * 0xff51afd7ed558ccdull) | 1u;
+}
 
 static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
   return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
@@ -89,6 +144,7 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   if (!s) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory for shared-memory transport");
   s->rank = rank;
   s->size = size;
+  s->lock_fd = -1;
   s->local_of = malloc(sizeof(int) * (size_t)size);
   s->peer = calloc((size_t)size, sizeof *s->peer);
   if (!s->local_of || !s->peer) {
@@ -122,9 +178,9 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
                           s->seg_bytes);
   }
   void *p = mmap(NULL, s->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
   if (p == MAP_FAILED) {
     int e = errno;
+    close(fd);
     rpl_shm_destroy(s);
     return rpl_fail_errno(err, RPL_ERR_SYSTEM, e, "cannot map shared memory");
   }
@@ -134,6 +190,9 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   h->ring_bytes = ring_bytes;
   h->nlocal = (uint32_t)s->nlocal;
   h->pid = (uint32_t)getpid();
+  h->process = process_token();
+  if (s->me == 0) take_lock(s, fd);
+  else close(fd);
   __atomic_store_n(&h->magic, SEG_MAGIC, __ATOMIC_RELEASE);
   snprintf(name, cap, "%s", s->name);
   *out = s;
@@ -149,18 +208,22 @@ rpl_status rpl_shm_attach(rpl_shm *s, int peer, const char *name, rpl_error *err
   void *p = MAP_FAILED;
   if (fstat(fd, &st) == 0 && (size_t)st.st_size == s->seg_bytes)
     p = mmap(NULL, s->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
-  if (p == MAP_FAILED)
+  if (p == MAP_FAILED) {
+    close(fd);
     return rpl_fail(err, RPL_ERR_PEER, "rank %d's shared memory segment %s has an unexpected "
                     "size or cannot be mapped", peer, name);
+  }
   seg_header *h = hdr(p);
   if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SEG_MAGIC ||
       h->ring_bytes != s->ring_bytes || h->nlocal != (uint32_t)s->nlocal) {
     munmap(p, s->seg_bytes);
+    close(fd);
     return rpl_fail(err, RPL_ERR_PEER, "rank %d's shared memory segment %s is not compatible",
                     peer, name);
   }
   s->peer[peer] = p;
+  if (s->local_of[peer] == 0 && s->lock_fd < 0) take_lock(s, fd);
+  else close(fd);
   return RPL_OK;
 }
 
@@ -176,6 +239,7 @@ void rpl_shm_destroy(rpl_shm *s) {
     for (int r = 0; r < s->size; r++)
       if (s->peer[r]) munmap(s->peer[r], s->seg_bytes);
   if (s->mine) munmap(s->mine, s->seg_bytes);
+  if (s->lock_fd >= 0) close(s->lock_fd); /* drops our lock: peers still waiting see us gone */
   free(s->peer);
   free(s->local_of);
   free(s);
@@ -247,25 +311,96 @@ void rpl_shm_wait(rpl_shm *s, uint32_t seen, double max_s) {
 
 void rpl_shm_ring_self(rpl_shm *s) { ring_bell(s->mine); }
 
-rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, rpl_error *err) {
+int rpl_shm_peer_flagged(const rpl_shm *s, int peer) {
+  return __atomic_load_n(&hdr(s->peer[peer])->closed, __ATOMIC_ACQUIRE) ||
+         __atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);
+}
+
+int rpl_shm_peer_dead(const rpl_shm *s, int peer) {
   seg_header *h = hdr(s->peer[peer]);
-  if (__atomic_load_n(&h->closed, __ATOMIC_ACQUIRE))
+  if (s->lock_fd < 0 || !__atomic_load_n(&h->locked, __ATOMIC_ACQUIRE) ||
+      h->process == hdr(s->mine)->process)
+    return 0;
+  struct flock fl = lock_byte(F_WRLCK, s->local_of[peer]);
+  if (fcntl(s->lock_fd, F_GETLK, &fl) != 0) return 0; /* cannot tell: assume alive */
+  return fl.l_type == F_UNLCK;
+}
+
+/* Copies the owner's cause out of a segment (seqlock reader: a torn copy is retried). */
+static void read_cause(const seg_header *h, char *out, size_t cap) {
+  char buf[CAUSE_LEN];
+  buf[0] = '\0';
+  for (int tries = 0; tries < 100; tries++) {
+    uint32_t a = __atomic_load_n(&h->cause_seq, __ATOMIC_ACQUIRE);
+    if (a & 1) {
+      cpu_relax();
+      continue;
+    }
+    for (size_t i = 0; i < CAUSE_LEN; i++)
+      buf[i] = __atomic_load_n(&h->cause[i], __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&h->cause_seq, __ATOMIC_RELAXED) == a) break;
+    buf[0] = '\0';
+  }
+  buf[CAUSE_LEN - 1] = '\0';
+  if (cap) snprintf(out, cap, "%s", buf);
+}
+
+void rpl_shm_set_cause(rpl_shm *s, const char *cause) {
+  if (!s || !cause) return;
+  seg_header *h = hdr(s->mine);
+  uint32_t seq = __atomic_load_n(&h->cause_seq, __ATOMIC_RELAXED);
+  /* One writer at a time; a second thread giving up at the same moment has the same story. */
+  if ((seq & 1) || !__atomic_compare_exchange_n(&h->cause_seq, &seq, seq + 1, 0,
+                                                __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+    return;
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  size_t n = strlen(cause);
+  if (n > CAUSE_LEN - 1) n = CAUSE_LEN - 1;
+  for (size_t i = 0; i < CAUSE_LEN; i++)
+    __atomic_store_n(&h->cause[i], i < n ? cause[i] : '\0', __ATOMIC_RELAXED);
+  __atomic_store_n(&h->cause_seq, seq + 2, __ATOMIC_RELEASE);
+}
+
+rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause, size_t cap,
+                              rpl_error *err) {
+  seg_header *h = hdr(s->peer[peer]);
+  char why[CAUSE_LEN];
+  if (cap) cause[0] = '\0';
+  int closed = __atomic_load_n(&h->closed, __ATOMIC_ACQUIRE);
+  uint32_t broken =
+      __atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);
+  int dead = !closed && !broken && probe && rpl_shm_peer_dead(s, peer);
+  if (!closed && !broken && !dead) return RPL_OK;
+  if (!closed && broken == BROKE_BY_OWNER)
+    return rpl_fail(err, RPL_ERR_PEER,
+                    "this rank gave up on its shared-memory link with rank %d after an earlier "
+                    "error, while a message was under way on it", peer);
+  read_cause(h, why, sizeof why);
+  if (why[0]) snprintf(cause, cap, "%s", why);
+  if (dead)
+    return rpl_fail(err, RPL_ERR_PEER, "rank %d (pid %u on this host) exited or was killed%s%s",
+                    peer, h->pid, why[0] ? ", after an error of its own: " : "", why);
+  if (closed && why[0])
+    return rpl_fail(err, RPL_ERR_PEER, "rank %d aborted after an error of its own: %s", peer,
+                    why);
+  if (closed)
     return rpl_fail(err, RPL_ERR_PEER,
                     "rank %d closed its shared-memory link (it exited, or aborted after an "
                     "error of its own)", peer);
-  if (__atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE))
+  if (why[0])
     return rpl_fail(err, RPL_ERR_PEER,
-                    "rank %d gave up on an exchange with this rank after an error of its own",
-                    peer);
-  if (kill((pid_t)h->pid, 0) != 0 && errno == ESRCH)
-    return rpl_fail(err, RPL_ERR_PEER, "rank %d (pid %u) has exited", peer, h->pid);
-  return RPL_OK;
+                    "rank %d gave up on an exchange with this rank after an error of its own: %s",
+                    peer, why);
+  return rpl_fail(err, RPL_ERR_PEER,
+                  "rank %d gave up on an exchange with this rank after an error of its own",
+                  peer);
 }
 
 void rpl_shm_break(rpl_shm *s, int peer) {
   if (!s || !s->peer[peer]) return;
-  __atomic_store_n(&hdr(s->mine)->broken[s->local_of[peer]], 1, __ATOMIC_RELEASE);
-  __atomic_store_n(&hdr(s->peer[peer])->broken[s->me], 1, __ATOMIC_RELEASE);
+  __atomic_store_n(&hdr(s->mine)->broken[s->local_of[peer]], BROKE_BY_OWNER, __ATOMIC_RELEASE);
+  __atomic_store_n(&hdr(s->peer[peer])->broken[s->me], BROKE_BY_PEER, __ATOMIC_RELEASE);
   ring_bell(s->peer[peer]);
 }
 

@@ -11,6 +11,11 @@
  * its own doorbell (futex) for a bounded time, then checks that the peers it waits for are
  * alive. A rank that aborts sets a flag in its segment and rings every peer.
  *
+ * Liveness: every rank holds a record lock (its own byte of the first local rank's segment)
+ * that the kernel drops when the process ends (see shm.c), so a killed peer is seen as dead
+ * even before its parent reaps it. A rank that gives up on its links first leaves the reason in its segment (its "cause"),
+ * so the peers that fail because of it can say what went wrong first (which rank died).
+ *
  * A pair can be "broken" by either side after a failed exchange (its stream state is
  * unknown); from then on both sides use TCP for that pair.
  */
@@ -50,8 +55,21 @@ void rpl_shm_wait(rpl_shm *s, uint32_t seen, double max_s);
 /* Rings our own doorbell (another thread interrupting a wait). */
 void rpl_shm_ring_self(rpl_shm *s);
 
-/* 0 if the peer is alive and has not aborted; otherwise fills err (RPL_ERR_PEER). */
-rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, rpl_error *err);
+/* 1 if `peer` closed its segment or broke the pair with us: memory reads only, so it may run
+ * on every wait. */
+int rpl_shm_peer_flagged(const rpl_shm *s, int peer);
+/* 0 if the peer has not closed, broken the pair, nor (with `probe`) died; otherwise fills err
+ * (RPL_ERR_PEER, naming the peer). When the peer gave up after an error of its own, its cause
+ * is copied into cause[cap] (else cause[0] = 0), so that a failure can be passed on naming the
+ * first one. The probe costs one system call: call it with `probe` at a bounded interval. */
+rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause, size_t cap,
+                              rpl_error *err);
+/* 1 if the probe finds the peer's process gone (0 also when it cannot tell: a peer in this
+ * process, or one that could not take its lock). */
+int rpl_shm_peer_dead(const rpl_shm *s, int peer);
+/* Records why this rank gives up on its links (truncated), for peers' error messages; call it
+ * before rpl_shm_break / rpl_shm_close. Any thread. */
+void rpl_shm_set_cause(rpl_shm *s, const char *cause);
 /* Marks the pair broken on both sides and wakes the peer. */
 void rpl_shm_break(rpl_shm *s, int peer);
 /* Announces that this rank aborted (peers blocked on it fail) and wakes every local peer. */

@@ -25,7 +25,14 @@
 #define HELLO_SIZE 24
 #define DATA_MAGIC 0x31444c52u  /* "RLD1" little-endian */
 #define HELLO_MAGIC 0x31484c52u /* "RLH1" */
+#define BYE_MAGIC 0x31424c52u   /* "RLB1": a goodbye, see say_goodbye */
 #define HELLO_WAIT_S 5.0        /* a peer sends its hello right after connecting */
+#define CAUSE_LEN 320           /* bytes of a failure's cause passed on to peers */
+/* How often a waiting rank makes sure its peers are still there, where nothing else would tell
+ * it: ring peers (a lock probe, one system call each) and peers that never connected to us (a
+ * connection attempt to their listener, which the peer's kernel refuses once it is gone). */
+#define LIVENESS_S 0.1
+#define LISTEN_PROBE_S 0.5
 /* Reduce arriving data in pieces this large, so reduction overlaps the rest of the transfer. */
 #define REDUCE_GRAIN (256u * 1024u)
 
@@ -50,6 +57,8 @@ typedef struct conn {
   stash_msg *rx_stash; /* being filled */
   size_t rx_stash_got;
   stash_msg *stash_head, *stash_tail; /* complete unexpected p2p messages, in arrival order */
+  int tx_mid;   /* a message of ours is half-written on the socket: no goodbye may follow */
+  int probe_fd; /* a connection attempt to the peer's listener (see probe_listener), or -1 */
 } conn;
 
 struct rpl_tr {
@@ -70,6 +79,14 @@ struct rpl_tr {
   uint64_t completions; /* transfers completed, for rpl_tr_run_p2p's early return */
   double run_deadline;  /* of the current run: bounds the wait for a new peer's hello */
   int replaced; /* a peer this run was using reconnected, or -1 */
+  double run_start;
+  double next_probe;        /* when waiting runs next check their ring peers' locks */
+  double next_listen_probe; /* when they next probe peers that never connected */
+  int probes;               /* probe_fd descriptors open */
+  /* The cause of the last failed run (until a run succeeds): passed on to the peers when this
+   * rank gives up on its links. peer_cause: the cause a peer passed on, during a run. */
+  char cause[CAUSE_LEN];
+  char peer_cause[CAUSE_LEN];
   rpl_shm *shm; /* rings to local peers, or NULL */
   rpl_tr_counters counters;
 };
@@ -146,7 +163,7 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, rpl_tr **out
     rpl_tr_destroy(tr);
     return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating the transport");
   }
-  for (int i = 0; i < size; i++) tr->conns[i].fd = -1;
+  for (int i = 0; i < size; i++) tr->conns[i].fd = tr->conns[i].probe_fd = -1;
 
   if (getrandom(&tr->nonce, sizeof tr->nonce, 0) != (ssize_t)sizeof tr->nonce) {
     tr->nonce = (uint64_t)rpl_now() * 2654435761u ^ (uint64_t)getpid() << 32;
@@ -204,12 +221,33 @@ static void close_conn(conn *c) {
   c->state = CONN_NONE;
   c->rx_mode = RX_HEADER;
   c->rx_hdr_got = 0;
+  c->tx_mid = 0;
   free_stash(c);
+}
+
+/* Before this rank closes a connection after a failure: unless a message of ours is half-sent
+ * on it (the peer would read the goodbye as payload), send a goodbye frame carrying our cause,
+ * so a peer blocked on us can say what went wrong first (say, which rank died) instead of only
+ * that we closed. Best effort: never blocks; a peer that misses it sees the close. */
+static void say_goodbye(rpl_tr *tr, conn *c) {
+  if (c->state != CONN_READY || c->tx_mid || !tr->cause[0]) return;
+  size_t n = strnlen(tr->cause, sizeof tr->cause - 1);
+  unsigned char h[HDR_SIZE];
+  rpl_meta none;
+  memset(&none, 0, sizeof none);
+  encode_header(h, &none, n);
+  put32(h, BYE_MAGIC);
+  struct iovec iov[2] = {{h, HDR_SIZE}, {tr->cause, n}};
+  struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2};
+  ssize_t r = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  (void)r;
 }
 
 void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
   if (!tr || peer < 0 || peer >= tr->size || peer == tr->rank) return;
+  if (tr->shm) rpl_shm_set_cause(tr->shm, tr->cause); /* before the flag the peer reacts to */
   if (rpl_shm_usable(tr->shm, peer)) rpl_shm_break(tr->shm, peer); /* both sides move to TCP */
+  else say_goodbye(tr, &tr->conns[peer]);
   close_conn(&tr->conns[peer]);
 }
 
@@ -218,9 +256,13 @@ void rpl_tr_set_shm(rpl_tr *tr, rpl_shm *shm) { tr->shm = shm; }
 void rpl_tr_abort(rpl_tr *tr) {
   if (!tr) return;
   tr->aborted = 1;
+  if (tr->shm) rpl_shm_set_cause(tr->shm, tr->cause); /* "" replaces a stale one */
   rpl_shm_close(tr->shm);
   if (tr->conns)
-    for (int i = 0; i < tr->size; i++) close_conn(&tr->conns[i]);
+    for (int i = 0; i < tr->size; i++) {
+      say_goodbye(tr, &tr->conns[i]);
+      close_conn(&tr->conns[i]);
+    }
   if (tr->listen_fd >= 0) close(tr->listen_fd);
   tr->listen_fd = -1;
 }
@@ -445,8 +487,8 @@ static rpl_status activate_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, int f
   }
 }
 
-static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doing,
-                              rpl_error *err) {
+static rpl_status closed_error(rpl_tr *tr, int peer, int errnum, const char *doing,
+                               rpl_error *err) {
   char d[96];
   peer_desc(tr, peer, d, sizeof d);
   if (errnum)
@@ -456,6 +498,40 @@ static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doin
   return rpl_fail(err, RPL_ERR_PEER,
                   "%s closed the connection while this rank was %s (the peer exited, or "
                   "aborted after an error of its own)", d, doing);
+}
+
+/* A goodbye header (see say_goodbye) arrived from `peer`: fails the run with the cause it
+ * carries, which becomes this rank's cause too (so a chain of failures keeps naming the
+ * first one). The text follows the header at once; waits briefly for it (an error path). */
+static rpl_status goodbye_error(rpl_tr *tr, int peer, uint64_t len, const char *doing,
+                                rpl_error *err) {
+  char text[CAUSE_LEN];
+  size_t n = 0;
+  if (len > 0 && len < sizeof text &&
+      read_full_wait(tr->conns[peer].fd, (unsigned char *)text, (size_t)len, 0.5) == 0)
+    n = (size_t)len;
+  text[n] = '\0';
+  for (size_t i = 0; i < n; i++) /* printable text only, whatever arrived */
+    if ((unsigned char)text[i] < 0x20 || (unsigned char)text[i] > 0x7e) text[i] = '?';
+  if (!n) return closed_error(tr, peer, 0, doing, err);
+  snprintf(tr->peer_cause, sizeof tr->peer_cause, "%s", text);
+  char d[96];
+  peer_desc(tr, peer, d, sizeof d);
+  return rpl_fail(err, RPL_ERR_PEER, "%s gave up after an error of its own: %s", d, text);
+}
+
+/* The connection to `peer` closed (EOF, reset, or the peer shut its end while we only send to
+ * it): fails the run, with the peer's cause if it said goodbye first (the goodbye then waits
+ * at a message boundary of our receive side, and everything before it has been read). */
+static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doing,
+                              rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  unsigned char h[HDR_SIZE];
+  if (c->state == CONN_READY && c->rx_mode == RX_HEADER && c->rx_hdr_got == 0 &&
+      recv(c->fd, h, HDR_SIZE, MSG_PEEK | MSG_DONTWAIT) == HDR_SIZE && get32(h) == BYE_MAGIC &&
+      recv(c->fd, h, HDR_SIZE, MSG_DONTWAIT) == HDR_SIZE)
+    return goodbye_error(tr, peer, get64(h + 32), doing, err);
+  return closed_error(tr, peer, errnum, doing, err);
 }
 
 static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *err) {
@@ -492,6 +568,7 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
     }
     x->off += (size_t)r;
     count_add(&tr->counters.bytes_sent, (uint64_t)r);
+    c->tx_mid = x->off != HDR_SIZE + x->len;
     if (x->off == HDR_SIZE + x->len) {
       x->done = 1;
       tr->completions++;
@@ -647,6 +724,8 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       rpl_meta m;
       uint64_t len;
       decode_header(c->rx_hdr, &magic, &m, &len);
+      if (magic == BYE_MAGIC && c->state != CONN_SHM)
+        return goodbye_error(tr, peer, len, "receiving", err);
       int target;
       if (tr->p2p && magic == DATA_MAGIC && m.op == RPL_OP_SEND) {
         /* Point-to-point run: the first unfinished receive with this tag takes it. */
@@ -787,8 +866,62 @@ static rpl_status run_begin(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
   return RPL_OK;
 }
 
-static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int p2p,
-                           rpl_error *err) {
+/* Fails the run if a ring peer it waits on announced that it gave up (memory reads, on every
+ * wait) or has died (a lock probe per peer, at most every LIVENESS_S). */
+static rpl_status watch_shm_peers(rpl_tr *tr, double now, rpl_error *err) {
+  int probe = now >= tr->next_probe;
+  if (probe) tr->next_probe = now + LIVENESS_S;
+  for (int p = 0; p < tr->size; p++) {
+    if (tr->conns[p].state != CONN_SHM) continue;
+    if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
+    if (!probe && !rpl_shm_peer_flagged(tr->shm, p)) continue;
+    rpl_status st = rpl_shm_check_peer(tr->shm, p, probe, tr->peer_cause,
+                                       sizeof tr->peer_cause, err);
+    if (st != RPL_OK) return st;
+  }
+  return RPL_OK;
+}
+
+static rpl_status refused_error(rpl_tr *tr, int peer, rpl_error *err) {
+  char d[96];
+  peer_desc(tr, peer, d, sizeof d);
+  return rpl_fail(err, RPL_ERR_PEER,
+                  "%s never connected to this rank and now refuses connections: it exited, was "
+                  "killed, or closed its process group", d);
+}
+
+/* We wait for `peer` (a lower rank) to connect. One that died first never will, and nothing
+ * else would tell: try its listener, which its kernel refuses once the process is gone. A live
+ * peer reads EOF instead of a hello and drops the attempt. */
+static rpl_status probe_listener(rpl_tr *tr, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  if (c->probe_fd >= 0) return RPL_OK; /* still under way */
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return RPL_OK; /* cannot probe: the deadline still bounds the wait */
+  int r = connect(fd, (struct sockaddr *)&tr->peer_addr[peer], sizeof tr->peer_addr[peer]);
+  if (r != 0 && errno == EINPROGRESS) {
+    c->probe_fd = fd;
+    tr->probes++;
+    return RPL_OK;
+  }
+  int e = r == 0 ? 0 : errno;
+  close(fd);
+  return e == ECONNREFUSED ? refused_error(tr, peer, err) : RPL_OK;
+}
+
+static rpl_status probe_done(rpl_tr *tr, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  int soerr = 0;
+  socklen_t sl = sizeof soerr;
+  if (getsockopt(c->probe_fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) != 0) soerr = 0;
+  close(c->probe_fd);
+  c->probe_fd = -1;
+  tr->probes--;
+  return soerr == ECONNREFUSED ? refused_error(tr, peer, err) : RPL_OK;
+}
+
+static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int p2p,
+                            rpl_error *err) {
   uint64_t completions0 = tr->completions;
   rpl_status st0 = run_begin(tr, xs, n, deadline, p2p, err);
   if (st0 != RPL_OK) return st0;
@@ -803,7 +936,8 @@ static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int
       conn *c = &tr->conns[p];
       if (c->state == CONN_NONE && rpl_shm_usable(tr->shm, p)) c->state = CONN_SHM;
       if (c->state != CONN_SHM) continue;
-      if (!rpl_shm_usable(tr->shm, p)) return rpl_shm_check_peer(tr->shm, p, err);
+      if (!rpl_shm_usable(tr->shm, p))
+        return rpl_shm_check_peer(tr->shm, p, 0, tr->peer_cause, sizeof tr->peer_cause, err);
       rpl_status st = RPL_OK;
       if (tr->act_recv[p] >= 0) st = do_recv(tr, xs, n, p, err);
       if (st == RPL_OK && tr->act_send[p] >= 0) st = do_send(tr, xs, n, p, err);
@@ -814,7 +948,10 @@ static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int
         tr->counters.bytes_sent + tr->counters.bytes_received != moved_before;
 
     /* Collect what is left and what to wait for. */
-    int np = 0, pending = shm_pending, tcp_pending = 0;
+    double now = rpl_now(); /* vDSO: no system call */
+    int listen_probe = now - tr->run_start >= LISTEN_PROBE_S && now >= tr->next_listen_probe;
+    if (listen_probe) tr->next_listen_probe = now + LISTEN_PROBE_S;
+    int np = 0, pending = shm_pending, tcp_pending = 0, awaiting = 0;
     tr->pfds[np] = (struct pollfd){.fd = tr->wake_fd, .events = POLLIN};
     tr->pfd_peer[np++] = -1;
     tr->pfds[np] = (struct pollfd){.fd = tr->listen_fd, .events = POLLIN};
@@ -826,13 +963,26 @@ static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int
       if (c->state == CONN_SHM) continue;
       tcp_pending = 1;
       if (c->state == CONN_NONE) {
-        if (tr->rank > p) continue; /* the lower rank connects; we accept */
+        if (tr->rank > p) { /* the lower rank connects; we accept */
+          awaiting = 1;
+          if (listen_probe) {
+            rpl_status st = probe_listener(tr, p, err);
+            if (st != RPL_OK) return st;
+          }
+          if (c->probe_fd >= 0) {
+            tr->pfds[np] = (struct pollfd){.fd = c->probe_fd, .events = POLLOUT};
+            tr->pfd_peer[np++] = -3 - p;
+          }
+          continue;
+        }
         rpl_status st = start_connect(tr, p, err);
         if (st != RPL_OK) return st;
       }
       short ev = 0;
       if (c->state == CONN_CONNECTING) ev = POLLOUT;
       else {
+        /* POLLRDHUP: the peer shut its end (it exited or gave up), also when we only send. */
+        ev = POLLRDHUP;
         if (tr->act_send[p] >= 0) ev |= POLLOUT;
         if (tr->act_recv[p] >= 0) ev |= POLLIN;
       }
@@ -845,21 +995,19 @@ static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int
     if (p2p && tr->completions != completions0) return RPL_OK;
 
     /* Every wait below is finite and ends by the deadline. */
-    double left = deadline - rpl_now();
+    double left = deadline - now;
     if (!(left > 0)) return timeout_error(tr, xs, n, deadline, err);
     int ms = left < 3600.0 ? (int)(left * 1000.0) + 1 : 3600000;
+    if (awaiting) ms = RPL_MIN(ms, (int)(LISTEN_PROBE_S * 1000.0)); /* to probe again */
     if (shm_pending) {
+      /* Ring peers are watched in every wait, whatever else the run waits for. */
+      rpl_status st = watch_shm_peers(tr, now, err);
+      if (st != RPL_OK) return st;
       if (shm_moved) ms = 0;
       else if (!tcp_pending) {
-        /* Only rings to wait on: make sure the peers are still there, then sleep on our
-         * doorbell (rung by their progress, by an abort, or by an interrupt). */
-        for (int p = 0; p < tr->size; p++) {
-          if (tr->conns[p].state != CONN_SHM) continue;
-          if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
-          rpl_status st = rpl_shm_check_peer(tr->shm, p, err);
-          if (st != RPL_OK) return st;
-        }
-        rpl_shm_wait(tr->shm, bell, RPL_MIN(left, 0.1));
+        /* Only rings to wait on: sleep on our doorbell (rung by their progress, by an abort,
+         * or by an interrupt), no longer than the liveness interval. */
+        rpl_shm_wait(tr->shm, bell, RPL_MIN(left, LIVENESS_S));
         ms = 0;
       } else {
         rpl_shm_wait(tr->shm, bell, 0); /* spin briefly, then look at the sockets */
@@ -896,23 +1044,60 @@ static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int
                           tr->replaced);
         continue;
       }
+      if (p <= -3) {
+        if (tr->conns[-3 - p].probe_fd < 0) continue; /* the peer connected meanwhile */
+        rpl_status st = probe_done(tr, -3 - p, err);
+        if (st != RPL_OK) return st;
+        continue;
+      }
       conn *c = &tr->conns[p];
       if (c->state == CONN_CONNECTING) {
         rpl_status st = finish_connect(tr, p, err);
         if (st != RPL_OK) return st;
         continue;
       }
+      if (c->state != CONN_READY) continue; /* replaced by accept_pending above */
       rpl_status st = RPL_OK;
       if ((re & (POLLIN | POLLHUP | POLLERR)) && tr->act_recv[p] >= 0)
         st = do_recv(tr, xs, n, p, err);
       if (st == RPL_OK && (re & (POLLOUT | POLLERR | POLLHUP)) && tr->act_send[p] >= 0)
         st = do_send(tr, xs, n, p, err);
-      if (st == RPL_OK && (re & (POLLHUP | POLLERR)) && tr->act_send[p] < 0 &&
+      /* Everything the peer sent before closing has been read above: a send still pending to
+       * a peer that shut its end will never be read. */
+      if (st == RPL_OK && (re & (POLLRDHUP | POLLHUP)) && tr->act_send[p] >= 0 &&
           tr->act_recv[p] < 0)
-        continue;
+        st = peer_closed(tr, p, 0, "sending", err);
       if (st != RPL_OK) return st;
     }
   }
+}
+
+/* One run, and what it leaves behind: the probes it started are closed, and the cause kept
+ * for the peers is that of this run if it failed (the root cause if a peer passed one on), and
+ * nothing once a run succeeds (a later shutdown passes no stale cause on). */
+static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int p2p,
+                           rpl_error *err) {
+  tr->peer_cause[0] = '\0';
+  tr->run_start = rpl_now();
+  rpl_status st = run_inner(tr, xs, n, deadline, p2p, err);
+  for (int p = 0; tr->probes > 0 && p < tr->size; p++)
+    if (tr->conns[p].probe_fd >= 0) {
+      close(tr->conns[p].probe_fd);
+      tr->conns[p].probe_fd = -1;
+      tr->probes--;
+    }
+  if (st == RPL_OK) {
+    if (tr->cause[0]) {
+      tr->cause[0] = '\0';
+      if (tr->shm) rpl_shm_set_cause(tr->shm, "");
+    }
+  } else if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED) {
+    const char *c = tr->peer_cause[0] ? tr->peer_cause : err ? err->msg : rpl_status_name(st);
+    size_t len = strnlen(c, sizeof tr->cause - 1); /* truncated, as peers keep it */
+    memcpy(tr->cause, c, len);
+    tr->cause[len] = '\0';
+  }
+  return st;
 }
 
 rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {

@@ -17,6 +17,14 @@
  *
  * Connections are made lazily: the lower rank connects, the higher rank accepts, and both
  * sides prove they read each other's address from the store (a per-communicator nonce).
+ *
+ * Dead peers: a run notices within about a second that a peer it waits for is gone, whatever
+ * else it waits for. A closed connection (EOF, reset, or the peer shutting its end while this
+ * rank only sends to it) fails the run at once; ring peers are checked at a bounded interval
+ * (shm.h); a lower rank that never connected is probed through its listener. A rank that gives
+ * up on its links after a failed run passes that run's cause on first (a goodbye frame on TCP,
+ * its segment on shared memory), so that a rank blocked on it fails naming what went wrong
+ * first (say, which rank died), not only the rank that closed.
  */
 #ifndef RPL_TRANSPORT_H
 #define RPL_TRANSPORT_H
@@ -101,10 +109,11 @@ void rpl_tr_poke(rpl_tr *tr);
 void rpl_tr_interrupt(rpl_tr *tr);
 
 /* Closes the connection to one peer (its stream state is unknown after a failed exchange);
- * the next transfer with that peer connects afresh. */
+ * the next transfer with that peer connects afresh. The peer learns the last failure's cause. */
 void rpl_tr_reset_peer(rpl_tr *tr, int peer);
 
-/* Closes every connection and the listener, so peers blocked on us fail fast. */
+/* Closes every connection and the listener, so peers blocked on us fail fast, passing the last
+ * failure's cause on (none if a run succeeded since). */
 void rpl_tr_abort(rpl_tr *tr);
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out);
