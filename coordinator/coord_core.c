@@ -35,6 +35,15 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   }
   for (int i = 0; i < core->nworkers; i++) core->w[i].host_label = -1;
+  if (cfg->standby) {
+    /* Nobody has failed over to us yet: nobody may be drawn into a group or waited for. A
+     * worker's first request takes it back (as for any dead worker). */
+    for (int i = 0; i < core->nworkers; i++) {
+      rpl_gg_dead(core->gg, i, err);
+      core->gone[i] = 1;
+    }
+    core->standby = 1;
+  }
   return RPL_OK;
 }
 
@@ -186,6 +195,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
         return;
       }
       w->host_label = m.host_label;
+      w->hello = 1;
       r.type = RPL_MSG_HELLO_ACK;
       r.policy = (uint8_t)rpl_gg_policy(core->gg);
       r.nworkers = core->nworkers;
@@ -207,6 +217,14 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
       st = rpl_gg_done(core->gg, m.rank, m.group_id, &err);
       break;
     case RPL_MSG_HEARTBEAT:
+      if (!w->hello) {
+        /* A worker of an earlier instance (we restarted on its endpoint): its requests were
+         * lost with that instance, so it must register again before it waits on us. */
+        reply_error(core, route, route_len, &m, RPL_PERR_NOT_REGISTERED,
+                    "rank %d is not registered with this coordinator (it restarted): say "
+                    "HELLO again", (int)m.rank);
+        return;
+      }
       r.type = RPL_MSG_HEARTBEAT_ACK;
       reply(core, route, route_len, &r, NULL);
       break;
@@ -326,11 +344,11 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
   sb_printf(&b,
             "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"group_size\":%d,"
             "\"c_thres\":%d,\"inter_intra\":%s,\"heartbeat_ms\":%u,\"dead_ms\":%u,"
-            "\"uptime_s\":%.3f,",
+            "\"standby\":%s,\"uptime_s\":%.3f,",
             RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
             rpl_gg_group_size(core->gg), rpl_gg_c_thres(core->gg),
             rpl_gg_inter_intra(core->gg) ? "true" : "false", core->heartbeat_ms, core->dead_ms,
-            now - core->start);
+            core->standby ? "true" : "false", now - core->start);
   sb_printf(&b,
             "\"counters\":{\"messages\":%llu,\"malformed\":%llu,\"bad_token\":%llu,"
             "\"errors_sent\":%llu,\"dead_declared\":%llu,\"send_failures\":%llu,"

@@ -21,6 +21,7 @@ typedef struct coord_worker {
   uint32_t req_seq;             /* sequence number of its outstanding request */
   int32_t host_label;
   int seen;                     /* has sent anything valid */
+  int hello;                    /* has registered (HELLO) with this instance */
   double last_seen;
 } coord_worker;
 
@@ -31,6 +32,7 @@ typedef struct coord_core {
   char token_hex[2 * RPL_TOKEN_LEN + 1];
   uint32_t heartbeat_ms, dead_ms;
   int join_ms;
+  int standby;                  /* started as a failover coordinator (rpl_coord_config) */
   double start;
   coord_worker *w;
   uint8_t *out;                 /* encode buffer */

@@ -23,12 +23,15 @@ static void usage(FILE *f) {
           "                           [--partner-wait-ms MS] [--max-isolated K]\n"
           "                           [--seed S] [--token HEX | --token-file PATH]\n"
           "                           [--heartbeat-ms MS] [--dead-ms MS] [--join-ms MS]\n"
+          "                           [--standby]\n"
           "       ripples-coordinator --status ENDPOINT [--token HEX | --token-file PATH]\n"
           "                           [--timeout-ms MS]\n"
           "Policies: random, smart, adpsgd, static. The token defaults to $RIPPLES_GG_TOKEN,\n"
           "else a new one is printed. --join-ms -1 waits for ever for workers to connect.\n"
           "--partner-wait-ms: longest wait for partners before a smaller group (0 = adaptive,\n"
-          "-1 = never); --max-isolated: groups of one in a row per worker (0 = 2, -1 = no bound).\n");
+          "-1 = never); --max-isolated: groups of one in a row per worker (0 = 2, -1 = no bound).\n"
+          "--standby: a failover coordinator; every worker is out until it registers (list it\n"
+          "after the primary in the workers' endpoint: tcp://primary:port,tcp://standby:port).\n");
 }
 
 static int read_token_file(const char *path, char *hex, size_t cap) {
@@ -57,7 +60,7 @@ int main(int argc, char **argv) {
   const char *bind = "tcp://0.0.0.0:29600", *status = NULL, *token = getenv("RIPPLES_GG_TOKEN");
   const char *policy = "smart", *hosts = NULL, *token_file = NULL;
   int workers = 0, per_host = 0, group_size = 0, c_thres = 0, inter_intra = 0;
-  int heartbeat_ms = 0, dead_ms = 0, join_ms = 0, timeout_ms = 5000;
+  int heartbeat_ms = 0, dead_ms = 0, join_ms = 0, timeout_ms = 5000, standby = 0;
   int partner_wait_ms = 0, max_isolated = 0;
   unsigned long long seed = 0;
   char token_buf[128];
@@ -88,6 +91,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--heartbeat-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &heartbeat_ms)) return 2; }
     else if (!strcmp(a, "--dead-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &dead_ms)) return 2; }
     else if (!strcmp(a, "--join-ms")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &join_ms)) return 2; }
+    else if (!strcmp(a, "--standby")) standby = 1;
     else if (!strcmp(a, "--timeout-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &timeout_ms)) return 2; }
     else {
       fprintf(stderr, "ripples-coordinator: unknown argument '%s'\n", a);
@@ -166,6 +170,7 @@ int main(int argc, char **argv) {
   cfg.heartbeat_ms = heartbeat_ms;
   cfg.dead_ms = dead_ms;
   cfg.join_ms = join_ms;
+  cfg.standby = standby;
   rpl_coord *c;
   if (rpl_coord_create(&cfg, &c, &err) != RPL_OK) {
     fprintf(stderr, "ripples-coordinator: %s\n", err.msg);
@@ -179,8 +184,8 @@ int main(int argc, char **argv) {
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
-  printf("ripples-coordinator: %s for %d workers at %s token %s\n", policy, workers,
-         rpl_coord_endpoint(c), rpl_coord_token(c));
+  printf("ripples-coordinator: %s for %d workers at %s token %s%s\n", policy, workers,
+         rpl_coord_endpoint(c), rpl_coord_token(c), standby ? " (standby)" : "");
   fflush(stdout);
   rpl_status st = rpl_coord_run(c, &err);
   if (st != RPL_OK) fprintf(stderr, "ripples-coordinator: %s\n", err.msg);

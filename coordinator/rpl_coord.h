@@ -22,6 +22,8 @@ typedef struct rpl_coord_config {
   int dead_ms;             /* a worker silent this long is dead; 0 = 10 * heartbeat_ms */
   int join_ms;             /* a worker never heard from within this is dead; 0 = 120000,
                               negative = wait for ever */
+  int standby;             /* a failover coordinator: every worker starts out dead (in no
+                              group, not waited for) until it registers with HELLO */
 } rpl_coord_config;
 
 typedef struct rpl_coord rpl_coord;

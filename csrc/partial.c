@@ -405,6 +405,11 @@ void rpl_partial_get_stats(const rpl_partial *p, rpl_partial_stats *out) {
   pthread_mutex_lock(&m->mu);
   *out = p->stats;
   pthread_mutex_unlock(&m->mu);
+  if (p->client) {
+    rpl_gg_client_stats cs;
+    rpl_gg_client_get_stats(p->client, &cs);
+    out->failovers = cs.failovers;
+  }
 }
 
 size_t rpl_partial_get_trace(const rpl_partial *p, uint64_t from, rpl_trace_entry *out,

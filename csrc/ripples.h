@@ -257,6 +257,8 @@ typedef struct rpl_partial_stats {
   uint64_t singleton_run;   /* rounds since the last one in a group of two or more (groups of
                                one, skipped and failed rounds) */
   uint64_t singleton_run_max; /* the longest such run */
+  uint64_t failovers;       /* times this worker registered with another (or a restarted)
+                               coordinator after losing its own */
   uint64_t group_sizes[RPL_HIST_BUCKETS];
   uint64_t bytes;           /* payload bytes of rounds that moved data */
   double group_s;           /* time obtaining groups (the coordinator round trip) */

@@ -62,8 +62,10 @@ def stats(group: Any = None) -> dict:
     ``fences`` / ``unfences`` (messages to the coordinator around exact collectives),
     ``group_sizes`` (histogram: index = group size, the last bucket 16 or more), ``bytes``, and
     seconds spent obtaining groups (``group_s``, the coordinator round trip, including any wait
-    for partners), waiting for the group's members (``wait_s``) and reducing (``reduce_s``). All operations: ``ops_completed``, ``ops_failed``, ``bytes_sent``,
-    ``bytes_received``, ``connections``.
+    for partners), waiting for the group's members (``wait_s``) and reducing (``reduce_s``),
+    ``coordinator_failovers`` (times this worker registered with a standby or restarted
+    coordinator after losing its own). All operations: ``ops_completed``, ``ops_failed``,
+    ``bytes_sent``, ``bytes_received``, ``connections``.
     """
     be = _ripples_backend(group)
     out = dict(be.partial_stats())

@@ -155,14 +155,15 @@ def _leave_own_schedules() -> None:
                 pass
 
 
-def _drain(coord: Any, timeout_s: float, poll_s: float = 0.05) -> None:
-    """Waits until every worker of ``coord`` other than rank 0 (this process) has left or been
-    declared dead, at most ``timeout_s``; says so once on stderr if that takes a while."""
+def _drain(coord: Any, timeout_s: float, own_rank: int, poll_s: float = 0.05) -> None:
+    """Waits until every worker of ``coord`` other than ``own_rank`` (this process) has left or
+    been declared dead, at most ``timeout_s``; says so once on stderr if that takes a while.
+    An idle standby coordinator has no workers: it stops at once."""
     start = time.monotonic()
     said = False
     while True:
         try:
-            active = coord.active_workers(0)
+            active = coord.active_workers(own_rank)
         except Exception:  # noqa: BLE001 - closed already
             return
         if active == 0:
@@ -184,17 +185,23 @@ def _stop_embedded() -> None:
     if _embedded_coordinators:
         _leave_own_schedules()
     while _embedded_coordinators:
-        coord, timeout_s = _embedded_coordinators.pop()
+        coord, timeout_s, own_rank = _embedded_coordinators.pop()
         try:
-            _drain(coord, timeout_s)
+            _drain(coord, timeout_s, own_rank)
             coord.close()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
 
 
+# Standby coordinators of a group with an embedded one: ranks 1..N each run one, idle until
+# the workers lose the primary (rank 0 dies) and fail over to the first that answers.
+MAX_STANDBY_COORDINATORS = 2
+
+
 def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: list,
                       timeout_s: float):
-    """(endpoint, token) of the coordinator of this group; ("", "") for the static schedule."""
+    """(endpoints, token) of the coordinator of this group; ("", "") for the static schedule.
+    Embedded: "primary,standby1,..." -- the failover order the workers' clients follow."""
     if opts.schedule == "static":
         return "", ""
     if opts.coordinator != "embedded":
@@ -206,20 +213,30 @@ def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: 
         return opts.coordinator, opts.coordinator_token
     from . import coordinator
 
-    if rank == 0:
-        import atexit
+    seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
+    knobs = dict(host_of=host_of, group_size=opts.group_size,
+                 c_thres=opts.c_thres if opts.c_thres is not None else 0,
+                 inter_intra=bool(opts.inter_intra),
+                 partner_wait_ms=opts.partner_wait_ms if opts.partner_wait_ms is not None else 0,
+                 max_isolated=opts.max_isolated if opts.max_isolated is not None else 0)
 
-        seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
-        c = coordinator.start_embedded(
-            store, size, opts.schedule, host_of=host_of, group_size=opts.group_size,
-            c_thres=opts.c_thres if opts.c_thres is not None else 0,
-            inter_intra=bool(opts.inter_intra), seed=seed,
-            partner_wait_ms=opts.partner_wait_ms if opts.partner_wait_ms is not None else 0,
-            max_isolated=opts.max_isolated if opts.max_isolated is not None else 0)
+    def keep(c) -> None:
         if not _embedded_coordinators:
+            import atexit
+
             atexit.register(_stop_embedded)
-        _embedded_coordinators.append((c, timeout_s))
-    return coordinator.lookup(store)
+        _embedded_coordinators.append((c, timeout_s, rank))
+
+    if rank == 0:
+        keep(coordinator.start_embedded(store, size, opts.schedule, seed=seed, **knobs))
+    endpoint, token = coordinator.lookup(store)
+    # The standbys are read from the store now: it may die with rank 0.
+    nstandby = min(MAX_STANDBY_COORDINATORS, size - 1)
+    if 1 <= rank <= nstandby:
+        keep(coordinator.start_standby(store, size, rank, token, opts.schedule,
+                                       seed=seed + rank, **knobs))
+    standbys = [coordinator.lookup_standby(store, k) for k in range(1, nstandby + 1)]
+    return ",".join([endpoint] + standbys), token
 
 
 def _short_name(dist_backend_opts: Any) -> str:

@@ -44,13 +44,14 @@ def start(nworkers: int, policy: str = "smart", *, bind: Optional[str] = None,
           token: Optional[str] = None, host_of: Optional[Sequence[int]] = None,
           group_size: int = 0, c_thres: int = 0, inter_intra: bool = False, seed: int = 0,
           heartbeat_ms: int = 0, dead_ms: int = 0, join_ms: int = 0, partner_wait_ms: int = 0,
-          max_isolated: int = 0) -> "Coordinator":
+          max_isolated: int = 0, standby: bool = False) -> "Coordinator":
     """Starts a coordinator on a background thread ("rpl-gg-coord") and returns it.
     ``coord.endpoint`` and ``coord.token`` say how to reach it; ``coord.close()`` stops it.
-    ``partner_wait_ms`` and ``max_isolated``: see ``ripples_pg.Options``."""
+    ``partner_wait_ms`` and ``max_isolated``: see ``ripples_pg.Options``. ``standby``: a
+    failover coordinator (every worker counts as gone until it registers with it)."""
     c = Coordinator(nworkers, policy, bind, token, list(host_of) if host_of else None,
                     group_size, c_thres, bool(inter_intra), seed, heartbeat_ms, dead_ms, join_ms,
-                    partner_wait_ms, max_isolated)
+                    partner_wait_ms, max_isolated, bool(standby))
     c.start()
     return c
 
@@ -68,6 +69,27 @@ def start_embedded(store, nworkers: int, policy: str = "smart", *,
         c.close()
         raise
     return c
+
+
+def start_standby(store, nworkers: int, index: int, token: str, policy: str = "smart", *,
+                  prefix: str = STORE_PREFIX, bind: str = "tcp://0.0.0.0:*",
+                  advertise_host: Optional[str] = None, **knobs) -> "Coordinator":
+    """Rank ``index`` (1, 2, ...): starts standby coordinator number ``index`` for the job of
+    ``token`` and publishes its endpoint under ``prefix``/standby/``index``. It serves nobody
+    until workers lose the primary and fail over to it (every worker starts out gone)."""
+    c = start(nworkers, policy, bind=bind, token=token, standby=True, **knobs)
+    try:
+        store.set(f"{prefix}/standby/{index}", _advertised(c.endpoint, advertise_host))
+    except Exception:
+        c.close()
+        raise
+    return c
+
+
+def lookup_standby(store, index: int, prefix: str = STORE_PREFIX) -> str:
+    """Every rank: the endpoint of standby coordinator ``index`` (blocks until published)."""
+    v = store.get(f"{prefix}/standby/{index}")
+    return v.decode() if isinstance(v, (bytes, bytearray)) else str(v)
 
 
 def lookup(store, prefix: str = STORE_PREFIX) -> Tuple[str, str]:
@@ -103,6 +125,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--heartbeat-ms", type=int, default=0)
     p.add_argument("--dead-ms", type=int, default=0)
     p.add_argument("--join-ms", type=int, default=0, help="-1 = wait for ever for workers")
+    p.add_argument("--standby", action="store_true",
+                   help="a failover coordinator: every worker is out until it registers (list "
+                        "it after the primary in the workers' endpoint, comma-separated)")
     p.add_argument("--timeout-ms", type=int, default=5000, help="--status: reply timeout")
     add_layout_args(p, workers_required=False)
     add_policy_args(p, "smart")
@@ -124,7 +149,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   host_of=host_labels(args), group_size=args.group_size, c_thres=args.c_thres,
                   inter_intra=args.inter_intra, seed=args.seed, heartbeat_ms=args.heartbeat_ms,
                   dead_ms=args.dead_ms, join_ms=args.join_ms,
-                  partner_wait_ms=args.partner_wait_ms, max_isolated=args.max_isolated)
+                  partner_wait_ms=args.partner_wait_ms, max_isolated=args.max_isolated,
+                  standby=args.standby)
     except (ValueError, RuntimeError) as e:
         print(f"ripples-coordinator: {e}", file=sys.stderr)
         return 1
@@ -135,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"ripples-coordinator: {args.policy} for {args.workers} workers at {c.endpoint} "
-          f"token {c.token}", flush=True)
+          f"token {c.token}{' (standby)' if args.standby else ''}", flush=True)
     while not stop.wait(0.2):
         pass
     c.close()

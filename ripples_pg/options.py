@@ -128,14 +128,16 @@ def _int_at_least(low: int, what: str) -> Callable[[str, Any, bool], int]:
 
 
 def _parse_coordinator(name: str, value: Any, from_env: bool) -> str:
-    accepted = "'embedded' (rank 0 of the group runs it) or a ZeroMQ endpoint " \
-               "'tcp://HOST:PORT' of a running ripples-coordinator"
+    accepted = "'embedded' (rank 0 of the group runs it) or the ZeroMQ endpoint " \
+               "'tcp://HOST:PORT' of a running ripples-coordinator, optionally followed by " \
+               "',tcp://HOST:PORT' of standby coordinators (the failover order)"
     if isinstance(value, str):
         text = value.strip()
         if text.lower() == "embedded":
             return "embedded"
-        if re.match(r"^tcp://[^:/\s]+:\d{1,5}$", text):
-            return text
+        eps = [e.strip() for e in text.split(",")]
+        if eps and all(re.match(r"^tcp://[^:/\s,]+:\d{1,5}$", e) for e in eps):
+            return ",".join(eps)
     _fail(name, value, accepted, from_env)
 
 
@@ -206,7 +208,8 @@ _FIELDS: dict[str, _Field] = {
                "Groups of one in a row a worker may get while others live; None = the "
                "coordinator's default (2), -1 = no bound."),
         _Field("coordinator", _parse_coordinator, "embedded",
-               "'embedded' or the endpoint of a standalone ripples-coordinator."),
+               "'embedded' or the endpoint(s) of standalone ripples-coordinators "
+               "('tcp://A:P,tcp://B:P': primary, then standbys)."),
         _Field("coordinator_token", _parse_token, None,
                "Job token of a standalone coordinator (printed by ripples-coordinator)."),
         _Field("on_failure", _choice("raise", "skip"), "raise",
@@ -253,8 +256,11 @@ class Options:
         max_isolated: dynamic schedules: after this many groups of one in a row a worker
             waits (bounded) until it is placed in a group of two or more (``None``: 2,
             ``-1``: no bound).
-        coordinator: ``"embedded"`` (the default: the group's rank 0 runs it) or the
-            ``tcp://HOST:PORT`` endpoint of a standalone ``ripples-coordinator``.
+        coordinator: ``"embedded"`` (the default: the group's rank 0 runs it, ranks 1 and 2
+            run standbys) or the ``tcp://HOST:PORT`` endpoint of a standalone
+            ``ripples-coordinator``, optionally followed by those of standby ones
+            (``--standby``), comma-separated: the order in which workers fail over when
+            they lose the one they use (a lone endpoint is retried: a restart in place).
         coordinator_token: the job token of a standalone coordinator.
         on_failure: ``"raise"`` (default) or ``"skip"``: a failed partial round leaves the
             tensors unchanged and is counted in ``ripples_pg.stats()``.

@@ -188,8 +188,11 @@ def test_options_validation():
     repr(o)
     ripples_pg.Options(timeout=5, small_bytes=1024, chunk_bytes="64K", bind_addr="127.0.0.1")
     ripples_pg.Options(timeout=timedelta(seconds=3))
+    o = ripples_pg.Options(coordinator=" tcp://a:1 , tcp://b:2", coordinator_token="0" * 32)
+    assert o.coordinator == "tcp://a:1,tcp://b:2"  # a failover list, spaces dropped
     for bad in [dict(timeout=-1), dict(timeout=0), dict(small_bytes=-5),
-                dict(chunk_bytes="lots"), dict(bind_addr="not-an-ip")]:
+                dict(chunk_bytes="lots"), dict(bind_addr="not-an-ip"),
+                dict(coordinator="tcp://a:1,"), dict(coordinator="tcp://a:1,embedded")]:
         with pytest.raises(ValueError):
             ripples_pg.Options(**bad)
 

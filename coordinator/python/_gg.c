@@ -322,15 +322,16 @@ static void Coord_dealloc(CoordObject *o) {
 static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   static const char *kwl[] = {"nworkers",    "policy", "bind",         "token",   "host_of",
                         "group_size",  "c_thres", "inter_intra", "seed",    "heartbeat_ms",
-                        "dead_ms",     "join_ms", "partner_wait_ms", "max_isolated", NULL};
+                        "dead_ms",     "join_ms", "partner_wait_ms", "max_isolated", "standby",
+                        NULL};
   int n, group_size = 0, c_thres = 0, inter_intra = 0, hb = 0, dead = 0, join = 0;
-  int wait_ms = 0, max_isolated = 0;
+  int wait_ms = 0, max_isolated = 0, standby = 0;
   const char *policy = "smart", *bind = NULL, *token = NULL;
   PyObject *hosts = Py_None;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiiiii", (char **)kwl, &n, &policy, &bind,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiiiiip", (char **)kwl, &n, &policy, &bind,
                                    &token, &hosts, &group_size, &c_thres, &inter_intra, &seed,
-                                   &hb, &dead, &join, &wait_ms, &max_isolated))
+                                   &hb, &dead, &join, &wait_ms, &max_isolated, &standby))
     return -1;
   rpl_coord_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -354,6 +355,7 @@ static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   cfg.heartbeat_ms = hb;
   cfg.dead_ms = dead;
   cfg.join_ms = join;
+  cfg.standby = standby;
   rpl_error err;
   rpl_status st;
   if (o->c) {
@@ -653,8 +655,9 @@ static void init_types(void) {
   CoordType.tp_flags = Py_TPFLAGS_DEFAULT;
   CoordType.tp_doc = "Coordinator(nworkers, policy='smart', bind=None, token=None, host_of=None, "
                      "group_size=0, c_thres=0, inter_intra=False, seed=0, heartbeat_ms=0, "
-                     "dead_ms=0, join_ms=0, partner_wait_ms=0, max_isolated=0): the Group "
-                     "Generator service (bound at construction).";
+                     "dead_ms=0, join_ms=0, partner_wait_ms=0, max_isolated=0, standby=False): the "
+                     "Group Generator service (bound at construction; standby: a failover "
+                     "coordinator, every worker out until it registers).";
   CoordType.tp_methods = Coord_methods;
   CoordType.tp_getset = Coord_getset;
   CoordType.tp_init = (initproc)Coord_init;

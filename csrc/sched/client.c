@@ -1,7 +1,15 @@
 /* Worker-side client of the Group Generator service: one DEALER socket for requests (used by
  * the caller's thread) and a heartbeat thread with its own socket (zmq sockets are not
  * thread-safe). Replies carry the sequence number of what they answer, so a reply that
- * arrives after its request timed out is recognised and dropped. */
+ * arrives after its request timed out is recognised and dropped.
+ *
+ * Failover. The endpoint may be a list: the primary, then standby coordinators. When the
+ * current one is lost (heartbeats unanswered for dead_ms, or a restarted instance answering
+ * NOT_REGISTERED) the request that was waiting fails -- its group died with the coordinator --
+ * and the client registers with the next endpoint of the list (wrapping around: a lone
+ * endpoint is a standalone coordinator that may come back), so the following rounds are
+ * served. Attempts are short and spaced out, so that a worker keeps training (its rounds
+ * failing fast) while no coordinator answers. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -14,8 +22,16 @@
 
 #define MAX_MSG (RPL_PROTO_HEADER + 20 + 4 * (size_t)RPL_SCHED_MAX_WORKERS)
 
+/* A failover attempt tries each endpoint this long for a HELLO_ACK, and after a failed
+ * round of attempts the next waits this long (rounds fail fast meanwhile). */
+#define FAILOVER_HELLO_MS 1500
+#define FAILOVER_SPACING_S 2.0
+
 struct rpl_gg_client {
-  char *endpoint;
+  char *endpoint;              /* the current one: eps[cur] */
+  char **eps;
+  int neps, cur;
+  double next_failover;        /* clock before which no new attempt is made */
   uint8_t token[RPL_TOKEN_LEN];
   int rank, nworkers, host_label;
   int timeout_ms, request_timeout_ms, heartbeat_ms;
@@ -30,7 +46,7 @@ struct rpl_gg_client {
   int beat_started;
   atomic_int stop;
   atomic_int lost;             /* heartbeats unanswered for longer than dead_ms */
-  atomic_ullong hb_sent, hb_acked, requests, cancels;
+  atomic_ullong hb_sent, hb_acked, requests, cancels, failovers;
   double wait_s;
 };
 
@@ -47,6 +63,9 @@ static rpl_status zfail(rpl_error *err, const char *what, const char *endpoint) 
 
 static rpl_status send_msg(void *sock, rpl_msg *m, const int *members, rpl_error *err,
                            const char *endpoint) {
+  if (!sock) /* between a lost coordinator and a successful failover */
+    return rpl_sched_fail(err, RPL_ERR_PEER, "no group generator connected (last: %s)",
+                          endpoint ? endpoint : "");
   uint8_t small[128];
   size_t need = rpl_msg_encoded_size(m);
   uint8_t *b = need <= sizeof small ? small : malloc(need);
@@ -137,11 +156,15 @@ static void *beat_main(void *arg) {
       while ((n = zmq_recv(s, buf, MAX_MSG, ZMQ_DONTWAIT)) >= 0) {
         rpl_msg m;
         rpl_error e;
-        if ((size_t)n <= MAX_MSG && rpl_msg_parse(buf, (size_t)n, c->nworkers, &m, &e) == RPL_OK &&
-            m.type == RPL_MSG_HEARTBEAT_ACK && rpl_token_equal(m.token, c->token)) {
+        if ((size_t)n > MAX_MSG || rpl_msg_parse(buf, (size_t)n, c->nworkers, &m, &e) != RPL_OK ||
+            !rpl_token_equal(m.token, c->token))
+          continue;
+        if (m.type == RPL_MSG_HEARTBEAT_ACK) {
           atomic_fetch_add(&c->hb_acked, 1);
           last_ack = now_s();
           atomic_store(&c->lost, 0);
+        } else if (m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED) {
+          atomic_store(&c->lost, 1); /* a new instance: what we wait for died with the old */
         }
       }
     }
@@ -150,6 +173,125 @@ static void *beat_main(void *arg) {
   free(buf);
   zmq_close(s);
   return NULL;
+}
+
+/* Connects a new request socket to eps[cur], registers (HELLO, waiting up to hello_ms) and
+ * starts the heartbeat thread. On failure the socket is closed again. */
+static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
+  c->endpoint = c->eps[c->cur];
+  c->sock = zmq_socket(c->ctx, ZMQ_DEALER);
+  if (!c->sock) return zfail(err, "socket", c->endpoint);
+  int linger = 1000; /* let a final DONE/LEAVE go out on close */
+  zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
+  rpl_status st = RPL_OK;
+  rpl_msg m;
+  if (zmq_connect(c->sock, c->endpoint) != 0) {
+    st = rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
+                        c->endpoint, zmq_strerror(zmq_errno()));
+  } else {
+    fill_header(c, &m, RPL_MSG_HELLO, ++c->seq);
+    m.nworkers = c->nworkers;
+    m.host_label = c->host_label;
+    st = send_msg(c->sock, &m, NULL, err, c->endpoint);
+    if (st == RPL_OK)
+      st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq,
+                      now_s() + hello_ms / 1000.0, NULL, c->endpoint, &m, err);
+    if (st == RPL_ERR_TIMEOUT)
+      st = rpl_sched_fail(err, RPL_ERR_PEER,
+                          "group generator at %s did not answer within %d ms (not running, wrong "
+                          "endpoint, or unreachable)", c->endpoint, hello_ms);
+    else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
+      st = from_error_reply(&m, c->endpoint, err);
+    else if (st == RPL_OK && m.type != RPL_MSG_HELLO_ACK)
+      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
+                          c->endpoint, rpl_msg_type_name(m.type));
+  }
+  if (st == RPL_OK) {
+    c->dead_ms = m.dead_ms ? m.dead_ms : 10000;
+    atomic_store(&c->lost, 0);
+    if (c->heartbeat_ms > 0) {
+      if (pthread_create(&c->beat, NULL, beat_main, c) != 0)
+        st = rpl_sched_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
+      else
+        c->beat_started = 1;
+    }
+  }
+  if (st != RPL_OK) {
+    int zero = 0;
+    zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero);
+    zmq_close(c->sock);
+    c->sock = NULL;
+  }
+  return st;
+}
+
+/* Stops the heartbeat thread and closes the request socket (what was queued is dropped). */
+static void detach(rpl_gg_client *c, int linger_ms) {
+  if (c->beat_started) {
+    atomic_store(&c->stop, 1);
+    pthread_join(c->beat, NULL);
+    c->beat_started = 0;
+    atomic_store(&c->stop, 0);
+  }
+  if (c->sock) {
+    zmq_setsockopt(c->sock, ZMQ_LINGER, &linger_ms, sizeof linger_ms);
+    zmq_close(c->sock);
+    c->sock = NULL;
+  }
+}
+
+/* The current coordinator is lost: register with the next endpoint that answers (see the top).
+ * Called with c->lock held. */
+static rpl_status failover(rpl_gg_client *c, rpl_error *err) {
+  double t = now_s();
+  if (t < c->next_failover)
+    return rpl_sched_fail(err, RPL_ERR_PEER,
+                          "no group generator answered at %s (the last one tried); the next "
+                          "attempt is in %.1f s", c->endpoint, c->next_failover - t);
+  detach(c, 0);
+  int hello_ms = c->timeout_ms < FAILOVER_HELLO_MS ? c->timeout_ms : FAILOVER_HELLO_MS;
+  rpl_error e;
+  rpl_status st = RPL_ERR_PEER;
+  for (int k = 0; k < c->neps; k++) {
+    c->cur = (c->cur + 1) % c->neps;
+    st = attach(c, hello_ms, &e);
+    if (st == RPL_OK) {
+      atomic_fetch_add(&c->failovers, 1);
+      return RPL_OK;
+    }
+    if (st == RPL_ERR_INVALID || st == RPL_ERR_CLOSED) break; /* refused us: say why */
+  }
+  c->next_failover = now_s() + FAILOVER_SPACING_S;
+  if (st == RPL_ERR_INVALID || st == RPL_ERR_CLOSED) {
+    *err = e;
+    return st;
+  }
+  return rpl_sched_fail(err, RPL_ERR_PEER,
+                        "lost the group generator, and none of its %d endpoint(s) answered "
+                        "within %d ms (last: %s)", c->neps, hello_ms, c->endpoint);
+}
+
+/* Splits "a,b,c" into c->eps. */
+static int parse_endpoints(rpl_gg_client *c, const char *list) {
+  int cap = 1;
+  for (const char *p = list; *p; p++) cap += *p == ',';
+  c->eps = calloc((size_t)cap, sizeof *c->eps);
+  if (!c->eps) return -1;
+  const char *p = list;
+  while (*p) {
+    while (*p == ' ' || *p == ',') p++;
+    const char *q = p;
+    while (*q && *q != ',') q++;
+    const char *e = q;
+    while (e > p && e[-1] == ' ') e--;
+    if (e > p) {
+      c->eps[c->neps] = strndup(p, (size_t)(e - p));
+      if (!c->eps[c->neps]) return -1;
+      c->neps++;
+    }
+    p = q;
+  }
+  return 0;
 }
 
 rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client **out,
@@ -170,7 +312,6 @@ rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client *
     return st;
   }
   pthread_mutex_init(&c->lock, NULL);
-  c->endpoint = strdup(cfg->endpoint);
   c->buf = malloc(MAX_MSG);
   c->rank = cfg->rank;
   c->nworkers = cfg->nworkers;
@@ -178,58 +319,31 @@ rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client *
   c->timeout_ms = cfg->timeout_ms > 0 ? cfg->timeout_ms : 10000;
   c->request_timeout_ms = cfg->request_timeout_ms > 0 ? cfg->request_timeout_ms : 300000;
   c->heartbeat_ms = cfg->heartbeat_ms == 0 ? 1000 : cfg->heartbeat_ms;
-  if (!c->endpoint || !c->buf) {
+  if (!c->buf || parse_endpoints(c, cfg->endpoint) != 0) {
     rpl_gg_client_destroy(c);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
   }
+  if (c->neps == 0) {
+    rpl_gg_client_destroy(c);
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: no endpoint in '%s'",
+                          cfg->endpoint);
+  }
+  c->endpoint = c->eps[0];
   c->ctx = cfg->zmq_context;
   if (!c->ctx) {
     c->ctx = zmq_ctx_new();
     c->own_ctx = 1;
   }
-  c->sock = c->ctx ? zmq_socket(c->ctx, ZMQ_DEALER) : NULL;
-  if (!c->sock) {
-    st = zfail(err, "socket", c->endpoint);
+  if (!c->ctx) {
+    st = zfail(err, "context", c->endpoint);
     rpl_gg_client_destroy(c);
     return st;
   }
-  int linger = 1000; /* let a final DONE/LEAVE go out on close */
-  zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
-  if (zmq_connect(c->sock, c->endpoint) != 0) {
-    st = rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
-                        c->endpoint, zmq_strerror(zmq_errno()));
-    rpl_gg_client_destroy(c);
-    return st;
-  }
-  rpl_msg m;
-  fill_header(c, &m, RPL_MSG_HELLO, ++c->seq);
-  m.nworkers = c->nworkers;
-  m.host_label = c->host_label;
-  st = send_msg(c->sock, &m, NULL, err, c->endpoint);
-  if (st == RPL_OK)
-    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq,
-                    now_s() + c->timeout_ms / 1000.0, NULL, c->endpoint, &m, err);
-  if (st == RPL_ERR_TIMEOUT)
-    st = rpl_sched_fail(err, RPL_ERR_PEER,
-                        "group generator at %s did not answer within %d ms (not running, wrong "
-                        "endpoint, or unreachable)",
-                        c->endpoint, c->timeout_ms);
-  else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
-    st = from_error_reply(&m, c->endpoint, err);
-  else if (st == RPL_OK && m.type != RPL_MSG_HELLO_ACK)
-    st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
-                        c->endpoint, rpl_msg_type_name(m.type));
+  /* Registration at start goes to the primary only: the standbys are for later. */
+  st = attach(c, c->timeout_ms, err);
   if (st != RPL_OK) {
     rpl_gg_client_destroy(c);
     return st;
-  }
-  c->dead_ms = m.dead_ms ? m.dead_ms : 10000;
-  if (c->heartbeat_ms > 0) {
-    if (pthread_create(&c->beat, NULL, beat_main, c) != 0) {
-      rpl_gg_client_destroy(c);
-      return rpl_sched_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
-    }
-    c->beat_started = 1;
   }
   *out = c;
   return RPL_OK;
@@ -247,7 +361,9 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
   double t0 = now_s(), deadline = t0 + c->request_timeout_ms / 1000.0;
   rpl_status st;
   atomic_fetch_add(&c->requests, 1);
-  for (;;) {
+  /* Lost while this worker computed: register elsewhere before asking. */
+  st = atomic_load(&c->lost) || !c->sock ? failover(c, err) : RPL_OK;
+  for (; st == RPL_OK;) {
     rpl_msg m;
     fill_header(c, &m, RPL_MSG_REQUEST, ++c->seq);
     m.round = round;
@@ -255,6 +371,23 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
     if (st != RPL_OK) break;
     st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq, deadline, &c->lost,
                     c->endpoint, &m, err);
+    if (st == RPL_ERR_PEER && atomic_load(&c->lost)) {
+      /* This round's group, if any, died with the coordinator: the round fails, and the
+       * client moves on at once so that the next one is served. */
+      char was[256];
+      snprintf(was, sizeof was, "%s", c->endpoint);
+      rpl_error e2;
+      if (failover(c, &e2) == RPL_OK)
+        st = rpl_sched_fail(err, RPL_ERR_PEER,
+                            "the group generator at %s was lost (no answer to heartbeats, or "
+                            "it restarted): round %llu not served; the next rounds go to %s",
+                            was, (unsigned long long)round, c->endpoint);
+      else
+        st = rpl_sched_fail(err, RPL_ERR_PEER,
+                            "the group generator at %s stopped answering heartbeats: round "
+                            "%llu not served (%s)", was, (unsigned long long)round, e2.msg);
+      break;
+    }
     if (st == RPL_ERR_TIMEOUT) {
       /* Nobody must wait for a group we will not run: drop our place in every group. */
       rpl_error e2;
@@ -352,12 +485,11 @@ rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {
 
 void rpl_gg_client_destroy(rpl_gg_client *c) {
   if (!c) return;
-  atomic_store(&c->stop, 1);
-  if (c->beat_started) pthread_join(c->beat, NULL);
-  if (c->sock) zmq_close(c->sock);
+  detach(c, 1000); /* a final DONE/LEAVE may still be on its way */
   if (c->own_ctx && c->ctx) zmq_ctx_term(c->ctx);
   pthread_mutex_destroy(&c->lock);
-  free(c->endpoint);
+  for (int i = 0; i < c->neps; i++) free(c->eps[i]);
+  free(c->eps);
   free(c->buf);
   free(c);
 }
@@ -367,6 +499,7 @@ void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out) {
   out->cancels = atomic_load(&c->cancels);
   out->heartbeats_sent = atomic_load(&c->hb_sent);
   out->heartbeats_acked = atomic_load(&c->hb_acked);
+  out->failovers = atomic_load(&c->failovers);
   pthread_mutex_lock(&c->lock);
   out->wait_s = c->wait_s;
   pthread_mutex_unlock(&c->lock);

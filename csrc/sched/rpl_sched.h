@@ -269,7 +269,7 @@ void rpl_gg_foreach_pending(const rpl_gg *gg,
 /* ---- 3a. Wire protocol (coordinator/PROTOCOL.md) ------------------------------------------- */
 
 #define RPL_PROTO_MAGIC 0x47504c52u /* "RPLG" little-endian */
-#define RPL_PROTO_VERSION 1
+#define RPL_PROTO_VERSION 2
 #define RPL_PROTO_HEADER 36
 #define RPL_TOKEN_LEN 16
 #define RPL_PROTO_MAX_TEXT 4096                 /* ERROR text */
@@ -303,7 +303,9 @@ typedef enum {
   RPL_PERR_WORLD_MISMATCH = 3,
   RPL_PERR_LEFT = 4,
   RPL_PERR_MALFORMED = 5,
-  RPL_PERR_INTERNAL = 6
+  RPL_PERR_INTERNAL = 6,
+  RPL_PERR_NOT_REGISTERED = 7 /* a heartbeat from a worker that said no HELLO to this instance
+                                 (the coordinator restarted): say HELLO again */
 } rpl_proto_error;
 
 /* A decoded message. Variable parts point into the parsed buffer (valid while it is). */
@@ -361,7 +363,8 @@ int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LE
 /* ---- 3b. Worker-side client (libzmq) ------------------------------------------------------- */
 
 typedef struct rpl_gg_client_config {
-  const char *endpoint;     /* e.g. "tcp://10.0.0.1:29600" */
+  const char *endpoint;     /* e.g. "tcp://10.0.0.1:29600"; a comma-separated list names the
+                               failover order: the primary, then standby coordinators */
   const char *token_hex;    /* the job's token */
   int rank;
   int nworkers;             /* checked against the coordinator's */
@@ -403,6 +406,9 @@ typedef struct rpl_gg_client_stats {
   uint64_t heartbeats_sent;
   uint64_t heartbeats_acked;
   double wait_s;            /* total time blocked in rpl_gg_client_request */
+  uint64_t failovers;       /* times the client registered again after losing its
+                               coordinator (with the next endpoint of its list, or the same
+                               one restarted) */
 } rpl_gg_client_stats;
 void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out);
 

@@ -100,6 +100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"unfences", py::cast(s.unfences)},
                 {"rounds_since_group", py::cast(s.singleton_run)},
                 {"singleton_run_max", py::cast(s.singleton_run_max)},
+                {"coordinator_failovers", py::cast(s.failovers)},
                 {"group_sizes", listOf(s.group_sizes, RPL_HIST_BUCKETS)},
                 {"bytes", py::cast(s.bytes)},
                 {"group_s", py::cast(s.group_s)},

@@ -253,8 +253,11 @@ static void test_rejections(void) {
   CHECK(zmq_poll(&it, 1, 5000) == 1, "a valid heartbeat after garbage is still answered");
   uint8_t rb[256];
   int n = zmq_recv(s, rb, sizeof rb, 0);
+  /* ... with NOT_REGISTERED: rank 1 said no HELLO to this instance (a restarted coordinator
+   * tells the workers of its predecessor to register again). */
   CHECK(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
-            m.type == RPL_MSG_HEARTBEAT_ACK, "heartbeat ack");
+            m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED,
+        "unregistered heartbeat answered NOT_REGISTERED");
   rpl_coord_counters after;
   rpl_coord_get_counters(c, &after);
   CHECK(after.malformed - before.malformed == (uint64_t)sent, "malformed counted %llu of %d",
