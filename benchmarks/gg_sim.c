@@ -4,18 +4,38 @@
  *
  * Model (times in units of one normal compute step):
  *   - a worker computes for 1.0 x U(0.95, 1.05) x its slowdown, then asks for a group;
- *   - the request reaches the GG after `gg_lat`, a handed group reaches members after `gg_lat`;
+ *   - every message (request, fence, unfence) reaches the GG after `gg_lat`, a handed group or
+ *     a cancel reaches the worker after `gg_lat`; a cancelled worker asks again at once;
  *   - a group of g members reduces for alpha + beta * 2(g-1)/g, beta doubled if it spans hosts;
- *   - then every member reports done and computes again.
+ *   - with --jitter J, every message and every member's end of a reduction comes U(0, J) later
+ *     (noise of a busy machine: members say done apart, requests spread);
+ *   - then every member reports done and computes again;
+ *   - with --exact-every K, after every K-th partial round the worker enters an exact
+ *     collective: it fences (dynamic policies only, as the client does), waits for every
+ *     worker to arrive (a global barrier), then for --exact-cost (default alpha: a small
+ *     all-reduce such as a metric; it does not average the vectors below), and unfences --
+ *     when the collective ends, or with --late-unfence (the first client) only through its
+ *     next request. Then it computes again;
+ *   - the GG's clock is the simulated time, one step = --step-ms milliseconds: it is advanced
+ *     before every message, as the coordinator does, and at the next deadline the GG reports
+ *     (rpl_gg_next_deadline), so waits for partners, the isolation bound's holds and the
+ *     arrival filter act as in the coordinator.
  * Scenarios: homog; slow2 / slow5 (worker 0 always 2x / 5x slower); random (every worker is
- * 5x slower in a step with probability 1/n). "allreduce" is the global-barrier baseline.
+ * 5x slower in a step with probability 1/n); --slow-factor F replaces the 5 of both.
+ * "allreduce" is the global-barrier baseline.
  * Reported per run: rounds per worker per unit of simulated time, mean time a round waits for
- * its members (request -> group handed), conflicts per 1000 groups, singletons, and consensus:
- * simulated time until the spread of a random vector averaged by the groups falls to 1e-3 and
- * 1e-6 of its start (the averaging the groups would do to models, without gradients).
+ * its members (request -> group handed), conflicts per 1000 groups, singletons (share of
+ * groups; share of rounds, over all workers and for the worst worker; longest run of groups of
+ * one of a worker), and consensus: simulated time until the spread of a random vector averaged
+ * by the groups falls to 1e-3 and 1e-6 of its start (the averaging the groups would do to
+ * models, without gradients).
  *
  *   gg_sim [--workers N] [--per-host L] [--policy P|all] [--scenario S|all] [--rounds R]
+ *          [--jitter J] [--slow-factor F]
  *          [--group-size G] [--c-thres C] [--inter-intra] [--seed S] [--json]
+ *          [--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS]
+ *          [--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] [--old-policy]
+ *          [--gg-stats]   (the GG's counters per run, on stderr)
  */
 #include <math.h>
 #include <stdio.h>
@@ -26,11 +46,22 @@
 
 #define DIM 4
 
+enum {
+  EV_COMPUTE,   /* compute finished: the request travels to the GG */
+  EV_REDUCE,    /* reduce finished: done, then compute or an exact collective */
+  EV_REQUEST,   /* a request reaches the GG */
+  EV_DEADLINE,  /* a wait in the GG ends (rpl_gg_next_deadline) */
+  EV_FENCE,     /* a fence reaches the GG */
+  EV_UNFENCE,   /* an unfence reaches the GG */
+  EV_EXACT_END  /* the exact collective ends for this worker */
+};
+
 typedef struct {
   double t;
   int worker;
-  int kind; /* 0 compute done, 1 reduce done, 2 group arrives at GG side (request) */
+  int kind;
   uint64_t gid;
+  double gg_t; /* EV_DEADLINE: the deadline on the GG's clock (seconds) */
 } sim_ev;
 
 typedef struct {
@@ -76,14 +107,24 @@ static double urand(void) {
 }
 
 typedef struct {
-  int workers, per_host, rounds, group_size, c_thres, inter_intra, json;
+  int workers, per_host, rounds, group_size, c_thres, inter_intra, json, gg_stats;
   uint64_t seed;
   double gg_lat, alpha, beta;
+  double jitter;              /* extra delay U(0, jitter) on every message and reduce end */
+  double slow_factor;         /* slow5 and random: the slow compute's factor (default 5) */
+  int exact_every;            /* an exact collective after every K-th partial round; 0 = none */
+  double exact_cost;          /* its duration after the last worker arrives; < 0 = alpha */
+  int late_unfence;           /* unfence only through the next request (the first client) */
+  double step_ms;             /* one compute step on the GG's clock */
+  int partner_wait_ms, max_isolated, arrival_filter; /* rpl_gg_config; 0 = default */
 } params;
 
 typedef struct {
   double rounds_per_time, mean_wait, conflicts_per_k, singleton_frac, t_1e3, t_1e6, sim_time;
   double slowest_rounds_per_time;
+  double single_share, single_worst; /* groups of one per round: all workers, worst worker */
+  unsigned run_max;                  /* longest run of groups of one of a worker */
+  rpl_gg_stats gg;                   /* the GG's counters (--gg-stats) */
 } result;
 
 enum { SC_HOMOG, SC_SLOW2, SC_SLOW5, SC_RANDOM, SC_COUNT };
@@ -92,8 +133,8 @@ static const char *sc_names[] = {"homog", "slow2", "slow5", "random"};
 static double compute_time(const params *p, int sc, int w) {
   double t = 0.95 + 0.1 * urand();
   if ((sc == SC_SLOW2 && w == 0)) t *= 2;
-  if ((sc == SC_SLOW5 && w == 0)) t *= 5;
-  if (sc == SC_RANDOM && urand() < 1.0 / p->workers) t *= 5;
+  if ((sc == SC_SLOW5 && w == 0)) t *= p->slow_factor;
+  if (sc == SC_RANDOM && urand() < 1.0 / p->workers) t *= p->slow_factor;
   return t;
 }
 
@@ -113,6 +154,8 @@ static double reduce_time(const params *p, const int *m, int g) {
   return p->alpha + p->beta * (cross ? 2.0 : 1.0) * 2.0 * (g - 1) / g;
 }
 
+static double exact_cost(const params *p) { return p->exact_cost < 0 ? p->alpha : p->exact_cost; }
+
 static int run_allreduce(const params *p, int sc, result *r) {
   int n = p->workers;
   double t = 0;
@@ -128,6 +171,7 @@ static int run_allreduce(const params *p, int sc, result *r) {
     }
     waits += mx * n - sum;
     t += mx + reduce_time(p, all, n);
+    if (p->exact_every > 0 && (k + 1) % p->exact_every == 0) t += exact_cost(p);
   }
   free(all);
   memset(r, 0, sizeof *r);
@@ -137,6 +181,180 @@ static int run_allreduce(const params *p, int sc, result *r) {
   r->mean_wait = waits / ((double)n * p->rounds);
   r->t_1e3 = r->t_1e6 = t / p->rounds; /* one global average reaches consensus */
   return 0;
+}
+
+/* ---- the simulated job around one GG ------------------------------------------------------ */
+
+typedef struct {
+  const params *p;
+  int sc, n;
+  int fences;                  /* the client fences only for dynamic schedules */
+  rpl_gg *gg;
+  heap h;
+  double now;
+  double deadline_ev;          /* time of the earliest EV_DEADLINE queued, < 0 if none */
+  double(*x)[DIM];
+  double s0, next_check, t_1e3, t_1e6;
+  uint64_t *round;
+  double *asked;
+  double *sent;                /* arrival of each worker's last message at the GG: in order */
+  int *members;
+  int arrived;                 /* workers inside the current exact collective */
+  double waits;
+  uint64_t done_rounds, min_done;
+} sim;
+
+static void push(sim *s, double t, int w, int kind, uint64_t gid) {
+  heap_push(&s->h, (sim_ev){t, w, kind, gid, 0});
+}
+
+/* A message of w to the GG, sent now: it arrives after gg_lat (+ jitter), after w's previous
+ * one (a worker's messages keep their order, as over its socket). */
+static void send_msg(sim *s, int w, int kind) {
+  double t = s->now + s->p->gg_lat + (s->p->jitter > 0 ? s->p->jitter * urand() : 0);
+  if (t <= s->sent[w]) t = s->sent[w] + 1e-9;
+  s->sent[w] = t;
+  push(s, t, w, kind, 0);
+}
+
+static void check_consensus(sim *s) {
+  if (s->now < s->next_check || s->t_1e6 >= 0) return;
+  double sp = spread(s->x, s->n) / s->s0;
+  if (s->t_1e3 < 0 && sp <= 1e-3) s->t_1e3 = s->now;
+  if (s->t_1e6 < 0 && sp <= 1e-6) s->t_1e6 = s->now;
+  s->next_check = s->now + 0.25;
+}
+
+/* Delivers what the GG produced: groups start reducing (and average the vectors once per
+ * group), cancelled workers ask again. Then queues an event at the GG's next deadline. */
+static void drain(sim *s) {
+  const params *p = s->p;
+  rpl_gg_event ev;
+  uint64_t last_gid = 0;
+  int handed = 0;
+  while (rpl_gg_poll(s->gg, &ev, s->members, s->n)) {
+    if (ev.kind == RPL_EV_CANCEL) {
+      push(s, s->now + 2 * p->gg_lat, ev.worker, EV_REQUEST, 0);
+      continue;
+    }
+    double dur = reduce_time(p, s->members, ev.nmembers);
+    if (p->jitter > 0) dur += p->jitter * urand(); /* members end (and say done) apart */
+    s->waits += s->now + p->gg_lat - s->asked[ev.worker];
+    push(s, s->now + p->gg_lat + dur, ev.worker, EV_REDUCE, ev.group_id);
+    if (ev.group_id != last_gid) { /* members' events come together: average once */
+      last_gid = ev.group_id;
+      handed = 1;
+      double avg[DIM] = {0};
+      for (int i = 0; i < ev.nmembers; i++)
+        for (int d = 0; d < DIM; d++) avg[d] += s->x[s->members[i]][d] / ev.nmembers;
+      for (int i = 0; i < ev.nmembers; i++) memcpy(s->x[s->members[i]], avg, sizeof avg);
+    }
+  }
+  if (handed) check_consensus(s);
+  double d = rpl_gg_next_deadline(s->gg);
+  if (d < 0) return;
+  double t = d * 1000.0 / p->step_ms;
+  if (t < s->now) t = s->now;
+  if (s->deadline_ev >= 0 && s->deadline_ev <= t) return;
+  heap_push(&s->h, (sim_ev){t, -1, EV_DEADLINE, 0, d});
+  s->deadline_ev = t;
+}
+
+/* Done with a partial round: compute again, or enter the exact collective (a barrier). */
+static void after_round(sim *s, int w) {
+  const params *p = s->p;
+  if (p->exact_every <= 0 || s->round[w] % (uint64_t)p->exact_every != 0) {
+    push(s, s->now + compute_time(p, s->sc, w), w, EV_COMPUTE, 0);
+    return;
+  }
+  if (s->fences) send_msg(s, w, EV_FENCE);
+  if (++s->arrived < s->n) return;
+  s->arrived = 0; /* the last one is in: everyone leaves together */
+  for (int v = 0; v < s->n; v++) push(s, s->now + exact_cost(p), v, EV_EXACT_END, 0);
+}
+
+static void update_min_done(sim *s, int w) {
+  if (w != 0 && s->round[w] > s->min_done + 1) return;
+  uint64_t mn = UINT64_MAX;
+  for (int v = 0; v < s->n; v++)
+    if (s->round[v] < mn) mn = s->round[v];
+  s->min_done = mn;
+}
+
+/* One event. The GG's clock is advanced before every message, as the coordinator does. */
+static int step(sim *s, sim_ev e) {
+  const params *p = s->p;
+  rpl_error err;
+  rpl_status st = RPL_OK;
+  int w = e.worker;
+  s->now = e.t;
+  double clock = e.kind == EV_DEADLINE ? e.gg_t : s->now * p->step_ms / 1000.0;
+  switch (e.kind) {
+    case EV_COMPUTE:
+      send_msg(s, w, EV_REQUEST);
+      s->asked[w] = s->now;
+      return 0;
+    case EV_EXACT_END:
+      if (s->fences && !p->late_unfence) send_msg(s, w, EV_UNFENCE);
+      push(s, s->now + compute_time(p, s->sc, w), w, EV_COMPUTE, 0);
+      return 0;
+    case EV_DEADLINE:
+      if (s->deadline_ev == e.t) s->deadline_ev = -1;
+      break;
+    default: break;
+  }
+  st = rpl_gg_advance(s->gg, clock, &err);
+  if (st == RPL_OK) {
+    switch (e.kind) {
+      case EV_REDUCE:
+        st = rpl_gg_done(s->gg, w, e.gid, &err);
+        s->round[w]++;
+        s->done_rounds++;
+        update_min_done(s, w);
+        after_round(s, w);
+        break;
+      case EV_REQUEST: st = rpl_gg_request(s->gg, w, s->round[w], &err); break;
+      case EV_FENCE: st = rpl_gg_fence(s->gg, w, &err); break;
+      case EV_UNFENCE: st = rpl_gg_unfence(s->gg, w, &err); break;
+      default: break;
+    }
+  }
+  if (st != RPL_OK) {
+    fprintf(stderr, "gg_sim: %s\n", err.msg);
+    return -1;
+  }
+  drain(s);
+  return 0;
+}
+
+static void collect(sim *s, result *r) {
+  rpl_gg_stats st;
+  rpl_gg_get_stats(s->gg, &st);
+  memset(r, 0, sizeof *r);
+  r->sim_time = s->now;
+  r->rounds_per_time = (double)s->done_rounds / s->n / s->now;
+  uint64_t mn = UINT64_MAX, singles = 0, handed = 0;
+  for (int w = 0; w < s->n; w++) {
+    if (s->round[w] < mn) mn = s->round[w];
+    rpl_gg_worker_info info;
+    rpl_error err;
+    if (rpl_gg_worker(s->gg, w, &info, &err) != RPL_OK) continue;
+    singles += info.singletons;
+    handed += info.handed;
+    double share = info.handed ? (double)info.singletons / (double)info.handed : 0;
+    if (share > r->single_worst) r->single_worst = share;
+    if (info.lonely_max > r->run_max) r->run_max = info.lonely_max;
+  }
+  r->single_share = handed ? (double)singles / (double)handed : 0;
+  r->slowest_rounds_per_time = (double)mn / s->now;
+  r->mean_wait = s->done_rounds ? s->waits / (double)s->done_rounds : 0;
+  r->conflicts_per_k =
+      st.groups_created ? 1000.0 * (double)st.conflicts / (double)st.groups_created : 0;
+  r->singleton_frac =
+      st.groups_handed ? (double)st.singletons_handed / (double)st.groups_handed : 0;
+  r->t_1e3 = s->t_1e3;
+  r->t_1e6 = s->t_1e6;
+  r->gg = st;
 }
 
 static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
@@ -150,103 +368,104 @@ static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
   cfg.group_size = p->group_size;
   cfg.c_thres = p->c_thres;
   cfg.inter_intra = p->inter_intra;
+  cfg.partner_wait_ms = p->partner_wait_ms;
+  cfg.max_isolated = p->max_isolated;
+  cfg.arrival_filter = p->arrival_filter;
   cfg.seed = p->seed;
-  rpl_gg *gg;
+  sim s = {0};
   rpl_error err;
-  if (rpl_gg_create(&cfg, &gg, &err) != RPL_OK) {
+  if (rpl_gg_create(&cfg, &s.gg, &err) != RPL_OK) {
     fprintf(stderr, "gg_sim: %s\n", err.msg);
+    free(labels);
     return -1;
   }
-  double(*x)[DIM] = malloc(sizeof *x * (size_t)n);
+  s.p = p;
+  s.sc = sc;
+  s.n = n;
+  s.fences = pol != RPL_POLICY_STATIC;
+  s.deadline_ev = -1;
+  s.t_1e3 = s.t_1e6 = -1;
+  s.x = malloc(sizeof *s.x * (size_t)n);
   for (int w = 0; w < n; w++)
-    for (int d = 0; d < DIM; d++) x[w][d] = urand();
-  double s0 = spread(x, n), next_check = 0;
-  double t_1e3 = -1, t_1e6 = -1;
-  uint64_t *round = calloc((size_t)n, sizeof *round);
-  double *asked = calloc((size_t)n, sizeof *asked);
-  int *members = malloc(sizeof(int) * (size_t)n);
-  heap h = {0};
-  for (int w = 0; w < n; w++) heap_push(&h, (sim_ev){compute_time(p, sc, w), w, 0, 0});
-  double now = 0, waits = 0;
-  uint64_t done_rounds = 0, target = (uint64_t)p->rounds * (uint64_t)n, handed_groups = 0;
-  uint64_t min_done = 0;
-  while (h.n > 0 && min_done < (uint64_t)p->rounds && done_rounds < 4 * target) {
-    sim_ev e = heap_pop(&h);
-    now = e.t;
-    if (e.kind == 0) { /* compute finished: the request travels to the GG */
-      heap_push(&h, (sim_ev){now + p->gg_lat, e.worker, 2, 0});
-      asked[e.worker] = now;
-      continue;
-    }
-    if (e.kind == 1) { /* reduce finished */
-      rpl_gg_done(gg, e.worker, e.gid, &err);
-      round[e.worker]++;
-      done_rounds++;
-      if (e.worker == 0 || round[e.worker] <= min_done + 1) {
-        uint64_t mn = UINT64_MAX;
-        for (int w = 0; w < n; w++)
-          if (round[w] < mn) mn = round[w];
-        min_done = mn;
-      }
-      heap_push(&h, (sim_ev){now + compute_time(p, sc, e.worker), e.worker, 0, 0});
-      continue;
-    }
-    /* kind 2: the request reaches the GG */
-    if (rpl_gg_request(gg, e.worker, round[e.worker], &err) != RPL_OK) {
-      fprintf(stderr, "gg_sim: %s\n", err.msg);
-      return -1;
-    }
-    rpl_gg_event ev;
-    uint64_t last_gid = 0;
-    while (rpl_gg_poll(gg, &ev, members, n)) {
-      if (ev.kind != RPL_EV_GROUP) continue;
-      double dur = reduce_time(p, members, ev.nmembers);
-      waits += now + p->gg_lat - asked[ev.worker];
-      heap_push(&h, (sim_ev){now + p->gg_lat + dur, ev.worker, 1, ev.group_id});
-      if (ev.group_id != last_gid) { /* once per group: average the vectors */
-        last_gid = ev.group_id;
-        handed_groups++;
-        double avg[DIM] = {0};
-        for (int i = 0; i < ev.nmembers; i++)
-          for (int d = 0; d < DIM; d++) avg[d] += x[members[i]][d] / ev.nmembers;
-        for (int i = 0; i < ev.nmembers; i++) memcpy(x[members[i]], avg, sizeof avg);
-      }
-    }
-    if (now >= next_check && t_1e6 < 0) {
-      double s = spread(x, n) / s0;
-      if (t_1e3 < 0 && s <= 1e-3) t_1e3 = now;
-      if (t_1e6 < 0 && s <= 1e-6) t_1e6 = now;
-      next_check = now + 0.25;
-    }
+    for (int d = 0; d < DIM; d++) s.x[w][d] = urand();
+  s.s0 = spread(s.x, n);
+  s.round = calloc((size_t)n, sizeof *s.round);
+  s.asked = calloc((size_t)n, sizeof *s.asked);
+  s.sent = calloc((size_t)n, sizeof *s.sent);
+  s.members = malloc(sizeof(int) * (size_t)n);
+  for (int w = 0; w < n; w++) push(&s, compute_time(p, sc, w), w, EV_COMPUTE, 0);
+  uint64_t target = (uint64_t)p->rounds * (uint64_t)n;
+  int rc = 0;
+  while (s.h.n > 0 && s.min_done < (uint64_t)p->rounds && s.done_rounds < 4 * target && rc == 0)
+    rc = step(&s, heap_pop(&s.h));
+  if (rc == 0 && s.min_done < (uint64_t)p->rounds && s.done_rounds < 4 * target) {
+    fprintf(stderr, "gg_sim: %s/%s stalled at t=%.2f (slowest worker at round %llu)\n",
+            rpl_policy_name(pol), sc_names[sc], s.now, (unsigned long long)s.min_done);
+    rc = -1;
   }
-  rpl_gg_stats st;
-  rpl_gg_get_stats(gg, &st);
-  memset(r, 0, sizeof *r);
-  r->sim_time = now;
-  r->rounds_per_time = (double)done_rounds / n / now;
-  uint64_t mn = UINT64_MAX;
-  for (int w = 0; w < n; w++)
-    if (round[w] < mn) mn = round[w];
-  r->slowest_rounds_per_time = (double)mn / now;
-  r->mean_wait = done_rounds ? waits / (double)st.groups_handed / 1.0 : 0;
-  r->mean_wait = done_rounds ? waits / (double)done_rounds : 0;
-  r->conflicts_per_k = st.groups_created ? 1000.0 * (double)st.conflicts / (double)st.groups_created : 0;
-  r->singleton_frac = st.groups_handed ? (double)st.singletons_handed / (double)st.groups_handed : 0;
-  r->t_1e3 = t_1e3;
-  r->t_1e6 = t_1e6;
-  (void)handed_groups;
-  rpl_gg_destroy(gg);
-  free(x);
-  free(round);
-  free(asked);
-  free(members);
-  free(h.a);
+  if (rc == 0) collect(&s, r);
+  rpl_gg_destroy(s.gg);
+  free(s.x);
+  free(s.round);
+  free(s.asked);
+  free(s.sent);
+  free(s.members);
+  free(s.h.a);
   free(labels);
-  return 0;
+  return rc;
+}
+
+/* One row: a line of the table, or an object of the JSON list. */
+static void report(const params *p, const char *pol, int sc, const result *r, int first,
+                   int gg_stats) {
+  if (p->json)
+    printf("%s\n {\"policy\":\"%s\",\"scenario\":\"%s\",\"workers\":%d,\"per_host\":%d,"
+           "\"group_size\":%d,\"c_thres\":%d,\"exact_every\":%d,\"late_unfence\":%d,"
+           "\"partner_wait_ms\":%d,\"max_isolated\":%d,\"arrival_filter\":%d,"
+           "\"jitter\":%g,\"slow_factor\":%g,"
+           "\"step_ms\":%g,\"rounds_per_worker_per_time\":%.5f,"
+           "\"slowest_rounds_per_time\":%.5f,\"mean_wait_per_round\":%.5f,"
+           "\"conflicts_per_1000_groups\":%.2f,\"singleton_fraction\":%.4f,"
+           "\"singleton_share_rounds\":%.4f,\"singleton_share_worst\":%.4f,"
+           "\"singleton_run_max\":%u,"
+           "\"consensus_time_1e3\":%.3f,\"consensus_time_1e6\":%.3f,\"sim_time\":%.2f}",
+           first ? "" : ",", pol, sc_names[sc], p->workers, p->per_host, p->group_size,
+           p->c_thres, p->exact_every, p->late_unfence, p->partner_wait_ms, p->max_isolated,
+           p->arrival_filter, p->jitter, p->slow_factor, p->step_ms, r->rounds_per_time,
+           r->slowest_rounds_per_time, r->mean_wait, r->conflicts_per_k, r->singleton_frac, r->single_share,
+           r->single_worst, r->run_max, r->t_1e3, r->t_1e6, r->sim_time);
+  else
+    printf("%-9s %-7s %6d %10.4f %10.4f %9.4f %9.2f %8.4f %7.4f %7.4f %4u %9.2f %9.2f\n", pol,
+           sc_names[sc], p->workers, r->rounds_per_time, r->slowest_rounds_per_time,
+           r->mean_wait, r->conflicts_per_k, r->singleton_frac, r->single_share,
+           r->single_worst, r->run_max, r->t_1e3, r->t_1e6);
+  fflush(stdout);
+  if (gg_stats)
+    fprintf(stderr,
+            "  gg: requests %llu deferred %llu wait_expired %llu isolation_holds %llu "
+            "joins %llu late %llu filtered %llu cancelled %llu\n",
+            (unsigned long long)r->gg.requests, (unsigned long long)r->gg.deferred,
+            (unsigned long long)r->gg.wait_expired, (unsigned long long)r->gg.isolation_holds,
+            (unsigned long long)r->gg.joins, (unsigned long long)r->gg.late,
+            (unsigned long long)r->gg.filtered, (unsigned long long)r->gg.groups_cancelled);
+}
+
+static void usage(void) {
+  fprintf(stderr,
+          "usage: gg_sim [--workers N] [--per-host L] [--policy P|all|allreduce] "
+          "[--scenario homog|slow2|slow5|random|all] [--rounds R] [--group-size G] "
+          "[--c-thres C] [--inter-intra] [--seed S] [--gg-lat T] [--alpha A] [--beta B] "
+          "[--jitter J] [--slow-factor F] "
+          "[--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS] "
+          "[--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] "
+          "[--old-policy] [--json] [--gg-stats]\n"
+          "  --old-policy = --partner-wait-ms -1 --max-isolated -1 --arrival-filter -1 "
+          "--late-unfence (the first implementation)\n");
 }
 
 int main(int argc, char **argv) {
-  params p = {16, 4, 200, 0, 0, 0, 0, 1, 0.002, 0.02, 0.1};
+  params p = {.workers = 16, .per_host = 4, .rounds = 200, .seed = 1, .gg_lat = 0.002,
+              .alpha = 0.02, .beta = 0.1, .exact_cost = -1, .step_ms = 100, .slow_factor = 5};
   const char *policy = "all", *scenario = "all";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
@@ -259,28 +478,40 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--policy")) policy = v, i++;
     else if (!strcmp(a, "--scenario")) scenario = v, i++;
     else if (!strcmp(a, "--gg-lat")) p.gg_lat = atof(v), i++;
+    else if (!strcmp(a, "--jitter")) p.jitter = atof(v), i++;
+    else if (!strcmp(a, "--slow-factor")) p.slow_factor = atof(v), i++;
     else if (!strcmp(a, "--alpha")) p.alpha = atof(v), i++;
     else if (!strcmp(a, "--beta")) p.beta = atof(v), i++;
-    else if (!strcmp(a, "--inter-intra")) p.inter_intra = 1;
+    else if (!strcmp(a, "--exact-every")) p.exact_every = atoi(v), i++;
+    else if (!strcmp(a, "--exact-cost")) p.exact_cost = atof(v), i++;
+    else if (!strcmp(a, "--step-ms")) p.step_ms = atof(v), i++;
+    else if (!strcmp(a, "--partner-wait-ms")) p.partner_wait_ms = atoi(v), i++;
+    else if (!strcmp(a, "--max-isolated")) p.max_isolated = atoi(v), i++;
+    else if (!strcmp(a, "--arrival-filter")) p.arrival_filter = atoi(v), i++;
+    else if (!strcmp(a, "--late-unfence")) p.late_unfence = 1;
+    else if (!strcmp(a, "--old-policy")) {
+      p.partner_wait_ms = p.max_isolated = p.arrival_filter = -1;
+      p.late_unfence = 1;
+    } else if (!strcmp(a, "--inter-intra")) p.inter_intra = 1;
     else if (!strcmp(a, "--json")) p.json = 1;
+    else if (!strcmp(a, "--gg-stats")) p.gg_stats = 1;
     else {
-      fprintf(stderr, "usage: gg_sim [--workers N] [--per-host L] [--policy P|all|allreduce] "
-                      "[--scenario homog|slow2|slow5|random|all] [--rounds R] [--group-size G] "
-                      "[--c-thres C] [--inter-intra] [--seed S] [--gg-lat T] [--alpha A] "
-                      "[--beta B] [--json]\n");
+      usage();
       return 2;
     }
   }
-  if (p.workers < 2 || p.per_host < 1 || p.rounds < 1) {
-    fprintf(stderr, "gg_sim: need --workers >= 2, --per-host >= 1, --rounds >= 1\n");
+  if (p.workers < 2 || p.per_host < 1 || p.rounds < 1 || p.exact_every < 0 || p.step_ms <= 0) {
+    fprintf(stderr, "gg_sim: need --workers >= 2, --per-host >= 1, --rounds >= 1, "
+                    "--exact-every >= 0, --step-ms > 0\n");
     return 2;
   }
   const char *pols[] = {"allreduce", "static", "random", "smart", "smart+ii", "adpsgd"};
   int first = 1;
   if (p.json) printf("[");
   else
-    printf("%-9s %-7s %6s %10s %10s %9s %9s %8s %9s %9s\n", "policy", "scen", "n", "rnd/w/t",
-           "slowest", "wait/rnd", "confl/1k", "single", "t(1e-3)", "t(1e-6)");
+    printf("%-9s %-7s %6s %10s %10s %9s %9s %8s %7s %7s %4s %9s %9s\n", "policy", "scen", "n",
+           "rnd/w/t", "slowest", "wait/rnd", "confl/1k", "single", "1/rnd", "worst1", "run",
+           "t(1e-3)", "t(1e-6)");
   for (size_t pi = 0; pi < sizeof pols / sizeof *pols; pi++) {
     if (strcmp(policy, "all") && strcmp(policy, pols[pi])) continue;
     for (int sc = 0; sc < SC_COUNT; sc++) {
@@ -299,21 +530,8 @@ int main(int argc, char **argv) {
         rc = run_policy(&q, pol, sc, &r);
       }
       if (rc != 0) return 1;
-      if (p.json)
-        printf("%s\n {\"policy\":\"%s\",\"scenario\":\"%s\",\"workers\":%d,\"per_host\":%d,"
-               "\"group_size\":%d,\"c_thres\":%d,\"rounds_per_worker_per_time\":%.5f,"
-               "\"slowest_rounds_per_time\":%.5f,\"mean_wait_per_round\":%.5f,"
-               "\"conflicts_per_1000_groups\":%.2f,\"singleton_fraction\":%.4f,"
-               "\"consensus_time_1e3\":%.3f,\"consensus_time_1e6\":%.3f,\"sim_time\":%.2f}",
-               first ? "" : ",", pols[pi], sc_names[sc], p.workers, p.per_host, p.group_size,
-               p.c_thres, r.rounds_per_time, r.slowest_rounds_per_time, r.mean_wait,
-               r.conflicts_per_k, r.singleton_frac, r.t_1e3, r.t_1e6, r.sim_time);
-      else
-        printf("%-9s %-7s %6d %10.4f %10.4f %9.4f %9.2f %8.4f %9.2f %9.2f\n", pols[pi],
-               sc_names[sc], p.workers, r.rounds_per_time, r.slowest_rounds_per_time, r.mean_wait,
-               r.conflicts_per_k, r.singleton_frac, r.t_1e3, r.t_1e6);
+      report(&p, pols[pi], sc, &r, first, p.gg_stats && pi > 0);
       first = 0;
-      fflush(stdout);
     }
   }
   if (p.json) printf("\n]\n");
