@@ -47,6 +47,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   cfg.gg.group_size = 1 + (data[0] >> 2) % 4;
   cfg.gg.inter_intra = (data[0] >> 4) & 1;
   cfg.gg.c_thres = ((data[0] >> 5) & 1) ? -1 : 0;
+  cfg.standby = (data[0] >> 6) & 1; /* a failover coordinator: every worker starts out dead */
   cfg.heartbeat_ms = 100;
   cfg.dead_ms = 1000;
   cfg.join_ms = -1;
