@@ -16,22 +16,25 @@
  * Groups must stay groups (DESIGN 3): a worker in a group of one averages with nobody, so
  * before generating for a requester whose buffer is empty the GG checks how many partners
  * it could get now. If fewer than group_size, and others are about to be available (busy in a
- * group, or fenced inside an exact collective), the request is *deferred*: it waits, at most
- * partner_wait, while every event re-checks it (a worker finishing a group, unfencing,
- * asking). A deferred requester is idle and waiting, so others' divisions take it in, past
- * the slowdown filter (it makes nobody wait). The isolation bound: a worker that got
+ * group, or still fenced in the exact collective the requester has just left -- not in one
+ * entered since, which may be waiting for the requester), the request is *deferred*: it
+ * waits, at most partner_wait, while every event re-checks it (a worker finishing a group,
+ * unfencing, asking). A deferred requester is idle and waiting, so others' divisions take it
+ * in, past the slowdown filter (it makes nobody wait). The isolation bound: a worker that got
  * max_isolated groups of one in a row waits past its deadline, with the filters widened, until
  * it is in a group of two or more (it may join a pending group) -- unless no other worker is
- * live or fenced. None of this changes the model above: a deferred request has no group yet,
+ * about to come. None of this changes the model above: a deferred request has no group yet,
  * a joined group is still pending and at the head of the joiner's (empty) buffer.
  * Policies differ only in what they generate when a requester's buffer is empty:
  *   random  - one group: the requester plus group_size-1 live workers drawn uniformly. Drawn
  *             workers may be busy; the group then waits (a conflict, counted).
  *   adpsgd  - random with pairs.
  *   smart   - a Global Division: every idle live worker (empty buffer, no lock) that passes the
- *             slowdown filter c_i - c_w < c_thres is partitioned into groups of about
- *             group_size; with inter_intra, an Inter then an Intra group per participant
- *             (a group of one is left out: it would be a no-op round).
+ *             slowdown filter is partitioned into groups of about group_size; the filter
+ *             leaves w out if c_i - c_w >= c_thres, w is as far behind the bulk of the job,
+ *             and (once steps are measured) w steps GG_SLOWER times slower than the bulk: a
+ *             worker behind by chance is no straggler. With inter_intra, an Inter then an
+ *             Intra group per participant (a group of one is left out: a no-op round).
  *             Beyond the paper, the arrival filter also leaves out idle workers not expected
  *             to ask within the partner wait: without it a straggler drawn while computing
  *             holds its group (at 4 workers and groups of 3, the whole job) at its pace, and
@@ -44,6 +47,10 @@
 #include "sched_internal.h"
 
 enum { G_PENDING = 0, G_HANDED = 1, G_CANCELLED = 2 };
+
+/* The slowdown filter takes a worker behind for a straggler only if its measured step is this
+ * many times the bulk's (chance drift is a few percent; a straggler is slower by its factor). */
+#define GG_SLOWER 1.5
 
 typedef struct gg_group {
   uint64_t id;
@@ -75,7 +82,9 @@ typedef struct gg_worker {
   double deadline;             /* when the deferral (or the hold) ends */
   double handed_at;            /* clock when its last group was handed, < 0 before */
   double fenced_at;            /* clock when it last fenced */
+  double unfenced_at;          /* clock when it last came out of a fence, < 0 before */
   double iv;                   /* EWMA of its step: group handed -> next request, 0 = unknown */
+  double pace;                 /* the same, averaged longer (the slowdown filter's speed) */
   gg_group **buf;
   int blen, bcap;
 } gg_worker;
@@ -112,8 +121,9 @@ struct rpl_gg {
   gg_event *ev;
   size_t ev_len, ev_cap, ev_pos;
   int *scratch_a, *scratch_b;  /* [n] */
-  uint64_t *scratch_c;         /* [n], for c_bulk */
-  uint64_t c_med;              /* c_bulk's value while !c_dirty */
+  uint64_t *scratch_c;         /* [n], for bulk_refresh */
+  uint64_t c_med;              /* the bulk's count and step (bulk_refresh) while !c_dirty */
+  double pace_med;
   int c_dirty;
   int *host_cnt;               /* [hosts + 1] */
   rpl_gg_stats st;
@@ -280,7 +290,7 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
     rpl_gg_destroy(gg);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
-  for (int i = 0; i < gg->n; i++) gg->w[i].handed_at = -1.0;
+  for (int i = 0; i < gg->n; i++) gg->w[i].handed_at = gg->w[i].unfenced_at = -1.0;
   *out = gg;
   return RPL_OK;
 }
@@ -514,49 +524,60 @@ static rpl_status generate_random(rpl_gg *gg, int w, rpl_error *err) {
   return group_create(gg, m, k + 1, RPL_PHASE_PLAIN, 0, 0, w, 0, NULL, err);
 }
 
-/* The lower median of the request counts of the workers not gone: where the bulk of the job
- * is. Recomputed when a count or the set of workers changed (O(n) selection). */
-static uint64_t c_bulk(rpl_gg *gg) {
-  if (!gg->c_dirty) return gg->c_med;
+/* Lower median of a[0..k), k > 0, by quickselect (reorders a). */
+static uint64_t lower_median(uint64_t *a, int k) {
+  int lo = 0, hi = k - 1, want = (k - 1) / 2;
+  while (lo < hi) {
+    uint64_t pivot = a[(lo + hi) / 2];
+    int i = lo, j = hi;
+    while (i <= j) {
+      while (a[i] < pivot) i++;
+      while (a[j] > pivot) j--;
+      if (i <= j) {
+        uint64_t t = a[i];
+        a[i++] = a[j];
+        a[j--] = t;
+      }
+    }
+    if (want <= j) hi = j;
+    else if (want >= i) lo = i;
+    else break;
+  }
+  return a[want];
+}
+
+/* Where the bulk of the job is: the lower medians of the request counts and of the measured
+ * steps (pace, 0 = unknown) of the workers not gone. Recomputed when a count, a step or the set
+ * of workers changed (O(n) selections). */
+static void bulk_refresh(rpl_gg *gg) {
+  if (!gg->c_dirty) return;
   uint64_t *a = gg->scratch_c;
   int k = 0;
   for (int r = 0; r < gg->n; r++)
     if (gg->w[r].state == RPL_WORKER_LIVE || gg->w[r].state == RPL_WORKER_FENCED)
       a[k++] = gg->w[r].c;
-  uint64_t med = 0;
-  if (k > 0) { /* quickselect of the element of rank (k - 1) / 2 */
-    int lo = 0, hi = k - 1, want = (k - 1) / 2;
-    while (lo < hi) {
-      uint64_t pivot = a[(lo + hi) / 2];
-      int i = lo, j = hi;
-      while (i <= j) {
-        while (a[i] < pivot) i++;
-        while (a[j] > pivot) j--;
-        if (i <= j) {
-          uint64_t t = a[i];
-          a[i++] = a[j];
-          a[j--] = t;
-        }
-      }
-      if (want <= j) hi = j;
-      else if (want >= i) lo = i;
-      else break;
-    }
-    med = a[want];
-  }
-  gg->c_med = med;
+  gg->c_med = k > 0 ? lower_median(a, k) : 0;
+  k = 0;
+  for (int r = 0; r < gg->n; r++) /* non-negative doubles order as their bit patterns */
+    if (gg->w[r].state == RPL_WORKER_LIVE || gg->w[r].state == RPL_WORKER_FENCED)
+      memcpy(&a[k++], &gg->w[r].pace, sizeof(double));
+  uint64_t bits = k > 0 ? lower_median(a, k) : 0;
+  memcpy(&gg->pace_med, &bits, sizeof(double));
   gg->c_dirty = 0;
-  return med;
 }
 
 /* Slowdown filter (paper 5.3): x is far behind the initiator i -- and, beyond the paper, far
- * behind the bulk of the job too. The paper's rule alone ratchets: a worker that got c_thres
- * ahead (a few groups of one, a pause of the others) saw everyone as slow, went alone, and at
- * equal speeds the counts never came back together. A straggler is behind both. */
+ * behind the bulk of the job too, and (once steps are measured) slower than the bulk. The
+ * paper's count rule alone ratchets: at equal speeds the counts drift apart by chance, a worker
+ * c_thres behind the rest was left out of their divisions, waited for partners every round and
+ * fell further behind -- for good (4 workers, groups of 3: one worker at 2/3 of the others'
+ * rate). A worker behind by chance steps as fast as the bulk; a straggler is behind and slow. */
 static int filtered_out(rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
   if (gg->c_thres < 0 || i->c <= x->c || i->c - x->c < (uint64_t)gg->c_thres) return 0;
-  uint64_t bulk = c_bulk(gg);
-  return bulk > x->c && bulk - x->c >= (uint64_t)gg->c_thres;
+  bulk_refresh(gg);
+  if (gg->c_med <= x->c || gg->c_med - x->c < (uint64_t)gg->c_thres) return 0;
+  if (x->pace <= 0 || gg->pace_med <= 0) return 1; /* no clock: counts alone */
+  return x->pace > GG_SLOWER * gg->pace_med;
 }
 
 static double partner_wait(const rpl_gg *gg);
@@ -727,15 +748,19 @@ static int available(rpl_gg *gg, int w, int widen) {
 }
 
 /* Whether a worker w could group with is about to become available and is not far behind w:
- * fenced inside an exact collective, or (smart) live but busy in a group or not due yet. */
+ * fenced inside the exact collective w has just left, or (smart) live but busy in a group or
+ * not due yet. */
 static int others_coming(rpl_gg *gg, int w, int widen) {
   const gg_worker *me = &gg->w[w];
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (r == w) continue;
-    /* A worker fenced for longer than a wait is in a long exact collective -- perhaps one
-     * that waits for w itself, like a final average: not coming. */
-    int soon = (x->state == RPL_WORKER_FENCED && gg->now - x->fenced_at < partner_wait(gg)) ||
+    /* A worker that fenced after w's last unfence is in a collective w has not entered -- one
+     * that may wait for w itself (a metric, a final average): not coming, however recent its
+     * fence. One fenced before was in w's collective and is leaving it, unless w left that a
+     * wait ago already. */
+    int soon = (x->state == RPL_WORKER_FENCED && x->fenced_at <= me->unfenced_at &&
+                gg->now - me->unfenced_at < partner_wait(gg)) ||
                (gg->policy == RPL_POLICY_SMART && x->state == RPL_WORKER_LIVE &&
                 (!worker_idle(x) || not_due(gg, me, x))); /* the idle and due are in already */
     if (soon && (widen || !filtered_out(gg, me, x))) return 1;
@@ -878,6 +903,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
   gg_worker *me = &gg->w[w];
   if (me->state == RPL_WORKER_LEFT)
     return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg request: worker %d has left the job", w);
+  if (me->state == RPL_WORKER_FENCED) me->unfenced_at = gg->now;
   if (me->state != RPL_WORKER_LIVE) set_state(gg, me, RPL_WORKER_LIVE);
   if (me->waiting && me->waiting_round == round) return RPL_OK; /* a repeat */
   if (me->locked) {
@@ -896,6 +922,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
       double dt = gg->now - me->handed_at;
       gg->interval = gg->interval > 0 ? gg->interval + (dt - gg->interval) / 16 : dt;
       me->iv = me->iv > 0 ? me->iv + (dt - me->iv) / 4 : dt;
+      me->pace = me->pace > 0 ? me->pace + (dt - me->pace) / 16 : dt;
     }
   }
   me->waiting = 1;
@@ -952,7 +979,10 @@ rpl_status rpl_gg_unfence(rpl_gg *gg, int w, rpl_error *err) {
   gg_worker *me = &gg->w[w];
   if (me->state == RPL_WORKER_LEFT)
     return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg unfence: worker %d has left the job", w);
-  if (me->state == RPL_WORKER_FENCED) set_state(gg, me, RPL_WORKER_LIVE);
+  if (me->state == RPL_WORKER_FENCED) {
+    me->unfenced_at = gg->now;
+    set_state(gg, me, RPL_WORKER_LIVE);
+  }
   return settle(gg, RPL_OK, err); /* back in: a partner for the deferred */
 }
 

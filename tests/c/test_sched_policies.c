@@ -66,6 +66,8 @@ typedef struct {
   int lonely;           /* groups of one in a row */
   int told_cancel;      /* a CANCEL is on its way to it: the GG no longer counts it waiting */
   int handed_soon;      /* a GROUP is on its way to it: the GG holds its lock already */
+  double handed_at;     /* the GG's clock when its last group was handed, < 0 before */
+  double pace;          /* its step as the GG measures it (handed -> next request), 0 = unknown */
 } wk;
 
 typedef struct {
@@ -81,6 +83,7 @@ typedef struct {
   int *in_div;          /* per worker: participant of the current division */
   uint64_t cur_div;
   uint64_t divisions, handed;
+  double now;           /* the GG's clock: the last time passed to rpl_gg_advance */
   rpl_gg *gg;
 } harness;
 
@@ -116,6 +119,23 @@ static uint64_t bulk_count(void) {
   return m;
 }
 
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The lower median of the steps of the same workers (0 = unknown). */
+static double bulk_pace(void) {
+  double *a = malloc(sizeof *a * (size_t)H.n);
+  int k = 0;
+  for (int r = 0; r < H.n; r++)
+    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT) a[k++] = H.w[r].pace;
+  qsort(a, (size_t)k, sizeof *a, cmp_double);
+  double m = k ? a[(k - 1) / 2] : 0;
+  free(a);
+  return m;
+}
+
 static void tracer(void *ctx, const rpl_gg_trace *t) {
   (void)ctx;
   if (t->kind == RPL_TRACE_DIVISION) {
@@ -124,6 +144,7 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     H.cur_div = t->division;
     const wk *ini = &H.w[t->initiator];
     uint64_t bulk = bulk_count();
+    double pace = bulk_pace();
     for (int r = 0; r < H.n; r++) H.in_div[r] = 0;
     for (int i = 0; i < t->nmembers; i++) H.in_div[t->members[i]] = 1;
     CHECK(H.in_div[t->initiator], "initiator %d not in its division", t->initiator);
@@ -132,6 +153,7 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
       int idle = live(r) && buffered(r) == 0 && !x->locked && !x->handed_soon;
       int pass = H.c_thres < 0 || ini->c <= x->c || ini->c - x->c < (uint64_t)H.c_thres;
       pass |= bulk <= x->c || bulk - x->c < (uint64_t)H.c_thres; /* behind i, not the bulk */
+      pass |= x->pace > 0 && pace > 0 && !(x->pace > 1.5 * pace); /* behind, not slow */
       pass |= x->state == W_WAITING && !x->told_cancel;     /* deferred: waits already */
       pass |= ini->lonely >= RPL_GG_DEFAULT_MAX_ISOLATED;   /* isolated initiator widens */
       if (r == t->initiator) continue;
@@ -228,7 +250,10 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     return;
   }
   if (t->kind == RPL_TRACE_HANDED) { /* one call may hand a group, then divide again */
-    for (int i = 0; i < t->nmembers; i++) H.w[t->members[i]].handed_soon = 1;
+    for (int i = 0; i < t->nmembers; i++) {
+      H.w[t->members[i]].handed_soon = 1;
+      H.w[t->members[i]].handed_at = H.now;
+    }
     return;
   }
   if (t->kind == RPL_TRACE_JOINED) {
@@ -312,6 +337,10 @@ static void count_request(wk *x) {
     x->c++;
     x->counted = 1;
     x->last_round = x->round;
+    if (x->handed_at >= 0 && H.now > x->handed_at) { /* as the GG measures a step */
+      double dt = H.now - x->handed_at;
+      x->pace = x->pace > 0 ? x->pace + (dt - x->pace) / 16 : dt;
+    }
   }
 }
 
@@ -354,6 +383,7 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
   for (int r = 0; r < sc->n; r++) {
     H.w[r].timer = (int)rnd(4);
     H.w[r].slow = rnd(8) == 0 ? 4 : 1;
+    H.w[r].handed_at = -1;
   }
   int *mem = malloc(sizeof(int) * (size_t)sc->n);
   uint64_t hash = 1469598103934665603ull;
@@ -415,7 +445,8 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
         OK(rpl_gg_leave(gg, r, &e_));
       }
       /* One step is 10 ms of the GG's clock: waits for partners end on it. */
-      OK(rpl_gg_advance(gg, step * 0.01 + r * 1e-5, &e_));
+      H.now = step * 0.01 + r * 1e-5; /* first: advancing may hand groups */
+      OK(rpl_gg_advance(gg, H.now, &e_));
       rpl_gg_event ev;
       while (rpl_gg_poll(gg, &ev, mem, sc->n)) {
         hash = (hash ^ (ev.group_id * 31 + (uint64_t)ev.worker + ev.kind)) * 1099511628211ull;
@@ -933,17 +964,189 @@ static void test_arrival_filter(void) {
   rpl_gg_destroy(gg);
 }
 
+/* The slowdown filter leaves out a worker far behind only if it is also slow: one that fell
+ * behind by chance (a pause) but steps as fast as the bulk stays in the fast workers' divisions
+ * -- left out, it would wait for partners every round and never catch up (the ratchet). */
+static void filter_behind_case(double slow_step, int expect_in) {
+  rpl_gg *gg = make_smart(4, 3, 10);
+  int ev = 0;
+  uint64_t gid = 0;
+  double t = 0;
+  /* Rounds 0 and 1: everyone together; worker 3 steps slow_step, the others 10 ms. */
+  for (uint64_t r = 0; r < 2; r++) {
+    for (int w = 0; w < 4; w++) {
+      OK(rpl_gg_advance(gg, r == 0 ? 0 : w == 3 ? slow_step : 0.01, &e_));
+      OK(rpl_gg_request(gg, w, r, &e_));
+    }
+    CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 4, "round %d: all four", (int)r);
+    for (int w = 0; w < 4; w++) OK(rpl_gg_done(gg, w, gid, &e_));
+  }
+  t = slow_step + 0.001;
+  OK(rpl_gg_advance(gg, t, &e_));
+  OK(rpl_gg_fence(gg, 3, &e_)); /* a pause: 0-2 run 5 rounds without it */
+  for (uint64_t r = 2; r < 7; r++) {
+    t += 0.01;
+    OK(rpl_gg_advance(gg, t, &e_));
+    for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, r, &e_));
+    CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "round %d: 0-2", (int)r);
+    for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
+  }
+  OK(rpl_gg_unfence(gg, 3, &e_)); /* back, idle and due, 5 rounds behind everyone */
+  t += 0.01;
+  OK(rpl_gg_advance(gg, t, &e_));
+  OK(rpl_gg_request(gg, 0, 7, &e_));
+  rpl_gg_worker_info wi;
+  OK(rpl_gg_worker(gg, 3, &wi, &e_));
+  rpl_gg_stats st;
+  rpl_gg_get_stats(gg, &st);
+  CHECK((wi.buffered == 1) == expect_in && (st.filtered == 0) == expect_in,
+        "worker 3 (step %.0f ms, 5 rounds behind) in 0's division: %d, filtered %llu",
+        slow_step * 1000, wi.buffered, (unsigned long long)st.filtered);
+  rpl_gg_destroy(gg);
+}
+
+/* Four workers, groups of three, 1 ms ticks for 3 s: compute 4 ms (x slow for worker 3) + up
+ * to 2, reduce 3 ms + up to 6 -- members say done apart, as on a busy machine, so groups of
+ * three form and the counts drift apart by chance. rounds[] counts from 0.3 s on. */
+static void paced_run(int slow, uint64_t seed, uint64_t rounds[4], uint64_t ones[4]) {
+  rpl_gg_config cfg = {0};
+  cfg.policy = RPL_POLICY_SMART;
+  cfg.nworkers = 4;
+  cfg.group_size = 3;
+  cfg.seed = seed;
+  rpl_gg *gg;
+  OK(rpl_gg_create(&cfg, &gg, &e_));
+  rng_state = seed;
+  int period[4] = {4, 4, 4, 4 * slow}, next_ask[4] = {0, 1, 2, 3}, done_at[4] = {-1, -1, -1, -1};
+  int waiting[4] = {0};
+  uint64_t round[4] = {0}, gid[4] = {0}, start[4] = {0};
+  memset(ones, 0, sizeof(uint64_t) * 4);
+  for (int tick = 0; tick <= 3000; tick++) {
+    OK(rpl_gg_advance(gg, tick * 0.001, &e_));
+    if (tick == 300) memcpy(start, round, sizeof round);
+    for (int k = 0; k < 4; k++) {
+      int w = (k + tick) % 4; /* no worker always last within a tick */
+      if (done_at[w] == tick) {
+        OK(rpl_gg_done(gg, w, gid[w], &e_));
+        done_at[w] = -1;
+        next_ask[w] = tick + period[w] + (int)rnd(3);
+      }
+      if (!waiting[w] && done_at[w] < 0 && tick >= next_ask[w]) {
+        waiting[w] = 1;
+        OK(rpl_gg_request(gg, w, round[w], &e_));
+      }
+    }
+    rpl_gg_event ev;
+    int mm[8];
+    while (rpl_gg_poll(gg, &ev, mm, 8)) {
+      int w = ev.worker;
+      CHECK(ev.kind == RPL_EV_GROUP, "no cancels here");
+      waiting[w] = 0;
+      gid[w] = ev.group_id;
+      round[w]++;
+      ones[w] += tick >= 300 && ev.nmembers == 1;
+      done_at[w] = tick + 1 + (ev.nmembers > 1 ? 2 + (int)rnd(7) : 0);
+    }
+  }
+  for (int w = 0; w < 4; w++) rounds[w] = round[w] - start[w];
+  rpl_gg_destroy(gg);
+}
+
+/* Equal speeds: no worker falls behind for good. With the slowdown filter on counts alone one
+ * worker in every seed ran at 0.6-0.8 of the others' rate: once c_thres behind by chance it was
+ * left out of their divisions and waited for partners every round. */
+static void test_equal_speeds_no_laggard(void) {
+  for (uint64_t seed = 1; seed <= 10; seed++) {
+    uint64_t r[4], ones[4], lo = UINT64_MAX, hi = 0, single = 0, all = 0;
+    paced_run(1, seed, r, ones);
+    for (int w = 0; w < 4; w++) {
+      lo = r[w] < lo ? r[w] : lo;
+      hi = r[w] > hi ? r[w] : hi;
+      single += ones[w];
+      all += r[w];
+    }
+    CHECK(lo >= hi * 85 / 100, "seed %d: rounds %llu %llu %llu %llu", (int)seed,
+          (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
+          (unsigned long long)r[3]);
+    CHECK(single * 50 <= all, "seed %d: %llu groups of one in %llu rounds", (int)seed,
+          (unsigned long long)single, (unsigned long long)all);
+  }
+}
+
+/* A straggler (10x the compute, about 4x the step) still stays out of the fast workers' way:
+ * they run 3x more rounds, and it is grouped in at least 70 % of its rounds. */
+static void test_straggler_still_filtered(void) {
+  for (uint64_t seed = 1; seed <= 5; seed++) {
+    uint64_t r[4], ones[4];
+    paced_run(10, seed, r, ones);
+    for (int w = 0; w < 3; w++)
+      CHECK(r[w] >= 3 * r[3], "seed %d: fast worker %d made %llu rounds, the slow one %llu",
+            (int)seed, w, (unsigned long long)r[w], (unsigned long long)r[3]);
+    CHECK(ones[3] * 10 <= r[3] * 3, "seed %d: the slow worker alone in %llu of %llu rounds",
+          (int)seed, (unsigned long long)ones[3], (unsigned long long)r[3]);
+  }
+}
+
+/* Workers that fenced after the requester's last unfence are inside a collective it has not
+ * entered -- one that may wait for it (a metric, a final average): it must not wait for them
+ * (it used to, for a whole partner wait, and the adaptive wait grew on that time). Workers that
+ * fenced before it unfenced are leaving its own collective: it waits for them. */
+static void test_fenced_after_me_not_coming(void) {
+  for (int pol = RPL_POLICY_RANDOM; pol <= RPL_POLICY_SMART; pol++) {
+    rpl_gg_config cfg = {0};
+    cfg.policy = (rpl_policy)pol;
+    cfg.nworkers = 3;
+    cfg.group_size = 3;
+    cfg.partner_wait_ms = 50;
+    cfg.seed = 2;
+    rpl_gg *gg;
+    OK(rpl_gg_create(&cfg, &gg, &e_));
+    const char *name = rpl_policy_name(cfg.policy);
+    int ev = 0, m[3];
+    for (int w = 0; w < 3; w++) OK(rpl_gg_fence(gg, w, &e_));
+    OK(rpl_gg_advance(gg, 0.001, &e_));
+    for (int w = 0; w < 3; w++) OK(rpl_gg_unfence(gg, w, &e_));
+    OK(rpl_gg_advance(gg, 0.002, &e_));
+    OK(rpl_gg_fence(gg, 0, &e_)); /* the next collective, which waits for 2 */
+    OK(rpl_gg_fence(gg, 1, &e_));
+    OK(rpl_gg_advance(gg, 0.003, &e_));
+    OK(rpl_gg_request(gg, 2, 0, &e_));
+    uint64_t gid = 0;
+    CHECK(group_of(gg, 2, m, 3, &gid, &ev) == 1, "%s: 2 waited for workers that wait for it",
+          name);
+    OK(rpl_gg_done(gg, 2, gid, &e_));
+    OK(rpl_gg_fence(gg, 2, &e_)); /* 2 joins; the collective ends, 0 and 2 leave it first */
+    OK(rpl_gg_advance(gg, 0.010, &e_));
+    OK(rpl_gg_unfence(gg, 0, &e_));
+    OK(rpl_gg_unfence(gg, 2, &e_));
+    OK(rpl_gg_advance(gg, 0.011, &e_));
+    OK(rpl_gg_request(gg, 2, 1, &e_));
+    CHECK(group_of(gg, 2, NULL, 0, NULL, &ev) == 0, "%s: 2 waits for 1, leaving with it", name);
+    OK(rpl_gg_advance(gg, 0.012, &e_));
+    OK(rpl_gg_unfence(gg, 1, &e_));
+    OK(rpl_gg_request(gg, 0, 0, &e_));
+    OK(rpl_gg_request(gg, 1, 0, &e_));
+    CHECK(group_of(gg, 2, m, 3, NULL, &ev) == 3, "%s: then all three", name);
+    rpl_gg_destroy(gg);
+  }
+}
+
 int main(void) {
   test_errors();
   test_figure11();
   filter_case(2, 0);
   filter_case(-1, 1);
   filter_case(100, 1);
+  filter_behind_case(0.01, 1);
+  filter_behind_case(0.05, 0);
   test_waits_for_busy_partners();
   test_unfence_reentry();
   test_isolation_bound();
   test_isolated_joins_pending();
   test_arrival_filter();
+  test_equal_speeds_no_laggard();
+  test_straggler_still_filtered();
+  test_fenced_after_me_not_coming();
   test_many_seeds();
   printf("test_sched_policies: all passed\n");
   return 0;
