@@ -1,28 +1,31 @@
-"""Straggler benchmark: time to a target training loss / test accuracy of several
-data-parallel strategies on the same model, data, seeds and worker count, under injected
-stragglers.
+"""Straggler benchmark: time to a target loss of several data-parallel strategies on the same
+model, data, seeds and worker count, under injected stragglers, for four workloads.
 
-Every (workload, scenario, strategy) triple is one torchrun launch of
-examples/train_digits.py (the runs go one after another, never at the same time). See
-benchmarks/train.md.
+Every (workload, scenario, strategy, repeat) is one torchrun launch of
+examples/train_digits.py (the runs go one after another, never at the same time; with
+--repeats the strategies take turns: each once, then each again). See benchmarks/train.md.
 
     python benchmarks/train.py --out benchmarks/results/train                 # full run
-    python benchmarks/train.py --quick --out /tmp/bench_train                 # ~2 minutes
-    python benchmarks/train.py --workloads digits --scenarios slow5 --strategies gloo,smart
+    python benchmarks/train.py --quick --out /tmp/bench_train                 # CI smoke run
+    python benchmarks/train.py --workloads cnn --scenarios slow5 --strategies gloo,exact,smart \\
+        --repeats 3
 
 Writes results.json, results.md (also printed on stdout) and one <workload>_<scenario>.png
-per pair (training loss and test accuracy vs wall time, one line per strategy) to --out; each
-run's stdout/stderr and per-rank logs go to
---out/logs/<workload>/<scenario>/<strategy>[.out|.err|/rank<R>.jsonl]. Progress on stderr.
-Exit status: 0 if every run finished, 1 if any failed or timed out (its log tail is shown).
+per pair (the averaged model's loss and the consensus distance against wall time, one line
+per run) to --out; each run's stdout/stderr and per-rank logs go to
+--out/logs/<workload>/<scenario>/<strategy>-<repeat>[.out|.err|/rank<R>.jsonl]. Progress on
+stderr. Exit status: 0 if every run finished, 1 if any failed or timed out (its log tail is
+shown).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -30,8 +33,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train_digits.py")
 
-# name -> (label, train_digits.py arguments). "{W}" is replaced by the worker count, "{H}"
-# by the number of simulated hosts (2, or 1 if the worker count is odd).
+# name -> (label, train_digits.py arguments). "{H}" is replaced by the number of simulated
+# hosts (2, or 1 if the worker count is odd), "{HIER}" by the hierarchical levels.
 STRATEGIES = {
     "gloo": ("DDP all-reduce (gloo)", ["--strategy", "allreduce", "--backend", "gloo"]),
     "exact": ("DDP all-reduce (ripples exact)",
@@ -48,8 +51,8 @@ STRATEGIES = {
                  ["--strategy", "ripples", "--schedule", "smart", "--inter-intra",
                   "--sim-hosts", "{H}"]),
 }
-BASELINE = "gloo"
-SECOND = "hier"  # the second ratio column: the blog's method
+# the two baselines of the ratio columns: what users have today, and the best all-reduce here
+BASELINES = ("gloo", "exact")
 
 # name -> (description, --straggler spec; "LAST" = the highest rank, "1/W" = 1/workers)
 SCENARIOS = {
@@ -62,16 +65,55 @@ SCENARIOS = {
               "on a 55 ms step)", "p0.02:19"),
 }
 
-# name -> (description, train_digits.py model arguments, targets: acc, loss, eval every)
+# name -> how it is trained and judged. "loss_key": the loss the target applies to ("loss":
+# on the training set, "test_loss": on held-out data); "target_acc" None: no accuracy target;
+# "sync_every": steps between the time-limit agreements of all-reduce and static (about
+# 0.3 s of synchronous training: sooner costs a global meeting, later overshoots the limit);
+# "repeats": runs per cell by default (the new workloads' cells are the headline ones).
+# The sizes and targets were chosen by measurement on 2 cores with 4 workers (train.md).
 WORKLOADS = {
-    "digits": ("digits MLP, hidden 512, batch 64 (300k parameters, compute-bound)",
-               ["--model", "mlp", "--hidden", "512", "--batch-size", "64", "--lr", "0.05"],
-               0.96, 0.03, 20),
-    "wide": ("digits wide MLP, hidden 1024, batch 16 (1.1M parameters, 4.4 MB; "
-             "communication-bound)",
-             ["--model", "mlp", "--hidden", "1024", "--batch-size", "16", "--lr", "0.02"],
-             0.95, 0.10, 25),
+    "digits": dict(
+        description="digits MLP, hidden 512, batch 64 (300k parameters; compute and "
+                    "communication comparable)",
+        args=["--workload", "digits", "--model", "mlp", "--hidden", "512", "--batch-size",
+              "64", "--lr", "0.05"],
+        loss_key="loss", target_loss=0.03, target_acc=0.96, time_limit=30.0,
+        snapshot_every=0.5, sync_every=20, scenarios=list(SCENARIOS), repeats=1),
+    "wide": dict(
+        description="digits wide MLP, hidden 1024, batch 16 (1.1M parameters, 4.4 MB; "
+                    "communication-bound)",
+        args=["--workload", "digits", "--model", "mlp", "--hidden", "1024", "--batch-size",
+              "16", "--lr", "0.02"],
+        loss_key="loss", target_loss=0.10, target_acc=0.95, time_limit=35.0,
+        snapshot_every=0.5, sync_every=25, scenarios=["none", "slow5"], repeats=1),
+    "cnn": dict(
+        description="ResNet with BatchNorm on the digits: stem + 3 residual blocks, 16/32 "
+                    "channels, batch 32 (38k parameters; compute-bound)",
+        args=["--workload", "cnn", "--width", "16", "--batch-size", "32", "--lr", "0.05"],
+        loss_key="loss", target_loss=0.005, target_acc=0.97, time_limit=20.0,
+        snapshot_every=0.5, sync_every=10, scenarios=["none", "slow5"], repeats=3),
+    "transformer": dict(
+        description="byte-level causal Transformer LM on Python's standard library: 2 "
+                    "pre-LayerNorm blocks, width 64, 64-byte context, batch 16, AdamW "
+                    "(137k parameters)",
+        args=["--workload", "transformer", "--width", "64", "--layers", "2", "--context",
+              "64", "--batch-size", "16", "--optimizer", "adamw", "--lr", "0.003"],
+        loss_key="test_loss", target_loss=2.6, target_acc=None, time_limit=30.0,
+        snapshot_every=1.0, sync_every=5, scenarios=["none", "slow5"], repeats=3),
 }
+
+# --quick: the CI smoke run, each workload at a tiny size (2 workers, 1.5 s of training),
+# scenario slow5. workload -> (strategies, repeats, target loss, target acc). Every strategy
+# runs on the digits; the new workloads run smart (BatchNorm buffers and AdamW under wrap()),
+# the cnn twice (the repeats' path). Each launch costs ~6 s of start-up and evaluation on 2
+# cores, so 15 launches are what fits in about 2 minutes.
+QUICK = {
+    "digits": (list(STRATEGIES), 1, 0.3, 0.95),
+    "cnn": (["smart"], 2, 0.5, 0.9),
+    "transformer": (["smart"], 1, 3.2, None),
+}
+QUICK_TIME_LIMIT = 1.5
+QUICK_SNAPSHOT_EVERY = 0.25
 
 
 def log(msg: str) -> None:
@@ -82,22 +124,27 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "train"))
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
-                   help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=None,
+                   help=f"comma list of {', '.join(WORKLOADS)} (default: all; --quick: "
+                        f"{', '.join(QUICK)})")
     p.add_argument("--scenarios", default=None,
                    help=f"comma list of {', '.join(SCENARIOS)} (default: all for digits; "
-                        "none,slow5 for wide)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES),
-                   help=f"comma list of {', '.join(STRATEGIES)} (the baseline '{BASELINE}' "
-                        "is needed for the ratio column)")
+                        "none,slow5 for the others)")
+    p.add_argument("--strategies", default=None,
+                   help=f"comma list of {', '.join(STRATEGIES)} (default: all; the "
+                        f"baselines {' and '.join(BASELINES)} are needed for the ratios)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="run every cell this many times, the strategies taking turns; the "
+                        "report gives the median and the range (default per workload: 3 "
+                        "for cnn and transformer, 1 for digits and wide)")
     p.add_argument("--workers", type=int, default=None, help="default 4 (--quick: 2)")
     p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds of training per run (default 30 for digits, 35 for wide)")
+                   help="seconds of training per run (default per workload)")
     p.add_argument("--target-acc", type=float, default=None,
-                   help="target test accuracy (default per workload: 0.96 digits, 0.95 wide)")
+                   help="target test accuracy (default per workload)")
     p.add_argument("--target-loss", type=float, default=None,
-                   help="target training loss: rank 0's model's loss on the whole training "
-                        "set (default per workload: 0.03 digits, 0.10 wide)")
+                   help="target loss (default per workload; the training loss, or the "
+                        "validation loss for the transformer)")
     p.add_argument("--warmup-steps", type=int, default=20,
                    help="exact synchronous steps before local steps (every strategy but "
                         "all-reduce)")
@@ -115,49 +162,68 @@ def parse_args(argv=None):
                    help="run a failed launch again this many times (the failure is kept in "
                         "the JSON as 'retried_after'); 0: never")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run: 2 workers (unless --workers), workload digits, scenario "
-                        "slow5, 3 s per strategy, warm-up 10 steps, targets 95%% acc / loss "
-                        "0.3 (about two minutes)")
+                   help=f"smoke run: 2 workers (unless --workers), scenario slow5, "
+                        f"{QUICK_TIME_LIMIT:g} s per run, warm-up 5 steps, the plan and "
+                        "loose targets of QUICK")
     a = p.parse_args(argv)
-    if a.quick:
-        a.time_limit = a.time_limit or 3.0
-        a.warmup_steps = 10
+    if a.quick:  # a short warm-up, so that even the Transformer's slow steps get past it
+        a.warmup_steps = 5
         a.workers = a.workers or 2
-        a.target_acc = a.target_acc or 0.95
-        a.target_loss = a.target_loss or 0.30
-        if a.workloads == ",".join(WORKLOADS):
-            a.workloads = "digits"
-        a.scenarios = a.scenarios or "slow5"
     a.workers = a.workers or 4
-    a.workloads = [w for w in a.workloads.split(",") if w]
-    a.strategies = [s for s in a.strategies.split(",") if s]
-    for w in a.workloads:
-        if w not in WORKLOADS:
-            p.error(f"unknown workload {w!r} (choose from {', '.join(WORKLOADS)})")
-    for s in a.strategies:
-        if s not in STRATEGIES:
-            p.error(f"unknown strategy {s!r} (choose from {', '.join(STRATEGIES)})")
-    a.plan = {}  # workload -> scenarios
-    for w in a.workloads:
-        sc = a.scenarios or (",".join(SCENARIOS) if w == "digits" else "none,slow5")
-        a.plan[w] = [s for s in sc.split(",") if s]
-        for s in a.plan[w]:
-            if s not in SCENARIOS:
-                p.error(f"unknown scenario {s!r} (choose from {', '.join(SCENARIOS)})")
     if a.workers < 2:
         p.error("--workers must be >= 2")
+    if a.repeats is not None and a.repeats < 1:
+        p.error("--repeats must be >= 1")
     a.group_size = max(2, min(a.group_size, a.workers))
+    a.plan = make_plan(p, a)
     return a
+
+
+def split(names: str | None, known, what: str, p) -> list | None:
+    if names is None:
+        return None
+    out = [n for n in names.split(",") if n]
+    for n in out:
+        if n not in known:
+            p.error(f"unknown {what} {n!r} (choose from {', '.join(known)})")
+    return out
+
+
+def make_plan(p, a) -> dict:
+    """workload -> {"scenarios", "strategies", "repeats"}: the command line, else the
+    workload's defaults (--quick: QUICK's)."""
+    workloads = split(a.workloads, WORKLOADS, "workload", p) or list(
+        QUICK if a.quick else WORKLOADS)
+    scenarios = split(a.scenarios, SCENARIOS, "scenario", p)
+    strategies = split(a.strategies, STRATEGIES, "strategy", p)
+    plan = {}
+    for w in workloads:
+        q = QUICK.get(w, (list(STRATEGIES), 1, None, None))
+        plan[w] = {
+            "scenarios": scenarios or (["slow5"] if a.quick else WORKLOADS[w]["scenarios"]),
+            "strategies": strategies or (q[0] if a.quick else list(STRATEGIES)),
+            "repeats": a.repeats or (q[1] if a.quick else WORKLOADS[w]["repeats"])}
+    return plan
 
 
 def settings(args, workload: str) -> dict:
     """The per-workload numbers a run uses (command-line values win)."""
-    desc, model_args, acc, loss, every = WORKLOADS[workload]
-    limit = args.time_limit or (35.0 if workload == "wide" else 30.0)
-    return {"description": desc, "model_args": model_args,
-            "target_acc": args.target_acc or acc, "target_loss": args.target_loss or loss,
-            "eval_every": 10 if args.quick else every, "time_limit": limit,
+    wl = WORKLOADS[workload]
+    target_loss, target_acc = wl["target_loss"], wl["target_acc"]
+    limit, every = wl["time_limit"], wl["snapshot_every"]
+    if args.quick:
+        _, _, target_loss, target_acc = QUICK.get(workload, (None, 1, target_loss, target_acc))
+        limit, every = QUICK_TIME_LIMIT, QUICK_SNAPSHOT_EVERY
+    limit = args.time_limit or limit
+    return {"description": wl["description"], "model_args": wl["args"],
+            "loss_key": wl["loss_key"], "target_loss": args.target_loss or target_loss,
+            "target_acc": args.target_acc or target_acc, "time_limit": limit,
+            "snapshot_every": every, "sync_every": wl["sync_every"],
             "run_timeout": args.run_timeout or 3 * limit + 120}
+
+
+def loss_name(cfg: dict) -> str:
+    return "validation loss" if cfg["loss_key"] == "test_loss" else "training loss"
 
 
 # ----------------------------------------------------------------------------- running
@@ -196,7 +262,7 @@ def tail(path: str, n: int = 60) -> str:
         return ""
 
 
-def launch(args, cmd: list, out_path: str, err_path: str, timeout: float):
+def launch(cmd: list, out_path: str, err_path: str, timeout: float):
     """Runs one torchrun launch in its own session (so that a timeout kills torchrun and its
     workers together); returns (exit status or None if killed, wall seconds)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -250,21 +316,21 @@ def calibrate(args, workload: str) -> dict:
     err_path = os.path.join(logdir, "calibration.err")
     cmd = torchrun(args) + ["--strategy", "allreduce", "--backend", "gloo",
                             *cfg["model_args"], "--calibrate-only", "--seed", str(args.seed)]
-    rc, _ = launch(args, cmd, out_path, err_path, 300)
+    rc, _ = launch(cmd, out_path, err_path, 300)
     rec = json_event(out_path, "calibration") if rc == 0 else None
     if rec is None:
         sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")
         raise SystemExit(f"calibration of workload {workload} failed (exit status {rc})")
-    return {"compute_s": float(rec["compute_s"]), "step_s": float(rec["step_s"])}
+    return {"compute_s": float(rec["compute_s"]), "step_s": float(rec["step_s"]),
+            "parameters": rec.get("parameters")}
 
 
-def run_one(args, workload: str, scenario: str, strategy: str, calib: dict) -> dict:
+def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
+            calib: dict) -> dict:
     """One torchrun launch; returns a raw result dict (with "error" on failure)."""
     cfg = settings(args, workload)
-    label = strategy_label(strategy, args.workers)
-    logdir = os.path.join(args.out, "logs", workload, scenario)
-    os.makedirs(logdir, exist_ok=True)
-    rank_dir = os.path.join(logdir, strategy)
+    rank_dir = os.path.join(args.out, "logs", workload, scenario, f"{strategy}-{repeat}")
+    os.makedirs(rank_dir, exist_ok=True)
     out_path, err_path = rank_dir + ".out", rank_dir + ".err"
     for r in range(args.workers):
         try:
@@ -272,10 +338,12 @@ def run_one(args, workload: str, scenario: str, strategy: str, calib: dict) -> d
         except OSError:
             pass
     spec = straggler_spec(scenario, args.workers)
+    # no evaluations during training: snapshots, evaluated afterwards (see snapshots.py)
     cmd = torchrun(args) + [
         *strategy_args(strategy, args.workers), *cfg["model_args"], "--momentum", "0.9",
-        "--steps", "1000000", "--time-limit", str(cfg["time_limit"]),
-        "--eval-every", str(cfg["eval_every"]), "--target-acc", str(cfg["target_acc"]),
+        "--steps", "1000000", "--time-limit", str(cfg["time_limit"]), "--eval-every", "0",
+        "--snapshot-every", str(cfg["snapshot_every"]), "--sync-every", str(cfg["sync_every"]),
+        "--target-acc", str(cfg["target_acc"] or 1.0),
         "--seed", str(args.seed), "--warmup-steps", str(args.warmup_steps),
         "--group-size", str(args.group_size), "--compute-s", f"{calib['compute_s']:.6g}",
         "--step-s", f"{calib['step_s']:.6g}",
@@ -283,10 +351,12 @@ def run_one(args, workload: str, scenario: str, strategy: str, calib: dict) -> d
     if spec:
         cmd += ["--straggler", spec]
     cmd += args.extra.split()
-    res = {"workload": workload, "scenario": scenario, "strategy": strategy, "label": label,
-           "straggler": spec, "workers": args.workers, **calib, "cmd": cmd,
-           "stdout": out_path, "stderr": err_path, "rank_logs": rank_dir}
-    rc, wall = launch(args, cmd, out_path, err_path, cfg["run_timeout"])
+    res = {"workload": workload, "scenario": scenario, "strategy": strategy,
+           "repeat": repeat, "label": strategy_label(strategy, args.workers),
+           "straggler": spec, "workers": args.workers, "compute_s": calib["compute_s"],
+           "step_s": calib["step_s"], "cmd": cmd, "stdout": out_path, "stderr": err_path,
+           "rank_logs": rank_dir}
+    rc, wall = launch(cmd, out_path, err_path, cfg["run_timeout"])
     res["launch_s"] = round(wall, 2)
     if rc is None:
         res["error"] = f"timed out after {cfg['run_timeout']:.0f} s (killed)"
@@ -296,16 +366,21 @@ def run_one(args, workload: str, scenario: str, strategy: str, calib: dict) -> d
     if final is None and "error" not in res:
         res["error"] = "no final record on stdout"
     res["final"] = final
-    res["evals"] = read_rank_logs(rank_dir, args.workers)
+    res["snapshots"] = read_rank_logs(rank_dir, args.workers, "snapshot", SNAPSHOT_FIELDS)
     if "error" in res:
-        log(f"FAILED {workload}/{scenario}/{strategy}: {res['error']}; log tail:")
+        log(f"FAILED {workload}/{scenario}/{strategy}#{repeat}: {res['error']}; log tail:")
         sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")
         sys.stderr.flush()
     return res
 
 
-def read_rank_logs(rank_dir: str, workers: int) -> dict:
-    evals = {}
+SNAPSHOT_FIELDS = ("step", "time", "loss", "acc", "test_loss", "batch_loss", "consensus",
+                   "avg_time", "avg_loss", "avg_acc", "avg_test_loss")
+
+
+def read_rank_logs(rank_dir: str, workers: int, event: str, fields) -> dict:
+    """rank (as a string, for JSON) -> that rank's records of ``event``, ``fields`` only."""
+    out = {}
     for r in range(workers):
         recs = []
         try:
@@ -315,153 +390,410 @@ def read_rank_logs(rank_dir: str, workers: int) -> dict:
                         rec = json.loads(line)
                     except ValueError:
                         continue
-                    if rec.get("event") == "eval":
-                        recs.append({k: rec.get(k) for k in ("step", "time", "loss", "acc",
-                                                              "batch_loss", "test_loss",
-                                                              "consensus")})
+                    if rec.get("event") == event:
+                        recs.append({k: rec.get(k) for k in fields})
         except OSError:
             pass
-        evals[str(r)] = recs
-    return evals
+        out[str(r)] = recs
+    return out
 
 
 # ----------------------------------------------------------------------------- metrics
 
 
-def first_reach(recs, key, target, above):
+def first_reach(recs, key, target, above, time_key="time"):
+    """(time, step) of the first record whose ``key`` is at or beyond the target."""
+    if target is None:
+        return None, None
     for e in recs:
-        if (e[key] >= target) if above else (e[key] <= target):
-            return e["time"], e["step"]
+        v = e.get(key)
+        if v is not None and ((v >= target) if above else (v <= target)):
+            return e.get(time_key), e.get("step")
     return None, None
+
+
+def rank_series(res: dict) -> dict:
+    """rank (int) -> its model's records over time: the snapshots, or the in-training
+    evaluations of results written before snapshots existed (no average model there)."""
+    src = res.get("snapshots") or {}
+    if not any(src.values()):
+        src = res.get("evals") or {}
+    return {int(r): recs for r, recs in src.items()}
+
+
+def slowest_rank(final: dict):
+    """The worker with the fewest steps (ties: the highest rank, the fixed straggler's)."""
+    steps = final.get("steps") or []
+    return min(range(len(steps)), key=lambda r: (steps[r], -r)) if steps else None
 
 
 def metrics(res: dict, cfg: dict, workers: int) -> dict:
     """Derived numbers for one run (None where a target was not reached)."""
-    ev = res.get("evals") or {}
-    r0 = ev.get("0", [])
-    m = {}
-    m["time_to_loss"], m["steps_to_loss"] = first_reach(r0, "loss", cfg["target_loss"], False)
-    m["time_to_acc"], m["steps_to_acc"] = first_reach(r0, "acc", cfg["target_acc"], True)
-    # every worker's own model at the target: the latest of the per-rank first times
-    per_rank = [first_reach(ev.get(str(r), []), "acc", cfg["target_acc"], True)[0]
-                for r in range(workers)]
+    series = rank_series(res)
+    r0 = series.get(0, [])
+    fin = res.get("final") or {}
+    key, tl, ta = cfg["loss_key"], cfg["target_loss"], cfg["target_acc"]
+    m = {"slowest_rank": slowest_rank(fin)}
+    slow = series.get(m["slowest_rank"], [])
+    # the model a user would keep: the exact average of all workers' models at that time
+    m["time_to_loss_avg"], _ = first_reach(r0, "avg_" + key, tl, False, "avg_time")
+    m["time_to_acc_avg"], _ = first_reach(r0, "avg_acc", ta, True, "avg_time")
+    m["time_to_loss_r0"], m["steps_to_loss_r0"] = first_reach(r0, key, tl, False)
+    m["time_to_acc_r0"], _ = first_reach(r0, "acc", ta, True)
+    m["time_to_loss_slowest"], _ = first_reach(slow, key, tl, False)
+    per_rank = [first_reach(series.get(r, []), "acc", ta, True)[0] for r in range(workers)]
     m["time_to_acc_all"] = (None if not per_rank or any(t is None for t in per_rank)
                             else max(per_rank))
-    fin = res.get("final") or {}
     m["steps_per_s"] = fin.get("steps_per_s")
     m["steps"] = fin.get("steps")
     m["final_acc"] = fin.get("acc")
+    m["final_loss"] = fin.get("loss")  # the averaged model's test (validation) loss
     m["train_time"] = fin.get("train_time")
     cw = fin.get("comm_wait_s") or []
-    m["comm_wait_s"] = cw
     m["comm_wait_frac"] = (cw[0] / fin["train_time"] if cw and fin.get("train_time") else None)
     m["level_counts"] = fin.get("level_counts")
     m["stats"] = fin.get("stats")
-    # did the workers really average? (None: not reported, e.g. results of an older version)
+    # did the workers really average? At the end of training, and the largest value over
+    # the snapshots (local/hierarchical SGD end on a global average: their drift shows there)
     m["consensus"] = fin.get("consensus")
-    # at the evaluations, where measured (all workers at the same step: all-reduce,
-    # local/hierarchical SGD, static): local/hierarchical SGD stop right after a global
-    # average, so their drift shows here, not at the end
-    at_evals = [e["consensus"] for e in r0 if e.get("consensus") is not None]
-    m["consensus_eval_max"] = max(at_evals) if at_evals else None
+    over_time = [e["consensus"] for e in r0 if e.get("consensus") is not None]
+    m["consensus_max"] = max(over_time) if over_time else None
     shares = [x for x in fin.get("singleton_share") or [] if x is not None]
     m["singleton_share_max"] = max(shares) if shares else None
     m["singleton_share_mean"] = sum(shares) / len(shares) if shares else None
     runs = [x for x in fin.get("singleton_run_max") or [] if x is not None]
     m["singleton_run_max"] = max(runs) if runs else None
+    m["launch_s"] = res.get("launch_s")
     return m
 
 
-def ratio(base, x):
-    return None if base is None or x is None or x <= 0 else base / x
+# ----------------------------------------------------------------------------- repeats
+
+# times to a target: "not reached" counts as later than any time (so a median can be "not
+# reached" too); the others are plain numbers
+TIME_KEYS = ("time_to_loss_avg", "time_to_acc_avg", "time_to_loss_r0", "time_to_acc_r0",
+             "time_to_loss_slowest", "time_to_acc_all")
+VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consensus_max",
+              "singleton_share_max", "singleton_share_mean", "singleton_run_max", "launch_s")
+
+
+def spread(values, missing_is_late: bool):
+    """{"median", "min", "max", "n"} of the values; None entries are "not reached" (beyond
+    every time: reported as None where they decide) with missing_is_late, else skipped."""
+    if missing_is_late:
+        xs = [math.inf if v is None else v for v in values]
+    else:
+        xs = [v for v in values if v is not None]
+    if not xs:
+        return None
+
+    def finite(x):
+        return None if math.isinf(x) else x
+
+    return {"median": finite(statistics.median(xs)), "min": finite(min(xs)),
+            "max": finite(max(xs)), "n": len(xs)}
+
+
+def aggregate(runs: list) -> dict:
+    """One cell (workload, scenario, strategy) over its repeats: the spread of every metric
+    over the runs that finished."""
+    ok = [r for r in runs if not r.get("error")]
+    cell = {"n": len(runs), "failed": len(runs) - len(ok), "label": runs[0]["label"],
+            "errors": [r["error"] for r in runs if r.get("error")]}
+    if not ok:
+        return cell
+    ms = [r["metrics"] for r in ok]
+    for k in TIME_KEYS:
+        cell[k] = spread([m[k] for m in ms], True)
+    for k in VALUE_KEYS:
+        cell[k] = spread([m.get(k) for m in ms], False)
+    sps = [m["steps_per_s"] for m in ms if m.get("steps_per_s")]
+    cell["steps_per_s"] = ([statistics.median(col) for col in zip(*sps)] if sps else None)
+    cell["slowest_rank"] = ms[0]["slowest_rank"]
+    return cell
+
+
+def cells_of(out: dict) -> dict:
+    """(workload, scenario, strategy) -> aggregate of its runs."""
+    groups = {}
+    for r in out["results"]:
+        groups.setdefault((r["workload"], r["scenario"], r["strategy"]), []).append(r)
+    return {k: aggregate(v) for k, v in groups.items()}
+
+
+def median(cell, key):
+    s = None if cell is None else cell.get(key)
+    return None if s is None else s["median"]
+
+
+def finished(cell) -> bool:
+    """Whether some run of the cell finished (a cell of failed runs has no metrics)."""
+    return cell is not None and "time_to_loss_avg" in cell
+
+
+# ----------------------------------------------------------------------------- report
 
 
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
-def fmt_share(m: dict) -> str:
-    """Groups of one in % of partial rounds: max over ranks / mean over ranks."""
-    hi, mean = m.get("singleton_share_max"), m.get("singleton_share_mean")
-    if hi is None:
+def fmt_spread(s, spec=".1f", scale=1.0) -> str:
+    """median, and with repeats [min..max] ("-": not reached, or not measured)."""
+    if s is None:
         return "-"
-    return f"{100 * hi:.0f} / {100 * mean:.0f}"
+
+    def one(x):
+        return "-" if x is None else format(scale * x, spec)
+
+    if s["n"] == 1 or s["min"] == s["max"]:
+        return one(s["median"])
+    return f"{one(s['median'])} [{one(s['min'])}..{one(s['max'])}]"
 
 
-def fmt_consensus(x, at_evals=None) -> str:
-    """The consensus distance at the end, and (in brackets) its maximum at the evaluations
-    where it was measured."""
-    out = "-" if x is None else format(x, ".2g")
-    return out if at_evals is None else f"{out} ({at_evals:.2g})"
+def speedup(cell, base, key: str, limit: float) -> str:
+    """Median time of the baseline / this cell's; when the baseline's median never reached
+    the target within the time limit, the speedup is at least limit / this time (>=)."""
+    if not finished(cell):
+        return "failed"
+    t = median(cell, key)
+    if t is None or t <= 0:
+        return "-"
+    if not finished(base):
+        return "?"
+    tb = median(base, key)
+    return f">={limit / t:.1f}" if tb is None else f"{tb / t:.2f}"
 
 
-def table(rows, cfg) -> list[str]:
-    ref = {k: next((r["metrics"] for r in rows if r["strategy"] == k and not r.get("error")),
-                   {}) for k in (BASELINE, SECOND)}
-    head = ("strategy", f"time to loss {cfg['target_loss']:g} (s)", "steps to loss",
-            "x DDP (loss)", "x hier (loss)", f"time to {cfg['target_acc']:.0%} acc (s)",
-            "x DDP (acc)", "all workers at acc (s)", "steps/s per worker (rank 0..)",
-            "comm+wait % (rank 0)", "groups of one % (max / mean)",
-            "longest run of ones", "consensus end (max at evals)", "final acc", "launch s")
-    body = []
-    for r in rows:
-        m = r["metrics"]
-        if r.get("error"):
-            body.append((r["label"], f"FAILED: {r['error']}") + ("",) * (len(head) - 2))
-            continue
-        sp = m.get("steps_per_s") or []
-        body.append((r["label"], fmt(m["time_to_loss"]), fmt(m["steps_to_loss"], "d"),
-                     fmt(ratio(ref[BASELINE].get("time_to_loss"), m["time_to_loss"]), ".2f"),
-                     fmt(ratio(ref[SECOND].get("time_to_loss"), m["time_to_loss"]), ".2f"),
-                     fmt(m["time_to_acc"]),
-                     fmt(ratio(ref[BASELINE].get("time_to_acc"), m["time_to_acc"]), ".2f"),
-                     fmt(m["time_to_acc_all"]), " ".join(f"{x:.0f}" for x in sp),
-                     fmt(None if m["comm_wait_frac"] is None else 100 * m["comm_wait_frac"],
-                         ".0f"),
-                     fmt_share(m), fmt(m.get("singleton_run_max"), "d"),
-                     fmt_consensus(m.get("consensus"), m.get("consensus_eval_max")),
-                     fmt(m["final_acc"], ".3f"), fmt(r.get("launch_s"), ".0f")))
+def fmt_share(cell) -> str:
+    """Groups of one in % of partial rounds: max over ranks / mean over ranks (medians)."""
+    hi, mean = median(cell, "singleton_share_max"), median(cell, "singleton_share_mean")
+    return "-" if hi is None else f"{100 * hi:.0f} / {100 * mean:.0f}"
+
+
+def fmt_consensus(cell) -> str:
+    """The consensus distance at the end, and (in brackets) its maximum over time."""
+    end, hi = median(cell, "consensus"), median(cell, "consensus_max")
+    out = fmt(end, ".2g")
+    return out if hi is None else f"{out} ({hi:.2g})"
+
+
+def md_table(head, body) -> list[str]:
     w = [max(len(str(row[i])) for row in body + [head]) for i in range(len(head))]
-    lines = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |",
+    return (["| " + " | ".join(str(h).ljust(w[i]) for i, h in enumerate(head)) + " |",
              "|" + "|".join("-" * (x + 2) for x in w) + "|"]
-    lines += ["| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(row)) + " |"
-              for row in body]
-    return lines
+            + ["| " + " | ".join(str(c).ljust(w[i]) for i, c in enumerate(row)) + " |"
+               for row in body])
 
 
-def plot(workload: str, scenario: str, rows, cfg, workers: int, path: str) -> None:
+def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
+    """One row per strategy of one (workload, scenario)."""
+    tgt = f"{loss_name(cfg)} {cfg['target_loss']:g}"
+    base = {b: cells.get((wl, sc, b)) for b in BASELINES}
+    lim = cfg["time_limit"]
+    acc = cfg["target_acc"] is not None
+    head = ["strategy", f"avg model: time to {tgt} (s)", "x gloo", "x exact",
+            "rank 0: time (s)", "slowest worker: time (s)"]
+    if acc:
+        head += [f"avg model: time to {cfg['target_acc']:.0%} acc (s)", "x gloo (acc)",
+                 "all workers at acc (s)"]
+    head += ["steps/s per worker (rank 0..)", "comm+wait % (rank 0)",
+             "groups of one % (max / mean)", "longest run of ones",
+             "consensus end (max over time)", "final acc", "final test loss", "launch s"]
+    body = []
+    for st in plan["strategies"]:
+        c = cells.get((wl, sc, st))
+        if c is None:
+            continue
+        label = c["label"] + (f" ({c['failed']} of {c['n']} failed)" if c["failed"] else "")
+        if not finished(c):
+            body.append([label, f"FAILED: {c['errors'][0]}"] + [""] * (len(head) - 2))
+            continue
+        row = [label, fmt_spread(c["time_to_loss_avg"]),
+               speedup(c, base["gloo"], "time_to_loss_avg", lim),
+               speedup(c, base["exact"], "time_to_loss_avg", lim),
+               fmt_spread(c["time_to_loss_r0"]),
+               f"{fmt_spread(c['time_to_loss_slowest'])} (rank {c['slowest_rank']})"]
+        if acc:
+            row += [fmt_spread(c["time_to_acc_avg"]),
+                    speedup(c, base["gloo"], "time_to_acc_avg", lim),
+                    fmt_spread(c["time_to_acc_all"])]
+        row += [" ".join(f"{x:.0f}" for x in c["steps_per_s"] or []),
+                fmt_spread(c["comm_wait_frac"], ".0f", 100), fmt_share(c),
+                fmt(median(c, "singleton_run_max"), ".0f"), fmt_consensus(c),
+                fmt_spread(c["final_acc"], ".3f"), fmt_spread(c["final_loss"], ".3f"),
+                fmt(median(c, "launch_s"), ".0f")]
+        body.append(row)
+    return md_table(head, body)
+
+
+def matrix(wl: str, plan: dict, cells: dict, cell_text) -> list[str]:
+    head = ["scenario"] + plan["strategies"]
+    body = [[sc] + [cell_text(cells.get((wl, sc, st)), sc) for st in plan["strategies"]]
+            for sc in plan["scenarios"]]
+    return md_table(head, body)
+
+
+def summary(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
+    """Scenario x strategy matrices: speedup of the averaged model to the target over both
+    all-reduce baselines, its final quality, and groups of one / consensus distance."""
+    lim = cfg["time_limit"]
+
+    def ratios(c, sc):
+        return " / ".join(speedup(c, cells.get((wl, sc, b)), "time_to_loss_avg", lim)
+                          for b in BASELINES)
+
+    def quality(c, _):
+        if not finished(c):
+            return "failed"
+        if cfg["loss_key"] == "test_loss":
+            return fmt(median(c, "final_loss"), ".3f")
+        return fmt(median(c, "final_acc"), ".3f")
+
+    def isolation(c, _):
+        if not finished(c):
+            return "failed"
+        share = median(c, "singleton_share_max")
+        return (f"{fmt(None if share is None else 100 * share, '.0f')} / "
+                f"{fmt_consensus(c)}")
+
+    what = "validation loss" if cfg["loss_key"] == "test_loss" else "test accuracy"
+    return ([f"Time of the averaged model to {loss_name(cfg)} {cfg['target_loss']:g}, as a "
+             "speedup over DDP all-reduce on gloo / on the ripples backend (exact): median "
+             "time of the baseline / median time of the strategy (above 1: sooner; `-`: not "
+             f"reached in {lim:g} s; `>=N`: the baseline never reached it):", ""]
+            + matrix(wl, plan, cells, ratios)
+            + ["", f"Final {what} (exact average of all workers' models at the end, "
+               "median):", ""]
+            + matrix(wl, plan, cells, quality)
+            + ["", "Did the workers average? Groups of one in % of partial rounds (max over "
+               "ranks; `-`: no partial rounds) / consensus distance at the end (max over "
+               "workers of ||x_i - mean|| / ||mean||; 0: identical models) and, in brackets, "
+               "its maximum over time:", ""]
+            + matrix(wl, plan, cells, isolation) + [""])
+
+
+def plot(wl: str, sc: str, runs: list, cfg: dict, workers: int, path: str) -> None:
+    """The averaged model's loss and the consensus distance against wall time of training,
+    one line per run (a strategy's repeats share its colour)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (axl, axa) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in rows:
-        recs = (r.get("evals") or {}).get("0", [])
+    key = cfg["loss_key"]
+    fig, (axl, axc) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors, labelled = {}, set()
+    for r in runs:
+        recs = rank_series(r).get(0, [])
         if not recs:
             continue
-        label = r["label"] + (" (failed)" if r.get("error") else "")
-        t = [e["time"] for e in recs]
-        line, = axl.plot(t, [e["loss"] for e in recs], label=label, linewidth=1.2)
-        axa.plot(t, [e["acc"] for e in recs], color=line.get_color(), label=label,
-                 linewidth=1.2)
+        averaged = recs[0].get("avg_time") is not None
+        t = [e["avg_time" if averaged else "time"] for e in recs]
+        y = [e[("avg_" if averaged else "") + key] for e in recs]
+        st = r["strategy"]
+        label = None if st in labelled else r["label"]
+        labelled.add(st)
+        alpha = 0.9 if r.get("repeat", 0) == 0 else 0.4
+        line, = axl.plot(t, y, color=colors.get(st), label=label, linewidth=1.1, alpha=alpha)
+        colors[st] = line.get_color()
+        ct = [(e["time"], e["consensus"]) for e in recs if e.get("consensus")]
+        if ct:  # 0 (identical models) has no place on a log scale: all-reduce draws nothing
+            axc.plot(*zip(*ct), color=colors[st], linewidth=1.1, marker=".", markersize=3,
+                     alpha=alpha)
     axl.axhline(cfg["target_loss"], color="grey", linestyle="--", linewidth=0.8,
                 label=f"target {cfg['target_loss']:g}")
     axl.set_yscale("log")
-    axl.set_ylabel("training loss of rank 0's model (whole training set)")
-    axa.axhline(cfg["target_acc"], color="grey", linestyle="--", linewidth=0.8,
-                label=f"target {cfg['target_acc']:.0%}")
-    axa.set_ylim(max(0.0, min(0.5, cfg["target_acc"] - 0.4)), 1.0)
-    axa.set_ylabel("test accuracy (rank 0's model)")
-    for ax in (axl, axa):
+    axl.set_ylabel(f"{loss_name(cfg)} of the workers' averaged model")
+    axc.set_yscale("log")
+    axc.set_ylabel("consensus distance max_i ||x_i - mean|| / ||mean||")
+    for ax in (axl, axc):
         ax.set_xlabel("wall time of training (s)")
         ax.grid(alpha=0.3)
-    axa.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"{workload}, {workers} workers, {scenario}: {SCENARIOS[scenario][0]}",
-                 fontsize=9)
+    axl.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{wl}, {workers} workers, {sc}: {SCENARIOS[sc][0]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def report(args, out: dict) -> list[str]:
+    """Writes results.md and the plots from a results dict; returns the markdown lines."""
+    results = out["results"]
+    cells = cells_of(out)
+    md = [f"# Straggler benchmark: {args.workers} workers", "",
+          f"Seed {args.seed}; warm-up {args.warmup_steps} exact steps; Ripples group size "
+          f"{args.group_size}; host {out['host']} ({out['cpus']} CPUs), "
+          f"{out['date']}{' (quick mode)' if args.quick else ''}.",
+          "Times are seconds of training to the first model snapshot at the target. The "
+          "averaged model (avg) is the exact average of all workers' models at that time, "
+          "evaluated after training; rank 0's and the slowest worker's are their own "
+          "models. x gloo / x exact = median time of DDP all-reduce on gloo / on the "
+          "ripples backend, over this strategy's (above 1: faster). With repeats a cell is "
+          "`median [min..max]`. Groups of one = partial rounds in which a worker averaged "
+          "with nobody; consensus = max over workers of ||x_i - mean|| / ||mean||. See "
+          "benchmarks/train.md for the columns.", ""]
+    for wl, plan in args.plan.items():
+        cfg = settings(args, wl)
+        cal = out["workloads"][wl]
+        acc = ("" if cfg["target_acc"] is None
+               else f", test accuracy {cfg['target_acc']:.0%}")
+        md += [f"## Workload {wl}: {cfg['description']}", "",
+               f"Targets: {loss_name(cfg)} {cfg['target_loss']:g}{acc}; "
+               f"{cfg['time_limit']:g} s of training per run, a snapshot every "
+               f"{cfg['snapshot_every']:g} s; {plan['repeats']} run(s) per cell. One step "
+               f"computes in {cal['compute_s'] * 1e3:.2f} ms and takes "
+               f"{cal['step_s'] * 1e3:.2f} ms with DDP all-reduce on gloo and no "
+               "straggler: a worker F x slower sleeps (F-1) x that after each of its steps.",
+               ""]
+        if not any(any((r.get("snapshots") or {}).values()) for r in results
+                   if r["workload"] == wl):
+            md += ["(Results written before snapshots existed: evaluations during training "
+                   "of each worker's own model only, no averaged model; see the rank 0 "
+                   "column.)", ""]
+        md += summary(wl, plan, cells, cfg)
+        for sc in plan["scenarios"]:
+            md += [f"### {wl} / {sc}: {SCENARIOS[sc][0]} (--straggler "
+                   f"{straggler_spec(sc, args.workers) or 'none'})", ""]
+            md += table(wl, sc, plan, cells, cfg)
+            png = f"{wl}_{sc}.png"
+            runs = [r for r in results if r["workload"] == wl and r["scenario"] == sc]
+            try:
+                plot(wl, sc, runs, cfg, args.workers, os.path.join(args.out, png))
+                md += ["", f"![{wl} {sc}]({png})", ""]
+            except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
+                log(f"plot for {wl}/{sc} failed: {e!r}")
+                md += ["", f"(plot failed: {e!r})", ""]
+    md.append(f"Total benchmark time {out['total_s']:.0f} s.")
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    return md
+
+
+def cells_json(cells: dict) -> list:
+    return [dict(workload=w, scenario=sc, strategy=st, **c)
+            for (w, sc, st), c in cells.items()]
+
+
+def render(args) -> int:
+    """--render: the report again from --out/results.json (no runs)."""
+    path = os.path.join(args.out, "results.json")
+    try:
+        with open(path) as f:
+            out = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--render: cannot read {path}: {e}")
+    for k, v in out["config"].items():
+        if k not in ("out", "render"):
+            setattr(args, k, v)
+    for w, p in args.plan.items():  # results.json of before --repeats: scenarios only
+        if isinstance(p, list):
+            args.plan[w] = {"scenarios": p, "strategies": list(args.strategies),
+                            "repeats": 1}
+    for r in out["results"]:  # derived again from the stored records: the current metrics
+        r["metrics"] = metrics(r, settings(args, r["workload"]), args.workers)
+    print("\n".join(report(args, out)))
+    return 0
 
 
 class Progress:
@@ -499,188 +831,95 @@ class Progress:
 # ----------------------------------------------------------------------------- main
 
 
+def run_order(plan: dict):
+    """(scenario, repeat, strategy) in the order they run: per scenario, the strategies
+    take turns (each once per repeat), so that a drift of the machine's speed over time
+    touches every strategy alike instead of whichever ran last."""
+    for sc in plan["scenarios"]:
+        for rep in range(plan["repeats"]):
+            for st in plan["strategies"]:
+                yield sc, rep, st
+
+
+def run_cell(args, wl: str, sc: str, st: str, rep: int, calib: dict, cfg: dict) -> dict:
+    """One run, retried after a failure (--retries), with its metrics."""
+    res = run_one(args, wl, sc, st, rep, calib)
+    earlier = []
+    while res.get("error") and len(earlier) < args.retries:
+        earlier.append(res["error"])
+        log(f"{wl}/{sc}/{st}#{rep}: retrying after: {res['error']}")
+        res = run_one(args, wl, sc, st, rep, calib)
+    if earlier:
+        res["retried_after"] = earlier
+    res["metrics"] = metrics(res, cfg, args.workers)
+    return res
+
+
+def describe(res: dict) -> str:
+    if res.get("error"):
+        return f"FAILED ({res['error']})"
+    m = res["metrics"]
+    share = m["singleton_share_max"]
+    return (f"avg model at target {fmt(m['time_to_loss_avg'])} s (rank 0 "
+            f"{fmt(m['time_to_loss_r0'])}, slowest {fmt(m['time_to_loss_slowest'])}), final "
+            f"acc {fmt(m['final_acc'], '.3f')}, test loss {fmt(m['final_loss'], '.3f')}, "
+            f"steps/s {m['steps_per_s']}, groups of one "
+            f"{fmt(None if share is None else 100 * share, '.0f')} %, consensus "
+            f"{fmt(m['consensus'], '.2g')} (max {fmt(m['consensus_max'], '.2g')}), launch "
+            f"{res['launch_s']:.0f} s")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         return render(args)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
-    n = sum(len(sc) for sc in args.plan.values()) * len(args.strategies)
-    log(f"{n} runs: " + "; ".join(f"{w}: scenarios {','.join(sc)}"
-                                  for w, sc in args.plan.items())
-        + f"; strategies {','.join(args.strategies)}; {args.workers} workers; out {args.out}")
+    n = sum(len(p["scenarios"]) * len(p["strategies"]) * p["repeats"]
+            for p in args.plan.values())
+    log(f"{n} runs, {args.workers} workers, out {args.out}: " + "; ".join(
+        f"{w}: scenarios {','.join(p['scenarios'])}, strategies {','.join(p['strategies'])}"
+        f", {p['repeats']} repeat(s)" for w, p in args.plan.items()))
     results, calib = [], {}
     progress = Progress(n, not args.no_progress)
     try:
-        for wl, scenarios in args.plan.items():
+        for wl, plan in args.plan.items():
             cfg = settings(args, wl)
             calib[wl] = calibrate(args, wl)
             log(f"{wl}: one step computes in {calib[wl]['compute_s'] * 1e3:.2f} ms and takes "
                 f"{calib[wl]['step_s'] * 1e3:.2f} ms with DDP on gloo (the delay unit)")
-            for sc in scenarios:
-                for st in args.strategies:
-                    what = f"{wl}/{sc}/{st}"
-                    progress.start(what)
-                    res = run_one(args, wl, sc, st, calib[wl])
-                    earlier = []
-                    while res.get("error") and len(earlier) < args.retries:
-                        earlier.append(res["error"])
-                        log(f"{what}: retrying after: {res['error']}")
-                        res = run_one(args, wl, sc, st, calib[wl])
-                    if earlier:
-                        res["retried_after"] = earlier
-                    res["metrics"] = m = metrics(res, cfg, args.workers)
-                    results.append(res)
-                    progress.done(
-                        f"{what}: FAILED ({res['error']})" if res.get("error") else
-                        f"{what}: loss target at {fmt(m['time_to_loss'])} s, acc target at "
-                        f"{fmt(m['time_to_acc'])} s, final acc {fmt(m['final_acc'], '.3f')}, "
-                        f"steps/s {m['steps_per_s']}, groups of one % {fmt_share(m)}, "
-                        f"consensus {fmt_consensus(m['consensus'], m['consensus_eval_max'])}, "
-                        f"launch {res['launch_s']:.0f} s")
+            for sc, rep, st in run_order(plan):
+                what = f"{wl}/{sc}/{st}#{rep}"
+                progress.start(what)
+                res = run_cell(args, wl, sc, st, rep, calib[wl], cfg)
+                results.append(res)
+                progress.done(f"{what}: {describe(res)}")
     finally:
         progress.close()
     total = time.perf_counter() - t_start
     out = {"config": {k: v for k, v in vars(args).items()},
-           "workloads": {w: dict(settings(args, w), **calib.get(w, {}),
-                                 scenarios=args.plan[w]) for w in args.plan},
+           "workloads": {w: dict(settings(args, w), **calib.get(w, {}), **args.plan[w])
+                         for w in args.plan},
            "scenarios": {s: {"description": SCENARIOS[s][0],
                              "straggler": straggler_spec(s, args.workers)}
-                         for s in sorted({s for sc in args.plan.values() for s in sc})},
-           "strategies": {s: strategy_label(s, args.workers) for s in args.strategies},
-           "baseline": BASELINE, "host": platform.node(), "cpus": os.cpu_count(),
+                         for s in sorted({s for p in args.plan.values()
+                                          for s in p["scenarios"]})},
+           "strategies": {s: strategy_label(s, args.workers)
+                          for s in dict.fromkeys(st for p in args.plan.values()
+                                                 for st in p["strategies"])},
+           "baselines": list(BASELINES), "host": platform.node(), "cpus": os.cpu_count(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "total_s": round(total, 1),
            "results": results}
+    out["cells"] = cells_json(cells_of(out))
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(out, f, separators=(",", ":"))  # every eval of every rank: keep it compact
+        json.dump(out, f, separators=(",", ":"))  # every snapshot of every rank: compact
     print("\n".join(report(args, out)))
-    failed = [f"{r['workload']}/{r['scenario']}/{r['strategy']}"
+    failed = [f"{r['workload']}/{r['scenario']}/{r['strategy']}#{r['repeat']}"
               for r in results if r.get("error")]
     if failed:
         log(f"FAILED runs: {', '.join(failed)} (logs under {args.out}/logs)")
         return 1
     log(f"all {n} runs finished in {total:.0f} s; results in {args.out}")
-    return 0
-
-
-def speedup_cell(res: dict, base: dict, key: str, limit: float) -> str:
-    """x DDP for the summary; when the baseline never reached the target within the time
-    limit, the speedup is at least limit / this run's time (shown as >=)."""
-    if res is None or res.get("error"):
-        return "failed"
-    t = res["metrics"][key]
-    if t is None:
-        return "-"
-    if base is None or base.get("error"):
-        return "?"
-    tb = base["metrics"][key]
-    return f">={limit / t:.1f}" if tb is None else f"{tb / t:.2f}"
-
-
-def summary(args, out: dict, wl: str) -> list[str]:
-    """Scenario x strategy matrices: speedup to the loss target, final accuracy, and groups
-    of one / consensus distance."""
-    cfg = settings(args, wl)
-    res = {(r["scenario"], r["strategy"]): r for r in out["results"] if r["workload"] == wl}
-    head = ["scenario"] + list(args.strategies)
-    lines = [f"Time to training loss {cfg['target_loss']:g}, as a speedup over DDP all-reduce "
-             f"on gloo (above 1: sooner; `-`: not reached in {cfg['time_limit']:g} s):", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for sc in args.plan[wl]:
-        base = res.get((sc, BASELINE))
-        lines.append("| " + " | ".join([sc] + [
-            speedup_cell(res.get((sc, st)), base, "time_to_loss", cfg["time_limit"])
-            for st in args.strategies]) + " |")
-    lines += ["", "Final test accuracy (exact average of all workers' models):", "",
-              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for sc in args.plan[wl]:
-        cells = []
-        for st in args.strategies:
-            r = res.get((sc, st))
-            cells.append("failed" if r is None or r.get("error")
-                         else fmt(r["metrics"]["final_acc"], ".3f"))
-        lines.append("| " + " | ".join([sc] + cells) + " |")
-    if all((r.get("metrics") or {}).get("consensus") is None for r in res.values()):
-        # results written before the runs reported these (--render of an old results.json)
-        return lines + ["", "(Groups of one and consensus distance: not recorded in these "
-                        "results.)", ""]
-    lines += ["", "Did the workers average? Groups of one in % of partial rounds (max over ranks; "
-              "`-`: no partial rounds) / consensus distance at the end (max over workers of "
-              "||x_i - mean|| / ||mean||; 0: identical models) and, in brackets, its maximum "
-              "at the evaluations where all workers evaluate at the same step:", "",
-              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for sc in args.plan[wl]:
-        cells = []
-        for st in args.strategies:
-            r = res.get((sc, st))
-            if r is None or r.get("error"):
-                cells.append("failed")
-                continue
-            m = r["metrics"]
-            share = m.get("singleton_share_max")
-            cells.append(f"{fmt(None if share is None else 100 * share, '.0f')} / "
-                         f"{fmt_consensus(m.get('consensus'), m.get('consensus_eval_max'))}")
-        lines.append("| " + " | ".join([sc] + cells) + " |")
-    return lines + [""]
-
-
-def report(args, out: dict) -> list[str]:
-    """Writes results.md and the plots from a results dict; returns the markdown lines."""
-    results = out["results"]
-    calib = {w: out["workloads"][w] for w in args.plan}
-    md = [f"# Straggler benchmark: {args.workers} workers", "",
-          f"Seed {args.seed}; warm-up {args.warmup_steps} exact steps; Ripples group size "
-          f"{args.group_size}; host {out['host']} ({out['cpus']} CPUs), "
-          f"{out['date']}{' (quick mode)' if args.quick else ''}.",
-          "Times are rank 0's wall time of training (evaluations left out) to the first "
-          "evaluation at the target; the loss is rank 0's model's on the whole training set. "
-          "x DDP = time of DDP all-reduce on gloo / this strategy's; x hier = the same against "
-          "torch's hierarchical SGD (above 1: faster). Groups of one = partial rounds in "
-          "which a worker averaged with nobody; consensus = max over workers of "
-          "||x_i - mean|| / ||mean|| at the end of training, before the final average. See "
-          "benchmarks/train.md for the columns.", ""]
-    for wl in args.plan:
-        cfg = settings(args, wl)
-        md += [f"## Workload {wl}: {cfg['description']}", "",
-               f"Targets: training loss {cfg['target_loss']:g}, test accuracy "
-               f"{cfg['target_acc']:.0%}; {cfg['time_limit']:g} s of training per run. One "
-               f"step computes in {calib[wl]['compute_s'] * 1e3:.2f} ms and takes "
-               f"{calib[wl]['step_s'] * 1e3:.2f} ms with DDP all-reduce on gloo and no "
-               "straggler: a worker F x slower sleeps (F-1) x that after each of its steps.",
-               ""]
-        md += summary(args, out, wl)
-        for sc in args.plan[wl]:
-            rows = [r for r in results if r["workload"] == wl and r["scenario"] == sc]
-            md += [f"### {wl} / {sc}: {SCENARIOS[sc][0]} (--straggler "
-                   f"{straggler_spec(sc, args.workers) or 'none'})", ""]
-            md += table(rows, cfg)
-            png = f"{wl}_{sc}.png"
-            try:
-                plot(wl, sc, rows, cfg, args.workers, os.path.join(args.out, png))
-                md += ["", f"![{wl} {sc}]({png})", ""]
-            except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
-                log(f"plot for {wl}/{sc} failed: {e!r}")
-                md += ["", f"(plot failed: {e!r})", ""]
-    md.append(f"Total benchmark time {out['total_s']:.0f} s.")
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    return md
-
-
-def render(args) -> int:
-    """--render: the report again from --out/results.json (no runs)."""
-    path = os.path.join(args.out, "results.json")
-    try:
-        with open(path) as f:
-            out = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--render: cannot read {path}: {e}")
-    for k, v in out["config"].items():
-        if k not in ("out", "render"):
-            setattr(args, k, v)
-    for r in out["results"]:  # derived again from the stored records: the current metrics
-        r["metrics"] = metrics(r, settings(args, r["workload"]), args.workers)
-    print("\n".join(report(args, out)))
     return 0
 
 

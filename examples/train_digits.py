@@ -1,10 +1,16 @@
-"""Data-parallel training on scikit-learn's digits (8x8 images, 10 classes; ships with
-scikit-learn, no download) with DDP all-reduce or with Ripples, under an injected straggler.
+"""Data-parallel training with DDP all-reduce or with Ripples, under an injected straggler,
+on data that needs no download (--workload, see workloads.py):
+  digits       scikit-learn's 8x8 digits (10 classes), an MLP or a small CNN (--model)
+  cnn          a ResNet-style CNN with BatchNorm on the same digits
+  transformer  a byte-level causal Transformer LM on Python's standard library sources
+               (use --optimizer adamw; the target is the validation loss)
 
 Launch with torchrun, e.g. 4 workers, worker 3 five times slower:
 
     torchrun --nproc_per_node=4 examples/train_digits.py --strategy allreduce --straggler 3:5
     torchrun --nproc_per_node=4 examples/train_digits.py --strategy ripples   --straggler 3:5
+    torchrun --nproc_per_node=4 examples/train_digits.py --workload transformer \
+        --optimizer adamw --lr 0.003 --batch-size 16 --strategy ripples --straggler 3:5
 
 Strategies:
   allreduce  plain DDP (gradient all-reduce every step) on --backend (default gloo)
@@ -32,22 +38,30 @@ Stopping: after --steps steps or --time-limit seconds of training, whichever com
 With all-reduce, local/hierarchical SGD and the static schedule (whose rounds pair every
 worker's k-th step with the others') all workers must stop at the same step, so the time limit
 is agreed through a tiny exact all-reduce at steps where all workers meet anyway (every
---eval-every steps for all-reduce and static; at the global averaging steps for local and
-hierarchical SGD); with the dynamic schedules every worker stops on its own clock (no global
-barrier). The clock leaves evaluations out. At the end the models are averaged exactly once ("final" model).
+--sync-every steps, default --eval-every, for all-reduce and static; at the global averaging
+steps for local and hierarchical SGD); with the dynamic schedules every worker stops on its
+own clock (no global barrier), but not before the end of the --warmup-steps exact steps. The
+clock leaves evaluations and snapshots out. At the end the models are averaged exactly once,
+parameters and BatchNorm statistics ("final" model).
+
+Evaluation: during training every --eval-every steps (0: never), each worker its own model;
+or, with --snapshot-every S, copies of every worker's model every S seconds of training,
+evaluated after training together with their exact average (snapshots.py says why; this is
+what benchmarks/train.py uses).
 
 Consensus ("consensus"): whether the workers really averaged. The consensus distance is
-max over workers i of ||x_i - mean|| / ||mean||, x_i = worker i's floating-point parameters and
-buffers (flattened, float64), mean = their exact average: 0 when every worker holds the same
-model (all-reduce), growing as workers drift apart (a worker that averages with nobody does
-local SGD). Measured with one exact all-reduce of the model and one MAX all-reduce of a scalar,
-off the clock: at the end of training (before the final average), and at every evaluation
-where all workers evaluate at the same step (all-reduce, local/hierarchical SGD, the static
-schedule; --no-eval-consensus: only at the end). With the dynamic schedules workers evaluate at
-different steps, so only the end is measured (their evaluations record null). At those
-evaluations the workers first meet in a tiny all-reduce on the clock (skipped where the time
-limit agreement has just met), so that waiting for slower peers stays on the clock as it
-would at the next synchronisation point; only the measurement itself is left out.
+max over workers i of ||x_i - mean|| / ||mean||, x_i = worker i's parameters (flattened,
+float64; BatchNorm's running statistics are left out, see snapshots.consensus_of), mean =
+their exact average: 0 when every worker holds the same model (all-reduce), growing as
+workers drift apart (a worker that averages with nobody does local SGD). Measured with one
+exact all-reduce of the parameters and one MAX all-reduce of a scalar, off the clock: at the
+end of training (before the final average), at every snapshot, and at every evaluation where
+all workers evaluate at the same step (all-reduce, local/hierarchical SGD, the static
+schedule; --no-eval-consensus: not there). With the dynamic schedules workers evaluate at
+different steps, so their evaluations record null. At those evaluations the workers first
+meet in a tiny all-reduce on the clock (skipped where the time limit agreement has just
+met), so that waiting for slower peers stays on the clock as it would at the next
+synchronisation point; only the measurement itself is left out.
 
 Simulated hosts (--sim-hosts H): rank r gets RIPPLES_HOST_ID=host<r // (W/H)>, so the ripples
 backend treats each block of W/H ranks as one host (TCP between blocks, shared memory inside)
@@ -57,9 +71,17 @@ Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.j
   {"event": "eval", "rank", "step", "time", "loss", "acc", "batch_loss", "test_loss",
    "consensus"}
       every --eval-every steps: "time" is seconds of training (evaluations left out), "loss"
-      this worker's model's loss on the whole training set (every shard), "acc" its test
-      accuracy, "batch_loss" the mean of its minibatch losses since the last evaluation,
-      "consensus" the consensus distance at this step (null where not measured, see above)
+      this worker's model's loss on the training set (every shard: all of it for digits, a
+      fixed sample for cnn and transformer), "acc" its test accuracy (next-byte accuracy on
+      the held-out text), "test_loss" its test (validation) loss, "batch_loss" the mean of
+      its minibatch losses since the last evaluation, "consensus" the consensus distance at
+      this step (null where not measured, see above)
+  {"event": "snapshot", "rank", "k", "step", "time", "loss", "acc", "test_loss",
+   "batch_loss", "consensus", "avg_time", "avg_loss", "avg_acc", "avg_test_loss"}
+      with --snapshot-every S, after training, one per snapshot k (the model at training
+      time k*S, taken at "time" >= k*S, after "step" steps): this worker's model's numbers
+      as above, the consensus distance of the k-th snapshots, and the "avg_" numbers of
+      the exact average of all workers' k-th snapshots, whose time is the latest of theirs
   {"event": "summary", "rank", "steps", "train_time", "steps_per_s", "comm_wait_s",
    "consensus", "rounds", "singletons", "singleton_share", "singleton_run_max", ...}
   "comm_wait_s" estimates the time not spent computing: the sum over steps of (forward +
@@ -71,7 +93,8 @@ Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.j
   more; null where ripples_pg.stats() does not report it) are this rank's partial rounds,
   from ripples_pg.stats() (ripples strategy; null for the others).
   {"event": "final", "acc", "loss", "time_to_target", "consensus", "singleton_share", ...}
-      rank 0, after the final average; the per-rank numbers are lists in rank order
+      rank 0, after the final average: its test accuracy and test (validation) loss; the
+      per-rank numbers are lists in rank order
 """
 from __future__ import annotations
 
@@ -90,44 +113,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-
-# ----------------------------------------------------------------------------- data / model
-
-
-def load_digits_split(seed: int, test_fraction: float = 0.2):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype(np.float32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=test_fraction, random_state=seed,
-                                          stratify=y)
-    return (torch.from_numpy(xtr), torch.from_numpy(ytr).long(),
-            torch.from_numpy(xte), torch.from_numpy(yte).long())
+import workloads
+from snapshots import Snapshots, consensus_of, model_tensors
+from workloads import loss_fn
 
 
-def make_model(kind: str, hidden: int) -> nn.Module:
-    if kind == "mlp":
-        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden),
-                             nn.ReLU(), nn.Linear(hidden, 10))
-    if kind == "cnn":
-        return nn.Sequential(
-            nn.Unflatten(1, (1, 8, 8)),
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(64 * 16, hidden), nn.ReLU(), nn.Linear(hidden, 10))
-    raise ValueError(f"unknown model {kind!r}")
+# ----------------------------------------------------------------------------- model helpers
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    out = model(x)
-    loss = F.cross_entropy(out, y).item()
-    acc = (out.argmax(1) == y).float().mean().item()
-    return loss, acc
+def make_optimizer(params, args, lr=None):
+    """SGD with momentum (--optimizer sgd) or AdamW (adamw: what Transformers are trained
+    with; each worker's moment estimates stay its own under every strategy)."""
+    lr = args.lr if lr is None else lr
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=args.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=args.momentum,
+                           weight_decay=args.weight_decay)
 
 
 def exact_context(backend: str):
@@ -140,27 +143,18 @@ def exact_context(backend: str):
     return contextlib.nullcontext()
 
 
-def model_vector(module: nn.Module) -> torch.Tensor:
-    """The floating-point parameters and buffers of ``module``, flattened into one float64
-    vector (float64: the differences between workers' models can be tiny)."""
-    ts = [p.detach() for p in module.parameters()]
-    ts += [b.detach() for b in module.buffers() if b.is_floating_point()]
-    return torch.cat([t.reshape(-1).to(torch.float64) for t in ts])
-
-
 @torch.no_grad()
 def consensus_distance(module: nn.Module, backend: str) -> float:
-    """max over workers i of ||x_i - mean|| / ||mean|| (x_i: worker i's model_vector, mean:
-    the exact average over the default group's workers). A collective: every rank calls it
-    at the same point. One exact all-reduce of the model, one MAX all-reduce of a scalar."""
-    x = model_vector(module)
+    """max over workers i of ||x_i - mean|| / ||mean|| (x_i: worker i's parameters, mean:
+    their exact average over the default group's workers; see snapshots.consensus_of). A
+    collective: every rank calls it at the same point. One exact all-reduce of the
+    parameters, one MAX all-reduce of a scalar."""
+    x = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in module.parameters()])
     mean = x.clone()
     with exact_context(backend):
         dist.all_reduce(mean, op=dist.ReduceOp.SUM)
         mean /= dist.get_world_size()
-        norm = mean.norm().item()
-        d = (x - mean).norm().item()
-        rel = torch.tensor([d / norm if norm > 0 else d], dtype=torch.float64)
+        rel = torch.tensor([consensus_of(x, mean, len(x))], dtype=torch.float64)
         dist.all_reduce(rel, op=dist.ReduceOp.MAX)
     return rel.item()
 
@@ -232,15 +226,16 @@ class Straggler:
             self.slowed_steps += 1
 
 
-def calibrate_compute(model: nn.Module, x, y, lr, reps=30) -> float:
-    """Median time of forward + backward + SGD update of a private copy of the model."""
+def calibrate_compute(model: nn.Module, x, y, args, reps=30) -> float:
+    """Median time of forward + backward + update of a private copy of the model (with a
+    tiny learning rate: only the time matters)."""
     m = copy.deepcopy(model)
-    opt = torch.optim.SGD(m.parameters(), lr=lr * 1e-6)
+    opt = make_optimizer(m.parameters(), args, lr=args.lr * 1e-6)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         opt.zero_grad()
-        F.cross_entropy(m(x), y).backward()
+        loss_fn(m(x), y).backward()
         opt.step()
         times.append(time.perf_counter() - t)
     return float(np.median(times[5:]))
@@ -257,7 +252,7 @@ def calibrate_step(model, optimizer, xs, ys, bs: int, world: int, steps: int = 6
         idx = torch.arange(i * bs, (i + 1) * bs) % len(xs)
         t = time.perf_counter()
         optimizer.zero_grad()
-        F.cross_entropy(model(xs[idx]), ys[idx]).backward()
+        loss_fn(model(xs[idx]), ys[idx]).backward()
         optimizer.step()
         times.append(time.perf_counter() - t)
     med = torch.tensor([float(np.median(times[steps // 3:]))], dtype=torch.float64)
@@ -322,15 +317,22 @@ def torch_local_sgd(model: DDP, base_opt, args, world: int):
     return PostLocalSGDOptimizer(base_opt, averager)
 
 
+def sync_period(args) -> int:
+    """Steps between the time-limit agreements of all-reduce and the static schedule:
+    --sync-every, else the evaluations' period (where the workers meet anyway), else 20."""
+    return args.sync_every or args.eval_every or 20
+
+
 def global_sync_step(args, i: int) -> bool:
     """Whether every worker synchronises with all others at 0-based step ``i`` anyway, so that
     agreeing on the time limit there adds no wait of its own. None: never (dynamic
     schedules stop on their own clock)."""
+    every = sync_period(args)
     if args.strategy == "allreduce" or (args.strategy == "ripples" and args.schedule == "static"):
-        return (i + 1) % args.eval_every == 0
+        return (i + 1) % every == 0
     if args.strategy in ("localsgd", "hier"):
         if i < args.warmup_steps:  # gradient all-reduce every step
-            return (i + 1) % args.eval_every == 0
+            return (i + 1) % every == 0
         if args.strategy == "localsgd":  # PeriodicModelAverager's rule
             return (i - args.warmup_steps) % args.local_period == 0
         # HierarchicalModelAverager's rule: the largest period is the whole world
@@ -380,15 +382,36 @@ def parse_args(argv=None):
     p.add_argument("--calibrate-only", action="store_true",
                    help="measure the compute time of one step and the step time of "
                         "synchronous training (--strategy allreduce), print them as JSON, exit")
-    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workload", choices=workloads.WORKLOADS, default="digits",
+                   help="digits: scikit-learn's digits, --model mlp|cnn; cnn: a ResNet with "
+                        "BatchNorm on the digits; transformer: a byte-level causal "
+                        "Transformer LM on Python's standard library (see workloads.py)")
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="digits workload: an MLP or a small plain CNN")
+    p.add_argument("--hidden", type=int, default=128, help="digits: hidden layer width")
+    p.add_argument("--width", type=int, default=None,
+                   help="cnn: channels of the first stage (default 16); transformer: the "
+                        "model width (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer: blocks")
+    p.add_argument("--context", type=int, default=64, help="transformer: bytes per window")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="examples per worker and step (transformer: windows of --context)")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, default=0.9, help="sgd")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--steps", type=int, default=600, help="max steps per worker")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="stop after this many seconds of training (0: no limit)")
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-every", type=int, default=20,
+                   help="evaluate every N steps during training (0: never)")
+    p.add_argument("--snapshot-every", type=float, default=0.0,
+                   help="copy the model every S seconds of training and evaluate the copies, "
+                        "their exact average and the consensus distance after training "
+                        "(snapshot records; 0: off)")
+    p.add_argument("--sync-every", type=int, default=0,
+                   help="all-reduce and static: agree on the time limit every N steps "
+                        "(default: --eval-every, or 20 without evaluations)")
     p.add_argument("--no-eval-consensus", action="store_true",
                    help="measure the consensus distance only at the end of training, not at "
                         "every evaluation (where all workers evaluate at the same step)")
@@ -397,7 +420,10 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None)
     p.add_argument("--quiet", action="store_true", help="rank 0 prints only the final line")
     p.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.width is None:
+        args.width = 64 if args.workload == "transformer" else 16
+    return args
 
 
 def main(argv=None):
@@ -446,15 +472,15 @@ def run(args):
         if stdout if stdout is not None else (rank == 0 and not args.quiet):
             print(line, flush=True)
 
-    xtr, ytr, xte, yte = load_digits_split(args.seed)
-    perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(args.seed))
+    data = workloads.load(args)
+    perm = torch.randperm(len(data.xtr), generator=torch.Generator().manual_seed(args.seed))
     shard = perm[rank::world]
-    xs, ys = xtr[shard], ytr[shard]
+    xs, ys = data.xtr[shard], data.ytr[shard]
 
     torch.manual_seed(args.seed)  # same initial model everywhere (DDP broadcasts it anyway)
-    module = make_model(args.model, args.hidden)
+    module = data.make_model()
     model = DDP(module)
-    base_opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    base_opt = make_optimizer(model.parameters(), args)
     if args.strategy == "ripples":
         import ripples_pg
 
@@ -481,7 +507,7 @@ def run(args):
     if args.compute_s is not None:
         straggler.compute_s = args.compute_s
     else:  # all ranks at once, so the contention for cores is the training's
-        c = torch.tensor([calibrate_compute(module, xs[:bs], ys[:bs], args.lr)],
+        c = torch.tensor([calibrate_compute(module, xs[:bs], ys[:bs], args)],
                          dtype=torch.float64)
         dist.all_reduce(c)
         straggler.compute_s = c.item() / world
@@ -491,8 +517,10 @@ def run(args):
         if rank == 0:
             print(json.dumps({"event": "calibration", "compute_s": straggler.compute_s,
                               "step_s": step_s, "world": world, "backend": backend,
-                              "batch_size": bs, "model": args.model,
-                              "hidden": args.hidden}), flush=True)
+                              "batch_size": bs, "workload": args.workload,
+                              "model": args.model, "hidden": args.hidden,
+                              "parameters": sum(p.numel() for p in module.parameters())}),
+                  flush=True)
         if logf:
             logf.close()
         return None
@@ -521,16 +549,22 @@ def run(args):
     loss_sum, loss_n = 0.0, 0
     time_to_target = None
     busy = 0.0  # wall time of forward + backward + optimizer step (+ stop agreement)
+    snaps = Snapshots(args.snapshot_every)
+    eval_s += snaps.take(module, 0.0, 0)  # the initial model
     it = batches()
     while step < args.steps:
         x, y = next(it)
         t_step = time.perf_counter()
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
         loss_sum += loss.item()
+        snaps.add_loss(loss.item())
         busy += time.perf_counter() - t_step
+        # before a straggler's sleep: the model is final, and workers that step together
+        # (all-reduce) pass here at about the same time, so their snapshots mostly match
+        eval_s += snaps.take(module, clock(), step + 1)
         straggler.after_step(step)
         loss_n += 1
         stop = False
@@ -543,8 +577,14 @@ def run(args):
             stop = bool(flag.item())
             busy += time.perf_counter() - t_agree
             met = True
+        elif (args.time_limit > 0 and not sync_stop and step >= args.warmup_steps
+              and clock() >= args.time_limit):
+            # the dynamic schedules: every worker on its own clock, once past the warm-up
+            # (a worker leaving during its exact steps would leave the others waiting in an
+            # all-reduce it never joins)
+            stop = True
         step += 1
-        if step % args.eval_every == 0 or step == args.steps or stop:
+        if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps or stop):
             consensus = None
             if eval_consensus:
                 if not met:  # wait for slower peers on the clock, as a sync point would
@@ -556,25 +596,28 @@ def run(args):
             t_eval = time.perf_counter()
             if eval_consensus:
                 consensus = consensus_distance(module, backend)
-            test_loss, acc = evaluate(module, xte, yte)
-            train_loss, _ = evaluate(module, xtr, ytr)  # the whole training set, all shards
+            ev = data.evaluate(module)  # "loss": on the whole training set (digits)
             eval_s += time.perf_counter() - t_eval
             emit({"event": "eval", "rank": rank, "step": step, "time": round(elapsed, 4),
-                  "loss": round(train_loss, 5), "acc": round(acc, 5),
+                  "loss": round(ev["loss"], 5), "acc": round(ev["acc"], 5),
                   "batch_loss": round(loss_sum / max(loss_n, 1), 5),
-                  "test_loss": round(test_loss, 5),
+                  "test_loss": round(ev["test_loss"], 5),
                   "consensus": None if consensus is None else float(f"{consensus:.6g}")})
             loss_sum, loss_n = 0.0, 0
-            if time_to_target is None and acc >= args.target_acc:
+            if time_to_target is None and ev["acc"] >= args.target_acc:
                 time_to_target = elapsed
-            if args.time_limit > 0 and not sync_stop and elapsed >= args.time_limit:
-                stop = True
         if stop:
             break
+    eval_s += snaps.take(module, clock(), step)  # one falling due in the last step's sleep
     train_time = clock()
     # off the clock, every rank (the dynamic schedules' fast workers wait here for the rest)
     consensus = consensus_distance(module, backend)
-    _, local_acc = evaluate(module, xte, yte)
+    for rec in snaps.evaluate(module, data.evaluate, lambda: exact_context(backend),
+                              lockstep=args.strategy == "allreduce"):
+        emit(rec, stdout=False)
+        if args.eval_every <= 0 and time_to_target is None and rec["acc"] >= args.target_acc:
+            time_to_target = rec["time"]
+    local_acc = data.evaluate(module)["acc"]
     summary = {"event": "summary", "rank": rank, "strategy": args.strategy,
                "backend": backend, "steps": step, "train_time": round(train_time, 4),
                "steps_per_s": round(step / train_time, 3), "local_acc": round(local_acc, 5),
@@ -608,16 +651,19 @@ def run(args):
                 summary["stats_error"] = repr(e)
     emit(summary, stdout=False)
 
-    # the "final" model: one exact average over all workers (a no-op change for allreduce)
+    # the "final" model: one exact average over all workers (a no-op change for allreduce),
+    # BatchNorm's running statistics included
     with torch.no_grad(), exact_context(backend):
-        for p in module.parameters():
-            dist.all_reduce(p.data, op=dist.ReduceOp.AVG)
-    final_loss, final_acc = evaluate(module, xte, yte)
+        for t in model_tensors(module):
+            dist.all_reduce(t.data, op=dist.ReduceOp.AVG)
+    ev = data.evaluate(module)
+    final_loss, final_acc = ev["test_loss"], ev["acc"]
     summaries = [None] * world
     dist.all_gather_object(summaries, summary)
     final = None
     if rank == 0:
-        final = {"event": "final", "strategy": args.strategy, "backend": backend,
+        final = {"event": "final", "workload": args.workload, "strategy": args.strategy,
+              "backend": backend,
               "schedule": args.schedule if args.strategy == "ripples" else None,
               "straggler": args.straggler, "world": world,
               "acc": round(final_acc, 5), "loss": round(final_loss, 5),

@@ -1,7 +1,10 @@
-"""Smoke test of the straggler training benchmark (benchmarks/train.py --quick): it runs,
-exits 0, writes its outputs and reports, per strategy, the consensus distance and (Ripples)
-the share of groups of one. No timing assertions (the machine may be shared)."""
+"""The straggler training benchmark (benchmarks/train.py): its repeat and metric logic on
+made-up runs (fast), and --quick end to end (slow): it runs every strategy on the digits and
+the new workloads (the BatchNorm CNN with repeats, the Transformer) at a tiny size, exits 0,
+writes its outputs and reports, per run, the averaged model, the slowest worker and the
+consensus distance over time. No timing assertions (the machine may be shared)."""
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -12,6 +15,138 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RIPPLES_STRATEGIES = {"adpsgd", "static", "random", "smart", "smart_ii"}
+ALL_STRATEGIES = ["gloo", "exact", "hier", "local", "adpsgd", "static", "random", "smart",
+                  "smart_ii"]
+
+
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_train", os.path.join(REPO, "benchmarks", "train.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ----------------------------------------------------------------------------- fast
+
+
+def test_repeats_take_turns():
+    """Each repeat runs every strategy once before the next repeat starts."""
+    b = bench()
+    plan = {"scenarios": ["none", "slow5"], "strategies": ["gloo", "smart"], "repeats": 2}
+    assert list(b.run_order(plan)) == [
+        ("none", 0, "gloo"), ("none", 0, "smart"), ("none", 1, "gloo"), ("none", 1, "smart"),
+        ("slow5", 0, "gloo"), ("slow5", 0, "smart"), ("slow5", 1, "gloo"),
+        ("slow5", 1, "smart")]
+
+
+def test_spread_counts_not_reached_as_late():
+    b = bench()
+    assert b.spread([3.0, 1.0, 2.0], True) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    # one repeat never reached the target: the median is the later of the two that did
+    assert b.spread([1.0, None, 3.0], True) == {"median": 3.0, "min": 1.0, "max": None, "n": 3}
+    assert b.spread([None, None, 1.0], True)["median"] is None
+    assert b.spread([None, 0.5], False) == {"median": 0.5, "min": 0.5, "max": 0.5, "n": 1}
+    assert b.spread([None], False) is None
+
+
+def _run(strategy, steps, avg_losses, own_losses, slow_losses, error=None):
+    """A made-up result of 3 workers: rank 0's snapshots (with the averaged model's loss)
+    and rank 2's, one snapshot a second."""
+    snaps = {"0": [{"time": float(k), "step": 10 * k, "loss": own, "acc": 0.5,
+                    "avg_time": k + 0.1, "avg_loss": avg, "avg_acc": 0.5,
+                    "consensus": 0.01 * k}
+                   for k, (avg, own) in enumerate(zip(avg_losses, own_losses))],
+             "1": [],
+             "2": [{"time": float(k), "step": 2 * k, "loss": x, "acc": 0.5, "consensus": 0.0}
+                   for k, x in enumerate(slow_losses)]}
+    res = {"strategy": strategy, "label": strategy, "launch_s": 9.0, "snapshots": snaps,
+           "final": {"steps": steps, "steps_per_s": [10.0, 10.0, 2.0], "acc": 0.9,
+                     "loss": 0.3, "train_time": 3.0, "comm_wait_s": [1.5, 0, 0],
+                     "consensus": 0.02, "singleton_share": [0.5, 0.0, None],
+                     "singleton_run_max": [2, 1, None]}}
+    if error:
+        res["error"] = error
+    return res
+
+
+def test_metrics_follow_the_averaged_model_and_the_slowest_worker():
+    b = bench()
+    cfg = {"loss_key": "loss", "target_loss": 0.5, "target_acc": None}
+    res = _run("smart", [30, 30, 6], [1.0, 0.6, 0.4, 0.3], [1.0, 0.4, 0.3, 0.2],
+               [1.0, 0.9, 0.8, 0.45])
+    m = b.metrics(res, cfg, 3)
+    assert m["slowest_rank"] == 2
+    assert m["time_to_loss_avg"] == 2.1  # the averaged model's time, not rank 0's
+    assert m["time_to_loss_r0"] == 1.0 and m["steps_to_loss_r0"] == 10
+    assert m["time_to_loss_slowest"] == 3.0
+    assert m["time_to_acc_avg"] is None  # no accuracy target
+    assert m["consensus_max"] == 0.03 and m["consensus"] == 0.02
+    assert m["singleton_share_max"] == 0.5 and m["singleton_share_mean"] == 0.25
+    assert m["comm_wait_frac"] == 0.5
+    # ties in steps: the highest rank (the fixed straggler's) is the slowest
+    assert b.slowest_rank({"steps": [5, 5, 5]}) == 2
+
+
+def test_cells_report_median_and_range_and_both_ratios():
+    b = bench()
+    cfg = {"loss_key": "loss", "target_loss": 0.5, "target_acc": None, "time_limit": 10.0}
+    runs = []
+    for rep, reach in enumerate([(0.4, 0.4), (0.6, 0.4), (0.6, 0.6)]):
+        for st, losses in (("gloo", [1, 1, 1, 0.4]), ("exact", [1, 1, 0.4, 0.3]),
+                           ("smart", [1, *reach, 0.3])):
+            r = _run(st, [30, 30, 30], losses, losses, losses)
+            r.update(workload="w", scenario="s", repeat=rep)
+            r["metrics"] = b.metrics(r, cfg, 3)
+            runs.append(r)
+    failed = _run("static", [1, 1, 1], [1], [1], [1], error="exit status 1")
+    failed.update(workload="w", scenario="s", repeat=0)
+    failed["metrics"] = b.metrics(failed, cfg, 3)
+    cells = b.cells_of({"results": runs + [failed]})
+    smart = cells[("w", "s", "smart")]
+    t = smart["time_to_loss_avg"]
+    assert (t["min"], t["median"], t["max"], t["n"]) == (1.1, 2.1, 3.1, 3)
+    assert b.speedup(smart, cells[("w", "s", "gloo")], "time_to_loss_avg", 10) == "1.48"
+    assert b.speedup(smart, cells[("w", "s", "exact")], "time_to_loss_avg", 10) == "1.00"
+    assert b.fmt_spread(t) == "2.1 [1.1..3.1]"
+    assert cells[("w", "s", "static")]["failed"] == 1
+    plan = {"scenarios": ["s"], "strategies": ["gloo", "exact", "smart", "static"],
+            "repeats": 3}
+    md = "\n".join(b.table("w", "s", plan, cells, cfg))
+    assert "FAILED: exit status 1" in md and "2.1 [1.1..3.1]" in md
+
+
+# ----------------------------------------------------------------------------- slow
+
+
+def _check_snapshots(r, workers):
+    """Every rank evaluated the same snapshots; the averaged model's time is the latest of
+    the workers' times; under all-reduce every model is the average (where the workers'
+    snapshots are at the same step, which is where the consensus is measured)."""
+    snaps = [r["snapshots"][str(k)] for k in range(workers)]
+    n = len(snaps[0])
+    assert n >= 2 and all(len(s) == n for s in snaps), (r["strategy"], [len(s) for s in snaps])
+    measured = 0
+    for k in range(n):
+        recs = [s[k] for s in snaps]
+        assert len({e["avg_time"] for e in recs}) == 1
+        assert len({e["consensus"] for e in recs}) == 1
+        assert recs[0]["avg_time"] >= max(e["time"] for e in recs) - 1e-3
+        assert all(math.isfinite(e["avg_loss"]) for e in recs)
+        cons = recs[0]["consensus"]
+        if cons is None:  # only under all-reduce where the workers were a step apart
+            assert r["strategy"] in ("gloo", "exact"), r["strategy"]
+            assert len({e["step"] for e in recs}) > 1, recs
+            continue
+        measured += 1
+        assert cons >= 0
+        if r["strategy"] in ("gloo", "exact") and r["workload"] == "digits":
+            assert cons < 1e-6, recs[0]  # identical models, so the average is each of them
+            assert abs(recs[0]["avg_loss"] - recs[0]["loss"]) < 1e-4, recs[0]
+    assert measured >= (1 if r["strategy"] in ("gloo", "exact") else n), (r["strategy"],
+                                                                             measured, n)
+    times = [e["time"] for e in snaps[0]]
+    assert times == sorted(times) and times[0] == 0.0
 
 
 @pytest.mark.slow
@@ -32,21 +167,26 @@ def test_bench_train_quick(tmp_path):
                                   f"\nstderr:\n{proc.stderr[-3000:]}")
     with open(tmp_path / "results.json") as f:
         res = json.load(f)
-    strategies = {r["strategy"] for r in res["results"]}
-    assert strategies == set(res["strategies"]) == {
-        "gloo", "exact", "hier", "local", "adpsgd", "static", "random", "smart", "smart_ii"}
-    assert len(res["results"]) == len(res["strategies"]) * len(res["scenarios"])
-    assert all(not r.get("error") for r in res["results"])
+    plan = res["config"]["plan"]
+    assert set(plan) == {"digits", "cnn", "transformer"}
+    assert plan["digits"]["strategies"] == ALL_STRATEGIES
+    assert plan["cnn"]["repeats"] == 2
+    assert len(res["results"]) == sum(len(p["scenarios"]) * len(p["strategies"])
+                                      * p["repeats"] for p in plan.values())
+    assert all(not r.get("error") for r in res["results"]), [
+        r["error"] for r in res["results"] if r.get("error")]
     workers = res["config"]["workers"]
-    for r in res["results"]:  # every run trained and logged every rank's evaluations
-        assert r["final"]["steps"] and min(r["final"]["steps"]) > 0, r["final"]
-        assert all(r["evals"][str(k)] for k in range(workers)), r["strategy"]
-        # ... and reported whether the workers really averaged
+    for r in res["results"]:  # every run trained and evaluated every rank's snapshots
         fin, m = r["final"], r["metrics"]
+        assert fin["workload"] == r["workload"]
+        assert fin["steps"] and min(fin["steps"]) > 0, fin
+        _check_snapshots(r, workers)
+        # ... and reported whether the workers really averaged
         cons = fin["consensus"]
         assert isinstance(cons, float) and math.isfinite(cons) and cons >= 0, (r["strategy"],
                                                                                  cons)
-        assert m["consensus"] == cons
+        assert m["consensus"] == cons and m["consensus_max"] is not None
+        assert m["slowest_rank"] == min(range(workers), key=lambda k: (fin["steps"][k], -k))
         for key in ("rounds", "singletons", "singleton_share", "singleton_run_max"):
             assert isinstance(fin[key], list) and len(fin[key]) == workers, (r["strategy"], key)
         ripples = r["strategy"] in RIPPLES_STRATEGIES
@@ -59,9 +199,18 @@ def test_bench_train_quick(tmp_path):
                 assert share is None and fin["rounds"][k] is None, (r["strategy"], fin)
         if ripples:
             assert 0.0 <= m["singleton_share_mean"] <= m["singleton_share_max"] <= 1.0, m
-        if r["strategy"] in ("gloo", "exact"):  # synchronous SGD: every model the same
-            assert cons < 1e-6, (r["strategy"], cons)
+        if r["strategy"] in ("gloo", "exact") and r["workload"] == "digits":
+            assert cons < 1e-6, (r["strategy"], cons)  # synchronous SGD: identical models
+    # the repeated cell: its spread brackets its median
+    cnn = [c for c in res["cells"] if c["workload"] == "cnn"]
+    assert cnn and all(c["n"] == 2 for c in cnn)
+    for c in cnn:
+        for key in ("final_acc", "final_loss", "consensus", "launch_s"):
+            s = c[key]
+            assert s["n"] == 2 and s["min"] <= s["median"] <= s["max"], (key, s)
     md = (tmp_path / "results.md").read_text()
-    assert "consensus end" in md and "groups of one" in md
-    assert (tmp_path / "results.md").read_text().count("|") > 10
-    assert glob.glob(str(tmp_path / "digits_*.png"))
+    for col in ("avg model: time to", "x gloo", "x exact", "rank 0: time", "slowest worker",
+                "consensus end (max over time)", "groups of one", "validation loss"):
+        assert col in md, col
+    for wl in plan:
+        assert glob.glob(str(tmp_path / f"{wl}_slow5.png")), wl
