@@ -20,6 +20,10 @@ rank 0 (``broadcast_buffers``), an exact collective every step: a global meeting
 0's pace and a fence at the Group Generator. It is on (if the user had it on) while the step is
 inside warm-up, also after loading a checkpoint from then. :meth:`RipplesOptimizer.unwrap` ends
 Ripples training: plain synchronous DDP again.
+
+With ``overlap=True`` each partial round runs in the background while the next step computes
+(see ``ripples_pg.overlap``); :meth:`RipplesOptimizer.flush` (or ``unwrap()``) applies the last
+one at the end of training.
 """
 from __future__ import annotations
 
@@ -64,6 +68,12 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         self.hook_state = hook_state
         self.group = group
         self.unwrapped = False
+
+    def flush(self) -> None:
+        """With ``wrap(overlap=True)``: waits for the partial round in flight and applies it,
+        so that the parameters hold its average (call it before evaluating or saving the model
+        at the end of training; ``unwrap()`` does it too). A no-op otherwise."""
+        self.averager.flush(self.param_groups)
 
     def unwrap(self, average: bool = True) -> torch.optim.Optimizer:
         """Ends Ripples training and returns the inner optimizer: from now on the model is
@@ -144,7 +154,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          timeout: Optional[float] = None,
          on_failure: Optional[str] = None,
          seed: Optional[int] = None,
-         trace: Optional[bool] = None) -> RipplesOptimizer:
+         trace: Optional[bool] = None,
+         overlap: bool = False) -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
@@ -168,6 +179,11 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         average_optimizer_state: also average optimizer state (momentum buffers...).
         group: an existing ``ripples`` group for the partial rounds instead of a new one
             (then the schedule options must not be given).
+        overlap: run each partial round in the background while the next step computes, and
+            apply it one step late: the group's average of the parameters it started from
+            plus the local update made since (one step of staleness, as in overlap-SGP). Off
+            by default until measurements show it faster. Call ``optimizer.flush()`` before
+            evaluating or saving the model at the end; ``unwrap()`` does it too.
 
     Buffers: the averager averages the module's floating-point buffers (BatchNorm's running
     statistics) with the parameters; integer buffers (``num_batches_tracked``) stay each
@@ -211,6 +227,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     levels = parse_levels(levels)
     if group_size is not None:
         _check_int("group_size", group_size, 1)
+    if not isinstance(overlap, bool):
+        raise TypeError(f"ripples_pg.wrap: overlap must be True or False, got {overlap!r}")
 
     import ripples_pg
 
@@ -253,7 +271,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     averager = RipplesAverager(group, levels=levels, warmup_steps=warmup_steps,
                                host_group=hgroup, world_group=ddp_group, optimizer=optimizer,
                                average_optimizer_state=average_optimizer_state,
-                               module=ddp_model.module)
+                               module=ddp_model.module, overlap=overlap)
     state = RipplesHookState(ddp_group, warmup_steps=warmup_steps, post_warmup=post_warmup,
                              host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)

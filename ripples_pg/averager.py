@@ -37,6 +37,16 @@ average, ``dist.barrier()``), which fences it and cancels such groups, or leave
 (``destroy_process_group``) -- not block on something else (a gloo collective, a queue) while
 others still average, or they wait for it until the round timeout.
 
+Overlap (``overlap=True``). A ``"partial"`` level then runs in the background: the round of
+step ``t`` reduces a snapshot of the flat buffers while step ``t+1`` computes, and is applied
+after step ``t+1``'s optimizer step as the group's average of the step-``t`` values plus the
+local update made since (one step of staleness, as in overlap-SGP; the algebra is in
+``ripples_pg.overlap``). The next round starts only after that, so rounds stay atomic and in
+group order. A failed or skipped round leaves the parameters as they are. Exact levels, a
+restored step and :meth:`synchronize` first settle the round in flight; :meth:`flush` does it
+by hand (before reading or saving the model at the end of training: until then the last
+round's average is not in the parameters). It costs two more copies of the flat buffers.
+
 The averager counts steps like torch's averagers (``step`` increases by one per call of
 ``average_parameters``), so it works inside torch's ``PostLocalSGDOptimizer``, whose
 ``state_dict`` saves ``averager.step``.
@@ -54,6 +64,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from .hooks import _exact, _is_ripples, host_group as _host_group
+from .overlap import OverlappedRound
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
 
@@ -231,6 +242,10 @@ class RipplesAverager(ModelAverager):
             floating-point buffers (BatchNorm's ``running_mean``, ``running_var``) are averaged
             in the same call as the parameters, at every level. Integer buffers
             (``num_batches_tracked``) are not averaged: each worker keeps its own.
+        overlap: run each ``"partial"`` round in the background while the next step
+            computes and apply it one step late (see the module's documentation); exact
+            levels stay blocking. ``overlap_stats`` counts its rounds and the time spent
+            waiting for them.
 
     ``step`` counts calls of :meth:`average_parameters` (one per optimizer step), as in torch's
     averagers. ``counts`` holds how many times each level ran.
@@ -239,8 +254,9 @@ class RipplesAverager(ModelAverager):
     def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
                  host_group=None, world_group=None, optimizer: Optional[torch.optim.Optimizer]
                  = None, average_optimizer_state: Union[bool, Sequence[str]] = False,
-                 module: Optional[torch.nn.Module] = None):
+                 module: Optional[torch.nn.Module] = None, overlap: bool = False):
         self._hook_states: list = []
+        self._round: Optional[OverlappedRound] = None
         super().__init__(process_group)
         if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
             raise TypeError(f"ripples_pg.RipplesAverager: warmup_steps must be an int >= 0, "
@@ -267,6 +283,9 @@ class RipplesAverager(ModelAverager):
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"ripples_pg.RipplesAverager: module must be a torch.nn.Module "
                             f"(for DDP, ddp_model.module), got {type(module).__name__}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"ripples_pg.RipplesAverager: overlap must be True or False, got "
+                            f"{overlap!r}")
         if isinstance(average_optimizer_state, str):
             average_optimizer_state = [average_optimizer_state]
         self.module = module
@@ -282,6 +301,9 @@ class RipplesAverager(ModelAverager):
         self.last_level: Optional[str] = None
         self._layout: Optional[_Layout] = None
         self._skipped_nonfloat = False
+        self.overlap = overlap
+        if overlap:
+            self._round = OverlappedRound()
 
     # -- step, linked to hook states so that restoring it restores theirs
     @property
@@ -290,7 +312,12 @@ class RipplesAverager(ModelAverager):
 
     @step.setter
     def step(self, value: int) -> None:
-        self._step = int(value)
+        value = int(value)
+        rnd = getattr(self, "_round", None)
+        if rnd is not None and rnd.pending and value != rnd.step + 1:
+            # A restored step: the round in flight started from other parameters.
+            self._discard_round()
+        self._step = value
         for st in getattr(self, "_hook_states", ()):
             st.step = self._step  # also switches the DDP buffer broadcast (warm-up or not)
 
@@ -311,11 +338,16 @@ class RipplesAverager(ModelAverager):
 
     def detach(self) -> None:
         """Stops averaging for good: later :meth:`average_parameters` calls only count the
-        step. Used by ``RipplesOptimizer.unwrap()``."""
-        for st in list(self._hook_states):
-            self.unlink_hook_state(st)
-        self.detached = True
-        self._layout = None  # the parameters keep their storage (views of the flat buffers)
+        step. Used by ``RipplesOptimizer.unwrap()``. A round in flight is applied first."""
+        try:
+            self.flush()
+        finally:
+            for st in list(self._hook_states):
+                self.unlink_hook_state(st)
+            self.detached = True
+            self._layout = None  # the parameters keep their storage (views of the flat buffers)
+            if self._round is not None:
+                self._round.release()
 
     # -- levels
     def level_at(self, step: int) -> Optional[str]:
@@ -380,15 +412,63 @@ class RipplesAverager(ModelAverager):
 
     def average_parameters(self, params) -> None:
         """Averages ``params`` (parameters or optimizer param groups) at this step's level,
-        then advances ``step``."""
+        then advances ``step``. With ``overlap``, first applies the round in flight, and a
+        ``"partial"`` level starts its round in the background."""
         level = self.level_at(self.step)
         self.last_level = level
+        packed = None
+        if self._round is not None and self._round.pending:
+            packed = self._finish_round(params)
         if level is not None:
-            self._average(params, level)
+            self._average(params, level, packed)
             self.counts[level] += 1
         self.step += 1
 
-    def _average(self, params, level: str) -> None:
+    # -- overlap
+    def flush(self, params=None) -> None:
+        """Waits for the overlapped round in flight, if any, and applies it, so that the
+        parameters hold its average. ``params``: as for :meth:`average_parameters` (default:
+        the parameters the round was started with). Raises the round's error if it failed
+        (``on_failure="raise"``); the parameters then keep their local updates."""
+        if self._round is not None and self._round.pending:
+            self._finish_round(params if params is not None else self._round.layout.params)
+
+    @property
+    def overlap_stats(self) -> Optional[dict]:
+        """With ``overlap``: rounds ``started``, ``applied``, ``failed``, ``dropped`` (not
+        applied because the parameters were restored or re-pointed meanwhile), whether one is
+        ``pending``, and ``wait_s``, the seconds training waited for rounds to complete (the
+        part of the averaging the overlap did not hide). None without ``overlap``."""
+        return self._round.stats() if self._round is not None else None
+
+    def _finish_round(self, params) -> Optional[_Layout]:
+        """Waits for the round in flight and adds its correction to the flat buffers and the
+        extras. Returns the layout if it did, with the extras packed (current)."""
+        rnd = self._round
+        lay = rnd.layout
+        rnd.wait()  # a failed round raises here, with nothing left in flight
+        if self._layout_for(params) is not lay:
+            # model.to(), a replaced buffer or new optimizer state re-flattened the model: the
+            # snapshot no longer matches it, so the round is not applied.
+            logger.info("ripples_pg.RipplesAverager: the layout changed while an overlapped "
+                        "round was in flight; its result is not applied")
+            rnd.drop()
+            return None
+        lay.pack_extras()
+        rnd.apply()
+        lay.unpack_extras()
+        return lay
+
+    def _discard_round(self) -> None:
+        """Waits for the round in flight (its buffers belong to the core until then) and
+        forgets it."""
+        try:
+            self._round.wait()
+        except Exception as exc:  # noqa: BLE001 - its result is discarded anyway
+            logger.info("ripples_pg.RipplesAverager: discarded overlapped round failed: %s", exc)
+        self._round.drop()
+
+    def _average(self, params, level: str, packed: Optional[_Layout] = None) -> None:
         if level == "partial":
             group = self.process_group
         elif level == "host":
@@ -402,7 +482,11 @@ class RipplesAverager(ModelAverager):
         lay = self._layout_for(params)
         if lay is None:
             return
-        lay.pack_extras()
+        if lay is not packed:  # _finish_round has just packed the current extras
+            lay.pack_extras()
+        if level == "partial" and self._round is not None:
+            self._round.start(lay, group, self.step)
+            return  # the extras are updated when the round is applied
         if level == "partial":
             import ripples_pg
 
@@ -421,7 +505,9 @@ class RipplesAverager(ModelAverager):
         """Exact average over ``group`` (default: the ``"world"`` level's group) of ``params``,
         the module's floating-point buffers and *every* optimizer state tensor shaped like its
         parameter (whether or not ``average_optimizer_state`` is set): afterwards the replicas
-        are identical, as synchronous DDP assumes. Every rank of ``group`` must call it."""
+        are identical, as synchronous DDP assumes. Every rank of ``group`` must call it. An
+        overlapped round in flight is applied first."""
+        self.flush(params)
         group = group if group is not None else self.world_group
         if dist._rank_not_in_group(group):
             return
@@ -461,11 +547,14 @@ class RipplesAverager(ModelAverager):
             warnings.warn(f"ripples_pg.RipplesAverager: restoring a state saved with levels "
                           f"{dict(sd['levels'])} into an averager with {dict(self.levels)}",
                           stacklevel=2)
+        if self._round is not None and self._round.pending:
+            self._discard_round()  # it started from the parameters being replaced
         self.step = int(sd["step"])
         if "counts" in sd:
             self.counts.update(sd["counts"])
 
     def __repr__(self) -> str:
         lv = ", ".join(f"{p}: {k!r}" for p, k in self.levels.items())
+        ov = ", overlap=True" if self.overlap else ""
         return (f"RipplesAverager(levels={{{lv}}}, warmup_steps={self.warmup_steps}, "
-                f"step={self.step})")
+                f"step={self.step}{ov})")
