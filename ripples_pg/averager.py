@@ -418,6 +418,7 @@ class RipplesAverager(ModelAverager):
         self.last_level = level
         packed = None
         if self._round is not None and self._round.pending:
+            params = _params_of(params)  # a generator would be used up by the first look
             packed = self._finish_round(params)
         if level is not None:
             self._average(params, level, packed)
