@@ -367,6 +367,9 @@ def parse_args(argv=None):
                    help="ripples averager levels, e.g. '1:partial,8:host,64:world'")
     p.add_argument("--post-warmup", choices=["local", "host"], default="local")
     p.add_argument("--average-optimizer-state", action="store_true")
+    p.add_argument("--overlap", action="store_true",
+                   help="ripples: run each partial round while the next step computes "
+                        "(wrap(overlap=True))")
     p.add_argument("--c-thres", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="keep the per-round trace (ripples)")
     p.add_argument("--straggler", default=None, help="R:F, p:F or pX:F (see above)")
@@ -494,6 +497,8 @@ def run(args):
             kw["inter_intra"] = True
         if args.trace:
             kw["trace"] = True
+        if args.overlap:
+            kw["overlap"] = True
         optimizer = ripples_pg.wrap(model, base_opt, **kw)
     elif args.strategy in ("localsgd", "hier"):
         optimizer = torch_local_sgd(model, base_opt, args, world)
@@ -609,6 +614,8 @@ def run(args):
         if stop:
             break
     eval_s += snaps.take(module, clock(), step)  # one falling due in the last step's sleep
+    if args.strategy == "ripples":
+        optimizer.flush()  # with --overlap, the last round's average into the model
     train_time = clock()
     # off the clock, every rank (the dynamic schedules' fast workers wait here for the rest)
     consensus = consensus_distance(module, backend)
@@ -638,6 +645,8 @@ def run(args):
         summary["schedule"] = args.schedule
         summary["levels"] = {str(k): v for k, v in optimizer.averager.levels.items()}
         summary["level_counts"] = dict(optimizer.averager.counts)
+        if args.overlap:
+            summary["overlap"] = optimizer.averager.overlap_stats
         if hasattr(ripples_pg, "stats"):
             try:
                 st = ripples_pg.stats(optimizer.group)
