@@ -101,9 +101,12 @@ static void flush_events(coord_core *core) {
     m.seq = w->req_seq;
     m.round = ev.round;
     m.group_id = ev.group_id;
+    m.period = (uint32_t)ev.period;
     if (ev.kind == RPL_EV_GROUP) {
       m.type = RPL_MSG_GROUP;
       m.nmembers = (uint32_t)ev.nmembers;
+    } else if (ev.kind == RPL_EV_PASS) {
+      m.type = RPL_MSG_PASS;
     } else {
       m.type = RPL_MSG_CANCEL;
       m.culprit = ev.culprit;
@@ -344,11 +347,12 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
   sb_printf(&b,
             "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"group_size\":%d,"
             "\"c_thres\":%d,\"inter_intra\":%s,\"heartbeat_ms\":%u,\"dead_ms\":%u,"
-            "\"standby\":%s,\"uptime_s\":%.3f,",
+            "\"standby\":%s,\"uptime_s\":%.3f,\"period_max\":%d,\"period\":%u,",
             RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
             rpl_gg_group_size(core->gg), rpl_gg_c_thres(core->gg),
             rpl_gg_inter_intra(core->gg) ? "true" : "false", core->heartbeat_ms, core->dead_ms,
-            core->standby ? "true" : "false", now - core->start);
+            core->standby ? "true" : "false", now - core->start, rpl_gg_period_max(core->gg),
+            st.period);
   sb_printf(&b,
             "\"counters\":{\"messages\":%llu,\"malformed\":%llu,\"bad_token\":%llu,"
             "\"errors_sent\":%llu,\"dead_declared\":%llu,\"send_failures\":%llu,"
@@ -356,7 +360,8 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             "\"groups_cancelled\":%llu,\"singletons_handed\":%llu,\"divisions\":%llu,"
             "\"filtered\":%llu,\"conflicts\":%llu,\"implicit_dones\":%llu,"
             "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
-            "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu},",
+            "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
+            "\"period_drops\":%llu},",
             (unsigned long long)atomic_load(&core->messages),
             (unsigned long long)atomic_load(&core->malformed),
             (unsigned long long)atomic_load(&core->bad_token),
@@ -370,7 +375,8 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             (unsigned long long)st.implicit_dones, (unsigned long long)st.stale_dones,
             (unsigned long long)st.pending, (unsigned long long)st.deferred,
             (unsigned long long)st.wait_expired, (unsigned long long)st.isolation_holds,
-            (unsigned long long)st.joins, (unsigned long long)st.late);
+            (unsigned long long)st.joins, (unsigned long long)st.late,
+            (unsigned long long)st.passes, (unsigned long long)st.period_drops);
   sb_printf(&b, "\"workers\":[");
   for (int i = 0; i < core->nworkers; i++) {
     rpl_gg_worker_info wi;
@@ -381,13 +387,15 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
               "%s{\"rank\":%d,\"state\":\"%s\",\"host\":%d,\"host_label\":%d,\"requests\":%llu,"
               "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
               "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
-              "\"lonely_max\":%u,\"deferred\":%s,\"seen\":%s,\"silent_s\":%.3f}",
+              "\"lonely_max\":%u,\"deferred\":%s,\"passes\":%llu,\"step_s\":%.6f,\"seen\":%s,"
+              "\"silent_s\":%.3f}",
               i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
               (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
               (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
               (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
               (unsigned long long)wi.singletons, wi.lonely, wi.lonely_max,
-              wi.deferred ? "true" : "false", w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
+              wi.deferred ? "true" : "false", (unsigned long long)wi.passes, wi.step,
+              w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
   }
   sb_printf(&b, "],\"pending\":[");
   pend_ctx pc = {&b, 0};

@@ -46,7 +46,8 @@ struct rpl_gg_client {
   int beat_started;
   atomic_int stop;
   atomic_int lost;             /* heartbeats unanswered for longer than dead_ms */
-  atomic_ullong hb_sent, hb_acked, requests, cancels, failovers;
+  atomic_ullong hb_sent, hb_acked, requests, cancels, failovers, passes;
+  atomic_uint period;              /* in the last GROUP or PASS; 0 before */
   double wait_s;
 };
 
@@ -407,6 +408,15 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
       st = from_error_reply(&m, c->endpoint, err);
       break;
     }
+    if (m.type == RPL_MSG_PASS && m.round == round) {
+      /* The adaptive period: no averaging this round, a group of this worker alone. */
+      atomic_fetch_add(&c->passes, 1);
+      atomic_store(&c->period, m.period);
+      members[0] = c->rank;
+      *n = 1;
+      *group_id = 0;
+      break;
+    }
     if (m.type != RPL_MSG_GROUP || m.round != round) {
       st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator answered a request with %s",
                           rpl_msg_type_name(m.type));
@@ -430,6 +440,7 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
     }
     *n = (int)m.nmembers;
     *group_id = m.group_id;
+    atomic_store(&c->period, m.period);
     break;
   }
   c->wait_s += now_s() - t0;
@@ -500,6 +511,8 @@ void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out) {
   out->heartbeats_sent = atomic_load(&c->hb_sent);
   out->heartbeats_acked = atomic_load(&c->hb_acked);
   out->failovers = atomic_load(&c->failovers);
+  out->passes = atomic_load(&c->passes);
+  out->period = atomic_load(&c->period);
   pthread_mutex_lock(&c->lock);
   out->wait_s = c->wait_s;
   pthread_mutex_unlock(&c->lock);

@@ -40,6 +40,13 @@
  *             holds its group (at 4 workers and groups of 3, the whole job) at its pace, and
  *             the counters c never drift apart for the slowdown filter to see it.
  *   static  - the static schedule's group for the request's round (for simulation).
+ * The adaptive period (not static) sits in front of all this: while the job is calm -- every
+ * live worker's compute step measured and within GG_SLOWER of the bulk's, none computing for
+ * GG_OVERDUE bulk steps -- a worker with nothing generated for it and nobody waiting
+ * for partners is answered PASS at once, period_max - 1 times out of period_max. The first
+ * worker due starts a group or division as above; the others' next requests take their
+ * groups from their buffers, so the job averages together every period_max steps. A request
+ * that finds the job not calm sets the period to 1 before it is served.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +58,9 @@ enum { G_PENDING = 0, G_HANDED = 1, G_CANCELLED = 2 };
 /* The slowdown filter takes a worker behind for a straggler only if its measured step is this
  * many times the bulk's (chance drift is a few percent; a straggler is slower by its factor). */
 #define GG_SLOWER 1.5
+/* The adaptive period counts a worker as falling behind once it has computed this many of the
+ * bulk's steps without asking (a 5x straggler is seen three steps into its slow one). */
+#define GG_OVERDUE 3.0
 
 typedef struct gg_group {
   uint64_t id;
@@ -85,6 +95,10 @@ typedef struct gg_worker {
   double unfenced_at;          /* clock when it last came out of a fence, < 0 before */
   double iv;                   /* EWMA of its step: group handed -> next request, 0 = unknown */
   double pace;                 /* the same, averaged longer (the slowdown filter's speed) */
+  uint32_t since;              /* requests passed since its last group of two or more */
+  double free_at;              /* clock when it last left the GG (done, pass), < 0 unknown */
+  double comp;                 /* EWMA of free_at -> next request: its compute alone, 0 = unknown */
+  uint64_t passes;
   gg_group **buf;
   int blen, bcap;
 } gg_worker;
@@ -94,6 +108,7 @@ typedef struct gg_event {
   uint8_t reason;
   int worker;
   int culprit;
+  int period;                  /* GROUP, PASS: the period when it was answered */
   uint64_t round;
   gg_group *group;
 } gg_event;
@@ -107,6 +122,9 @@ struct rpl_gg {
   double partner_wait;         /* seconds; 0 = adaptive, negative = never wait */
   int max_isolated;            /* negative = no bound */
   int arrival_filter;
+  int period_max;              /* 1 = no adaptive period */
+  int period;                  /* the adaptive period now */
+  int calm;                    /* requests in a row that found the job calm */
   double now;                  /* the clock (rpl_gg_advance) */
   double interval;             /* EWMA of intervals between requests, 0 = unknown */
   int *dq, dq_len;             /* deferred workers, in order of deferral [n] */
@@ -222,7 +240,8 @@ static int ev_push(rpl_gg *gg, uint8_t kind, int worker, gg_group *g, uint64_t r
   e->round = round;
   e->culprit = culprit;
   e->reason = (uint8_t)reason;
-  g->refs++;
+  e->period = gg->period;
+  if (g) g->refs++; /* PASS has no group */
   return 0;
 }
 
@@ -258,6 +277,9 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   if (cfg->group_size < 0 || cfg->group_size > RPL_SCHED_MAX_WORKERS)
     return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: group_size %d must be >= 1 (0 = default)",
                           cfg->group_size);
+  if (cfg->period_max > RPL_GG_MAX_PERIOD)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: period_max %d out of range (at most %d)",
+                          cfg->period_max, RPL_GG_MAX_PERIOD);
   rpl_gg *gg = calloc(1, sizeof *gg);
   if (!gg) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   gg->policy = cfg->policy;
@@ -269,6 +291,11 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   gg->partner_wait = cfg->partner_wait_ms < 0 ? -1.0 : cfg->partner_wait_ms / 1000.0;
   gg->max_isolated = cfg->max_isolated ? cfg->max_isolated : RPL_GG_DEFAULT_MAX_ISOLATED;
   gg->arrival_filter = cfg->arrival_filter >= 0;
+  gg->period_max = cfg->period_max == 0 ? RPL_GG_DEFAULT_PERIOD_MAX
+                   : cfg->period_max < 1 ? 1 : cfg->period_max;
+  if (gg->policy == RPL_POLICY_STATIC) gg->period_max = 1; /* a fixed schedule, no coordinator */
+  gg->period = 1;
+  gg->st.period = 1;
   gg->rng = cfg->seed ^ 0x5851f42d4c957f2dull;
   gg->trace = cfg->trace;
   gg->trace_ctx = cfg->trace_ctx;
@@ -290,7 +317,8 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
     rpl_gg_destroy(gg);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
-  for (int i = 0; i < gg->n; i++) gg->w[i].handed_at = gg->w[i].unfenced_at = -1.0;
+  for (int i = 0; i < gg->n; i++)
+    gg->w[i].handed_at = gg->w[i].unfenced_at = gg->w[i].free_at = -1.0;
   *out = gg;
   return RPL_OK;
 }
@@ -422,6 +450,7 @@ static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err) {
       if (++w->lonely > w->lonely_max) w->lonely_max = w->lonely;
     } else {
       w->lonely = 0;
+      w->since = 0;
     }
     if (ev_push(gg, RPL_EV_GROUP, g->members[i], g, w->waiting_round, -1, RPL_REASON_NONE) != 0)
       return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
@@ -897,6 +926,55 @@ static rpl_status settle(rpl_gg *gg, rpl_status st, rpl_error *err) {
   return serve_deferred(gg, err);
 }
 
+/* ---- the adaptive period (see the top) ---------------------------------------------------- */
+
+/* Whether every live worker keeps up: its compute step (from leaving the GG to asking again,
+ * so neither reductions nor waits for groups count) is known and within GG_SLOWER of the
+ * bulk's, and none has been computing for GG_OVERDUE bulk steps (a worker slowed just now is
+ * seen before its slow step ends). Fenced workers are inside an exact collective with everyone:
+ * they do not count. Needs the clock. O(n). */
+static int job_calm(rpl_gg *gg) {
+  if (gg->now <= 0) return 0;
+  uint64_t *a = gg->scratch_c;
+  int k = 0;
+  for (int r = 0; r < gg->n; r++) {
+    const gg_worker *x = &gg->w[r];
+    if (x->state != RPL_WORKER_LIVE) continue;
+    if (x->comp <= 0) return 0;
+    memcpy(&a[k++], &x->comp, sizeof(double)); /* non-negative doubles order as their bits */
+  }
+  if (k == 0) return 0;
+  uint64_t bits = lower_median(a, k);
+  double med;
+  memcpy(&med, &bits, sizeof med);
+  for (int r = 0; r < gg->n; r++) {
+    const gg_worker *x = &gg->w[r];
+    if (x->state != RPL_WORKER_LIVE) continue;
+    if (x->comp > GG_SLOWER * med) return 0;
+    int computing = !x->waiting && !x->locked && x->free_at >= 0;
+    if (computing && gg->now - x->free_at > GG_OVERDUE * med) return 0;
+  }
+  return 1;
+}
+
+/* Updates the period for a request of `me` and says whether to pass it. The period rises to
+ * period_max only after a calm request from each worker in a row, so that one noisy step does
+ * not flip it, and falls to 1 at the first request that finds a worker behind. */
+static int period_pass(rpl_gg *gg, gg_worker *me) {
+  if (gg->period_max <= 1) return 0;
+  if (!job_calm(gg)) {
+    if (gg->period > 1) gg->st.period_drops++;
+    gg->period = 1;
+    gg->calm = 0;
+  } else if (gg->period == 1 && ++gg->calm >= gg->n - gg->ngone) {
+    gg->period = gg->period_max;
+  }
+  gg->st.period = (uint32_t)gg->period;
+  /* Never pass a worker others wait for: its group is generated (buffer), or partners wait. */
+  return gg->period > 1 && me->blen == 0 && gg->dq_len == 0 && !is_isolated(gg, me) &&
+         me->since + 1 < (uint32_t)gg->period;
+}
+
 rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
   rpl_status st = check_worker(gg, w, "request", err);
   if (st != RPL_OK) return st;
@@ -924,10 +1002,27 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
       me->iv = me->iv > 0 ? me->iv + (dt - me->iv) / 4 : dt;
       me->pace = me->pace > 0 ? me->pace + (dt - me->pace) / 16 : dt;
     }
+    if (me->free_at >= 0 && me->free_at >= me->handed_at && gg->now >= me->free_at) {
+      double dt = gg->now - me->free_at;
+      me->comp = me->comp > 0 ? me->comp + (dt - me->comp) / 4 : dt;
+    }
+  }
+  if (gg->policy == RPL_POLICY_STATIC) {
+    me->waiting = 1;
+    me->waiting_round = round;
+    return request_static(gg, w, round, err);
+  }
+  if (period_pass(gg, me)) {
+    me->since++;
+    me->passes++;
+    me->handed_at = me->free_at = gg->now; /* its steps are measured from this answer */
+    gg->st.passes++;
+    if (ev_push(gg, RPL_EV_PASS, w, NULL, round, -1, RPL_REASON_NONE) != 0)
+      return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+    return RPL_OK; /* w stays idle and is not waiting: nobody's availability changed */
   }
   me->waiting = 1;
   me->waiting_round = round;
-  if (gg->policy == RPL_POLICY_STATIC) return request_static(gg, w, round, err);
   st = me->blen == 0 ? serve(gg, w, err) : try_hand(gg, me->buf[0], err);
   return settle(gg, st, err);
 }
@@ -938,6 +1033,7 @@ rpl_status rpl_gg_done(rpl_gg *gg, int w, uint64_t group_id, rpl_error *err) {
   gg_worker *me = &gg->w[w];
   if (me->locked && me->locked == group_id) {
     me->locked = 0;
+    me->free_at = gg->now;
     if (me->waiting && me->blen > 0) st = try_hand(gg, me->buf[0], err);
     return settle(gg, st, err); /* it may be idle now: a partner for the deferred */
   }
@@ -969,6 +1065,7 @@ rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err) {
   if (me->state == RPL_WORKER_LEFT)
     return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg fence: worker %d has left the job", w);
   if (me->state != RPL_WORKER_FENCED) me->fenced_at = gg->now;
+  me->free_at = -1.0; /* an exact collective is no compute step */
   set_state(gg, me, RPL_WORKER_FENCED);
   return remove_from_schedule(gg, w, RPL_REASON_FENCED, err);
 }
@@ -1012,10 +1109,12 @@ int rpl_gg_poll(rpl_gg *gg, rpl_gg_event *ev, int *members, int cap) {
   memset(ev, 0, sizeof *ev);
   ev->kind = (rpl_event_kind)e->kind;
   ev->worker = e->worker;
-  ev->group_id = g->id;
   ev->round = e->round;
   ev->culprit = e->culprit;
   ev->reason = (rpl_reason)e->reason;
+  ev->period = e->period;
+  if (!g) return 1; /* PASS */
+  ev->group_id = g->id;
   if (e->kind == RPL_EV_GROUP) {
     ev->nmembers = g->n;
     int k = g->n < cap ? g->n : cap;
@@ -1046,6 +1145,8 @@ rpl_status rpl_gg_worker(const rpl_gg *gg, int w, rpl_gg_worker_info *out, rpl_e
   out->lonely = x->lonely;
   out->lonely_max = x->lonely_max;
   out->deferred = x->deferred;
+  out->passes = x->passes;
+  out->step = x->comp;
   return RPL_OK;
 }
 
@@ -1055,6 +1156,7 @@ int rpl_gg_workers(const rpl_gg *gg) { return gg->n; }
 int rpl_gg_group_size(const rpl_gg *gg) { return gg->group_size; }
 int rpl_gg_c_thres(const rpl_gg *gg) { return gg->c_thres; }
 int rpl_gg_inter_intra(const rpl_gg *gg) { return gg->inter_intra; }
+int rpl_gg_period_max(const rpl_gg *gg) { return gg->period_max; }
 const rpl_layout *rpl_gg_layout(const rpl_gg *gg) { return gg->layout; }
 
 void rpl_gg_foreach_pending(const rpl_gg *gg,

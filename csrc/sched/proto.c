@@ -32,7 +32,7 @@ const char *rpl_msg_type_name(int t) {
   static const char *names[] = {"?",         "HELLO",  "HELLO_ACK", "REQUEST",      "GROUP",
                                 "CANCEL",    "DONE",   "HEARTBEAT", "HEARTBEAT_ACK", "FENCE",
                                 "UNFENCE",   "LEAVE",  "ACK",       "STATUS",       "STATUS_REPLY",
-                                "ERROR"};
+                                "ERROR",     "PASS"};
   return (t >= 1 && t <= RPL_MSG_TYPE_MAX) ? names[t] : "?";
 }
 
@@ -43,6 +43,7 @@ static long fixed_body(int type) {
     case RPL_MSG_HELLO_ACK: return 16;
     case RPL_MSG_REQUEST: return 8;
     case RPL_MSG_CANCEL: return 24;
+    case RPL_MSG_PASS: return 16;
     case RPL_MSG_DONE: return 12;
     case RPL_MSG_HEARTBEAT:
     case RPL_MSG_HEARTBEAT_ACK:
@@ -121,16 +122,19 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
       m->round = rd64(b);
       break;
     case RPL_MSG_GROUP: {
-      if (body < 20)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 20", body);
+      if (body < 24)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 24", body);
       m->group_id = rd64(b);
       m->round = rd64(b + 8);
-      m->nmembers = rd32(b + 16);
+      m->period = rd32(b + 16);
+      m->nmembers = rd32(b + 20);
       if (m->nmembers < 1 || m->nmembers > (uint32_t)maxw ||
-          (uint64_t)body != 20 + 4 * (uint64_t)m->nmembers)
+          (uint64_t)body != 24 + 4 * (uint64_t)m->nmembers)
         return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
                               m->nmembers, body);
-      m->members_le = b + 20;
+      if (m->period < 1)
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: period 0");
+      m->members_le = b + 24;
       int32_t prev = -1;
       for (uint32_t i = 0; i < m->nmembers; i++) {
         int32_t r = rpl_msg_member(m, i);
@@ -156,6 +160,13 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
     case RPL_MSG_DONE:
       m->group_id = rd64(b);
       m->status = rd32(b + 8);
+      break;
+    case RPL_MSG_PASS:
+      m->round = rd64(b);
+      m->period = rd32(b + 8);
+      if (m->period < 2 || rd32(b + 12))
+        return rpl_sched_fail(err, RPL_ERR_INVALID, "PASS: period %u (at least 2) or padding",
+                              m->period);
       break;
     case RPL_MSG_STATUS_REPLY:
       m->text = (const char *)b;
@@ -183,7 +194,7 @@ size_t rpl_msg_encoded_size(const rpl_msg *m) {
   long fixed = fixed_body(m->type);
   if (fixed >= 0) return RPL_PROTO_HEADER + (size_t)fixed;
   switch (m->type) {
-    case RPL_MSG_GROUP: return RPL_PROTO_HEADER + 20 + 4 * (size_t)m->nmembers;
+    case RPL_MSG_GROUP: return RPL_PROTO_HEADER + 24 + 4 * (size_t)m->nmembers;
     case RPL_MSG_STATUS_REPLY: return RPL_PROTO_HEADER + (size_t)m->text_len;
     case RPL_MSG_ERROR:
       return RPL_PROTO_HEADER + 4 +
@@ -222,8 +233,13 @@ size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *out, size_t ca
     case RPL_MSG_GROUP:
       wr64(b, m->group_id);
       wr64(b + 8, m->round);
-      wr32(b + 16, m->nmembers);
-      for (uint32_t i = 0; i < m->nmembers; i++) wr32(b + 20 + 4 * (size_t)i, (uint32_t)members[i]);
+      wr32(b + 16, m->period ? m->period : 1);
+      wr32(b + 20, m->nmembers);
+      for (uint32_t i = 0; i < m->nmembers; i++) wr32(b + 24 + 4 * (size_t)i, (uint32_t)members[i]);
+      break;
+    case RPL_MSG_PASS:
+      wr64(b, m->round);
+      wr32(b + 8, m->period);
       break;
     case RPL_MSG_CANCEL:
       wr64(b, m->group_id);

@@ -92,6 +92,11 @@ rpl_status rpl_policy_parse(const char *name, rpl_policy *out, rpl_error *err);
 #define RPL_GG_MIN_PARTNER_WAIT 0.002
 #define RPL_GG_MAX_PARTNER_WAIT 0.5
 #define RPL_GG_FIRST_PARTNER_WAIT 0.02
+/* Default of period_max: every request averages (the paper; partial_all_reduce as a primitive
+ * keeps that meaning). Training loops opt in: ripples_pg.wrap() sets its own bound, chosen with
+ * benchmarks/train.py (README, "No straggler"). */
+#define RPL_GG_DEFAULT_PERIOD_MAX 1
+#define RPL_GG_MAX_PERIOD (1 << 20) /* bound on period_max */
 
 typedef enum {
   RPL_TRACE_CREATED = 1,   /* a group was generated (appended to its members' buffers) */
@@ -143,6 +148,15 @@ typedef struct rpl_gg_config {
    * waits for a straggler; it is taken in once it asks. 0 = on, negative = off (the paper's
    * division: every idle worker that passes the slowdown filter). Needs the clock. */
   int arrival_filter;
+  /* Adaptive period (random, smart, adpsgd; not static): while every live worker keeps the
+   * bulk's pace -- its compute step (leaving the GG -> asking again) within 1.5x the median,
+   * none computing for 3 median steps -- for one request of each, a worker averages only
+   * every period_max-th request: the GG answers the others at once with RPL_EV_PASS (no
+   * group, no lock). A worker that falls behind sets the period back to 1 at the next request
+   * anyone makes. A worker whose group is already generated, or with partners waiting for it,
+   * is never passed. 0 = RPL_GG_DEFAULT_PERIOD_MAX (off), 1 or negative = average at every
+   * request (the paper). Needs the clock (rpl_gg_advance): without it the period stays 1. */
+  int period_max;
   uint64_t seed;
   /* Optional observer (tests, simulator); called synchronously, must not call back in. */
   void (*trace)(void *ctx, const rpl_gg_trace *t);
@@ -190,14 +204,18 @@ rpl_status rpl_gg_unfence(rpl_gg *gg, int w, rpl_error *err);
 rpl_status rpl_gg_leave(rpl_gg *gg, int w, rpl_error *err);
 rpl_status rpl_gg_dead(rpl_gg *gg, int w, rpl_error *err);
 
-typedef enum { RPL_EV_GROUP = 1, RPL_EV_CANCEL = 2 } rpl_event_kind;
+/* GROUP: the group of a request. CANCEL: a waiting request lost its group, ask again. PASS:
+ * the adaptive period answers the request with no group (a no-op round, no done needed). */
+typedef enum { RPL_EV_GROUP = 1, RPL_EV_CANCEL = 2, RPL_EV_PASS = 3 } rpl_event_kind;
 
 typedef struct rpl_gg_event {
   rpl_event_kind kind;
   int worker;             /* whom to tell */
-  uint64_t group_id;
+  uint64_t group_id;      /* 0 for PASS */
   uint64_t round;         /* the round of the request this answers */
   int nmembers;           /* GROUP: full member count (members copied up to cap) */
+  int period;             /* GROUP, PASS: the adaptive period when it was answered (1 = every
+                             request averages) */
   int culprit;            /* CANCEL: the worker whose fence/leave/death cancelled it */
   rpl_reason reason;      /* CANCEL */
 } rpl_gg_event;
@@ -228,6 +246,8 @@ typedef struct rpl_gg_worker_info {
   uint32_t lonely;        /* groups of one since its last group of two or more */
   uint32_t lonely_max;    /* longest such run */
   int deferred;           /* its request waits for partners */
+  uint64_t passes;        /* requests answered with PASS (the adaptive period) */
+  double step;            /* its compute step (done or pass -> next request), 0 = unknown */
 } rpl_gg_worker_info;
 
 rpl_status rpl_gg_worker(const rpl_gg *gg, int w, rpl_gg_worker_info *out, rpl_error *err);
@@ -249,6 +269,9 @@ typedef struct rpl_gg_stats {
   uint64_t isolation_holds;    /* waits prolonged by the isolation bound */
   uint64_t joins;              /* isolated workers added to a pending group */
   uint64_t late;               /* smart: idle workers left out of a division, not due yet */
+  uint64_t passes;             /* requests answered with PASS by the adaptive period */
+  uint64_t period_drops;       /* times the period fell back to 1 (a worker fell behind) */
+  uint32_t period;             /* the adaptive period now (1 = every request averages) */
 } rpl_gg_stats;
 
 void rpl_gg_get_stats(const rpl_gg *gg, rpl_gg_stats *out);
@@ -257,6 +280,7 @@ int rpl_gg_workers(const rpl_gg *gg);
 int rpl_gg_group_size(const rpl_gg *gg);
 int rpl_gg_c_thres(const rpl_gg *gg);    /* effective value; negative = off */
 int rpl_gg_inter_intra(const rpl_gg *gg);
+int rpl_gg_period_max(const rpl_gg *gg); /* effective bound; 1 = the period is off */
 const rpl_layout *rpl_gg_layout(const rpl_gg *gg);
 
 /* Visits pending groups in generation order; stops early if fn returns non-zero. `arrived`
@@ -269,7 +293,7 @@ void rpl_gg_foreach_pending(const rpl_gg *gg,
 /* ---- 3a. Wire protocol (coordinator/PROTOCOL.md) ------------------------------------------- */
 
 #define RPL_PROTO_MAGIC 0x47504c52u /* "RPLG" little-endian */
-#define RPL_PROTO_VERSION 2
+#define RPL_PROTO_VERSION 3
 #define RPL_PROTO_HEADER 36
 #define RPL_TOKEN_LEN 16
 #define RPL_PROTO_MAX_TEXT 4096                 /* ERROR text */
@@ -291,7 +315,8 @@ typedef enum {
   RPL_MSG_STATUS = 13,
   RPL_MSG_STATUS_REPLY = 14,
   RPL_MSG_ERROR = 15,
-  RPL_MSG_TYPE_MAX = 15
+  RPL_MSG_PASS = 16,
+  RPL_MSG_TYPE_MAX = 16
 } rpl_msg_type;
 
 const char *rpl_msg_type_name(int type);
@@ -321,8 +346,10 @@ typedef struct rpl_msg {
   uint8_t policy;
   uint32_t heartbeat_ms;
   uint32_t dead_ms;
-  /* REQUEST, GROUP */
+  /* REQUEST, GROUP, PASS */
   uint64_t round;
+  /* GROUP, PASS */
+  uint32_t period;
   /* GROUP, CANCEL, DONE */
   uint64_t group_id;
   uint32_t nmembers;
@@ -385,7 +412,9 @@ rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client *
 
 /* The group of this worker's round `round`: blocks until the coordinator hands it (asking
  * again by itself after a cancellation) or request_timeout_ms passes (RPL_ERR_TIMEOUT; the
- * client then fences and unfences so nobody waits on it). members must hold nworkers ints. */
+ * client then fences and unfences so nobody waits on it). members must hold nworkers ints.
+ * When the adaptive period passes the round, *group_id is 0 and the group is this worker
+ * alone (a no-op round; no done to send). */
 rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members, int cap,
                                  int *n, uint64_t *group_id, rpl_error *err);
 /* Reports group done (status 0 = reduced, else failed); fire-and-forget. */
@@ -406,6 +435,9 @@ typedef struct rpl_gg_client_stats {
   uint64_t heartbeats_sent;
   uint64_t heartbeats_acked;
   double wait_s;            /* total time blocked in rpl_gg_client_request */
+  uint64_t passes;          /* rounds the coordinator passed (the adaptive period) */
+  uint32_t period;          /* the adaptive period in the coordinator's last answer (0 before
+                               the first) */
   uint64_t failovers;       /* times the client registered again after losing its
                                coordinator (with the next endpoint of its list, or the same
                                one restarted) */

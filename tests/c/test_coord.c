@@ -12,15 +12,7 @@
 
 #include "rpl_coord.h"
 
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      exit(1);                                                             \
-    }                                                                      \
-  } while (0)
+#include "check.h"
 
 static rpl_coord *start_coord(rpl_policy p, int n, int group_size, int hb_ms, int dead_ms) {
   rpl_coord_config cfg;

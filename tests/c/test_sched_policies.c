@@ -16,22 +16,7 @@
 
 #include "rpl_sched.h"
 
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      exit(1);                                                             \
-    }                                                                      \
-  } while (0)
-#define OK(call)                                                           \
-  do {                                                                     \
-    rpl_error e_;                                                          \
-    rpl_status s_ = (call);                                                \
-    CHECK(s_ == RPL_OK, "%s -> %d: %s", #call, (int)s_, e_.msg);           \
-  } while (0)
-/* OK() needs the call to write into e_: calls below pass &e_. */
+#include "check.h"
 
 static uint64_t rng_state;
 static uint32_t rnd(uint32_t n) {

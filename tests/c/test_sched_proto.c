@@ -6,15 +6,7 @@
 
 #include "rpl_sched.h"
 
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      exit(1);                                                             \
-    }                                                                      \
-  } while (0)
+#include "check.h"
 
 static size_t enc(rpl_msg *m, const int *members, uint8_t *buf, size_t cap) {
   for (int i = 0; i < RPL_TOKEN_LEN; i++) m->token[i] = (uint8_t)(i * 17 + 1);
@@ -44,6 +36,7 @@ int main(void) {
     m.dead_ms = 2500;
     m.round = 0x123456789abcull;
     m.group_id = 77;
+    m.period = 4;
     m.nmembers = 5;
     m.culprit = 3;
     m.reason = RPL_REASON_DEAD;
@@ -65,7 +58,8 @@ int main(void) {
         break;
       case RPL_MSG_REQUEST: CHECK(p.round == m.round, "request"); break;
       case RPL_MSG_GROUP:
-        CHECK(p.group_id == 77 && p.round == m.round && p.nmembers == 5, "group");
+        CHECK(p.group_id == 77 && p.round == m.round && p.period == 4 && p.nmembers == 5,
+              "group");
         for (int i = 0; i < 5; i++) CHECK(rpl_msg_member(&p, (uint32_t)i) == members[i], "member");
         CHECK(rpl_msg_member(&p, 5) == -1, "member out of range");
         break;
@@ -73,6 +67,7 @@ int main(void) {
         CHECK(p.group_id == 77 && p.culprit == 3 && p.reason == RPL_REASON_DEAD, "cancel");
         break;
       case RPL_MSG_DONE: CHECK(p.group_id == 77 && p.status == 2, "done"); break;
+      case RPL_MSG_PASS: CHECK(p.round == m.round && p.period == 4, "pass"); break;
       case RPL_MSG_ERROR:
       case RPL_MSG_STATUS_REPLY:
         CHECK(p.text_len == 5 && memcmp(p.text, "hello", 5) == 0, "text");
@@ -109,8 +104,17 @@ int main(void) {
   memset(buf + 12, 0xff, 4);
   CHECK(rpl_msg_parse(buf, lens[RPL_MSG_REQUEST], 16, &p, &err) == RPL_ERR_INVALID, "rank -1");
   memcpy(buf, bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP]);
-  memset(buf + RPL_PROTO_HEADER + 16, 0xff, 4);
+  memset(buf + RPL_PROTO_HEADER + 20, 0xff, 4);
   CHECK(rpl_msg_parse(buf, lens[RPL_MSG_GROUP], 16, &p, &err) == RPL_ERR_INVALID, "nmembers");
+  /* A period below what the message means: GROUP needs 1 or more, PASS 2 or more (a pass at
+   * period 1 would be a round nobody meant to skip). */
+  memcpy(buf, bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP]);
+  memset(buf + RPL_PROTO_HEADER + 16, 0, 4);
+  CHECK(rpl_msg_parse(buf, lens[RPL_MSG_GROUP], 16, &p, &err) == RPL_ERR_INVALID, "group period");
+  memcpy(buf, bufs[RPL_MSG_PASS], lens[RPL_MSG_PASS]);
+  buf[RPL_PROTO_HEADER + 8] = 1;
+  memset(buf + RPL_PROTO_HEADER + 9, 0, 3);
+  CHECK(rpl_msg_parse(buf, lens[RPL_MSG_PASS], 16, &p, &err) == RPL_ERR_INVALID, "pass period 1");
   /* Random corruption of valid messages never crashes (ASan/UBSan watch the reads). */
   uint64_t s = 99;
   int accepted = 0;

@@ -7,15 +7,7 @@
 
 #include "rpl_sched.h"
 
-#define CHECK(cond, ...)                                                   \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                        \
-      fprintf(stderr, "\n");                                               \
-      exit(1);                                                             \
-    }                                                                      \
-  } while (0)
+#include "check.h"
 
 static int group_of(const rpl_layout *l, int rank, uint64_t round, int *m, uint64_t *gid) {
   rpl_error err;
