@@ -374,23 +374,25 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
   }
 
   int skip = st != RPL_OK && p->on_failure == RPL_ON_FAILURE_SKIP && st != RPL_ERR_CLOSED;
+  int passed = p->dynamic && st == RPL_OK && gid == 0; /* the adaptive period: no group meant */
   pthread_mutex_lock(&p->mu);
   rpl_partial_stats *s = &p->stats;
   s->rounds++;
-  if (moved) {
-    s->singleton_run = 0;
-  } else if (++s->singleton_run > s->singleton_run_max) {
-    s->singleton_run_max = s->singleton_run;
-  }
-  if (st == RPL_OK) {
-    if (moved) s->reduced++;
-    else s->singletons++;
-    s->group_sizes[n < RPL_HIST_BUCKETS - 1 ? n : RPL_HIST_BUCKETS - 1]++;
-    s->bytes += moved ? bytes : 0;
-  } else if (skip) {
-    s->skipped++;
+  if (passed) {
+    s->passed++; /* neither a group of one nor the end of a run of them */
   } else {
-    s->failed++;
+    if (moved) s->singleton_run = 0;
+    else if (++s->singleton_run > s->singleton_run_max) s->singleton_run_max = s->singleton_run;
+    if (st == RPL_OK) {
+      if (moved) s->reduced++;
+      else s->singletons++;
+      s->group_sizes[n < RPL_HIST_BUCKETS - 1 ? n : RPL_HIST_BUCKETS - 1]++;
+      s->bytes += moved ? bytes : 0;
+    } else if (skip) {
+      s->skipped++;
+    } else {
+      s->failed++;
+    }
   }
   s->group_s += t1 - t0;
   s->wait_s += t2 - t1;
@@ -409,6 +411,7 @@ void rpl_partial_get_stats(const rpl_partial *p, rpl_partial_stats *out) {
     rpl_gg_client_stats cs;
     rpl_gg_client_get_stats(p->client, &cs);
     out->failovers = cs.failovers;
+    out->period = cs.period;
   }
 }
 

@@ -249,6 +249,10 @@ typedef struct rpl_partial_stats {
   uint64_t rounds;          /* partial calls that ran (reduced, no-op, skipped or failed) */
   uint64_t reduced;         /* rounds that moved data (a group of two or more) */
   uint64_t singletons;      /* rounds in a group of one */
+  uint64_t passed;          /* rounds the coordinator's adaptive period passed (no averaging
+                               meant; not counted as groups of one) */
+  uint32_t period;          /* the adaptive period in the coordinator's last answer (1 = every
+                               round averages; 0 = no coordinator answer yet / static) */
   uint64_t skipped;         /* failed rounds absorbed by on_failure = SKIP */
   uint64_t failed;          /* failed rounds reported as errors */
   uint64_t exact_fallbacks; /* partial calls reduced exactly (non-floating buffer or op) */

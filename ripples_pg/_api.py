@@ -55,7 +55,11 @@ def stats(group: Any = None) -> dict:
     """This rank's counters for a ``ripples`` group (default: the world group).
 
     Partial rounds: ``rounds``, ``reduced`` (rounds that moved data), ``singletons`` (groups
-    of one), ``singleton_share`` (``singletons / rounds``, None before the first round),
+    of one), ``passed`` (rounds the coordinator's adaptive period passed: no averaging meant,
+    not groups of one), ``period`` (the adaptive period in the coordinator's last answer: 1 =
+    every round averages, k = every k-th; 0 before the first answer and for the static
+    schedule), ``singleton_share`` (``singletons / (rounds - passed)``, None before the first
+    averaging round),
     ``rounds_since_group`` (rounds since the last one in a group of two or more: groups of one,
     skipped and failed rounds), ``singleton_run_max`` (the longest such run), ``skipped`` /
     ``failed``, ``exact_fallbacks`` (partial calls on non-floating tensors or other ops),
@@ -69,7 +73,8 @@ def stats(group: Any = None) -> dict:
     """
     be = _ripples_backend(group)
     out = dict(be.partial_stats())
-    out["singleton_share"] = out["singletons"] / out["rounds"] if out["rounds"] else None
+    meant = out["rounds"] - out["passed"]
+    out["singleton_share"] = out["singletons"] / meant if meant else None
     out.update(be.counters())
     out["schedule"] = be.schedule
     return out

@@ -218,7 +218,8 @@ def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: 
                  c_thres=opts.c_thres if opts.c_thres is not None else 0,
                  inter_intra=bool(opts.inter_intra),
                  partner_wait_ms=opts.partner_wait_ms if opts.partner_wait_ms is not None else 0,
-                 max_isolated=opts.max_isolated if opts.max_isolated is not None else 0)
+                 max_isolated=opts.max_isolated if opts.max_isolated is not None else 0,
+                 period_max=opts.period_max if opts.period_max is not None else 0)
 
     def keep(c) -> None:
         if not _embedded_coordinators:

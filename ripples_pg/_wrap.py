@@ -44,11 +44,14 @@ DEFAULT_WARMUP_STEPS = 50
 # on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
 # missed averaging step -- the buffers are left as they were, atomically -- while raising would
 # end the training of every survivor. Exact collectives still raise.
-WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip"}
+# period_max=4: with no straggler the coordinator lets the workers average every 4th step only
+# (back to every step as soon as one falls behind); chosen with benchmarks/train.py, README
+# "No straggler".
+WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip", "period_max": 4}
 
 # Options fields wrap() forwards to the partial group it creates.
 _GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinator", "timeout",
-                 "on_failure", "seed", "trace")
+                 "on_failure", "seed", "trace", "period_max")
 
 
 class RipplesOptimizer(PostLocalSGDOptimizer):
@@ -155,6 +158,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          on_failure: Optional[str] = None,
          seed: Optional[int] = None,
          trace: Optional[bool] = None,
+         period_max: Optional[int] = None,
          overlap: bool = False) -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
@@ -162,9 +166,12 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         ddp_model: a ``DistributedDataParallel`` model on a ``ripples`` process group.
         optimizer: its (local) optimizer.
         schedule, group_size, c_thres, inter_intra, coordinator, timeout, on_failure, seed,
-            trace: ``ripples_pg.Options`` of the partial group that ``wrap`` creates over the
-            DDP group's ranks (``None``: the ``RIPPLES_*`` environment, else the default).
-            ``wrap``'s defaults: the straggler-aware ``"smart"`` schedule, groups of 3,
+            trace, period_max: ``ripples_pg.Options`` of the partial group that ``wrap``
+            creates over the DDP group's ranks (``None``: the ``RIPPLES_*`` environment, else
+            the default). ``wrap``'s defaults: the straggler-aware ``"smart"`` schedule, groups
+            of 3, ``period_max=4`` (while no worker falls behind, the coordinator lets the
+            workers average every 4th step only; at every step again as soon as one does;
+            ``1`` = every step, as in the paper),
             ``on_failure="skip"`` (a partial round that fails because a partner died is a
             missed averaging step, counted in ``ripples_pg.stats()``, not the end of
             training; exact collectives still raise) and the DDP group's timeout
@@ -234,7 +241,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
 
     given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
              "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
-             "on_failure": on_failure, "seed": seed, "trace": trace}
+             "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max}
     if group is not None:
         explicit = {k: v for k, v in given.items() if v is not None}
         if explicit:

@@ -44,14 +44,15 @@ def start(nworkers: int, policy: str = "smart", *, bind: Optional[str] = None,
           token: Optional[str] = None, host_of: Optional[Sequence[int]] = None,
           group_size: int = 0, c_thres: int = 0, inter_intra: bool = False, seed: int = 0,
           heartbeat_ms: int = 0, dead_ms: int = 0, join_ms: int = 0, partner_wait_ms: int = 0,
-          max_isolated: int = 0, standby: bool = False) -> "Coordinator":
+          max_isolated: int = 0, period_max: int = 0, standby: bool = False) -> "Coordinator":
     """Starts a coordinator on a background thread ("rpl-gg-coord") and returns it.
     ``coord.endpoint`` and ``coord.token`` say how to reach it; ``coord.close()`` stops it.
-    ``partner_wait_ms`` and ``max_isolated``: see ``ripples_pg.Options``. ``standby``: a
-    failover coordinator (every worker counts as gone until it registers with it)."""
+    ``partner_wait_ms``, ``max_isolated`` and ``period_max``: see ``ripples_pg.Options``
+    (0 = the default). ``standby``: a failover coordinator (every worker counts as gone
+    until it registers with it)."""
     c = Coordinator(nworkers, policy, bind, token, list(host_of) if host_of else None,
                     group_size, c_thres, bool(inter_intra), seed, heartbeat_ms, dead_ms, join_ms,
-                    partner_wait_ms, max_isolated, bool(standby))
+                    partner_wait_ms, max_isolated, period_max, bool(standby))
     c.start()
     return c
 
@@ -105,6 +106,26 @@ def status(endpoint: str, token: str, timeout_ms: int = 5000) -> str:
     return _gg.status(endpoint, token, timeout_ms)
 
 
+def _period_max(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is None or not -1 <= v <= _gg.MAX_PERIOD:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [-1, {_gg.MAX_PERIOD}], got {text!r}")
+    return v
+
+
+def add_period_arg(p: argparse.ArgumentParser) -> None:
+    """``--period-max`` (the GG's adaptive period), for this CLI and ``ripples_pg.schedule``."""
+    p.add_argument("--period-max", type=_period_max, default=0, metavar="P",
+                   help="adaptive period (random, smart, adpsgd): while no worker falls "
+                        "behind, a worker averages only every P-th request and the "
+                        "coordinator passes the others; 0 = default "
+                        f"({_gg.DEFAULT_PERIOD_MAX}), 1 or -1 = every request (the paper)")
+
+
 def _read_token(args) -> Optional[str]:
     if args.token_file:
         with open(args.token_file) as f:
@@ -131,6 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--timeout-ms", type=int, default=5000, help="--status: reply timeout")
     add_layout_args(p, workers_required=False)
     add_policy_args(p, "smart")
+    add_period_arg(p)
     args = p.parse_args(argv)
     token = _read_token(args)
     if args.status:
@@ -150,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   inter_intra=args.inter_intra, seed=args.seed, heartbeat_ms=args.heartbeat_ms,
                   dead_ms=args.dead_ms, join_ms=args.join_ms,
                   partner_wait_ms=args.partner_wait_ms, max_isolated=args.max_isolated,
-                  standby=args.standby)
+                  period_max=args.period_max, standby=args.standby)
     except (ValueError, RuntimeError) as e:
         print(f"ripples-coordinator: {e}", file=sys.stderr)
         return 1

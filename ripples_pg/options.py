@@ -207,6 +207,11 @@ _FIELDS: dict[str, _Field] = {
         _Field("max_isolated", _int_at_least(-1, "-1 = no bound"), None,
                "Groups of one in a row a worker may get while others live; None = the "
                "coordinator's default (2), -1 = no bound."),
+        _Field("period_max", _int_at_least(-1, "1 or less = average at every step"), None,
+               "Dynamic schedules: while no worker falls behind, average only every "
+               "period_max-th step (the coordinator passes the others); None/0 = the "
+               "coordinator's default (1: every step, as in the paper; wrap() uses 4), "
+               "1 or -1 = every step."),
         _Field("coordinator", _parse_coordinator, "embedded",
                "'embedded' or the endpoint(s) of standalone ripples-coordinators "
                "('tcp://A:P,tcp://B:P': primary, then standbys)."),
@@ -256,6 +261,12 @@ class Options:
         max_isolated: dynamic schedules: after this many groups of one in a row a worker
             waits (bounded) until it is placed in a group of two or more (``None``: 2,
             ``-1``: no bound).
+        period_max: dynamic schedules, the coordinator's adaptive period: while every
+            worker keeps the bulk's pace, a worker averages only every ``period_max``-th
+            partial round (the coordinator passes the others: ``stats()["passed"]``), and at
+            every round again as soon as one falls behind (``None``, ``0``, ``1``, ``-1``:
+            every round, as in the paper; ``ripples_pg.wrap()`` uses 4). Not for
+            ``"static"``.
         coordinator: ``"embedded"`` (the default: the group's rank 0 runs it, ranks 1 and 2
             run standbys) or the ``tcp://HOST:PORT`` endpoint of a standalone
             ``ripples-coordinator``, optionally followed by those of standby ones
@@ -289,6 +300,7 @@ class Options:
         inter_intra: Optional[bool] = None,
         partner_wait_ms: Optional[int] = None,
         max_isolated: Optional[int] = None,
+        period_max: Optional[int] = None,
         coordinator: Optional[str] = None,
         coordinator_token: Optional[str] = None,
         on_failure: Optional[str] = None,

@@ -132,13 +132,15 @@ static void GG_dealloc(GGObject *o) {
 
 static int GG_init(GGObject *o, PyObject *args, PyObject *kw) {
   static const char *kwl[] = {"policy", "nworkers", "host_of", "group_size", "c_thres", "inter_intra",
-                        "seed", "partner_wait_ms", "max_isolated", NULL};
+                        "seed", "partner_wait_ms", "max_isolated", "period_max", NULL};
   const char *policy;
   int n, group_size = 0, c_thres = 0, inter_intra = 0, wait_ms = 0, max_isolated = 0;
+  int period_max = 0;
   unsigned long long seed = 0;
   PyObject *hosts = Py_None;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "si|OiipKii", (char **)kwl, &policy, &n, &hosts, &group_size,
-                                   &c_thres, &inter_intra, &seed, &wait_ms, &max_isolated))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "si|OiipKiii", (char **)kwl, &policy, &n, &hosts,
+                                   &group_size, &c_thres, &inter_intra, &seed, &wait_ms,
+                                   &max_isolated, &period_max))
     return -1;
   rpl_gg_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -157,6 +159,7 @@ static int GG_init(GGObject *o, PyObject *args, PyObject *kw) {
   cfg.seed = seed;
   cfg.partner_wait_ms = wait_ms;
   cfg.max_isolated = max_isolated;
+  cfg.period_max = period_max;
   rpl_error err;
   rpl_gg_destroy(o->gg);
   o->gg = NULL;
@@ -227,12 +230,18 @@ static PyObject *GG_poll(GGObject *o, PyObject *unused) {
     PyObject *t;
     if (ev.kind == RPL_EV_GROUP) {
       PyObject *m = int_list(o->members, ev.nmembers);
-      t = m ? Py_BuildValue("(siKKN)", "group", ev.worker, (unsigned long long)ev.group_id,
-                            (unsigned long long)ev.round, m)
+      t = m ? Py_BuildValue("(siKKNi)", "group", ev.worker, (unsigned long long)ev.group_id,
+                            (unsigned long long)ev.round, m, ev.period)
             : NULL;
-    } else {
+    } else if (ev.kind == RPL_EV_PASS) { /* no group: nothing to reduce, no done to send */
+      t = Py_BuildValue("(siKi)", "pass", ev.worker, (unsigned long long)ev.round, ev.period);
+    } else if (ev.kind == RPL_EV_CANCEL) {
       t = Py_BuildValue("(siKKis)", "cancel", ev.worker, (unsigned long long)ev.group_id,
                         (unsigned long long)ev.round, ev.culprit, rpl_reason_name(ev.reason));
+    } else { /* a kind this binding does not know: fail loudly rather than drop an answer */
+      PyErr_Format(PyExc_RuntimeError, "GroupGenerator.poll: unknown event kind %d",
+                   (int)ev.kind);
+      t = NULL;
     }
     if (!t || PyList_Append(res, t) != 0) Py_CLEAR(res);
     Py_XDECREF(t);
@@ -245,16 +254,19 @@ static PyObject *GG_stats(GGObject *o, PyObject *unused) {
   rpl_gg_stats s;
   rpl_gg_get_stats(o->gg, &s);
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "requests", (unsigned long long)s.requests, "groups_created",
-      (unsigned long long)s.groups_created, "groups_handed", (unsigned long long)s.groups_handed,
-      "groups_cancelled", (unsigned long long)s.groups_cancelled, "singletons_handed",
+      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "requests", (unsigned long long)s.requests,
+      "groups_created", (unsigned long long)s.groups_created, "groups_handed",
+      (unsigned long long)s.groups_handed, "groups_cancelled",
+      (unsigned long long)s.groups_cancelled, "singletons_handed",
       (unsigned long long)s.singletons_handed, "divisions", (unsigned long long)s.divisions,
       "filtered", (unsigned long long)s.filtered, "conflicts", (unsigned long long)s.conflicts,
       "implicit_dones", (unsigned long long)s.implicit_dones, "stale_dones",
       (unsigned long long)s.stale_dones, "pending", (unsigned long long)s.pending, "deferred",
       (unsigned long long)s.deferred, "wait_expired", (unsigned long long)s.wait_expired,
       "isolation_holds", (unsigned long long)s.isolation_holds, "joins",
-      (unsigned long long)s.joins, "late", (unsigned long long)s.late);
+      (unsigned long long)s.joins, "late", (unsigned long long)s.late, "passes",
+      (unsigned long long)s.passes, "period_drops", (unsigned long long)s.period_drops, "period",
+      (unsigned int)s.period, "period_max", rpl_gg_period_max(o->gg));
 }
 
 static PyObject *GG_worker(GGObject *o, PyObject *args) {
@@ -265,14 +277,15 @@ static PyObject *GG_worker(GGObject *o, PyObject *args) {
   rpl_error err;
   rpl_status st = rpl_gg_worker(o->gg, w, &wi, &err);
   if (st != RPL_OK) return raise_rpl(st, &err);
-  return Py_BuildValue("{sssisKsOsisKsKsKsIsIsO}", "state", rpl_worker_state_name(wi.state),
+  return Py_BuildValue("{sssisKsOsisKsKsKsIsIsOsKsd}", "state", rpl_worker_state_name(wi.state),
                        "host", wi.host, "requests", (unsigned long long)wi.requests, "waiting",
                        wi.waiting ? Py_True : Py_False, "buffered", wi.buffered, "head_group",
                        (unsigned long long)wi.head_group, "locked_group",
                        (unsigned long long)wi.locked_group, "singletons",
                        (unsigned long long)wi.singletons, "lonely", (unsigned int)wi.lonely,
                        "lonely_max", (unsigned int)wi.lonely_max, "deferred",
-                       wi.deferred ? Py_True : Py_False);
+                       wi.deferred ? Py_True : Py_False, "passes",
+                       (unsigned long long)wi.passes, "step", wi.step);
 }
 
 static PyObject *GG_advance(GGObject *o, PyObject *args) {
@@ -295,10 +308,16 @@ static PyMethodDef GG_methods[] = {
     {"leave", (PyCFunction)GG_leave, METH_VARARGS, "leave(worker)"},
     {"dead", (PyCFunction)GG_dead, METH_VARARGS, "dead(worker)"},
     {"poll", (PyCFunction)GG_poll, METH_NOARGS,
-     "poll() -> [('group', worker, gid, round, members) | ('cancel', worker, gid, round, "
-     "culprit, reason)]"},
-    {"stats", (PyCFunction)GG_stats, METH_NOARGS, "counters as a dict"},
-    {"worker", (PyCFunction)GG_worker, METH_VARARGS, "worker(w) -> dict"},
+     "poll() -> [('group', worker, gid, round, members, period) | ('pass', worker, round, "
+     "period) | ('cancel', worker, gid, round, culprit, reason)]: 'pass' = the adaptive period "
+     "answered the request with no group (a no-op round: ask again for the next round, no "
+     "done); period = the adaptive period when answered (1 = every request averages)"},
+    {"stats", (PyCFunction)GG_stats, METH_NOARGS,
+     "counters as a dict (passes, period_drops, period: the adaptive period now; period_max: "
+     "its effective bound)"},
+    {"worker", (PyCFunction)GG_worker, METH_VARARGS,
+     "worker(w) -> dict (passes: requests passed; step: its compute step in seconds of the "
+     "GG's clock, 0 = unknown)"},
     {"advance", (PyCFunction)GG_advance, METH_VARARGS,
      "advance(now_s) -> next deadline or None: move the clock, end waits for partners"},
     {NULL, NULL, 0, NULL}};
@@ -322,16 +341,17 @@ static void Coord_dealloc(CoordObject *o) {
 static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   static const char *kwl[] = {"nworkers",    "policy", "bind",         "token",   "host_of",
                         "group_size",  "c_thres", "inter_intra", "seed",    "heartbeat_ms",
-                        "dead_ms",     "join_ms", "partner_wait_ms", "max_isolated", "standby",
-                        NULL};
+                        "dead_ms",     "join_ms", "partner_wait_ms", "max_isolated", "period_max",
+                        "standby",     NULL};
   int n, group_size = 0, c_thres = 0, inter_intra = 0, hb = 0, dead = 0, join = 0;
-  int wait_ms = 0, max_isolated = 0, standby = 0;
+  int wait_ms = 0, max_isolated = 0, period_max = 0, standby = 0;
   const char *policy = "smart", *bind = NULL, *token = NULL;
   PyObject *hosts = Py_None;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiiiiip", (char **)kwl, &n, &policy, &bind,
-                                   &token, &hosts, &group_size, &c_thres, &inter_intra, &seed,
-                                   &hb, &dead, &join, &wait_ms, &max_isolated, &standby))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiiiiiip", (char **)kwl, &n, &policy,
+                                   &bind, &token, &hosts, &group_size, &c_thres, &inter_intra,
+                                   &seed, &hb, &dead, &join, &wait_ms, &max_isolated,
+                                   &period_max, &standby))
     return -1;
   rpl_coord_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -352,6 +372,7 @@ static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   cfg.gg.seed = seed;
   cfg.gg.partner_wait_ms = wait_ms;
   cfg.gg.max_isolated = max_isolated;
+  cfg.gg.period_max = period_max;
   cfg.heartbeat_ms = hb;
   cfg.dead_ms = dead;
   cfg.join_ms = join;
@@ -577,21 +598,25 @@ static PyObject *Client_stats(ClientObject *o, PyObject *unused) {
   CLIENT_READY(o);
   rpl_gg_client_stats s;
   rpl_gg_client_get_stats(o->cl, &s);
-  return Py_BuildValue("{sKsKsKsKsd}", "requests", (unsigned long long)s.requests, "cancels",
-                       (unsigned long long)s.cancels, "heartbeats_sent",
+  return Py_BuildValue("{sKsKsKsKsdsKsI}", "requests", (unsigned long long)s.requests,
+                       "cancels", (unsigned long long)s.cancels, "heartbeats_sent",
                        (unsigned long long)s.heartbeats_sent, "heartbeats_acked",
-                       (unsigned long long)s.heartbeats_acked, "wait_s", s.wait_s);
+                       (unsigned long long)s.heartbeats_acked, "wait_s", s.wait_s, "passes",
+                       (unsigned long long)s.passes, "period", (unsigned int)s.period);
 }
 
 static PyMethodDef Client_methods[] = {
     {"request", (PyCFunction)Client_request, METH_VARARGS,
-     "request(round) -> (group_id, members); blocks until the group is formed"},
+     "request(round) -> (group_id, members); blocks until the group is formed. group_id 0: the "
+     "coordinator's adaptive period passed the round (members = [rank]; no done to send)"},
     {"done", (PyCFunction)Client_done, METH_VARARGS, "done(group_id, status=0)"},
     {"fence", (PyCFunction)Client_fence, METH_NOARGS, "fence()"},
     {"unfence", (PyCFunction)Client_unfence, METH_NOARGS, "unfence()"},
     {"leave", (PyCFunction)Client_leave, METH_NOARGS, "leave() and wait for the ack"},
     {"close", (PyCFunction)Client_close, METH_NOARGS, "stop heartbeats, close sockets"},
-    {"stats", (PyCFunction)Client_stats, METH_NOARGS, "client counters"},
+    {"stats", (PyCFunction)Client_stats, METH_NOARGS,
+     "client counters (passes: rounds passed; period: the adaptive period in the last answer, "
+     "0 before the first)"},
     {NULL, NULL, 0, NULL}};
 
 static PyTypeObject ClientType = {PyVarObject_HEAD_INIT(NULL, 0)};
@@ -643,8 +668,10 @@ static void init_types(void) {
   GGType.tp_dealloc = (destructor)GG_dealloc;
   GGType.tp_flags = Py_TPFLAGS_DEFAULT;
   GGType.tp_doc = "GroupGenerator(policy, nworkers, host_of=None, group_size=0, c_thres=0, "
-                  "inter_intra=False, seed=0, partner_wait_ms=0, max_isolated=0): the policy "
-                  "state machine, no I/O (advance() moves its clock).";
+                  "inter_intra=False, seed=0, partner_wait_ms=0, max_isolated=0, period_max=0): "
+                  "the policy state machine, no I/O (advance() moves its clock; the adaptive "
+                  "period needs it). period_max: 0 = default (DEFAULT_PERIOD_MAX), 1 or "
+                  "negative = average at every request.";
   GGType.tp_methods = GG_methods;
   GGType.tp_init = (initproc)GG_init;
   GGType.tp_new = PyType_GenericNew;
@@ -655,8 +682,9 @@ static void init_types(void) {
   CoordType.tp_flags = Py_TPFLAGS_DEFAULT;
   CoordType.tp_doc = "Coordinator(nworkers, policy='smart', bind=None, token=None, host_of=None, "
                      "group_size=0, c_thres=0, inter_intra=False, seed=0, heartbeat_ms=0, "
-                     "dead_ms=0, join_ms=0, partner_wait_ms=0, max_isolated=0, standby=False): the "
-                     "Group Generator service (bound at construction; standby: a failover "
+                     "dead_ms=0, join_ms=0, partner_wait_ms=0, max_isolated=0, period_max=0, "
+                     "standby=False): the Group Generator service (bound at construction; "
+                     "period_max: the adaptive period, see GroupGenerator; standby: a failover "
                      "coordinator, every worker out until it registers).";
   CoordType.tp_methods = Coord_methods;
   CoordType.tp_getset = Coord_getset;
@@ -690,6 +718,8 @@ PyMODINIT_FUNC PyInit__gg(void) {
   PyModule_AddIntConstant(m, "DEFAULT_GROUP_SIZE", RPL_GG_DEFAULT_GROUP_SIZE);
   PyModule_AddIntConstant(m, "DEFAULT_C_THRES", RPL_GG_DEFAULT_C_THRES);
   PyModule_AddIntConstant(m, "STATIC_PERIOD", RPL_STATIC_PERIOD);
+  PyModule_AddIntConstant(m, "DEFAULT_PERIOD_MAX", RPL_GG_DEFAULT_PERIOD_MAX);
+  PyModule_AddIntConstant(m, "MAX_PERIOD", RPL_GG_MAX_PERIOD);
   PyModule_AddIntConstant(m, "PROTOCOL_VERSION", RPL_PROTO_VERSION);
   PyObject *pol = Py_BuildValue("(ssss)", "static", "random", "smart", "adpsgd");
   if (pol) PyModule_AddObject(m, "POLICIES", pol);

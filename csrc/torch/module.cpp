@@ -93,6 +93,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"rounds", py::cast(s.rounds)},
                 {"reduced", py::cast(s.reduced)},
                 {"singletons", py::cast(s.singletons)},
+                {"passed", py::cast(s.passed)},
+                {"period", py::cast(s.period)},
                 {"skipped", py::cast(s.skipped)},
                 {"failed", py::cast(s.failed)},
                 {"exact_fallbacks", py::cast(s.exact_fallbacks)},
