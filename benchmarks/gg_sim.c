@@ -10,6 +10,8 @@
  *   - with --jitter J, every message and every member's end of a reduction comes U(0, J) later
  *     (noise of a busy machine: members say done apart, requests spread);
  *   - then every member reports done and computes again;
+ *   - a request the GG's adaptive period passes (--period-max) ends the worker's round when
+ *     the answer arrives (after `gg_lat`): no reduction, no done; it computes again;
  *   - with --exact-every K, after every K-th partial round the worker enters an exact
  *     collective: it fences (dynamic policies only, as the client does), waits for every
  *     worker to arrive (a global barrier), then for --exact-cost (default alpha: a small
@@ -26,15 +28,17 @@
  * Reported per run: rounds per worker per unit of simulated time, mean time a round waits for
  * its members (request -> group handed), conflicts per 1000 groups, singletons (share of
  * groups; share of rounds, over all workers and for the worst worker; longest run of groups of
- * one of a worker), and consensus: simulated time until the spread of a random vector averaged
- * by the groups falls to 1e-3 and 1e-6 of its start (the averaging the groups would do to
- * models, without gradients).
+ * one of a worker), passes (share of rounds the adaptive period passed), and consensus:
+ * simulated time until the spread of a random vector averaged by the groups falls to 1e-3 and
+ * 1e-6 of its start (the averaging the groups would do to models, without gradients).
+ * Rounds count passed ones: rounds/worker/t is then steps per unit of time.
  *
  *   gg_sim [--workers N] [--per-host L] [--policy P|all] [--scenario S|all] [--rounds R]
  *          [--jitter J] [--slow-factor F]
  *          [--group-size G] [--c-thres C] [--inter-intra] [--seed S] [--json]
  *          [--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS]
- *          [--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] [--old-policy]
+ *          [--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1]
+ *          [--period-max P] [--old-policy]
  *          [--gg-stats]   (the GG's counters per run, on stderr)
  */
 #include <math.h>
@@ -53,7 +57,8 @@ enum {
   EV_DEADLINE,  /* a wait in the GG ends (rpl_gg_next_deadline) */
   EV_FENCE,     /* a fence reaches the GG */
   EV_UNFENCE,   /* an unfence reaches the GG */
-  EV_EXACT_END  /* the exact collective ends for this worker */
+  EV_EXACT_END, /* the exact collective ends for this worker */
+  EV_PASSED     /* a pass reaches the worker: its round ends (no reduction, no done) */
 };
 
 typedef struct {
@@ -117,6 +122,7 @@ typedef struct {
   int late_unfence;           /* unfence only through the next request (the first client) */
   double step_ms;             /* one compute step on the GG's clock */
   int partner_wait_ms, max_isolated, arrival_filter; /* rpl_gg_config; 0 = default */
+  int period_max;             /* rpl_gg_config; 0 = default, 1 or negative = every request */
 } params;
 
 typedef struct {
@@ -124,6 +130,7 @@ typedef struct {
   double slowest_rounds_per_time;
   double single_share, single_worst; /* groups of one per round: all workers, worst worker */
   unsigned run_max;                  /* longest run of groups of one of a worker */
+  double pass_share;                 /* rounds the adaptive period passed, all workers */
   rpl_gg_stats gg;                   /* the GG's counters (--gg-stats) */
 } result;
 
@@ -202,6 +209,7 @@ typedef struct {
   int arrived;                 /* workers inside the current exact collective */
   double waits;
   uint64_t done_rounds, min_done;
+  uint64_t passes;             /* rounds that ended with a pass */
 } sim;
 
 static void push(sim *s, double t, int w, int kind, uint64_t gid) {
@@ -235,6 +243,11 @@ static void drain(sim *s) {
   while (rpl_gg_poll(s->gg, &ev, s->members, s->n)) {
     if (ev.kind == RPL_EV_CANCEL) {
       push(s, s->now + 2 * p->gg_lat, ev.worker, EV_REQUEST, 0);
+      continue;
+    }
+    if (ev.kind == RPL_EV_PASS) { /* a no-op round: it ends once the answer arrives */
+      s->waits += s->now + p->gg_lat - s->asked[ev.worker];
+      push(s, s->now + p->gg_lat, ev.worker, EV_PASSED, 0);
       continue;
     }
     double dur = reduce_time(p, s->members, ev.nmembers);
@@ -281,6 +294,14 @@ static void update_min_done(sim *s, int w) {
   s->min_done = mn;
 }
 
+/* A partial round of w ended (reduced, alone or passed). */
+static void end_round(sim *s, int w) {
+  s->round[w]++;
+  s->done_rounds++;
+  update_min_done(s, w);
+  after_round(s, w);
+}
+
 /* One event. The GG's clock is advanced before every message, as the coordinator does. */
 static int step(sim *s, sim_ev e) {
   const params *p = s->p;
@@ -293,6 +314,10 @@ static int step(sim *s, sim_ev e) {
     case EV_COMPUTE:
       send_msg(s, w, EV_REQUEST);
       s->asked[w] = s->now;
+      return 0;
+    case EV_PASSED: /* nothing goes to the GG: a pass needs no done */
+      s->passes++;
+      end_round(s, w);
       return 0;
     case EV_EXACT_END:
       if (s->fences && !p->late_unfence) send_msg(s, w, EV_UNFENCE);
@@ -308,10 +333,7 @@ static int step(sim *s, sim_ev e) {
     switch (e.kind) {
       case EV_REDUCE:
         st = rpl_gg_done(s->gg, w, e.gid, &err);
-        s->round[w]++;
-        s->done_rounds++;
-        update_min_done(s, w);
-        after_round(s, w);
+        end_round(s, w);
         break;
       case EV_REQUEST: st = rpl_gg_request(s->gg, w, s->round[w], &err); break;
       case EV_FENCE: st = rpl_gg_fence(s->gg, w, &err); break;
@@ -346,6 +368,7 @@ static void collect(sim *s, result *r) {
     if (info.lonely_max > r->run_max) r->run_max = info.lonely_max;
   }
   r->single_share = handed ? (double)singles / (double)handed : 0;
+  r->pass_share = s->done_rounds ? (double)s->passes / (double)s->done_rounds : 0;
   r->slowest_rounds_per_time = (double)mn / s->now;
   r->mean_wait = s->done_rounds ? s->waits / (double)s->done_rounds : 0;
   r->conflicts_per_k =
@@ -371,6 +394,7 @@ static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
   cfg.partner_wait_ms = p->partner_wait_ms;
   cfg.max_isolated = p->max_isolated;
   cfg.arrival_filter = p->arrival_filter;
+  cfg.period_max = p->period_max;
   cfg.seed = p->seed;
   sim s = {0};
   rpl_error err;
@@ -422,32 +446,37 @@ static void report(const params *p, const char *pol, int sc, const result *r, in
     printf("%s\n {\"policy\":\"%s\",\"scenario\":\"%s\",\"workers\":%d,\"per_host\":%d,"
            "\"group_size\":%d,\"c_thres\":%d,\"exact_every\":%d,\"late_unfence\":%d,"
            "\"partner_wait_ms\":%d,\"max_isolated\":%d,\"arrival_filter\":%d,"
+           "\"period_max\":%d,"
            "\"jitter\":%g,\"slow_factor\":%g,"
            "\"step_ms\":%g,\"rounds_per_worker_per_time\":%.5f,"
            "\"slowest_rounds_per_time\":%.5f,\"mean_wait_per_round\":%.5f,"
            "\"conflicts_per_1000_groups\":%.2f,\"singleton_fraction\":%.4f,"
            "\"singleton_share_rounds\":%.4f,\"singleton_share_worst\":%.4f,"
-           "\"singleton_run_max\":%u,"
+           "\"singleton_run_max\":%u,\"pass_share_rounds\":%.4f,"
            "\"consensus_time_1e3\":%.3f,\"consensus_time_1e6\":%.3f,\"sim_time\":%.2f}",
            first ? "" : ",", pol, sc_names[sc], p->workers, p->per_host, p->group_size,
            p->c_thres, p->exact_every, p->late_unfence, p->partner_wait_ms, p->max_isolated,
-           p->arrival_filter, p->jitter, p->slow_factor, p->step_ms, r->rounds_per_time,
-           r->slowest_rounds_per_time, r->mean_wait, r->conflicts_per_k, r->singleton_frac, r->single_share,
-           r->single_worst, r->run_max, r->t_1e3, r->t_1e6, r->sim_time);
+           p->arrival_filter, p->period_max, p->jitter, p->slow_factor, p->step_ms,
+           r->rounds_per_time, r->slowest_rounds_per_time, r->mean_wait, r->conflicts_per_k,
+           r->singleton_frac, r->single_share, r->single_worst, r->run_max, r->pass_share,
+           r->t_1e3, r->t_1e6, r->sim_time);
   else
-    printf("%-9s %-7s %6d %10.4f %10.4f %9.4f %9.2f %8.4f %7.4f %7.4f %4u %9.2f %9.2f\n", pol,
-           sc_names[sc], p->workers, r->rounds_per_time, r->slowest_rounds_per_time,
+    printf("%-9s %-7s %6d %10.4f %10.4f %9.4f %9.2f %8.4f %7.4f %7.4f %4u %6.4f %9.2f %9.2f\n",
+           pol, sc_names[sc], p->workers, r->rounds_per_time, r->slowest_rounds_per_time,
            r->mean_wait, r->conflicts_per_k, r->singleton_frac, r->single_share,
-           r->single_worst, r->run_max, r->t_1e3, r->t_1e6);
+           r->single_worst, r->run_max, r->pass_share, r->t_1e3, r->t_1e6);
   fflush(stdout);
   if (gg_stats)
     fprintf(stderr,
             "  gg: requests %llu deferred %llu wait_expired %llu isolation_holds %llu "
-            "joins %llu late %llu filtered %llu cancelled %llu\n",
+            "joins %llu late %llu filtered %llu cancelled %llu passes %llu period_drops %llu "
+            "period %u\n",
             (unsigned long long)r->gg.requests, (unsigned long long)r->gg.deferred,
             (unsigned long long)r->gg.wait_expired, (unsigned long long)r->gg.isolation_holds,
             (unsigned long long)r->gg.joins, (unsigned long long)r->gg.late,
-            (unsigned long long)r->gg.filtered, (unsigned long long)r->gg.groups_cancelled);
+            (unsigned long long)r->gg.filtered, (unsigned long long)r->gg.groups_cancelled,
+            (unsigned long long)r->gg.passes, (unsigned long long)r->gg.period_drops,
+            (unsigned)r->gg.period);
 }
 
 static void usage(void) {
@@ -458,9 +487,9 @@ static void usage(void) {
           "[--jitter J] [--slow-factor F] "
           "[--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS] "
           "[--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] "
-          "[--old-policy] [--json] [--gg-stats]\n"
+          "[--period-max P] [--old-policy] [--json] [--gg-stats]\n"
           "  --old-policy = --partner-wait-ms -1 --max-isolated -1 --arrival-filter -1 "
-          "--late-unfence (the first implementation)\n");
+          "--period-max 1 --late-unfence (the first implementation)\n");
 }
 
 int main(int argc, char **argv) {
@@ -488,9 +517,11 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--partner-wait-ms")) p.partner_wait_ms = atoi(v), i++;
     else if (!strcmp(a, "--max-isolated")) p.max_isolated = atoi(v), i++;
     else if (!strcmp(a, "--arrival-filter")) p.arrival_filter = atoi(v), i++;
+    else if (!strcmp(a, "--period-max")) p.period_max = atoi(v), i++;
     else if (!strcmp(a, "--late-unfence")) p.late_unfence = 1;
     else if (!strcmp(a, "--old-policy")) {
       p.partner_wait_ms = p.max_isolated = p.arrival_filter = -1;
+      p.period_max = 1; /* it averaged at every request */
       p.late_unfence = 1;
     } else if (!strcmp(a, "--inter-intra")) p.inter_intra = 1;
     else if (!strcmp(a, "--json")) p.json = 1;
@@ -509,9 +540,9 @@ int main(int argc, char **argv) {
   int first = 1;
   if (p.json) printf("[");
   else
-    printf("%-9s %-7s %6s %10s %10s %9s %9s %8s %7s %7s %4s %9s %9s\n", "policy", "scen", "n",
-           "rnd/w/t", "slowest", "wait/rnd", "confl/1k", "single", "1/rnd", "worst1", "run",
-           "t(1e-3)", "t(1e-6)");
+    printf("%-9s %-7s %6s %10s %10s %9s %9s %8s %7s %7s %4s %6s %9s %9s\n", "policy", "scen",
+           "n", "rnd/w/t", "slowest", "wait/rnd", "confl/1k", "single", "1/rnd", "worst1", "run",
+           "pass", "t(1e-3)", "t(1e-6)");
   for (size_t pi = 0; pi < sizeof pols / sizeof *pols; pi++) {
     if (strcmp(policy, "all") && strcmp(policy, pols[pi])) continue;
     for (int sc = 0; sc < SC_COUNT; sc++) {

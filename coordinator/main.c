@@ -21,7 +21,8 @@ static void usage(FILE *f) {
           "                           [--per-host L | --hosts LABEL,LABEL,...]\n"
           "                           [--group-size G] [--c-thres C] [--inter-intra]\n"
           "                           [--partner-wait-ms MS] [--max-isolated K]\n"
-          "                           [--seed S] [--token HEX | --token-file PATH]\n"
+          "                           [--period-max P] [--seed S]\n"
+          "                           [--token HEX | --token-file PATH]\n"
           "                           [--heartbeat-ms MS] [--dead-ms MS] [--join-ms MS]\n"
           "                           [--standby]\n"
           "       ripples-coordinator --status ENDPOINT [--token HEX | --token-file PATH]\n"
@@ -30,8 +31,12 @@ static void usage(FILE *f) {
           "else a new one is printed. --join-ms -1 waits for ever for workers to connect.\n"
           "--partner-wait-ms: longest wait for partners before a smaller group (0 = adaptive,\n"
           "-1 = never); --max-isolated: groups of one in a row per worker (0 = 2, -1 = no bound).\n"
+          "--period-max: adaptive period (random, smart, adpsgd): while no worker falls behind,\n"
+          "a worker averages only every P-th request and the coordinator passes the others\n"
+          "(0 = default, %d; 1 or -1 = every request, as in the paper).\n"
           "--standby: a failover coordinator; every worker is out until it registers (list it\n"
-          "after the primary in the workers' endpoint: tcp://primary:port,tcp://standby:port).\n");
+          "after the primary in the workers' endpoint: tcp://primary:port,tcp://standby:port).\n",
+          RPL_GG_DEFAULT_PERIOD_MAX);
 }
 
 static int read_token_file(const char *path, char *hex, size_t cap) {
@@ -61,7 +66,7 @@ int main(int argc, char **argv) {
   const char *policy = "smart", *hosts = NULL, *token_file = NULL;
   int workers = 0, per_host = 0, group_size = 0, c_thres = 0, inter_intra = 0;
   int heartbeat_ms = 0, dead_ms = 0, join_ms = 0, timeout_ms = 5000, standby = 0;
-  int partner_wait_ms = 0, max_isolated = 0;
+  int partner_wait_ms = 0, max_isolated = 0, period_max = 0;
   unsigned long long seed = 0;
   char token_buf[128];
   for (int i = 1; i < argc; i++) {
@@ -88,6 +93,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--c-thres")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &c_thres)) return 2; }
     else if (!strcmp(a, "--partner-wait-ms")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &partner_wait_ms)) return 2; }
     else if (!strcmp(a, "--max-isolated")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &max_isolated)) return 2; }
+    else if (!strcmp(a, "--period-max")) { NEED_VALUE; if (parse_int(v, a, -1, RPL_GG_MAX_PERIOD, &period_max)) return 2; }
     else if (!strcmp(a, "--heartbeat-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &heartbeat_ms)) return 2; }
     else if (!strcmp(a, "--dead-ms")) { NEED_VALUE; if (parse_int(v, a, 1, 1 << 30, &dead_ms)) return 2; }
     else if (!strcmp(a, "--join-ms")) { NEED_VALUE; if (parse_int(v, a, -1, 1 << 30, &join_ms)) return 2; }
@@ -167,6 +173,7 @@ int main(int argc, char **argv) {
   cfg.gg.seed = seed;
   cfg.gg.partner_wait_ms = partner_wait_ms;
   cfg.gg.max_isolated = max_isolated;
+  cfg.gg.period_max = period_max;
   cfg.heartbeat_ms = heartbeat_ms;
   cfg.dead_ms = dead_ms;
   cfg.join_ms = join_ms;

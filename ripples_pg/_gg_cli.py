@@ -11,6 +11,19 @@ def add_layout_args(p: argparse.ArgumentParser, workers_required: bool = True) -
                    help="comma-separated host label of every rank, e.g. 0,0,1,1,1")
 
 
+def _period_max(text: str) -> int:
+    from . import _gg
+
+    try:
+        v = int(text)
+    except ValueError:
+        v = None
+    if v is None or not -1 <= v <= _gg.MAX_PERIOD:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer in [-1, {_gg.MAX_PERIOD}], got {text!r}")
+    return v
+
+
 def add_policy_args(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("--policy", default=default_policy,
                    choices=["static", "random", "smart", "adpsgd"])
@@ -24,6 +37,11 @@ def add_policy_args(p: argparse.ArgumentParser, default_policy: str) -> None:
     p.add_argument("--max-isolated", type=int, default=0,
                    help="groups of one in a row a worker may get while others live; "
                         "0 = default (2), -1 = no bound")
+    p.add_argument("--period-max", type=_period_max, default=0, metavar="P",
+                   help="adaptive period (random, smart, adpsgd): while no worker falls "
+                        "behind, a worker averages only every P-th request and the "
+                        "coordinator passes the others; 0 = default (1), 1 or -1 = every "
+                        "request (the paper)")
     p.add_argument("--seed", type=int, default=0)
 
 

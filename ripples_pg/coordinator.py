@@ -106,26 +106,6 @@ def status(endpoint: str, token: str, timeout_ms: int = 5000) -> str:
     return _gg.status(endpoint, token, timeout_ms)
 
 
-def _period_max(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        v = None
-    if v is None or not -1 <= v <= _gg.MAX_PERIOD:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer in [-1, {_gg.MAX_PERIOD}], got {text!r}")
-    return v
-
-
-def add_period_arg(p: argparse.ArgumentParser) -> None:
-    """``--period-max`` (the GG's adaptive period), for this CLI and ``ripples_pg.schedule``."""
-    p.add_argument("--period-max", type=_period_max, default=0, metavar="P",
-                   help="adaptive period (random, smart, adpsgd): while no worker falls "
-                        "behind, a worker averages only every P-th request and the "
-                        "coordinator passes the others; 0 = default "
-                        f"({_gg.DEFAULT_PERIOD_MAX}), 1 or -1 = every request (the paper)")
-
-
 def _read_token(args) -> Optional[str]:
     if args.token_file:
         with open(args.token_file) as f:
@@ -152,7 +132,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--timeout-ms", type=int, default=5000, help="--status: reply timeout")
     add_layout_args(p, workers_required=False)
     add_policy_args(p, "smart")
-    add_period_arg(p)
     args = p.parse_args(argv)
     token = _read_token(args)
     if args.status:
