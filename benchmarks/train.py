@@ -47,6 +47,10 @@ STRATEGIES = {
     "static": ("Ripples static", ["--strategy", "ripples", "--schedule", "static"]),
     "random": ("Ripples random", ["--strategy", "ripples", "--schedule", "random"]),
     "smart": ("Ripples smart", ["--strategy", "ripples", "--schedule", "smart"]),
+    "smart_p1": ("Ripples smart, every step (period 1)",
+                 ["--strategy", "ripples", "--schedule", "smart", "--period-max", "1"]),
+    "smart_ovl": ("Ripples smart, overlapped",
+                  ["--strategy", "ripples", "--schedule", "smart", "--overlap"]),
     "smart_ii": ("Ripples smart + inter-intra ({H} sim. hosts)",
                  ["--strategy", "ripples", "--schedule", "smart", "--inter-intra",
                   "--sim-hosts", "{H}"]),
@@ -461,6 +465,9 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     shares = [x for x in fin.get("singleton_share") or [] if x is not None]
     m["singleton_share_max"] = max(shares) if shares else None
     m["singleton_share_mean"] = sum(shares) / len(shares) if shares else None
+    passed = [p / r for p, r in zip(fin.get("passed") or [], fin.get("rounds") or [])
+              if p is not None and r]
+    m["passed_share_mean"] = sum(passed) / len(passed) if passed else None
     runs = [x for x in fin.get("singleton_run_max") or [] if x is not None]
     m["singleton_run_max"] = max(runs) if runs else None
     m["launch_s"] = res.get("launch_s")
@@ -474,7 +481,8 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
 TIME_KEYS = ("time_to_loss_avg", "time_to_acc_avg", "time_to_loss_r0", "time_to_acc_r0",
              "time_to_loss_slowest", "time_to_acc_all")
 VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consensus_max",
-              "singleton_share_max", "singleton_share_mean", "singleton_run_max", "launch_s")
+              "singleton_share_max", "singleton_share_mean", "singleton_run_max", "launch_s",
+              "passed_share_mean")
 
 
 def spread(values, missing_is_late: bool):
@@ -598,7 +606,7 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
         head += [f"avg model: time to {cfg['target_acc']:.0%} acc (s)", "x gloo (acc)",
                  "all workers at acc (s)"]
     head += ["steps/s per worker (rank 0..)", "comm+wait % (rank 0)",
-             "groups of one % (max / mean)", "longest run of ones",
+             "groups of one % (max / mean)", "longest run of ones", "passed %",
              "consensus end (max over time)", "final acc", "final test loss", "launch s"]
     body = []
     for st in plan["strategies"]:
@@ -620,7 +628,8 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
                     fmt_spread(c["time_to_acc_all"])]
         row += [" ".join(f"{x:.0f}" for x in c["steps_per_s"] or []),
                 fmt_spread(c["comm_wait_frac"], ".0f", 100), fmt_share(c),
-                fmt(median(c, "singleton_run_max"), ".0f"), fmt_consensus(c),
+                fmt(median(c, "singleton_run_max"), ".0f"),
+                fmt_spread(c.get("passed_share_mean"), ".0f", 100), fmt_consensus(c),
                 fmt_spread(c["final_acc"], ".3f"), fmt_spread(c["final_loss"], ".3f"),
                 fmt(median(c, "launch_s"), ".0f")]
         body.append(row)

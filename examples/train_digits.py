@@ -163,16 +163,17 @@ def round_stats(optimizer, strategy: str) -> dict:
     """This rank's partial-round statistics for the summary (None for non-ripples
     strategies, and where ripples_pg.stats() cannot tell)."""
     out = {"rounds": None, "singletons": None, "singleton_share": None,
-           "singleton_run_max": None}
+           "singleton_run_max": None, "passed": None}
     if strategy != "ripples":
         return out
     import ripples_pg
 
     st = ripples_pg.stats(optimizer.group)
-    rounds, singles = st.get("rounds"), st.get("singletons")
-    out["rounds"], out["singletons"] = rounds, singles
-    if rounds and singles is not None:
-        out["singleton_share"] = round(singles / rounds, 5)
+    rounds, singles, passed = st.get("rounds"), st.get("singletons"), st.get("passed", 0)
+    out["rounds"], out["singletons"], out["passed"] = rounds, singles, passed
+    if rounds and singles is not None and rounds > passed:
+        # groups of one among the rounds meant to average (the adaptive period's passes are not)
+        out["singleton_share"] = round(singles / (rounds - passed), 5)
     out["singleton_run_max"] = st.get("singleton_run_max")
     return out
 
@@ -370,6 +371,9 @@ def parse_args(argv=None):
     p.add_argument("--overlap", action="store_true",
                    help="ripples: run each partial round while the next step computes "
                         "(wrap(overlap=True))")
+    p.add_argument("--period-max", type=int, default=None,
+                   help="ripples: bound of the coordinator's adaptive period (wrap's default "
+                        "4; 1 = average at every step)")
     p.add_argument("--c-thres", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="keep the per-round trace (ripples)")
     p.add_argument("--straggler", default=None, help="R:F, p:F or pX:F (see above)")
@@ -499,6 +503,8 @@ def run(args):
             kw["trace"] = True
         if args.overlap:
             kw["overlap"] = True
+        if args.period_max is not None:
+            kw["period_max"] = args.period_max
         optimizer = ripples_pg.wrap(model, base_opt, **kw)
     elif args.strategy in ("localsgd", "hier"):
         optimizer = torch_local_sgd(model, base_opt, args, world)
@@ -652,7 +658,8 @@ def run(args):
                 st = ripples_pg.stats(optimizer.group)
                 summary["stats"] = {k: st[k] for k in ("rounds", "reduced", "singletons",
                                                        "singleton_run_max", "skipped",
-                                                       "failed", "wait_s")
+                                                       "failed", "wait_s", "passed",
+                                                       "period")
                                     if k in st}
                 if "group_sizes" in st:
                     summary["stats"]["group_sizes"] = st["group_sizes"]
@@ -689,6 +696,7 @@ def run(args):
               "singletons": [s["singletons"] for s in summaries],
               "singleton_share": [s["singleton_share"] for s in summaries],
               "singleton_run_max": [s["singleton_run_max"] for s in summaries],
+              "passed": [s["passed"] for s in summaries],
               "level_counts": summary.get("level_counts"), "stats": summary.get("stats")}
         emit(final, stdout=True)
     if logf:
