@@ -659,7 +659,7 @@ def run(args):
                 summary["stats"] = {k: st[k] for k in ("rounds", "reduced", "singletons",
                                                        "singleton_run_max", "skipped",
                                                        "failed", "wait_s", "passed",
-                                                       "period")
+                                                       "period", "group_s", "reduce_s")
                                     if k in st}
                 if "group_sizes" in st:
                     summary["stats"]["group_sizes"] = st["group_sizes"]

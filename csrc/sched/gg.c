@@ -41,7 +41,7 @@
  *             the counters c never drift apart for the slowdown filter to see it.
  *   static  - the static schedule's group for the request's round (for simulation).
  * The adaptive period (not static) sits in front of all this: while the job is calm -- every
- * live worker's compute step measured and within GG_SLOWER of the bulk's, none computing for
+ * live worker's compute step measured and within GG_BEHIND of the bulk's, none computing for
  * GG_OVERDUE bulk steps -- a worker with nothing generated for it and nobody waiting
  * for partners is answered PASS at once, period_max - 1 times out of period_max. The first
  * worker due starts a group or division as above; the others' next requests take their
@@ -58,9 +58,13 @@ enum { G_PENDING = 0, G_HANDED = 1, G_CANCELLED = 2 };
 /* The slowdown filter takes a worker behind for a straggler only if its measured step is this
  * many times the bulk's (chance drift is a few percent; a straggler is slower by its factor). */
 #define GG_SLOWER 1.5
-/* The adaptive period counts a worker as falling behind once it has computed this many of the
- * bulk's steps without asking (a 5x straggler is seen three steps into its slow one). */
-#define GG_OVERDUE 3.0
+/* The adaptive period counts a worker as falling behind once its compute step is GG_BEHIND
+ * times the bulk's, or it has computed GG_OVERDUE of the bulk's steps without asking (a 5x
+ * straggler is seen four steps into its slow one). Looser than the slowdown filter: steps of a
+ * few milliseconds on loaded cores vary by 2x from step to step (measured: 4 workers on 2
+ * cores, 5 ms steps), and every false alarm costs period_max steps of averaging. */
+#define GG_BEHIND 2.0
+#define GG_OVERDUE 4.0
 
 typedef struct gg_group {
   uint64_t id;
@@ -929,7 +933,7 @@ static rpl_status settle(rpl_gg *gg, rpl_status st, rpl_error *err) {
 /* ---- the adaptive period (see the top) ---------------------------------------------------- */
 
 /* Whether every live worker keeps up: its compute step (from leaving the GG to asking again,
- * so neither reductions nor waits for groups count) is known and within GG_SLOWER of the
+ * so neither reductions nor waits for groups count) is known and within GG_BEHIND of the
  * bulk's, and none has been computing for GG_OVERDUE bulk steps (a worker slowed just now is
  * seen before its slow step ends). Fenced workers are inside an exact collective with everyone:
  * they do not count. Needs the clock. O(n). */
@@ -950,7 +954,7 @@ static int job_calm(rpl_gg *gg) {
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (x->state != RPL_WORKER_LIVE) continue;
-    if (x->comp > GG_SLOWER * med) return 0;
+    if (x->comp > GG_BEHIND * med) return 0;
     int computing = !x->waiting && !x->locked && x->free_at >= 0;
     if (computing && gg->now - x->free_at > GG_OVERDUE * med) return 0;
   }
@@ -1004,7 +1008,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
     }
     if (me->free_at >= 0 && me->free_at >= me->handed_at && gg->now >= me->free_at) {
       double dt = gg->now - me->free_at;
-      me->comp = me->comp > 0 ? me->comp + (dt - me->comp) / 4 : dt;
+      me->comp = me->comp > 0 ? me->comp + (dt - me->comp) / 8 : dt;
     }
   }
   if (gg->policy == RPL_POLICY_STATIC) {

@@ -149,8 +149,8 @@ typedef struct rpl_gg_config {
    * division: every idle worker that passes the slowdown filter). Needs the clock. */
   int arrival_filter;
   /* Adaptive period (random, smart, adpsgd; not static): while every live worker keeps the
-   * bulk's pace -- its compute step (leaving the GG -> asking again) within 1.5x the median,
-   * none computing for 3 median steps -- for one request of each, a worker averages only
+   * bulk's pace -- its compute step (leaving the GG -> asking again) within 2x the median,
+   * none computing for 4 median steps -- for one request of each, a worker averages only
    * every period_max-th request: the GG answers the others at once with RPL_EV_PASS (no
    * group, no lock). A worker that falls behind sets the period back to 1 at the next request
    * anyone makes. A worker whose group is already generated, or with partners waiting for it,
