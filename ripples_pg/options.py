@@ -210,7 +210,7 @@ _FIELDS: dict[str, _Field] = {
         _Field("period_max", _int_at_least(-1, "1 or less = average at every step"), None,
                "Dynamic schedules: while no worker falls behind, average only every "
                "period_max-th step (the coordinator passes the others); None/0 = the "
-               "coordinator's default (1: every step, as in the paper; wrap() uses 4), "
+               "coordinator's default (1: every step, as in the paper; wrap() uses 2), "
                "1 or -1 = every step."),
         _Field("coordinator", _parse_coordinator, "embedded",
                "'embedded' or the endpoint(s) of standalone ripples-coordinators "
@@ -265,7 +265,7 @@ class Options:
             worker keeps the bulk's pace, a worker averages only every ``period_max``-th
             partial round (the coordinator passes the others: ``stats()["passed"]``), and at
             every round again as soon as one falls behind (``None``, ``0``, ``1``, ``-1``:
-            every round, as in the paper; ``ripples_pg.wrap()`` uses 4). Not for
+            every round, as in the paper; ``ripples_pg.wrap()`` uses 2). Not for
             ``"static"``.
         coordinator: ``"embedded"`` (the default: the group's rank 0 runs it, ranks 1 and 2
             run standbys) or the ``tcp://HOST:PORT`` endpoint of a standalone

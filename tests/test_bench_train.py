@@ -14,9 +14,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RIPPLES_STRATEGIES = {"adpsgd", "static", "random", "smart", "smart_ii"}
+RIPPLES_STRATEGIES = {"adpsgd", "static", "random", "smart", "smart_p1", "smart_ovl", "smart_ii"}
 ALL_STRATEGIES = ["gloo", "exact", "hier", "local", "adpsgd", "static", "random", "smart",
-                  "smart_ii"]
+                  "smart_p1", "smart_ovl", "smart_ii"]
 
 
 def bench():
@@ -199,6 +199,11 @@ def test_bench_train_quick(tmp_path):
                 assert share is None and fin["rounds"][k] is None, (r["strategy"], fin)
         if ripples:
             assert 0.0 <= m["singleton_share_mean"] <= m["singleton_share_max"] <= 1.0, m
+            passed = fin["passed"]
+            assert len(passed) == workers and all(0 <= p <= n for p, n in
+                                                  zip(passed, fin["rounds"])), passed
+            if r["strategy"] == "smart_p1":  # period 1: the coordinator passes nothing
+                assert passed == [0] * workers, passed
         if r["strategy"] in ("gloo", "exact") and r["workload"] == "digits":
             assert cons < 1e-6, (r["strategy"], cons)  # synchronous SGD: identical models
     # the repeated cell: its spread brackets its median
@@ -210,7 +215,7 @@ def test_bench_train_quick(tmp_path):
             assert s["n"] == 2 and s["min"] <= s["median"] <= s["max"], (key, s)
     md = (tmp_path / "results.md").read_text()
     for col in ("avg model: time to", "x gloo", "x exact", "rank 0: time", "slowest worker",
-                "consensus end (max over time)", "groups of one", "validation loss"):
+                "consensus end (max over time)", "groups of one", "passed %", "validation loss"):
         assert col in md, col
     for wl in plan:
         assert glob.glob(str(tmp_path / f"{wl}_slow5.png")), wl
