@@ -332,6 +332,7 @@ void rpl_gg_destroy(rpl_gg *gg) {
   /* Every group is reachable from the pending list, a buffer or an event: drop all refs. */
   for (size_t i = gg->ev_pos; i < gg->ev_len; i++) {
     gg_group *g = gg->ev[i].group;
+    if (!g) continue; /* PASS */
     g->refs--;
     group_maybe_free(g);
   }

@@ -113,6 +113,9 @@ static void run(rpl_policy policy, int period_max, int slow, int slow_from, int 
     if (tick > slow_until + 40 * step && st.period > 1) o->recovered = 1;
   }
   rpl_gg_get_stats(gg, &o->st);
+  /* Answers nobody polled (passes among them) are freed with the GG. */
+  for (int w = 0; w < NW; w++)
+    if (!waiting[w] && done_at[w] < 0) OK(rpl_gg_request(gg, w, round[w], &e_));
   rpl_gg_destroy(gg);
 }
 
