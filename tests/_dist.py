@@ -114,6 +114,19 @@ def init_groups(ctx, backend=None, pg_options=None, timeout=None):
 # ----------------------------------------------------------------------------- child side
 
 
+def ripples_group(ctx, hosts=0, **options):
+    """A new ``ripples`` group over every rank with ``ripples_pg.Options(**options)``; with
+    ``hosts`` > 0 the ranks are spread over that many simulated hosts (RIPPLES_HOST_ID)."""
+    import ripples_pg
+
+    if hosts:
+        os.environ["RIPPLES_HOST_ID"] = f"h{ctx.rank * hosts // ctx.ws}"
+    try:
+        return dist.new_group(backend="ripples", pg_options=ripples_pg.Options(**options))
+    finally:
+        os.environ.pop("RIPPLES_HOST_ID", None)
+
+
 def _child_main(rank, world_size, port, backend, pg_timeout, init, task_q, result_q, log_path):
     # Everything the child prints goes to its own log file, which the parent reads on failure.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

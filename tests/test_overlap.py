@@ -12,7 +12,6 @@
   in every step (fences while a round is in flight) without hanging, and unwrap() ends with
   identical replicas.
 """
-import os
 import time
 
 import pytest
@@ -72,15 +71,8 @@ def _local_step(m, rank, step, kind):
 
 def _group(ctx, hosts, **options):
     """A static partial group; ``hosts=2`` puts each worker on a simulated host of its own."""
-    import ripples_pg
-
     options = {"schedule": "static", "timeout": ctx.pg_timeout, **options}
-    if hosts > 1:
-        os.environ["RIPPLES_HOST_ID"] = f"h{ctx.rank * hosts // ctx.ws}"
-    try:
-        return dist.new_group(backend="ripples", pg_options=ripples_pg.Options(**options))
-    finally:
-        os.environ.pop("RIPPLES_HOST_ID", None)
+    return _dist.ripples_group(ctx, hosts if hosts > 1 else 0, **options)
 
 
 def _check(chk, actual, expected, what, exact):

@@ -4,7 +4,6 @@ Every round's result is checked against the inputs of exactly the members the ro
 names, gathered through an exact collective on the default ripples group (an exact call on
 any ripples group fences the dynamic schedules, so this interleaving must never hang).
 """
-import os
 import time
 from datetime import timedelta
 
@@ -23,22 +22,11 @@ def _gather(ctx, t):
     return out
 
 
-def _new_group(ctx, hosts, **options):
-    import ripples_pg
-
-    if hosts:
-        os.environ["RIPPLES_HOST_ID"] = f"h{ctx.rank * hosts // ctx.ws}"
-    try:
-        return dist.new_group(backend="ripples", pg_options=ripples_pg.Options(**options))
-    finally:
-        os.environ.pop("RIPPLES_HOST_ID", None)
-
-
 def task_rounds(ctx, schedule, rounds, hosts, inter_intra):
     import ripples_pg
 
     chk = _dist.Checker(ctx)
-    g = _new_group(ctx, hosts, schedule=schedule, trace=True, inter_intra=inter_intra, seed=7)
+    g = _dist.ripples_group(ctx, hosts, schedule=schedule, trace=True, inter_intra=inter_intra, seed=7)
     if hosts:
         want = [r * hosts // ctx.ws for r in range(ctx.ws)]
         chk.true(ripples_pg.host_of(g) == want, "host_of", f"{ripples_pg.host_of(g)} != {want}")
@@ -100,7 +88,7 @@ def test_rounds_eight_workers_simulated_hosts(schedule, inter_intra):
 def task_consensus(ctx, schedule, rounds):
     import ripples_pg
 
-    g = _new_group(ctx, 2, schedule=schedule, seed=3)
+    g = _dist.ripples_group(ctx, 2, schedule=schedule, seed=3)
     x = torch.full((64,), float(ctx.rank * 100))
     spread0 = float(ctx.ws - 1) * 100
     for _ in range(rounds):
@@ -123,7 +111,7 @@ def task_sum_and_exact_fallback(ctx):
     import ripples_pg
 
     chk = _dist.Checker(ctx)
-    g = _new_group(ctx, 0, schedule="static", trace=True, partial=True)
+    g = _dist.ripples_group(ctx, 0, schedule="static", trace=True, partial=True)
     x = torch.tensor([float(ctx.rank + 1)])
     pre = _gather(ctx, x)
     dist.all_reduce(x, group=g)  # Options(partial=True): a partial round without partial()
@@ -156,7 +144,7 @@ def task_periodic_model_averager(ctx):
     import ripples_pg
 
     chk = _dist.Checker(ctx)
-    g = _new_group(ctx, 2, schedule="static", trace=True, partial=True)
+    g = _dist.ripples_group(ctx, 2, schedule="static", trace=True, partial=True)
     torch.manual_seed(ctx.rank)
     module = torch.nn.Linear(5, 3)
     av = PeriodicModelAverager(period=1, warmup_steps=0, process_group=g)
@@ -182,7 +170,7 @@ def task_mismatch(ctx):
 
     chk = _dist.Checker(ctx)
     # Two simulated hosts of one worker: the static schedule's round 0 pairs ranks 0 and 1.
-    g = _new_group(ctx, 2, schedule="static")
+    g = _dist.ripples_group(ctx, 2, schedule="static")
     n = 10 if ctx.rank == 0 else 11
     x = torch.full((n,), float(ctx.rank))
     err = chk.raises("mismatched sizes", lambda: ripples_pg.partial_all_reduce([x], group=g),
@@ -208,7 +196,7 @@ def test_mismatched_members_all_raise_the_same_error():
 def task_absent_member(ctx, on_failure):
     import ripples_pg
 
-    g = _new_group(ctx, 2, schedule="static", on_failure=on_failure, timeout=2)
+    g = _dist.ripples_group(ctx, 2, schedule="static", on_failure=on_failure, timeout=2)
     if ctx.rank == 1:
         time.sleep(4)  # alive, but never joins round 0
         return "absent"
