@@ -125,6 +125,10 @@ def _rounds_for(rank, ws, port, endpoint, started, stop, results):
     s = ripples_pg.stats(g)
     results.put({"rank": rank, "log": log, "failovers": s["coordinator_failovers"],
                  "failed": s["failed"]})
+    # Leave before the barrier: the GG may have put a worker that is still in its last round
+    # into a group with one that already stopped; LEAVE cancels that group at once instead of
+    # letting it wait out the round timeout.
+    dist.destroy_process_group(g)
     dist.barrier()
     dist.destroy_process_group()
 
