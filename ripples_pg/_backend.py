@@ -31,7 +31,7 @@ def register() -> bool:
         return False
     if not hasattr(dist.Backend, BACKEND_NAME.upper()):
         dist.Backend.register_backend(
-            BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu"])
+            BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
     return True
 
 

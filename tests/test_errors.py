@@ -201,10 +201,6 @@ def _t_wrong_device(ctx):
               r"meta|device|cpu")
     ck.raises("Backend.broadcast(meta tensor)", lambda: be.broadcast([meta]).wait(), types,
               r"meta|device|cpu")
-    if torch.cuda.is_available():  # pragma: no cover - CPU-only CI
-        cuda = torch.ones(8, device="cuda")
-        ck.raises("all_reduce(cuda tensor)", lambda: dist.all_reduce(cuda, group=ctx.pg),
-                  types, r"cuda|device|cpu")
     # a mix of a CPU tensor and a meta tensor in one call
     ck.raises("Backend.allreduce([cpu, meta])",
               lambda: be.allreduce([torch.ones(8), meta]).wait(), types,
@@ -213,7 +209,7 @@ def _t_wrong_device(ctx):
     return ck.finish()
 
 
-def test_non_cpu_tensor_rejected():
+def test_unsupported_device_rejected():
     """A meta-device tensor handed to the backend is rejected with a clear error (no crash)."""
     run_spawn(_t_wrong_device, 2, pg_timeout=SHORT, timeout=60)
 

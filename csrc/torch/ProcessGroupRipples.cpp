@@ -6,6 +6,7 @@
 #include "ProcessGroupRipples.hpp"
 
 #include <ATen/MemoryOverlap.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/util/Exception.h>
 
 #include <pthread.h>
@@ -124,14 +125,14 @@ std::string ordinal(size_t i) {
   return "[" + std::to_string(i) + "]";
 }
 
-// Checks one user tensor: defined, CPU, strided, supported dtype.
+// Checks one user tensor: defined, CPU or CUDA, strided, supported dtype.
 rpl_dtype checkTensor(const at::Tensor& t, const char* opName, const std::string& what) {
   TORCH_CHECK_VALUE(t.defined(), "ripples ", opName, ": ", what, " is an undefined tensor");
   TORCH_CHECK_VALUE(
-      t.device().is_cpu(),
+      t.device().is_cpu() || t.device().is_cuda(),
       "ripples ", opName, ": ", what, " is on device '", t.device().str(),
-      "'; the ripples backend only handles CPU tensors (move it with .cpu(), or use a "
-      "backend such as nccl for that device)");
+      "'; the ripples backend handles CPU and CUDA tensors (move it with .cpu(), or use a "
+      "backend made for that device)");
   TORCH_CHECK_VALUE(
       t.layout() == c10::kStrided,
       "ripples ", opName, ": ", what, " has layout ", t.layout(),
@@ -142,6 +143,28 @@ rpl_dtype checkTensor(const at::Tensor& t, const char* opName, const std::string
       "ripples ", opName, ": ", what, " has dtype ", pyDtypeName(t.scalar_type()),
       ", which the ripples backend does not support (supported: ", kSupportedDtypes, ")");
   return d;
+}
+
+// The one device of every tensor of a call: the staging copies, the future's device set and the
+// stream the caller waits on all follow from it. Tensors must have passed checkTensor.
+c10::Device callDevice(
+    const char* opName,
+    std::initializer_list<c10::ArrayRef<at::Tensor>> lists) {
+  std::optional<c10::Device> dev;
+  for (const auto& list : lists) {
+    for (const at::Tensor& t : list) {
+      if (!dev) {
+        dev = t.device();
+      } else {
+        TORCH_CHECK_VALUE(
+            t.device() == *dev,
+            "ripples ", opName, ": the tensors of one call are on different devices ('",
+            dev->str(), "' and '", t.device().str(),
+            "'); put every input and output of a call on the same device");
+      }
+    }
+  }
+  return dev.value_or(c10::Device(c10::kCPU));
 }
 
 void checkSameDtype(
@@ -358,16 +381,22 @@ WorkRipples::WorkRipples(
     std::vector<at::Tensor> outputs,
     std::shared_ptr<GroupShared> group,
     std::chrono::milliseconds opTimeout,
-    uint64_t seq)
+    uint64_t seq,
+    c10::Device device,
+    std::shared_ptr<DeviceStage> stage)
     : Work(rank, opType, profilingTitle),
       opName_(std::move(opName)),
       outputs_(std::move(outputs)),
+      // A future that knows the device records an event when completed and makes its users'
+      // current streams wait for it (torch's CUDA-aware futures).
       future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))),
+          c10::ListType::create(c10::TensorType::get()),
+          device.is_cpu() ? std::vector<c10::Device>{} : std::vector<c10::Device>{device})),
       group_(std::move(group)),
       submitted_(std::chrono::steady_clock::now()),
       opTimeout_(opTimeout),
-      seq_(seq) {}
+      seq_(seq),
+      stage_(std::move(stage)) {}
 
 WorkRipples::~WorkRipples() = default;
 
@@ -431,7 +460,15 @@ bool WorkRipples::wait(std::chrono::milliseconds timeout) {
   if (exception_) {
     std::rethrow_exception(exception_);
   }
+  lock.unlock();
+  synchronize();
   return true;
+}
+
+void WorkRipples::synchronize() {
+  if (stage_ && isCompleted() && exception() == nullptr) {
+    stage_->blockCurrentStream();
+  }
 }
 
 // ---- CompletionExecutor ------------------------------------------------------------------------
@@ -554,10 +591,23 @@ void CompletionExecutor::process(OpContext* raw) {
     ticketCv_.wait(lk, [&] { return ticket_ == ctx->seq; });
   }
 
+  // Device results are copied back on the group's side stream, which is this thread's current
+  // stream while the future completes: the future's event then covers the copies.
+  c10::OptionalStreamGuard sideGuard;
+  if (ctx->stage && ctx->stage->hasStreams()) {
+    sideGuard.reset_stream(*ctx->stage->side());
+  }
   if (!eptr) {
     try {
       for (auto& cb : ctx->copyBack) {
-        cb.second.copy_(cb.first);
+        if (ctx->stage) {
+          ctx->stage->copyBack(cb.first, cb.second);
+        } else {
+          cb.second.copy_(cb.first);
+        }
+      }
+      if (ctx->stage) {
+        ctx->stage->markDone();
       }
     } catch (...) {
       eptr = std::current_exception();
@@ -598,35 +648,41 @@ struct ProcessGroupRipples::Call {
   OpContext& c() {
     return *ctx;
   }
+  DeviceStage* stage() const {
+    return ctx->stage.get();
+  }
 
-  // Read-only input: staged if not contiguous.
+  // Read-only input: staged if not contiguous or not in host memory.
   rpl_buf in(const at::Tensor& t, rpl_dtype d) {
-    at::Tensor c = t.is_contiguous() ? t : t.contiguous();
+    at::Tensor c = stage() ? stage()->toHost(t, true) : (t.is_contiguous() ? t : t.contiguous());
     ctx->keepAlive.push_back(c);
     return bufOf(c, d);
   }
 
-  // Read and written in place: staged and copied back if not contiguous.
+  // Read and written in place: staged and copied back if not contiguous or not in host memory.
+  // The staging tensor is the last one kept alive (broadcast relies on it).
   rpl_buf inout(const at::Tensor& t, rpl_dtype d, const std::string& what) {
-    if (t.is_contiguous()) {
+    if (!stage() && t.is_contiguous()) {
       ctx->keepAlive.push_back(t);
       return bufOf(t, d);
     }
     checkWritable(t, opName, what);
-    at::Tensor c = t.contiguous();
+    at::Tensor c = stage() ? stage()->toHost(t, true) : t.contiguous();
     ctx->keepAlive.push_back(c);
     ctx->copyBack.emplace_back(c, t);
     return bufOf(c, d);
   }
 
-  // Written only: a fresh contiguous temporary if not contiguous.
+  // Written only: a fresh contiguous (host) temporary if not contiguous or not in host memory.
   rpl_buf out(const at::Tensor& t, rpl_dtype d, const std::string& what) {
-    if (t.is_contiguous()) {
+    if (!stage() && t.is_contiguous()) {
       ctx->keepAlive.push_back(t);
       return bufOf(t, d);
     }
     checkWritable(t, opName, what);
-    at::Tensor c = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor c = stage()
+        ? stage()->toHost(t, false)
+        : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
     ctx->keepAlive.push_back(c);
     ctx->copyBack.emplace_back(c, t);
     return bufOf(c, d);
@@ -642,14 +698,19 @@ struct ProcessGroupRipples::Call {
       bool write,
       const std::string& what) {
     at::Tensor c;
-    if (t.is_contiguous()) {
+    if (!stage() && t.is_contiguous()) {
       c = t;
     } else {
       if (write) {
         checkWritable(t, opName, what);
       }
-      c = read ? t.contiguous()
-               : at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+      if (stage()) {
+        c = stage()->toHost(t, read);
+      } else {
+        c = read ? t.contiguous()
+                 : at::empty(
+                       t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+      }
       if (write) {
         ctx->copyBack.emplace_back(c, t);
       }
@@ -747,6 +808,7 @@ ProcessGroupRipples::ProcessGroupRipples(
 
   executor_ = std::make_shared<CompletionExecutor>(group_->name);
   executor_->start();
+  stager_ = std::make_unique<StagedSubmitter>(cfg_.timeout_s);
   init();
 }
 
@@ -754,6 +816,10 @@ ProcessGroupRipples::~ProcessGroupRipples() {
   // May run with the GIL held (torch's Python holder): never wait here for a thread that may
   // need it. The core's progress thread never does; completion threads are detached.
   shutdown_.store(true);
+  if (stager_) {
+    // Never needs the GIL; gives up waiting for device copies once stopped.
+    stager_->stop("shut down before its device copies finished", true);
+  }
   if (comm_ != nullptr) {
     rpl_comm_destroy(comm_);  // shuts down if needed, joins the progress thread
     comm_ = nullptr;
@@ -775,6 +841,9 @@ void ProcessGroupRipples::shutdown() {
   }
   if (comm_ != nullptr) {
     rpl_comm_shutdown(comm_);  // queued operations complete with RPL_ERR_CLOSED
+  }
+  if (stager_) {
+    stager_->stop("shut down before its device copies finished", true);
   }
   if (executor_) {
     executor_->stop(std::min(30.0, std::max(1.0, cfg_.timeout_s)));
@@ -858,16 +927,23 @@ ProcessGroupRipples::Call ProcessGroupRipples::begin(
     const char* profilingTitle,
     const char* opName,
     std::vector<at::Tensor> outputs,
-    std::chrono::milliseconds opTimeout) {
+    std::chrono::milliseconds opTimeout,
+    c10::Device device) {
   checkOpen(opName);
   const bool p2p = opType == c10d::OpType::SEND || opType == c10d::OpType::RECV;
   const uint64_t seq = p2p ? collSeq_.load() : ++collSeq_;
   Call call;
   call.opName = opName;
   call.ctx = std::make_unique<OpContext>();
+  if (!device.is_cpu() || debugStageCpu(calls_++)) {
+    // Created before any tensor is staged: its side stream waits for the caller's stream.
+    call.ctx->stage = std::make_shared<DeviceStage>(device, sideStreams_.get(device));
+    ++staged_;
+  }
   call.ctx->work = c10::make_intrusive<WorkRipples>(
       getRank(), opType, profilingTitle, opName, std::move(outputs), group_,
-      opTimeout.count() > 0 ? opTimeout : std::chrono::milliseconds::zero(), seq);
+      opTimeout.count() > 0 ? opTimeout : std::chrono::milliseconds::zero(), seq, device,
+      call.ctx->stage);
   call.ctx->executor = executor_;
   call.ctx->group = group_;
   // torch's "unset" is negative; the core takes 0 for "the communicator's timeout".
@@ -885,10 +961,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
     d.done_arg = ctx;
     d.timeout_s = call.timeoutS;
   }
-  const int n = static_cast<int>(descs.size());
+  ctx->descs = std::move(descs);
+  const int n = static_cast<int>(ctx->descs.size());
+  if (ctx->stage) {
+    ctx->stage->markStaged();  // after the last toHost() of this call
+  }
   rpl_status firstFail = RPL_OK;
   std::string failMsg;
   int accepted = 0;
+  bool deferred = false;
   {
     std::lock_guard<std::mutex> g(submitMu_);
     checkOpen(call.opName);
@@ -910,23 +991,40 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
           },
           /*uses_future=*/true);
     }
-    for (int i = 0; i < n; ++i) {
-      rpl_error err;
-      std::memset(&err, 0, sizeof(err));
-      rpl_status st = rpl_submit(comm_, &descs[i], &err);
-      if (st != RPL_OK) {
-        firstFail = st;
-        failMsg = err.msg;
-        ctx->pending.fetch_sub(n - i);  // these will never call on_done
-        break;
+    // Staged operations (and any issued behind one) reach the core from the staging thread
+    // once their device copies are done; from here on they complete like any other.
+    StagedSubmitter::Item item;
+    item.stage = ctx->stage.get();
+    item.submit = [this, ctx] {
+      rpl_status st = RPL_OK;
+      std::string msg;
+      {
+        std::lock_guard<std::mutex> g2(submitMu_);
+        submitToCore(ctx, &st, &msg);
       }
-      ++accepted;
-    }
-    if (accepted > 0 || n == 0) {
-      ++nextSeq_;
+      if (st != RPL_OK) {
+        ctx->recordError(st, msg);
+      }
+      if (ctx->pending.fetch_sub(1) == 1) {
+        ctx->executor->push(ctx);
+      }
+    };
+    item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg) {
+      failUnsubmitted(
+          ctx, why == StagedSubmitter::Failure::kTimeout ? RPL_ERR_TIMEOUT : RPL_ERR_CLOSED,
+          msg);
+    };
+    deferred = stager_->enqueueIfNeeded(std::move(item));
+    if (deferred) {
+      ++nextSeq_;  // it always completes, with an error if it never reaches the core
+    } else {
+      accepted = submitToCore(ctx, &firstFail, &failMsg);
+      if (accepted > 0 || n == 0) {
+        ++nextSeq_;
+      }
     }
   }
-  if (accepted == 0 && n > 0) {
+  if (!deferred && accepted == 0 && n > 0) {
     // Nothing reached the core: report synchronously; the context dies with `call`.
     if (firstFail == RPL_ERR_CLOSED) {
       C10_THROW_ERROR(Error, closedMessage(*group_, call.opName) + " [" + failMsg + "]");
@@ -935,7 +1033,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
         firstFail,
         c10::str("ripples ", call.opName, ": ", failMsg, " (", rpl_status_name(firstFail), ")"));
   }
-  call.ctx.release();  // owned by the core / the executor from here on
+  call.ctx.release();  // owned by the staging thread / the core / the executor from here on
+  if (deferred) {
+    return work;
+  }
   if (firstFail != RPL_OK) {
     ctx->recordError(firstFail, failMsg);
   }
@@ -943,6 +1044,35 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
     ctx->executor->push(ctx);
   }
   return work;
+}
+
+int ProcessGroupRipples::submitToCore(OpContext* ctx, rpl_status* st, std::string* msg) {
+  const int n = static_cast<int>(ctx->descs.size());
+  int accepted = 0;
+  for (int i = 0; i < n; ++i) {
+    rpl_error err;
+    std::memset(&err, 0, sizeof(err));
+    rpl_status r = rpl_submit(comm_, &ctx->descs[i], &err);
+    if (r != RPL_OK) {
+      *st = r;
+      *msg = err.msg;
+      ctx->pending.fetch_sub(n - i);  // these will never call on_done
+      break;
+    }
+    ++accepted;
+  }
+  return accepted;
+}
+
+void ProcessGroupRipples::failUnsubmitted(
+    OpContext* ctx,
+    rpl_status st,
+    const std::string& msg) {
+  ctx->recordError(st, msg);
+  const int n = static_cast<int>(ctx->descs.size());
+  if (ctx->pending.fetch_sub(n + 1) == n + 1) {
+    ctx->executor->push(ctx);
+  }
 }
 
 namespace {
@@ -975,7 +1105,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::broadcast(
     checkNumel(tensors[i], src.numel(), op, "tensors" + ordinal(i), "as the root tensor");
   }
 
-  Call call = begin(c10d::OpType::BROADCAST, "ripples:broadcast", op, tensors, opts.timeout);
+  Call call = begin(c10d::OpType::BROADCAST, "ripples:broadcast", op, tensors, opts.timeout, callDevice(op, {tensors}));
   rpl_buf b = call.inout(src, d, "tensor");
   // Legacy multi-tensor form (as gloo): the other local tensors receive the root tensor too.
   at::Tensor bufTensor = call.c().keepAlive.back();
@@ -1007,7 +1137,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
   rpl_redop r = toRplRedop(opts.reduceOp, d, op);
 
-  Call call = begin(c10d::OpType::ALLREDUCE, "ripples:all_reduce", op, tensors, opts.timeout);
+  Call call = begin(c10d::OpType::ALLREDUCE, "ripples:all_reduce", op, tensors, opts.timeout, callDevice(op, {tensors}));
   call.c().in = {call.inout(tensors[0], d, "tensor")};
   rpl_op_desc desc = makeDesc(allreduceKind());
   desc.redop = r;
@@ -1034,7 +1164,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce_coalesced(
 
   Call call = begin(
       c10d::OpType::ALLREDUCE_COALESCED, "ripples:allreduce_coalesced", op, tensors,
-      opts.timeout);
+      opts.timeout, callDevice(op, {tensors}));
   for (size_t i = 0; i < tensors.size(); ++i) {
     call.c().in.push_back(call.inout(tensors[i], dts[i], "tensors" + ordinal(i)));
   }
@@ -1058,7 +1188,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::reduce(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
   rpl_redop r = toRplRedop(opts.reduceOp, d, op);
 
-  Call call = begin(c10d::OpType::REDUCE, "ripples:reduce", op, tensors, opts.timeout);
+  Call call = begin(c10d::OpType::REDUCE, "ripples:reduce", op, tensors, opts.timeout, callDevice(op, {tensors}));
   call.c().in = {call.inout(tensors[0], d, "tensor")};
   rpl_op_desc desc = makeDesc(RPL_OP_REDUCE);
   desc.redop = r;
@@ -1086,7 +1216,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather(
     checkNumel(outs[i], input.numel(), op, "output" + ordinal(i), "as the input tensor");
   }
 
-  Call call = begin(c10d::OpType::ALLGATHER, "ripples:all_gather", op, outs, opts.timeout);
+  Call call = begin(c10d::OpType::ALLGATHER, "ripples:all_gather", op, outs, opts.timeout, callDevice(op, {inputTensors, outs}));
   call.c().in = {call.in(input, d)};
   for (size_t i = 0; i < outs.size(); ++i) {
     call.c().out.push_back(call.out(outs[i], d, "output" + ordinal(i)));
@@ -1114,7 +1244,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::_allgather_base(
 
   Call call = begin(
       c10d::OpType::_ALLGATHER_BASE, "ripples:_allgather_base", op, {outputBuffer},
-      opts.timeout);
+      opts.timeout, callDevice(op, {inputBuffer, outputBuffer}));
   call.c().in = {call.in(inputBuffer, d)};
   call.c().out = call.split(outputBuffer, d, size_, false, true, "the output tensor");
   rpl_op_desc desc = makeDesc(RPL_OP_ALLGATHER);
@@ -1144,7 +1274,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather_into_tensor_coales
 
   Call call = begin(
       c10d::OpType::COALESCED, "ripples:allgather_into_tensor_coalesced", op, outputs,
-      opts.timeout);
+      opts.timeout, callDevice(op, {inputs, outputs}));
   // One core allgather per pair; the buffers of pair i are in[i] and out[i*size ...].
   auto& ctx = call.c();
   ctx.in.reserve(inputs.size());
@@ -1228,7 +1358,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::gather(
   const rpl_dtype d = rl.dtype;
   const std::vector<at::Tensor>& outs = rl.tensors;
 
-  Call call = begin(c10d::OpType::GATHER, "ripples:gather", op, outs, opts.timeout);
+  Call call = begin(c10d::OpType::GATHER, "ripples:gather", op, outs, opts.timeout, callDevice(op, {inputTensors, outs}));
   call.c().in = {call.in(input, d)};
   for (size_t i = 0; i < outs.size(); ++i) {
     call.c().out.push_back(call.out(outs[i], d, "gather_list" + ordinal(i)));
@@ -1255,7 +1385,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::scatter(
   const rpl_dtype d = rl.dtype;
   const std::vector<at::Tensor>& ins = rl.tensors;
 
-  Call call = begin(c10d::OpType::SCATTER, "ripples:scatter", op, outputTensors, opts.timeout);
+  Call call = begin(c10d::OpType::SCATTER, "ripples:scatter", op, outputTensors, opts.timeout, callDevice(op, {outputTensors, ins}));
   for (size_t i = 0; i < ins.size(); ++i) {
     call.c().in.push_back(call.in(ins[i], d));
   }
@@ -1289,7 +1419,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::reduce_scatter(
   rpl_redop r = toRplRedop(opts.reduceOp, d, op);
 
   Call call = begin(
-      c10d::OpType::REDUCE_SCATTER, "ripples:reduce_scatter", op, outputTensors, opts.timeout);
+      c10d::OpType::REDUCE_SCATTER, "ripples:reduce_scatter", op, outputTensors, opts.timeout, callDevice(op, {outputTensors, ins}));
   for (size_t i = 0; i < ins.size(); ++i) {
     call.c().in.push_back(call.in(ins[i], d));
   }
@@ -1319,7 +1449,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::_reduce_scatter_base(
 
   Call call = begin(
       c10d::OpType::_REDUCE_SCATTER_BASE, "ripples:_reduce_scatter_base", op, {outputBuffer},
-      opts.timeout);
+      opts.timeout, callDevice(op, {inputBuffer, outputBuffer}));
   call.c().in = call.split(inputBuffer, d, size_, true, false, "the input tensor");
   call.c().out = {call.out(outputBuffer, d, "the output tensor")};
   rpl_op_desc desc = makeDesc(RPL_OP_REDUCE_SCATTER);
@@ -1392,7 +1522,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall_base(
       splitCounts(outputBuffer, outputSplitSizes, size_, op, "output");
 
   Call call = begin(
-      c10d::OpType::ALLTOALL_BASE, "ripples:all_to_all", op, {outputBuffer}, opts.timeout);
+      c10d::OpType::ALLTOALL_BASE, "ripples:all_to_all", op, {outputBuffer}, opts.timeout, callDevice(op, {inputBuffer, outputBuffer}));
   // Whole tensors (staged if needed), then per-rank slices at running offsets.
   rpl_buf inAll = call.in(inputBuffer, d);
   rpl_buf outAll = call.out(outputBuffer, d, "the output tensor");
@@ -1432,7 +1562,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall(
     checkSameDtype(outputTensors[i], inputTensors[0], op, "output" + ordinal(i), "input[0]");
   }
 
-  Call call = begin(c10d::OpType::ALLTOALL, "ripples:all_to_all", op, outputTensors, opts.timeout);
+  Call call = begin(c10d::OpType::ALLTOALL, "ripples:all_to_all", op, outputTensors, opts.timeout, callDevice(op, {inputTensors, outputTensors}));
   for (int i = 0; i < size_; ++i) {
     call.c().in.push_back(call.in(inputTensors[i], d));
     call.c().out.push_back(call.out(outputTensors[i], d, "output" + ordinal(i)));
@@ -1459,7 +1589,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::send(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
 
   Call call = begin(
-      c10d::OpType::SEND, "ripples:send", op, tensors, std::chrono::milliseconds::zero());
+      c10d::OpType::SEND, "ripples:send", op, tensors, std::chrono::milliseconds::zero(), callDevice(op, {tensors}));
   call.c().in = {call.in(tensors[0], d)};
   rpl_op_desc desc = makeDesc(RPL_OP_SEND);
   desc.root = dstRank;
@@ -1483,7 +1613,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
 
   Call call = begin(
-      c10d::OpType::RECV, "ripples:recv", op, tensors, std::chrono::milliseconds::zero());
+      c10d::OpType::RECV, "ripples:recv", op, tensors, std::chrono::milliseconds::zero(), callDevice(op, {tensors}));
   call.c().out = {call.out(tensors[0], d, "tensor")};
   rpl_op_desc desc = makeDesc(RPL_OP_RECV);
   desc.root = srcRank;
@@ -1496,7 +1626,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::barrier(const c10d::BarrierOptions& opts) {
   static const char* op = "barrier";
   checkOpen(op);
-  Call call = begin(c10d::OpType::BARRIER, "ripples:barrier", op, {}, opts.timeout);
+  Call call = begin(c10d::OpType::BARRIER, "ripples:barrier", op, {}, opts.timeout, c10::Device(c10::kCPU));
   rpl_op_desc desc = makeDesc(RPL_OP_BARRIER);
   return submit(call, {desc});
 }

@@ -4,7 +4,9 @@
 // turns tensors into rpl_buf (pointer, count, dtype) — staging non-contiguous tensors through
 // contiguous temporaries — and calls rpl_submit. The core completes each operation on its
 // progress thread; the shim's completion executor (below) then copies staged results back and
-// completes the Work and its future.
+// completes the Work and its future. CUDA tensors are staged through pinned host memory with
+// stream semantics (DeviceStaging.hpp); their operations reach the core through the group's
+// staging thread once the copies are done.
 //
 // Completion and threading (why it cannot deadlock):
 //   * on_done (core progress thread) only records the status and pushes the operation onto
@@ -49,6 +51,7 @@
 #include <string>
 #include <vector>
 
+#include "DeviceStaging.hpp"
 #include "ripples.h"
 
 // Hidden: nothing here is part of the extension's ABI (and pybind11's own types are hidden, so
@@ -111,10 +114,15 @@ class WorkRipples : public c10d::Work {
       std::vector<at::Tensor> outputs,
       std::shared_ptr<GroupShared> group,
       std::chrono::milliseconds opTimeout,
-      uint64_t seq);
+      uint64_t seq,
+      c10::Device device,
+      std::shared_ptr<DeviceStage> stage);
   ~WorkRipples() override;
 
+  // For device tensors, returns once the result is complete on the host side and the caller's
+  // current stream has been made to wait for the copies back (no device sync).
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override;
   std::vector<at::Tensor> result() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override {
@@ -140,6 +148,7 @@ class WorkRipples : public c10d::Work {
   std::chrono::steady_clock::time_point submitted_;
   std::chrono::milliseconds opTimeout_;
   uint64_t seq_;
+  std::shared_ptr<DeviceStage> stage_;  // null for host tensors
 };
 
 // One accepted call: the buffers handed to the core, the temporaries they point at, what to
@@ -152,6 +161,8 @@ struct OpContext {
   std::vector<std::pair<at::Tensor, at::Tensor>> copyBack;  // (contiguous source, user dest)
   std::vector<rpl_buf> in;
   std::vector<rpl_buf> out;
+  std::vector<rpl_op_desc> descs;  // kept for a submission deferred to the staging thread
+  std::shared_ptr<DeviceStage> stage;  // device tensors (or RIPPLES_DEBUG_STAGE_CPU); else null
   // A call may be several core operations (allgather_into_tensor_coalesced). `pending` is the
   // number of outstanding ones plus one for the submitting thread.
   std::atomic<int> pending{1};
@@ -304,6 +315,9 @@ class ProcessGroupRipples : public c10d::Backend {
     return shutdown_.load();
   }
   rpl_comm_counters counters() const;
+  uint64_t stagedCalls() const {
+    return staged_.load();
+  }
   rpl_partial_stats partialStats() const;
   std::vector<rpl_trace_entry> trace(uint64_t from) const;
   const Config& config() const {
@@ -313,14 +327,21 @@ class ProcessGroupRipples : public c10d::Backend {
  private:
   struct Call;  // a call being built: context + work, see the .cpp
 
+  // `device`: where every tensor of the call lives (callDevice()); device tensors are staged.
   Call begin(
       c10d::OpType opType,
       const char* profilingTitle,
       const char* opName,
       std::vector<at::Tensor> outputs,
-      std::chrono::milliseconds opTimeout);
+      std::chrono::milliseconds opTimeout,
+      c10::Device device);
   // Submits the core operations of `call` (one per descriptor) and returns its Work.
   c10::intrusive_ptr<c10d::Work> submit(Call& call, std::vector<rpl_op_desc> descs);
+  // Hands the operations of `ctx` to the core; called with submitMu_ held. Returns how many
+  // were accepted; on a refusal fills `st`/`msg` and drops the refused ones from `pending`.
+  int submitToCore(OpContext* ctx, rpl_status* st, std::string* msg);
+  // Completes `ctx` with an error without it reaching the core (the staging thread's path).
+  void failUnsubmitted(OpContext* ctx, rpl_status st, const std::string& msg);
   void checkOpen(const char* opName) const;
   // RPL_OP_PARTIAL_ALLREDUCE when this call should be a partial round, else RPL_OP_ALLREDUCE.
   rpl_op_kind allreduceKind() const;
@@ -334,6 +355,10 @@ class ProcessGroupRipples : public c10d::Backend {
   std::atomic<uint64_t> collSeq_{0};
   std::atomic<bool> shutdown_{false};
   std::mutex shutdownMu_;
+  SideStreams sideStreams_;
+  std::atomic<uint64_t> calls_{0};   // for RIPPLES_DEBUG_STAGE_CPU=alternate
+  std::atomic<uint64_t> staged_{0};  // calls staged through host memory
+  std::unique_ptr<StagedSubmitter> stager_;  // joined before comm_ is destroyed
 };
 
 // Creates the backend; blocks until every rank of the group has called it.

@@ -71,9 +71,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"bytes_sent", py::cast(c.bytes_sent)},
                 {"bytes_received", py::cast(c.bytes_received)},
                 {"connections", py::cast(c.connections)},
+                {"ops_staged", py::cast(pg.stagedCalls())},
             });
           },
-          "Counters of the core communicator (operations, bytes, connections).")
+          "Counters of the core communicator (operations, bytes, connections) and of the "
+          "calls whose tensors were staged through host memory (device tensors).")
       .def_property_readonly(
           "schedule",
           [](const ripples::ProcessGroupRipples& pg) { return pg.config().schedule; },

@@ -1,0 +1,215 @@
+// DeviceStaging: see DeviceStaging.hpp for the sequence of copies, events and threads.
+#include "DeviceStaging.hpp"
+
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <pthread.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+namespace ripples {
+
+bool debugStageCpu(uint64_t n) {
+  static const int mode = [] {  // 0 off, 1 every call, 2 every other call
+    const char* v = std::getenv("RIPPLES_DEBUG_STAGE_CPU");
+    if (v == nullptr || v[0] == '\0' || std::strcmp(v, "0") == 0) {
+      return 0;
+    }
+    return std::strcmp(v, "alternate") == 0 ? 2 : 1;
+  }();
+  return mode == 1 || (mode == 2 && n % 2 == 0);
+}
+
+// ---- DeviceStage ---------------------------------------------------------------------------
+
+DeviceStage::DeviceStage(c10::Device device, std::optional<c10::Stream> side)
+    : device_(device), side_(device.is_cpu() ? std::nullopt : side) {
+  if (!side_) {
+    return;
+  }
+  staged_.emplace(device_.type());
+  done_.emplace(device_.type());
+  // The side stream starts where the caller's current stream is now: inputs the caller just
+  // wrote are complete before we copy them.
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  c10::Event ready(device_.type());
+  ready.record(impl.getStream(device_));
+  ready.block(*side_);
+}
+
+void DeviceStage::recordUse(const at::Tensor& t) {
+  if (!side_ || !t.defined() || !t.has_storage()) {
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  impl.recordDataPtrOnStream(t.storage().data_ptr(), *side_);
+}
+
+at::Tensor DeviceStage::toHost(const at::Tensor& t, bool copy) {
+  auto opts = t.options().device(c10::kCPU).memory_format(at::MemoryFormat::Contiguous);
+  if (side_) {
+    opts = opts.pinned_memory(true);
+  }
+  at::Tensor host = at::empty(t.sizes(), opts);
+  if (copy) {
+    if (side_) {
+      c10::StreamGuard guard(*side_);
+      host.copy_(t, /*non_blocking=*/true);
+      recordUse(t);
+    } else {
+      host.copy_(t);
+    }
+  }
+  return host;
+}
+
+void DeviceStage::markStaged() {
+  if (side_) {
+    staged_->record(*side_);
+  }
+}
+
+bool DeviceStage::waitStaged(double timeout_s, const std::function<bool()>& abandon) {
+  if (!side_) {
+    return !abandon();
+  }
+  // Poll rather than synchronize(): a wedged device or a shutdown must not hold this thread
+  // (and every later operation of the group) forever. Short spins first: copies of small
+  // tensors finish within microseconds.
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  auto pause = std::chrono::microseconds(0);
+  while (!staged_->query()) {
+    if (abandon() || std::chrono::steady_clock::now() > deadline) {
+      return false;
+    }
+    if (pause.count() == 0) {
+      std::this_thread::yield();
+      pause = std::chrono::microseconds(1);
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(500));
+    }
+  }
+  return true;
+}
+
+void DeviceStage::copyBack(const at::Tensor& host, const at::Tensor& dst) {
+  if (!side_) {
+    dst.copy_(host);
+    return;
+  }
+  c10::StreamGuard guard(*side_);
+  dst.copy_(host, /*non_blocking=*/true);  // the host allocator keeps `host` until it ran
+  recordUse(dst);
+}
+
+void DeviceStage::markDone() {
+  if (side_) {
+    done_->record(*side_);
+  }
+}
+
+void DeviceStage::blockCurrentStream() const {
+  if (!side_) {
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device_.type());
+  done_->block(impl.getStream(device_));
+}
+
+// ---- SideStreams ---------------------------------------------------------------------------
+
+std::optional<c10::Stream> SideStreams::get(const c10::Device& device) {
+  if (device.is_cpu()) {
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  for (const auto& s : streams_) {
+    if (s.first == device.index()) {
+      return s.second;
+    }
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  c10::Stream s = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  streams_.emplace_back(device.index(), s);
+  return s;
+}
+
+// ---- StagedSubmitter -----------------------------------------------------------------------
+
+StagedSubmitter::StagedSubmitter(double timeout_s) : timeout_s_(timeout_s) {}
+
+StagedSubmitter::~StagedSubmitter() {
+  stop("the process group was destroyed", true);
+}
+
+bool StagedSubmitter::enqueueIfNeeded(Item item) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (queue_.empty() && item.stage == nullptr) {
+    return false;
+  }
+  if (stopping_) {
+    item.fail(Failure::kStopped, stopWhy_);
+    return true;
+  }
+  if (!thread_.joinable()) {
+    thread_ = std::thread([this] { loop(); });  // may throw: before anything is queued
+  }
+  queue_.push_back(std::move(item));
+  cv_.notify_one();
+  return true;
+}
+
+void StagedSubmitter::stop(const std::string& why, bool join) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!stopping_) {
+      stopping_ = true;
+      stopWhy_ = why;
+    }
+  }
+  cv_.notify_all();
+  if (join && thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
+    thread_.join();
+  }
+}
+
+void StagedSubmitter::loop() {
+  pthread_setname_np(pthread_self(), "rpl-stage");
+  for (;;) {
+    Item* item = nullptr;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return !queue_.empty() || stopping_; });
+      if (queue_.empty()) {
+        return;  // stopping, nothing left
+      }
+      // Stays at the front until it is submitted, so that callers keep queueing behind it.
+      item = &queue_.front();
+    }
+    bool stopping = false;
+    auto abandon = [&] {
+      std::lock_guard<std::mutex> g(mu_);
+      stopping = stopping_;
+      return stopping;
+    };
+    if (item->stage == nullptr || item->stage->waitStaged(timeout_s_, abandon)) {
+      item->submit();
+    } else if (stopping) {
+      item->fail(Failure::kStopped, stopWhy_);
+    } else {
+      item->fail(
+          Failure::kTimeout,
+          "the copies of its device tensors into host memory did not finish within the "
+          "group's timeout of " + std::to_string(timeout_s_) + " s (is the device stuck?)");
+    }
+    std::lock_guard<std::mutex> g(mu_);
+    queue_.pop_front();  // deque: `item` stayed valid while others were pushed behind it
+  }
+}
+
+}  // namespace ripples
