@@ -67,7 +67,7 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     size = int(dist_backend_opts.group_size)
     host_label = opts.host_id if opts.host_id is not None else socket.gethostname()
     host_of = _exchange_hosts(store, rank, size, host_label)
-    endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s)
+    endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s, bind_addr)
     return _C._create_backend(
         store,
         rank,
@@ -199,9 +199,12 @@ MAX_STANDBY_COORDINATORS = 2
 
 
 def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: list,
-                      timeout_s: float):
+                      timeout_s: float, advertise_host: str):
     """(endpoints, token) of the coordinator of this group; ("", "") for the static schedule.
-    Embedded: "primary,standby1,..." -- the failover order the workers' clients follow."""
+    Embedded: "primary,standby1,..." -- the failover order the workers' clients follow. The
+    embedded and standby coordinators listen on every interface and are advertised at
+    ``advertise_host``, the address this rank gives its peers (a standby on another host than
+    rank 0 must not be advertised at MASTER_ADDR)."""
     if opts.schedule == "static":
         return "", ""
     if opts.coordinator != "embedded":
@@ -229,13 +232,15 @@ def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: 
         _embedded_coordinators.append((c, timeout_s, rank))
 
     if rank == 0:
-        keep(coordinator.start_embedded(store, size, opts.schedule, seed=seed, **knobs))
+        keep(coordinator.start_embedded(store, size, opts.schedule, seed=seed,
+                                        advertise_host=advertise_host, **knobs))
     endpoint, token = coordinator.lookup(store)
     # The standbys are read from the store now: it may die with rank 0.
     nstandby = min(MAX_STANDBY_COORDINATORS, size - 1)
     if 1 <= rank <= nstandby:
         keep(coordinator.start_standby(store, size, rank, token, opts.schedule,
-                                       seed=seed + rank, **knobs))
+                                       seed=seed + rank, advertise_host=advertise_host,
+                                       **knobs))
     standbys = [coordinator.lookup_standby(store, k) for k in range(1, nstandby + 1)]
     return ",".join([endpoint] + standbys), token
 
