@@ -10,6 +10,11 @@ command -v make >/dev/null 2>&1 || need+=(make)
 [ -f /usr/include/zmq.h ] || need+=(libzmq3-dev)
 command -v clang >/dev/null 2>&1 || need+=(clang)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
+# The test hosts (network namespaces, tests/_hosts.py) need iproute2's ip and tc, and root:
+# asked for only when running as root (the tests skip otherwise).
+if [ "$(id -u)" -eq 0 ]; then
+  { command -v ip && command -v tc; } >/dev/null 2>&1 || need+=(iproute2)
+fi
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "sysdeps: installing ${need[*]}"
