@@ -165,6 +165,12 @@ def parse_args(argv=None):
     p.add_argument("--retries", type=int, default=1,
                    help="run a failed launch again this many times (the failure is kept in "
                         "the JSON as 'retried_after'); 0: never")
+    p.add_argument("--test-hosts", type=int, default=0,
+                   help="run every launch across this many real test hosts (network "
+                        "namespaces, tests/_hosts.py; needs root): torchrun multi-node, host "
+                        "identity from the hostnames instead of --sim-hosts")
+    p.add_argument("--link-mbit", type=float, default=None,
+                   help="with --test-hosts: every host link's bandwidth in Mbit/s (tc tbf)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: 2 workers (unless --workers), scenario slow5, "
                         f"{QUICK_TIME_LIMIT:g} s per run, warm-up 5 steps, the plan and "
@@ -179,6 +185,9 @@ def parse_args(argv=None):
     if a.repeats is not None and a.repeats < 1:
         p.error("--repeats must be >= 1")
     a.group_size = max(2, min(a.group_size, a.workers))
+    if a.test_hosts and (a.test_hosts < 2 or a.workers % a.test_hosts):
+        p.error("--test-hosts must be >= 2 and divide --workers")
+    a.hosts = None  # the TestHosts while running
     a.plan = make_plan(p, a)
     return a
 
@@ -244,18 +253,28 @@ def sim_hosts(workers: int) -> int:
     return 2 if workers % 2 == 0 else 1
 
 
+# Set by main() with --test-hosts: labels say "hosts", and --sim-hosts is left out.
+REAL_HOSTS = 0
+
+
 def hier_levels(workers: int) -> str:
     """The blog's shape scaled down: pairs every 2 steps, everyone every 8."""
     return f"2:2,8:{workers}" if workers % 2 == 0 and workers > 2 else f"8:{workers}"
 
 
 def strategy_label(strategy: str, workers: int) -> str:
+    if REAL_HOSTS:
+        return STRATEGIES[strategy][0].replace("{H} sim. hosts", f"{REAL_HOSTS} hosts")
     return STRATEGIES[strategy][0].replace("{H}", str(sim_hosts(workers)))
 
 
 def strategy_args(strategy: str, workers: int) -> list:
+    raw = list(STRATEGIES[strategy][1])
+    if REAL_HOSTS and "--sim-hosts" in raw:
+        i = raw.index("--sim-hosts")
+        del raw[i:i + 2]  # real hosts: the backend knows them from the hostnames
     return [a.replace("{H}", str(sim_hosts(workers))).replace("{HIER}", hier_levels(workers))
-            for a in STRATEGIES[strategy][1]]
+            for a in raw]
 
 
 def tail(path: str, n: int = 60) -> str:
@@ -266,34 +285,63 @@ def tail(path: str, n: int = 60) -> str:
         return ""
 
 
-def launch(cmd: list, out_path: str, err_path: str, timeout: float):
+def launch(args, cmd: list, out_path: str, err_path: str, timeout: float):
     """Runs one torchrun launch in its own session (so that a timeout kills torchrun and its
-    workers together); returns (exit status or None if killed, wall seconds)."""
+    workers together); returns (exit status or None if killed, wall seconds). With test hosts,
+    one torchrun per host (node 0's output in out_path, node i's in out_path + ".node<i>");
+    the status is the first non-zero one."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    with open(out_path, "w") as fo, open(err_path, "w") as fe:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fo, stderr=fe,
-                                start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=10)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+    nodes = args.test_hosts or 1
+    if args.hosts is not None:
+        args.port += 1  # a fresh rendezvous port per launch (the hosts have their own ports)
+    files, procs = [], []
+    try:
+        for i in range(nodes):
+            sfx = f".node{i}" if i else ""
+            fo, fe = open(out_path + sfx, "w"), open(err_path + sfx, "w")
+            files += [fo, fe]
+            if args.hosts is None:
+                procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fo, stderr=fe,
+                                              start_new_session=True))
+            else:
+                node_cmd = torchrun(args, node=i) + cmd[len(torchrun(args)):]
+                procs.append(args.hosts.popen(i, node_cmd, cwd=REPO, env=env, stdout=fo,
+                                              stderr=fe, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        for proc, rc in zip(procs, codes):
+            if rc is None:
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(timeout=10)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+    finally:
+        for f in files:
+            f.close()
+    rc = None if None in codes else next((c for c in codes if c != 0), 0)
     return rc, time.perf_counter() - t0
 
 
-def torchrun(args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={args.workers}", TRAIN]
+def torchrun(args, node: int = 0) -> list:
+    if not args.test_hosts:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={args.workers}", TRAIN]
+    # Static rendezvous: node i holds ranks i*W/H.., so rank 0 (the final record) is on host 0.
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={args.test_hosts}",
+            f"--node-rank={node}", "--master-addr=testhost0", f"--master-port={args.port}",
+            f"--nproc_per_node={args.workers // args.test_hosts}", TRAIN]
 
 
 def json_event(path: str, event: str):
@@ -320,7 +368,7 @@ def calibrate(args, workload: str) -> dict:
     err_path = os.path.join(logdir, "calibration.err")
     cmd = torchrun(args) + ["--strategy", "allreduce", "--backend", "gloo",
                             *cfg["model_args"], "--calibrate-only", "--seed", str(args.seed)]
-    rc, _ = launch(cmd, out_path, err_path, 300)
+    rc, _ = launch(args, cmd, out_path, err_path, 300)
     rec = json_event(out_path, "calibration") if rc == 0 else None
     if rec is None:
         sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")
@@ -360,7 +408,7 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
            "straggler": spec, "workers": args.workers, "compute_s": calib["compute_s"],
            "step_s": calib["step_s"], "cmd": cmd, "stdout": out_path, "stderr": err_path,
            "rank_logs": rank_dir}
-    rc, wall = launch(cmd, out_path, err_path, cfg["run_timeout"])
+    rc, wall = launch(args, cmd, out_path, err_path, cfg["run_timeout"])
     res["launch_s"] = round(wall, 2)
     if rc is None:
         res["error"] = f"timed out after {cfg['run_timeout']:.0f} s (killed)"
@@ -882,6 +930,26 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         return render(args)
+    if args.test_hosts:
+        global REAL_HOSTS
+        sys.path.insert(0, os.path.join(REPO, "tests"))
+        import _hosts
+
+        ok, why = _hosts.available()
+        if not ok:
+            raise SystemExit(f"--test-hosts: {why}")
+        REAL_HOSTS = args.test_hosts
+        args.port = 29731
+        args.hosts = _hosts.TestHosts(args.test_hosts, rate_mbit=args.link_mbit).up()
+        try:
+            return _main(args)
+        finally:
+            args.hosts.down()
+            args.hosts = None
+    return _main(args)
+
+
+def _main(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     n = sum(len(p["scenarios"]) * len(p["strategies"]) * p["repeats"]
@@ -906,7 +974,7 @@ def main(argv=None) -> int:
     finally:
         progress.close()
     total = time.perf_counter() - t_start
-    out = {"config": {k: v for k, v in vars(args).items()},
+    out = {"config": {k: v for k, v in vars(args).items() if k != "hosts"},
            "workloads": {w: dict(settings(args, w), **calib.get(w, {}), **args.plan[w])
                          for w in args.plan},
            "scenarios": {s: {"description": SCENARIOS[s][0],
