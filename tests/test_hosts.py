@@ -8,6 +8,7 @@ rounds and clear errors within the timeout, never a hang. Needs root; skips othe
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -53,7 +54,7 @@ def _finish(procs, timeout):
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             codes.append(p.returncode)
         except subprocess.TimeoutExpired:
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and its workers: one session each
             out, _ = p.communicate()
             codes.append(None)
         outs.append(out or "")
@@ -72,7 +73,7 @@ def test_torchrun_two_hosts_collectives_and_partial_rounds():
                     "--rdzv-endpoint", f"{th.hostname(0)}:{port}", "--rdzv-id", "rpltest",
                     "--max-restarts", "0", WORKER, "collectives", outdir]
             procs.append(th.popen(i, argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True))
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True))
         codes, outs = _finish(procs, 600)
         got = _reports(outdir, ws)
         log = "\n".join(f"--- torchrun on {th.hostname(i)} (exit {codes[i]}):\n{outs[i][-3000:]}"
@@ -106,7 +107,7 @@ def test_link_cut_mid_training_skips_and_errors_never_hangs():
                        MASTER_PORT=str(port))
             procs.append(th.popen(r // per_node, [sys.executable, WORKER, "cut", outdir],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True))
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True))
         deadline = time.monotonic() + 120
         while not all(os.path.exists(os.path.join(outdir, f"started{r}")) for r in range(ws)):
             assert time.monotonic() < deadline, "the workers did not start"
