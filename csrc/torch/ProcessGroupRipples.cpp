@@ -1105,7 +1105,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::broadcast(
     checkNumel(tensors[i], src.numel(), op, "tensors" + ordinal(i), "as the root tensor");
   }
 
-  Call call = begin(c10d::OpType::BROADCAST, "ripples:broadcast", op, tensors, opts.timeout, callDevice(op, {tensors}));
+  Call call = begin(c10d::OpType::BROADCAST, "ripples:broadcast", op, tensors, opts.timeout,
+      callDevice(op, {tensors}));
   rpl_buf b = call.inout(src, d, "tensor");
   // Legacy multi-tensor form (as gloo): the other local tensors receive the root tensor too.
   at::Tensor bufTensor = call.c().keepAlive.back();
@@ -1137,7 +1138,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
   rpl_redop r = toRplRedop(opts.reduceOp, d, op);
 
-  Call call = begin(c10d::OpType::ALLREDUCE, "ripples:all_reduce", op, tensors, opts.timeout, callDevice(op, {tensors}));
+  Call call = begin(c10d::OpType::ALLREDUCE, "ripples:all_reduce", op, tensors, opts.timeout,
+      callDevice(op, {tensors}));
   call.c().in = {call.inout(tensors[0], d, "tensor")};
   rpl_op_desc desc = makeDesc(allreduceKind());
   desc.redop = r;
@@ -1188,7 +1190,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::reduce(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
   rpl_redop r = toRplRedop(opts.reduceOp, d, op);
 
-  Call call = begin(c10d::OpType::REDUCE, "ripples:reduce", op, tensors, opts.timeout, callDevice(op, {tensors}));
+  Call call = begin(c10d::OpType::REDUCE, "ripples:reduce", op, tensors, opts.timeout,
+      callDevice(op, {tensors}));
   call.c().in = {call.inout(tensors[0], d, "tensor")};
   rpl_op_desc desc = makeDesc(RPL_OP_REDUCE);
   desc.redop = r;
@@ -1216,7 +1219,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather(
     checkNumel(outs[i], input.numel(), op, "output" + ordinal(i), "as the input tensor");
   }
 
-  Call call = begin(c10d::OpType::ALLGATHER, "ripples:all_gather", op, outs, opts.timeout, callDevice(op, {inputTensors, outs}));
+  Call call = begin(c10d::OpType::ALLGATHER, "ripples:all_gather", op, outs, opts.timeout,
+      callDevice(op, {inputTensors, outs}));
   call.c().in = {call.in(input, d)};
   for (size_t i = 0; i < outs.size(); ++i) {
     call.c().out.push_back(call.out(outs[i], d, "output" + ordinal(i)));
@@ -1358,7 +1362,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::gather(
   const rpl_dtype d = rl.dtype;
   const std::vector<at::Tensor>& outs = rl.tensors;
 
-  Call call = begin(c10d::OpType::GATHER, "ripples:gather", op, outs, opts.timeout, callDevice(op, {inputTensors, outs}));
+  Call call = begin(c10d::OpType::GATHER, "ripples:gather", op, outs, opts.timeout,
+      callDevice(op, {inputTensors, outs}));
   call.c().in = {call.in(input, d)};
   for (size_t i = 0; i < outs.size(); ++i) {
     call.c().out.push_back(call.out(outs[i], d, "gather_list" + ordinal(i)));
@@ -1385,7 +1390,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::scatter(
   const rpl_dtype d = rl.dtype;
   const std::vector<at::Tensor>& ins = rl.tensors;
 
-  Call call = begin(c10d::OpType::SCATTER, "ripples:scatter", op, outputTensors, opts.timeout, callDevice(op, {outputTensors, ins}));
+  Call call = begin(c10d::OpType::SCATTER, "ripples:scatter", op, outputTensors, opts.timeout,
+      callDevice(op, {outputTensors, ins}));
   for (size_t i = 0; i < ins.size(); ++i) {
     call.c().in.push_back(call.in(ins[i], d));
   }
@@ -1419,7 +1425,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::reduce_scatter(
   rpl_redop r = toRplRedop(opts.reduceOp, d, op);
 
   Call call = begin(
-      c10d::OpType::REDUCE_SCATTER, "ripples:reduce_scatter", op, outputTensors, opts.timeout, callDevice(op, {outputTensors, ins}));
+      c10d::OpType::REDUCE_SCATTER, "ripples:reduce_scatter", op, outputTensors, opts.timeout,
+      callDevice(op, {outputTensors, ins}));
   for (size_t i = 0; i < ins.size(); ++i) {
     call.c().in.push_back(call.in(ins[i], d));
   }
@@ -1522,7 +1529,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall_base(
       splitCounts(outputBuffer, outputSplitSizes, size_, op, "output");
 
   Call call = begin(
-      c10d::OpType::ALLTOALL_BASE, "ripples:all_to_all", op, {outputBuffer}, opts.timeout, callDevice(op, {inputBuffer, outputBuffer}));
+      c10d::OpType::ALLTOALL_BASE, "ripples:all_to_all", op, {outputBuffer}, opts.timeout,
+      callDevice(op, {inputBuffer, outputBuffer}));
   // Whole tensors (staged if needed), then per-rank slices at running offsets.
   rpl_buf inAll = call.in(inputBuffer, d);
   rpl_buf outAll = call.out(outputBuffer, d, "the output tensor");
@@ -1562,7 +1570,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall(
     checkSameDtype(outputTensors[i], inputTensors[0], op, "output" + ordinal(i), "input[0]");
   }
 
-  Call call = begin(c10d::OpType::ALLTOALL, "ripples:all_to_all", op, outputTensors, opts.timeout, callDevice(op, {inputTensors, outputTensors}));
+  Call call = begin(c10d::OpType::ALLTOALL, "ripples:all_to_all", op, outputTensors, opts.timeout,
+      callDevice(op, {inputTensors, outputTensors}));
   for (int i = 0; i < size_; ++i) {
     call.c().in.push_back(call.in(inputTensors[i], d));
     call.c().out.push_back(call.out(outputTensors[i], d, "output" + ordinal(i)));
@@ -1589,7 +1598,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::send(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
 
   Call call = begin(
-      c10d::OpType::SEND, "ripples:send", op, tensors, std::chrono::milliseconds::zero(), callDevice(op, {tensors}));
+      c10d::OpType::SEND, "ripples:send", op, tensors, std::chrono::milliseconds::zero(),
+      callDevice(op, {tensors}));
   call.c().in = {call.in(tensors[0], d)};
   rpl_op_desc desc = makeDesc(RPL_OP_SEND);
   desc.root = dstRank;
@@ -1613,7 +1623,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
 
   Call call = begin(
-      c10d::OpType::RECV, "ripples:recv", op, tensors, std::chrono::milliseconds::zero(), callDevice(op, {tensors}));
+      c10d::OpType::RECV, "ripples:recv", op, tensors, std::chrono::milliseconds::zero(),
+      callDevice(op, {tensors}));
   call.c().out = {call.out(tensors[0], d, "tensor")};
   rpl_op_desc desc = makeDesc(RPL_OP_RECV);
   desc.root = srcRank;
@@ -1626,7 +1637,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::barrier(const c10d::BarrierOptions& opts) {
   static const char* op = "barrier";
   checkOpen(op);
-  Call call = begin(c10d::OpType::BARRIER, "ripples:barrier", op, {}, opts.timeout, c10::Device(c10::kCPU));
+  Call call = begin(c10d::OpType::BARRIER, "ripples:barrier", op, {}, opts.timeout,
+      c10::Device(c10::kCPU));
   rpl_op_desc desc = makeDesc(RPL_OP_BARRIER);
   return submit(call, {desc});
 }
