@@ -49,6 +49,17 @@ def available() -> Tuple[bool, str]:
     if r.returncode != 0:
         return False, f"cannot create a network namespace: {r.stderr.strip()}"
     _run("ip", "netns", "del", probe, check=False)
+    # A bridge and a veth pair too: containers may allow namespaces but not these.
+    br, veth = f"rb{os.getpid()}", f"rv{os.getpid()}h0"
+    for argv, what in ((("ip", "link", "add", br, "type", "bridge"), "a bridge"),
+                       (("ip", "link", "add", veth, "type", "veth", "peer", "name",
+                         veth + "x"), "a veth pair")):
+        r = _run(*argv, check=False)
+        if r.returncode != 0:
+            _run("ip", "link", "del", br, check=False)
+            return False, f"cannot create {what}: {r.stderr.strip()}"
+    _run("ip", "link", "del", veth, check=False)
+    _run("ip", "link", "del", br, check=False)
     return True, ""
 
 
