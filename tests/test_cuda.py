@@ -78,6 +78,18 @@ def _t_collectives(ctx):
             dist.all_to_all_single(ra2a, big, group=ctx.ref)
             ck.equal(a2a.cpu(), ra2a, f"all_to_all_single {what}")
 
+            ins = [_inputs(ctx, n, dtype, 5 + i) for i in range(ws)]
+            outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(ws)]
+            refs = [torch.empty(n, dtype=dtype) for _ in range(ws)]
+            dist.all_to_all(outs, [t.to(dev) for t in ins])
+            dist.all_to_all(refs, ins, group=ctx.ref)
+            for i in range(ws):
+                ck.equal(outs[i].cpu(), refs[i], f"all_to_all[{i}] {what}")
+            out = torch.empty(n, dtype=dtype, device=dev)
+            dist.reduce_scatter(out, [t.to(dev) for t in ins])
+            dist.reduce_scatter(rout, ins, group=ctx.ref)
+            ck.close(out.cpu(), rout, f"reduce_scatter {what}", atol=tol * ws, rtol=tol)
+
             r = _inputs(ctx, n, dtype, 4)
             rref = r.clone()
             rc = r.to(dev)
@@ -91,6 +103,13 @@ def _t_collectives(ctx):
     dist.all_reduce(v)
     ck.equal(v.cpu(), torch.arange(12.0).reshape(3, 4).t() * sum(range(1, ws + 1)),
              "all_reduce of a transposed view")
+
+    # coalesced all-reduce, barrier
+    cs = [torch.full((3,), float(rank), device=dev), torch.full((5,), 1.0, device=dev)]
+    dist.all_reduce_coalesced(cs)
+    ck.equal(cs[0].cpu(), torch.full((3,), float(sum(range(ws)))), "all_reduce_coalesced[0]")
+    ck.equal(cs[1].cpu(), torch.full((5,), float(ws)), "all_reduce_coalesced[1]")
+    dist.barrier()
 
     # gather / scatter / send / recv
     g_in = torch.full((5,), float(rank), device=dev)
@@ -176,8 +195,8 @@ def _t_partial(ctx, schedule):
     for step in range(6):
         x = _inputs(ctx, 4096, torch.float32, 10 + step)
         a, b = x.clone(), x.to(dev)
-        dist.all_reduce(a, group=g_cpu)
-        dist.all_reduce(b, group=g_gpu)
+        dist.all_reduce(a, op=dist.ReduceOp.AVG, group=g_cpu)
+        dist.all_reduce(b, op=dist.ReduceOp.AVG, group=g_gpu)
         ck.close(b.cpu(), a, f"{schedule} round {step}", atol=1e-6, rtol=1e-6)
     ck.true(ripples_pg.stats(g_gpu)["reduced"] > 0, "the GPU group averaged")
     return ck.finish()
