@@ -867,14 +867,28 @@ static rpl_status run_begin(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
 }
 
 /* Fails the run if a ring peer it waits on announced that it gave up (memory reads, on every
- * wait) or has died (a lock probe per peer, at most every LIVENESS_S). */
-static rpl_status watch_shm_peers(rpl_tr *tr, double now, rpl_error *err) {
+ * wait) or has died (a lock probe per peer, at most every LIVENESS_S). A peer may write its
+ * last message of the run and close right after our receive pass looked at its ring: what it
+ * wrote before raising the flag is visible (the flag is released after the writes), so a run
+ * that only receives from it reads once more and fails only if that moves nothing. Sets
+ * *moved when that read made progress. */
+static rpl_status watch_shm_peers(rpl_tr *tr, rpl_xfer *xs, int n, double now, int *moved,
+                                  rpl_error *err) {
   int probe = now >= tr->next_probe;
   if (probe) tr->next_probe = now + LIVENESS_S;
   for (int p = 0; p < tr->size; p++) {
     if (tr->conns[p].state != CONN_SHM) continue;
     if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
     if (!probe && !rpl_shm_peer_flagged(tr->shm, p)) continue;
+    if (tr->act_send[p] < 0 && rpl_shm_usable(tr->shm, p)) {
+      uint64_t before = tr->counters.bytes_received;
+      rpl_status st = do_recv(tr, xs, n, p, err);
+      if (st != RPL_OK) return st;
+      if (tr->counters.bytes_received != before || tr->act_recv[p] < 0) {
+        *moved = 1;
+        continue;
+      }
+    }
     rpl_status st = rpl_shm_check_peer(tr->shm, p, probe, tr->peer_cause,
                                        sizeof tr->peer_cause, err);
     if (st != RPL_OK) return st;
@@ -1001,7 +1015,7 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
     if (awaiting) ms = RPL_MIN(ms, (int)(LISTEN_PROBE_S * 1000.0)); /* to probe again */
     if (shm_pending) {
       /* Ring peers are watched in every wait, whatever else the run waits for. */
-      rpl_status st = watch_shm_peers(tr, now, err);
+      rpl_status st = watch_shm_peers(tr, xs, n, now, &shm_moved, err);
       if (st != RPL_OK) return st;
       if (shm_moved) ms = 0;
       else if (!tcp_pending) {
