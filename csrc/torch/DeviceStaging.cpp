@@ -147,21 +147,18 @@ StagedSubmitter::~StagedSubmitter() {
   stop("the process group was destroyed", true);
 }
 
-bool StagedSubmitter::enqueueIfNeeded(Item item) {
+void StagedSubmitter::enqueue(Item item) {
   std::lock_guard<std::mutex> g(mu_);
-  if (queue_.empty() && item.stage == nullptr) {
-    return false;
-  }
   if (stopping_) {
     item.fail(Failure::kStopped, stopWhy_);
-    return true;
+    return;
   }
   if (!thread_.joinable()) {
     thread_ = std::thread([this] { loop(); });  // may throw: before anything is queued
   }
   queue_.push_back(std::move(item));
+  queued_.fetch_add(1, std::memory_order_release);
   cv_.notify_one();
-  return true;
 }
 
 void StagedSubmitter::stop(const std::string& why, bool join) {
@@ -209,6 +206,7 @@ void StagedSubmitter::loop() {
     }
     std::lock_guard<std::mutex> g(mu_);
     queue_.pop_front();  // deque: `item` stayed valid while others were pushed behind it
+    queued_.fetch_sub(1, std::memory_order_release);  // after its submission: order kept
   }
 }
 

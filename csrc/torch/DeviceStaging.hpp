@@ -25,6 +25,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -111,10 +112,14 @@ class StagedSubmitter {
   StagedSubmitter(const StagedSubmitter&) = delete;
   StagedSubmitter& operator=(const StagedSubmitter&) = delete;
 
-  // Called with the group's submit lock held, so the order of calls is the issue order.
-  // Returns true if the operation was queued (the thread submits it); false if the queue is
-  // empty and the item has no stage: the caller submits it now.
-  bool enqueueIfNeeded(Item item);
+  // Both called with the group's submit lock held, so the order of calls is the issue order.
+  // idle(): nothing is queued or being submitted, so a call without staging may go to the
+  // core directly (one atomic load: the path of every host call). enqueue(): the thread
+  // submits the operation after those queued before it (or fails it once stopped).
+  bool idle() const {
+    return queued_.load(std::memory_order_acquire) == 0;
+  }
+  void enqueue(Item item);
   // Stops the thread: queued operations not yet submitted fail (kStopped, `why`). With join,
   // waits for it.
   void stop(const std::string& why, bool join);
@@ -126,6 +131,7 @@ class StagedSubmitter {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Item> queue_;
+  std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_
   bool stopping_ = false;
   std::string stopWhy_;
   std::thread thread_;

@@ -993,29 +993,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
     }
     // Staged operations (and any issued behind one) reach the core from the staging thread
     // once their device copies are done; from here on they complete like any other.
-    StagedSubmitter::Item item;
-    item.stage = ctx->stage.get();
-    item.submit = [this, ctx] {
-      rpl_status st = RPL_OK;
-      std::string msg;
-      {
-        std::lock_guard<std::mutex> g2(submitMu_);
-        submitToCore(ctx, &st, &msg);
-      }
-      if (st != RPL_OK) {
-        ctx->recordError(st, msg);
-      }
-      if (ctx->pending.fetch_sub(1) == 1) {
-        ctx->executor->push(ctx);
-      }
-    };
-    item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg) {
-      failUnsubmitted(
-          ctx, why == StagedSubmitter::Failure::kTimeout ? RPL_ERR_TIMEOUT : RPL_ERR_CLOSED,
-          msg);
-    };
-    deferred = stager_->enqueueIfNeeded(std::move(item));
+    deferred = ctx->stage != nullptr || !stager_->idle();
     if (deferred) {
+      StagedSubmitter::Item item;
+      item.stage = ctx->stage.get();
+      item.submit = [this, ctx] {
+        rpl_status st = RPL_OK;
+        std::string msg;
+        {
+          std::lock_guard<std::mutex> g2(submitMu_);
+          submitToCore(ctx, &st, &msg);
+        }
+        if (st != RPL_OK) {
+          ctx->recordError(st, msg);
+        }
+        if (ctx->pending.fetch_sub(1) == 1) {
+          ctx->executor->push(ctx);
+        }
+      };
+      item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg) {
+        failUnsubmitted(
+            ctx, why == StagedSubmitter::Failure::kTimeout ? RPL_ERR_TIMEOUT : RPL_ERR_CLOSED,
+            msg);
+      };
+      stager_->enqueue(std::move(item));
       ++nextSeq_;  // it always completes, with an error if it never reaches the core
     } else {
       accepted = submitToCore(ctx, &firstFail, &failMsg);
