@@ -285,9 +285,9 @@ def tail(path: str, n: int = 60) -> str:
         return ""
 
 
-def launch(args, cmd: list, out_path: str, err_path: str, timeout: float):
-    """Runs one torchrun launch in its own session (so that a timeout kills torchrun and its
-    workers together); returns (exit status or None if killed, wall seconds). With test hosts,
+def launch(args, train_args: list, out_path: str, err_path: str, timeout: float):
+    """Runs train_digits.py with ``train_args`` under torchrun, in its own session (so that a
+    timeout kills torchrun and its workers together); returns (exit status or None if killed, wall seconds). With test hosts,
     one torchrun per host (node 0's output in out_path, node i's in out_path + ".node<i>");
     the status is the first non-zero one."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -301,12 +301,12 @@ def launch(args, cmd: list, out_path: str, err_path: str, timeout: float):
             sfx = f".node{i}" if i else ""
             fo, fe = open(out_path + sfx, "w"), open(err_path + sfx, "w")
             files += [fo, fe]
+            cmd = torchrun(args, node=i) + train_args
             if args.hosts is None:
                 procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fo, stderr=fe,
                                               start_new_session=True))
             else:
-                node_cmd = torchrun(args, node=i) + cmd[len(torchrun(args)):]
-                procs.append(args.hosts.popen(i, node_cmd, cwd=REPO, env=env, stdout=fo,
+                procs.append(args.hosts.popen(i, cmd, cwd=REPO, env=env, stdout=fo,
                                               stderr=fe, start_new_session=True))
         deadline = time.monotonic() + timeout
         codes = []
@@ -366,9 +366,9 @@ def calibrate(args, workload: str) -> dict:
     os.makedirs(logdir, exist_ok=True)
     out_path = os.path.join(logdir, "calibration.out")
     err_path = os.path.join(logdir, "calibration.err")
-    cmd = torchrun(args) + ["--strategy", "allreduce", "--backend", "gloo",
-                            *cfg["model_args"], "--calibrate-only", "--seed", str(args.seed)]
-    rc, _ = launch(args, cmd, out_path, err_path, 300)
+    train_args = ["--strategy", "allreduce", "--backend", "gloo", *cfg["model_args"],
+                  "--calibrate-only", "--seed", str(args.seed)]
+    rc, _ = launch(args, train_args, out_path, err_path, 300)
     rec = json_event(out_path, "calibration") if rc == 0 else None
     if rec is None:
         sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")
@@ -391,7 +391,7 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
             pass
     spec = straggler_spec(scenario, args.workers)
     # no evaluations during training: snapshots, evaluated afterwards (see snapshots.py)
-    cmd = torchrun(args) + [
+    train_args = [
         *strategy_args(strategy, args.workers), *cfg["model_args"], "--momentum", "0.9",
         "--steps", "1000000", "--time-limit", str(cfg["time_limit"]), "--eval-every", "0",
         "--snapshot-every", str(cfg["snapshot_every"]), "--sync-every", str(cfg["sync_every"]),
@@ -401,14 +401,14 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         "--step-s", f"{calib['step_s']:.6g}",
         "--log-dir", rank_dir, "--quiet", "--timeout", str(max(60.0, cfg["run_timeout"] / 2))]
     if spec:
-        cmd += ["--straggler", spec]
-    cmd += args.extra.split()
+        train_args += ["--straggler", spec]
+    train_args += args.extra.split()
     res = {"workload": workload, "scenario": scenario, "strategy": strategy,
            "repeat": repeat, "label": strategy_label(strategy, args.workers),
            "straggler": spec, "workers": args.workers, "compute_s": calib["compute_s"],
-           "step_s": calib["step_s"], "cmd": cmd, "stdout": out_path, "stderr": err_path,
-           "rank_logs": rank_dir}
-    rc, wall = launch(args, cmd, out_path, err_path, cfg["run_timeout"])
+           "step_s": calib["step_s"], "cmd": torchrun(args) + train_args, "stdout": out_path,
+           "stderr": err_path, "rank_logs": rank_dir}
+    rc, wall = launch(args, train_args, out_path, err_path, cfg["run_timeout"])
     res["launch_s"] = round(wall, 2)
     if rc is None:
         res["error"] = f"timed out after {cfg['run_timeout']:.0f} s (killed)"
