@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -568,7 +569,22 @@ static void *progress_main(void *arg) {
   rpl_set_thread_name(tname); /* truncated to 15 characters */
   for (;;) {
     pthread_mutex_lock(&c->mu);
-    while (!c->head && !c->closing) pthread_cond_wait(&c->cv, &c->mu);
+    while (!c->head && !c->closing) {
+      if (!rpl_tr_wants_idle(c->tr)) {
+        pthread_cond_wait(&c->cv, &c->mu);
+        continue;
+      }
+      pthread_mutex_unlock(&c->mu);
+      rpl_tr_idle(c->tr);
+      pthread_mutex_lock(&c->mu);
+      if (c->head || c->closing) break;
+      struct timespec until;
+      clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
+      long ns = until.tv_nsec + (long)(RPL_TR_IDLE_S * 1e9);
+      until.tv_sec += ns / 1000000000L;
+      until.tv_nsec = ns % 1000000000L;
+      pthread_cond_timedwait(&c->cv, &c->mu, &until);
+    }
     rpl_op *op = c->head;
     if (!op) {
       pthread_mutex_unlock(&c->mu);
@@ -695,7 +711,7 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
 
-  rpl_status st = rpl_tr_create(c->rank, c->size, cfg->bind_addr, &c->tr, err);
+  rpl_status st = rpl_tr_create(c->rank, c->size, cfg->bind_addr, cfg->use_ucx, &c->tr, err);
   if (st != RPL_OK) goto fail;
 
   /* Exchange addresses: publish ours (with a hash of our host key, so peers can tell who
@@ -833,6 +849,7 @@ void rpl_comm_get_counters(const rpl_comm *c, rpl_comm_counters *out) {
   out->bytes_sent = t.bytes_sent;
   out->bytes_received = t.bytes_received;
   out->connections = t.connections;
+  out->ucx_connections = t.ucx_connections;
 }
 
 rpl_status rpl_comm_enable_partial(rpl_comm *c, const rpl_partial_config *cfg, rpl_error *err) {

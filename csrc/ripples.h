@@ -85,6 +85,7 @@ const char *rpl_dtype_name(rpl_dtype dtype);      /* "float32", ...; "?" if unkn
 const char *rpl_redop_name(rpl_redop op);         /* "SUM", ... */
 const char *rpl_status_name(rpl_status status);   /* "RPL_ERR_TIMEOUT", ... */
 int rpl_dtype_is_floating(rpl_dtype dtype);
+int rpl_has_ucx(void); /* 1 if this build can use UCX (rpl_comm_config.use_ucx) */
 
 /* RPL_OK if `op` can reduce `dtype` (err untouched), else RPL_ERR_UNSUPPORTED with a message. */
 rpl_status rpl_reduce_check(rpl_dtype dtype, rpl_redop op, rpl_error *err);
@@ -114,6 +115,8 @@ typedef struct rpl_comm_config {
   const char *host_key;    /* ranks with equal keys talk through shared memory; NULL = this
                             * machine's hostname and boot id */
   int tcp_only;            /* never use shared memory */
+  int use_ucx;             /* reach peers not on shared memory through UCX instead of TCP
+                            * (fails if this build has no UCX: rpl_has_ucx) */
   size_t ring_bytes;       /* shared-memory ring per peer pair; 0 = default (1 MiB) */
 } rpl_comm_config;
 
@@ -192,6 +195,7 @@ typedef struct rpl_comm_counters {
   uint64_t bytes_sent;
   uint64_t bytes_received;
   uint64_t connections;
+  uint64_t ucx_connections; /* of those, UCX endpoints (transport "ucx") */
 } rpl_comm_counters;
 
 void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);

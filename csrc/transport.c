@@ -1,5 +1,6 @@
 /* transport.c - the communicator's byte streams: shared-memory rings to peers on this host,
- * non-blocking TCP sockets to the others, one framing and one run loop for both. */
+ * non-blocking TCP sockets or UCX endpoints (ucx.h) to the others, one framing and one run
+ * loop for all of them. */
 #include "transport.h"
 
 #include <arpa/inet.h>
@@ -20,12 +21,15 @@
 #include "common.h"
 #include "kernels.h"
 #include "shm.h"
+#include "ucx.h"
 
 #define HDR_SIZE 40
 #define HELLO_SIZE 24
 #define DATA_MAGIC 0x31444c52u  /* "RLD1" little-endian */
 #define HELLO_MAGIC 0x31484c52u /* "RLH1" */
 #define BYE_MAGIC 0x31424c52u   /* "RLB1": a goodbye, see say_goodbye */
+#define FIN_MAGIC 0x31464c52u   /* "RLF1": UCX only: the sender leaves after success */
+#define ACK_MAGIC 0x31414c52u   /* "RLA1": the answer: everything before the FIN was read */
 #define HELLO_WAIT_S 5.0        /* a peer sends its hello right after connecting */
 #define CAUSE_LEN 320           /* bytes of a failure's cause passed on to peers */
 /* How often a waiting rank makes sure its peers are still there, where nothing else would tell
@@ -35,6 +39,12 @@
 #define LISTEN_PROBE_S 0.5
 /* Reduce arriving data in pieces this large, so reduction overlaps the rest of the transfer. */
 #define REDUCE_GRAIN (256u * 1024u)
+/* How long closing a UCX endpoint after a goodbye lets UCX deliver it. */
+#define UCX_LINGER_S 0.2
+/* How long a rank leaving after success waits for its UCX peers to read what it sent. */
+#define UCX_FIN_WAIT_S 2.0
+/* Accepted UCX endpoints waiting for their hello (a flood of strangers beyond that is closed). */
+#define UCX_MAX_NEW 64
 
 enum { CONN_NONE = 0, CONN_CONNECTING, CONN_READY, CONN_SHM };
 enum { RX_HEADER = 0, RX_XFER, RX_STASH };
@@ -59,7 +69,17 @@ typedef struct conn {
   stash_msg *stash_head, *stash_tail; /* complete unexpected p2p messages, in arrival order */
   int tx_mid;   /* a message of ours is half-written on the socket: no goodbye may follow */
   int probe_fd; /* a connection attempt to the peer's listener (see probe_listener), or -1 */
+  rpl_ucx_ep *ux; /* the link is a UCX endpoint (state CONN_READY, fd -1), or NULL */
+  int ux_linger;  /* a goodbye was written on ux: closing lets UCX deliver it */
 } conn;
+
+/* An accepted UCX endpoint until its hello says which lower rank it is. */
+typedef struct ux_new {
+  rpl_ucx_ep *ep;
+  double since;
+  unsigned char hello[HELLO_SIZE];
+  size_t got;
+} ux_new;
 
 struct rpl_tr {
   int rank, size;
@@ -88,6 +108,11 @@ struct rpl_tr {
   char cause[CAUSE_LEN];
   char peer_cause[CAUSE_LEN];
   rpl_shm *shm; /* rings to local peers, or NULL */
+  /* UCX links to the peers not on shared memory (transport "ucx"), or NULL: TCP. */
+  rpl_ucx *ucx;
+  unsigned *peer_uport; /* each peer's UCX listener port, 0 when it does not use UCX */
+  ux_new ux_new[UCX_MAX_NEW];
+  int n_ux_new;
   rpl_tr_counters counters;
 };
 
@@ -142,7 +167,7 @@ static void tune_data_socket(int fd) {
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 }
 
-rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, rpl_tr **out,
+rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, int use_ucx, rpl_tr **out,
                          rpl_error *err) {
   *out = NULL;
   rpl_tr *tr = calloc(1, sizeof *tr);
@@ -156,10 +181,11 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, rpl_tr **out
   tr->conns = calloc((size_t)size, sizeof *tr->conns);
   tr->act_send = calloc((size_t)size, sizeof(int));
   tr->act_recv = calloc((size_t)size, sizeof(int));
-  tr->pfds = calloc((size_t)size + 2, sizeof *tr->pfds);
-  tr->pfd_peer = calloc((size_t)size + 2, sizeof(int));
+  tr->pfds = calloc((size_t)size + 3, sizeof *tr->pfds);
+  tr->pfd_peer = calloc((size_t)size + 3, sizeof(int));
+  tr->peer_uport = calloc((size_t)size, sizeof *tr->peer_uport);
   if (!tr->peer_addr || !tr->peer_nonce || !tr->conns || !tr->act_send || !tr->act_recv ||
-      !tr->pfds || !tr->pfd_peer) {
+      !tr->pfds || !tr->pfd_peer || !tr->peer_uport) {
     rpl_tr_destroy(tr);
     return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating the transport");
   }
@@ -193,6 +219,13 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, rpl_tr **out
     rpl_tr_destroy(tr);
     return rpl_fail_errno(err, RPL_ERR_SYSTEM, e, "cannot listen on %s", addr);
   }
+  if (use_ucx) {
+    rpl_status st = rpl_ucx_create(&tr->self.sin_addr, &tr->ucx, err);
+    if (st != RPL_OK) {
+      rpl_tr_destroy(tr);
+      return st;
+    }
+  }
   *out = tr;
   return RPL_OK;
 }
@@ -217,6 +250,9 @@ static void close_conn(conn *c) {
     shutdown(c->fd, SHUT_RDWR);
     close(c->fd);
   }
+  if (c->ux) rpl_ucx_close(c->ux, c->ux_linger ? UCX_LINGER_S : 0);
+  c->ux = NULL;
+  c->ux_linger = 0;
   c->fd = -1;
   c->state = CONN_NONE;
   c->rx_mode = RX_HEADER;
@@ -237,6 +273,11 @@ static void say_goodbye(rpl_tr *tr, conn *c) {
   memset(&none, 0, sizeof none);
   encode_header(h, &none, n);
   put32(h, BYE_MAGIC);
+  if (c->ux) { /* delivered while close_conn lingers; tr->cause outlives that */
+    if (!rpl_ucx_writing(c->ux) && rpl_ucx_write(c->ux, h, HDR_SIZE, tr->cause, n) >= 0)
+      c->ux_linger = 1;
+    return;
+  }
   struct iovec iov[2] = {{h, HDR_SIZE}, {tr->cause, n}};
   struct msghdr mh = {.msg_iov = iov, .msg_iovlen = 2};
   ssize_t r = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -253,16 +294,79 @@ void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
 
 void rpl_tr_set_shm(rpl_tr *tr, rpl_shm *shm) { tr->shm = shm; }
 
+/* Leaving after success over UCX. Unlike a socket's kernel, UCX drops what a peer has not
+ * read yet once this end disconnects, so each UCX peer gets a FIN after our last message and
+ * answers it when its reads reach it; we wait for the answers (up to UCX_FIN_WAIT_S). A peer
+ * that does not read from us meanwhile sees us gone when it next does. */
+static void ucx_leave(rpl_tr *tr) {
+  unsigned char fin[HDR_SIZE];
+  rpl_meta none;
+  memset(&none, 0, sizeof none);
+  encode_header(fin, &none, 0);
+  put32(fin, FIN_MAGIC);
+  /* Per peer: -1 not waited for, else the payload bytes still to skip before a header. */
+  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size);
+  if (!skip) return;
+  int waiting = 0;
+  for (int i = 0; i < tr->size; i++) {
+    conn *c = &tr->conns[i];
+    skip[i] = -1;
+    /* Only a link at a message boundary both ways can carry a FIN and be read for its answer. */
+    if (!c->ux || rpl_ucx_writing(c->ux) || c->rx_mode != RX_HEADER ||
+        rpl_ucx_write(c->ux, fin, HDR_SIZE, NULL, 0) < 0)
+      continue;
+    skip[i] = 0;
+    waiting++;
+  }
+  double end = rpl_now() + UCX_FIN_WAIT_S;
+  while (waiting > 0 && rpl_now() < end) {
+    rpl_ucx_progress(tr->ucx);
+    for (int i = 0; i < tr->size; i++) {
+      conn *c = &tr->conns[i];
+      ssize_t r = 1;
+      while (skip[i] >= 0 && r > 0) {
+        unsigned char junk[4096];
+        if (skip[i] > 0) { /* a message we no longer want */
+          r = rpl_ucx_read(c->ux, junk, (size_t)RPL_MIN((uint64_t)skip[i], sizeof junk));
+          if (r > 0) skip[i] -= r;
+        } else if ((r = rpl_ucx_read(c->ux, c->rx_hdr + c->rx_hdr_got,
+                                     HDR_SIZE - c->rx_hdr_got)) > 0 &&
+                   (c->rx_hdr_got += (size_t)r) == HDR_SIZE) {
+          c->rx_hdr_got = 0;
+          uint32_t magic = get32(c->rx_hdr);
+          if (magic == FIN_MAGIC) { /* the peer leaves too: answer it, expect no answer */
+            put32(c->rx_hdr, ACK_MAGIC);
+            if (!rpl_ucx_writing(c->ux)) rpl_ucx_write(c->ux, c->rx_hdr, HDR_SIZE, NULL, 0);
+          }
+          if (magic == ACK_MAGIC || magic == FIN_MAGIC) r = -1; /* read up to our FIN */
+          else skip[i] = (int64_t)get64(c->rx_hdr + 32);
+        }
+        if (r < 0) { /* answered, or gone */
+          skip[i] = -1;
+          waiting--;
+        }
+      }
+    }
+  }
+  free(skip);
+}
+
 void rpl_tr_abort(rpl_tr *tr) {
   if (!tr) return;
+  if (tr->ucx && !tr->aborted && !tr->cause[0]) ucx_leave(tr);
   tr->aborted = 1;
   if (tr->shm) rpl_shm_set_cause(tr->shm, tr->cause); /* "" replaces a stale one */
   rpl_shm_close(tr->shm);
   if (tr->conns)
     for (int i = 0; i < tr->size; i++) {
       say_goodbye(tr, &tr->conns[i]);
+      /* Leaving after success: UCX delivers what we wrote before it disconnects (a socket's
+       * kernel does that by itself). */
+      if (!tr->cause[0]) tr->conns[i].ux_linger = 1;
       close_conn(&tr->conns[i]);
     }
+  for (int i = 0; i < tr->n_ux_new; i++) rpl_ucx_close(tr->ux_new[i].ep, 0);
+  tr->n_ux_new = 0;
   if (tr->listen_fd >= 0) close(tr->listen_fd);
   tr->listen_fd = -1;
 }
@@ -271,6 +375,8 @@ void rpl_tr_destroy(rpl_tr *tr) {
   if (!tr) return;
   rpl_tr_abort(tr);
   rpl_shm_destroy(tr->shm);
+  rpl_ucx_destroy(tr->ucx);
+  free(tr->peer_uport);
   if (tr->wake_fd >= 0) close(tr->wake_fd);
   free(tr->peer_addr);
   free(tr->peer_nonce);
@@ -285,18 +391,22 @@ void rpl_tr_destroy(rpl_tr *tr) {
 void rpl_tr_address(const rpl_tr *tr, char *buf, size_t cap) {
   char ip[INET_ADDRSTRLEN];
   inet_ntop(AF_INET, &tr->self.sin_addr, ip, sizeof ip);
-  snprintf(buf, cap, "%s:%u:%016" PRIx64, ip, (unsigned)ntohs(tr->self.sin_port), tr->nonce);
+  snprintf(buf, cap, "%s:%u:%016" PRIx64 ":%u", ip, (unsigned)ntohs(tr->self.sin_port),
+           tr->nonce, tr->ucx ? rpl_ucx_port(tr->ucx) : 0u);
 }
 
 rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error *err) {
   char ip[64];
   unsigned port = 0;
   uint64_t nonce = 0;
+  unsigned uport = 0;
   const char *c1 = strchr(address, ':');
   const char *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
-  if (!c1 || !c2 || (size_t)(c1 - address) >= sizeof ip ||
+  const char *c3 = c2 ? strchr(c2 + 1, ':') : NULL;
+  if (!c1 || !c2 || !c3 || (size_t)(c1 - address) >= sizeof ip ||
       sscanf(c1 + 1, "%u", &port) != 1 || port == 0 || port > 65535 ||
-      sscanf(c2 + 1, "%" SCNx64, &nonce) != 1)
+      sscanf(c2 + 1, "%" SCNx64, &nonce) != 1 || sscanf(c3 + 1, "%u", &uport) != 1 ||
+      uport > 65535)
     return rpl_fail(err, RPL_ERR_INVALID, "malformed address '%.80s' published by rank %d",
                     address, peer);
   memcpy(ip, address, (size_t)(c1 - address));
@@ -308,6 +418,13 @@ rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error 
   if (inet_pton(AF_INET, ip, &sa->sin_addr) != 1)
     return rpl_fail(err, RPL_ERR_INVALID, "rank %d published a bad IPv4 address '%s'", peer, ip);
   tr->peer_nonce[peer] = nonce;
+  tr->peer_uport[peer] = uport;
+  /* Both ends of a link must agree on its kind: the lower rank connects with its own. */
+  if (!tr->ucx != !uport)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "rank %d %s UCX across hosts but this rank %s (every rank of a group must "
+                    "pass the same transport option)", peer, uport ? "uses" : "does not use",
+                    tr->ucx ? "does" : "does not");
   return RPL_OK;
 }
 
@@ -329,6 +446,7 @@ void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
   out->bytes_sent = __atomic_load_n(&tr->counters.bytes_sent, __ATOMIC_RELAXED);
   out->bytes_received = __atomic_load_n(&tr->counters.bytes_received, __ATOMIC_RELAXED);
   out->connections = __atomic_load_n(&tr->counters.connections, __ATOMIC_RELAXED);
+  out->ucx_connections = __atomic_load_n(&tr->counters.ucx_connections, __ATOMIC_RELAXED);
 }
 
 /* ---- connection establishment -------------------------------------------------------- */
@@ -337,6 +455,81 @@ static void peer_desc(const rpl_tr *tr, int peer, char *buf, size_t cap) {
   char ip[INET_ADDRSTRLEN];
   inet_ntop(AF_INET, &tr->peer_addr[peer].sin_addr, ip, sizeof ip);
   snprintf(buf, cap, "rank %d (%s:%u)", peer, ip, (unsigned)ntohs(tr->peer_addr[peer].sin_port));
+}
+
+/* What the connecting (lower) rank says first: who it is, proving it read the peer's nonce. */
+static void make_hello(const rpl_tr *tr, int peer, unsigned char *hello) {
+  put32(hello, HELLO_MAGIC);
+  put32(hello + 4, (uint32_t)tr->rank);
+  put32(hello + 8, (uint32_t)tr->size);
+  put32(hello + 12, 0);
+  put64(hello + 16, tr->peer_nonce[peer]);
+}
+
+/* The lower rank of a pair that a hello names, or -1 if it is not one for us. */
+static int hello_peer(const rpl_tr *tr, const unsigned char *h) {
+  if (get32(h) != HELLO_MAGIC || get64(h + 16) != tr->nonce || get32(h + 8) != (uint32_t)tr->size)
+    return -1;
+  uint32_t peer = get32(h + 4);
+  return peer < (uint32_t)tr->rank ? (int)peer : -1;
+}
+
+/* A peer connected afresh: its old link (if any) is dead. If this run was still using it, the
+ * run fails (see run_inner). */
+static void replace_conn(rpl_tr *tr, int peer) {
+  if (tr->conns[peer].state == CONN_NONE) return;
+  if (tr->act_send[peer] >= 0 || tr->act_recv[peer] >= 0) tr->replaced = peer;
+  close_conn(&tr->conns[peer]);
+}
+
+/* UCX: the lower rank connects to the peer's UCX listener and greets it on the new stream. */
+static rpl_status start_connect_ucx(rpl_tr *tr, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  unsigned char hello[HELLO_SIZE];
+  make_hello(tr, peer, hello);
+  struct sockaddr_in to = tr->peer_addr[peer];
+  to.sin_port = htons((uint16_t)tr->peer_uport[peer]);
+  rpl_status st = rpl_ucx_connect(tr->ucx, &to, hello, sizeof hello, &c->ux, err);
+  if (st != RPL_OK) return st;
+  c->state = CONN_READY;
+  count_add(&tr->counters.connections, 1);
+  count_add(&tr->counters.ucx_connections, 1);
+  return RPL_OK;
+}
+
+/* UCX: takes the endpoints peers connected, and keeps those whose hello comes from a lower rank
+ * of this job; strangers, and endpoints silent for HELLO_WAIT_S, are closed. */
+static void accept_ucx(rpl_tr *tr) {
+  rpl_ucx_ep *e;
+  while ((e = rpl_ucx_accept(tr->ucx))) {
+    if (tr->n_ux_new == UCX_MAX_NEW) {
+      rpl_ucx_close(e, 0);
+      continue;
+    }
+    tr->ux_new[tr->n_ux_new++] = (ux_new){.ep = e, .since = rpl_now()};
+  }
+  double now = rpl_now();
+  for (int i = 0; i < tr->n_ux_new;) {
+    ux_new *w = &tr->ux_new[i];
+    ssize_t r = 0;
+    while (w->got < HELLO_SIZE &&
+           (r = rpl_ucx_read(w->ep, w->hello + w->got, HELLO_SIZE - w->got)) > 0)
+      w->got += (size_t)r;
+    int peer = w->got == HELLO_SIZE ? hello_peer(tr, w->hello) : -1;
+    if (peer >= 0) {
+      replace_conn(tr, peer);
+      tr->conns[peer].ux = w->ep;
+      tr->conns[peer].state = CONN_READY;
+      count_add(&tr->counters.connections, 1);
+      count_add(&tr->counters.ucx_connections, 1);
+    } else if (w->got == HELLO_SIZE || r < 0 || now - w->since > HELLO_WAIT_S) {
+      rpl_ucx_close(w->ep, 0);
+    } else {
+      i++;
+      continue;
+    }
+    *w = tr->ux_new[--tr->n_ux_new];
+  }
 }
 
 static rpl_status start_connect(rpl_tr *tr, int peer, rpl_error *err) {
@@ -369,11 +562,7 @@ static rpl_status finish_connect(rpl_tr *tr, int peer, rpl_error *err) {
     return rpl_fail_errno(err, RPL_ERR_PEER, soerr, "cannot connect to %s (has it exited?)", d);
   }
   unsigned char hello[HELLO_SIZE];
-  put32(hello, HELLO_MAGIC);
-  put32(hello + 4, (uint32_t)tr->rank);
-  put32(hello + 8, (uint32_t)tr->size);
-  put32(hello + 12, 0);
-  put64(hello + 16, tr->peer_nonce[peer]);
+  make_hello(tr, peer, hello);
   /* A fresh socket's send buffer takes 24 bytes at once. */
   if (send(c->fd, hello, sizeof hello, MSG_NOSIGNAL) != (ssize_t)sizeof hello) {
     int e = errno;
@@ -407,6 +596,24 @@ static int read_full_wait(int fd, unsigned char *buf, size_t n, double wait_s) {
   return 0;
 }
 
+/* Reads exactly n bytes from a link within wait_s (error paths: a goodbye and its text). */
+static int link_read_wait(rpl_tr *tr, conn *c, unsigned char *buf, size_t n, double wait_s) {
+  if (!c->ux) return read_full_wait(c->fd, buf, n, wait_s);
+  double end = rpl_now() + wait_s;
+  size_t got = 0;
+  while (got < n) {
+    ssize_t r = rpl_ucx_read(c->ux, buf + got, n - got);
+    if (r < 0) return -1;
+    if (r > 0) {
+      got += (size_t)r;
+      continue;
+    }
+    if (rpl_now() > end) return -1;
+    rpl_ucx_progress(tr->ucx);
+  }
+  return 0;
+}
+
 /* Accepts every pending connection; keeps those that present a valid hello from a lower rank.
  * Anything else (a stranger, a stale job) is closed without affecting the run. */
 static void accept_pending(rpl_tr *tr) {
@@ -417,22 +624,13 @@ static void accept_pending(rpl_tr *tr) {
     /* Bounded by the run's deadline too (with a floor, so a hello already on its way is read). */
     double wait = RPL_MAX(0.05, RPL_MIN(HELLO_WAIT_S, tr->run_deadline - rpl_now()));
     if (!(wait <= HELLO_WAIT_S)) wait = HELLO_WAIT_S;
-    if (read_full_wait(fd, h, sizeof h, wait) != 0 || get32(h) != HELLO_MAGIC ||
-        get64(h + 16) != tr->nonce || get32(h + 8) != (uint32_t)tr->size) {
+    int peer = read_full_wait(fd, h, sizeof h, wait) == 0 ? hello_peer(tr, h) : -1;
+    if (peer < 0) {
       close(fd);
       continue;
     }
-    uint32_t peer = get32(h + 4);
-    if (peer >= (uint32_t)tr->rank) {
-      close(fd);
-      continue;
-    }
-    if (tr->conns[peer].state != CONN_NONE) {
-      /* The peer dropped its end after a failed exchange and connected afresh: its old stream
-       * is dead. If this run was still using it, the run fails (see rpl_tr_run). */
-      if (tr->act_send[peer] >= 0 || tr->act_recv[peer] >= 0) tr->replaced = (int)peer;
-      close_conn(&tr->conns[peer]);
-    }
+    /* The peer dropped its end after a failed exchange and connected afresh. */
+    replace_conn(tr, peer);
     tune_data_socket(fd);
     tr->conns[peer].fd = fd;
     tr->conns[peer].state = CONN_READY;
@@ -508,7 +706,7 @@ static rpl_status goodbye_error(rpl_tr *tr, int peer, uint64_t len, const char *
   char text[CAUSE_LEN];
   size_t n = 0;
   if (len > 0 && len < sizeof text &&
-      read_full_wait(tr->conns[peer].fd, (unsigned char *)text, (size_t)len, 0.5) == 0)
+      link_read_wait(tr, &tr->conns[peer], (unsigned char *)text, (size_t)len, 0.5) == 0)
     n = (size_t)len;
   text[n] = '\0';
   for (size_t i = 0; i < n; i++) /* printable text only, whatever arrived */
@@ -527,6 +725,16 @@ static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doin
                               rpl_error *err) {
   conn *c = &tr->conns[peer];
   unsigned char h[HDR_SIZE];
+  if (c->ux) {
+    if (c->rx_mode == RX_HEADER && c->rx_hdr_got == 0 && link_read_wait(tr, c, h, HDR_SIZE, 0) == 0 &&
+        get32(h) == BYE_MAGIC)
+      return goodbye_error(tr, peer, get64(h + 32), doing, err);
+    char d[96];
+    peer_desc(tr, peer, d, sizeof d);
+    return rpl_fail(err, RPL_ERR_PEER,
+                    "lost the UCX connection to %s while this rank was %s (%s: the peer exited, "
+                    "or aborted after an error of its own)", d, doing, rpl_ucx_failure(c->ux));
+  }
   if (c->state == CONN_READY && c->rx_mode == RX_HEADER && c->rx_hdr_got == 0 &&
       recv(c->fd, h, HDR_SIZE, MSG_PEEK | MSG_DONTWAIT) == HDR_SIZE && get32(h) == BYE_MAGIC &&
       recv(c->fd, h, HDR_SIZE, MSG_DONTWAIT) == HDR_SIZE)
@@ -554,7 +762,16 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       niov++;
     }
     ssize_t r;
-    if (c->state == CONN_SHM) {
+    if (c->ux) {
+      /* UCX takes the whole message (the payload in place) and reports it once delivered. */
+      encode_header(hdr, &x->meta, x->len);
+      r = rpl_ucx_write(c->ux, hdr, HDR_SIZE, x->buf, x->len);
+      if (r == 0) {
+        c->tx_mid = 1;
+        return RPL_OK;
+      }
+      if (r < 0) return peer_closed(tr, peer, 0, "sending", err);
+    } else if (c->state == CONN_SHM) {
       r = (ssize_t)rpl_shm_write(tr->shm, peer, iov, niov);
       if (r == 0) return RPL_OK; /* ring full */
     } else {
@@ -705,6 +922,10 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
     if (want && c->state == CONN_SHM) {
       r = (ssize_t)rpl_shm_read(tr->shm, peer, dst, want);
       if (r == 0) return RPL_OK; /* ring empty */
+    } else if (want && c->ux) {
+      r = rpl_ucx_read(c->ux, dst, want);
+      if (r == 0) return RPL_OK;
+      if (r < 0) return peer_closed(tr, peer, 0, "receiving", err);
     } else if (want) {
       r = recv(c->fd, dst, want, MSG_DONTWAIT);
       if (r < 0) {
@@ -726,6 +947,21 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       decode_header(c->rx_hdr, &magic, &m, &len);
       if (magic == BYE_MAGIC && c->state != CONN_SHM)
         return goodbye_error(tr, peer, len, "receiving", err);
+      if (magic == FIN_MAGIC && c->ux) {
+        /* The peer leaves after success and waits until we read this far: tell it. Nothing
+         * else will come from it, and the link is done (no write may follow this one). */
+        unsigned char a[HDR_SIZE];
+        memcpy(a, c->rx_hdr, HDR_SIZE);
+        put32(a, ACK_MAGIC);
+        if (!rpl_ucx_writing(c->ux)) rpl_ucx_write(c->ux, a, HDR_SIZE, NULL, 0);
+        c->tx_mid = 1;
+        char d[96];
+        peer_desc(tr, peer, d, sizeof d);
+        return rpl_fail(err, RPL_ERR_PEER,
+                        "%s closed its process group while this rank was receiving from it "
+                        "(it left: ranks called different collectives, or it finished early)",
+                        d);
+      }
       int target;
       if (tr->p2p && magic == DATA_MAGIC && m.op == RPL_OP_SEND) {
         /* Point-to-point run: the first unfinished receive with this tag takes it. */
@@ -934,6 +1170,26 @@ static rpl_status probe_done(rpl_tr *tr, int peer, rpl_error *err) {
   return soerr == ECONNREFUSED ? refused_error(tr, peer, err) : RPL_OK;
 }
 
+static rpl_status replaced_error(rpl_tr *tr, rpl_error *err) {
+  return rpl_fail(err, RPL_ERR_PEER,
+                  "rank %d reconnected while this rank was still exchanging data with it (it "
+                  "gave up on the operation after an error of its own)", tr->replaced);
+}
+
+/* Moves what a UCX link allows now. A peer that failed while we only send to it fails the run
+ * (what it sent before is read first). */
+static rpl_status ucx_io(rpl_tr *tr, rpl_xfer *xs, int n, int p, rpl_error *err) {
+  conn *c = &tr->conns[p];
+  rpl_status st = RPL_OK;
+  if (tr->act_recv[p] >= 0) st = do_recv(tr, xs, n, p, err);
+  if (st == RPL_OK && tr->act_send[p] >= 0) st = do_send(tr, xs, n, p, err);
+  if (st == RPL_OK && tr->act_send[p] >= 0 && tr->act_recv[p] < 0 && rpl_ucx_failed(c->ux))
+    st = peer_closed(tr, p, 0, "sending", err);
+  return st;
+}
+
+#define UCX_PFD INT32_MIN /* pfd_peer of the UCX worker's event descriptor */
+
 static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int p2p,
                             rpl_error *err) {
   uint64_t completions0 = tr->completions;
@@ -941,6 +1197,12 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
   if (st0 != RPL_OK) return st0;
 
   for (;;) {
+    if (tr->ucx) { /* UCX's callbacks run here: arrivals, completions, new endpoints */
+      rpl_ucx_progress(tr->ucx);
+      tr->replaced = -1;
+      accept_ucx(tr);
+      if (tr->replaced >= 0) return replaced_error(tr, err);
+    }
     /* Shared-memory peers first: move whatever the rings allow, no system call. */
     uint32_t bell = tr->shm ? rpl_shm_doorbell(tr->shm) : 0;
     int shm_pending = 0;
@@ -966,6 +1228,7 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
     int listen_probe = now - tr->run_start >= LISTEN_PROBE_S && now >= tr->next_listen_probe;
     if (listen_probe) tr->next_listen_probe = now + LISTEN_PROBE_S;
     int np = 0, pending = shm_pending, tcp_pending = 0, awaiting = 0;
+    int ux_moved = 0, ux_writing = 0;
     tr->pfds[np] = (struct pollfd){.fd = tr->wake_fd, .events = POLLIN};
     tr->pfd_peer[np++] = -1;
     tr->pfds[np] = (struct pollfd){.fd = tr->listen_fd, .events = POLLIN};
@@ -989,8 +1252,18 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
           }
           continue;
         }
-        rpl_status st = start_connect(tr, p, err);
+        rpl_status st = tr->ucx ? start_connect_ucx(tr, p, err) : start_connect(tr, p, err);
         if (st != RPL_OK) return st;
+      }
+      if (c->ux) { /* no descriptor per link: try it now, wait on the worker's below */
+        uint64_t before = tr->counters.bytes_sent + tr->counters.bytes_received;
+        uint64_t done_before = tr->completions;
+        rpl_status st = ucx_io(tr, xs, n, p, err);
+        if (st != RPL_OK) return st;
+        ux_moved |= tr->counters.bytes_sent + tr->counters.bytes_received != before ||
+                    tr->completions != done_before;
+        ux_writing |= rpl_ucx_writing(c->ux);
+        continue;
       }
       short ev = 0;
       if (c->state == CONN_CONNECTING) ev = POLLOUT;
@@ -1002,6 +1275,10 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       }
       tr->pfds[np] = (struct pollfd){.fd = c->fd, .events = ev};
       tr->pfd_peer[np++] = p;
+    }
+    if (tr->ucx) {
+      tr->pfds[np] = (struct pollfd){.fd = rpl_ucx_fd(tr->ucx), .events = POLLIN};
+      tr->pfd_peer[np++] = UCX_PFD;
     }
     if (!pending) return RPL_OK;
     /* A p2p run returns as soon as any of its transfers completed, so that the engine can
@@ -1028,6 +1305,13 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
         ms = RPL_MIN(ms, 1);
       }
     }
+    if (tr->ucx) {
+      /* Sleep on the worker's descriptor only once UCX says nothing is left to process. A
+       * write under way is looked at every millisecond as well: its completion need not
+       * raise an event on every UCX transport. */
+      if (ux_moved || !rpl_ucx_arm(tr->ucx)) ms = 0;
+      else if (ux_writing) ms = RPL_MIN(ms, 1);
+    }
     int r = poll(tr->pfds, (nfds_t)np, ms);
     if (r < 0) {
       if (errno == EINTR) continue;
@@ -1038,6 +1322,7 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       short re = tr->pfds[k].revents;
       if (!re) continue;
       int p = tr->pfd_peer[k];
+      if (p == UCX_PFD) continue; /* progressed at the top of the loop */
       if (p == -1) {
         uint64_t v;
         ssize_t rr = read(tr->wake_fd, &v, sizeof v);
@@ -1051,11 +1336,7 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       if (p == -2) {
         tr->replaced = -1;
         accept_pending(tr);
-        if (tr->replaced >= 0)
-          return rpl_fail(err, RPL_ERR_PEER,
-                          "rank %d reconnected while this rank was still exchanging data with "
-                          "it (it gave up on the operation after an error of its own)",
-                          tr->replaced);
+        if (tr->replaced >= 0) return replaced_error(tr, err);
         continue;
       }
       if (p <= -3) {
@@ -1120,6 +1401,15 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
 
 rpl_status rpl_tr_run_p2p(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {
   return run_loop(tr, xs, n, deadline, 1, err);
+}
+
+int rpl_tr_wants_idle(const rpl_tr *tr) { return tr->ucx != NULL && !tr->aborted; }
+
+void rpl_tr_idle(rpl_tr *tr) {
+  if (!rpl_tr_wants_idle(tr)) return;
+  rpl_ucx_progress(tr->ucx);
+  for (int p = 0; p < tr->size; p++) tr->act_send[p] = tr->act_recv[p] = -1; /* no run */
+  accept_ucx(tr);
 }
 
 void rpl_tr_p2p_remap(rpl_tr *tr, const int *new_index, int n) {

@@ -1,6 +1,6 @@
 /*
  * transport.h - the transport of one communicator: shared-memory rings to peers on the same
- * host, TCP to the others (internal to csrc/).
+ * host, TCP (or UCX, see ucx.h) to the others (internal to csrc/).
  *
  * Algorithms never touch sockets: they describe one step as a set of transfers (sends and
  * receives, each to or from one peer) and rpl_tr_run moves all of them concurrently until every
@@ -67,14 +67,18 @@ typedef struct rpl_tr_counters {
   uint64_t bytes_sent;
   uint64_t bytes_received;
   uint64_t connections;
+  uint64_t ucx_connections; /* of those, UCX endpoints */
 } rpl_tr_counters;
 
-/* Binds a listening socket on bind_addr (an IPv4 address) with an ephemeral port. */
-rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, rpl_tr **out,
+/* Binds a listening socket on bind_addr (an IPv4 address) with an ephemeral port. With
+ * use_ucx, peers not on shared memory are reached through UCX (ucx.h) instead of TCP sockets,
+ * with the same framing and error semantics; the TCP listener stays, for liveness probes. */
+rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, int use_ucx, rpl_tr **out,
                          rpl_error *err);
 void rpl_tr_destroy(rpl_tr *tr);
 
-/* "ADDR:PORT:NONCE", what peers need to connect; written into buf (cap >= 64). */
+/* "ADDR:PORT:NONCE:UCXPORT" (UCXPORT 0 without UCX), what peers need to connect; written
+ * into buf (cap >= 64). */
 void rpl_tr_address(const rpl_tr *tr, char *buf, size_t cap);
 rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error *err);
 
@@ -117,5 +121,13 @@ void rpl_tr_reset_peer(rpl_tr *tr, int peer);
 void rpl_tr_abort(rpl_tr *tr);
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out);
+
+/* Between runs, UCX (unlike a kernel's sockets) moves nothing unless its worker is driven: a
+ * peer's connection would go unanswered and its data would wait in its sender. The progress
+ * thread, while idle, calls rpl_tr_idle every RPL_TR_IDLE_S when rpl_tr_wants_idle says so;
+ * it takes new connections and lets arriving data be buffered. Same thread as the runs. */
+#define RPL_TR_IDLE_S 0.01
+int rpl_tr_wants_idle(const rpl_tr *tr);
+void rpl_tr_idle(rpl_tr *tr);
 
 #endif /* RPL_TRANSPORT_H */

@@ -12,8 +12,11 @@ command -v clang >/dev/null 2>&1 || need+=(clang)
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 # The test hosts (network namespaces, tests/_hosts.py) need iproute2's ip and tc, and root:
 # asked for only when running as root (the tests skip otherwise).
+# UCX is optional (transport "ucx" is built when its headers are there): installed as root so
+# that CI builds and tests it.
 if [ "$(id -u)" -eq 0 ]; then
   { command -v ip && command -v tc; } >/dev/null 2>&1 || need+=(iproute2)
+  [ -f /usr/include/ucp/api/ucp.h ] || need+=(libucx-dev)
 fi
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -94,7 +94,7 @@ static void *rank_main(void *arg) {
   snprintf(host, sizeof host, "host%d", g_layout.hosts > 0 ? j->rank % g_layout.hosts : 0);
   rpl_comm_config cfg = {.rank = j->rank, .size = j->size, .timeout_s = j->timeout,
                          .name = "test", .small_bytes = 256, .chunk_bytes = 1000,
-                         .host_key = host, .tcp_only = g_layout.tcp_only,
+                         .host_key = host, .tcp_only = g_layout.tcp_only, .use_ucx = g_layout.ucx,
                          .ring_bytes = 64 * 1024 /* small: wrap-around happens often */};
   rpl_error err;
   rpl_status s = rpl_comm_create(&cfg, &st, &j->comm, &err);

@@ -38,10 +38,12 @@ typedef struct job {
 } job;
 
 /* How run_world lays ranks out: `hosts` > 0 simulates that many hosts (rank r on host
- * r % hosts: shared memory inside a host, TCP across); `tcp_only` disables shared memory. */
+ * r % hosts: shared memory inside a host, TCP across); `tcp_only` disables shared memory;
+ * `ucx` takes UCX instead of TCP across hosts. */
 typedef struct world_layout {
   int hosts;
   int tcp_only;
+  int ucx;
 } world_layout;
 extern world_layout g_layout;
 

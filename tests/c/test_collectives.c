@@ -324,5 +324,11 @@ int main(void) {
   run_all();
   g_layout = (world_layout){.hosts = 2};
   run_all();
+  if (rpl_has_ucx()) { /* UCX across the two hosts, and UCX only */
+    g_layout = (world_layout){.hosts = 2, .ucx = 1};
+    run_all();
+    g_layout = (world_layout){.hosts = 1, .tcp_only = 1, .ucx = 1};
+    run_all();
+  }
   return report("collectives");
 }

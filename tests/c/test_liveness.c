@@ -107,7 +107,7 @@ static int node_up(node *nd, int rank, int size, const int *host) {
   memset(nd, 0, sizeof *nd);
   nd->rank = rank;
   nd->size = size;
-  if (rpl_tr_create(rank, size, "127.0.0.1", &nd->tr, &err) != RPL_OK) {
+  if (rpl_tr_create(rank, size, "127.0.0.1", 0, &nd->tr, &err) != RPL_OK) {
     fprintf(stderr, "rank %d: %s\n", rank, err.msg);
     return 0;
   }

@@ -530,5 +530,9 @@ int main(void) {
   run_all();
   g_layout = (world_layout){.hosts = 2};
   run_all();
+  if (rpl_has_ucx()) {
+    g_layout = (world_layout){.hosts = 2, .ucx = 1};
+    run_all();
+  }
   return report("p2p");
 }
