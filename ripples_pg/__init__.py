@@ -19,7 +19,7 @@ from .options import Options
 __version__ = "0.1.0"
 
 __all__ = [
-    "Options", "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "hooks",
+    "Options", "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "has_ucx", "hooks",
     "host_of", "is_registered", "partial", "partial_all_reduce", "pick_bind_addr", "register",
     "stats", "trace", "wrap",
 ]
@@ -45,6 +45,14 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ripples_pg' has no attribute {name!r}")
+
+
+def has_ucx() -> bool:
+    """Whether this build has the UCX transport (``Options(transport="ucx")``): it is built
+    when UCX's development files (Debian: ``libucx-dev``) are present at build time."""
+    from . import _C
+
+    return bool(_C.has_ucx())
 
 
 def is_registered() -> bool:

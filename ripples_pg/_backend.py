@@ -78,7 +78,8 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
         int(opts.small_bytes),
         int(opts.chunk_bytes),
         host_key=_host_key(host_label),
-        tcp_only=opts.transport == "tcp",
+        tcp_only=opts.transport in ("tcp", "ucx_only"),  # no rings of ours
+        use_ucx=opts.transport in ("ucx", "ucx_only"),
         schedule=opts.schedule,
         host_of=host_of,
         endpoint=endpoint,

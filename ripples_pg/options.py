@@ -183,9 +183,11 @@ _FIELDS: dict[str, _Field] = {
                "default."),
         _Field("chunk_bytes", _parse_bytes, 0,
                "Pipeline chunk for large transfers; 0 = core default."),
-        _Field("transport", _choice("auto", "tcp"), "auto",
+        _Field("transport", _choice("auto", "tcp", "ucx", "ucx_only"), "auto",
                "'auto': shared memory between ranks of one host, TCP across hosts; 'tcp': "
-               "TCP everywhere."),
+               "TCP everywhere; 'ucx': shared memory within a host, UCX across hosts; "
+               "'ucx_only': UCX everywhere (UCX_* variables choose UCX's transports; needs a "
+               "build with UCX)."),
         _Field("host_id", _parse_host_id, None,
                "Label of this rank's host (RIPPLES_HOST_ID); None = the machine's hostname. "
                "Tests set it to simulate several hosts on one machine."),
@@ -241,8 +243,12 @@ class Options:
         small_bytes: messages at or below this many bytes use latency-optimised algorithms
             (``0``: the core's default).
         chunk_bytes: pipeline chunk size for large transfers (``0``: the core's default).
-        transport: ``"auto"`` (shared memory between ranks of one host, TCP across hosts)
-            or ``"tcp"``.
+        transport: ``"auto"`` (shared memory between ranks of one host, TCP across hosts),
+            ``"tcp"`` (TCP everywhere), ``"ucx"`` (our shared memory within a host, UCX
+            across hosts, same framing and errors as TCP) or ``"ucx_only"`` (UCX for every
+            link, so UCX's own shared-memory transports carry a host's links). ``UCX_TLS``
+            and the other ``UCX_*`` variables choose UCX's transports; UCX needs a build with
+            it: ``ripples_pg.has_ucx()``. Every rank must pass the same value.
         host_id: label of this rank's host (``RIPPLES_HOST_ID``); ranks with equal labels
             form one host for the schedules and share memory. ``None``: the hostname.
         partial: make every floating ``SUM``/``AVG`` all-reduce on the group a partial round

@@ -6,6 +6,7 @@ Started by torchrun (or directly with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
 OUTDIR/rank<R>.json. Checks are recorded, not raised, so that every rank reports.
 MODE "collectives": exact collectives against gloo on the same inputs, then partial rounds
 (static, smart, smart + inter_intra): the sum over ranks is kept and the ranks draw together.
+The transport comes from RIPPLES_TRANSPORT (UCX's own from UCX_TLS), as for any job.
 MODE "cut": partial rounds (smart, skip on failure) for CUT_RUN_S seconds while the test cuts a
 host's link, then one exact all-reduce that must fail with a clear error, not hang.
 """
@@ -144,7 +145,8 @@ def main():
         if mode == "collectives":
             ref = dist.new_group(backend="gloo")
             collectives(rep, rank, ws, ref)
-            rep["connections"] = ripples_pg.stats()["connections"]
+            st = ripples_pg.stats()
+            rep["connections"], rep["ucx_connections"] = st["connections"], st["ucx_connections"]
             partial_rounds(rep, rank, ws, ref)
         elif mode == "cut":
             with open(os.path.join(outdir, f"started{rank}"), "w"):

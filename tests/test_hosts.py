@@ -61,7 +61,21 @@ def _finish(procs, timeout):
     return codes, outs
 
 
-def test_torchrun_two_hosts_collectives_and_partial_rounds():
+def _ucx():
+    import ripples_pg
+
+    return ripples_pg.has_ucx()
+
+
+# (transport, UCX_TLS): ours (shared memory within a host, TCP across); UCX across the hosts
+# over its TCP transport; UCX for every link.
+_NO_UCX = pytest.mark.skipif(not _ucx(), reason="this build has no UCX")
+TRANSPORTS = [("auto", None), pytest.param("ucx", "tcp", marks=_NO_UCX),
+              pytest.param("ucx_only", "tcp", marks=_NO_UCX)]
+
+
+@pytest.mark.parametrize("transport,ucx_tls", TRANSPORTS)
+def test_torchrun_two_hosts_collectives_and_partial_rounds(transport, ucx_tls):
     nodes, per_node = 2, 2
     ws = nodes * per_node
     with _hosts.TestHosts(nodes) as th, tempfile.TemporaryDirectory() as outdir:
@@ -72,7 +86,11 @@ def test_torchrun_two_hosts_collectives_and_partial_rounds():
                     "--nproc-per-node", str(per_node), "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"{th.hostname(0)}:{port}", "--rdzv-id", "rpltest",
                     "--max-restarts", "0", WORKER, "collectives", outdir]
-            procs.append(th.popen(i, argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+            env = _env()
+            env["RIPPLES_TRANSPORT"] = transport
+            if ucx_tls:
+                env["UCX_TLS"] = ucx_tls
+            procs.append(th.popen(i, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True))
         codes, outs = _finish(procs, 600)
         got = _reports(outdir, ws)
@@ -90,8 +108,12 @@ def test_torchrun_two_hosts_collectives_and_partial_rounds():
             assert rep["bind_addr"] == th.addr(h), (r, rep["bind_addr"], th.addr(h))
             # the host of every rank, from the hostnames
             assert rep["host_of"] == [int(hosts[q].removeprefix("testhost")) for q in range(ws)]
-            # TCP only to the other host's ranks: shared memory within the host
+            if transport == "ucx_only":  # a UCX link to every other rank
+                assert rep["ucx_connections"] == rep["connections"] == ws - 1, rep
+                continue
+            # links only to the other host's ranks (TCP or UCX): shared memory within the host
             assert rep["connections"] == ws - per_node, rep
+            assert rep["ucx_connections"] == (rep["connections"] if transport == "ucx" else 0), rep
         assert sorted(hosts.values()) == ["testhost0"] * per_node + ["testhost1"] * per_node
 
 

@@ -30,7 +30,7 @@ BOUND_S = 15.0  # a behaviour bound, generous for two loaded cores; detection ta
 START_S = 120.0
 
 
-def _worker(rank, port, hosts, kill_at, out):
+def _worker(rank, port, hosts, kill_at, out, transport):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if hosts > 1:  # simulated hosts: TCP between ranks with different labels
         os.environ["RIPPLES_HOST_ID"] = f"h{rank * hosts // WS}"
@@ -42,7 +42,7 @@ def _worker(rank, port, hosts, kill_at, out):
     torch.set_num_threads(1)
     dist.init_process_group("ripples", rank=rank, world_size=WS,
                             timeout=timedelta(seconds=PG_TIMEOUT),
-                            pg_options=ripples_pg.Options(schedule="static"))
+                            pg_options=ripples_pg.Options(schedule="static", transport=transport))
     x = torch.full((1000,), float(rank))
     y = torch.ones(256)
     step = -1
@@ -63,13 +63,13 @@ def _worker(rank, port, hosts, kill_at, out):
         os._exit(0)
 
 
-def _run(hosts, kill_at):
+def _run(hosts, kill_at, transport):
     ctx = mp.get_context("spawn")
     port = _dist.free_port()
     procs, conns = [], []
     for r in range(WS):
         recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(r, port, hosts, kill_at, send_end), daemon=True)
+        p = ctx.Process(target=_worker, args=(r, port, hosts, kill_at, send_end, transport), daemon=True)
         p.start()
         send_end.close()  # so a dead worker's pipe reads EOF here
         procs.append(p)
@@ -110,9 +110,9 @@ def _zombie(pid):
         return None
 
 
-def _check(hosts, kill_at):
-    reports, victim_zombie = _run(hosts, kill_at)
-    what = f"{hosts} host(s), rank {VICTIM} killed at step {kill_at}"
+def _check(hosts, kill_at, transport="auto"):
+    reports, victim_zombie = _run(hosts, kill_at, transport)
+    what = f"{hosts} host(s), transport {transport}, rank {VICTIM} killed at step {kill_at}"
     assert VICTIM in reports and reports[VICTIM][0] == "died", \
         f"{what}: rank {VICTIM} never reached the kill: {reports}"
     assert victim_zombie is not False, f"{what}: the victim was reaped early (not a zombie)"
@@ -152,3 +152,16 @@ def test_survivors_name_the_dead_rank_within_seconds(hosts):
 @pytest.mark.parametrize("hosts", [1, 2])
 def test_survivors_name_the_dead_rank_other_phases(hosts, kill_at):
     _check(hosts, kill_at)
+
+
+def _has_ucx():
+    import ripples_pg
+
+    return ripples_pg.has_ucx()
+
+
+@pytest.mark.skipif(not _has_ucx(), reason="this build has no UCX")
+@pytest.mark.parametrize("kill_at", [4, 5])
+def test_survivors_name_the_dead_rank_over_ucx(kill_at):
+    """The same over UCX between two simulated hosts: UCX reports the lost endpoints."""
+    _check(2, kill_at, "ucx")

@@ -762,6 +762,7 @@ ProcessGroupRipples::ProcessGroupRipples(
   cc.chunk_bytes = cfg_.chunk_bytes;
   cc.host_key = cfg_.host_key.empty() ? nullptr : cfg_.host_key.c_str();
   cc.tcp_only = cfg_.tcp_only ? 1 : 0;
+  cc.use_ucx = cfg_.use_ucx ? 1 : 0;
 
   StoreAdapter adapter{store};
   rpl_store rs;

@@ -70,6 +70,7 @@ struct Config {
   size_t chunk_bytes = 0;     // 0 = core default
   std::string host_key;       // ranks with equal keys share memory; empty = this machine
   bool tcp_only = false;      // never use shared memory
+  bool use_ucx = false;       // UCX instead of TCP across hosts
 
   // Partial all-reduce (DESIGN §3). An empty schedule leaves it off for this group.
   std::string schedule;       // "static", "random", "smart", "adpsgd"

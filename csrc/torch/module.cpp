@@ -71,6 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"bytes_sent", py::cast(c.bytes_sent)},
                 {"bytes_received", py::cast(c.bytes_received)},
                 {"connections", py::cast(c.connections)},
+                {"ucx_connections", py::cast(c.ucx_connections)},
                 {"ops_staged", py::cast(pg.stagedCalls())},
             });
           },
@@ -132,6 +133,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("start") = 0,
           "Per-round trace entries from index `start` (needs Options(trace=True)).");
 
+  m.def("has_ucx", []() { return rpl_has_ucx() != 0; },
+        "Whether this build has the UCX transport (Options(transport='ucx')).");
+
   m.def(
       "_set_partial_mode",
       [](int mode) {
@@ -155,6 +159,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          size_t chunk_bytes,
          const std::string& host_key,
          bool tcp_only,
+         bool use_ucx,
          const std::string& schedule,
          const std::vector<int>& host_of,
          const std::string& endpoint,
@@ -170,6 +175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         cfg.chunk_bytes = chunk_bytes;
         cfg.host_key = host_key;
         cfg.tcp_only = tcp_only;
+        cfg.use_ucx = use_ucx;
         cfg.schedule = schedule;
         cfg.host_of = host_of;
         cfg.endpoint = endpoint;
@@ -189,6 +195,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("chunk_bytes") = 0,
       py::arg("host_key") = std::string(),
       py::arg("tcp_only") = false,
+      py::arg("use_ucx") = false,
       py::arg("schedule") = std::string(),
       py::arg("host_of") = std::vector<int>(),
       py::arg("endpoint") = std::string(),
