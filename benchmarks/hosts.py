@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """All-reduce across 2 test hosts (network namespaces, tests/_hosts.py) x 2 workers: ripples
-beside gloo in the same run, per link speed (unshaped veth, 10 Gbit/s, 1 Gbit/s per host link).
+over TCP and over UCX beside gloo in the same run, per link speed (unshaped veth, 10 Gbit/s,
+1 Gbit/s per host link).
 
-Needs root. For each size the two backends are timed alternately, repetition by repetition; a
+Needs root. For each size the backends are timed in turn, repetition by repetition; a
 repetition's time is the max over ranks of (elapsed / calls), the table gives the median.
 Bus bandwidth as nccl-tests: size / time * 2(n-1)/n. Shared memory carries the traffic within
-a host for ripples; gloo uses TCP for everything.
+a host for ripples (both transports); across hosts ripples uses TCP sockets ("ripples") or UCX
+over its TCP transport ("ripples-ucx", UCX_TLS=tcp; absent from a build without UCX); gloo uses
+TCP for everything.
 
     sudo .venv/bin/python benchmarks/hosts.py [--out benchmarks/results/hosts] [--quick]
 """
@@ -30,12 +33,16 @@ def _worker(outdir, sizes, reps):
     import torch
     import torch.distributed as dist
 
-    import ripples_pg  # noqa: F401  registers the backend
+    import ripples_pg  # registers the backend
 
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("ripples", timeout=timedelta(seconds=120))
     gloo = dist.new_group(backend="gloo")
-    groups = {"ripples": dist.group.WORLD, "gloo": gloo}
+    groups = {"ripples": dist.group.WORLD}
+    if ripples_pg.has_ucx():
+        groups["ripples-ucx"] = dist.new_group(
+            backend="ripples", pg_options=ripples_pg.Options(transport="ucx"))
+    groups["gloo"] = gloo
     rows = []
     for size in sizes:
         x = torch.ones(max(1, size // 4))
@@ -73,7 +80,7 @@ def _run_link(rate, sizes, reps):
         procs = []
         for r in range(4):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE="4", MASTER_ADDR=th.addr(0),
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1", UCX_TLS="tcp")
             argv = [sys.executable, os.path.abspath(__file__), "--worker", outdir,
                     "--sizes", ",".join(map(str, sizes)), "--reps", str(reps)]
             procs.append(th.popen(r // 2, argv, env=env, cwd=ROOT))
@@ -111,18 +118,22 @@ def main():
     sizes = [8, 1 << 20] if a.quick else SIZES
     reps = 3 if a.quick else a.reps
     results = {}
-    lines = ["| link | size | ripples | gloo | ripples busbw | gloo busbw | gloo / ripples |",
-             "|---|---|---|---|---|---|---|"]
+    lines = []
     for label, rate in LINKS:
         rows = _run_link(rate, sizes, reps)
         results[label] = rows
+        names = list(dict.fromkeys(r["backend"] for r in rows))
+        if not lines:
+            lines = ["| link | size | " + " | ".join(names) + " | "
+                     + " | ".join(f"{n} busbw" for n in names) + " | gloo / ripples |",
+                     "|---|---|" + "---|" * (2 * len(names) + 1)]
         by = {(r["size"], r["backend"]): r for r in rows}
         for s in sizes:
-            rp, gl = by[(s, "ripples")], by[(s, "gloo")]
-            lines.append(f"| {label} | {_fmt_size(s)} | {rp['median_s'] * 1e6:.0f} us | "
-                         f"{gl['median_s'] * 1e6:.0f} us | {rp['busbw_gbps']:.3f} GB/s | "
-                         f"{gl['busbw_gbps']:.3f} GB/s | "
-                         f"{gl['median_s'] / rp['median_s']:.2f}x |")
+            rs = [by[(s, n)] for n in names]
+            lines.append(f"| {label} | {_fmt_size(s)} | "
+                         + " | ".join(f"{r['median_s'] * 1e6:.0f} us" for r in rs) + " | "
+                         + " | ".join(f"{r['busbw_gbps']:.3f} GB/s" for r in rs) + " | "
+                         + f"{by[(s, 'gloo')]['median_s'] / by[(s, 'ripples')]['median_s']:.2f}x |")
         print("\n".join(lines[-len(sizes):]), flush=True)
     table = "\n".join(lines)
     print("\nall-reduce, 2 test hosts x 2 workers (float32, median of repetitions)\n" + table)
