@@ -1307,10 +1307,11 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
     }
     if (tr->ucx) {
       /* Sleep on the worker's descriptor only once UCX says nothing is left to process. A
-       * write under way is looked at every millisecond as well: its completion need not
-       * raise an event on every UCX transport. */
+       * write under way, and an endpoint being set up (UCX's wire-up messages go out only
+       * when the worker is driven), are looked at every millisecond as well: neither need
+       * raise an event. */
       if (ux_moved || !rpl_ucx_arm(tr->ucx)) ms = 0;
-      else if (ux_writing) ms = RPL_MIN(ms, 1);
+      else if (ux_writing || tr->n_ux_new > 0) ms = RPL_MIN(ms, 1);
     }
     int r = poll(tr->pfds, (nfds_t)np, ms);
     if (r < 0) {
