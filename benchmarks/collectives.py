@@ -16,6 +16,9 @@ Per (op, size):
      time is the max over ranks of (elapsed / calls). The table gives the median and p10/p90
      over repetitions.
 
+The memcpy column is the reference measured in the same run: one thread on rank 0 copying
+the same size between two buffers while the other ranks wait.
+
 Bus bandwidth follows nccl-tests (size in bytes / time = algbw):
   allreduce busbw = algbw * 2(n-1)/n,  allgather busbw = algbw * (n-1)/n,  broadcast = algbw.
 For allgather "size" is the total output size (as in nccl-tests); each rank sends size/n.
@@ -259,7 +262,35 @@ class _Bench:
         for i, nm in enumerate(names):
             out[nm] = {"iters": iters[nm], "samples": flat[i * reps:(i + 1) * reps],
                        "check": check[nm]}
+        out["memcpy"] = self.memcpy(nbytes, reps)
         return out
+
+    def memcpy(self, nbytes, reps):
+        """The reference: one thread copying ``nbytes`` between two buffers (rank 0, while
+        the others wait), timed like the collectives; per-copy seconds, one per repetition."""
+        torch = self.torch
+        samples = []
+        if self.rank == 0:
+            n = max(1, nbytes // ELEM)
+            src = torch.ones(n, dtype=torch.float32)
+            dst = torch.empty_like(src)
+            dst.copy_(src)  # first touch
+            k = 1
+            while True:
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    dst.copy_(src)
+                dt = time.perf_counter() - t0
+                if dt >= 0.005 or k >= self.cfg["max_iters"]:
+                    break
+                k *= 4
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(k):
+                    dst.copy_(src)
+                samples.append((time.perf_counter() - t0) / k)
+        self.dist.barrier(group=self.ctrl)
+        return samples
 
 
 def worker(rank, world, port, cfg, conn):
@@ -468,6 +499,10 @@ def make_row(op, world, nbytes, res, backends):
             "algbw_GBps": algbw, "busbw_GBps": algbw * BUS_FACTOR[op](world),
             "check": "ok" if r["check"] is None else r["check"],
         }
+    mc = res.get("memcpy") or []
+    med = percentile(mc, 50) if mc else float("nan")
+    row["memcpy"] = {"median_s": med, "samples_s": mc,
+                     "GBps": nbytes / med / 1e9 if med > 0 else float("nan")}
     return row
 
 
@@ -524,13 +559,18 @@ def render_markdown(result):
     L += ["",
           "Latency: median (p10–p90) over repetitions of the max-over-ranks time per call. "
           "busbw as in nccl-tests (allreduce algbw·2(n-1)/n, allgather algbw·(n-1)/n with "
-          "size = total output, broadcast algbw), GB/s = 1e9 B/s. "
+          "size = total output, broadcast algbw), GB/s = 1e9 B/s. memcpy: one thread "
+          "copying the same size between two buffers on rank 0, in the same run (the "
+          "reference for the data path: issue 16 aims at half of it as bus bandwidth). "
           + ("ratio = gloo latency / ripples latency (> 1: ripples faster)."
              if ratio_possible(backends) else ""), ""]
     hdr = ["op", "world", "size"] + [f"{nm} latency" for nm in backends]
     if ratio_possible(backends):
         hdr.append("gloo/ripples")
     hdr += [f"{nm} busbw GB/s" for nm in backends]
+    hdr.append("memcpy GB/s")
+    if "ripples" in backends:
+        hdr.append("ripples busbw / memcpy")
     L.append("| " + " | ".join(hdr) + " |")
     L.append("|" + "|".join(["---"] * 3 + ["---:"] * (len(hdr) - 3)) + "|")
     for row in result["rows"]:
@@ -540,6 +580,11 @@ def render_markdown(result):
         if r is not None:
             cells.append(f"{r:.2f}")
         cells += [fmt_bw(row[nm]["busbw_GBps"]) for nm in backends]
+        mc = row.get("memcpy", {}).get("GBps", float("nan"))
+        cells.append(fmt_bw(mc))
+        if "ripples" in backends:
+            share = row["ripples"]["busbw_GBps"] / mc if mc == mc and mc > 0 else float("nan")
+            cells.append("–" if share != share else f"{100 * share:.0f} %")
         L.append("| " + " | ".join(cells) + " |")
     wrong = [(row, nm) for row in result["rows"] for nm in backends
              if row[nm]["check"] != "ok"]
