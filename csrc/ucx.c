@@ -59,8 +59,10 @@ struct rpl_ucx_ep {
   size_t tx_total;
   unsigned char tx_head[RPL_UCX_HEAD_MAX];
   ucp_dt_iov_t tx_iov[2];
-  /* The hello sent at connect, ahead of any write (closing cancels it if still under way). */
+  /* The hello sent at connect. No write is posted before it completed, so nothing can pass
+   * it while the connection is being wired up (closing cancels it if still under way). */
   unsigned char hello[RPL_UCX_HEAD_MAX];
+  void *hello_req;
   /* Failure, from the error handler or a failed operation. */
   int failed;
   char why[96];
@@ -228,7 +230,7 @@ rpl_status rpl_ucx_connect(rpl_ucx *u, const struct sockaddr_in *to, const void 
     return rpl_fail(err, RPL_ERR_PEER, "UCX: cannot greet a peer: %s",
                     ucs_status_string(UCS_PTR_STATUS(r)));
   }
-  if (r) ucp_request_free(r); /* released by UCX on completion; e->hello outlives it */
+  e->hello_req = r; /* NULL: sent inline */
   *out = e;
   return RPL_OK;
 }
@@ -294,6 +296,11 @@ ssize_t rpl_ucx_write(rpl_ucx_ep *e, const void *head, size_t head_len, const vo
                       size_t body_len) {
   if (!e->tx_busy) {
     if (e->failed) return -1;
+    if (e->hello_req) {
+      if (ucp_request_check_status(e->hello_req) == UCS_INPROGRESS) return 0; /* see hello */
+      ucp_request_free(e->hello_req);
+      e->hello_req = NULL;
+    }
     if (head_len > RPL_UCX_HEAD_MAX) head_len = RPL_UCX_HEAD_MAX; /* callers stay below */
     memcpy(e->tx_head, head, head_len);
     int n = 0;
@@ -333,7 +340,10 @@ ssize_t rpl_ucx_write(rpl_ucx_ep *e, const void *head, size_t head_len, const vo
   return (ssize_t)e->tx_total;
 }
 
-int rpl_ucx_writing(const rpl_ucx_ep *e) { return e->tx_busy; }
+int rpl_ucx_writing(const rpl_ucx_ep *e) {
+  return e->tx_busy ||
+         (e->hello_req && ucp_request_check_status(e->hello_req) == UCS_INPROGRESS);
+}
 int rpl_ucx_failed(const rpl_ucx_ep *e) { return e->failed; }
 const char *rpl_ucx_failure(const rpl_ucx_ep *e) { return e->failed ? e->why : ""; }
 
@@ -368,6 +378,7 @@ void rpl_ucx_close(rpl_ucx_ep *e, double linger_s) {
   }
   /* A write still under way was cancelled by the close: its callback ran above. */
   if (e->tx_req) ucp_request_free(e->tx_req);
+  if (e->hello_req) ucp_request_free(e->hello_req);
   if (e->prev) e->prev->next = e->next;
   else u->eps = e->next;
   if (e->next) e->next->prev = e->prev;

@@ -62,7 +62,7 @@ ssize_t rpl_ucx_read(rpl_ucx_ep *e, void *dst, size_t n);
  * the same arguments), -1 when the endpoint failed. */
 ssize_t rpl_ucx_write(rpl_ucx_ep *e, const void *head, size_t head_len, const void *body,
                       size_t body_len);
-/* 1 while a write is under way. */
+/* 1 while a write (or the hello) is under way. */
 int rpl_ucx_writing(const rpl_ucx_ep *e);
 /* 1 once the peer closed or died (rpl_ucx_read may still return data it sent before). */
 int rpl_ucx_failed(const rpl_ucx_ep *e);
