@@ -151,8 +151,6 @@ def test_partial_rounds_over_ucx(schedule):
 
 
 def task_mismatched_transport(ctx):
-    import ripples_pg as rp
-
     transport = "ucx" if ctx.rank == 0 else "auto"
     try:
         _dist.ripples_group(ctx, 2, transport=transport)
