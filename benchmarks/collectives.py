@@ -38,6 +38,11 @@ import time
 import traceback
 
 OPS = ("allreduce", "broadcast", "allgather")
+# Backend names the benchmark knows beyond torch's own: ripples with some Options changed.
+RIPPLES_VARIANTS = {
+    "ripples": {},
+    "ripples-cma": {"single_copy": True},  # large all-reduces read peers' memory (CMA)
+}
 ELEM = 4  # float32
 BUS_FACTOR = {
     "allreduce": lambda n: 2.0 * (n - 1) / n,
@@ -304,8 +309,8 @@ def worker(rank, world, port, cfg, conn):
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
-        if "ripples" in cfg["backends"]:
-            import ripples_pg  # noqa: F401  registers backend "ripples"
+        if any(nm in RIPPLES_VARIANTS for nm in cfg["backends"]):
+            import ripples_pg  # registers backend "ripples"
         timeout = _dt.timedelta(seconds=cfg["timeout"])
         store = dist.TCPStore("127.0.0.1", port, world_size=None, is_master=False,
                               timeout=timeout)
@@ -314,7 +319,12 @@ def worker(rank, world, port, cfg, conn):
         ctrl = dist.group.WORLD
         groups = {}
         for nm in cfg["backends"]:  # every rank creates every group, in the same order
-            groups[nm] = dist.new_group(list(range(world)), backend=nm, timeout=timeout)
+            if nm in RIPPLES_VARIANTS:
+                groups[nm] = dist.new_group(
+                    list(range(world)), backend="ripples", timeout=timeout,
+                    pg_options=ripples_pg.Options(**RIPPLES_VARIANTS[nm]))
+            else:
+                groups[nm] = dist.new_group(list(range(world)), backend=nm, timeout=timeout)
         dist.barrier(group=ctrl)
         bench = _Bench(torch, dist, rank, world, groups, ctrl, cfg, send)
         for op in cfg["ops"]:
@@ -610,7 +620,8 @@ def main(argv=None):
     ap.add_argument("--ops", default=",".join(OPS), help="comma list of %s" % ",".join(OPS))
     ap.add_argument("--worlds", default="2,4", help="comma list of world sizes (default 2,4)")
     ap.add_argument("--backends", default="ripples,gloo",
-                    help="comma list (default ripples,gloo); e.g. 'gloo' alone")
+                    help="comma list (default ripples,gloo); also ripples-cma "
+                         "(Options(single_copy=True)), or 'gloo' alone")
     ap.add_argument("--min-bytes", default="8", help="smallest size, e.g. 8, 4K (default 8)")
     ap.add_argument("--max-bytes", default="64M", help="largest size (default 64M)")
     ap.add_argument("--factor", type=int, default=2, choices=(2, 4),
@@ -659,7 +670,7 @@ def main(argv=None):
            "stall_timeout": args.stall_timeout or args.timeout + 60.0, "quick": args.quick,
            "inject": os.environ.get("RIPPLES_BENCH_INJECT")}
 
-    if "ripples" in backends:
+    if any(nm in RIPPLES_VARIANTS for nm in backends):
         try:
             import ripples_pg  # noqa: F401
         except Exception as e:  # noqa: BLE001

@@ -40,6 +40,8 @@ struct rpl_comm {
   int rank, size;
   double timeout_s;
   size_t small_bytes, chunk_bytes;
+  size_t single_copy_bytes;   /* 0 = never */
+  unsigned char *same_host;   /* by rank */
   char name[32];
   rpl_tr *tr;
 
@@ -113,6 +115,7 @@ rpl_xfer rpl_recv_reduce(const rpl_run *run, int peer, void *tmp, void *dst, siz
   x.reduce_dst = dst;
   x.rdtype = dtype;
   x.rop = op;
+  x.window = RPL_REDUCE_WINDOW;
   return x;
 }
 
@@ -132,7 +135,7 @@ rpl_status rpl_ring_reduce_scatter(rpl_run *run, void *base, size_t count, rpl_d
   int n = run->size, r = run->rank;
   size_t esz = rpl_dtype_size(dtype);
   size_t maxseg = count / (size_t)n + 1;
-  unsigned char *tmp = rpl_scratch(run, 1, maxseg * esz);
+  unsigned char *tmp = rpl_scratch(run, 1, RPL_MIN(maxseg * esz, RPL_REDUCE_WINDOW));
   if (!tmp) return RPL_ERR_NOMEM;
   int right = (r + 1) % n, left = (r - 1 + n) % n;
   for (int s = 0; s < n - 1; s++) {
@@ -322,7 +325,9 @@ static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *
     if (rpl_partial_eligible(d)) {
       rpl_run run = {.comm = c, .tr = c->tr, .rank = c->rank, .size = c->size,
                      .kind = d->kind, .nbufs = (uint32_t)d->nin,
-                     .small_bytes = c->small_bytes, .chunk_bytes = c->chunk_bytes, .err = err};
+                     .small_bytes = c->small_bytes, .chunk_bytes = c->chunk_bytes,
+                     .single_copy_bytes = c->single_copy_bytes, .same_host = c->same_host,
+                     .err = err};
       *contained = 1;
       return rpl_partial_run(partial, &run, d, err);
     }
@@ -364,6 +369,8 @@ static rpl_status execute_exact(rpl_comm *c, const rpl_op_desc *d, int collectiv
                  .deadline = rpl_now() + op_timeout(c, d),
                  .small_bytes = c->small_bytes,
                  .chunk_bytes = c->chunk_bytes,
+                 .single_copy_bytes = c->single_copy_bytes,
+                 .same_host = c->same_host,
                  .err = err};
   if (!collective) run.nbufs = (uint32_t)d->tag;
   switch (d->kind) {
@@ -707,6 +714,7 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
   c->timeout_s = cfg->timeout_s;
   c->small_bytes = cfg->small_bytes ? cfg->small_bytes : DEFAULT_SMALL_BYTES;
   c->chunk_bytes = cfg->chunk_bytes ? cfg->chunk_bytes : DEFAULT_CHUNK_BYTES;
+  c->single_copy_bytes = cfg->single_copy_bytes;
   snprintf(c->name, sizeof c->name, "%s", cfg->name && *cfg->name ? cfg->name : "pg");
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
@@ -724,7 +732,8 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
   snprintf(key, sizeof key, "ripples/addr/%d", c->rank);
   if ((st = store->set(store->ctx, key, addr, strlen(addr), err)) != RPL_OK) goto fail;
   local_of = malloc(sizeof(int) * (size_t)c->size);
-  if (!local_of) {
+  c->same_host = calloc((size_t)c->size, 1);
+  if (!local_of || !c->same_host) {
     st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a communicator");
     goto fail;
   }
@@ -753,6 +762,7 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
       if ((st = rpl_tr_set_peer(c->tr, p, peer, err)) != RPL_OK) goto fail;
     }
     local_of[p] = h == my_host ? nlocal++ : -1;
+    c->same_host[p] = h == my_host;
   }
   if (!cfg->tcp_only && nlocal > 1 && (st = setup_shm(c, cfg, store, local_of, err)) != RPL_OK)
     goto fail;
@@ -798,6 +808,7 @@ void rpl_comm_destroy(rpl_comm *c) {
   free(c->batch.xs);
   free(c->batch.deadline);
   free(c->batch.map);
+  free(c->same_host);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
   free(c);
@@ -850,6 +861,7 @@ void rpl_comm_get_counters(const rpl_comm *c, rpl_comm_counters *out) {
   out->bytes_received = t.bytes_received;
   out->connections = t.connections;
   out->ucx_connections = t.ucx_connections;
+  out->single_copy_bytes = t.single_copy_bytes;
 }
 
 rpl_status rpl_comm_enable_partial(rpl_comm *c, const rpl_partial_config *cfg, rpl_error *err) {

@@ -32,6 +32,8 @@ typedef struct rpl_run {
   double deadline;
   size_t small_bytes; /* latency-optimised algorithm at or below this many bytes */
   size_t chunk_bytes; /* pipeline chunk */
+  size_t single_copy_bytes;     /* single-copy algorithms at or above this; 0 = never */
+  const unsigned char *same_host; /* by communicator rank: 1 if on this host (NULL = none) */
   rpl_error *err;
 } rpl_run;
 
@@ -47,7 +49,9 @@ rpl_xfer rpl_send(const rpl_run *run, int peer, const void *buf, size_t len, rpl
                   uint64_t count, unsigned step);
 rpl_xfer rpl_recv(const rpl_run *run, int peer, void *buf, size_t len, rpl_dtype dtype,
                   uint64_t count, unsigned step);
-/* A receive whose payload lands in `tmp` and is reduced into `dst` as it arrives. */
+/* A receive whose payload passes through `tmp` (RPL_REDUCE_WINDOW bytes, reused in turn) and
+ * is reduced into `dst` as it arrives. */
+#define RPL_REDUCE_WINDOW (256u * 1024u)
 rpl_xfer rpl_recv_reduce(const rpl_run *run, int peer, void *tmp, void *dst, size_t len,
                          rpl_dtype dtype, rpl_redop op, uint64_t count, unsigned step);
 
@@ -63,6 +67,14 @@ rpl_status rpl_ring_reduce_scatter(rpl_run *run, void *base, size_t count, rpl_d
 
 /* All-reduce of one buffer in place over the run's ranks, without AVG's division. */
 rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step);
+
+/* Single copy between ranks of one host (algorithms/single_copy.c). _applies says whether
+ * the run may try it (every member on this host, a large enough buffer): the same answer on
+ * every member. The all-reduce then agrees with the members whether all may read each other's
+ * memory; *used = 0 (with RPL_OK) means they may not and nothing was reduced yet. */
+int rpl_single_copy_applies(const rpl_run *run, size_t bytes);
+rpl_status rpl_single_copy_allreduce(rpl_run *run, const rpl_buf *b, rpl_redop op,
+                                     unsigned step, int *used);
 
 /* The algorithms, one per operation kind (csrc/algorithms/). */
 rpl_status rpl_algo_allreduce(rpl_run *run, const rpl_op_desc *d);

@@ -118,6 +118,10 @@ typedef struct rpl_comm_config {
   int use_ucx;             /* reach peers not on shared memory through UCX instead of TCP
                             * (fails if this build has no UCX: rpl_has_ucx) */
   size_t ring_bytes;       /* shared-memory ring per peer pair; 0 = default (1 MiB) */
+  size_t single_copy_bytes; /* all-reduce buffers of at least this many bytes, over ranks of
+                             * one host, are read straight from the peers' memory (cross-
+                             * memory attach) where the OS allows; 0 = never (the rings,
+                             * which measured faster: see README) */
 } rpl_comm_config;
 
 typedef struct rpl_comm rpl_comm;
@@ -196,6 +200,7 @@ typedef struct rpl_comm_counters {
   uint64_t bytes_received;
   uint64_t connections;
   uint64_t ucx_connections; /* of those, UCX endpoints (transport "ucx") */
+  uint64_t single_copy_bytes; /* of bytes_received, read straight from peers' memory */
 } rpl_comm_counters;
 
 void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);

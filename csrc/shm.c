@@ -26,7 +26,7 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SEG_MAGIC 0x32474553504c52ull /* "RLPSEG2" */
+#define SEG_MAGIC 0x33474553504c52ull /* "RLPSEG3" */
 #define PAGE 4096u
 #define CAUSE_LEN 320 /* bytes of a rank's cause kept in its segment */
 /* Who broke a pair, as the owner of the segment holding the flag sees it. */
@@ -38,6 +38,7 @@ typedef struct seg_header {
   uint64_t nonce;
   uint64_t ring_bytes;
   uint64_t process;  /* the owner process's token (see process_token) */
+  uint64_t self_addr; /* where the owner mapped this segment: the single-copy probe reads it */
   uint32_t nlocal;
   uint32_t pid;      /* for messages only: it means nothing in another pid namespace */
   uint32_t doorbell; /* futex word: rung by anyone who gives this rank something to do */
@@ -68,6 +69,7 @@ struct rpl_shm {
   int lock_fd;           /* the anchor's segment, where every local rank holds its lock */
   unsigned char *mine;   /* our segment */
   unsigned char **peer;  /* peers' segments by rank, NULL if not mapped */
+  pid_t *peer_pid;       /* by rank: a pid that reads that peer's memory, 0 if none does */
 };
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -147,7 +149,8 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   s->lock_fd = -1;
   s->local_of = malloc(sizeof(int) * (size_t)size);
   s->peer = calloc((size_t)size, sizeof *s->peer);
-  if (!s->local_of || !s->peer) {
+  s->peer_pid = calloc((size_t)size, sizeof *s->peer_pid);
+  if (!s->local_of || !s->peer || !s->peer_pid) {
     rpl_shm_destroy(s);
     return rpl_fail(err, RPL_ERR_NOMEM, "out of memory for shared-memory transport");
   }
@@ -191,12 +194,27 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   h->nlocal = (uint32_t)s->nlocal;
   h->pid = (uint32_t)getpid();
   h->process = process_token();
+  h->self_addr = (uint64_t)(uintptr_t)p;
   if (s->me == 0) take_lock(s, fd);
   else close(fd);
   __atomic_store_n(&h->magic, SEG_MAGIC, __ATOMIC_RELEASE);
   snprintf(name, cap, "%s", s->name);
   *out = s;
   return RPL_OK;
+}
+
+/* Single copy. process_vm_readv needs the peer's pid as this process sees it and the right
+ * to read its memory (same user, ptrace policy, seccomp): the segment header records the
+ * owner's pid and where the owner mapped the segment, so reading those bytes through the
+ * peer's pid must give back what our own mapping shows. A pid from another pid namespace (or
+ * reused by another process), or a refusal, fails the comparison: the pair keeps the rings. */
+static pid_t probe_single_copy(const seg_header *h) {
+  unsigned char got[40];
+  struct iovec local = {got, sizeof got}, remote = {(void *)(uintptr_t)h->self_addr, sizeof got};
+  pid_t pid = (pid_t)h->pid;
+  if (pid <= 0 || process_vm_readv(pid, &local, 1, &remote, 1, 0) != (ssize_t)sizeof got)
+    return 0;
+  return memcmp(got, h, sizeof got) == 0 ? pid : 0;
 }
 
 rpl_status rpl_shm_attach(rpl_shm *s, int peer, const char *name, rpl_error *err) {
@@ -222,6 +240,7 @@ rpl_status rpl_shm_attach(rpl_shm *s, int peer, const char *name, rpl_error *err
                     peer, name);
   }
   s->peer[peer] = p;
+  s->peer_pid[peer] = probe_single_copy(h);
   if (s->local_of[peer] == 0 && s->lock_fd < 0) take_lock(s, fd);
   else close(fd);
   return RPL_OK;
@@ -241,6 +260,7 @@ void rpl_shm_destroy(rpl_shm *s) {
   if (s->mine) munmap(s->mine, s->seg_bytes);
   if (s->lock_fd >= 0) close(s->lock_fd); /* drops our lock: peers still waiting see us gone */
   free(s->peer);
+  free(s->peer_pid);
   free(s->local_of);
   free(s);
 }
@@ -288,6 +308,22 @@ size_t rpl_shm_read(rpl_shm *s, int peer, void *buf, size_t len) {
   __atomic_store_n(&r->tail, tail + n, __ATOMIC_RELEASE);
   ring_bell(s->peer[peer]); /* the writer may be waiting for space */
   return n;
+}
+
+size_t rpl_shm_peek(rpl_shm *s, int peer, const void **data, size_t len) {
+  ring_ctl *r = ring_at(s, s->mine, s->local_of[peer]);
+  uint64_t tail = r->tail;
+  uint64_t head = __atomic_load_n(&r->head, __ATOMIC_ACQUIRE);
+  size_t at = (size_t)(tail % s->ring_bytes);
+  size_t n = RPL_MIN(RPL_MIN(len, (size_t)(head - tail)), s->ring_bytes - at);
+  *data = ring_data(r) + at;
+  return n;
+}
+
+void rpl_shm_consume(rpl_shm *s, int peer, size_t n) {
+  ring_ctl *r = ring_at(s, s->mine, s->local_of[peer]);
+  __atomic_store_n(&r->tail, r->tail + n, __ATOMIC_RELEASE);
+  ring_bell(s->peer[peer]); /* the writer may be waiting for space */
 }
 
 uint32_t rpl_shm_doorbell(const rpl_shm *s) {
@@ -409,4 +445,31 @@ void rpl_shm_close(rpl_shm *s) {
   __atomic_store_n(&hdr(s->mine)->closed, 1, __ATOMIC_RELEASE);
   for (int r = 0; r < s->size; r++)
     if (s->peer[r]) ring_bell(s->peer[r]);
+}
+
+int rpl_shm_can_read(const rpl_shm *s, int peer) {
+  return rpl_shm_usable(s, peer) && s->peer_pid[peer] > 0;
+}
+
+rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *local,
+                             size_t len, rpl_error *err) {
+  unsigned char *dst = local;
+  while (len > 0) {
+    struct iovec l = {dst, len}, r = {(void *)(uintptr_t)remote, len};
+    ssize_t got = process_vm_readv(s->peer_pid[peer], &l, 1, &r, 1, 0);
+    if (got > 0) {
+      dst += got;
+      remote += (uint64_t)got;
+      len -= (size_t)got;
+      continue;
+    }
+    int e = got == 0 ? EFAULT : errno;
+    if (e == EINTR) continue;
+    if (e == ESRCH || rpl_shm_peer_dead(s, peer))
+      return rpl_fail(err, RPL_ERR_PEER, "rank %d (pid %u on this host) exited or was killed "
+                      "while this rank read its buffer", peer, hdr(s->peer[peer])->pid);
+    return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot read rank %d's buffer (single copy)",
+                          peer);
+  }
+  return RPL_OK;
 }

@@ -48,6 +48,12 @@ int rpl_shm_usable(const rpl_shm *s, int peer);
 size_t rpl_shm_write(rpl_shm *s, int peer, const struct iovec *iov, int niov);
 size_t rpl_shm_read(rpl_shm *s, int peer, void *buf, size_t len);
 
+/* Zero-copy reading: *data points at the readable bytes of the ring from `peer` that are
+ * contiguous in memory (at most len); returns how many (0 = empty). They stay valid until
+ * rpl_shm_consume(n) frees the first n of them. */
+size_t rpl_shm_peek(rpl_shm *s, int peer, const void **data, size_t len);
+void rpl_shm_consume(rpl_shm *s, int peer, size_t n);
+
 /* The doorbell value to pass to rpl_shm_wait; read it before trying to make progress. */
 uint32_t rpl_shm_doorbell(const rpl_shm *s);
 /* Sleeps until the doorbell moves from `seen`, or `max_s` passes. */
@@ -74,5 +80,13 @@ void rpl_shm_set_cause(rpl_shm *s, const char *cause);
 void rpl_shm_break(rpl_shm *s, int peer);
 /* Announces that this rank aborted (peers blocked on it fail) and wakes every local peer. */
 void rpl_shm_close(rpl_shm *s);
+
+/* Single copy (cross-memory attach): 1 if this rank may read `peer`'s memory directly, as
+ * probed when its segment was attached (see shm.c), and the pair is not broken. */
+int rpl_shm_can_read(const rpl_shm *s, int peer);
+/* Copies `len` bytes at `remote` (an address in the peer's process) into `local`. Fails with
+ * RPL_ERR_PEER naming the peer when it is gone or its memory cannot be read. */
+rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *local,
+                             size_t len, rpl_error *err);
 
 #endif /* RPL_SHM_H */

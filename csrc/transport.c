@@ -38,7 +38,7 @@
 #define LIVENESS_S 0.1
 #define LISTEN_PROBE_S 0.5
 /* Reduce arriving data in pieces this large, so reduction overlaps the rest of the transfer. */
-#define REDUCE_GRAIN (256u * 1024u)
+#define REDUCE_GRAIN (64u * 1024u)
 /* How long closing a UCX endpoint after a goodbye lets UCX deliver it. */
 #define UCX_LINGER_S 0.2
 /* How long a rank leaving after success waits for its UCX peers to read what it sent. */
@@ -442,7 +442,26 @@ void rpl_tr_interrupt(rpl_tr *tr) {
 
 void rpl_tr_poke(rpl_tr *tr) { wake(tr); }
 
+int rpl_tr_can_read(const rpl_tr *tr, int peer) {
+  return tr->shm && peer != tr->rank && rpl_shm_can_read(tr->shm, peer);
+}
+
+rpl_status rpl_tr_read(rpl_tr *tr, int peer, uint64_t addr, void *dst, size_t len,
+                       rpl_error *err) {
+  if (__atomic_load_n(&tr->interrupted, __ATOMIC_SEQ_CST))
+    return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
+  rpl_status st = rpl_shm_read_peer(tr->shm, peer, addr, dst, len, err);
+  if (st != RPL_OK) {
+    snprintf(tr->cause, sizeof tr->cause, "%.300s", err->msg);
+    return st;
+  }
+  count_add(&tr->counters.bytes_received, len);
+  count_add(&tr->counters.single_copy_bytes, len);
+  return RPL_OK;
+}
+
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
+  out->single_copy_bytes = __atomic_load_n(&tr->counters.single_copy_bytes, __ATOMIC_RELAXED);
   out->bytes_sent = __atomic_load_n(&tr->counters.bytes_sent, __ATOMIC_RELAXED);
   out->bytes_received = __atomic_load_n(&tr->counters.bytes_received, __ATOMIC_RELAXED);
   out->connections = __atomic_load_n(&tr->counters.connections, __ATOMIC_RELAXED);
@@ -846,15 +865,18 @@ static rpl_status check_header(rpl_tr *tr, int peer, const rpl_xfer *x, uint32_t
   return RPL_OK;
 }
 
-static void reduce_arrived(rpl_xfer *x, size_t got) {
+static void reduce_arrived(rpl_xfer *x, size_t got, int now) {
   if (!x->reduce_dst) return;
   size_t esz = rpl_dtype_size(x->rdtype);
   size_t whole = got / esz;
   if (whole == x->reduced) return;
-  if (got < x->len && (whole - x->reduced) * esz < REDUCE_GRAIN) return;
+  /* A window is reduced before it is reused: whenever arrivals reach its end. */
+  int at_end = got == x->len || (x->window && got % x->window == 0);
+  if (!now && !at_end && (whole - x->reduced) * esz < REDUCE_GRAIN) return;
+  size_t from = x->reduced * esz;
+  if (x->window) from %= x->window;
   rpl_reduce_into((unsigned char *)x->reduce_dst + x->reduced * esz,
-                  (unsigned char *)x->buf + x->reduced * esz, whole - x->reduced, x->rdtype,
-                  x->rop);
+                  (unsigned char *)x->buf + from, whole - x->reduced, x->rdtype, x->rop);
   x->reduced = whole;
 }
 
@@ -912,13 +934,34 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       dst = c->rx_hdr + c->rx_hdr_got;
       want = HDR_SIZE - c->rx_hdr_got;
     } else if (c->rx_mode == RX_XFER) {
-      dst = (unsigned char *)t->buf + (t->off - HDR_SIZE);
-      want = t->len - (t->off - HDR_SIZE);
+      size_t got = t->off - HDR_SIZE, at = t->window ? got % t->window : got;
+      dst = (unsigned char *)t->buf + at;
+      want = t->len - got;
+      if (t->window) want = RPL_MIN(want, t->window - at); /* not past the window's end */
     } else {
       dst = c->rx_stash->data + c->rx_stash_got;
       want = c->rx_stash->len - c->rx_stash_got;
     }
     ssize_t r = 0;
+    if (want && c->state == CONN_SHM && t && t->reduce_dst) {
+      /* Reduce straight from the ring while whole, aligned elements are contiguous there; a
+       * partial element (the ring's wrap, or not all of it written yet), or a payload that an
+       * odd-sized earlier message left misaligned, goes through the window. */
+      size_t esz = rpl_dtype_size(t->rdtype), got = t->off - HDR_SIZE;
+      if (got % esz == 0 && t->reduced * esz == got) {
+        const void *src;
+        size_t avail = rpl_shm_peek(tr->shm, peer, &src, t->len - got);
+        if (avail == 0) return RPL_OK; /* ring empty */
+        size_t k = (uintptr_t)src % esz ? 0 : avail / esz;
+        if (k) {
+          rpl_reduce_into((unsigned char *)t->reduce_dst + got, src, k, t->rdtype, t->rop);
+          rpl_shm_consume(tr->shm, peer, k * esz);
+          t->reduced += k;
+          want = 0;
+          r = (ssize_t)(k * esz);
+        }
+      }
+    }
     if (want && c->state == CONN_SHM) {
       r = (ssize_t)rpl_shm_read(tr->shm, peer, dst, want);
       if (r == 0) return RPL_OK; /* ring empty */
@@ -997,13 +1040,13 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       }
     } else if (c->rx_mode == RX_XFER) {
       t->off += (size_t)r;
-      reduce_arrived(t, t->off - HDR_SIZE);
+      reduce_arrived(t, t->off - HDR_SIZE, c->state == CONN_SHM);
     } else {
       c->rx_stash_got += (size_t)r;
     }
 
     if (c->rx_mode == RX_XFER && t->off - HDR_SIZE == t->len) {
-      reduce_arrived(t, t->len);
+      reduce_arrived(t, t->len, 1);
       t->done = 1;
       tr->completions++;
       c->rx_mode = RX_HEADER;

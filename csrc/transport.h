@@ -54,6 +54,9 @@ typedef struct rpl_xfer {
   void *reduce_dst;  /* recv only, optional: arriving payload is reduced into this */
   rpl_dtype rdtype;
   rpl_redop rop;
+  size_t window;     /* with reduce_dst: buf holds only this many bytes, reused in turn as the
+                      * payload is reduced (a multiple of the element size), so the bytes in
+                      * flight stay in cache; 0 = buf holds the whole payload */
   /* Progress, owned by the transport. */
   size_t off;
   size_t reduced;
@@ -68,6 +71,7 @@ typedef struct rpl_tr_counters {
   uint64_t bytes_received;
   uint64_t connections;
   uint64_t ucx_connections; /* of those, UCX endpoints */
+  uint64_t single_copy_bytes; /* of bytes_received, read from peers' memory (rpl_tr_read) */
 } rpl_tr_counters;
 
 /* Binds a listening socket on bind_addr (an IPv4 address) with an ephemeral port. With
@@ -121,6 +125,14 @@ void rpl_tr_reset_peer(rpl_tr *tr, int peer);
 void rpl_tr_abort(rpl_tr *tr);
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out);
+
+/* Single copy: 1 if this rank may read `peer`'s memory directly (a peer on shared memory whose
+ * process allowed the probe, see shm.h). rpl_tr_read copies `len` bytes at `addr`, an address
+ * in the peer's process that the peer published, into `dst`: the caller's protocol must make
+ * sure the peer keeps that memory unchanged meanwhile. Errors name the peer (RPL_ERR_PEER). */
+int rpl_tr_can_read(const rpl_tr *tr, int peer);
+rpl_status rpl_tr_read(rpl_tr *tr, int peer, uint64_t addr, void *dst, size_t len,
+                       rpl_error *err);
 
 /* Between runs, UCX (unlike a kernel's sockets) moves nothing unless its worker is driven: a
  * peer's connection would go unanswered and its data would wait in its sender. The progress

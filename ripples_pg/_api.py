@@ -69,7 +69,8 @@ def stats(group: Any = None) -> dict:
     for partners), waiting for the group's members (``wait_s``) and reducing (``reduce_s``),
     ``coordinator_failovers`` (times this worker registered with a standby or restarted
     coordinator after losing its own). All operations: ``ops_completed``, ``ops_failed``,
-    ``bytes_sent``, ``bytes_received``, ``connections`` (``ucx_connections`` of them UCX
+    ``bytes_sent``, ``bytes_received`` (``single_copy_bytes`` of them read straight from local
+    peers' buffers), ``connections`` (``ucx_connections`` of them UCX
     endpoints), ``ops_staged`` (calls on CUDA tensors,
     staged through pinned host memory).
     """

@@ -188,6 +188,10 @@ _FIELDS: dict[str, _Field] = {
                "TCP everywhere; 'ucx': shared memory within a host, UCX across hosts; "
                "'ucx_only': UCX everywhere (UCX_* variables choose UCX's transports; needs a "
                "build with UCX)."),
+        _Field("single_copy", _parse_bool, False,
+               "Large all-reduces between ranks of one host read the peers' buffers "
+               "directly (cross-memory attach) where the OS allows it, instead of the "
+               "shared-memory rings (slower where measured: see the README)."),
         _Field("host_id", _parse_host_id, None,
                "Label of this rank's host (RIPPLES_HOST_ID); None = the machine's hostname. "
                "Tests set it to simulate several hosts on one machine."),
@@ -249,6 +253,12 @@ class Options:
             link, so UCX's own shared-memory transports carry a host's links). ``UCX_TLS``
             and the other ``UCX_*`` variables choose UCX's transports; UCX needs a build with
             it: ``ripples_pg.has_ucx()``. Every rank must pass the same value.
+        single_copy: all-reduces of 256 KiB and more between ranks of one host read the
+            peers' buffers directly (``process_vm_readv``) instead of passing through the
+            shared-memory rings, where the OS allows it (same user, ptrace policy, seccomp;
+            probed when the group is created, and agreed per call: if any member may not,
+            all use the rings). ``False`` by default: on the machines measured the kernel's
+            page-by-page copy was about half as fast as the rings (README).
         host_id: label of this rank's host (``RIPPLES_HOST_ID``); ranks with equal labels
             form one host for the schedules and share memory. ``None``: the hostname.
         partial: make every floating ``SUM``/``AVG`` all-reduce on the group a partial round
@@ -298,6 +308,7 @@ class Options:
         small_bytes: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
         transport: Optional[str] = None,
+        single_copy: Optional[bool] = None,
         host_id: Optional[str] = None,
         partial: Optional[bool] = None,
         schedule: Optional[str] = None,

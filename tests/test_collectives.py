@@ -211,6 +211,50 @@ def test_all_reduce_large(pool, ws):
     pool.run(_t_all_reduce_large)
 
 
+def _t_all_reduce_single_copy(ctx):
+    """Options(single_copy=True): every dtype and op at odd sizes above the single-copy
+    threshold, and a large transposed view, against gloo; the counters prove the bytes were
+    read from the peers' buffers rather than sent through the rings."""
+    import ripples_pg
+    ck = Checker(ctx)
+    g = dist.new_group(list(range(ctx.ws)), backend=BACKEND,
+                       timeout=timedelta(seconds=ctx.pg_timeout),
+                       pg_options=ripples_pg.Options(single_copy=True))
+    before = ripples_pg.stats(g)["single_copy_bytes"]
+    for dtype_name in DTYPE_NAMES:
+        dtype = DTYPES[dtype_name]
+        for op in ops_for(dtype):
+            n = 300 * 1024 // dtype.itemsize + 7
+            what = f"single-copy all_reduce {dtype_name} {op} n={n}"
+            x = rand(n, dtype, seed_of("arSC", dtype_name, op, ctx.rank), op)
+            a = x.clone()
+            dist.all_reduce(a, op=OPS[op], group=g)
+            if gloo_ok(dtype):
+                b = x.clone()
+                dist.all_reduce(b, op=OPS[op], group=ctx.ref)
+            else:
+                b = local_reduce([rand(n, dtype, seed_of("arSC", dtype_name, op, r), op)
+                                  for r in range(ctx.ws)], op)
+            compare(ck, a, b, op, ctx.ws, what)
+    base = make_base((768, 1024), torch.float32, seed_of("arSCT", ctx.rank))
+    ref = base.t().contiguous()
+    dist.all_reduce(base.t(), group=g)
+    dist.all_reduce(ref, group=ctx.ref)
+    compare(ck, base.t(), ref, "SUM", ctx.ws, "single-copy all_reduce transposed view")
+    read = ripples_pg.stats(g)["single_copy_bytes"] - before
+    if ctx.ws > 1:
+        ck.true(read > 0, "single_copy_bytes grows", f"it grew by {read}: the rings ran")
+    dist.destroy_process_group(g)
+    return ck.finish()
+
+
+@WS_ALL
+@pytest.mark.skipif(BACKEND != "ripples", reason="ripples option")
+def test_all_reduce_single_copy(pool, ws):
+    """Large all-reduces that read local peers' memory (cross-memory attach)."""
+    pool.run(_t_all_reduce_single_copy)
+
+
 def _t_all_reduce_wrap(ctx):
     """Integer overflow wraps around exactly as under gloo (two's complement)."""
     ck = Checker(ctx)

@@ -16,6 +16,7 @@ import multiprocessing.connection as mpc
 import os
 import re
 import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -30,7 +31,7 @@ BOUND_S = 15.0  # a behaviour bound, generous for two loaded cores; detection ta
 START_S = 120.0
 
 
-def _worker(rank, port, hosts, kill_at, out, transport):
+def _worker(rank, port, hosts, kill_at, out, transport, big):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if hosts > 1:  # simulated hosts: TCP between ranks with different labels
         os.environ["RIPPLES_HOST_ID"] = f"h{rank * hosts // WS}"
@@ -42,16 +43,21 @@ def _worker(rank, port, hosts, kill_at, out, transport):
     torch.set_num_threads(1)
     dist.init_process_group("ripples", rank=rank, world_size=WS,
                             timeout=timedelta(seconds=PG_TIMEOUT),
-                            pg_options=ripples_pg.Options(schedule="static", transport=transport))
+                            pg_options=ripples_pg.Options(schedule="static", transport=transport,
+                                                          single_copy=big == "cma"))
     x = torch.full((1000,), float(rank))
-    y = torch.ones(256)
+    y = torch.ones(2 << 20 if big else 256)  # big: 8 MiB all-reduces only
     step = -1
     try:
         for step in range(kill_at + 50):
             if rank == VICTIM and step == kill_at:
                 out.send(("died", time.monotonic(), step, "", ""))  # synchronous: sent before
-                os.kill(os.getpid(), signal.SIGKILL)
-            ripples_pg.partial_all_reduce([x])
+                if big:  # die in the middle of the transfer, not between calls
+                    threading.Timer(0.002, os.kill, (os.getpid(), signal.SIGKILL)).start()
+                else:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            if not big:
+                ripples_pg.partial_all_reduce([x])
             dist.all_reduce(y)
         out.send(("finished", time.monotonic(), step, "", ""))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which judges it
@@ -63,13 +69,14 @@ def _worker(rank, port, hosts, kill_at, out, transport):
         os._exit(0)
 
 
-def _run(hosts, kill_at, transport):
+def _run(hosts, kill_at, transport, big):
     ctx = mp.get_context("spawn")
     port = _dist.free_port()
     procs, conns = [], []
     for r in range(WS):
         recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(r, port, hosts, kill_at, send_end, transport), daemon=True)
+        p = ctx.Process(target=_worker, args=(r, port, hosts, kill_at, send_end, transport, big),
+                        daemon=True)
         p.start()
         send_end.close()  # so a dead worker's pipe reads EOF here
         procs.append(p)
@@ -110,9 +117,10 @@ def _zombie(pid):
         return None
 
 
-def _check(hosts, kill_at, transport="auto"):
-    reports, victim_zombie = _run(hosts, kill_at, transport)
-    what = f"{hosts} host(s), transport {transport}, rank {VICTIM} killed at step {kill_at}"
+def _check(hosts, kill_at, transport="auto", big=None):
+    reports, victim_zombie = _run(hosts, kill_at, transport, big)
+    what = (f"{hosts} host(s), transport {transport}, rank {VICTIM} killed at step {kill_at}"
+            + (f" during an 8 MiB all_reduce ({big})" if big else ""))
     assert VICTIM in reports and reports[VICTIM][0] == "died", \
         f"{what}: rank {VICTIM} never reached the kill: {reports}"
     assert victim_zombie is not False, f"{what}: the victim was reaped early (not a zombie)"
@@ -165,3 +173,10 @@ def _has_ucx():
 def test_survivors_name_the_dead_rank_over_ucx(kill_at):
     """The same over UCX between two simulated hosts: UCX reports the lost endpoints."""
     _check(2, kill_at, "ucx")
+
+
+@pytest.mark.parametrize("big", ["rings", "cma"])
+def test_survivors_name_the_rank_that_died_mid_transfer(big):
+    """Rank 2 dies in the middle of an 8 MiB all_reduce on one host: through the rings, and
+    while peers read its buffer directly (single copy)."""
+    _check(1, 3, big=big)

@@ -4,6 +4,7 @@
  * order (one round of latency; float16/bfloat16 summed in float32 and rounded once).
  * Large buffers: ring reduce-scatter then ring all-gather (bandwidth-optimal); arriving
  * segments are reduced while the rest of the segment is still in flight.
+ * Large buffers between ranks of one host that may read each other's memory: single_copy.c.
  * Either way every rank ends with the same bits. Several buffers (coalesced) run one after
  * another inside the same operation. */
 #include <string.h>
@@ -59,7 +60,13 @@ rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsig
   if (run->size == 1) return RPL_OK;
   size_t bytes = b->count * rpl_dtype_size(b->dtype);
   int small = bytes <= run->small_bytes && run->size <= 64;
-  return small ? direct(run, b, op, step) : ring(run, b, op, step);
+  if (small) return direct(run, b, op, step);
+  if (rpl_single_copy_applies(run, bytes)) {
+    int used;
+    rpl_status st = rpl_single_copy_allreduce(run, b, op, step, &used);
+    if (st != RPL_OK || used) return st;
+  }
+  return ring(run, b, op, step);
 }
 
 rpl_status rpl_algo_allreduce(rpl_run *run, const rpl_op_desc *d) {

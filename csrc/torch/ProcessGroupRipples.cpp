@@ -20,6 +20,10 @@ namespace ripples {
 
 namespace {
 
+// Options(single_copy=True): all-reduce buffers from this size read peers' memory directly
+// (below it the handshake costs more than the copies it saves).
+constexpr size_t kSingleCopyBytes = 256 * 1024;
+
 // ---- small helpers ------------------------------------------------------------------------
 
 int64_t nowNs() {
@@ -763,6 +767,7 @@ ProcessGroupRipples::ProcessGroupRipples(
   cc.host_key = cfg_.host_key.empty() ? nullptr : cfg_.host_key.c_str();
   cc.tcp_only = cfg_.tcp_only ? 1 : 0;
   cc.use_ucx = cfg_.use_ucx ? 1 : 0;
+  cc.single_copy_bytes = cfg_.single_copy ? kSingleCopyBytes : 0;
 
   StoreAdapter adapter{store};
   rpl_store rs;

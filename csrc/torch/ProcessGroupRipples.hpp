@@ -71,6 +71,7 @@ struct Config {
   std::string host_key;       // ranks with equal keys share memory; empty = this machine
   bool tcp_only = false;      // never use shared memory
   bool use_ucx = false;       // UCX instead of TCP across hosts
+  bool single_copy = false;   // large all-reduces read local peers' memory directly
 
   // Partial all-reduce (DESIGN §3). An empty schedule leaves it off for this group.
   std::string schedule;       // "static", "random", "smart", "adpsgd"

@@ -72,6 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"bytes_received", py::cast(c.bytes_received)},
                 {"connections", py::cast(c.connections)},
                 {"ucx_connections", py::cast(c.ucx_connections)},
+                {"single_copy_bytes", py::cast(c.single_copy_bytes)},
                 {"ops_staged", py::cast(pg.stagedCalls())},
             });
           },
@@ -160,6 +161,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const std::string& host_key,
          bool tcp_only,
          bool use_ucx,
+         bool single_copy,
          const std::string& schedule,
          const std::vector<int>& host_of,
          const std::string& endpoint,
@@ -176,6 +178,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         cfg.host_key = host_key;
         cfg.tcp_only = tcp_only;
         cfg.use_ucx = use_ucx;
+        cfg.single_copy = single_copy;
         cfg.schedule = schedule;
         cfg.host_of = host_of;
         cfg.endpoint = endpoint;
@@ -196,6 +199,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("host_key") = std::string(),
       py::arg("tcp_only") = false,
       py::arg("use_ucx") = false,
+      py::arg("single_copy") = false,
       py::arg("schedule") = std::string(),
       py::arg("host_of") = std::vector<int>(),
       py::arg("endpoint") = std::string(),

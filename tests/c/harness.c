@@ -95,7 +95,8 @@ static void *rank_main(void *arg) {
   rpl_comm_config cfg = {.rank = j->rank, .size = j->size, .timeout_s = j->timeout,
                          .name = "test", .small_bytes = 256, .chunk_bytes = 1000,
                          .host_key = host, .tcp_only = g_layout.tcp_only, .use_ucx = g_layout.ucx,
-                         .ring_bytes = 64 * 1024 /* small: wrap-around happens often */};
+                         .ring_bytes = 64 * 1024 /* small: wrap-around happens often */,
+                         .single_copy_bytes = g_layout.single_copy ? 1024 : 0};
   rpl_error err;
   rpl_status s = rpl_comm_create(&cfg, &st, &j->comm, &err);
   CHECK(s == RPL_OK, "rank %d create: %s", j->rank, err.msg);

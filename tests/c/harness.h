@@ -39,11 +39,13 @@ typedef struct job {
 
 /* How run_world lays ranks out: `hosts` > 0 simulates that many hosts (rank r on host
  * r % hosts: shared memory inside a host, TCP across); `tcp_only` disables shared memory;
- * `ucx` takes UCX instead of TCP across hosts. */
+ * `ucx` takes UCX instead of TCP across hosts; `single_copy` lets all-reduces of 1 KiB and
+ * more among ranks of one host read each other's buffers (otherwise they use the rings). */
 typedef struct world_layout {
   int hosts;
   int tcp_only;
   int ucx;
+  int single_copy;
 } world_layout;
 extern world_layout g_layout;
 

@@ -74,6 +74,74 @@ static void body_allreduce(job *j, rpl_comm *c) {
   }
 }
 
+/* Fills `cnt` elements of `dtype` with rank r's deterministic input. */
+static void fill(void *buf, rpl_dtype dtype, int r, size_t cnt) {
+  for (size_t i = 0; i < cnt; i++) {
+    float v = val(r, i);
+    switch (dtype) {
+      case RPL_BOOL: ((uint8_t *)buf)[i] = (uint8_t)(((int)v + 11 + r) % 3 != 0); break;
+      case RPL_UINT8: ((uint8_t *)buf)[i] = (uint8_t)(v + 11); break;
+      case RPL_INT8: ((int8_t *)buf)[i] = (int8_t)v; break;
+      case RPL_INT16: ((int16_t *)buf)[i] = (int16_t)v; break;
+      case RPL_INT32: ((int32_t *)buf)[i] = (int32_t)v; break;
+      case RPL_INT64: ((int64_t *)buf)[i] = (int64_t)v; break;
+      case RPL_FLOAT16: ((uint16_t *)buf)[i] = rpl_float_to_half(v / 3); break;
+      case RPL_BFLOAT16: ((uint16_t *)buf)[i] = rpl_float_to_bf16(v / 3); break;
+      case RPL_FLOAT32: ((float *)buf)[i] = v / 3; break;
+      case RPL_FLOAT64: ((double *)buf)[i] = v / 3; break;
+      default: break;
+    }
+  }
+}
+
+/* Single copy (a one-host layout with single_copy set): every dtype and op, odd sizes, and
+ * bit-for-bit the reduction of all inputs in rank order, as the algorithm promises. The
+ * counters prove that the bytes were read from the peers' buffers, not sent through rings. */
+static void body_single_copy(job *j, rpl_comm *c) {
+  int n = j->size, r = j->rank;
+  static const size_t counts[] = {4099, 70001};
+  for (int dt = 0; dt < RPL_DTYPE_COUNT; dt++) {
+    for (int op = 0; op < RPL_REDOP_COUNT; op++) {
+      rpl_error err;
+      if (rpl_reduce_check((rpl_dtype)dt, (rpl_redop)op, &err) != RPL_OK) continue;
+      for (size_t ci = 0; ci < sizeof counts / sizeof counts[0]; ci++) {
+        size_t cnt = counts[ci], esz = rpl_dtype_size((rpl_dtype)dt);
+        unsigned char *x = malloc(cnt * esz), *ref = malloc(cnt * esz);
+        unsigned char **all = malloc(sizeof *all * (size_t)n);
+        const void **srcs = malloc(sizeof *srcs * (size_t)n);
+        for (int p = 0; p < n; p++) {
+          all[p] = malloc(cnt * esz);
+          fill(all[p], (rpl_dtype)dt, p, cnt);
+          srcs[p] = all[p];
+        }
+        rpl_reduce_many(ref, srcs, n, cnt, (rpl_dtype)dt, (rpl_redop)op);
+        if (op == RPL_AVG) rpl_divide(ref, cnt, (rpl_dtype)dt, n);
+        memcpy(x, all[r], cnt * esz);
+        rpl_comm_counters before, after;
+        rpl_comm_get_counters(c, &before);
+        rpl_buf b = {x, cnt, (rpl_dtype)dt};
+        rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = (rpl_redop)op, .in = &b, .nin = 1};
+        rpl_status s = run_op(c, d, &err);
+        rpl_comm_get_counters(c, &after);
+        CHECK(s == RPL_OK, "single copy %s %s n=%d cnt=%zu: %s", rpl_dtype_name(dt),
+              rpl_redop_name(op), n, cnt, err.msg);
+        CHECK(memcmp(x, ref, cnt * esz) == 0, "single copy %s %s n=%d cnt=%zu: wrong result",
+              rpl_dtype_name(dt), rpl_redop_name(op), n, cnt);
+        size_t want = cnt * esz - (cnt / n + (cnt % n > (size_t)r)) * esz; /* all but ours */
+        CHECK(after.single_copy_bytes - before.single_copy_bytes >= want,
+              "single copy %s n=%d cnt=%zu: %llu bytes read from peers, expected %zu",
+              rpl_dtype_name(dt), n, cnt,
+              (unsigned long long)(after.single_copy_bytes - before.single_copy_bytes), want);
+        for (int p = 0; p < n; p++) free(all[p]);
+        free(all);
+        free(srcs);
+        free(x);
+        free(ref);
+      }
+    }
+  }
+}
+
 static void body_broadcast(job *j, rpl_comm *c) {
   int n = j->size, r = j->rank;
   for (size_t si = 0; si < NSIZES; si++) {
@@ -324,6 +392,13 @@ int main(void) {
   run_all();
   g_layout = (world_layout){.hosts = 2};
   run_all();
+  /* Single copy on one host: the whole suite (large all-reduces read peers' buffers), and
+   * every dtype and op. Across two hosts it must not be tried (groups span the hosts). */
+  g_layout = (world_layout){.hosts = 1, .single_copy = 1};
+  run_all();
+  for (int n = 2; n <= 4; n++) run_world(n, 30, body_single_copy, NULL);
+  g_layout = (world_layout){.hosts = 2, .single_copy = 1};
+  run_world(3, 30, body_allreduce, NULL);
   if (rpl_has_ucx()) { /* UCX across the two hosts, and UCX only */
     g_layout = (world_layout){.hosts = 2, .ucx = 1};
     run_all();
