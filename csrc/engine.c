@@ -51,14 +51,18 @@ struct rpl_comm {
   pthread_cond_t cv;
   rpl_op *head, *tail;
   int p2p_active; /* the progress thread runs a p2p batch: p2p submits poke the transport */
+  /* A thread drives the transport (the progress thread running ops or idling UCX, or a caller
+   * running a small op inline): exactly one at a time, handed over under mu. */
+  int executing;
   int closing;
   int broken;
   rpl_error first_error;
 
   rpl_partial *partial; /* set once by rpl_comm_enable_partial; NULL until then */
 
-  uint64_t coll_seq; /* progress thread only */
-  p2p_batch batch;   /* progress thread only */
+  /* Used only by the thread that holds `executing`. */
+  uint64_t coll_seq;
+  p2p_batch batch;
   void *scratch[RPL_SCRATCH_SLOTS];
   size_t scratch_cap[RPL_SCRATCH_SLOTS];
 
@@ -569,6 +573,14 @@ static void run_p2p(rpl_comm *c) {
   }
 }
 
+/* Hands the transport back: the progress thread may take queued ops, shutdown may proceed. */
+static void release_transport(rpl_comm *c) {
+  pthread_mutex_lock(&c->mu);
+  c->executing = 0;
+  pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+}
+
 static void *progress_main(void *arg) {
   rpl_comm *c = arg;
   char tname[48];
@@ -576,14 +588,16 @@ static void *progress_main(void *arg) {
   rpl_set_thread_name(tname); /* truncated to 15 characters */
   for (;;) {
     pthread_mutex_lock(&c->mu);
-    while (!c->head && !c->closing) {
-      if (!rpl_tr_wants_idle(c->tr)) {
+    while ((!c->head || c->executing) && !c->closing) {
+      if (c->executing || !rpl_tr_wants_idle(c->tr)) {
         pthread_cond_wait(&c->cv, &c->mu);
         continue;
       }
+      c->executing = 1;
       pthread_mutex_unlock(&c->mu);
       rpl_tr_idle(c->tr);
       pthread_mutex_lock(&c->mu);
+      c->executing = 0;
       if (c->head || c->closing) break;
       struct timespec until;
       clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
@@ -599,14 +613,19 @@ static void *progress_main(void *arg) {
     }
     int closing = c->closing, broken = c->broken;
     if (is_p2p(op) && !closing && !broken) {
+      c->executing = 1;
       pthread_mutex_unlock(&c->mu);
       run_p2p(c);
+      release_transport(c);
       continue;
     }
     c->head = op->next;
     if (!c->head) c->tail = NULL;
     rpl_error first = c->first_error;
     rpl_partial *partial = c->partial;
+    /* Closing: an inline op may still hold the transport; this one fails without it. */
+    int runs = !closing && !broken;
+    if (runs) c->executing = 1;
     pthread_mutex_unlock(&c->mu);
 
     rpl_error err = {RPL_OK, ""};
@@ -627,6 +646,7 @@ static void *progress_main(void *arg) {
        * would not need breaking the communicator. */
       if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) break_comm(c, &err);
     }
+    if (runs) release_transport(c);
     finish_op(c, op, st, &err);
   }
   return NULL;
@@ -794,6 +814,10 @@ void rpl_comm_shutdown(rpl_comm *c) {
   if (c->tr) rpl_tr_interrupt(c->tr);
   if (c->thread_started) pthread_join(c->thread, NULL);
   c->thread_started = 0;
+  /* An op running inline on a caller's thread was interrupted above; wait until it let go. */
+  pthread_mutex_lock(&c->mu);
+  while (c->executing) pthread_cond_wait(&c->cv, &c->mu);
+  pthread_mutex_unlock(&c->mu);
   /* The progress thread is gone, so this thread may use the coordinator client. */
   if (c->partial) rpl_partial_leave(c->partial);
 }
@@ -849,6 +873,49 @@ rpl_status rpl_submit(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
   if (c->p2p_active && (d->kind == RPL_OP_SEND || d->kind == RPL_OP_RECV)) rpl_tr_poke(c->tr);
   pthread_cond_signal(&c->cv);
   pthread_mutex_unlock(&c->mu);
+  return RPL_OK;
+}
+
+/* Small exact collectives only: a partial round may wait long for its group or the
+ * coordinator, and sends/recvs progress in batches on the progress thread. */
+static int inline_eligible(const rpl_comm *c, const rpl_op_desc *d) {
+  if (d->kind == RPL_OP_SEND || d->kind == RPL_OP_RECV || d->kind == RPL_OP_PARTIAL_ALLREDUCE)
+    return 0;
+  size_t bytes = 0;
+  for (int i = 0; i < d->nin; i++) bytes += d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+  for (int i = 0; i < d->nout; i++) bytes += d->out[i].count * rpl_dtype_size(d->out[i].dtype);
+  return bytes <= c->small_bytes;
+}
+
+rpl_status rpl_run_inline(rpl_comm *c, const rpl_op_desc *d, int *ran, rpl_error *err) {
+  *ran = 0;
+  rpl_status st = validate(c, d, err);
+  if (st != RPL_OK) return st;
+  if (!inline_eligible(c, d)) return RPL_OK;
+  pthread_mutex_lock(&c->mu);
+  if (c->closing) {
+    pthread_mutex_unlock(&c->mu);
+    return rpl_fail(err, RPL_ERR_CLOSED,
+                    "%s on a ripples process group that has been shut down (destroyed)",
+                    rpl_op_name(d->kind));
+  }
+  int idle = !c->head && !c->executing && !c->broken;
+  if (idle) c->executing = 1;
+  rpl_partial *partial = c->partial;
+  pthread_mutex_unlock(&c->mu);
+  if (!idle) return RPL_OK; /* the caller queues it behind the others */
+
+  rpl_error e = {RPL_OK, ""};
+  int contained = 0;
+  st = execute(c, partial, d, &contained, &e);
+  if (st != RPL_OK) {
+    e.code = st;
+    if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) break_comm(c, &e);
+  }
+  release_transport(c);
+  *ran = 1;
+  __atomic_fetch_add(st == RPL_OK ? &c->ops_completed : &c->ops_failed, 1, __ATOMIC_RELAXED);
+  if (d->on_done) d->on_done(d->done_arg, st, st == RPL_OK ? NULL : &e);
   return RPL_OK;
 }
 

@@ -9,7 +9,8 @@
  * collectives one at a time, in the order they were submitted, driving shared-memory rings
  * and non-blocking sockets. Consecutive send/recv operations progress together (as gloo's
  * do: a recv posted before the matching send on both sides completes), and a collective
- * starts once every earlier send/recv has completed.
+ * starts once every earlier send/recv has completed. A small collective may instead run on
+ * the caller's thread when nothing else is queued (rpl_run_inline, the latency path).
  * Completion callbacks run on that thread: they must return quickly and must not submit
  * or wait on operations of the same communicator (hand the completion to another thread).
  *
@@ -191,6 +192,15 @@ typedef struct rpl_op_desc {
  * valid and untouched until on_done runs. On a non-OK return nothing was enqueued and on_done
  * will not be called. */
 rpl_status rpl_submit(rpl_comm *comm, const rpl_op_desc *desc, rpl_error *err);
+
+/* The latency path: runs a small exact collective (at most small_bytes of buffers; not a
+ * send, recv or partial round) on the calling thread, if the communicator is idle (nothing
+ * queued or running), sparing the hand-offs to and from the progress thread. Then *ran = 1
+ * and on_done has been called, on this thread, before the return. Otherwise *ran = 0 and
+ * nothing happened: submit it (rpl_submit), where it queues behind the others. Validation
+ * errors are returned as from rpl_submit. The call blocks until the peers join, so callers
+ * that overlap small collectives with other work should submit instead. */
+rpl_status rpl_run_inline(rpl_comm *comm, const rpl_op_desc *desc, int *ran, rpl_error *err);
 
 /* Counters for stats and tests. Read without stopping the progress thread. */
 typedef struct rpl_comm_counters {

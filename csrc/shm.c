@@ -28,6 +28,8 @@
 
 #define SEG_MAGIC 0x33474553504c52ull /* "RLPSEG3" */
 #define PAGE 4096u
+#define SPIN_LONG 2000 /* about 50 us of pause instructions */
+#define SPIN_SHORT 200
 #define CAUSE_LEN 320 /* bytes of a rank's cause kept in its segment */
 /* Who broke a pair, as the owner of the segment holding the flag sees it. */
 enum { BROKE_BY_PEER = 1, BROKE_BY_OWNER = 2 };
@@ -70,6 +72,7 @@ struct rpl_shm {
   unsigned char *mine;   /* our segment */
   unsigned char **peer;  /* peers' segments by rank, NULL if not mapped */
   pid_t *peer_pid;       /* by rank: a pid that reads that peer's memory, 0 if none does */
+  int spins;             /* polls of the doorbell before sleeping on it (rpl_shm_wait) */
 };
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -159,6 +162,10 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
     if (local_of[r] >= 0) s->nlocal++;
   }
   s->me = local_of[rank];
+  /* Spinning pays while every local rank has a core to itself; oversubscribed, it would take
+   * the core from the very peer being waited for. */
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  s->spins = cpus >= s->nlocal ? SPIN_LONG : SPIN_SHORT;
   s->ring_bytes = ring_bytes;
   s->ring_stride = round_up(sizeof(ring_ctl) + ring_bytes, PAGE);
   s->header_bytes = round_up(sizeof(seg_header) + sizeof(uint32_t) * (size_t)s->nlocal, PAGE);
@@ -332,8 +339,8 @@ uint32_t rpl_shm_doorbell(const rpl_shm *s) {
 
 void rpl_shm_wait(rpl_shm *s, uint32_t seen, double max_s) {
   seg_header *h = hdr(s->mine);
-  /* A short spin first: on a quiet machine the peer answers within microseconds. */
-  for (int i = 0; i < 200; i++) {
+  /* A spin first: on a quiet machine the peer answers within microseconds. */
+  for (int i = 0; i < s->spins; i++) {
     if (__atomic_load_n(&h->doorbell, __ATOMIC_SEQ_CST) != seen) return;
     cpu_relax();
   }

@@ -81,6 +81,7 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
         tcp_only=opts.transport in ("tcp", "ucx_only"),  # no rings of ours
         use_ucx=opts.transport in ("ucx", "ucx_only"),
         single_copy=bool(opts.single_copy),
+        inline_small=bool(opts.inline_small),
         schedule=opts.schedule,
         host_of=host_of,
         endpoint=endpoint,

@@ -192,6 +192,10 @@ _FIELDS: dict[str, _Field] = {
                "Large all-reduces between ranks of one host read the peers' buffers "
                "directly (cross-memory attach) where the OS allows it, instead of the "
                "shared-memory rings (slower where measured: see the README)."),
+        _Field("inline_small", _parse_bool, True,
+               "Collectives of at most small_bytes run on the calling thread when the group "
+               "is idle (the latency path); the call then returns once they completed. False "
+               "= always through the progress thread, so async_op=True overlaps them."),
         _Field("host_id", _parse_host_id, None,
                "Label of this rank's host (RIPPLES_HOST_ID); None = the machine's hostname. "
                "Tests set it to simulate several hosts on one machine."),
@@ -259,6 +263,12 @@ class Options:
             probed when the group is created, and agreed per call: if any member may not,
             all use the rings). ``False`` by default: on the machines measured the kernel's
             page-by-page copy was about half as fast as the rings (README).
+        inline_small: collectives of at most ``small_bytes`` (64 KiB by default; not
+            send/recv, not partial rounds) run on the calling thread when nothing else of
+            the group is queued or running, sparing two thread hand-offs (about a third of
+            an 8-byte all-reduce's latency here). The call then returns once the collective
+            completed, even with ``async_op=True``: set ``False`` where small asynchronous
+            collectives must overlap other work. ``True`` by default.
         host_id: label of this rank's host (``RIPPLES_HOST_ID``); ranks with equal labels
             form one host for the schedules and share memory. ``None``: the hostname.
         partial: make every floating ``SUM``/``AVG`` all-reduce on the group a partial round
@@ -309,6 +319,7 @@ class Options:
         chunk_bytes: Optional[int] = None,
         transport: Optional[str] = None,
         single_copy: Optional[bool] = None,
+        inline_small: Optional[bool] = None,
         host_id: Optional[str] = None,
         partial: Optional[bool] = None,
         schedule: Optional[str] = None,

@@ -539,6 +539,15 @@ void CompletionExecutor::advanceTicket(uint64_t seq) {
   ticketCv_.notify_all();
 }
 
+bool CompletionExecutor::caughtUp(uint64_t seq) {
+  std::lock_guard<std::mutex> g(mu_);
+  return ticket_ == seq;
+}
+
+void CompletionExecutor::completeHere(OpContext* ctx) {
+  process(ctx);
+}
+
 void CompletionExecutor::stop(double wait_s) {
   std::unique_lock<std::mutex> lk(mu_);
   stopping_ = true;
@@ -976,6 +985,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
   std::string failMsg;
   int accepted = 0;
   bool deferred = false;
+  bool ranInline = false;
   {
     std::lock_guard<std::mutex> g(submitMu_);
     checkOpen(call.opName);
@@ -1025,7 +1035,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
       stager_->enqueue(std::move(item));
       ++nextSeq_;  // it always completes, with an error if it never reaches the core
     } else {
-      accepted = submitToCore(ctx, &firstFail, &failMsg);
+      ranInline = cfg_.inline_small && n == 1 && runInline(ctx, &firstFail, &failMsg);
+      accepted = ranInline ? 1 : firstFail != RPL_OK ? 0 : submitToCore(ctx, &firstFail, &failMsg);
       if (accepted > 0 || n == 0) {
         ++nextSeq_;
       }
@@ -1048,9 +1059,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(
     ctx->recordError(firstFail, failMsg);
   }
   if (ctx->pending.fetch_sub(1) == 1) {
-    ctx->executor->push(ctx);
+    if (ranInline) {
+      ctx->executor->completeHere(ctx);  // no hand-off: the latency path's point
+    } else {
+      ctx->executor->push(ctx);
+    }
   }
   return work;
+}
+
+bool ProcessGroupRipples::runInline(OpContext* ctx, rpl_status* st, std::string* msg) {
+  if (!executor_->caughtUp(ctx->seq)) {
+    return false;  // an earlier future is still completing: do not overtake it
+  }
+  rpl_error err;
+  std::memset(&err, 0, sizeof(err));
+  int ran = 0;
+  rpl_status r = rpl_run_inline(comm_, &ctx->descs[0], &ran, &err);
+  if (r != RPL_OK) {
+    *st = r;
+    *msg = err.msg;
+    ctx->pending.fetch_sub(1);  // it will never call on_done
+    return false;
+  }
+  return ran != 0;
 }
 
 int ProcessGroupRipples::submitToCore(OpContext* ctx, rpl_status* st, std::string* msg) {

@@ -72,6 +72,7 @@ struct Config {
   bool tcp_only = false;      // never use shared memory
   bool use_ucx = false;       // UCX instead of TCP across hosts
   bool single_copy = false;   // large all-reduces read local peers' memory directly
+  bool inline_small = true;   // small collectives run on the caller's thread when idle
 
   // Partial all-reduce (DESIGN §3). An empty schedule leaves it off for this group.
   std::string schedule;       // "static", "random", "smart", "adpsgd"
@@ -189,6 +190,11 @@ class CompletionExecutor : public std::enable_shared_from_this<CompletionExecuto
   void stop(double wait_s);
   // Called by the future's first callback: the op with sequence `seq` is complete.
   void advanceTicket(uint64_t seq);
+  // Whether every operation before `seq` has completed its future (the latency path may then
+  // complete `seq` on the caller's thread without overtaking one).
+  bool caughtUp(uint64_t seq);
+  // Completes an operation that ran inline, on the calling thread (as a worker would).
+  void completeHere(OpContext* ctx);
 
   static bool onCompletionThread();
 
@@ -339,6 +345,10 @@ class ProcessGroupRipples : public c10d::Backend {
       c10::Device device);
   // Submits the core operations of `call` (one per descriptor) and returns its Work.
   c10::intrusive_ptr<c10d::Work> submit(Call& call, std::vector<rpl_op_desc> descs);
+  // The latency path: runs the single core op of `ctx` on this thread if the core is idle and
+  // every earlier future has completed; false if it was not run (or *st says why it failed).
+  // Called with submitMu_ held.
+  bool runInline(OpContext* ctx, rpl_status* st, std::string* msg);
   // Hands the operations of `ctx` to the core; called with submitMu_ held. Returns how many
   // were accepted; on a refusal fills `st`/`msg` and drops the refused ones from `pending`.
   int submitToCore(OpContext* ctx, rpl_status* st, std::string* msg);

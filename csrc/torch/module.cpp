@@ -162,6 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          bool tcp_only,
          bool use_ucx,
          bool single_copy,
+         bool inline_small,
          const std::string& schedule,
          const std::vector<int>& host_of,
          const std::string& endpoint,
@@ -179,6 +180,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         cfg.tcp_only = tcp_only;
         cfg.use_ucx = use_ucx;
         cfg.single_copy = single_copy;
+        cfg.inline_small = inline_small;
         cfg.schedule = schedule;
         cfg.host_of = host_of;
         cfg.endpoint = endpoint;
@@ -200,6 +202,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("tcp_only") = false,
       py::arg("use_ucx") = false,
       py::arg("single_copy") = false,
+      py::arg("inline_small") = true,
       py::arg("schedule") = std::string(),
       py::arg("host_of") = std::vector<int>(),
       py::arg("endpoint") = std::string(),

@@ -6,6 +6,7 @@
 
 int g_fail, g_pass;
 world_layout g_layout;
+int g_inline_runs;
 
 typedef struct kv {
   struct kv *next;
@@ -76,7 +77,10 @@ rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err) {
   pthread_cond_init(&w.cv, NULL);
   d.on_done = on_done;
   d.done_arg = &w;
-  rpl_status st = rpl_submit(c, &d, err);
+  int ran = 0;
+  rpl_status st = g_layout.inline_ops ? rpl_run_inline(c, &d, &ran, err) : RPL_OK;
+  if (st == RPL_OK && ran) __atomic_fetch_add(&g_inline_runs, 1, __ATOMIC_RELAXED);
+  if (st == RPL_OK && !ran) st = rpl_submit(c, &d, err);
   if (st != RPL_OK) return st;
   pthread_mutex_lock(&w.mu);
   while (!w.done) pthread_cond_wait(&w.cv, &w.mu);

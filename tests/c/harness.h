@@ -40,14 +40,17 @@ typedef struct job {
 /* How run_world lays ranks out: `hosts` > 0 simulates that many hosts (rank r on host
  * r % hosts: shared memory inside a host, TCP across); `tcp_only` disables shared memory;
  * `ucx` takes UCX instead of TCP across hosts; `single_copy` lets all-reduces of 1 KiB and
- * more among ranks of one host read each other's buffers (otherwise they use the rings). */
+ * more among ranks of one host read each other's buffers (otherwise they use the rings);
+ * `inline_ops` makes run_op try rpl_run_inline first (g_inline_runs counts those that ran). */
 typedef struct world_layout {
   int hosts;
   int tcp_only;
   int ucx;
   int single_copy;
+  int inline_ops;
 } world_layout;
 extern world_layout g_layout;
+extern int g_inline_runs;
 
 /* Starts `size` ranks as threads, each creating a communicator (small thresholds so the
  * large-message algorithms run on small data) and calling body(job, comm). */

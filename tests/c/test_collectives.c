@@ -370,6 +370,85 @@ static void body_shutdown(job *j, rpl_comm *c) {
   CHECK(rpl_submit(c, &ds[0], &err) == RPL_ERR_CLOSED, "submit after shutdown accepted");
 }
 
+/* The latency path beside queued work: a large all-reduce is submitted, then a small one
+ * tries to run inline. Where the large one still runs, the small one must not (it queues);
+ * either way both results are right and they ran in order on every rank. */
+static void body_inline_mixed(job *j, rpl_comm *c) {
+  int n = j->size;
+  size_t big = 100003;
+  float *x = malloc(big * sizeof *x);
+  for (int iter = 0; iter < 20; iter++) {
+    for (size_t i = 0; i < big; i++) x[i] = val(j->rank, i);
+    float y = (float)j->rank;
+    rpl_buf bx = {x, big, RPL_FLOAT32}, by = {&y, 1, RPL_FLOAT32};
+    rpl_op_desc dx = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &bx, .nin = 1};
+    rpl_error err;
+    CHECK(rpl_submit(c, &dx, &err) == RPL_OK, "submit large: %s", err.msg);
+    rpl_op_desc dy = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &by, .nin = 1};
+    CHECK(run_op(c, dy, &err) == RPL_OK, "small after large: %s", err.msg);
+    CHECK(y == (float)(n * (n - 1) / 2), "small after large: %g", y);
+    /* The small one completed, so the large one before it has too. */
+    int bad = 0;
+    for (size_t i = 0; i < big; i++) {
+      double ref = 0;
+      for (int p = 0; p < n; p++) ref += val(p, i);
+      bad += fabs(x[i] - ref) > 1e-3;
+    }
+    CHECK(bad == 0, "large before small: %d wrong", bad);
+  }
+  free(x);
+}
+
+static void *shutdown_later(void *arg) {
+  struct timespec ts = {0, 200 * 1000 * 1000};
+  nanosleep(&ts, NULL);
+  rpl_comm_shutdown(arg);
+  return NULL;
+}
+
+typedef struct inline_result {
+  int calls;
+  rpl_status st;
+} inline_result;
+
+static void record(void *arg, rpl_status st, const rpl_error *err) {
+  (void)err;
+  inline_result *r = arg;
+  r->calls++;
+  r->st = st;
+}
+
+/* An op running inline on the caller's thread waits for a peer that never comes; shutting
+ * down from another thread interrupts it (RPL_ERR_CLOSED, on_done called once, on this
+ * thread) and returns only once it let go of the transport. */
+static void body_inline_shutdown(job *j, rpl_comm *c) {
+  int *finished = j->arg;
+  if (j->rank == 0) { /* never joins; stays until rank 1 is done, so it cannot look dead */
+    while (!__atomic_load_n(finished, __ATOMIC_ACQUIRE)) {
+      struct timespec ts = {0, 1000 * 1000};
+      nanosleep(&ts, NULL);
+    }
+    return;
+  }
+  float x = 1;
+  rpl_buf b = {&x, 1, RPL_FLOAT32};
+  inline_result r = {0, RPL_OK};
+  rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1,
+                   .on_done = record, .done_arg = &r};
+  pthread_t t;
+  pthread_create(&t, NULL, shutdown_later, c);
+  rpl_error err;
+  int ran = 0;
+  rpl_status s = rpl_run_inline(c, &d, &ran, &err);
+  CHECK(s == RPL_OK && ran == 1, "inline run: status %d ran %d", (int)s, ran);
+  CHECK(r.calls == 1 && r.st == RPL_ERR_CLOSED, "inline op ended %d times, status %s", r.calls,
+        rpl_status_name(r.st));
+  pthread_join(t, NULL);
+  CHECK(rpl_run_inline(c, &d, &ran, &err) == RPL_ERR_CLOSED && !ran,
+        "inline run after shutdown accepted");
+  __atomic_store_n(finished, 1, __ATOMIC_RELEASE);
+}
+
 static void run_all(void) {
   for (int n = 1; n <= 5; n++) {
     run_world(n, 30, body_allreduce, NULL);
@@ -399,6 +478,16 @@ int main(void) {
   for (int n = 2; n <= 4; n++) run_world(n, 30, body_single_copy, NULL);
   g_layout = (world_layout){.hosts = 2, .single_copy = 1};
   run_world(3, 30, body_allreduce, NULL);
+  /* The latency path (small ops inline on the caller's thread), over rings and sockets. */
+  for (int hosts = 1; hosts <= 2; hosts++) {
+    g_layout = (world_layout){.hosts = hosts, .inline_ops = 1};
+    int before = g_inline_runs;
+    run_all();
+    for (int n = 2; n <= 4; n++) run_world(n, 30, body_inline_mixed, NULL);
+    CHECK(g_inline_runs > before, "no op ran inline with %d host(s)", hosts);
+    int finished = 0;
+    run_world(2, 30, body_inline_shutdown, &finished);
+  }
   if (rpl_has_ucx()) { /* UCX across the two hosts, and UCX only */
     g_layout = (world_layout){.hosts = 2, .ucx = 1};
     run_all();
