@@ -255,6 +255,41 @@ def test_all_reduce_single_copy(pool, ws):
     pool.run(_t_all_reduce_single_copy)
 
 
+def _t_small_queued(ctx):
+    """Options(inline_small=False): small collectives always go through the progress thread,
+    so async_op=True returns before a late peer joins; results equal gloo's either way."""
+    import ripples_pg
+    ck = Checker(ctx)
+    g = dist.new_group(list(range(ctx.ws)), backend=BACKEND,
+                       timeout=timedelta(seconds=ctx.pg_timeout),
+                       pg_options=ripples_pg.Options(inline_small=False))
+    for dtype_name, op in [("float32", "SUM"), ("float64", "AVG"), ("int32", "MAX"),
+                           ("bool", "BOR")]:
+        dtype = DTYPES[dtype_name]
+        x = rand(1023, dtype, seed_of("arQ", dtype_name, op, ctx.rank), op)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a, op=OPS[op], group=g)
+        dist.all_reduce(b, op=OPS[op], group=ctx.ref)
+        compare(ck, a, b, op, ctx.ws, f"queued small all_reduce {dtype_name} {op}")
+    t = torch.ones(2)
+    if ctx.rank == 1:
+        time.sleep(0.5)  # late: rank 0's call must not wait for it
+    work = dist.all_reduce(t, group=g, async_op=True)
+    if ctx.rank == 0:
+        ck.true(not work.is_completed(), "async small all_reduce returns before a late peer",
+                "it had completed already: it ran on the caller's thread")
+    work.wait()
+    ck.true(bool((t == ctx.ws).all()), "async small all_reduce result", str(t))
+    dist.destroy_process_group(g)
+    return ck.finish()
+
+
+@WS_MULTI
+@pytest.mark.skipif(BACKEND != "ripples", reason="ripples option")
+def test_small_collectives_queued(pool, ws):
+    pool.run(_t_small_queued)
+
+
 def _t_all_reduce_wrap(ctx):
     """Integer overflow wraps around exactly as under gloo (two's complement)."""
     ck = Checker(ctx)
