@@ -1084,7 +1084,7 @@ static rpl_status timeout_error(rpl_tr *tr, const rpl_xfer *xs, int n, double de
   }
   (void)deadline_s;
   return rpl_fail(err, RPL_ERR_TIMEOUT,
-                  "timed out waiting for rank(s) %s (a peer is slow, stuck in another "
+                  "Timed out waiting for rank(s) %s (a peer is slow, stuck in another "
                   "operation, or gone)", who);
 }
 

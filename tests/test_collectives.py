@@ -505,6 +505,48 @@ def test_all_gather(pool, ws, dtype):
     pool.run(_t_all_gather, dtype)
 
 
+def _t_all_gather_coalesced(ctx, dtype_name):
+    """all_gather_coalesced: output_lists[r][j] = rank r's inputs[j], for inputs of different
+    shapes (one of them empty), against gloo where gloo has the dtype, and on a subgroup."""
+    dtype = DTYPES[dtype_name]
+    ck = Checker(ctx)
+    shapes = [(5,), (0,), (2, 3), (1023,)]
+
+    def inputs_of(r, tag):
+        return [rand(s, dtype, seed_of("agc", tag, dtype_name, i, r)) for i, s in enumerate(shapes)]
+
+    mine = inputs_of(ctx.rank, "world")
+    outs = [[torch.zeros(s, dtype=dtype) for s in shapes] for _ in range(ctx.ws)]
+    dist.all_gather_coalesced(outs, mine, group=ctx.pg)
+    for r in range(ctx.ws):
+        for j, want in enumerate(inputs_of(r, "world")):
+            ck.equal(outs[r][j], want, f"all_gather_coalesced {dtype_name} [{r}][{j}]")
+    if gloo_ok(dtype):
+        ref = [[torch.zeros(s, dtype=dtype) for s in shapes] for _ in range(ctx.ws)]
+        dist.all_gather_coalesced(ref, mine, group=ctx.ref)
+        for r in range(ctx.ws):
+            for j in range(len(shapes)):
+                ck.equal(outs[r][j], ref[r][j], f"all_gather_coalesced {dtype_name} vs gloo")
+    # a subgroup of the upper ranks (every rank creates it; only members call)
+    members = list(range(1, ctx.ws)) if ctx.ws > 2 else list(range(ctx.ws))
+    sub = dist.new_group(members, backend=BACKEND, timeout=timedelta(seconds=ctx.pg_timeout))
+    if ctx.rank in members:
+        mine = inputs_of(ctx.rank, "sub")
+        outs = [[torch.zeros(s, dtype=dtype) for s in shapes] for _ in members]
+        dist.all_gather_coalesced(outs, mine, group=sub)
+        for i, r in enumerate(members):
+            for j, want in enumerate(inputs_of(r, "sub")):
+                ck.equal(outs[i][j], want, f"all_gather_coalesced {dtype_name} subgroup [{r}][{j}]")
+    dist.destroy_process_group(sub)
+    return ck.finish()
+
+
+@WS_ALL
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "bool"])
+def test_all_gather_coalesced(pool, ws, dtype):
+    pool.run(_t_all_gather_coalesced, dtype)
+
+
 def _t_all_gather_large(ctx):
     ck = Checker(ctx)
     n = 3 * MIB // 4 + 1

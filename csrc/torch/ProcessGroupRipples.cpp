@@ -1298,6 +1298,57 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::_allgather_base(
   return submit(call, {desc});
 }
 
+// output_lists[r][j] receives rank r's inputs[j]: one core allgather per input tensor, all
+// in one call (shapes and dtypes may differ between the inputs, as in gloo).
+c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputLists,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  static const char* op = "allgather_coalesced";
+  checkOpen(op);
+  checkListSize(outputLists.size(), size_, op, "the output list of lists",
+                "one list per rank of the group");
+  std::vector<rpl_dtype> dts(inputs.size());
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    dts[j] = checkTensor(inputs[j], op, "inputs" + ordinal(j));
+  }
+  std::vector<at::Tensor> flat;
+  for (size_t r = 0; r < outputLists.size(); ++r) {
+    const std::string list = "output_lists" + ordinal(r);
+    checkListSize(outputLists[r].size(), inputs.size(), op, list, "one tensor per input");
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      const std::string what = list + ordinal(j);
+      checkTensor(outputLists[r][j], op, what);
+      checkSameDtype(outputLists[r][j], inputs[j], op, what, "inputs" + ordinal(j));
+      checkNumel(outputLists[r][j], inputs[j].numel(), op, what, "as inputs" + ordinal(j));
+      flat.push_back(outputLists[r][j]);
+    }
+  }
+
+  Call call = begin(
+      c10d::OpType::ALLGATHER_COALESCED, "ripples:allgather_coalesced", op, flat, opts.timeout,
+      callDevice(op, {inputs, flat}));
+  auto& ctx = call.c();
+  ctx.in.reserve(inputs.size());
+  ctx.out.reserve(inputs.size() * size_);
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    ctx.in.push_back(call.in(inputs[j], dts[j]));
+    for (int r = 0; r < size_; ++r) {
+      ctx.out.push_back(call.out(outputLists[r][j], dts[j], "output_lists" + ordinal(r) + ordinal(j)));
+    }
+  }
+  std::vector<rpl_op_desc> descs;
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    rpl_op_desc desc = makeDesc(RPL_OP_ALLGATHER);
+    desc.in = &ctx.in[j];
+    desc.nin = 1;
+    desc.out = &ctx.out[j * size_];
+    desc.nout = size_;
+    descs.push_back(desc);
+  }
+  return submit(call, std::move(descs));
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,

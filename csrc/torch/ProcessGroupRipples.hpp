@@ -255,6 +255,11 @@ class ProcessGroupRipples : public c10d::Backend {
       at::Tensor& inputBuffer,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
 
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputTensorLists,
+      std::vector<at::Tensor>& inputTensors,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs,
       std::vector<at::Tensor>& inputs,
