@@ -290,6 +290,64 @@ def test_small_collectives_queued(pool, ws):
     pool.run(_t_small_queued)
 
 
+def _sparse_input(dtype, shape, sparse_dims, seed, density=0.3):
+    g = torch.Generator().manual_seed(seed)
+    dense = (torch.rand(shape, generator=g) * 10 - 5).to(dtype)
+    keep = torch.rand(shape[:sparse_dims], generator=g) < density
+    dense[~keep] = 0
+    return dense.to_sparse(sparse_dims)
+
+
+def _t_sparse_all_reduce(ctx):
+    """SUM of sparse COO tensors against the sum of the dense inputs (and gloo where it has
+    the dtype): several dtypes, a dense part, an empty tensor, a subgroup; sizes that differ
+    between ranks and non-SUM ops raise on every rank alike."""
+    ck = Checker(ctx)
+    cases = [("float32", (40,), 1), ("float64", (12, 5), 1), ("int64", (6, 7), 2),
+             ("float32", (30,), 1, 0.0)]
+    for i, case in enumerate(cases):
+        dtype_name, shape, sd = case[:3]
+        density = case[3] if len(case) > 3 else 0.3
+        dtype = DTYPES[dtype_name]
+        ins = [_sparse_input(dtype, shape, sd, seed_of("sp", i, r), density)
+               for r in range(ctx.ws)]
+        a = ins[ctx.rank].clone()
+        dist.all_reduce(a, group=ctx.pg)
+        want = sum(t.to_dense() for t in ins)
+        what = f"sparse all_reduce {dtype_name} {shape} sparse_dim={sd} density={density}"
+        ck.true(a.is_sparse and a.is_coalesced(), what + " stays sparse and coalesced")
+        compare(ck, a.to_dense(), want, "SUM", ctx.ws, what)
+        if dtype != torch.int64:  # gloo's sparse path, as a second reference
+            b = ins[ctx.rank].clone()
+            dist.all_reduce(b, group=ctx.ref)
+            compare(ck, a.to_dense(), b.to_dense(), "SUM", ctx.ws, what + " vs gloo")
+    # a subgroup of the upper ranks
+    members = list(range(1, ctx.ws)) if ctx.ws > 2 else list(range(ctx.ws))
+    sub = dist.new_group(members, backend=BACKEND, timeout=timedelta(seconds=ctx.pg_timeout))
+    if ctx.rank in members:
+        ins = [_sparse_input(torch.float32, (20,), 1, seed_of("spsub", r)) for r in members]
+        a = ins[members.index(ctx.rank)].clone()
+        dist.all_reduce(a, group=sub)
+        compare(ck, a.to_dense(), sum(t.to_dense() for t in ins), "SUM", len(members),
+                "sparse all_reduce on a subgroup")
+    dist.destroy_process_group(sub)
+    if ctx.ws > 1:
+        bad = torch.zeros(4 + ctx.rank).to_sparse()
+        e = ck.raises("sparse all_reduce with sizes that differ", lambda: dist.all_reduce(bad, group=ctx.pg),
+                      ValueError, r"sparse tensors differ between ranks: rank 0 has size \[4\]")
+        ck.true(e is None or "rank 1 has size [5]" in str(e), "every rank names the same ranks",
+                str(e))
+    ck.raises("sparse all_reduce with MAX", lambda: dist.all_reduce(
+        _sparse_input(torch.float32, (8,), 1, 1), op=R.MAX, group=ctx.pg), ValueError, "SUM")
+    return ck.finish()
+
+
+@WS_ALL
+@pytest.mark.skipif(BACKEND != "ripples", reason="ripples' sparse path (gloo is the reference)")
+def test_sparse_all_reduce(pool, ws):
+    pool.run(_t_sparse_all_reduce)
+
+
 def _t_all_reduce_wrap(ctx):
     """Integer overflow wraps around exactly as under gloo (two's complement)."""
     ck = Checker(ctx)

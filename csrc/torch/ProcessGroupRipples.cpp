@@ -54,15 +54,13 @@ class GilRelease {
   PyThreadState* state_ = nullptr;
 };
 
+}  // namespace
+
 std::string pyDtypeName(at::ScalarType st) {
   // "torch.float32"-style names, the way users write them.
   auto names = c10::getDtypeNames(st);
   return "torch." + std::string(names.first);
 }
-
-const char* kSupportedDtypes =
-    "torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, "
-    "torch.float16, torch.bfloat16, torch.float32, torch.float64";
 
 bool toRplDtype(at::ScalarType st, rpl_dtype* out) {
   switch (st) {
@@ -79,6 +77,12 @@ bool toRplDtype(at::ScalarType st, rpl_dtype* out) {
     default: return false;
   }
 }
+
+namespace {
+
+const char* kSupportedDtypes =
+    "torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, "
+    "torch.float16, torch.bfloat16, torch.float32, torch.float64";
 
 const char* redOpName(c10d::ReduceOp::RedOpType op) {
   switch (op) {
@@ -1085,6 +1089,17 @@ bool ProcessGroupRipples::runInline(OpContext* ctx, rpl_status* st, std::string*
   return ran != 0;
 }
 
+c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::completedWork(
+    c10d::OpType opType,
+    const char* profilingTitle,
+    const char* opName,
+    std::vector<at::Tensor> outputs,
+    std::chrono::milliseconds opTimeout) {
+  Call call =
+      begin(opType, profilingTitle, opName, std::move(outputs), opTimeout, c10::Device(c10::kCPU));
+  return submit(call, {});
+}
+
 int ProcessGroupRipples::submitToCore(OpContext* ctx, rpl_status* st, std::string* msg) {
   const int n = static_cast<int>(ctx->descs.size());
   int accepted = 0;
@@ -1173,7 +1188,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce(
       "ripples allreduce: expects exactly one tensor, got ", tensors.size(),
       " (use allreduce_coalesced / all_reduce_coalesced for several tensors)");
   TORCH_CHECK_VALUE(
-      !opts.sparseIndices.has_value(), "ripples allreduce: sparse all-reduce is not supported");
+      !opts.sparseIndices.has_value(),
+      "ripples allreduce: AllreduceOptions.sparseIndices is not supported (a sparse COO "
+      "tensor is)");
+  if (tensors[0].defined() && tensors[0].is_sparse()) {
+    return sparseAllreduce(tensors[0], opts);
+  }
   rpl_dtype d = checkTensor(tensors[0], op, "tensor");
   rpl_redop r = toRplRedop(opts.reduceOp, d, op);
 

@@ -93,6 +93,11 @@ PartialMode setThreadPartialMode(PartialMode mode);
 rpl_domain* processFenceDomain();
 
 class CompletionExecutor;
+
+// "torch.float32"-style names, the way users write them.
+std::string pyDtypeName(at::ScalarType st);
+// The core's dtype for a torch dtype; false if the core has none.
+bool toRplDtype(at::ScalarType st, rpl_dtype* out);
 struct OpContext;
 
 // State shared by a process group, its works and its in-flight operations. Works and
@@ -341,6 +346,18 @@ class ProcessGroupRipples : public c10d::Backend {
   struct Call;  // a call being built: context + work, see the .cpp
 
   // `device`: where every tensor of the call lives (callDevice()); device tensors are staged.
+  // A Work with no core operation: it completes in order with the others, holding `outputs`
+  // (for calls whose work was done on the caller's thread).
+  c10::intrusive_ptr<c10d::Work> completedWork(
+      c10d::OpType opType,
+      const char* profilingTitle,
+      const char* opName,
+      std::vector<at::Tensor> outputs,
+      std::chrono::milliseconds opTimeout);
+  // SUM of sparse COO tensors (SparseAllreduce.cpp); blocks until the result is in place.
+  c10::intrusive_ptr<c10d::Work> sparseAllreduce(
+      at::Tensor& tensor,
+      const c10d::AllreduceOptions& opts);
   Call begin(
       c10d::OpType opType,
       const char* profilingTitle,

@@ -1,0 +1,135 @@
+// SparseAllreduce: the SUM of sparse COO tensors, with gloo's semantics (issue 17).
+//
+// Every rank coalesces its tensor, the ranks exchange a fixed-size description (nnz, the
+// sparse and dense dimensions, dtype, sizes) with one allgather, then their indices and
+// values padded to the largest nnz with two more, and each rank sums what it received into a
+// coalesced result that replaces its tensor's contents (as gloo's `tensor.copy_(result)`).
+// Sparse gradients (embeddings) are the case this serves. The exchange runs on the caller's
+// thread, through this group's own allgathers, so the call returns once the result is in
+// place; the Work it returns is already complete. Tensors that differ between ranks (sizes,
+// dtype, sparse layout) make every rank raise the same error before any values move.
+#include "ProcessGroupRipples.hpp"
+
+#include <c10/util/Exception.h>
+
+#include <string>
+#include <vector>
+
+namespace ripples {
+
+namespace {
+
+constexpr int64_t kMaxDims = 32;
+// nnz, sparse_dim, dense_dim, ndim, dtype, then up to kMaxDims sizes
+constexpr int64_t kMetaLen = 5 + kMaxDims;
+
+std::string describe(const int64_t* m) {
+  std::string s = "size [";
+  for (int64_t i = 0; i < m[3]; ++i) {
+    s += (i ? ", " : "") + std::to_string(m[5 + i]);
+  }
+  return s + "], " + std::to_string(m[1]) + " sparse and " + std::to_string(m[2]) +
+      " dense dims, dtype " + pyDtypeName(static_cast<c10::ScalarType>(m[4]));
+}
+
+bool sameLayout(const int64_t* a, const int64_t* b) {
+  for (int64_t i = 1; i < kMetaLen; ++i) {
+    if (a[i] != b[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
+    at::Tensor& tensor,
+    const c10d::AllreduceOptions& opts) {
+  static const char* op = "allreduce";
+  TORCH_CHECK_VALUE(
+      tensor.layout() == c10::kSparse,
+      "ripples allreduce: tensor has layout ", tensor.layout(),
+      "; of the sparse layouts only COO (torch.sparse_coo) is supported");
+  TORCH_CHECK_VALUE(
+      opts.reduceOp == c10d::ReduceOp::SUM,
+      "ripples allreduce: sparse tensors are summed only (ReduceOp.SUM), as with gloo");
+  TORCH_CHECK_VALUE(
+      tensor.device().is_cpu(),
+      "ripples allreduce: sparse tensors must be on the CPU, got device '",
+      tensor.device().str(), "'");
+  rpl_dtype d;
+  TORCH_CHECK_TYPE(
+      toRplDtype(tensor.scalar_type(), &d),
+      "ripples allreduce: the sparse tensor's values have dtype ",
+      pyDtypeName(tensor.scalar_type()), ", which the ripples backend does not support");
+  TORCH_CHECK_VALUE(
+      tensor.dim() <= kMaxDims,
+      "ripples allreduce: sparse tensors of more than ", kMaxDims, " dimensions");
+
+  const at::Tensor input = tensor.coalesce();
+  const int64_t sparseDim = input.sparse_dim(), denseDim = input.dense_dim();
+  const int64_t nnz = input._nnz();
+  auto i64 = at::TensorOptions().dtype(at::kLong);
+
+  // 1. Who has what: every rank sees every rank's description, so all decide alike.
+  at::Tensor meta = at::zeros({kMetaLen}, i64);
+  int64_t* m = meta.data_ptr<int64_t>();
+  m[0] = nnz;
+  m[1] = sparseDim;
+  m[2] = denseDim;
+  m[3] = input.dim();
+  m[4] = static_cast<int64_t>(input.scalar_type());
+  for (int64_t i = 0; i < input.dim(); ++i) {
+    m[5 + i] = input.size(i);
+  }
+  at::Tensor metas = at::empty({size_ * kMetaLen}, i64);
+  c10d::AllgatherOptions ag;
+  ag.timeout = opts.timeout;
+  _allgather_base(metas, meta, ag)->wait();
+  const int64_t* all = metas.data_ptr<int64_t>();
+  int64_t maxNnz = 0;
+  for (int r = 0; r < size_; ++r) {
+    const int64_t* mr = all + r * kMetaLen;
+    TORCH_CHECK_VALUE(
+        sameLayout(mr, all),
+        "ripples allreduce: the sparse tensors differ between ranks: rank 0 has ",
+        describe(all), ", rank ", r, " has ", describe(mr));
+    maxNnz = std::max(maxNnz, mr[0]);
+  }
+
+  // 2. Indices and values, padded to the largest nnz so that one allgather moves each.
+  std::vector<int64_t> valShape = input._values().sizes().vec();
+  valShape[0] = maxNnz;
+  at::Tensor idx = at::zeros({sparseDim, maxNnz}, i64);
+  at::Tensor val = at::zeros(valShape, input._values().options());
+  if (nnz > 0) {
+    idx.narrow(1, 0, nnz).copy_(input._indices());
+    val.narrow(0, 0, nnz).copy_(input._values());
+  }
+  at::Tensor idxAll = at::empty({size_ * idx.numel()}, i64);
+  at::Tensor valAll = at::empty({size_ * val.numel()}, val.options());
+  _allgather_base(idxAll, idx, ag)->wait();
+  at::Tensor valFlat = val.reshape({-1});
+  _allgather_base(valAll, valFlat, ag)->wait();
+
+  // 3. The sum: every rank's entries side by side, duplicates summed by coalesce().
+  std::vector<at::Tensor> idxParts, valParts;
+  std::vector<int64_t> oneVal = valShape;
+  for (int r = 0; r < size_; ++r) {
+    const int64_t nr = all[r * kMetaLen];
+    idxParts.push_back(
+        idxAll.narrow(0, r * idx.numel(), idx.numel()).view({sparseDim, maxNnz}).narrow(1, 0, nr));
+    valParts.push_back(
+        valAll.narrow(0, r * val.numel(), val.numel()).view(oneVal).narrow(0, 0, nr));
+  }
+  at::Tensor result =
+      at::sparse_coo_tensor(at::cat(idxParts, 1), at::cat(valParts, 0), input.sizes())
+          .coalesce();
+  tensor.copy_(result);
+
+  return completedWork(
+      c10d::OpType::ALLREDUCE, "ripples:all_reduce_sparse", op, {tensor}, opts.timeout);
+}
+
+}  // namespace ripples
