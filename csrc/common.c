@@ -79,3 +79,19 @@ const char *rpl_op_name(rpl_op_kind kind) {
   }
   return "unknown-op";
 }
+
+void rpl_cause_make(char *out, size_t cap, rpl_status code, int rank, const char *msg) {
+  snprintf(out, cap, "%d|%d|%s", (int)code, rank, msg);
+}
+
+rpl_status rpl_cause_split(const char *cause, int *rank, const char **msg) {
+  int code = 0, r = -1, n = 0;
+  if (sscanf(cause, "%d|%d|%n", &code, &r, &n) == 2 && n > 0 && code > 0 && code < 100) {
+    *rank = r;
+    *msg = cause + n;
+    return (rpl_status)code;
+  }
+  *rank = -1;
+  *msg = cause;
+  return RPL_ERR_PEER;
+}

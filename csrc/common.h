@@ -22,6 +22,13 @@ double rpl_now(void);
 /* Names the calling thread (truncated to the 15 characters Linux allows). */
 void rpl_set_thread_name(const char *name);
 
+/* A failure's cause as one rank passes it to its peers when it gives up on its links (see
+ * transport.h): "<status>|<rank that failed first>|<message>", so that a peer can raise the
+ * same kind of error (a mismatch stays a mismatch) naming where it was found. _split returns
+ * the status (RPL_ERR_PEER for text without the prefix) and points *msg at the message. */
+void rpl_cause_make(char *out, size_t cap, rpl_status code, int rank, const char *msg);
+rpl_status rpl_cause_split(const char *cause, int *rank, const char **msg);
+
 #define RPL_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define RPL_MAX(a, b) ((a) > (b) ? (a) : (b))
 

@@ -421,20 +421,25 @@ rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause
                     "error, while a message was under way on it", peer);
   read_cause(h, why, sizeof why);
   if (why[0]) snprintf(cause, cap, "%s", why);
+  int origin;
+  const char *text;
+  rpl_status code = rpl_cause_split(why, &origin, &text);
+  if (why[0] && code == RPL_ERR_MISMATCH) /* the same error as where it was found */
+    return rpl_fail(err, RPL_ERR_MISMATCH, "%s [found by rank %d]", text, origin);
   if (dead)
     return rpl_fail(err, RPL_ERR_PEER, "rank %d (pid %u on this host) exited or was killed%s%s",
-                    peer, h->pid, why[0] ? ", after an error of its own: " : "", why);
-  if (closed && why[0])
+                    peer, h->pid, text[0] ? ", after an error of its own: " : "", text);
+  if (closed && text[0])
     return rpl_fail(err, RPL_ERR_PEER, "rank %d aborted after an error of its own: %s", peer,
-                    why);
+                    text);
   if (closed)
     return rpl_fail(err, RPL_ERR_PEER,
                     "rank %d closed its shared-memory link (it exited, or aborted after an "
                     "error of its own)", peer);
-  if (why[0])
+  if (text[0])
     return rpl_fail(err, RPL_ERR_PEER,
                     "rank %d gave up on an exchange with this rank after an error of its own: %s",
-                    peer, why);
+                    peer, text);
   return rpl_fail(err, RPL_ERR_PEER,
                   "rank %d gave up on an exchange with this rank after an error of its own",
                   peer);

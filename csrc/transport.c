@@ -452,7 +452,7 @@ rpl_status rpl_tr_read(rpl_tr *tr, int peer, uint64_t addr, void *dst, size_t le
     return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
   rpl_status st = rpl_shm_read_peer(tr->shm, peer, addr, dst, len, err);
   if (st != RPL_OK) {
-    snprintf(tr->cause, sizeof tr->cause, "%.300s", err->msg);
+    rpl_cause_make(tr->cause, sizeof tr->cause, st, tr->rank, err->msg);
     return st;
   }
   count_add(&tr->counters.bytes_received, len);
@@ -732,9 +732,13 @@ static rpl_status goodbye_error(rpl_tr *tr, int peer, uint64_t len, const char *
     if ((unsigned char)text[i] < 0x20 || (unsigned char)text[i] > 0x7e) text[i] = '?';
   if (!n) return closed_error(tr, peer, 0, doing, err);
   snprintf(tr->peer_cause, sizeof tr->peer_cause, "%s", text);
+  int origin;
+  const char *why;
+  if (rpl_cause_split(text, &origin, &why) == RPL_ERR_MISMATCH)
+    return rpl_fail(err, RPL_ERR_MISMATCH, "%s [found by rank %d]", why, origin);
   char d[96];
   peer_desc(tr, peer, d, sizeof d);
-  return rpl_fail(err, RPL_ERR_PEER, "%s gave up after an error of its own: %s", d, text);
+  return rpl_fail(err, RPL_ERR_PEER, "%s gave up after an error of its own: %s", d, why);
 }
 
 /* The connection to `peer` closed (EOF, reset, or the peer shut its end while we only send to
@@ -834,28 +838,32 @@ static rpl_status check_header(rpl_tr *tr, int peer, const rpl_xfer *x, uint32_t
                     "rank %d sent its %s #%llu while this rank waits in recv(src=%d, tag=%u): "
                     "ranks issued operations in different orders", peer,
                     rpl_op_name((rpl_op_kind)m->op), (unsigned long long)m->seq, peer, e->tag);
+  /* The messages name both ranks, the lower first, and not "this rank": a peer that learns
+   * of the mismatch from the rank that found it raises the same text. */
+  int lo = RPL_MIN(peer, tr->rank), hi = RPL_MAX(peer, tr->rank);
+  const rpl_meta *ml = peer < tr->rank ? m : e, *mh = peer < tr->rank ? e : m;
   if (m->op != e->op || m->seq != e->seq)
     return rpl_fail(err, RPL_ERR_MISMATCH,
-                    "collective mismatch: this rank is in %s #%llu but rank %d sent data for "
-                    "%s #%llu (ranks called different collectives, or in a different order)",
-                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer,
-                    rpl_op_name((rpl_op_kind)m->op), (unsigned long long)m->seq);
+                    "collective mismatch: rank %d is in %s #%llu, rank %d in %s #%llu (ranks "
+                    "called different collectives, or in a different order)",
+                    lo, rpl_op_name((rpl_op_kind)ml->op), (unsigned long long)ml->seq, hi,
+                    rpl_op_name((rpl_op_kind)mh->op), (unsigned long long)mh->seq);
   if (m->dtype != e->dtype)
     return rpl_fail(err, RPL_ERR_MISMATCH,
-                    "dtype mismatch in %s #%llu: rank %d has %s tensors, this rank has %s",
-                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer,
-                    rpl_dtype_name((rpl_dtype)m->dtype), rpl_dtype_name((rpl_dtype)e->dtype));
+                    "dtype mismatch in %s #%llu: rank %d has %s tensors, rank %d has %s",
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, lo,
+                    rpl_dtype_name((rpl_dtype)ml->dtype), hi,
+                    rpl_dtype_name((rpl_dtype)mh->dtype));
   if (m->tag != e->tag && e->op != RPL_OP_SEND)
-    return rpl_fail(err, RPL_ERR_MISMATCH,
-                    "%s #%llu: rank %d passed %u tensors, this rank passed %u",
-                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer, m->tag,
-                    e->tag);
+    return rpl_fail(err, RPL_ERR_MISMATCH, "%s #%llu: rank %d passed %u tensors, rank %d %u",
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, lo, ml->tag,
+                    hi, mh->tag);
   if (e->count != RPL_ANY_COUNT && m->count != e->count)
     return rpl_fail(err, RPL_ERR_MISMATCH,
-                    "size mismatch in %s #%llu: rank %d has %llu elements, this rank has %llu "
+                    "size mismatch in %s #%llu: rank %d has %llu elements, rank %d has %llu "
                     "(tensor %u; every rank must pass tensors of the same size)",
-                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, peer,
-                    (unsigned long long)m->count, (unsigned long long)e->count, e->step);
+                    rpl_op_name((rpl_op_kind)e->op), (unsigned long long)e->seq, lo,
+                    (unsigned long long)ml->count, hi, (unsigned long long)mh->count, e->step);
   if (m->step != e->step || len != x->len)
     return rpl_fail(err, RPL_ERR_MISMATCH,
                     "size mismatch in %s #%llu: rank %d sends %llu bytes, this rank expects "
@@ -1431,10 +1439,11 @@ static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int
       if (tr->shm) rpl_shm_set_cause(tr->shm, "");
     }
   } else if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED) {
-    const char *c = tr->peer_cause[0] ? tr->peer_cause : err ? err->msg : rpl_status_name(st);
-    size_t len = strnlen(c, sizeof tr->cause - 1); /* truncated, as peers keep it */
-    memcpy(tr->cause, c, len);
-    tr->cause[len] = '\0';
+    if (tr->peer_cause[0]) /* a peer's, passed on as it came (it names where it began) */
+      snprintf(tr->cause, sizeof tr->cause, "%s", tr->peer_cause);
+    else
+      rpl_cause_make(tr->cause, sizeof tr->cause, st, tr->rank,
+                     err ? err->msg : rpl_status_name(st));
   }
   return st;
 }
