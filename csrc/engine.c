@@ -203,7 +203,8 @@ static rpl_status validate(const rpl_comm *c, const rpl_op_desc *d, rpl_error *e
   int rooted = d->kind == RPL_OP_BROADCAST || d->kind == RPL_OP_GATHER ||
                d->kind == RPL_OP_SCATTER || d->kind == RPL_OP_REDUCE ||
                d->kind == RPL_OP_SEND || d->kind == RPL_OP_RECV;
-  if (rooted && (d->root < 0 || d->root >= n))
+  int any_source = d->kind == RPL_OP_RECV && d->root == RPL_ANY_SOURCE;
+  if (rooted && !any_source && (d->root < 0 || d->root >= n))
     return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d is out of range for a group of size %d",
                     op, d->root, n);
   switch (d->kind) {
@@ -429,8 +430,11 @@ static void batch_compact(rpl_comm *c, p2p_batch *b) {
 }
 
 static void p2p_desc(const rpl_op *op, char *buf, size_t cap) {
-  snprintf(buf, cap, "%s %s rank %d (tag %d)", op->d.kind == RPL_OP_SEND ? "send" : "recv",
-           op->d.kind == RPL_OP_SEND ? "to" : "from", op->d.root, op->d.tag);
+  if (op->d.root == RPL_ANY_SOURCE)
+    snprintf(buf, cap, "recv from any rank (tag %d)", op->d.tag);
+  else
+    snprintf(buf, cap, "%s %s rank %d (tag %d)", op->d.kind == RPL_OP_SEND ? "send" : "recv",
+             op->d.kind == RPL_OP_SEND ? "to" : "from", op->d.root, op->d.tag);
 }
 
 /* Fails every live op of the batch after the run failed with `st`/`err` and empties it. */
@@ -447,9 +451,11 @@ static void batch_fail(rpl_comm *c, p2p_batch *b, rpl_status st, const rpl_error
       char what[96];
       p2p_desc(op, what, sizeof what);
       rpl_error e;
+      char who[32] = "any rank";
+      if (op->d.root != RPL_ANY_SOURCE) snprintf(who, sizeof who, "rank(s) %d", op->d.root);
       rpl_fail(&e, RPL_ERR_TIMEOUT,
-               "%s timed out after %g s waiting for rank(s) %d (%s)", what,
-               op_timeout(c, &op->d), op->d.root,
+               "%s timed out after %g s waiting for %s (%s)", what,
+               op_timeout(c, &op->d), who,
                op->d.kind == RPL_OP_RECV
                    ? "it never sent a matching message: it is slow, stuck in another "
                      "operation, or gone"
@@ -558,6 +564,7 @@ static void run_p2p(rpl_comm *c) {
       if (!op || !b->xs[i].done) continue;
       b->ops[i] = NULL;
       b->live--;
+      if (op->d.source) *op->d.source = b->xs[i].peer; /* the transport set it for any-source */
       finish_op(c, op, RPL_OK, NULL);
     }
     if (st != RPL_OK) {

@@ -158,11 +158,15 @@ typedef enum {
   RPL_OP_REDUCE = 8,         /* in[0] reduced into root's in[0]; non-root buffers untouched */
   RPL_OP_BARRIER = 9,        /* no buffers */
   RPL_OP_SEND = 10,          /* in[0] to rank `root`, matched by `tag` */
-  RPL_OP_RECV = 11,          /* out[0] from rank `root`, matched by `tag` */
+  RPL_OP_RECV = 11,          /* out[0] from rank `root` (or RPL_ANY_SOURCE), matched by `tag` */
   RPL_OP_PARTIAL_ALLREDUCE = 12 /* in[i] reduced over this round's group only (see below) */
 } rpl_op_kind;
 
 const char *rpl_op_name(rpl_op_kind kind);
+
+/* RECV's root for "whichever rank sends a message with this tag first" (gloo's
+ * recvAnysource): the sender's rank is written to *desc.source before on_done. */
+#define RPL_ANY_SOURCE (-1)
 
 typedef struct rpl_buf {
   void *ptr;       /* contiguous; may be NULL when count == 0 */
@@ -186,6 +190,7 @@ typedef struct rpl_op_desc {
   rpl_done_fn on_done;
   void *done_arg;
   double timeout_s;        /* 0 = the communicator's timeout */
+  int *source;             /* RECV, optional: the sender's rank, written before on_done */
 } rpl_op_desc;
 
 /* Validates and enqueues. The descriptor is copied; the memory its buffers point at must stay

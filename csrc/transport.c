@@ -54,6 +54,7 @@ typedef struct stash_msg {
   uint32_t tag;
   size_t len;
   unsigned char *data;
+  uint64_t arrival; /* order of arrival across peers, for any-source receives */
 } stash_msg;
 
 typedef struct conn {
@@ -91,12 +92,14 @@ struct rpl_tr {
   uint64_t *peer_nonce;
   conn *conns;
   int *act_send, *act_recv; /* per peer: index of the active transfer in the current run */
+  unsigned char *any_read;  /* per peer: read in this p2p run only for any-source receives */
   struct pollfd *pfds;
   int *pfd_peer;
   int aborted;
   int interrupted; /* sticky, set by rpl_tr_interrupt (atomic) */
   int p2p;         /* the current run is a point-to-point batch (rpl_tr_run_p2p) */
   uint64_t completions; /* transfers completed, for rpl_tr_run_p2p's early return */
+  uint64_t arrivals;    /* p2p messages stashed so far (stash_msg.arrival) */
   double run_deadline;  /* of the current run: bounds the wait for a new peer's hello */
   int replaced; /* a peer this run was using reconnected, or -1 */
   double run_start;
@@ -181,11 +184,12 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, int use_ucx,
   tr->conns = calloc((size_t)size, sizeof *tr->conns);
   tr->act_send = calloc((size_t)size, sizeof(int));
   tr->act_recv = calloc((size_t)size, sizeof(int));
+  tr->any_read = calloc((size_t)size, 1);
   tr->pfds = calloc((size_t)size + 3, sizeof *tr->pfds);
   tr->pfd_peer = calloc((size_t)size + 3, sizeof(int));
   tr->peer_uport = calloc((size_t)size, sizeof *tr->peer_uport);
   if (!tr->peer_addr || !tr->peer_nonce || !tr->conns || !tr->act_send || !tr->act_recv ||
-      !tr->pfds || !tr->pfd_peer || !tr->peer_uport) {
+      !tr->any_read || !tr->pfds || !tr->pfd_peer || !tr->peer_uport) {
     rpl_tr_destroy(tr);
     return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating the transport");
   }
@@ -383,6 +387,7 @@ void rpl_tr_destroy(rpl_tr *tr) {
   free(tr->conns);
   free(tr->act_send);
   free(tr->act_recv);
+  free(tr->any_read);
   free(tr->pfds);
   free(tr->pfd_peer);
   free(tr);
@@ -689,6 +694,53 @@ static rpl_status complete_from_stash(rpl_tr *tr, rpl_xfer *x, int *matched, rpl
   return RPL_OK;
 }
 
+/* Any-source receives (peer RPL_TR_ANY in a p2p run) take whole messages from the stash:
+ * while one is pending, every peer without a receive of its own is read into the stash, and
+ * a stashed message no receive from its peer takes goes to the first any-source receive with
+ * its tag, which then records its sender in `peer`. */
+static int is_any(const rpl_xfer *x) { return !x->is_send && x->peer == RPL_TR_ANY; }
+
+static int find_any_recv(const rpl_xfer *xs, int n, uint32_t tag) {
+  for (int i = 0; i < n; i++)
+    if (!xs[i].done && is_any(&xs[i]) && xs[i].meta.tag == tag) return i;
+  return -1;
+}
+
+/* Serves an any-source receive from the stash: the earliest message with its tag, from any
+ * peer. */
+static rpl_status any_from_stash(rpl_tr *tr, rpl_xfer *x, rpl_error *err) {
+  stash_msg *best = NULL, *best_prev = NULL;
+  int best_peer = -1;
+  for (int p = 0; p < tr->size; p++) {
+    stash_msg *prev = NULL;
+    for (stash_msg *m = tr->conns[p].stash_head; m; prev = m, m = m->next) {
+      if (m->tag != x->meta.tag) continue;
+      if (!best || m->arrival < best->arrival) {
+        best = m;
+        best_prev = prev;
+        best_peer = p;
+      }
+      break; /* per peer, the first with the tag is the earliest */
+    }
+  }
+  if (!best) return RPL_OK;
+  if (best->len != x->len)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "recv from any rank (tag %u) expects %zu bytes but rank %d sent %zu bytes",
+                    x->meta.tag, x->len, best_peer, best->len);
+  conn *c = &tr->conns[best_peer];
+  if (best->len) memcpy(x->buf, best->data, best->len);
+  if (best_prev) best_prev->next = best->next;
+  else c->stash_head = best->next;
+  if (c->stash_tail == best) c->stash_tail = best_prev;
+  free(best->data);
+  free(best);
+  x->peer = best_peer;
+  x->done = 1;
+  tr->completions++;
+  return RPL_OK;
+}
+
 /* Makes the first unfinished receive from `peer` active, serving p2p receives from the stash. */
 static rpl_status activate_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, int from,
                                 rpl_error *err) {
@@ -909,6 +961,23 @@ static rpl_status stash_complete(rpl_tr *tr, rpl_xfer *xs, int n, int peer, stas
                                  rpl_error *err) {
   conn *c = &tr->conns[peer];
   int j = tr->p2p ? find_p2p_recv(xs, n, peer, s->tag) : -1;
+  if (j < 0 && tr->p2p && (j = find_any_recv(xs, n, s->tag)) >= 0) {
+    if (s->len != xs[j].len) {
+      rpl_status st = rpl_fail(err, RPL_ERR_MISMATCH,
+                               "recv from any rank (tag %u) expects %zu bytes but rank %d sent "
+                               "%zu bytes", s->tag, xs[j].len, peer, s->len);
+      free(s->data);
+      free(s);
+      return st;
+    }
+    if (s->len) memcpy(xs[j].buf, s->data, s->len);
+    xs[j].peer = peer;
+    xs[j].done = 1;
+    tr->completions++;
+    free(s->data);
+    free(s);
+    return RPL_OK;
+  }
   if (j < 0) {
     if (c->stash_tail) c->stash_tail->next = s;
     else c->stash_head = s;
@@ -1014,6 +1083,14 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
                         d);
       }
       int target;
+      if (tr->p2p && magic == DATA_MAGIC && m.op != RPL_OP_SEND && tr->any_read[peer]) {
+        /* A collective's message from a peer read only for an any-source receive: it is
+         * for a later collective. Keep its header (run_begin hands it to that run) and read
+         * no further from this peer in this run. */
+        c->rx_hdr_got = HDR_SIZE;
+        tr->act_recv[peer] = -1;
+        return RPL_OK;
+      }
       if (tr->p2p && magic == DATA_MAGIC && m.op == RPL_OP_SEND) {
         /* Point-to-point run: the first unfinished receive with this tag takes it. */
         target = find_p2p_recv(xs, n, peer, m.tag);
@@ -1036,6 +1113,7 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
                           "from rank %d", (unsigned long long)len, peer);
         }
         s->tag = m.tag;
+        s->arrival = ++tr->arrivals;
         s->len = (size_t)len;
         c->rx_stash = s;
         c->rx_stash_got = 0;
@@ -1085,7 +1163,9 @@ static rpl_status timeout_error(rpl_tr *tr, const rpl_xfer *xs, int n, double de
     int dup = 0;
     for (int j = 0; j < i; j++) dup |= !xs[j].done && xs[j].peer == xs[i].peer;
     if (dup) continue;
-    int w = snprintf(who + used, sizeof who - used, "%s%d", listed ? ", " : "", xs[i].peer);
+    int w = xs[i].peer == RPL_TR_ANY
+                ? snprintf(who + used, sizeof who - used, "%sany", listed ? ", " : "")
+                : snprintf(who + used, sizeof who - used, "%s%d", listed ? ", " : "", xs[i].peer);
     if (w < 0 || (size_t)w >= sizeof who - used) break;
     used += (size_t)w;
     listed++;
@@ -1112,6 +1192,7 @@ static rpl_status run_begin(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       xs[i].reduced = 0;
       xs[i].done = 0;
     }
+    if (p2p && is_any(&xs[i])) continue;
     if (xs[i].peer < 0 || xs[i].peer >= tr->size || xs[i].peer == tr->rank)
       return rpl_fail(err, RPL_ERR_INVALID, "internal error: transfer to rank %d", xs[i].peer);
   }
@@ -1133,15 +1214,22 @@ static rpl_status run_begin(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
      * arrival order per tag (the stash never holds a message a pending receive could take). */
     for (int i = 0; i < n; i++) {
       rpl_xfer *x = &xs[i];
-      conn *c = &tr->conns[x->peer];
-      if (x->done || x->is_send || (c->rx_mode == RX_XFER && c->rx_idx == i)) continue;
-      int matched;
-      rpl_status st = complete_from_stash(tr, x, &matched, err);
+      if (x->done || x->is_send) continue;
+      rpl_status st;
+      if (is_any(x)) {
+        st = any_from_stash(tr, x, err);
+      } else {
+        conn *c = &tr->conns[x->peer];
+        if (c->rx_mode == RX_XFER && c->rx_idx == i) continue;
+        int matched;
+        st = complete_from_stash(tr, x, &matched, err);
+      }
       if (st != RPL_OK) return st;
     }
   }
   for (int i = 0; i < n; i++) {
     int p = xs[i].peer;
+    if (p == RPL_TR_ANY) continue;
     if (!xs[i].is_send && !xs[i].done && tr->act_recv[p] < 0) {
       rpl_status st = activate_recv(tr, xs, n, p, i, err);
       if (st != RPL_OK) return st;
@@ -1150,6 +1238,24 @@ static rpl_status run_begin(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
   }
   for (int p = 0; p < tr->size; p++)
     if (tr->act_recv[p] == -2) tr->act_recv[p] = -1;
+  /* A pending any-source receive reads every peer that no receive of its own reads. */
+  for (int p = 0; p < tr->size; p++) tr->any_read[p] = 0;
+  for (int i = 0; p2p && i < n; i++) {
+    if (xs[i].done || !is_any(&xs[i])) continue;
+    for (int p = 0; p < tr->size; p++)
+      if (p != tr->rank && tr->act_recv[p] < 0) {
+        tr->act_recv[p] = i;
+        tr->any_read[p] = 1;
+      }
+    break;
+  }
+  /* A header an any-source run held back is processed now: no poll would report it. */
+  for (int p = 0; p < tr->size; p++) {
+    conn *c = &tr->conns[p];
+    if (tr->act_recv[p] < 0 || c->rx_mode != RX_HEADER || c->rx_hdr_got != HDR_SIZE) continue;
+    rpl_status st = do_recv(tr, xs, n, p, err);
+    if (st != RPL_OK) return st;
+  }
   return RPL_OK;
 }
 

@@ -34,6 +34,7 @@
 #include "ripples.h"
 
 #define RPL_ANY_COUNT UINT64_MAX /* meta.count of a transfer whose count may differ per rank */
+#define RPL_TR_ANY (-1)          /* peer of a p2p receive from whichever peer sends first */
 
 /* What a message says about the operation that sent it. */
 typedef struct rpl_meta {
@@ -100,7 +101,9 @@ rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_erro
  * driven over several calls: progress is kept between calls, so the caller may append
  * transfers between calls but must not remove or reorder entries while any is unfinished
  * (except through rpl_tr_p2p_remap). Sends to one peer go out in array order; a message from
- * a peer goes to the first unfinished receive from that peer with its tag, or to the stash.
+ * a peer goes to the first unfinished receive from that peer with its tag, else to the first
+ * unfinished receive from RPL_TR_ANY with its tag (whose `peer` becomes the sender's rank),
+ * else to the stash.
  * Returns RPL_OK once at least one transfer completed during the call (including receives
  * served from the stash at entry), once none is left, or when poked (rpl_tr_poke);
  * RPL_ERR_TIMEOUT at `deadline`; RPL_ERR_CLOSED when interrupted; other errors as rpl_tr_run. */

@@ -237,6 +237,85 @@ static void body_tags(job *j, rpl_comm *c) {
   }
 }
 
+/* Any-source receives: every other rank sends rank 0 two messages with tag 7 (and one with
+ * tag 8, which a receive from that rank takes); rank 0 posts a specific recv(tag 8) from
+ * rank 1 and 2(n-1) any-source recvs of tag 7. Each any-source recv reports a sender whose
+ * data it holds, every sender is reported twice, one sender's two messages arrive in the
+ * order sent, and the recv from rank 1 gets rank 1's tag-8 message. The senders go on to an
+ * all-reduce at once: its message reaches rank 0 while rank 0 still reads every peer for its
+ * any-source recvs, and must wait for rank 0's all-reduce rather than fail as out of order.
+ * Variant: rank 0 posts late, so every message waits in the stash first. */
+static void body_any_source(job *j, rpl_comm *c) {
+  int n = j->size, r = j->rank;
+  enum { LEN = 33 };
+  float ack = 0;
+  rpl_buf ab = {&ack, 1, RPL_FLOAT32};
+  if (r != 0) {
+    float v[3][LEN];
+    rpl_buf b[3];
+    req q[3], ar;
+    for (int k = 0; k < 3; k++) {
+      fill(v[k], LEN, r, 0, k == 2 ? 8 : 7 + 100 * k);
+      b[k] = (rpl_buf){v[k], LEN, RPL_FLOAT32};
+      submit(c, send_d(&b[k], 0, k == 2 ? 8 : 7), &q[k]);
+    }
+    for (int k = 0; k < 3; k++) EXPECT_OK(&q[k], "any-source: send %d from rank %d", k, r);
+    float one = 1;
+    rpl_buf ob = {&one, 1, RPL_FLOAT32};
+    rpl_error e;
+    rpl_op_desc ad = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &ob, .nin = 1};
+    CHECK(run_op(c, ad, &e) == RPL_OK && one == (float)n, "all-reduce after any-source: %s",
+          e.msg);
+    submit(c, recv_d(&ab, 0, 99), &ar);
+    EXPECT_OK(&ar, "any-source: ack");
+    for (int k = 0; k < 3; k++) req_free(&q[k]);
+    req_free(&ar);
+    return;
+  }
+  int m = 2 * (n - 1);
+  float v[2 * 8][LEN], w8[LEN];
+  int src[2 * 8], count[8] = {0}, first_seen[8];
+  rpl_buf b[2 * 8], b8 = {w8, LEN, RPL_FLOAT32};
+  req q[2 * 8], q8;
+  if (j->arg) sleep_s(0.2); /* the variant where every message is stashed before a recv */
+  submit(c, recv_d(&b8, 1, 8), &q8);
+  for (int i = 0; i < m; i++) {
+    b[i] = (rpl_buf){v[i], LEN, RPL_FLOAT32};
+    rpl_op_desc d = recv_d(&b[i], RPL_ANY_SOURCE, 7);
+    src[i] = -5;
+    d.source = &src[i];
+    submit(c, d, &q[i]);
+  }
+  for (int i = 0; i < m; i++) {
+    EXPECT_OK(&q[i], "any-source recv %d", i);
+    int s = src[i];
+    CHECK(s >= 1 && s < n, "any-source recv %d reports sender %d", i, s);
+    if (s < 1 || s >= n) continue;
+    int k = count[s]++;
+    if (k == 0) first_seen[s] = q[i].order;
+    CHECK(k < 2 && wrong(v[i], LEN, s, 0, 7 + 100 * k) == 0,
+          "any-source recv %d: not rank %d's message #%d", i, s, k);
+    if (k == 1) CHECK(first_seen[s] < q[i].order, "rank %d's messages out of order", s);
+  }
+  for (int s = 1; s < n; s++) CHECK(count[s] == 2, "rank %d reported %d times", s, count[s]);
+  EXPECT_OK(&q8, "recv(tag 8) from rank 1 beside any-source recvs");
+  CHECK(wrong(w8, LEN, 1, 0, 8) == 0, "recv(tag 8) from rank 1: wrong data");
+  float one = 1;
+  rpl_buf ob = {&one, 1, RPL_FLOAT32};
+  rpl_error e;
+  rpl_op_desc ad = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &ob, .nin = 1};
+  CHECK(run_op(c, ad, &e) == RPL_OK && one == (float)n, "all-reduce after any-source: %s",
+        e.msg);
+  req acks[8];
+  for (int s = 1; s < n; s++) submit(c, send_d(&ab, s, 99), &acks[s]);
+  for (int s = 1; s < n; s++) {
+    EXPECT_OK(&acks[s], "ack to %d", s);
+    req_free(&acks[s]);
+  }
+  for (int i = 0; i < m; i++) req_free(&q[i]);
+  req_free(&q8);
+}
+
 /* A: isend(t1); irecv(t2); wait(t1); send(t3); wait(t2).
  * B: recv(t1); recv(t3); send(t2).  A's send(t1) must complete on its own, before t2. */
 static void body_wait_one(job *j, rpl_comm *c) {
@@ -510,6 +589,11 @@ static void run_all(void) {
   run_world(4, 20, body_ring, NULL);
   run_world(2, 20, body_ring, NULL);
   run_world(2, 20, body_tags, NULL);
+  static int late = 1;
+  for (int n = 2; n <= 4; n++) {
+    run_world(n, 20, body_any_source, NULL);
+    run_world(n, 20, body_any_source, &late);
+  }
   run_world(2, 20, body_wait_one, NULL);
   run_world(4, 20, body_then_collective, NULL);
   run_world(2, 20, body_then_collective, NULL);
