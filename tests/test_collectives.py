@@ -960,6 +960,56 @@ def test_barrier(pool, ws):
 # ------------------------------------------------------------------------------ send / recv
 
 
+def _t_recv_any_source(ctx):
+    """recv/irecv without a source (recvAnysource): every other rank sends rank 0 two tensors;
+    each receive reports a sender whose data it holds, one sender's tensors arrive in the
+    order sent, irecv's Work knows its source, and a collective right after works (its
+    messages reach rank 0 while it still reads every peer). Also on a subgroup, where torch
+    reports the sender's global rank."""
+    ck = Checker(ctx)
+    me, ws = ctx.rank, ctx.ws
+
+    def exchange(group, ranks, what):
+        root = ranks[0]
+        if me == root:
+            seen = {}
+            for i in range(2 * (len(ranks) - 1)):
+                t = torch.full((5,), -1.0)
+                if i % 2:
+                    w = dist.irecv(t, group=group)
+                    w.wait()
+                    grank = w._source_rank()
+                    src = ranks[grank]  # the Work reports the group rank
+                else:
+                    src = dist.recv(t, group=group)  # torch returns the global rank
+                k = seen.get(src, 0)
+                seen[src] = k + 1
+                ck.true(src in ranks[1:] and bool((t == src + 100 * k).all()),
+                        f"{what}: receive {i} from rank {src} holds its message #{k}", str(t))
+            ck.true(sorted(seen) == ranks[1:] and set(seen.values()) == {2},
+                    f"{what}: every sender twice", str(seen))
+        elif me in ranks:
+            for k in range(2):
+                dist.send(torch.full((5,), float(me + 100 * k)), root, group=group)
+        if me in ranks:
+            x = torch.ones(3)
+            dist.all_reduce(x, group=group)
+            ck.true(bool((x == len(ranks)).all()), f"{what}: all_reduce after", str(x))
+
+    exchange(ctx.pg, list(range(ws)), "world")
+    if ws > 2:
+        ranks = list(range(1, ws))
+        sub = dist.new_group(ranks, backend=BACKEND, timeout=timedelta(seconds=ctx.pg_timeout))
+        exchange(sub, ranks, "subgroup")
+        dist.destroy_process_group(sub)
+    return ck.finish()
+
+
+@WS_MULTI
+def test_recv_any_source(pool, ws):
+    pool.run(_t_recv_any_source)
+
+
 def _t_send_recv(ctx):
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank

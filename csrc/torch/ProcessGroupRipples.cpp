@@ -391,8 +391,9 @@ WorkRipples::WorkRipples(
     std::chrono::milliseconds opTimeout,
     uint64_t seq,
     c10::Device device,
-    std::shared_ptr<DeviceStage> stage)
-    : Work(rank, opType, profilingTitle),
+    std::shared_ptr<DeviceStage> stage,
+    const std::optional<std::vector<at::Tensor>>& profiled)
+    : Work(rank, opType, profilingTitle, profiled ? profiled : outputs),
       opName_(std::move(opName)),
       outputs_(std::move(outputs)),
       // A future that knows the device records an event when completed and makes its users'
@@ -407,6 +408,14 @@ WorkRipples::WorkRipples(
       stage_(std::move(stage)) {}
 
 WorkRipples::~WorkRipples() = default;
+
+int WorkRipples::sourceRank() const {
+  const int s = source_.load();
+  TORCH_CHECK(
+      s >= 0, "ripples ", opName_, ": sourceRank() is only known for a recv, and for a recv "
+      "from any source once it completed");
+  return s;
+}
 
 std::vector<at::Tensor> WorkRipples::result() {
   return outputs_;
@@ -637,6 +646,9 @@ void CompletionExecutor::process(OpContext* raw) {
 
   // The future's first callback (registered at submission) finishes the Work and passes the
   // ticket on; the user's callbacks run after it, inline, and may block.
+  if (ctx->source >= 0) {
+    work->setSourceRank(ctx->source);  // before the future: its callbacks may ask
+  }
   auto fut = work->getFuture();
   try {
     if (eptr) {
@@ -947,7 +959,8 @@ ProcessGroupRipples::Call ProcessGroupRipples::begin(
     const char* opName,
     std::vector<at::Tensor> outputs,
     std::chrono::milliseconds opTimeout,
-    c10::Device device) {
+    c10::Device device,
+    std::optional<std::vector<at::Tensor>> profiled) {
   checkOpen(opName);
   const bool p2p = opType == c10d::OpType::SEND || opType == c10d::OpType::RECV;
   const uint64_t seq = p2p ? collSeq_.load() : ++collSeq_;
@@ -962,7 +975,7 @@ ProcessGroupRipples::Call ProcessGroupRipples::begin(
   call.ctx->work = c10::make_intrusive<WorkRipples>(
       getRank(), opType, profilingTitle, opName, std::move(outputs), group_,
       opTimeout.count() > 0 ? opTimeout : std::chrono::milliseconds::zero(), seq, device,
-      call.ctx->stage);
+      call.ctx->stage, profiled);
   call.ctx->executor = executor_;
   call.ctx->group = group_;
   // torch's "unset" is negative; the core takes 0 for "the communicator's timeout".
@@ -1224,7 +1237,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce_coalesced(
   }
 
   Call call = begin(
-      c10d::OpType::ALLREDUCE_COALESCED, "ripples:allreduce_coalesced", op, tensors,
+      c10d::OpType::ALLREDUCE_COALESCED, "ripples:all_reduce", op, tensors,
       opts.timeout, callDevice(op, {tensors}));
   for (size_t i = 0; i < tensors.size(); ++i) {
     call.c().in.push_back(call.inout(tensors[i], dts[i], "tensors" + ordinal(i)));
@@ -1279,7 +1292,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather(
   }
 
   Call call = begin(c10d::OpType::ALLGATHER, "ripples:all_gather", op, outs, opts.timeout,
-      callDevice(op, {inputTensors, outs}));
+      callDevice(op, {inputTensors, outs}), inputTensors);
   call.c().in = {call.in(input, d)};
   for (size_t i = 0; i < outs.size(); ++i) {
     call.c().out.push_back(call.out(outs[i], d, "output" + ordinal(i)));
@@ -1346,8 +1359,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather_coalesced(
   }
 
   Call call = begin(
-      c10d::OpType::ALLGATHER_COALESCED, "ripples:allgather_coalesced", op, flat, opts.timeout,
-      callDevice(op, {inputs, flat}));
+      c10d::OpType::ALLGATHER_COALESCED, "ripples:all_gather", op, flat, opts.timeout,
+      callDevice(op, {inputs, flat}), inputs);
   auto& ctx = call.c();
   ctx.in.reserve(inputs.size());
   ctx.out.reserve(inputs.size() * size_);
@@ -1741,6 +1754,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
   desc.tag = tag;
   desc.out = call.c().out.data();
   desc.nout = 1;
+  call.c().work->setSourceRank(srcRank);
+  return submit(call, {desc});
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recvAnysource(
+    std::vector<at::Tensor>& tensors,
+    int tag) {
+  static const char* op = "recv (any source)";
+  checkOpen(op);
+  TORCH_CHECK_VALUE(
+      tensors.size() == 1, "ripples recv: expects exactly one tensor, got ", tensors.size());
+  TORCH_CHECK_VALUE(size_ > 1, "ripples recv: no other rank to receive from in a group of 1");
+  rpl_dtype d = checkTensor(tensors[0], op, "tensor");
+
+  Call call = begin(
+      c10d::OpType::RECVANYSOURCE, "ripples:recvAnySource", op, tensors,
+      std::chrono::milliseconds::zero(), callDevice(op, {tensors}));
+  call.c().out = {call.out(tensors[0], d, "tensor")};
+  rpl_op_desc desc = makeDesc(RPL_OP_RECV);
+  desc.root = RPL_ANY_SOURCE;
+  desc.tag = tag;
+  desc.out = call.c().out.data();
+  desc.nout = 1;
+  desc.source = &call.c().source;
   return submit(call, {desc});
 }
 

@@ -124,7 +124,8 @@ class WorkRipples : public c10d::Work {
       std::chrono::milliseconds opTimeout,
       uint64_t seq,
       c10::Device device,
-      std::shared_ptr<DeviceStage> stage);
+      std::shared_ptr<DeviceStage> stage,
+      const std::optional<std::vector<at::Tensor>>& profiled);
   ~WorkRipples() override;
 
   // For device tensors, returns once the result is complete on the host side and the caller's
@@ -135,6 +136,11 @@ class WorkRipples : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override {
     return seq_;
+  }
+  // The sender of a recv: known at once for recv(src), once complete for recvAnysource.
+  int sourceRank() const override;
+  void setSourceRank(int rank) {
+    source_.store(rank);
   }
 
   // Used by the completion executor.
@@ -157,6 +163,7 @@ class WorkRipples : public c10d::Work {
   std::chrono::milliseconds opTimeout_;
   uint64_t seq_;
   std::shared_ptr<DeviceStage> stage_;  // null for host tensors
+  std::atomic<int> source_{-1};         // recv only
 };
 
 // One accepted call: the buffers handed to the core, the temporaries they point at, what to
@@ -178,6 +185,7 @@ struct OpContext {
   rpl_status status = RPL_OK;
   std::string errMsg;
   uint64_t seq = 0;
+  int source = -1;  // recvAnysource: the sender, written by the core before on_done
 
   void recordError(rpl_status st, const std::string& msg);
 };
@@ -314,6 +322,10 @@ class ProcessGroupRipples : public c10d::Backend {
       int srcRank,
       int tag) override;
 
+  c10::intrusive_ptr<c10d::Work> recvAnysource(
+      std::vector<at::Tensor>& tensors,
+      int tag) override;
+
   c10::intrusive_ptr<c10d::Work> barrier(
       const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
 
@@ -358,13 +370,15 @@ class ProcessGroupRipples : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> sparseAllreduce(
       at::Tensor& tensor,
       const c10d::AllreduceOptions& opts);
+  // `profiled`: the tensors whose shapes the profiler records (default: the outputs).
   Call begin(
       c10d::OpType opType,
       const char* profilingTitle,
       const char* opName,
       std::vector<at::Tensor> outputs,
       std::chrono::milliseconds opTimeout,
-      c10::Device device);
+      c10::Device device,
+      std::optional<std::vector<at::Tensor>> profiled = std::nullopt);
   // Submits the core operations of `call` (one per descriptor) and returns its Work.
   c10::intrusive_ptr<c10d::Work> submit(Call& call, std::vector<rpl_op_desc> descs);
   // The latency path: runs the single core op of `ctx` on this thread if the core is idle and
