@@ -309,6 +309,28 @@ def _t_use_after_destroy(ctx):
     return ck.finish()
 
 
+def _t_shutdown_interrupts_inline(ctx):
+    """A small all_reduce runs on the caller's thread (the latency path) and waits for a peer
+    that does not come; shutting the group down from another thread ends it with the
+    closed-group error (not the timeout, 60 s away). (Rank 1 never calls it.)"""
+    import threading
+
+    ck = Checker(ctx)
+    g = dist.new_group(backend=BACKEND, timeout=timedelta(seconds=60))
+    be = g._get_backend(torch.device("cpu"))
+    if ctx.rank == 0:
+        threading.Timer(0.5, be.shutdown).start()
+        ck.raises("inline all_reduce when shut down from another thread",
+                  lambda: dist.all_reduce(torch.ones(2), group=g), (RuntimeError, ValueError),
+                  CLOSED)
+    dist.barrier(group=ctx.pg)  # the default group is not affected
+    return ck.finish()
+
+
+def test_shutdown_interrupts_an_inline_collective():
+    run_spawn(_t_shutdown_interrupts_inline, 2, pg_timeout=SHORT, timeout=90)
+
+
 def test_use_after_destroy_process_group():
     run_spawn(_t_use_after_destroy, 2, pg_timeout=SHORT, timeout=60)
 

@@ -866,12 +866,14 @@ void ProcessGroupRipples::shutdown() {
     return;
   }
   GilRelease nogil;
-  {
-    // Serialises with submissions in flight, so that none slips in after the core closed.
-    std::lock_guard<std::mutex> s(submitMu_);
-  }
   if (comm_ != nullptr) {
-    rpl_comm_shutdown(comm_);  // queued operations complete with RPL_ERR_CLOSED
+    // Queued operations complete with RPL_ERR_CLOSED; one running inline on a caller's thread
+    // (which holds submitMu_) is interrupted. A submission racing with this is refused.
+    rpl_comm_shutdown(comm_);
+  }
+  {
+    // Waits for submissions in flight (an inline one returns once interrupted).
+    std::lock_guard<std::mutex> s(submitMu_);
   }
   if (stager_) {
     stager_->stop("shut down before its device copies finished", true);
