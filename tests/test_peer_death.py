@@ -96,8 +96,14 @@ def _run(hosts, kill_at, transport, big):
                 if r == VICTIM and r in reports:
                     # the survivors' bound starts at the death (plus slack for the report)
                     deadline = min(deadline, reports[r][1] + BOUND_S + 10.0)
-        # Only now may the workers be reaped: every survivor has reported (or failed to).
+        # Only now may the workers be reaped: every survivor has reported (or failed to). A
+        # victim still tearing down (survivors reading its memory directly see it gone once
+        # its memory is released, before its exit completes) gets a moment to become a zombie.
         zombies_seen = _zombie(procs[VICTIM].pid)
+        settle = time.monotonic() + 10.0
+        while zombies_seen is False and time.monotonic() < settle:
+            time.sleep(0.05)
+            zombies_seen = _zombie(procs[VICTIM].pid)
     finally:
         for p in procs:
             p.join(timeout=10)
