@@ -10,9 +10,11 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "crypto.h"
 #include "kernels.h"
 #include "partial.h"
 #include "shm.h"
+#include "wire.h"
 
 #define DEFAULT_SMALL_BYTES (64u * 1024u)
 #define DEFAULT_CHUNK_BYTES (512u * 1024u)
@@ -721,6 +723,40 @@ static rpl_status setup_shm(rpl_comm *c, const rpl_comm_config *cfg, const rpl_s
   return RPL_OK;
 }
 
+/* The key every link of this communicator authenticates with (wire.h): rank 0 draws a salt
+ * and publishes it; every rank keys it with the job secret, if the user gave one. */
+static rpl_status setup_link_key(rpl_comm *c, const rpl_comm_config *cfg, const rpl_store *store,
+                                 rpl_error *err) {
+  enum { SALT = 32 };
+  unsigned char salt[SALT];
+  char hex[2 * SALT + 1];
+  const char *key = "ripples/link-salt";
+  rpl_status st;
+  if (c->rank == 0) {
+    if ((st = rpl_random_bytes(salt, SALT, err)) != RPL_OK) return st;
+    for (int i = 0; i < SALT; i++) snprintf(hex + 2 * i, 3, "%02x", salt[i]);
+    if ((st = store->set(store->ctx, key, hex, 2 * SALT, err)) != RPL_OK) return st;
+  } else {
+    size_t len = 0;
+    if ((st = store->get(store->ctx, key, hex, sizeof hex - 1, &len, err)) != RPL_OK) return st;
+    hex[sizeof hex - 1] = '\0';
+    if (len != 2 * SALT)
+      return rpl_fail(err, RPL_ERR_INVALID, "rank 0 published a malformed link salt (%zu "
+                      "characters; a different ripples version?)", len);
+    for (int i = 0; i < SALT; i++) {
+      unsigned v;
+      if (sscanf(hex + 2 * i, "%2x", &v) != 1)
+        return rpl_fail(err, RPL_ERR_INVALID, "rank 0 published a malformed link salt");
+      salt[i] = (unsigned char)v;
+    }
+  }
+  const char *secret = cfg->job_secret ? cfg->job_secret : "";
+  unsigned char k[RPL_LINK_KEY_LEN];
+  rpl_link_key(secret, strlen(secret), salt, SALT, k);
+  rpl_tr_set_key(c->tr, k);
+  return RPL_OK;
+}
+
 /* ---- public API ---------------------------------------------------------------------- */
 
 rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, rpl_comm **out,
@@ -748,6 +784,7 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
 
   rpl_status st = rpl_tr_create(c->rank, c->size, cfg->bind_addr, cfg->use_ucx, &c->tr, err);
   if (st != RPL_OK) goto fail;
+  if ((st = setup_link_key(c, cfg, store, err)) != RPL_OK) goto fail;
 
   /* Exchange addresses: publish ours (with a hash of our host key, so peers can tell who
    * shares this machine), then read every peer's (waits for all to arrive). */
@@ -936,6 +973,18 @@ void rpl_comm_get_counters(const rpl_comm *c, rpl_comm_counters *out) {
   out->connections = t.connections;
   out->ucx_connections = t.ucx_connections;
   out->single_copy_bytes = t.single_copy_bytes;
+  out->auth_failures = t.auth_failures;
+  out->handshakes_dropped = t.handshakes_dropped;
+  out->replacements_refused = t.replacements_refused;
+  out->stash_holds = t.stash_holds;
+}
+
+void rpl_comm_listen_address(const rpl_comm *c, char *buf, size_t cap) {
+  char a[160];
+  rpl_tr_address(c->tr, a, sizeof a);
+  char *second = strchr(a, ':'); /* keep "ADDR:PORT", drop the identity and UCX port */
+  if (second && (second = strchr(second + 1, ':'))) *second = '\0';
+  snprintf(buf, cap, "%s", a);
 }
 
 rpl_status rpl_comm_enable_partial(rpl_comm *c, const rpl_partial_config *cfg, rpl_error *err) {

@@ -123,6 +123,10 @@ typedef struct rpl_comm_config {
                              * one host, are read straight from the peers' memory (cross-
                              * memory attach) where the OS allows; 0 = never (the rings,
                              * which measured faster: see README) */
+  const char *job_secret;  /* keys the links' authentication together with a salt read from
+                            * the store; NULL or "" = the salt alone, so that whoever can read
+                            * the store can also authenticate (docs/security.md). Every rank
+                            * of the communicator must pass the same one. */
 } rpl_comm_config;
 
 typedef struct rpl_comm rpl_comm;
@@ -216,9 +220,18 @@ typedef struct rpl_comm_counters {
   uint64_t connections;
   uint64_t ucx_connections; /* of those, UCX endpoints (transport "ucx") */
   uint64_t single_copy_bytes; /* of bytes_received, read straight from peers' memory */
+  /* Strangers and misbehaving peers (docs/security.md): */
+  uint64_t auth_failures;        /* link handshakes that failed their proof */
+  uint64_t handshakes_dropped;   /* connections dropped before authenticating */
+  uint64_t replacements_refused; /* authenticated newcomers refused: the link was healthy */
+  uint64_t stash_holds;          /* a peer's link held back for want of stash room */
 } rpl_comm_counters;
 
 void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
+
+/* "ADDR:PORT" of this rank's listener, the one peers connect to (for firewall rules and
+ * tests). */
+void rpl_comm_listen_address(const rpl_comm *comm, char *buf, size_t cap);
 
 /* ---- Partial all-reduce (P-Reduce) ---------------------------------------------------------
  *

@@ -19,18 +19,30 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "crypto.h"
 #include "kernels.h"
 #include "shm.h"
 #include "ucx.h"
+#include "wire.h"
 
 #define HDR_SIZE 40
-#define HELLO_SIZE 24
 #define DATA_MAGIC 0x31444c52u  /* "RLD1" little-endian */
-#define HELLO_MAGIC 0x31484c52u /* "RLH1" */
 #define BYE_MAGIC 0x31424c52u   /* "RLB1": a goodbye, see say_goodbye */
 #define FIN_MAGIC 0x31464c52u   /* "RLF1": UCX only: the sender leaves after success */
 #define ACK_MAGIC 0x31414c52u   /* "RLA1": the answer: everything before the FIN was read */
-#define HELLO_WAIT_S 5.0        /* a peer sends its hello right after connecting */
+/* A connection that has not authenticated is dropped once it has been silent this long
+ * before its first message (a peer sends HS1 right after connecting), or this long after our
+ * challenge (a peer answers it as soon as a run of its own reads it). */
+#define HS1_WAIT_S 5.0
+#define HS3_WAIT_S 60.0
+/* Connections still authenticating, TCP and UCX together. When full, the oldest is dropped
+ * for a newcomer: a flood of strangers costs them their slots, never a wait. */
+#define PEND_MAX 64
+/* What one peer's unexpected point-to-point messages may hold in memory. Past that its link
+ * is read no further (the sender is held back by the link's own flow control) until receives
+ * take messages out. */
+#define STASH_MAX_BYTES ((size_t)256 << 20)
+#define STASH_MAX_MSGS 4096
 #define CAUSE_LEN 320           /* bytes of a failure's cause passed on to peers */
 /* How often a waiting rank makes sure its peers are still there, where nothing else would tell
  * it: ring peers (a lock probe, one system call each) and peers that never connected to us (a
@@ -43,10 +55,9 @@
 #define UCX_LINGER_S 0.2
 /* How long a rank leaving after success waits for its UCX peers to read what it sent. */
 #define UCX_FIN_WAIT_S 2.0
-/* Accepted UCX endpoints waiting for their hello (a flood of strangers beyond that is closed). */
-#define UCX_MAX_NEW 64
-
-enum { CONN_NONE = 0, CONN_CONNECTING, CONN_READY, CONN_SHM };
+/* CONN_HANDSHAKE: connected, HS1 sent, waiting for the acceptor's HS2 (see wire.h);
+ * CONN_HS_SENDING (UCX only): HS3 under way. Data moves only on CONN_READY (and CONN_SHM). */
+enum { CONN_NONE = 0, CONN_CONNECTING, CONN_HANDSHAKE, CONN_HS_SENDING, CONN_READY, CONN_SHM };
 enum { RX_HEADER = 0, RX_XFER, RX_STASH };
 
 typedef struct stash_msg {
@@ -68,25 +79,37 @@ typedef struct conn {
   stash_msg *rx_stash; /* being filled */
   size_t rx_stash_got;
   stash_msg *stash_head, *stash_tail; /* complete unexpected p2p messages, in arrival order */
+  size_t stash_bytes; /* held by the stash and rx_stash, bounded by STASH_MAX_BYTES */
+  int stash_msgs;     /* bounded by STASH_MAX_MSGS */
+  int held;           /* a header in rx_hdr waits for room in the stash: the link is not read */
+  /* Connector side of the handshake: what we sent, what the acceptor answered. */
+  unsigned char hs1[RPL_HS1_SIZE], hs2[RPL_HS2_SIZE], hs3[RPL_HS3_SIZE];
+  size_t hs_got;
   int tx_mid;   /* a message of ours is half-written on the socket: no goodbye may follow */
   int probe_fd; /* a connection attempt to the peer's listener (see probe_listener), or -1 */
   rpl_ucx_ep *ux; /* the link is a UCX endpoint (state CONN_READY, fd -1), or NULL */
   int ux_linger;  /* a goodbye was written on ux: closing lets UCX deliver it */
 } conn;
 
-/* An accepted UCX endpoint until its hello says which lower rank it is. */
-typedef struct ux_new {
-  rpl_ucx_ep *ep;
-  double since;
-  unsigned char hello[HELLO_SIZE];
+/* An accepted connection (a socket, or a UCX endpoint) until it has authenticated. */
+typedef struct pend {
+  int fd;          /* or -1 */
+  rpl_ucx_ep *ep;  /* or NULL */
+  double since;    /* accepted, or challenged */
+  int stage;       /* 0: reading HS1; 1: HS2 sent (or under way), reading HS3 */
+  int writing;     /* UCX: HS2 still under way */
+  int peer;        /* from HS1 */
   size_t got;
-} ux_new;
+  unsigned char in[RPL_HS2_SIZE];
+  unsigned char hs1[RPL_HS1_SIZE], hs2[RPL_HS2_SIZE];
+} pend;
 
 struct rpl_tr {
   int rank, size;
   int listen_fd;
   int wake_fd; /* eventfd: rpl_tr_interrupt */
-  uint64_t nonce;
+  uint64_t nonce; /* this transport's identity (acceptor_id of wire.h), published with its address */
+  unsigned char key[RPL_LINK_KEY_LEN]; /* the link key (rpl_tr_set_key); zero by default */
   struct sockaddr_in self;
   struct sockaddr_in *peer_addr;
   uint64_t *peer_nonce;
@@ -114,10 +137,13 @@ struct rpl_tr {
   /* UCX links to the peers not on shared memory (transport "ucx"), or NULL: TCP. */
   rpl_ucx *ucx;
   unsigned *peer_uport; /* each peer's UCX listener port, 0 when it does not use UCX */
-  ux_new ux_new[UCX_MAX_NEW];
-  int n_ux_new;
+  pend pend[PEND_MAX];
+  int n_pend;
   rpl_tr_counters counters;
 };
+
+static void pend_drop(rpl_tr *tr, int i);
+_Static_assert(RPL_TR_KEY_LEN == RPL_LINK_KEY_LEN, "one key length");
 
 /* ---- little-endian encoding ---------------------------------------------------------- */
 
@@ -185,8 +211,8 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, int use_ucx,
   tr->act_send = calloc((size_t)size, sizeof(int));
   tr->act_recv = calloc((size_t)size, sizeof(int));
   tr->any_read = calloc((size_t)size, 1);
-  tr->pfds = calloc((size_t)size + 3, sizeof *tr->pfds);
-  tr->pfd_peer = calloc((size_t)size + 3, sizeof(int));
+  tr->pfds = calloc((size_t)size + 3 + PEND_MAX, sizeof *tr->pfds);
+  tr->pfd_peer = calloc((size_t)size + 3 + PEND_MAX, sizeof(int));
   tr->peer_uport = calloc((size_t)size, sizeof *tr->peer_uport);
   if (!tr->peer_addr || !tr->peer_nonce || !tr->conns || !tr->act_send || !tr->act_recv ||
       !tr->any_read || !tr->pfds || !tr->pfd_peer || !tr->peer_uport) {
@@ -195,8 +221,12 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, int use_ucx,
   }
   for (int i = 0; i < size; i++) tr->conns[i].fd = tr->conns[i].probe_fd = -1;
 
-  if (getrandom(&tr->nonce, sizeof tr->nonce, 0) != (ssize_t)sizeof tr->nonce) {
-    tr->nonce = (uint64_t)rpl_now() * 2654435761u ^ (uint64_t)getpid() << 32;
+  /* The transport's identity: a connection naming another one is dropped at its first
+   * message. From the kernel's CSPRNG, never from a guessable fallback. */
+  rpl_status rst = rpl_random_bytes(&tr->nonce, sizeof tr->nonce, err);
+  if (rst != RPL_OK) {
+    rpl_tr_destroy(tr);
+    return rst;
   }
 
   const char *addr = bind_addr && *bind_addr ? bind_addr : "127.0.0.1";
@@ -234,6 +264,14 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, int use_ucx,
   return RPL_OK;
 }
 
+/* A stashed message leaves the stash (taken by a receive, or given up): its room is free. */
+static void stash_free(conn *c, stash_msg *m) {
+  c->stash_bytes -= m->len;
+  c->stash_msgs--;
+  free(m->data);
+  free(m);
+}
+
 static void free_stash(conn *c) {
   for (stash_msg *m = c->stash_head; m;) {
     stash_msg *next = m->next;
@@ -242,6 +280,8 @@ static void free_stash(conn *c) {
     m = next;
   }
   c->stash_head = c->stash_tail = NULL;
+  c->stash_bytes = 0;
+  c->stash_msgs = 0;
   if (c->rx_stash) {
     free(c->rx_stash->data);
     free(c->rx_stash);
@@ -262,6 +302,8 @@ static void close_conn(conn *c) {
   c->rx_mode = RX_HEADER;
   c->rx_hdr_got = 0;
   c->tx_mid = 0;
+  c->held = 0;
+  c->hs_got = 0;
   free_stash(c);
 }
 
@@ -297,6 +339,10 @@ void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
 }
 
 void rpl_tr_set_shm(rpl_tr *tr, rpl_shm *shm) { tr->shm = shm; }
+
+void rpl_tr_set_key(rpl_tr *tr, const unsigned char key[RPL_TR_KEY_LEN]) {
+  memcpy(tr->key, key, RPL_TR_KEY_LEN);
+}
 
 /* Leaving after success over UCX. Unlike a socket's kernel, UCX drops what a peer has not
  * read yet once this end disconnects, so each UCX peer gets a FIN after our last message and
@@ -369,8 +415,7 @@ void rpl_tr_abort(rpl_tr *tr) {
       if (!tr->cause[0]) tr->conns[i].ux_linger = 1;
       close_conn(&tr->conns[i]);
     }
-  for (int i = 0; i < tr->n_ux_new; i++) rpl_ucx_close(tr->ux_new[i].ep, 0);
-  tr->n_ux_new = 0;
+  while (tr->n_pend > 0) pend_drop(tr, tr->n_pend - 1);
   if (tr->listen_fd >= 0) close(tr->listen_fd);
   tr->listen_fd = -1;
 }
@@ -471,6 +516,11 @@ void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
   out->bytes_received = __atomic_load_n(&tr->counters.bytes_received, __ATOMIC_RELAXED);
   out->connections = __atomic_load_n(&tr->counters.connections, __ATOMIC_RELAXED);
   out->ucx_connections = __atomic_load_n(&tr->counters.ucx_connections, __ATOMIC_RELAXED);
+  out->auth_failures = __atomic_load_n(&tr->counters.auth_failures, __ATOMIC_RELAXED);
+  out->handshakes_dropped = __atomic_load_n(&tr->counters.handshakes_dropped, __ATOMIC_RELAXED);
+  out->replacements_refused =
+      __atomic_load_n(&tr->counters.replacements_refused, __ATOMIC_RELAXED);
+  out->stash_holds = __atomic_load_n(&tr->counters.stash_holds, __ATOMIC_RELAXED);
 }
 
 /* ---- connection establishment -------------------------------------------------------- */
@@ -481,23 +531,6 @@ static void peer_desc(const rpl_tr *tr, int peer, char *buf, size_t cap) {
   snprintf(buf, cap, "rank %d (%s:%u)", peer, ip, (unsigned)ntohs(tr->peer_addr[peer].sin_port));
 }
 
-/* What the connecting (lower) rank says first: who it is, proving it read the peer's nonce. */
-static void make_hello(const rpl_tr *tr, int peer, unsigned char *hello) {
-  put32(hello, HELLO_MAGIC);
-  put32(hello + 4, (uint32_t)tr->rank);
-  put32(hello + 8, (uint32_t)tr->size);
-  put32(hello + 12, 0);
-  put64(hello + 16, tr->peer_nonce[peer]);
-}
-
-/* The lower rank of a pair that a hello names, or -1 if it is not one for us. */
-static int hello_peer(const rpl_tr *tr, const unsigned char *h) {
-  if (get32(h) != HELLO_MAGIC || get64(h + 16) != tr->nonce || get32(h + 8) != (uint32_t)tr->size)
-    return -1;
-  uint32_t peer = get32(h + 4);
-  return peer < (uint32_t)tr->rank ? (int)peer : -1;
-}
-
 /* A peer connected afresh: its old link (if any) is dead. If this run was still using it, the
  * run fails (see run_inner). */
 static void replace_conn(rpl_tr *tr, int peer) {
@@ -506,54 +539,49 @@ static void replace_conn(rpl_tr *tr, int peer) {
   close_conn(&tr->conns[peer]);
 }
 
-/* UCX: the lower rank connects to the peer's UCX listener and greets it on the new stream. */
-static rpl_status start_connect_ucx(rpl_tr *tr, int peer, rpl_error *err) {
+/* 1 while the socket link to `peer` is up and its peer has not shut its end: an authenticated
+ * newcomer for that peer is then refused rather than allowed to take the link over. (A peer
+ * that gave up on a link closes it before connecting again, and its FIN arrives before the
+ * new connection has finished authenticating.) UCX links are replaced as before: their
+ * failure is reported by UCX's error handler, which may come later than the new endpoint. */
+static int link_healthy(const rpl_tr *tr, int peer) {
+  const conn *c = &tr->conns[peer];
+  if (c->state != CONN_READY || c->fd < 0) return 0;
+  struct pollfd p = {.fd = c->fd, .events = POLLRDHUP};
+  return poll(&p, 1, 0) == 0;
+}
+
+/* The connector's first message, with a fresh nonce; kept in c->hs1 for the checks after. */
+static rpl_status make_hs1(rpl_tr *tr, int peer, rpl_error *err) {
   conn *c = &tr->conns[peer];
-  unsigned char hello[HELLO_SIZE];
-  make_hello(tr, peer, hello);
-  struct sockaddr_in to = tr->peer_addr[peer];
-  to.sin_port = htons((uint16_t)tr->peer_uport[peer]);
-  rpl_status st = rpl_ucx_connect(tr->ucx, &to, hello, sizeof hello, &c->ux, err);
+  unsigned char nonce[RPL_HS_NONCE_LEN];
+  rpl_status st = rpl_random_bytes(nonce, sizeof nonce, err);
   if (st != RPL_OK) return st;
-  c->state = CONN_READY;
-  count_add(&tr->counters.connections, 1);
-  count_add(&tr->counters.ucx_connections, 1);
+  rpl_hs1_make(c->hs1, tr->rank, peer, tr->size, tr->peer_nonce[peer], nonce);
+  c->hs_got = 0;
   return RPL_OK;
 }
 
-/* UCX: takes the endpoints peers connected, and keeps those whose hello comes from a lower rank
- * of this job; strangers, and endpoints silent for HELLO_WAIT_S, are closed. */
-static void accept_ucx(rpl_tr *tr) {
-  rpl_ucx_ep *e;
-  while ((e = rpl_ucx_accept(tr->ucx))) {
-    if (tr->n_ux_new == UCX_MAX_NEW) {
-      rpl_ucx_close(e, 0);
-      continue;
-    }
-    tr->ux_new[tr->n_ux_new++] = (ux_new){.ep = e, .since = rpl_now()};
-  }
-  double now = rpl_now();
-  for (int i = 0; i < tr->n_ux_new;) {
-    ux_new *w = &tr->ux_new[i];
-    ssize_t r = 0;
-    while (w->got < HELLO_SIZE &&
-           (r = rpl_ucx_read(w->ep, w->hello + w->got, HELLO_SIZE - w->got)) > 0)
-      w->got += (size_t)r;
-    int peer = w->got == HELLO_SIZE ? hello_peer(tr, w->hello) : -1;
-    if (peer >= 0) {
-      replace_conn(tr, peer);
-      tr->conns[peer].ux = w->ep;
-      tr->conns[peer].state = CONN_READY;
-      count_add(&tr->counters.connections, 1);
-      count_add(&tr->counters.ucx_connections, 1);
-    } else if (w->got == HELLO_SIZE || r < 0 || now - w->since > HELLO_WAIT_S) {
-      rpl_ucx_close(w->ep, 0);
-    } else {
-      i++;
-      continue;
-    }
-    *w = tr->ux_new[--tr->n_ux_new];
-  }
+static rpl_status auth_error(rpl_tr *tr, int peer, const char *what, rpl_error *err) {
+  char d[96];
+  peer_desc(tr, peer, d, sizeof d);
+  return rpl_fail(err, RPL_ERR_PEER,
+                  "%s %s: the link was not authenticated (do all ranks use the same job secret, "
+                  "RIPPLES_JOB_SECRET / Options(job_secret)? is something else listening on "
+                  "that address?)", d, what);
+}
+
+/* UCX: the lower rank connects to the peer's UCX listener and sends HS1 on the new stream. */
+static rpl_status start_connect_ucx(rpl_tr *tr, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  rpl_status st = make_hs1(tr, peer, err);
+  if (st != RPL_OK) return st;
+  struct sockaddr_in to = tr->peer_addr[peer];
+  to.sin_port = htons((uint16_t)tr->peer_uport[peer]);
+  st = rpl_ucx_connect(tr->ucx, &to, c->hs1, RPL_HS1_SIZE, &c->ux, err);
+  if (st != RPL_OK) return st;
+  c->state = CONN_HANDSHAKE;
+  return RPL_OK;
 }
 
 static rpl_status start_connect(rpl_tr *tr, int peer, rpl_error *err) {
@@ -573,7 +601,7 @@ static rpl_status start_connect(rpl_tr *tr, int peer, rpl_error *err) {
   return RPL_OK;
 }
 
-/* The connect completed (or failed): check, then introduce ourselves. */
+/* The connect completed (or failed): check, then send HS1 and wait for the acceptor's HS2. */
 static rpl_status finish_connect(rpl_tr *tr, int peer, rpl_error *err) {
   conn *c = &tr->conns[peer];
   int soerr = 0;
@@ -585,18 +613,235 @@ static rpl_status finish_connect(rpl_tr *tr, int peer, rpl_error *err) {
     close_conn(c);
     return rpl_fail_errno(err, RPL_ERR_PEER, soerr, "cannot connect to %s (has it exited?)", d);
   }
-  unsigned char hello[HELLO_SIZE];
-  make_hello(tr, peer, hello);
-  /* A fresh socket's send buffer takes 24 bytes at once. */
-  if (send(c->fd, hello, sizeof hello, MSG_NOSIGNAL) != (ssize_t)sizeof hello) {
+  rpl_status st = make_hs1(tr, peer, err);
+  if (st != RPL_OK) return st;
+  /* A fresh socket's send buffer takes a handshake message at once. */
+  if (send(c->fd, c->hs1, RPL_HS1_SIZE, MSG_NOSIGNAL) != (ssize_t)RPL_HS1_SIZE) {
     int e = errno;
     close_conn(c);
     return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot greet %s", d);
   }
   tune_data_socket(c->fd);
+  c->state = CONN_HANDSHAKE;
+  return RPL_OK;
+}
+
+/* Connector: reads the acceptor's HS2 as it arrives; once it proves the key, answers with HS3
+ * and the link is ready (data may follow HS3 at once: the acceptor reads it in order). */
+static rpl_status continue_handshake(rpl_tr *tr, int peer, rpl_error *err) {
+  conn *c = &tr->conns[peer];
+  if (c->state == CONN_HS_SENDING) { /* UCX: HS3 under way */
+    ssize_t w = rpl_ucx_write(c->ux, c->hs3, RPL_HS3_SIZE, NULL, 0);
+    if (w < 0) {
+      close_conn(c);
+      return auth_error(tr, peer, "closed the connection while authenticating", err);
+    }
+    if (w > 0) {
+      c->state = CONN_READY;
+      count_add(&tr->counters.connections, 1);
+      count_add(&tr->counters.ucx_connections, 1);
+    }
+    return RPL_OK;
+  }
+  while (c->hs_got < RPL_HS2_SIZE) {
+    ssize_t r;
+    if (c->ux) {
+      r = rpl_ucx_read(c->ux, c->hs2 + c->hs_got, RPL_HS2_SIZE - c->hs_got);
+      if (r == 0) return RPL_OK;
+    } else {
+      r = recv(c->fd, c->hs2 + c->hs_got, RPL_HS2_SIZE - c->hs_got, MSG_DONTWAIT);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return RPL_OK;
+      if (r == 0) r = -1;
+    }
+    if (r < 0) {
+      close_conn(c);
+      return auth_error(tr, peer, "closed the connection while authenticating", err);
+    }
+    c->hs_got += (size_t)r;
+  }
+  if (!rpl_hs2_check(c->hs2, tr->key, c->hs1, peer)) {
+    close_conn(c);
+    count_add(&tr->counters.auth_failures, 1);
+    return auth_error(tr, peer, "answered with a wrong proof", err);
+  }
+  rpl_hs3_make(c->hs3, tr->key, c->hs1, c->hs2);
+  if (c->ux) {
+    c->state = CONN_HS_SENDING;
+    return continue_handshake(tr, peer, err);
+  }
+  if (send(c->fd, c->hs3, RPL_HS3_SIZE, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)RPL_HS3_SIZE) {
+    int e = errno;
+    close_conn(c);
+    return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot complete the handshake with rank %d",
+                          peer);
+  }
   c->state = CONN_READY;
   count_add(&tr->counters.connections, 1);
   return RPL_OK;
+}
+
+/* ---- the acceptor's side: connections that have not authenticated yet ---------------- *
+ * Nothing here blocks: each pending connection is read when it has data, its messages are
+ * fixed-size, and it is dropped at a deadline, on a wrong message, or for a newcomer when the
+ * table is full. A stranger costs a run one accept and one short read, never a wait. */
+
+static void pend_drop(rpl_tr *tr, int i) {
+  pend *w = &tr->pend[i];
+  if (w->fd >= 0) close(w->fd);
+  if (w->ep) rpl_ucx_close(w->ep, 0);
+  *w = tr->pend[--tr->n_pend];
+}
+
+/* Makes room for one more: drops those past their deadline, then the oldest if still full. */
+static void pend_make_room(rpl_tr *tr, double now) {
+  for (int i = 0; i < tr->n_pend;) {
+    pend *w = &tr->pend[i];
+    if (now - w->since > (w->stage ? HS3_WAIT_S : HS1_WAIT_S)) {
+      pend_drop(tr, i);
+      count_add(&tr->counters.handshakes_dropped, 1);
+    } else {
+      i++;
+    }
+  }
+  if (tr->n_pend < PEND_MAX) return;
+  int oldest = 0;
+  for (int i = 1; i < tr->n_pend; i++)
+    if (tr->pend[i].since < tr->pend[oldest].since) oldest = i;
+  pend_drop(tr, oldest);
+  count_add(&tr->counters.handshakes_dropped, 1);
+}
+
+static void pend_add(rpl_tr *tr, int fd, rpl_ucx_ep *ep) {
+  double now = rpl_now();
+  pend_make_room(tr, now);
+  pend *w = &tr->pend[tr->n_pend++];
+  memset(w, 0, sizeof *w);
+  w->fd = fd;
+  w->ep = ep;
+  w->since = now;
+  w->peer = -1;
+}
+
+/* > 0 bytes read, 0 nothing yet, -1 closed or failed. */
+static ssize_t pend_read(pend *w, void *dst, size_t n) {
+  if (w->ep) return rpl_ucx_read(w->ep, dst, n);
+  for (;;) {
+    ssize_t r = recv(w->fd, dst, n, MSG_DONTWAIT);
+    if (r > 0) return r;
+    if (r == 0) return -1;
+    if (errno == EINTR) continue;
+    return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -1;
+  }
+}
+
+/* Sends HS2 (or finishes sending it on UCX): 1 sent, 0 under way, -1 failed. */
+static int pend_write_hs2(pend *w) {
+  if (w->ep) {
+    ssize_t r = rpl_ucx_write(w->ep, w->hs2, RPL_HS2_SIZE, NULL, 0);
+    return r > 0 ? 1 : r == 0 ? 0 : -1;
+  }
+  return send(w->fd, w->hs2, RPL_HS2_SIZE, MSG_NOSIGNAL | MSG_DONTWAIT) ==
+                 (ssize_t)RPL_HS2_SIZE ? 1 : -1;
+}
+
+/* The connection authenticated as `peer`: it becomes that peer's link, unless the link it
+ * would replace is still healthy. */
+static void pend_promote(rpl_tr *tr, int i) {
+  pend *w = &tr->pend[i];
+  int peer = w->peer;
+  if (!w->ep && link_healthy(tr, peer)) {
+    count_add(&tr->counters.replacements_refused, 1);
+    pend_drop(tr, i);
+    return;
+  }
+  /* The peer dropped its end after a failed exchange and connected afresh. */
+  replace_conn(tr, peer);
+  conn *c = &tr->conns[peer];
+  c->state = CONN_READY;
+  if (w->ep) {
+    c->ux = w->ep;
+    count_add(&tr->counters.ucx_connections, 1);
+  } else {
+    c->fd = w->fd;
+    tune_data_socket(c->fd);
+  }
+  count_add(&tr->counters.connections, 1);
+  *w = tr->pend[--tr->n_pend]; /* handed over, not closed */
+}
+
+/* Moves pending connection i as far as what has arrived allows. Returns 1 if it is still at
+ * index i afterwards. */
+static int pend_advance(rpl_tr *tr, int i) {
+  pend *w = &tr->pend[i];
+  if (w->writing) {
+    int r = pend_write_hs2(w);
+    if (r < 0) goto drop;
+    w->writing = r == 0;
+  }
+  size_t want = w->stage == 0 ? RPL_HS1_SIZE : RPL_HS3_SIZE;
+  while (w->got < want) {
+    ssize_t r = pend_read(w, w->in + w->got, want - w->got);
+    if (r < 0) goto drop;
+    if (r == 0) return 1;
+    w->got += (size_t)r;
+  }
+  if (w->stage == 0) {
+    w->peer = rpl_hs1_parse(w->in, tr->rank, tr->size, tr->nonce);
+    if (w->peer < 0) goto fail;
+    unsigned char nonce[RPL_HS_NONCE_LEN];
+    rpl_error e;
+    if (rpl_random_bytes(nonce, sizeof nonce, &e) != RPL_OK) goto drop;
+    memcpy(w->hs1, w->in, RPL_HS1_SIZE);
+    rpl_hs2_make(w->hs2, tr->key, w->hs1, tr->rank, nonce);
+    int r = pend_write_hs2(w);
+    if (r < 0) goto drop;
+    w->writing = r == 0;
+    w->stage = 1;
+    w->got = 0;
+    w->since = rpl_now();
+    return pend_advance(tr, i); /* HS3 may be there already */
+  }
+  if (!rpl_hs3_check(w->in, tr->key, w->hs1, w->hs2)) goto fail;
+  if (w->writing) return 1; /* UCX: HS2 not completed yet (cannot be: HS3 answers it) */
+  pend_promote(tr, i);
+  return 0;
+fail:
+  count_add(&tr->counters.auth_failures, 1);
+drop:
+  pend_drop(tr, i);
+  return 0;
+}
+
+/* Accepts every connection waiting on the listener into the pending table. */
+static void accept_pending(rpl_tr *tr) {
+  for (;;) {
+    int fd = accept4(tr->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) return;
+    pend_add(tr, fd, NULL);
+    pend_advance(tr, tr->n_pend - 1); /* HS1 is often there already */
+  }
+}
+
+/* UCX: takes the endpoints peers connected into the pending table, and moves every pending
+ * UCX endpoint along (UCX raises no per-endpoint event to poll for). */
+static void accept_ucx(rpl_tr *tr) {
+  rpl_ucx_ep *e;
+  while ((e = rpl_ucx_accept(tr->ucx))) pend_add(tr, -1, e);
+  double now = rpl_now();
+  for (int i = 0; i < tr->n_pend;) {
+    pend *w = &tr->pend[i];
+    if (!w->ep) {
+      i++;
+      continue;
+    }
+    if (now - w->since > (w->stage ? HS3_WAIT_S : HS1_WAIT_S)) {
+      pend_drop(tr, i);
+      count_add(&tr->counters.handshakes_dropped, 1);
+      continue;
+    }
+    if (pend_advance(tr, i)) i++;
+  }
 }
 
 /* Reads exactly n bytes from a non-blocking socket, waiting at most `wait_s`. */
@@ -638,30 +883,6 @@ static int link_read_wait(rpl_tr *tr, conn *c, unsigned char *buf, size_t n, dou
   return 0;
 }
 
-/* Accepts every pending connection; keeps those that present a valid hello from a lower rank.
- * Anything else (a stranger, a stale job) is closed without affecting the run. */
-static void accept_pending(rpl_tr *tr) {
-  for (;;) {
-    int fd = accept4(tr->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-    if (fd < 0) return;
-    unsigned char h[HELLO_SIZE];
-    /* Bounded by the run's deadline too (with a floor, so a hello already on its way is read). */
-    double wait = RPL_MAX(0.05, RPL_MIN(HELLO_WAIT_S, tr->run_deadline - rpl_now()));
-    if (!(wait <= HELLO_WAIT_S)) wait = HELLO_WAIT_S;
-    int peer = read_full_wait(fd, h, sizeof h, wait) == 0 ? hello_peer(tr, h) : -1;
-    if (peer < 0) {
-      close(fd);
-      continue;
-    }
-    /* The peer dropped its end after a failed exchange and connected afresh. */
-    replace_conn(tr, peer);
-    tune_data_socket(fd);
-    tr->conns[peer].fd = fd;
-    tr->conns[peer].state = CONN_READY;
-    count_add(&tr->counters.connections, 1);
-  }
-}
-
 /* ---- data movement ------------------------------------------------------------------- */
 
 static int next_active(const rpl_xfer *xs, int n, int from, int peer, int is_send) {
@@ -684,8 +905,7 @@ static rpl_status complete_from_stash(rpl_tr *tr, rpl_xfer *x, int *matched, rpl
     if (prev) prev->next = m->next;
     else c->stash_head = m->next;
     if (c->stash_tail == m) c->stash_tail = prev;
-    free(m->data);
-    free(m);
+    stash_free(c, m);
     x->done = 1;
     tr->completions++;
     *matched = 1;
@@ -733,8 +953,7 @@ static rpl_status any_from_stash(rpl_tr *tr, rpl_xfer *x, rpl_error *err) {
   if (best_prev) best_prev->next = best->next;
   else c->stash_head = best->next;
   if (c->stash_tail == best) c->stash_tail = best_prev;
-  free(best->data);
-  free(best);
+  stash_free(c, best);
   x->peer = best_peer;
   x->done = 1;
   tr->completions++;
@@ -966,16 +1185,14 @@ static rpl_status stash_complete(rpl_tr *tr, rpl_xfer *xs, int n, int peer, stas
       rpl_status st = rpl_fail(err, RPL_ERR_MISMATCH,
                                "recv from any rank (tag %u) expects %zu bytes but rank %d sent "
                                "%zu bytes", s->tag, xs[j].len, peer, s->len);
-      free(s->data);
-      free(s);
+      stash_free(c, s);
       return st;
     }
     if (s->len) memcpy(xs[j].buf, s->data, s->len);
     xs[j].peer = peer;
     xs[j].done = 1;
     tr->completions++;
-    free(s->data);
-    free(s);
+    stash_free(c, s);
     return RPL_OK;
   }
   if (j < 0) {
@@ -993,8 +1210,7 @@ static rpl_status stash_complete(rpl_tr *tr, rpl_xfer *xs, int n, int peer, stas
     tr->completions++;
     if (tr->act_recv[peer] == j) st = activate_recv(tr, xs, n, peer, j + 1, err);
   }
-  free(s->data);
-  free(s);
+  stash_free(c, s);
   return st;
 }
 
@@ -1104,7 +1320,16 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
                      : tr->act_recv[peer];
       }
       if (target < 0) {
-        /* Unexpected point-to-point message: keep it for the recv that will want it. */
+        /* Unexpected point-to-point message: keep it for the recv that will want it, if the
+         * stash has room; else keep its header and read this peer no further until
+         * receives take messages out (run_begin looks at the header again). */
+        if (c->stash_msgs >= STASH_MAX_MSGS || len > STASH_MAX_BYTES - c->stash_bytes) {
+          if (!c->held) count_add(&tr->counters.stash_holds, 1);
+          c->held = 1;
+          c->rx_hdr_got = HDR_SIZE;
+          return RPL_OK;
+        }
+        c->held = 0;
         stash_msg *s = calloc(1, sizeof *s);
         if (s) s->data = malloc(len ? (size_t)len : 1);
         if (!s || !s->data) {
@@ -1115,6 +1340,8 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
         s->tag = m.tag;
         s->arrival = ++tr->arrivals;
         s->len = (size_t)len;
+        c->stash_bytes += s->len;
+        c->stash_msgs++;
         c->rx_stash = s;
         c->rx_stash_got = 0;
         c->rx_mode = RX_STASH;
@@ -1171,6 +1398,15 @@ static rpl_status timeout_error(rpl_tr *tr, const rpl_xfer *xs, int n, double de
     listed++;
   }
   (void)deadline_s;
+  for (int p = 0; p < tr->size; p++)
+    if (tr->conns[p].held && tr->act_recv[p] >= 0)
+      return rpl_fail(err, RPL_ERR_TIMEOUT,
+                      "Timed out waiting for rank(s) %s: rank %d sent more point-to-point "
+                      "messages that no receive has taken than this rank buffers (%d messages, "
+                      "%zu bytes; at most %d messages and %zu MiB per peer), so its link is held "
+                      "back: post receives for those messages first", who, p,
+                      tr->conns[p].stash_msgs, tr->conns[p].stash_bytes, STASH_MAX_MSGS,
+                      STASH_MAX_BYTES >> 20);
   return rpl_fail(err, RPL_ERR_TIMEOUT,
                   "Timed out waiting for rank(s) %s (a peer is slow, stuck in another "
                   "operation, or gone)", who);
@@ -1346,6 +1582,7 @@ static rpl_status ucx_io(rpl_tr *tr, rpl_xfer *xs, int n, int p, rpl_error *err)
 }
 
 #define UCX_PFD INT32_MIN /* pfd_peer of the UCX worker's event descriptor */
+#define PEND_PFD (INT32_MIN + 1) /* pfd_peer of a connection still authenticating */
 
 static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int p2p,
                             rpl_error *err) {
@@ -1415,6 +1652,12 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       if (c->ux) { /* no descriptor per link: try it now, wait on the worker's below */
         uint64_t before = tr->counters.bytes_sent + tr->counters.bytes_received;
         uint64_t done_before = tr->completions;
+        if (c->state == CONN_HANDSHAKE || c->state == CONN_HS_SENDING) {
+          rpl_status st = continue_handshake(tr, p, err);
+          if (st != RPL_OK) return st;
+          ux_writing = 1; /* look again every millisecond until it is through */
+          if (c->state != CONN_READY) continue;
+        }
         rpl_status st = ucx_io(tr, xs, n, p, err);
         if (st != RPL_OK) return st;
         ux_moved |= tr->counters.bytes_sent + tr->counters.bytes_received != before ||
@@ -1424,11 +1667,13 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       }
       short ev = 0;
       if (c->state == CONN_CONNECTING) ev = POLLOUT;
+      else if (c->state == CONN_HANDSHAKE) ev = POLLIN;
       else {
-        /* POLLRDHUP: the peer shut its end (it exited or gave up), also when we only send. */
+        /* POLLRDHUP: the peer shut its end (it exited or gave up), also when we only send.
+         * A link held for want of stash room is not read (the sender is held back). */
         ev = POLLRDHUP;
         if (tr->act_send[p] >= 0) ev |= POLLOUT;
-        if (tr->act_recv[p] >= 0) ev |= POLLIN;
+        if (tr->act_recv[p] >= 0 && !c->held) ev |= POLLIN;
       }
       tr->pfds[np] = (struct pollfd){.fd = c->fd, .events = ev};
       tr->pfd_peer[np++] = p;
@@ -1437,6 +1682,11 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       tr->pfds[np] = (struct pollfd){.fd = rpl_ucx_fd(tr->ucx), .events = POLLIN};
       tr->pfd_peer[np++] = UCX_PFD;
     }
+    for (int i = 0; i < tr->n_pend; i++) /* connections authenticating (UCX ones: above) */
+      if (tr->pend[i].fd >= 0) {
+        tr->pfds[np] = (struct pollfd){.fd = tr->pend[i].fd, .events = POLLIN};
+        tr->pfd_peer[np++] = PEND_PFD;
+      }
     if (!pending) return RPL_OK;
     /* A p2p run returns as soon as any of its transfers completed, so that the engine can
      * complete that operation (its owner may wait on it before posting the next). */
@@ -1468,7 +1718,7 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
        * when the worker is driven), are looked at every millisecond as well: neither need
        * raise an event. */
       if (ux_moved || !rpl_ucx_arm(tr->ucx)) ms = 0;
-      else if (ux_writing || tr->n_ux_new > 0) ms = RPL_MIN(ms, 1);
+      else if (ux_writing || tr->n_pend > 0) ms = RPL_MIN(ms, 1);
     }
     int r = poll(tr->pfds, (nfds_t)np, ms);
     if (r < 0) {
@@ -1476,11 +1726,16 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
       return rpl_fail_errno(err, RPL_ERR_SYSTEM, errno, "poll failed");
     }
     if (r == 0) continue;
+    int pend_event = 0;
     for (int k = 0; k < np; k++) {
       short re = tr->pfds[k].revents;
       if (!re) continue;
       int p = tr->pfd_peer[k];
       if (p == UCX_PFD) continue; /* progressed at the top of the loop */
+      if (p == PEND_PFD) { /* handled below: the table may change under these indices */
+        pend_event = 1;
+        continue;
+      }
       if (p == -1) {
         uint64_t v;
         ssize_t rr = read(tr->wake_fd, &v, sizeof v);
@@ -1509,6 +1764,11 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
         if (st != RPL_OK) return st;
         continue;
       }
+      if (c->state == CONN_HANDSHAKE) {
+        rpl_status st = continue_handshake(tr, p, err);
+        if (st != RPL_OK) return st;
+        continue;
+      }
       if (c->state != CONN_READY) continue; /* replaced by accept_pending above */
       rpl_status st = RPL_OK;
       if ((re & (POLLIN | POLLHUP | POLLERR)) && tr->act_recv[p] >= 0)
@@ -1521,6 +1781,12 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
           tr->act_recv[p] < 0)
         st = peer_closed(tr, p, 0, "sending", err);
       if (st != RPL_OK) return st;
+    }
+    if (pend_event) {
+      tr->replaced = -1;
+      for (int i = 0; i < tr->n_pend;)
+        if (tr->pend[i].fd < 0 || pend_advance(tr, i)) i++;
+      if (tr->replaced >= 0) return replaced_error(tr, err);
     }
   }
 }

@@ -15,8 +15,17 @@
  * receiver waits for something else from that peer is stashed and handed to the matching
  * recv later (matched by tag, in arrival order).
  *
- * Connections are made lazily: the lower rank connects, the higher rank accepts, and both
- * sides prove they read each other's address from the store (a per-communicator nonce).
+ * Connections are made lazily: the lower rank connects, the higher rank accepts, and a link
+ * carries data only after both sides proved they hold the communicator's link key over fresh
+ * random values of the other's (wire.h). Nothing waits on a connection that has not
+ * authenticated: the acceptor reads pending handshakes without blocking, keeps at most a
+ * fixed number, and drops them at a deadline. An authenticated newcomer does not replace a
+ * healthy TCP link to the same peer.
+ *
+ * Every number a peer sends is bounded before use: message headers are checked against what
+ * the receiver expects, and unexpected point-to-point messages are stashed only up to a
+ * per-peer cap in messages and bytes; past that the peer's link is read no further (flow
+ * control holds the sender back) until receives take messages out.
  *
  * Dead peers: a run notices within about a second that a peer it waits for is gone, whatever
  * else it waits for. A closed connection (EOF, reset, or the peer shutting its end while this
@@ -73,6 +82,10 @@ typedef struct rpl_tr_counters {
   uint64_t connections;
   uint64_t ucx_connections; /* of those, UCX endpoints */
   uint64_t single_copy_bytes; /* of bytes_received, read from peers' memory (rpl_tr_read) */
+  uint64_t auth_failures;        /* handshakes that failed their proof (either side) */
+  uint64_t handshakes_dropped;   /* connections dropped before authenticating: deadline, full */
+  uint64_t replacements_refused; /* authenticated newcomers refused: the link was healthy */
+  uint64_t stash_holds;          /* times a peer's link was held for want of stash room */
 } rpl_tr_counters;
 
 /* Binds a listening socket on bind_addr (an IPv4 address) with an ephemeral port. With
@@ -82,8 +95,8 @@ rpl_status rpl_tr_create(int rank, int size, const char *bind_addr, int use_ucx,
                          rpl_error *err);
 void rpl_tr_destroy(rpl_tr *tr);
 
-/* "ADDR:PORT:NONCE:UCXPORT" (UCXPORT 0 without UCX), what peers need to connect; written
- * into buf (cap >= 64). */
+/* "ADDR:PORT:ID:UCXPORT" (UCXPORT 0 without UCX), what peers need to connect (ID: the
+ * transport's random identity, see wire.h); written into buf (cap >= 64). */
 void rpl_tr_address(const rpl_tr *tr, char *buf, size_t cap);
 rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error *err);
 
@@ -91,6 +104,11 @@ rpl_status rpl_tr_set_peer(rpl_tr *tr, int peer, const char *address, rpl_error 
  * peers are then reached through the rings instead of TCP, until a pair breaks. */
 struct rpl_shm;
 void rpl_tr_set_shm(rpl_tr *tr, struct rpl_shm *shm);
+
+/* The key links are authenticated with (every rank of the communicator sets the same one
+ * before its first run; all-zero until then). */
+#define RPL_TR_KEY_LEN 32
+void rpl_tr_set_key(rpl_tr *tr, const unsigned char key[RPL_TR_KEY_LEN]);
 
 /* Moves all transfers until done. Within one call, transfers to the same peer in the same
  * direction happen in array order. Zero-length transfers still exchange a header. Every

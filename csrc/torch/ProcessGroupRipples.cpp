@@ -786,6 +786,7 @@ ProcessGroupRipples::ProcessGroupRipples(
   cc.size = size;
   cc.timeout_s = cfg_.timeout_s;
   cc.bind_addr = cfg_.bind_addr.empty() ? nullptr : cfg_.bind_addr.c_str();
+  cc.job_secret = cfg_.job_secret.c_str();
   cc.name = cfg_.name.empty() ? nullptr : cfg_.name.c_str();
   cc.small_bytes = cfg_.small_bytes;
   cc.chunk_bytes = cfg_.chunk_bytes;
@@ -885,6 +886,12 @@ void ProcessGroupRipples::shutdown() {
 
 void ProcessGroupRipples::abort() {
   shutdown();
+}
+
+std::string ProcessGroupRipples::listenAddress() const {
+  char buf[96] = "";
+  if (comm_ != nullptr) rpl_comm_listen_address(comm_, buf, sizeof(buf));
+  return buf;
 }
 
 rpl_comm_counters ProcessGroupRipples::counters() const {

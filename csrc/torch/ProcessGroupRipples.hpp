@@ -73,6 +73,7 @@ struct Config {
   bool use_ucx = false;       // UCX instead of TCP across hosts
   bool single_copy = false;   // large all-reduces read local peers' memory directly
   bool inline_small = true;   // small collectives run on the caller's thread when idle
+  std::string job_secret;     // keys link authentication (never printed); empty = store salt only
 
   // Partial all-reduce (DESIGN §3). An empty schedule leaves it off for this group.
   std::string schedule;       // "static", "random", "smart", "adpsgd"
@@ -345,6 +346,7 @@ class ProcessGroupRipples : public c10d::Backend {
     return shutdown_.load();
   }
   rpl_comm_counters counters() const;
+  std::string listenAddress() const;
   uint64_t stagedCalls() const {
     return staged_.load();
   }

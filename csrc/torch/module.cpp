@@ -56,6 +56,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const ripples::ProcessGroupRipples& pg) { return pg.config().bind_addr; },
           "IPv4 address this rank's peers connect to (empty: the core default, 127.0.0.1).")
       .def_property_readonly(
+          "listen_address",
+          [](const ripples::ProcessGroupRipples& pg) { return pg.listenAddress(); },
+          "'ADDR:PORT' of the listener this rank's peers connect to.")
+      .def_property_readonly(
           "name",
           [](const ripples::ProcessGroupRipples& pg) { return pg.config().name; })
       .def_property_readonly(
@@ -73,6 +77,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"connections", py::cast(c.connections)},
                 {"ucx_connections", py::cast(c.ucx_connections)},
                 {"single_copy_bytes", py::cast(c.single_copy_bytes)},
+                {"auth_failures", py::cast(c.auth_failures)},
+                {"handshakes_dropped", py::cast(c.handshakes_dropped)},
+                {"replacements_refused", py::cast(c.replacements_refused)},
+                {"stash_holds", py::cast(c.stash_holds)},
                 {"ops_staged", py::cast(pg.stagedCalls())},
             });
           },
@@ -169,7 +177,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          const std::string& token,
          bool on_failure_skip,
          bool trace,
-         bool partial_by_default) {
+         bool partial_by_default,
+         const std::string& job_secret) {
         ripples::Config cfg;
         cfg.timeout_s = timeout_s;
         cfg.bind_addr = bind_addr;
@@ -188,6 +197,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         cfg.on_failure_skip = on_failure_skip;
         cfg.trace = trace;
         cfg.partial_by_default = partial_by_default;
+        cfg.job_secret = job_secret;
         return ripples::createProcessGroupRipples(store, rank, size, cfg);
       },
       py::arg("store"),
@@ -210,6 +220,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("on_failure_skip") = false,
       py::arg("trace") = false,
       py::arg("partial_by_default") = false,
+      py::arg("job_secret") = std::string(),
       // Blocks until every rank of the group has joined (through the store).
       py::call_guard<py::gil_scoped_release>(),
       "Creates the backend; every rank of the group must call it.");
