@@ -455,10 +455,14 @@ static void batch_fail(rpl_comm *c, p2p_batch *b, rpl_status st, const rpl_error
       rpl_error e;
       char who[32] = "any rank";
       if (op->d.root != RPL_ANY_SOURCE) snprintf(who, sizeof who, "rank(s) %d", op->d.root);
+      char held[256] = "";
+      if (op->d.kind == RPL_OP_RECV)
+        rpl_tr_held_desc(c->tr, op->d.root, held, sizeof held);
       rpl_fail(&e, RPL_ERR_TIMEOUT,
                "%s timed out after %g s waiting for %s (%s)", what,
                op_timeout(c, &op->d), who,
-               op->d.kind == RPL_OP_RECV
+               held[0] ? held
+               : op->d.kind == RPL_OP_RECV
                    ? "it never sent a matching message: it is slow, stuck in another "
                      "operation, or gone"
                    : "it never took the message: it has not posted the matching recv, is "

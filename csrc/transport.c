@@ -340,6 +340,20 @@ void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
 
 void rpl_tr_set_shm(rpl_tr *tr, rpl_shm *shm) { tr->shm = shm; }
 
+void rpl_tr_held_desc(const rpl_tr *tr, int peer, char *buf, size_t cap) {
+  buf[0] = '\0';
+  for (int p = 0; p < tr->size; p++) {
+    const conn *c = &tr->conns[p];
+    if (!c->held || (peer != RPL_TR_ANY && peer != p)) continue;
+    snprintf(buf, cap,
+             "rank %d sent more point-to-point messages that no receive has taken than this "
+             "rank buffers (%d messages, %zu bytes; at most %d messages and %zu MiB per peer), "
+             "so its link is held back: post receives for those messages first",
+             p, c->stash_msgs, c->stash_bytes, STASH_MAX_MSGS, STASH_MAX_BYTES >> 20);
+    return;
+  }
+}
+
 void rpl_tr_set_key(rpl_tr *tr, const unsigned char key[RPL_TR_KEY_LEN]) {
   memcpy(tr->key, key, RPL_TR_KEY_LEN);
 }
@@ -1399,14 +1413,11 @@ static rpl_status timeout_error(rpl_tr *tr, const rpl_xfer *xs, int n, double de
   }
   (void)deadline_s;
   for (int p = 0; p < tr->size; p++)
-    if (tr->conns[p].held && tr->act_recv[p] >= 0)
-      return rpl_fail(err, RPL_ERR_TIMEOUT,
-                      "Timed out waiting for rank(s) %s: rank %d sent more point-to-point "
-                      "messages that no receive has taken than this rank buffers (%d messages, "
-                      "%zu bytes; at most %d messages and %zu MiB per peer), so its link is held "
-                      "back: post receives for those messages first", who, p,
-                      tr->conns[p].stash_msgs, tr->conns[p].stash_bytes, STASH_MAX_MSGS,
-                      STASH_MAX_BYTES >> 20);
+    if (tr->conns[p].held && tr->act_recv[p] >= 0) {
+      char held[256];
+      rpl_tr_held_desc(tr, p, held, sizeof held);
+      return rpl_fail(err, RPL_ERR_TIMEOUT, "Timed out waiting for rank(s) %s: %s", who, held);
+    }
   return rpl_fail(err, RPL_ERR_TIMEOUT,
                   "Timed out waiting for rank(s) %s (a peer is slow, stuck in another "
                   "operation, or gone)", who);

@@ -147,6 +147,11 @@ void rpl_tr_abort(rpl_tr *tr);
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out);
 
+/* If the link from `peer` (RPL_TR_ANY: any peer) is held back because its unexpected
+ * point-to-point messages fill the stash, says so in buf (for a time-out's message);
+ * otherwise buf is "". */
+void rpl_tr_held_desc(const rpl_tr *tr, int peer, char *buf, size_t cap);
+
 /* Single copy: 1 if this rank may read `peer`'s memory directly (a peer on shared memory whose
  * process allowed the probe, see shm.h). rpl_tr_read copies `len` bytes at `addr`, an address
  * in the peer's process that the peer published, into `dst`: the caller's protocol must make
