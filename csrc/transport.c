@@ -580,8 +580,9 @@ static rpl_status auth_error(rpl_tr *tr, int peer, const char *what, rpl_error *
   char d[96];
   peer_desc(tr, peer, d, sizeof d);
   return rpl_fail(err, RPL_ERR_PEER,
-                  "%s %s: the link was not authenticated (do all ranks use the same job secret, "
-                  "RIPPLES_JOB_SECRET / Options(job_secret)? is something else listening on "
+                  "%s %s: the link was not authenticated (the peer exited, or the two ranks "
+                  "hold different link keys: do all ranks use the same job secret, "
+                  "RIPPLES_JOB_SECRET / Options(job_secret)? is another process listening on "
                   "that address?)", d, what);
 }
 
