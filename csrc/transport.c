@@ -1292,6 +1292,8 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       c->rx_hdr_got += (size_t)r;
       if (c->rx_hdr_got < HDR_SIZE) continue;
       c->rx_hdr_got = 0;
+      int was_held = c->held;
+      c->held = 0; /* set again below if the stash still has no room for it */
       uint32_t magic;
       rpl_meta m;
       uint64_t len;
@@ -1339,12 +1341,11 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
          * stash has room; else keep its header and read this peer no further until
          * receives take messages out (run_begin looks at the header again). */
         if (c->stash_msgs >= STASH_MAX_MSGS || len > STASH_MAX_BYTES - c->stash_bytes) {
-          if (!c->held) count_add(&tr->counters.stash_holds, 1);
+          if (!was_held) count_add(&tr->counters.stash_holds, 1);
           c->held = 1;
           c->rx_hdr_got = HDR_SIZE;
           return RPL_OK;
         }
-        c->held = 0;
         stash_msg *s = calloc(1, sizeof *s);
         if (s) s->data = malloc(len ? (size_t)len : 1);
         if (!s || !s->data) {
@@ -1782,6 +1783,8 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
         continue;
       }
       if (c->state != CONN_READY) continue; /* replaced by accept_pending above */
+      if (c->held && (re & (POLLRDHUP | POLLHUP | POLLERR)))
+        return peer_closed(tr, p, 0, "receiving", err); /* nothing more can be read */
       rpl_status st = RPL_OK;
       if ((re & (POLLIN | POLLHUP | POLLERR)) && tr->act_recv[p] >= 0)
         st = do_recv(tr, xs, n, p, err);

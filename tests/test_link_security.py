@@ -117,14 +117,18 @@ def test_unexpected_message_flood_is_bounded():
     assert r1["holds"] >= 1
 
 
-def _t_flood_drains(ctx, n):
+def _t_flood_drains(ctx, n, transport):
     """Below and above the cap, every message arrives, in order, once receives are posted:
-    holding a link back loses nothing."""
-    g = ripples_group(ctx, timeout=SHORT)
+    holding a link back loses nothing, and the link is read again afterwards (messages sent
+    later, while the receiver already waits, arrive)."""
+    g = ripples_group(ctx, timeout=SHORT, transport=transport)
     if ctx.rank == 0:
         works = [dist.isend(torch.full((1,), float(i)), 1, group=g, tag=1) for i in range(n)]
         for w in works:
             w.wait()
+        dist.barrier(group=ctx.ref)
+        time.sleep(0.5)  # the receiver waits in recv meanwhile
+        dist.send(torch.full((1,), 42.0), 1, group=g, tag=3)
         return None
     time.sleep(1.0)  # let the messages pile up
     got = []
@@ -133,9 +137,14 @@ def _t_flood_drains(ctx, n):
         dist.recv(t, 0, group=g, tag=1)
         got.append(int(t.item()))
     assert got == list(range(n)), got[:10]
-    return n
+    dist.barrier(group=ctx.ref)
+    t = torch.zeros(1)
+    dist.recv(t, 0, group=g, tag=3)
+    assert t.item() == 42.0
+    return {"n": n, "holds": g._get_backend(torch.device("cpu")).counters()["stash_holds"]}
 
 
-def test_flooded_messages_all_arrive_once_received():
-    res = run_spawn(_t_flood_drains, 2, 5000, pg_timeout=30, timeout=240)
-    assert res[1] == 5000
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_flooded_messages_all_arrive_once_received(transport):
+    res = run_spawn(_t_flood_drains, 2, 5000, transport, pg_timeout=30, timeout=240)
+    assert res[1]["n"] == 5000 and res[1]["holds"] >= 1, res[1]
