@@ -9,8 +9,6 @@ controls"), in real processes (2 ranks), cross-checked with gloo where gloo is d
   or whose indices lie outside its sizes (torch builds such tensors without checking), makes
   every rank raise the same ValueError naming the rank; the group keeps working.
 """
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,17 +36,20 @@ def _group_works(ck, ctx, what):
 
 # Each case: (name, output_split_sizes, input_split_sizes, message pattern). The tensors have
 # 4 rows of 3 elements; a valid split is [1, 3] (or None).
+A2A = r"all_to_all_single: "
 SPLIT_CASES = [
-    ("negative input split", None, [-1, 5], r"all_to_all_single: input split size \[0\] is negative \(-1\)"),
+    ("negative input split", None, [-1, 5], A2A + r"input split size \[0\] is negative \(-1\)"),
     ("input split larger than rows", None, [5, 0],
-     r"all_to_all_single: input split size \[0\] \(5\) is larger than the tensor's first dimension \(4\)"),
+     A2A + r"input split size \[0\] \(5\) is larger than the tensor's first dimension \(4\)"),
     ("output split larger than rows", [0, 7], [1, 3],
-     r"all_to_all_single: output split size \[1\] \(7\) is larger"),
+     A2A + r"output split size \[1\] \(7\) is larger"),
     ("huge splits whose sum wraps", None, [INT64_MAX, INT64_MAX],
-     r"all_to_all_single: input split size \[0\] \(9223372036854775807\) is larger"),
-    ("sum too small", None, [1, 1], r"all_to_all_single: input split sizes add up to 2 but the tensor's first dimension is 4"),
-    ("too few entries", None, [4], r"all_to_all_single: input split sizes have 1 entries but the group has 2 ranks"),
-    ("too many entries", [1, 1, 2], None, r"all_to_all_single: output split sizes have 3 entries"),
+     A2A + r"input split size \[0\] \(9223372036854775807\) is larger"),
+    ("sum too small", None, [1, 1],
+     A2A + r"input split sizes add up to 2 but the tensor's first dimension is 4"),
+    ("too few entries", None, [4],
+     A2A + r"input split sizes have 1 entries but the group has 2 ranks"),
+    ("too many entries", [1, 1, 2], None, A2A + r"output split sizes have 3 entries"),
 ]
 
 # gloo defines these too (c10d's checkSplitSizes: count and sum); negative or oversized entries
@@ -86,7 +87,8 @@ def _bad_sparse(ctx, kind):
     if kind == "sizes":
         return torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1), (5,))
     if kind == "dtype":
-        return torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, dtype=torch.float64), (4,))
+        return torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, dtype=torch.float64),
+                                       (4,))
     if kind == "dense dims":
         return torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 1), (4, 1))
     if kind == "nnz":  # six distinct positions in a tensor that has four
@@ -99,7 +101,8 @@ def _bad_sparse(ctx, kind):
 
 
 SPARSE_CASES = [
-    ("sizes", r"sparse tensors differ between ranks: rank 0 has size \[4\].*rank 1 has size \[5\]"),
+    ("sizes",
+     r"sparse tensors differ between ranks: rank 0 has size \[4\].*rank 1 has size \[5\]"),
     ("dtype", r"sparse tensors differ between ranks: .*rank 1 has .*float64"),
     ("dense dims", r"sparse tensors differ between ranks: .*rank 1 has size \[4, 1\]"),
     ("nnz", r"rank 1 sent a malformed sparse tensor description: nnz 6 is outside \[0, 4\]"),
@@ -112,8 +115,8 @@ def _t_sparse_bounds(ctx):
     ck = Checker(ctx)
     for kind, pattern in SPARSE_CASES:
         t = _bad_sparse(ctx, kind)
-        ck.raises(f"sparse all_reduce, rank 1's {kind}", lambda: dist.all_reduce(t, group=ctx.pg),
-                  ValueError, pattern)
+        ck.raises(f"sparse all_reduce, rank 1's {kind}",
+                  lambda: dist.all_reduce(t, group=ctx.pg), ValueError, pattern)
         # the group is still in step: a valid sparse all_reduce gives the right sum
         good = torch.sparse_coo_tensor(torch.tensor([[ctx.rank, 3]]), torch.ones(2), (4,))
         dist.all_reduce(good, group=ctx.pg)

@@ -15,6 +15,9 @@
  * does not carry the name's nonce, the rank, or the group size (segments linked under another
  * name in /dev/shm). Creation refuses an out-of-range ring size.
  *
+ * End to end: the transport turns a corrupt ring into a failed run (RPL_ERR_PEER, the same
+ * message), at once, through the rpl_shm_* calls it already makes.
+ *
  * Where the ring positions sit is shm.c's private layout; the test finds them as shm.c lays
  * them out and first checks that the word it found holds what was written (a layout change
  * fails here, loudly, rather than testing nothing).
@@ -26,10 +29,12 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
 #include "shm.h"
+#include "transport.h"
 
 #define RING (64u * 1024u)
 #define PAGE 4096u
@@ -65,11 +70,14 @@ static void pair_open(pair *p, uint64_t nonce) {
   }
 }
 
-static void pair_close(pair *p) {
-  for (int r = 0; r < 2; r++) {
+static void pair_unmap(pair *p) {
+  for (int r = 0; r < 2; r++)
     if (p->seg[r] && p->seg[r] != MAP_FAILED) munmap(p->seg[r], p->seg_bytes);
-    rpl_shm_destroy(p->s[r]);
-  }
+}
+
+static void pair_close(pair *p) {
+  pair_unmap(p);
+  for (int r = 0; r < 2; r++) rpl_shm_destroy(p->s[r]);
 }
 
 /* The head (or tail) of the ring in `owner`'s segment that local rank `writer` sends into. */
@@ -279,8 +287,63 @@ static void test_attach_checks(void) {
   for (int r = 0; r < 3; r++) rpl_shm_destroy(s[r]);
 }
 
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* Two transports over a pair of rings (ranks 0 and 1 in this process). Rank 1 receives from
+ * rank 0 with an impossible head in its ring; then rank 0 sends to rank 1 with an impossible
+ * tail in the ring it writes. Each run fails with the corrupt-ring error, well before its
+ * deadline. */
+static void test_transport_fails(void) {
+  for (int dir = 0; dir < 2; dir++) {
+    pair p;
+    pair_open(&p, 0x7000 + (uint64_t)dir * 0x10);
+    rpl_tr *tr[2];
+    char addr[2][64];
+    rpl_error err;
+    for (int r = 0; r < 2; r++) {
+      CHECK(rpl_tr_create(r, 2, "127.0.0.1", 0, &tr[r], &err) == RPL_OK, "tr: %s", err.msg);
+      rpl_tr_address(tr[r], addr[r], sizeof addr[r]);
+    }
+    for (int r = 0; r < 2; r++) {
+      CHECK(rpl_tr_set_peer(tr[r], 1 - r, addr[1 - r], &err) == RPL_OK, "peer: %s", err.msg);
+      rpl_tr_set_shm(tr[r], p.s[r]); /* owned by the transport from here */
+    }
+    int me = dir == 0 ? 1 : 0, peer = 1 - me;
+    if (dir == 0) *pos_word(&p, 1, 0, 0) = 5 * (uint64_t)RING; /* head, ring 0 -> 1 */
+    else *pos_word(&p, 1, 0, 1) = 12345;                         /* tail past head 0 */
+    unsigned char buf[16] = {0};
+    rpl_xfer x;
+    memset(&x, 0, sizeof x);
+    x.peer = peer;
+    x.is_send = dir == 1;
+    x.buf = buf;
+    x.len = sizeof buf;
+    x.meta.op = RPL_OP_BROADCAST;
+    x.meta.dtype = RPL_UINT8;
+    x.meta.tag = 1;
+    x.meta.seq = 1;
+    x.meta.count = sizeof buf;
+    double t0 = now_s();
+    rpl_status st = rpl_tr_run(tr[me], &x, 1, t0 + 20.0, &err);
+    double took = now_s() - t0;
+    char want[64];
+    snprintf(want, sizeof want, "rank %d's shared-memory ring is corrupt", peer);
+    CHECK(st == RPL_ERR_PEER && strstr(err.msg, want), "%s through the transport -> %d: %s",
+          dir == 0 ? "receive" : "send", (int)st, st ? err.msg : "");
+    CHECK(took < 2.0, "the corrupt ring took %.2f s to fail the run", took);
+    pair_unmap(&p);
+    rpl_tr_destroy(tr[0]);
+    rpl_tr_destroy(tr[1]);
+  }
+}
+
 int main(void) {
   test_ring_positions();
+  test_transport_fails();
   test_attach_checks();
   return report("shm_bounds");
 }
