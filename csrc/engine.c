@@ -694,11 +694,13 @@ static uint64_t host_hash(const char *key) {
 static rpl_status setup_shm(rpl_comm *c, const rpl_comm_config *cfg, const rpl_store *store,
                             const int *local_of, rpl_error *err) {
   char name[96], key[64];
+  /* The nonce makes the segment's name unguessable (the kernel's CSPRNG, no fallback): a
+   * local user cannot create it first; peers check the header against the name. */
   uint64_t nonce;
-  memcpy(&nonce, &c, sizeof nonce < sizeof c ? sizeof nonce : sizeof c);
-  nonce ^= (uint64_t)(rpl_now() * 1e9);
+  rpl_status st = rpl_random_bytes(&nonce, sizeof nonce, err);
+  if (st != RPL_OK) return st;
   rpl_shm *shm;
-  rpl_status st = rpl_shm_create(c->rank, c->size, local_of, nonce,
+  st = rpl_shm_create(c->rank, c->size, local_of, nonce,
                                  cfg->ring_bytes ? cfg->ring_bytes : DEFAULT_RING_BYTES, &shm,
                                  name, sizeof name, err);
   if (st != RPL_OK) return st;

@@ -1,4 +1,20 @@
-/* shm.c - shared-memory rings between ranks of one host (see shm.h). */
+/* shm.c - shared-memory rings between ranks of one host (see shm.h).
+ *
+ * What a peer controls is checked, never trusted (DESIGN.md section 8): a local process that can
+ * write a segment can write any of its bytes.
+ * - Ring positions. The positions this rank advances (the head of the ring it writes, the tail
+ *   of the ring it reads) live in its own struct and are only copied out to shared memory. The
+ *   peer's position is checked on every read of it, one comparison (see ring_ok): a ring never
+ *   holds more than ring_bytes nor goes backwards. A violation makes the ring look empty/full
+ *   and is recorded here, outside shared memory: rpl_shm_usable says no, rpl_shm_peer_flagged
+ *   says yes, and rpl_shm_check_peer fails with RPL_ERR_PEER, so the transport fails the
+ *   collective on its next wait through the calls it already makes. No copy ever uses an
+ *   unchecked length or offset.
+ * - Segments. A segment is mapped only if the name published for a rank has our form for that
+ *   rank, the object is a regular file owned by our effective uid with mode exactly 0600 and
+ *   the size this layout gives, and its header carries the nonce and pid of its name, that
+ *   rank and our group size (see rpl_shm_attach).
+ * - Randomness: the process token comes from the kernel's CSPRNG, or creation fails. */
 #include "shm.h"
 
 #include <errno.h>
@@ -10,13 +26,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "common.h"
+#include "crypto.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define cpu_relax() __builtin_ia32_pause()
@@ -26,7 +42,8 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SEG_MAGIC 0x33474553504c52ull /* "RLPSEG3" */
+#define SEG_MAGIC 0x34474553504c52ull /* "RLPSEG4" */
+#define SEG_MODE 0600
 #define PAGE 4096u
 #define SPIN_LONG 2000 /* about 50 us of pause instructions */
 #define SPIN_SHORT 200
@@ -48,6 +65,8 @@ typedef struct seg_header {
   uint32_t closed;   /* the owner aborted or shut down */
   uint32_t locked;   /* the owner holds its liveness lock (see take_lock) */
   uint32_t cause_seq; /* seqlock over cause: odd while the owner rewrites it */
+  uint32_t rank;     /* the owner's rank and its group's size, checked at attach */
+  uint32_t size;
   uint32_t pad;
   char cause[CAUSE_LEN]; /* why the owner last gave up on its links, "" if never */
   uint32_t broken[];     /* per local peer: the pair fell back to TCP (BROKE_*) */
@@ -61,6 +80,16 @@ typedef struct ring_ctl {
   char pad2[56];
 } ring_ctl;
 
+/* This rank's view of the rings with one peer: the positions only it advances (the copies in
+ * shared memory are written from these, never read back) and the peer's as last checked. */
+typedef struct ring_pos {
+  uint64_t rx_tail, rx_head; /* the ring the peer writes into (in our segment) */
+  uint64_t tx_head, tx_tail; /* the ring we write into (in the peer's segment) */
+  int bad;                   /* 0, or which ring failed its check (BAD_RX / BAD_TX) */
+  uint64_t bad_head, bad_tail;
+} ring_pos;
+enum { BAD_RX = 1, BAD_TX = 2 };
+
 struct rpl_shm {
   int rank, size, me; /* me: our local index */
   int nlocal;
@@ -72,6 +101,7 @@ struct rpl_shm {
   unsigned char *mine;   /* our segment */
   unsigned char **peer;  /* peers' segments by rank, NULL if not mapped */
   pid_t *peer_pid;       /* by rank: a pid that reads that peer's memory, 0 if none does */
+  ring_pos *pos;         /* by rank */
   int spins;             /* polls of the doorbell before sleeping on it (rpl_shm_wait) */
 };
 
@@ -117,18 +147,46 @@ static void take_lock(rpl_shm *s, int fd) {
     __atomic_store_n(&hdr(s->mine)->locked, 1, __ATOMIC_RELEASE);
 }
 
-/* Tells processes apart (pids do not across namespaces): random per process, re-drawn in a
- * forked child because the pid is mixed in. */
+/* Tells processes apart (pids do not across namespaces): random per process (the kernel's
+ * CSPRNG, no weaker fallback), different in a forked child because the pid is mixed in. */
 static uint64_t process_seed;
+static rpl_status seed_status;
+static rpl_error seed_err;
 static void draw_seed(void) {
-  ssize_t got = getrandom(&process_seed, sizeof process_seed, GRND_NONBLOCK);
-  if (got != (ssize_t)sizeof process_seed)
-    process_seed = (uint64_t)time(NULL) * 0x9e3779b97f4a7c15ull ^ (uint64_t)clock();
+  seed_status = rpl_random_bytes(&process_seed, sizeof process_seed, &seed_err);
 }
-static uint64_t process_token(void) {
+static rpl_status process_token(uint64_t *out, rpl_error *err) {
   static pthread_once_t once = PTHREAD_ONCE_INIT;
   pthread_once(&once, draw_seed);
-  return (process_seed ^ (uint64_t)getpid() * 0xff51afd7ed558ccdull) | 1u;
+  if (seed_status != RPL_OK) {
+    if (err) *err = seed_err;
+    return seed_status;
+  }
+  *out = (process_seed ^ (uint64_t)getpid() * 0xff51afd7ed558ccdull) | 1u;
+  return RPL_OK;
+}
+
+/* A ring position read from shared memory is valid when it lies in [seen, limit], where
+ * `seen` is the value last checked and `limit - seen` is at most the ring's size: the head of
+ * a ring we read is in [last head, our tail + ring_bytes], the tail of a ring we write is in
+ * [last tail, our head]. One unsigned comparison: a value below `seen` wraps to a huge
+ * difference. */
+static inline int ring_ok(uint64_t got, uint64_t seen, uint64_t limit) {
+  return got - seen <= limit - seen;
+}
+
+/* Records that the ring with `peer` failed its check (first failure kept). Returns 0, what the
+ * caller returns as "nothing moved"; the transport then fails the run on its next wait (see
+ * the top of this file). */
+__attribute__((cold, noinline)) static size_t ring_corrupt(rpl_shm *s, int peer, int which,
+                                                           uint64_t head, uint64_t tail) {
+  ring_pos *q = &s->pos[peer];
+  if (!q->bad) {
+    q->bad = which;
+    q->bad_head = head;
+    q->bad_tail = tail;
+  }
+  return 0;
 }
 
 static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
@@ -153,7 +211,8 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   s->local_of = malloc(sizeof(int) * (size_t)size);
   s->peer = calloc((size_t)size, sizeof *s->peer);
   s->peer_pid = calloc((size_t)size, sizeof *s->peer_pid);
-  if (!s->local_of || !s->peer || !s->peer_pid) {
+  s->pos = calloc((size_t)size, sizeof *s->pos);
+  if (!s->local_of || !s->peer || !s->peer_pid || !s->pos) {
     rpl_shm_destroy(s);
     return rpl_fail(err, RPL_ERR_NOMEM, "out of memory for shared-memory transport");
   }
@@ -162,6 +221,18 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
     if (local_of[r] >= 0) s->nlocal++;
   }
   s->me = local_of[rank];
+  if (ring_bytes == 0 || ring_bytes > RPL_SHM_MAX_RING) {
+    rpl_shm_destroy(s);
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "shared-memory ring size %zu is out of range (1 byte to %zu bytes)",
+                    ring_bytes, (size_t)RPL_SHM_MAX_RING);
+  }
+  uint64_t token;
+  rpl_status st = process_token(&token, err);
+  if (st != RPL_OK) {
+    rpl_shm_destroy(s);
+    return st;
+  }
   /* Spinning pays while every local rank has a core to itself; oversubscribed, it would take
    * the core from the very peer being waited for. */
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
@@ -172,14 +243,15 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   s->seg_bytes = s->header_bytes + s->ring_stride * (size_t)s->nlocal;
   snprintf(s->name, sizeof s->name, "/ripples-%d-%016" PRIx64 "-%d", (int)getpid(), nonce,
            rank);
-  int fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+  int fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, SEG_MODE);
   if (fd < 0) {
     int e = errno;
     rpl_shm_destroy(s);
     return rpl_fail_errno(err, RPL_ERR_SYSTEM, e, "cannot create shared memory segment");
   }
   s->linked = 1;
-  if (ftruncate(fd, (off_t)s->seg_bytes) != 0) {
+  /* Exactly 0600 whatever the umask: peers refuse any other mode (see rpl_shm_attach). */
+  if (fchmod(fd, SEG_MODE) != 0 || ftruncate(fd, (off_t)s->seg_bytes) != 0) {
     int e = errno;
     close(fd);
     rpl_shm_destroy(s);
@@ -200,8 +272,10 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   h->ring_bytes = ring_bytes;
   h->nlocal = (uint32_t)s->nlocal;
   h->pid = (uint32_t)getpid();
-  h->process = process_token();
+  h->process = token;
   h->self_addr = (uint64_t)(uintptr_t)p;
+  h->rank = (uint32_t)rank;
+  h->size = (uint32_t)size;
   if (s->me == 0) take_lock(s, fd);
   else close(fd);
   __atomic_store_n(&h->magic, SEG_MAGIC, __ATOMIC_RELEASE);
@@ -224,27 +298,101 @@ static pid_t probe_single_copy(const seg_header *h) {
   return memcmp(got, h, sizeof got) == 0 ? pid : 0;
 }
 
+/* Parses a segment name as rpl_shm_create writes it ("/ripples-<pid>-<nonce>-<rank>", in
+ * exactly that spelling); 0 if it is not one. */
+static int parse_name(const char *name, unsigned *pid, uint64_t *nonce, int *rank) {
+  char again[64];
+  int used = 0;
+  if (sscanf(name, "/ripples-%u-%16" SCNx64 "-%d%n", pid, nonce, rank, &used) != 3 ||
+      name[used] != '\0')
+    return 0;
+  snprintf(again, sizeof again, "/ripples-%d-%016" PRIx64 "-%d", (int)*pid, *nonce, *rank);
+  return strcmp(again, name) == 0;
+}
+
+/* Why the open segment `fd` is refused, or NULL: a regular shared-memory object, owned by our
+ * effective uid, mode exactly 0600, of the size our layout gives. The uid check is what stops
+ * a local user who can write the c10d store from pointing us at a segment of theirs; the mode
+ * check refuses a segment others could write. */
+static const char *refuse_file(const rpl_shm *s, int fd, char *why, size_t cap) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return "it cannot be examined (fstat failed)";
+  if (!S_ISREG(st.st_mode)) return "it is not a regular shared-memory object";
+  if (st.st_uid != geteuid()) {
+    snprintf(why, cap, "it is owned by uid %u, not by this process's uid %u",
+             (unsigned)st.st_uid, (unsigned)geteuid());
+    return why;
+  }
+  if ((st.st_mode & 07777) != SEG_MODE) {
+    snprintf(why, cap, "its mode is %04o, not %04o", (unsigned)(st.st_mode & 07777), SEG_MODE);
+    return why;
+  }
+  if (st.st_size < 0 || (uint64_t)st.st_size != (uint64_t)s->seg_bytes) {
+    snprintf(why, cap, "its size is %lld bytes, not the %zu this group's layout gives",
+             (long long)st.st_size, s->seg_bytes);
+    return why;
+  }
+  return NULL;
+}
+
+/* Why the mapped header `h` is refused, or NULL: it must carry our layout (magic, ring size,
+ * local ranks), the nonce and pid of the name it was found under, the peer's rank and our
+ * group's size. */
+static const char *refuse_header(const rpl_shm *s, const seg_header *h, int peer, unsigned pid,
+                                 uint64_t nonce, char *why, size_t cap) {
+  if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SEG_MAGIC)
+    return "it is not a ripples segment of this version (wrong magic)";
+  if (h->ring_bytes != s->ring_bytes || h->nlocal != (uint32_t)s->nlocal) {
+    snprintf(why, cap, "its layout (ring %" PRIu64 " bytes, %u local ranks) is not this rank's "
+             "(ring %zu bytes, %d local ranks)", h->ring_bytes, h->nlocal, s->ring_bytes,
+             s->nlocal);
+    return why;
+  }
+  if (h->nonce != nonce || h->pid != pid) {
+    snprintf(why, cap, "its header (nonce %016" PRIx64 ", pid %u) does not match its name",
+             h->nonce, h->pid);
+    return why;
+  }
+  if (h->rank != (uint32_t)peer || h->size != (uint32_t)s->size) {
+    snprintf(why, cap, "its header names rank %u of a group of %u, not rank %d of %d", h->rank,
+             h->size, peer, s->size);
+    return why;
+  }
+  return NULL;
+}
+
 rpl_status rpl_shm_attach(rpl_shm *s, int peer, const char *name, rpl_error *err) {
-  int fd = shm_open(name, O_RDWR, 0);
+  unsigned pid;
+  uint64_t nonce;
+  int named;
+  if (!parse_name(name, &pid, &nonce, &named) || named != peer)
+    return rpl_fail(err, RPL_ERR_PEER, "rank %d's shared memory segment is refused: the name "
+                    "published for it (%.80s) is not /ripples-<pid>-<nonce>-%d", peer, name,
+                    peer);
+  int fd = shm_open(name, O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0);
   if (fd < 0)
     return rpl_fail_errno(err, RPL_ERR_PEER, errno,
                           "cannot open rank %d's shared memory segment %s", peer, name);
-  struct stat st;
-  void *p = MAP_FAILED;
-  if (fstat(fd, &st) == 0 && (size_t)st.st_size == s->seg_bytes)
-    p = mmap(NULL, s->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (p == MAP_FAILED) {
+  char why[160];
+  const char *bad = refuse_file(s, fd, why, sizeof why);
+  if (bad) {
     close(fd);
-    return rpl_fail(err, RPL_ERR_PEER, "rank %d's shared memory segment %s has an unexpected "
-                    "size or cannot be mapped", peer, name);
+    return rpl_fail(err, RPL_ERR_PEER, "rank %d's shared memory segment %s is refused: %s",
+                    peer, name, bad);
+  }
+  void *p = mmap(NULL, s->seg_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int e = errno;
+    close(fd);
+    return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot map rank %d's shared memory segment %s",
+                          peer, name);
   }
   seg_header *h = hdr(p);
-  if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != SEG_MAGIC ||
-      h->ring_bytes != s->ring_bytes || h->nlocal != (uint32_t)s->nlocal) {
+  if ((bad = refuse_header(s, h, peer, pid, nonce, why, sizeof why)) != NULL) {
     munmap(p, s->seg_bytes);
     close(fd);
-    return rpl_fail(err, RPL_ERR_PEER, "rank %d's shared memory segment %s is not compatible",
-                    peer, name);
+    return rpl_fail(err, RPL_ERR_PEER, "rank %d's shared memory segment %s is refused: %s",
+                    peer, name, bad);
   }
   s->peer[peer] = p;
   s->peer_pid[peer] = probe_single_copy(h);
@@ -268,20 +416,25 @@ void rpl_shm_destroy(rpl_shm *s) {
   if (s->lock_fd >= 0) close(s->lock_fd); /* drops our lock: peers still waiting see us gone */
   free(s->peer);
   free(s->peer_pid);
+  free(s->pos);
   free(s->local_of);
   free(s);
 }
 
 int rpl_shm_usable(const rpl_shm *s, int peer) {
-  if (!s || !s->peer[peer]) return 0;
+  if (!s || !s->peer[peer] || s->pos[peer].bad) return 0;
   return !__atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);
 }
 
 size_t rpl_shm_write(rpl_shm *s, int peer, const struct iovec *iov, int niov) {
   unsigned char *seg = s->peer[peer];
   ring_ctl *r = ring_at(s, seg, s->me);
-  uint64_t head = r->head; /* only we write it */
+  ring_pos *q = &s->pos[peer];
+  uint64_t head = q->tx_head; /* ours; the copy in shared memory is never read back */
   uint64_t tail = __atomic_load_n(&r->tail, __ATOMIC_ACQUIRE);
+  if (__builtin_expect(!ring_ok(tail, q->tx_tail, head), 0))
+    return ring_corrupt(s, peer, BAD_TX, head, tail);
+  q->tx_tail = tail;
   size_t space = s->ring_bytes - (size_t)(head - tail), moved = 0;
   unsigned char *data = ring_data(r);
   for (int i = 0; i < niov && space > 0; i++) {
@@ -295,6 +448,7 @@ size_t rpl_shm_write(rpl_shm *s, int peer, const struct iovec *iov, int niov) {
     if (n < iov[i].iov_len) break;
   }
   if (moved) {
+    q->tx_head = head + moved;
     __atomic_store_n(&r->head, head + moved, __ATOMIC_RELEASE);
     ring_bell(seg);
   }
@@ -303,8 +457,12 @@ size_t rpl_shm_write(rpl_shm *s, int peer, const struct iovec *iov, int niov) {
 
 size_t rpl_shm_read(rpl_shm *s, int peer, void *buf, size_t len) {
   ring_ctl *r = ring_at(s, s->mine, s->local_of[peer]);
-  uint64_t tail = r->tail; /* only we write it */
+  ring_pos *q = &s->pos[peer];
+  uint64_t tail = q->rx_tail; /* ours; the copy in shared memory is never read back */
   uint64_t head = __atomic_load_n(&r->head, __ATOMIC_ACQUIRE);
+  if (__builtin_expect(!ring_ok(head, q->rx_head, tail + s->ring_bytes), 0))
+    return ring_corrupt(s, peer, BAD_RX, head, tail);
+  q->rx_head = head;
   size_t n = RPL_MIN(len, (size_t)(head - tail));
   if (!n) return 0;
   unsigned char *data = ring_data(r);
@@ -312,6 +470,7 @@ size_t rpl_shm_read(rpl_shm *s, int peer, void *buf, size_t len) {
   size_t first = RPL_MIN(n, s->ring_bytes - at);
   memcpy(buf, data + at, first);
   if (n > first) memcpy((unsigned char *)buf + first, data, n - first);
+  q->rx_tail = tail + n;
   __atomic_store_n(&r->tail, tail + n, __ATOMIC_RELEASE);
   ring_bell(s->peer[peer]); /* the writer may be waiting for space */
   return n;
@@ -319,8 +478,13 @@ size_t rpl_shm_read(rpl_shm *s, int peer, void *buf, size_t len) {
 
 size_t rpl_shm_peek(rpl_shm *s, int peer, const void **data, size_t len) {
   ring_ctl *r = ring_at(s, s->mine, s->local_of[peer]);
-  uint64_t tail = r->tail;
+  ring_pos *q = &s->pos[peer];
+  uint64_t tail = q->rx_tail;
   uint64_t head = __atomic_load_n(&r->head, __ATOMIC_ACQUIRE);
+  *data = ring_data(r);
+  if (__builtin_expect(!ring_ok(head, q->rx_head, tail + s->ring_bytes), 0))
+    return ring_corrupt(s, peer, BAD_RX, head, tail);
+  q->rx_head = head;
   size_t at = (size_t)(tail % s->ring_bytes);
   size_t n = RPL_MIN(RPL_MIN(len, (size_t)(head - tail)), s->ring_bytes - at);
   *data = ring_data(r) + at;
@@ -329,7 +493,9 @@ size_t rpl_shm_peek(rpl_shm *s, int peer, const void **data, size_t len) {
 
 void rpl_shm_consume(rpl_shm *s, int peer, size_t n) {
   ring_ctl *r = ring_at(s, s->mine, s->local_of[peer]);
-  __atomic_store_n(&r->tail, r->tail + n, __ATOMIC_RELEASE);
+  ring_pos *q = &s->pos[peer];
+  q->rx_tail += n;
+  __atomic_store_n(&r->tail, q->rx_tail, __ATOMIC_RELEASE);
   ring_bell(s->peer[peer]); /* the writer may be waiting for space */
 }
 
@@ -355,7 +521,7 @@ void rpl_shm_wait(rpl_shm *s, uint32_t seen, double max_s) {
 void rpl_shm_ring_self(rpl_shm *s) { ring_bell(s->mine); }
 
 int rpl_shm_peer_flagged(const rpl_shm *s, int peer) {
-  return __atomic_load_n(&hdr(s->peer[peer])->closed, __ATOMIC_ACQUIRE) ||
+  return s->pos[peer].bad || __atomic_load_n(&hdr(s->peer[peer])->closed, __ATOMIC_ACQUIRE) ||
          __atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);
 }
 
@@ -410,6 +576,13 @@ rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause
   seg_header *h = hdr(s->peer[peer]);
   char why[CAUSE_LEN];
   if (cap) cause[0] = '\0';
+  const ring_pos *q = &s->pos[peer];
+  if (q->bad)
+    return rpl_fail(err, RPL_ERR_PEER,
+                    "rank %d's shared-memory ring is corrupt: head %" PRIu64 " tail %" PRIu64
+                    " ring %zu bytes (the ring %s; a process that can write the segment "
+                    "changed it)", peer, q->bad_head, q->bad_tail, s->ring_bytes,
+                    q->bad == BAD_RX ? "it writes into this rank" : "this rank writes into it");
   int closed = __atomic_load_n(&h->closed, __ATOMIC_ACQUIRE);
   uint32_t broken =
       __atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);

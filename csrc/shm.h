@@ -31,11 +31,20 @@
 
 typedef struct rpl_shm rpl_shm;
 
+/* The largest ring (bytes per peer pair) rpl_shm_create accepts. */
+#define RPL_SHM_MAX_RING ((size_t)1 << 30)
+
 /* `local_of[r]` is r's index among the ranks of this host, or -1 for ranks elsewhere.
- * Writes the segment's name (to publish) into name[cap]. */
+ * Writes the segment's name (to publish) into name[cap]: "/ripples-<pid>-<nonce>-<rank>", the
+ * nonce being the caller's (random: see setup_shm in engine.c). The segment is created 0600. */
 rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonce,
                           size_t ring_bytes, rpl_shm **out, char *name, size_t cap,
                           rpl_error *err);
+/* Maps `peer`'s segment, found under `name` (as published in the store). Refuses it, with
+ * RPL_ERR_PEER naming the peer and the reason, unless the name has rpl_shm_create's form for
+ * `peer`, the object is a regular file owned by our effective uid with mode 0600 and the size
+ * our layout gives, and its header carries our layout, the name's nonce and pid, `peer`'s rank
+ * and our group size. */
 rpl_status rpl_shm_attach(rpl_shm *s, int peer, const char *name, rpl_error *err);
 /* Removes the segment's name; mappings stay valid. */
 void rpl_shm_unlink(rpl_shm *s);
@@ -44,7 +53,11 @@ void rpl_shm_destroy(rpl_shm *s);
 /* 1 if `peer` is reachable through shared memory and the pair is not broken. */
 int rpl_shm_usable(const rpl_shm *s, int peer);
 
-/* Non-blocking stream I/O with a local peer: bytes moved (0 = ring full/empty). */
+/* Non-blocking stream I/O with a local peer: bytes moved (0 = ring full/empty). A ring
+ * position the peer wrote that is impossible (more than the ring holds, or going backwards)
+ * moves nothing and is recorded: from then on the pair is not usable, rpl_shm_peer_flagged
+ * says so and rpl_shm_check_peer fails with RPL_ERR_PEER ("rank N's shared-memory ring is
+ * corrupt: ..."). The same holds for rpl_shm_peek. */
 size_t rpl_shm_write(rpl_shm *s, int peer, const struct iovec *iov, int niov);
 size_t rpl_shm_read(rpl_shm *s, int peer, void *buf, size_t len);
 

@@ -1630,13 +1630,23 @@ std::vector<size_t> splitCounts(
   TORCH_CHECK_VALUE(
       splits.size() == static_cast<size_t>(size), "ripples ", opName, ": ", what,
       " split sizes have ", splits.size(), " entries but the group has ", size, " ranks");
+  // Each split in [0, rows] before any arithmetic, so that neither the sum (at most size * rows)
+  // nor split * rowElems (at most numel) can overflow; both are checked all the same.
   int64_t total = 0;
   for (int r = 0; r < size; ++r) {
     TORCH_CHECK_VALUE(
         splits[r] >= 0, "ripples ", opName, ": ", what, " split size [", r, "] is negative (",
         splits[r], ")");
-    total += splits[r];
-    counts[r] = static_cast<size_t>(splits[r] * rowElems);
+    TORCH_CHECK_VALUE(
+        splits[r] <= rows, "ripples ", opName, ": ", what, " split size [", r, "] (",
+        splits[r], ") is larger than the tensor's first dimension (", rows, ")");
+    int64_t elems = 0;
+    TORCH_CHECK_VALUE(
+        !__builtin_add_overflow(total, splits[r], &total) &&
+            !__builtin_mul_overflow(splits[r], rowElems, &elems),
+        "ripples ", opName, ": ", what, " split sizes overflow at entry [", r, "] (",
+        splits[r], ")");
+    counts[r] = static_cast<size_t>(elems);
   }
   TORCH_CHECK_VALUE(
       total == rows, "ripples ", opName, ": ", what, " split sizes add up to ", total,

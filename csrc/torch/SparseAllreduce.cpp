@@ -8,10 +8,20 @@
 // thread, through this group's own allgathers, so the call returns once the result is in
 // place; the Work it returns is already complete. Tensors that differ between ranks (sizes,
 // dtype, sparse layout) make every rank raise the same error before any values move.
+//
+// Everything a peer sends is checked before it sizes a buffer or indexes memory (DESIGN.md
+// section 8, "bound what a peer controls"): each description must be well formed (dims within
+// kMaxDims and consistent, a dtype this backend reduces, sizes >= 0, nnz between 0 and the
+// number of sparse positions) and equal to rank 0's; the padded buffers' sizes are computed
+// with overflow checks; and every index received must lie inside the tensor's sizes, so that a
+// bad index cannot reach a later to_dense(). All ranks see the same descriptions and indices,
+// so they all raise the same ValueError, naming the rank, and stay in step.
 #include "ProcessGroupRipples.hpp"
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -22,6 +32,56 @@ namespace {
 constexpr int64_t kMaxDims = 32;
 // nnz, sparse_dim, dense_dim, ndim, dtype, then up to kMaxDims sizes
 constexpr int64_t kMetaLen = 5 + kMaxDims;
+
+// Why the description `m` is malformed, or "" when it is well formed. Only a
+// well-formed description may be passed to describe() or used to size anything.
+std::string malformed(const int64_t* m) {
+  const int64_t nnz = m[0], sparseDim = m[1], denseDim = m[2], ndim = m[3], dtype = m[4];
+  if (ndim < 0 || ndim > kMaxDims) {
+    return "it has " + std::to_string(ndim) + " dimensions (at most " +
+        std::to_string(kMaxDims) + ")";
+  }
+  if (sparseDim < 0 || denseDim < 0 || sparseDim > ndim || denseDim != ndim - sparseDim) {
+    return std::to_string(sparseDim) + " sparse and " + std::to_string(denseDim) +
+        " dense dimensions do not add up to " + std::to_string(ndim);
+  }
+  rpl_dtype d;
+  if (dtype < 0 || dtype >= static_cast<int64_t>(c10::ScalarType::NumOptions) ||
+      !toRplDtype(static_cast<c10::ScalarType>(dtype), &d)) {
+    return "dtype code " + std::to_string(dtype) + " is not one this backend reduces";
+  }
+  int64_t positions = 1;  // sparse positions, saturating at INT64_MAX
+  for (int64_t i = 0; i < kMaxDims; ++i) {
+    const int64_t n = m[5 + i];
+    if (i >= ndim) {
+      if (n != 0) {
+        return "size entry " + std::to_string(i) + " is set past its " +
+            std::to_string(ndim) + " dimensions";
+      }
+      continue;
+    }
+    if (n < 0) {
+      return "size " + std::to_string(i) + " is negative (" + std::to_string(n) + ")";
+    }
+    if (i < sparseDim && __builtin_mul_overflow(positions, n, &positions)) {
+      positions = INT64_MAX;
+    }
+  }
+  if (nnz < 0 || nnz > positions) {
+    return "nnz " + std::to_string(nnz) + " is outside [0, " + std::to_string(positions) +
+        "] (the number of sparse positions)";
+  }
+  return "";
+}
+
+// a * b * c as a count of elements or bytes, or -1 if it does not fit in int64.
+int64_t checkedProduct(int64_t a, int64_t b, int64_t c) {
+  int64_t ab, abc;
+  if (__builtin_mul_overflow(a, b, &ab) || __builtin_mul_overflow(ab, c, &abc)) {
+    return -1;
+  }
+  return abc;
+}
 
 std::string describe(const int64_t* m) {
   std::string s = "size [";
@@ -90,6 +150,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
   const int64_t* all = metas.data_ptr<int64_t>();
   int64_t maxNnz = 0;
   for (int r = 0; r < size_; ++r) {
+    const std::string why = malformed(all + r * kMetaLen);
+    TORCH_CHECK_VALUE(
+        why.empty(), "ripples allreduce: rank ", r,
+        " sent a malformed sparse tensor description: ", why);
+  }
+  for (int r = 0; r < size_; ++r) {
     const int64_t* mr = all + r * kMetaLen;
     TORCH_CHECK_VALUE(
         sameLayout(mr, all),
@@ -98,9 +164,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
     maxNnz = std::max(maxNnz, mr[0]);
   }
 
-  // 2. Indices and values, padded to the largest nnz so that one allgather moves each.
+  // 2. Indices and values, padded to the largest nnz so that one allgather moves each. The
+  // largest nnz is bounded by the sparse positions (checked above); the gathered buffers must
+  // still be addressable.
   std::vector<int64_t> valShape = input._values().sizes().vec();
   valShape[0] = maxNnz;
+  int64_t denseElems = 1;
+  for (size_t i = 1; i < valShape.size(); ++i) {
+    denseElems = checkedProduct(denseElems, valShape[i], 1);
+    TORCH_CHECK_VALUE(
+        denseElems >= 0, "ripples allreduce: the sparse tensor's dense part is too large");
+  }
+  const int64_t idxElems = checkedProduct(size_, std::max<int64_t>(sparseDim, 1), maxNnz);
+  const int64_t idxBytes = idxElems < 0 ? -1 : checkedProduct(idxElems, 8, 1);
+  const int64_t valElems = checkedProduct(size_, maxNnz, denseElems);
+  const int64_t valBytes = valElems < 0 ? -1 : checkedProduct(valElems, input.element_size(), 1);
+  TORCH_CHECK_VALUE(
+      idxBytes >= 0 && valBytes >= 0,
+      "ripples allreduce: gathering sparse tensors of up to ", maxNnz, " entries from ", size_,
+      " ranks would need more memory than can be addressed");
   at::Tensor idx = at::zeros({sparseDim, maxNnz}, i64);
   at::Tensor val = at::zeros(valShape, input._values().options());
   if (nnz > 0) {
@@ -113,13 +195,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
   at::Tensor valFlat = val.reshape({-1});
   _allgather_base(valAll, valFlat, ag)->wait();
 
-  // 3. The sum: every rank's entries side by side, duplicates summed by coalesce().
+  // 3. The sum: every rank's entries side by side, duplicates summed by coalesce(). Every
+  // index must lie in [0, size) of its dimension: sparse_coo_tensor does not check, and a
+  // later to_dense() would write where the index points.
   std::vector<at::Tensor> idxParts, valParts;
   std::vector<int64_t> oneVal = valShape;
+  const at::Tensor limits =
+      at::tensor(input.sizes().slice(0, sparseDim).vec(), i64).view({sparseDim, 1});
   for (int r = 0; r < size_; ++r) {
     const int64_t nr = all[r * kMetaLen];
-    idxParts.push_back(
-        idxAll.narrow(0, r * idx.numel(), idx.numel()).view({sparseDim, maxNnz}).narrow(1, 0, nr));
+    at::Tensor part =
+        idxAll.narrow(0, r * idx.numel(), idx.numel()).view({sparseDim, maxNnz}).narrow(1, 0, nr);
+    TORCH_CHECK_VALUE(
+        nr == 0 || sparseDim == 0 ||
+            (part.ge(0).all().item<bool>() && part.lt(limits).all().item<bool>()),
+        "ripples allreduce: rank ", r, "'s sparse tensor has indices outside its size ",
+        input.sizes());
+    idxParts.push_back(part);
     valParts.push_back(
         valAll.narrow(0, r * val.numel(), val.numel()).view(oneVal).narrow(0, 0, nr));
   }
