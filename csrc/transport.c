@@ -143,6 +143,8 @@ struct rpl_tr {
 };
 
 static void pend_drop(rpl_tr *tr, int i);
+static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doing,
+                              rpl_error *err);
 _Static_assert(RPL_TR_KEY_LEN == RPL_LINK_KEY_LEN, "one key length");
 
 /* ---- little-endian encoding ---------------------------------------------------------- */
@@ -647,10 +649,7 @@ static rpl_status continue_handshake(rpl_tr *tr, int peer, rpl_error *err) {
   conn *c = &tr->conns[peer];
   if (c->state == CONN_HS_SENDING) { /* UCX: HS3 under way */
     ssize_t w = rpl_ucx_write(c->ux, c->hs3, RPL_HS3_SIZE, NULL, 0);
-    if (w < 0) {
-      close_conn(c);
-      return auth_error(tr, peer, "closed the connection while authenticating", err);
-    }
+    if (w < 0) return peer_closed(tr, peer, 0, "authenticating", err); /* UCX says why */
     if (w > 0) {
       c->state = CONN_READY;
       count_add(&tr->counters.connections, 1);
@@ -669,6 +668,7 @@ static rpl_status continue_handshake(rpl_tr *tr, int peer, rpl_error *err) {
       if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return RPL_OK;
       if (r == 0) r = -1;
     }
+    if (r < 0 && c->ux) return peer_closed(tr, peer, 0, "authenticating", err);
     if (r < 0) {
       close_conn(c);
       return auth_error(tr, peer, "closed the connection while authenticating", err);
