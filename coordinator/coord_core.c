@@ -156,11 +156,21 @@ static int route_slot(const coord_worker *w, const uint8_t *route, size_t len) {
  * never bound, dead or left, its peer disconnected, or silent for COORD_REBIND_BEATS
  * heartbeat intervals (a live client heartbeats every interval). A live worker's connection
  * is never taken over. */
-static int may_rebind(const coord_core *core, const coord_worker *w,
-                      const rpl_gg_worker_info *info, double now) {
+static int may_rebind(coord_core *core, coord_worker *w, const rpl_gg_worker_info *info,
+                      double now) {
   if (w->route_len == 0 || w->unreachable) return 1;
   if (info->state == RPL_WORKER_DEAD || info->state == RPL_WORKER_LEFT) return 1;
-  return (now - w->last_seen) * 1000.0 > (double)COORD_REBIND_BEATS * core->heartbeat_ms;
+  if ((now - w->last_seen) * 1000.0 > (double)COORD_REBIND_BEATS * core->heartbeat_ms) return 1;
+  /* A client closes its old connection before it registers anew (failover, or back to a
+   * coordinator that only stalled). If ZeroMQ already knows that connection is gone, a
+   * probe to it fails at once; a live one receives a HEARTBEAT_ACK with seq 0, which no
+   * request of a client waits for (its seqs start at 1), and ignores it. */
+  rpl_msg probe;
+  memset(&probe, 0, sizeof probe);
+  probe.type = RPL_MSG_HEARTBEAT_ACK;
+  probe.rank = (int32_t)(w - core->w);
+  reply_worker(core, w, &probe, NULL);
+  return w->unreachable;
 }
 
 /* Wrong token: counted, and answered (echoing the sender's token) at most

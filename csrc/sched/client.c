@@ -276,14 +276,24 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
     st = rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
                         c->endpoint, zmq_strerror(zmq_errno()));
   } else {
-    seq = next_seq(c);
-    fill_header(c, &m, RPL_MSG_HELLO, seq);
-    m.nworkers = c->nworkers;
-    m.host_label = c->host_label;
-    st = send_msg(c->sock, &m, NULL, err, c->endpoint);
-    if (st == RPL_OK)
-      st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq,
-                      now_s() + hello_ms / 1000.0, NULL, c->endpoint, &m, err);
+    double deadline = now_s() + hello_ms / 1000.0;
+    for (;;) {
+      seq = next_seq(c);
+      fill_header(c, &m, RPL_MSG_HELLO, seq);
+      m.nworkers = c->nworkers;
+      m.host_label = c->host_label;
+      st = send_msg(c->sock, &m, NULL, err, c->endpoint);
+      if (st == RPL_OK)
+        st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq, deadline, NULL,
+                        c->endpoint, &m, err);
+      /* Our rank is still bound to the connection we closed a moment ago (the coordinator
+       * lets it go once it sees it gone or silent): ask again while time remains. */
+      if (st != RPL_OK || m.type != RPL_MSG_ERROR || m.code != RPL_PERR_BAD_RANK ||
+          now_s() + 0.1 >= deadline)
+        break;
+      struct timespec pause = {0, 100 * 1000 * 1000};
+      nanosleep(&pause, NULL);
+    }
     if (st == RPL_ERR_TIMEOUT)
       st = rpl_sched_fail(err, RPL_ERR_PEER,
                           "group generator at %s did not answer within %d ms (not running, wrong "

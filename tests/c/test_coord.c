@@ -6,6 +6,7 @@
  * rules (PROTOCOL.md "Connections") are checked on the I/O-free core with made-up routes and
  * times, and the token echo once more over a real socket. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,6 +197,7 @@ static const char *SEC_TOKEN = "5ec0de5ec0de5ec0de5ec0de5ec0de5e";
 
 typedef struct {
   int count;
+  const uint8_t *gone;            /* a route with no connected peer (sends to it fail) */
   uint8_t route[RPL_ROUTE_MAX];
   size_t route_len;
   uint8_t msg[8192];
@@ -205,6 +207,8 @@ typedef struct {
 static int record_send(void *ctx, const uint8_t *route, size_t route_len, const void *msg,
                        size_t len) {
   sent_log *l = ctx;
+  if (l->gone && route_len == RPL_ROUTE_ID_LEN && !memcmp(route, l->gone, route_len))
+    return COORD_SEND_GONE;
   l->count++;
   memcpy(l->route, route, route_len);
   l->route_len = route_len;
@@ -384,6 +388,20 @@ static void test_security_core(void) {
   feed(&core, &log, C, &m, NULL, t + 0.5, &r);
   CHECK(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.requests == 1,
         "the new connection's request counts");
+  /* A client that closed its connection and registers anew is let in at once, even within
+   * two heartbeat intervals: the coordinator's probe of the old route finds it gone. */
+  uint8_t D[RPL_ROUTE_ID_LEN], E[RPL_ROUTE_ID_LEN];
+  make_route(D, 'R', 0xd4);
+  make_route(E, 'R', 0xe5);
+  m = worker_msg(RPL_MSG_HELLO, 0, 1);
+  CHECK(feed(&core, &log, D, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 0 from D");
+  m = worker_msg(RPL_MSG_HELLO, 0, 2);
+  CHECK(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR, "D still connected");
+  log.gone = D;
+  m = worker_msg(RPL_MSG_HELLO, 0, 3);
+  CHECK(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK,
+        "D disconnected: E takes rank 0 at once");
+  log.gone = NULL;
   /* A dead worker's binding is free at once. */
   m = worker_msg(RPL_MSG_HELLO, 2, 1);
   CHECK(feed(&core, &log, B, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 2 from B");
@@ -392,6 +410,166 @@ static void test_security_core(void) {
   CHECK(feed(&core, &log, S, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "dead rank rebound");
   coord_core_free(&core);
   printf("  token echo, rank<->route binding, seq, rebinding (core): ok\n");
+}
+
+/* ---- the client as a fake coordinator (a raw ROUTER) sees it ----------------------------- */
+
+#define FAKE_MAX 4096
+typedef struct {
+  void *sock;
+  uint8_t tok[RPL_TOKEN_LEN];
+  atomic_int stop;
+  atomic_int restarted;           /* answer the first registration's routes NOT_REGISTERED */
+  uint8_t first_id[RPL_ROUTE_ID_LEN - 1];
+  int have_first;
+  int n;                          /* what arrived, in order */
+  uint8_t route[FAKE_MAX][RPL_ROUTE_ID_LEN];
+  int route_len[FAKE_MAX];
+  uint32_t seq[FAKE_MAX];
+  int type[FAKE_MAX];
+} fake_coord;
+
+static void fake_send(fake_coord *f, const uint8_t *route, int rl, rpl_msg *m) {
+  uint8_t b[128];
+  size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
+  zmq_send(f->sock, route, (size_t)rl, ZMQ_SNDMORE);
+  zmq_send(f->sock, b, n, 0);
+}
+
+static void *fake_main(void *arg) {
+  fake_coord *f = arg;
+  while (!atomic_load(&f->stop)) {
+    zmq_pollitem_t it = {f->sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 20) <= 0) continue;
+    uint8_t route[256], buf[512];
+    int rl = zmq_recv(f->sock, route, sizeof route, 0);
+    int n = zmq_recv(f->sock, buf, sizeof buf, 0);
+    rpl_msg m, r;
+    rpl_error err;
+    if (rl <= 0 || n <= 0 || rpl_msg_parse(buf, (size_t)n, 2, &m, &err) != RPL_OK) continue;
+    if (f->n < FAKE_MAX && rl <= RPL_ROUTE_ID_LEN) {
+      memcpy(f->route[f->n], route, (size_t)rl);
+      f->route_len[f->n] = rl;
+      f->seq[f->n] = m.seq;
+      f->type[f->n] = m.type;
+      f->n++;
+    }
+    if (rl != RPL_ROUTE_ID_LEN) continue;
+    if (!f->have_first) {
+      memcpy(f->first_id, route + 1, sizeof f->first_id);
+      f->have_first = 1;
+    }
+    memset(&r, 0, sizeof r);
+    r.rank = m.rank;
+    r.seq = m.seq;
+    memcpy(r.token, f->tok, RPL_TOKEN_LEN);
+    int old = memcmp(route + 1, f->first_id, sizeof f->first_id) == 0;
+    if (m.type == RPL_MSG_HELLO && !(old && atomic_load(&f->restarted))) {
+      r.type = RPL_MSG_HELLO_ACK;
+      r.nworkers = 2;
+      r.heartbeat_ms = 50;
+      r.dead_ms = 3000;
+    } else if (old && atomic_load(&f->restarted)) {
+      r.type = RPL_MSG_ERROR;
+      r.code = RPL_PERR_NOT_REGISTERED;
+    } else if (m.type == RPL_MSG_HEARTBEAT) {
+      r.type = RPL_MSG_HEARTBEAT_ACK;
+    } else if (m.type == RPL_MSG_REQUEST) {
+      /* First an error with another token and the right seq: the client must ignore it. */
+      rpl_msg e = r;
+      e.type = RPL_MSG_ERROR;
+      e.code = RPL_PERR_BAD_TOKEN;
+      memset(e.token, 0x5a, RPL_TOKEN_LEN);
+      fake_send(f, route, rl, &e);
+      r.type = RPL_MSG_PASS;
+      r.round = m.round;
+      r.period = 2;
+    } else if (m.type == RPL_MSG_LEAVE) {
+      r.type = RPL_MSG_ACK;
+    } else {
+      continue;
+    }
+    fake_send(f, route, rl, &r);
+  }
+  return NULL;
+}
+
+static void test_client_routes_and_seq(void) {
+  static fake_coord f;
+  memset(&f, 0, sizeof f);
+  void *ctx = zmq_ctx_new();
+  f.sock = zmq_socket(ctx, ZMQ_ROUTER);
+  int zero = 0;
+  zmq_setsockopt(f.sock, ZMQ_LINGER, &zero, sizeof zero);
+  CHECK(zmq_bind(f.sock, "tcp://127.0.0.1:*") == 0, "bind");
+  char ep[256];
+  size_t el = sizeof ep;
+  zmq_getsockopt(f.sock, ZMQ_LAST_ENDPOINT, ep, &el);
+  const char *hex = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+  rpl_error err;
+  CHECK(rpl_token_from_hex(hex, f.tok, &err) == RPL_OK, "token");
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, fake_main, &f) == 0, "thread");
+  rpl_gg_client_config cc;
+  memset(&cc, 0, sizeof cc);
+  cc.endpoint = ep;
+  cc.token_hex = hex;
+  cc.rank = 1;
+  cc.nworkers = 2;
+  cc.timeout_ms = 3000;
+  cc.request_timeout_ms = 3000;
+  cc.heartbeat_ms = 50;
+  rpl_gg_client *cl;
+  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
+  usleep(200 * 1000); /* heartbeats flow */
+  atomic_store(&f.restarted, 1); /* "restarted": the first registration is unknown now */
+  int mem[2], n = 0;
+  uint64_t gid = 1;
+  rpl_status st = RPL_ERR_PEER;
+  for (int k = 0; k < 3 && st != RPL_OK; k++) {
+    st = rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err);
+    if (st != RPL_OK) usleep(100 * 1000);
+  }
+  CHECK(st == RPL_OK && n == 1 && mem[0] == 1 && gid == 0,
+        "served (PASS) after registering again, the foreign-token ERROR ignored: %s", err.msg);
+  usleep(200 * 1000);
+  CHECK(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
+  rpl_gg_client_destroy(cl);
+  atomic_store(&f.stop, 1);
+  pthread_join(th, NULL);
+  zmq_close(f.sock);
+  zmq_ctx_term(ctx);
+
+  /* Every route is 'R' or 'H' + 16 bytes; the 'H' ones share their id with an 'R' one. */
+  int hellos = 0, hello2 = -1;
+  uint32_t max_before = 0;
+  for (int i = 0; i < f.n; i++) {
+    CHECK(f.route_len[i] == RPL_ROUTE_ID_LEN &&
+              (f.route[i][0] == RPL_ROUTE_REQUEST || f.route[i][0] == RPL_ROUTE_HEARTBEAT),
+          "routing id of message %d", i);
+    if (f.type[i] == RPL_MSG_HELLO) {
+      CHECK(f.route[i][0] == RPL_ROUTE_REQUEST, "HELLO from the request socket");
+      if (memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) != 0 && hello2 < 0) hello2 = i;
+      hellos++;
+    }
+    /* Per connection, seqs only rise. */
+    for (int j = i + 1; j < f.n; j++)
+      if (f.route_len[j] == f.route_len[i] && !memcmp(f.route[j], f.route[i], RPL_ROUTE_ID_LEN))
+        CHECK((int32_t)(f.seq[j] - f.seq[i]) > 0, "seq %u after %u on one connection", f.seq[j],
+              f.seq[i]);
+  }
+  CHECK(hello2 > 0, "registered again under a fresh routing id (%d HELLOs)", hellos);
+  for (int i = 0; i < f.n; i++)
+    if (!memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) && f.seq[i] > max_before)
+      max_before = f.seq[i];
+  CHECK(f.seq[hello2] > max_before, "the new registration's seq %u continues the counter (%u)",
+        f.seq[hello2], max_before);
+  int beats2 = 0;
+  for (int i = hello2; i < f.n; i++)
+    beats2 += f.route[i][0] == RPL_ROUTE_HEARTBEAT &&
+              !memcmp(f.route[i] + 1, f.route[hello2] + 1, RPL_ROUTE_ID_LEN - 1);
+  CHECK(beats2 > 0, "heartbeats from the sibling of the new registration");
+  printf("  client: routing ids per registration, one rising seq, foreign errors ignored: ok\n");
 }
 
 /* ---- rejection and malformed input ------------------------------------------------------- */
@@ -570,6 +748,7 @@ int main(void) {
   test_groups_formed(RPL_POLICY_ADPSGD);
   test_dead_worker();
   test_security_core();
+  test_client_routes_and_seq();
   test_rejections();
   test_unreachable();
   printf("test_coord: all passed\n");
