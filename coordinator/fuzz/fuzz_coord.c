@@ -19,6 +19,8 @@
 static const char *FUZZ_TOKEN = "f00dfeedc0ffee11deadbeef42a5c3e7";
 static uint8_t g_token[RPL_TOKEN_LEN];
 static int g_stranger; /* the message being handled lacks the job token */
+static const uint8_t *g_msg; /* ... and its bytes */
+static size_t g_msg_len;
 
 static int contains(const uint8_t *hay, size_t n, const uint8_t *needle, size_t k) {
   for (size_t i = 0; i + k <= n; i++)
@@ -37,7 +39,15 @@ static int check_reply(void *ctx, const uint8_t *route, size_t route_len, const 
     fprintf(stderr, "coordinator produced an unparsable reply: %s\n", err.msg);
     abort();
   }
-  if (g_stranger && contains(msg, len, g_token, RPL_TOKEN_LEN)) {
+  /* A reply to a stranger echoes its token, and holds the job token's bytes only where the
+   * stranger sent them itself (e.g. spread over the rank, seq and token it chose). */
+  if (g_stranger && g_msg_len >= RPL_PROTO_HEADER &&
+      memcmp((const uint8_t *)msg + 20, g_msg + 20, RPL_TOKEN_LEN) != 0) {
+    fprintf(stderr, "coordinator's reply to a stranger does not echo the stranger's token\n");
+    abort();
+  }
+  if (g_stranger && contains(msg, len, g_token, RPL_TOKEN_LEN) &&
+      !contains(g_msg, g_msg_len, g_token, RPL_TOKEN_LEN)) {
     fprintf(stderr, "coordinator sent its job token in reply to a message without it\n");
     abort();
   }
@@ -100,6 +110,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
      * then only the message's own replies are sent while it is handled. */
     coord_core_advance(&core, now);
     g_stranger = len < RPL_PROTO_HEADER || memcmp(msg + 20, g_token, RPL_TOKEN_LEN) != 0;
+    g_msg = msg;
+    g_msg_len = len;
     coord_core_handle(&core, route, rl, msg, len, now);
     g_stranger = 0;
     free(msg);

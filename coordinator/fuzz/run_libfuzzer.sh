@@ -30,8 +30,10 @@ run() { # name, sources..., -- link flags...
   "$WORK/seedgen-$name" --write-corpus "$WORK/corpus-$name"
   "$CC" -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined \
     -fno-sanitize-recover=all "${INC[@]}" "${srcs[@]}" -o "$WORK/fuzz_$name" "${libs[@]}"
+  # libFuzzer's default error exit code is 77, which ctest reads as "skipped" (no clang):
+  # a crash must fail the test.
   (cd "$WORK" && ./"fuzz_$name" -max_total_time="$SECONDS_TO_RUN" -max_len=4096 \
-     -print_final_stats=1 ${FUZZ_ARGS:-} "corpus-$name")
+     -error_exitcode=1 -timeout_exitcode=1 -print_final_stats=1 ${FUZZ_ARGS:-} "corpus-$name")
 }
 
 if [ "$WHICH" = all ] || [ "$WHICH" = coord ]; then
