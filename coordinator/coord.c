@@ -13,6 +13,10 @@
 
 /* Largest message a worker may send; anything bigger is cut off by zmq (ZMQ_MAXMSGSIZE). */
 #define COORD_MAX_IN 4096
+/* Messages queued per incoming connection (zmq's default is 1000), and how long a connection
+ * may take to finish its ZMTP handshake (zmq's default is 30 s). */
+#define COORD_RCVHWM 256
+#define COORD_HANDSHAKE_MS 5000
 
 struct rpl_coord {
   coord_core core;
@@ -35,7 +39,9 @@ static double now_s(void) {
 static int zsend(void *ctx, const uint8_t *route, size_t route_len, const void *msg,
                  size_t len) {
   rpl_coord *c = ctx;
-  if (zmq_send(c->sock, route, route_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0) return -1;
+  /* ROUTER_MANDATORY: a route with no connected peer fails at once with EHOSTUNREACH. */
+  if (zmq_send(c->sock, route, route_len, ZMQ_SNDMORE | ZMQ_DONTWAIT) < 0)
+    return zmq_errno() == EHOSTUNREACH ? COORD_SEND_GONE : -1;
   if (zmq_send(c->sock, msg, len, ZMQ_DONTWAIT) < 0) return -1;
   return 0;
 }
@@ -61,12 +67,20 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
     rpl_coord_destroy(c);
     return st;
   }
-  int one = 1, zero = 0;
+  int one = 1, zero = 0, hwm = COORD_RCVHWM, handshake_ms = COORD_HANDSHAKE_MS;
   int64_t maxmsg = COORD_MAX_IN;
-  /* Replies to a vanished peer fail instead of blocking; oversized input is refused by zmq. */
+  /* Replies to a vanished peer fail instead of blocking; oversized input is refused by zmq
+   * (it closes that connection). What one stranger's connection may cost is bounded: at most
+   * COORD_RCVHWM queued messages of at most COORD_MAX_IN bytes, and a connection that has not
+   * finished the ZMTP handshake within COORD_HANDSHAKE_MS is dropped. HANDOVER stays off (the
+   * default, set anyway): a second connection claiming a routing id in use is refused, so no
+   * one can steal a worker's route. */
   zmq_setsockopt(c->sock, ZMQ_ROUTER_MANDATORY, &one, sizeof one);
+  zmq_setsockopt(c->sock, ZMQ_ROUTER_HANDOVER, &zero, sizeof zero);
   zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero);
   zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+  zmq_setsockopt(c->sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  zmq_setsockopt(c->sock, ZMQ_HANDSHAKE_IVL, &handshake_ms, sizeof handshake_ms);
   if (zmq_bind(c->sock, bind) != 0) {
     st = rpl_sched_fail(err, RPL_ERR_SYSTEM, "coordinator: cannot bind '%s': %s", bind,
                         zmq_strerror(zmq_errno()));
@@ -191,4 +205,8 @@ void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out) {
   out->errors_sent = atomic_load(&k->errors_sent);
   out->dead_declared = atomic_load(&k->dead_declared);
   out->send_failures = atomic_load(&k->send_failures);
+  out->wrong_route = atomic_load(&k->wrong_route);
+  out->replayed = atomic_load(&k->replayed);
+  out->rebinds = atomic_load(&k->rebinds);
+  out->bad_token_quiet = atomic_load(&k->bad_token_quiet);
 }

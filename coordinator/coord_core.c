@@ -60,14 +60,19 @@ void coord_core_free(coord_core *core) {
   core->out = NULL;
 }
 
-static void reply(coord_core *core, const uint8_t *route, size_t route_len, rpl_msg *m,
-                  const int *members) {
-  memcpy(m->token, core->token, RPL_TOKEN_LEN);
+/* The only place replies are encoded. `token` is what the header carries: the job token
+ * only for replies to messages that carried it (checked by the caller) or to bound workers;
+ * a wrong-token message gets its own token back, never ours. Returns the send result. */
+static int reply(coord_core *core, const uint8_t *route, size_t route_len, rpl_msg *m,
+                 const int *members, const uint8_t token[RPL_TOKEN_LEN]) {
+  memcpy(m->token, token, RPL_TOKEN_LEN);
   size_t len = rpl_msg_encode(m, members, core->out, core->out_cap);
-  if (len == 0 || core->send(core->send_ctx, route, route_len, core->out, len) != 0)
-    atomic_fetch_add(&core->send_failures, 1);
+  int rc = len == 0 ? -1 : core->send(core->send_ctx, route, route_len, core->out, len);
+  if (rc != 0) atomic_fetch_add(&core->send_failures, 1);
+  return rc;
 }
 
+/* Answers `req` with ERROR(code); the header echoes req's own token (see reply). */
 static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
                                          size_t route_len, const rpl_msg *req, uint32_t code,
                                          const char *fmt, ...) {
@@ -87,7 +92,14 @@ static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
   m.text = text;
   m.text_len = (uint32_t)n;
   atomic_fetch_add(&core->errors_sent, 1);
-  reply(core, route, route_len, &m, NULL);
+  reply(core, route, route_len, &m, NULL, req->token);
+}
+
+/* A reply to worker w's bound route; a peer that is no longer connected (ZeroMQ knows) frees
+ * the binding for a new registration at once. */
+static void reply_worker(coord_core *core, coord_worker *w, rpl_msg *m, const int *members) {
+  if (reply(core, w->route, w->route_len, m, members, core->token) == COORD_SEND_GONE)
+    w->unreachable = 1;
 }
 
 /* Sends what the policy decided: groups to their members, cancellations to waiting ones. */
@@ -116,7 +128,7 @@ static void flush_events(coord_core *core) {
       atomic_fetch_add(&core->send_failures, 1);
       continue;
     }
-    reply(core, w->route, w->route_len, &m, core->members);
+    reply_worker(core, w, &m, core->members);
   }
 }
 
@@ -127,6 +139,83 @@ static void note_state(coord_core *core, int w) {
   if (rpl_gg_worker(core->gg, w, &info, &err) != RPL_OK) return;
   int gone = info.state == RPL_WORKER_LEFT || info.state == RPL_WORKER_DEAD;
   atomic_store_explicit(&core->gone[w], (unsigned char)gone, memory_order_release);
+}
+
+/* Which of w's bound routes `route` is: 0 the bound one, 1 its heartbeat sibling (same 16
+ * random bytes, 'H' instead of 'R'), -1 neither. */
+static int route_slot(const coord_worker *w, const uint8_t *route, size_t len) {
+  if (w->route_len == 0 || len != w->route_len) return -1;
+  if (memcmp(route, w->route, len) == 0) return 0;
+  if (len == RPL_ROUTE_ID_LEN && w->route[0] == RPL_ROUTE_REQUEST &&
+      route[0] == RPL_ROUTE_HEARTBEAT && memcmp(route + 1, w->route + 1, len - 1) == 0)
+    return 1;
+  return -1;
+}
+
+/* May a HELLO from a new route take rank w over? Only from a binding that is surely over:
+ * never bound, dead or left, its peer disconnected, or silent for COORD_REBIND_BEATS
+ * heartbeat intervals (a live client heartbeats every interval). A live worker's connection
+ * is never taken over. */
+static int may_rebind(coord_core *core, coord_worker *w, const rpl_gg_worker_info *info,
+                      double now) {
+  if (w->route_len == 0 || w->unreachable) return 1;
+  if (info->state == RPL_WORKER_DEAD || info->state == RPL_WORKER_LEFT) return 1;
+  if ((now - w->last_seen) * 1000.0 > (double)COORD_REBIND_BEATS * core->heartbeat_ms) return 1;
+  /* A client closes its old connection before it registers anew (failover, or back to a
+   * coordinator that only stalled). If ZeroMQ already knows that connection is gone, a
+   * probe to it fails at once; a live one receives a HEARTBEAT_ACK with seq 0, which no
+   * request of a client waits for (its seqs start at 1), and ignores it. */
+  rpl_msg probe;
+  memset(&probe, 0, sizeof probe);
+  probe.type = RPL_MSG_HEARTBEAT_ACK;
+  probe.rank = (int32_t)(w - core->w);
+  reply_worker(core, w, &probe, NULL);
+  return w->unreachable;
+}
+
+/* Wrong token: counted, and answered (echoing the sender's token) at most
+ * COORD_BAD_TOKEN_REPLIES_PER_S times a second so an honest misconfigured client learns why,
+ * while a flood costs us nothing but the count. */
+static void refuse_token(coord_core *core, const uint8_t *route, size_t route_len,
+                         const rpl_msg *m, double now) {
+  atomic_fetch_add(&core->bad_token, 1);
+  if (now - core->bad_token_window >= 1.0 || now < core->bad_token_window) {
+    core->bad_token_window = now;
+    core->bad_token_replies = 0;
+  }
+  if (core->bad_token_replies >= COORD_BAD_TOKEN_REPLIES_PER_S) {
+    atomic_fetch_add(&core->bad_token_quiet, 1);
+    return;
+  }
+  core->bad_token_replies++;
+  reply_error(core, route, route_len, m, RPL_PERR_BAD_TOKEN,
+              "wrong job token: this coordinator serves another job");
+}
+
+static void reply_status(coord_core *core, const uint8_t *route, size_t route_len,
+                         const rpl_msg *m, double now) {
+  size_t jlen = 0;
+  char *json = coord_core_status_json(core, now, &jlen);
+  if (!json || jlen > RPL_PROTO_MAX_BODY) {
+    free(json);
+    reply_error(core, route, route_len, m, RPL_PERR_INTERNAL, "status unavailable");
+    return;
+  }
+  rpl_msg r;
+  memset(&r, 0, sizeof r);
+  r.type = RPL_MSG_STATUS_REPLY;
+  r.rank = -1;
+  r.seq = m->seq;
+  r.text = json;
+  r.text_len = (uint32_t)jlen;
+  memcpy(r.token, m->token, RPL_TOKEN_LEN); /* == ours: checked by the caller */
+  size_t need = rpl_msg_encoded_size(&r);
+  uint8_t *b = malloc(need);
+  size_t n = b ? rpl_msg_encode(&r, NULL, b, need) : 0;
+  if (n == 0 || core->send(core->send_ctx, route, route_len, b, n) != 0)
+    atomic_fetch_add(&core->send_failures, 1);
+  free(b);
+  free(json);
 }
 
 void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
@@ -141,34 +230,12 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
     return;
   }
   if (!rpl_token_equal(m.token, core->token)) {
-    atomic_fetch_add(&core->bad_token, 1);
-    reply_error(core, route, route_len, &m, RPL_PERR_BAD_TOKEN,
-                "wrong job token: this coordinator serves another job");
+    refuse_token(core, route, route_len, &m, now);
     return;
   }
-  if (m.type == RPL_MSG_STATUS) {
-    size_t jlen = 0;
-    char *json = coord_core_status_json(core, now, &jlen);
-    if (!json || jlen > RPL_PROTO_MAX_BODY) {
-      free(json);
-      reply_error(core, route, route_len, &m, RPL_PERR_INTERNAL, "status unavailable");
-      return;
-    }
-    rpl_msg r;
-    memset(&r, 0, sizeof r);
-    r.type = RPL_MSG_STATUS_REPLY;
-    r.rank = -1;
-    r.seq = m.seq;
-    r.text = json;
-    r.text_len = (uint32_t)jlen;
-    memcpy(r.token, core->token, RPL_TOKEN_LEN);
-    size_t need = rpl_msg_encoded_size(&r);
-    uint8_t *b = malloc(need);
-    size_t n = b ? rpl_msg_encode(&r, NULL, b, need) : 0;
-    if (n == 0 || core->send(core->send_ctx, route, route_len, b, n) != 0)
-      atomic_fetch_add(&core->send_failures, 1);
-    free(b);
-    free(json);
+  /* From here on the sender proved it holds the job token. */
+  if (m.type == RPL_MSG_STATUS) { /* read-only, from any connection (tools) */
+    reply_status(core, route, route_len, &m, now);
     return;
   }
   /* Everything else comes from a worker; the parser checked 0 <= rank < nworkers. */
@@ -179,6 +246,55 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   coord_worker *w = &core->w[m.rank];
   rpl_gg_worker_info info;
   rpl_gg_worker(core->gg, m.rank, &info, &err);
+  if (m.type == RPL_MSG_HELLO) { /* refused registrations bind nothing */
+    if (m.nworkers != core->nworkers) {
+      reply_error(core, route, route_len, &m, RPL_PERR_WORLD_MISMATCH,
+                  "world size %d, but this coordinator serves %d workers", (int)m.nworkers,
+                  core->nworkers);
+      return;
+    }
+    if (info.state == RPL_WORKER_LEFT) {
+      reply_error(core, route, route_len, &m, RPL_PERR_LEFT, "rank %d has left this job",
+                  (int)m.rank);
+      return;
+    }
+  }
+  int slot = route_slot(w, route, route_len);
+  if (m.type == RPL_MSG_HELLO && slot != 0) {
+    if (!may_rebind(core, w, &info, now)) {
+      atomic_fetch_add(&core->wrong_route, 1);
+      reply_error(core, route, route_len, &m, RPL_PERR_BAD_RANK,
+                  "rank %d is registered from another connection that is still alive",
+                  (int)m.rank);
+      return;
+    }
+    if (w->route_len) atomic_fetch_add(&core->rebinds, 1);
+    memcpy(w->route, route, route_len);
+    w->route_len = (uint8_t)route_len;
+    w->unreachable = 0;
+    w->seq_valid[0] = w->seq_valid[1] = 0; /* a new connection: its own history */
+    slot = 0;
+  } else if (w->route_len == 0) {
+    /* A worker of an earlier instance (we restarted on its endpoint, or it failed over to a
+     * standby and this is its first word): what it waits for died with that instance, and
+     * it must register before it may speak for its rank. */
+    reply_error(core, route, route_len, &m, RPL_PERR_NOT_REGISTERED,
+                "rank %d is not registered with this coordinator (it restarted, or this is a "
+                "standby): say HELLO again", (int)m.rank);
+    return;
+  } else if (slot < 0 || (slot == 1 && m.type != RPL_MSG_HEARTBEAT)) {
+    atomic_fetch_add(&core->wrong_route, 1);
+    reply_error(core, route, route_len, &m, RPL_PERR_BAD_RANK,
+                "rank %d is registered from another connection", (int)m.rank);
+    return;
+  }
+  /* One connection delivers in order, so its seq only grows (serial arithmetic: wraps). */
+  if (w->seq_valid[slot] && (int32_t)(m.seq - w->last_seq[slot]) <= 0) {
+    atomic_fetch_add(&core->replayed, 1);
+    return;
+  }
+  w->last_seq[slot] = m.seq;
+  w->seq_valid[slot] = 1;
   rpl_msg r;
   memset(&r, 0, sizeof r);
   r.rank = m.rank;
@@ -186,17 +302,6 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   rpl_status st = RPL_OK;
   switch (m.type) {
     case RPL_MSG_HELLO:
-      if (m.nworkers != core->nworkers) {
-        reply_error(core, route, route_len, &m, RPL_PERR_WORLD_MISMATCH,
-                    "world size %d, but this coordinator serves %d workers", (int)m.nworkers,
-                    core->nworkers);
-        return;
-      }
-      if (info.state == RPL_WORKER_LEFT) {
-        reply_error(core, route, route_len, &m, RPL_PERR_LEFT, "rank %d has left this job",
-                    (int)m.rank);
-        return;
-      }
       w->host_label = m.host_label;
       w->hello = 1;
       r.type = RPL_MSG_HELLO_ACK;
@@ -204,11 +309,9 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
       r.nworkers = core->nworkers;
       r.heartbeat_ms = core->heartbeat_ms;
       r.dead_ms = core->dead_ms;
-      reply(core, route, route_len, &r, NULL);
+      reply_worker(core, w, &r, NULL);
       break;
     case RPL_MSG_REQUEST:
-      memcpy(w->route, route, route_len);
-      w->route_len = (uint8_t)route_len;
       w->req_seq = m.seq;
       st = rpl_gg_request(core->gg, m.rank, m.round, &err);
       if (st != RPL_OK) {
@@ -220,16 +323,8 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
       st = rpl_gg_done(core->gg, m.rank, m.group_id, &err);
       break;
     case RPL_MSG_HEARTBEAT:
-      if (!w->hello) {
-        /* A worker of an earlier instance (we restarted on its endpoint): its requests were
-         * lost with that instance, so it must register again before it waits on us. */
-        reply_error(core, route, route_len, &m, RPL_PERR_NOT_REGISTERED,
-                    "rank %d is not registered with this coordinator (it restarted): say "
-                    "HELLO again", (int)m.rank);
-        return;
-      }
       r.type = RPL_MSG_HEARTBEAT_ACK;
-      reply(core, route, route_len, &r, NULL);
+      reply(core, route, route_len, &r, NULL, core->token); /* to whichever sibling sent it */
       break;
     case RPL_MSG_FENCE:
       st = rpl_gg_fence(core->gg, m.rank, &err);
@@ -240,7 +335,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
     case RPL_MSG_LEAVE:
       st = rpl_gg_leave(core->gg, m.rank, &err);
       r.type = RPL_MSG_ACK;
-      reply(core, route, route_len, &r, NULL);
+      reply_worker(core, w, &r, NULL);
       break;
     default:
       /* A reply type sent to the coordinator: not something a worker sends. */
@@ -250,6 +345,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   (void)st; /* fence/unfence after leave: nothing to undo; the worker learns on its request */
   w->seen = 1;
   w->last_seen = now;
+  w->unreachable = 0;
   note_state(core, m.rank); /* a leave, or a dead worker back */
   flush_events(core);
 }
@@ -361,7 +457,8 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             "\"filtered\":%llu,\"conflicts\":%llu,\"implicit_dones\":%llu,"
             "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
             "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
-            "\"period_drops\":%llu},",
+            "\"period_drops\":%llu,\"wrong_route\":%llu,\"replayed\":%llu,\"rebinds\":%llu,"
+            "\"bad_token_quiet\":%llu},",
             (unsigned long long)atomic_load(&core->messages),
             (unsigned long long)atomic_load(&core->malformed),
             (unsigned long long)atomic_load(&core->bad_token),
@@ -376,7 +473,11 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             (unsigned long long)st.pending, (unsigned long long)st.deferred,
             (unsigned long long)st.wait_expired, (unsigned long long)st.isolation_holds,
             (unsigned long long)st.joins, (unsigned long long)st.late,
-            (unsigned long long)st.passes, (unsigned long long)st.period_drops);
+            (unsigned long long)st.passes, (unsigned long long)st.period_drops,
+            (unsigned long long)atomic_load(&core->wrong_route),
+            (unsigned long long)atomic_load(&core->replayed),
+            (unsigned long long)atomic_load(&core->rebinds),
+            (unsigned long long)atomic_load(&core->bad_token_quiet));
   sb_printf(&b, "\"workers\":[");
   for (int i = 0; i < core->nworkers; i++) {
     rpl_gg_worker_info wi;
@@ -388,14 +489,15 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
               "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
               "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
               "\"lonely_max\":%u,\"deferred\":%s,\"passes\":%llu,\"step_s\":%.6f,\"seen\":%s,"
-              "\"silent_s\":%.3f}",
+              "\"silent_s\":%.3f,\"bound\":%s}",
               i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
               (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
               (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
               (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
               (unsigned long long)wi.singletons, wi.lonely, wi.lonely_max,
               wi.deferred ? "true" : "false", (unsigned long long)wi.passes, wi.step,
-              w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
+              w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start,
+              w->route_len ? "true" : "false");
   }
   sb_printf(&b, "],\"pending\":[");
   pend_ctx pc = {&b, 0};

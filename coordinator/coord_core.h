@@ -11,18 +11,32 @@
 
 #define RPL_ROUTE_MAX 255
 
-/* Sends `len` bytes to the peer named by route (a zmq routing id). Returns 0 on success. */
+/* Wrong-token messages answered per second at most (the rest are only counted): a stranger
+ * cannot make the coordinator spend more than this on it, whatever it sends. */
+#define COORD_BAD_TOKEN_REPLIES_PER_S 10
+
+/* Sends `len` bytes to the peer named by route (a zmq routing id). Returns 0 on success,
+ * COORD_SEND_GONE if no peer of that route is connected, -1 on another failure. */
+#define COORD_SEND_GONE 1
 typedef int (*coord_send_fn)(void *ctx, const uint8_t *route, size_t route_len,
                              const void *msg, size_t len);
 
+/* A worker's binding (PROTOCOL.md, "Connections"): HELLO ties rank r to the route it came
+ * from; only that route (and, for HEARTBEAT, its heartbeat sibling) speaks for r until the
+ * binding is given up (dead, left, or silent for COORD_REBIND_BEATS heartbeat intervals). */
+#define COORD_REBIND_BEATS 2
+
 typedef struct coord_worker {
-  uint8_t route[RPL_ROUTE_MAX]; /* where its request replies go */
-  uint8_t route_len;
+  uint8_t route[RPL_ROUTE_MAX]; /* the bound route: where its replies go */
+  uint8_t route_len;            /* 0 = not bound */
   uint32_t req_seq;             /* sequence number of its outstanding request */
+  uint32_t last_seq[2];         /* last accepted seq: [0] bound route, [1] heartbeat sibling */
+  uint8_t seq_valid[2];
+  uint8_t unreachable;          /* a reply to the bound route failed: that peer is gone */
   int32_t host_label;
   int seen;                     /* has sent anything valid */
   int hello;                    /* has registered (HELLO) with this instance */
-  double last_seen;
+  double last_seen;             /* last accepted message from the bound routes */
 } coord_worker;
 
 typedef struct coord_core {
@@ -41,6 +55,9 @@ typedef struct coord_core {
   coord_send_fn send;
   void *send_ctx;
   atomic_ullong messages, malformed, bad_token, errors_sent, dead_declared, send_failures;
+  atomic_ullong wrong_route, replayed, rebinds, bad_token_quiet;
+  double bad_token_window;      /* start of the second bad_token_replies counts in */
+  int bad_token_replies;
   atomic_uchar *gone;           /* [nworkers]: left or dead, readable from other threads */
 } coord_core;
 

@@ -1,12 +1,20 @@
 /* ripples-coordinator: the Group Generator as a standalone service, or a status query.
- *   ripples-coordinator --bind tcp://0.0.0.0:29600 --workers 16 --per-host 4 --policy smart
- *   ripples-coordinator --status tcp://host:29600 --token HEX */
+ *   ripples-coordinator --bind tcp://10.0.0.5:29600 --workers 16 --per-host 4 \
+ *                       --write-token ~/.ripples-token
+ *   RIPPLES_GG_TOKEN=$(cat ~/.ripples-token) ripples-coordinator --status tcp://10.0.0.5:29600
+ * The default bind is loopback; the token is printed only with --print-token. */
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "rpl_coord.h"
+
+#define DEFAULT_BIND "tcp://127.0.0.1:29600"
 
 static rpl_coord *g_coord; /* for the signal handler only */
 
@@ -22,13 +30,18 @@ static void usage(FILE *f) {
           "                           [--group-size G] [--c-thres C] [--inter-intra]\n"
           "                           [--partner-wait-ms MS] [--max-isolated K]\n"
           "                           [--period-max P] [--seed S]\n"
-          "                           [--token HEX | --token-file PATH]\n"
+          "                           [--token-file PATH | --token HEX]\n"
+          "                           [--write-token PATH] [--print-token]\n"
           "                           [--heartbeat-ms MS] [--dead-ms MS] [--join-ms MS]\n"
           "                           [--standby]\n"
-          "       ripples-coordinator --status ENDPOINT [--token HEX | --token-file PATH]\n"
+          "       ripples-coordinator --status ENDPOINT [--token-file PATH | --token HEX]\n"
           "                           [--timeout-ms MS]\n"
-          "Policies: random, smart, adpsgd, static. The token defaults to $RIPPLES_GG_TOKEN,\n"
-          "else a new one is printed. --join-ms -1 waits for ever for workers to connect.\n"
+          "--bind defaults to " DEFAULT_BIND " (this host only): a multi-host job passes\n"
+          "tcp://<interface-ip>:29600; every interface (tcp://0.0.0.0:29600) only if asked.\n"
+          "Policies: random, smart, adpsgd, static. The token comes from --token-file, else\n"
+          "$RIPPLES_GG_TOKEN, else a new one, which must be written (--write-token, created\n"
+          "0600) or printed (--print-token). --token HEX works but argv is visible to other\n"
+          "users (ps). --join-ms -1 waits for ever for workers to connect.\n"
           "--partner-wait-ms: longest wait for partners before a smaller group (0 = adaptive,\n"
           "-1 = never); --max-isolated: groups of one in a row per worker (0 = 2, -1 = no bound).\n"
           "--period-max: adaptive period (random, smart, adpsgd): while no worker falls behind,\n"
@@ -49,6 +62,17 @@ static int read_token_file(const char *path, char *hex, size_t cap) {
   return 0;
 }
 
+/* Writes the token readable by its owner only: created 0600, also made 0600 if it existed,
+ * and never through a symbolic link. */
+static int write_token_file(const char *path, const char *hex) {
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (fd < 0) return -1;
+  size_t n = strlen(hex);
+  int ok = fchmod(fd, 0600) == 0 && write(fd, hex, n) == (ssize_t)n && write(fd, "\n", 1) == 1;
+  if (close(fd) != 0) ok = 0;
+  return ok ? 0 : -1;
+}
+
 static int parse_int(const char *s, const char *what, long lo, long hi, int *out) {
   char *end;
   long v = strtol(s, &end, 10);
@@ -62,8 +86,10 @@ static int parse_int(const char *s, const char *what, long lo, long hi, int *out
 }
 
 int main(int argc, char **argv) {
-  const char *bind = "tcp://0.0.0.0:29600", *status = NULL, *token = getenv("RIPPLES_GG_TOKEN");
-  const char *policy = "smart", *hosts = NULL, *token_file = NULL;
+  const char *bind = DEFAULT_BIND, *status = NULL, *token = getenv("RIPPLES_GG_TOKEN");
+  const char *policy = "smart", *hosts = NULL, *token_file = NULL, *write_token = NULL;
+  const char *token_from = token ? "from $RIPPLES_GG_TOKEN" : NULL;
+  int print_token = 0;
   int workers = 0, per_host = 0, group_size = 0, c_thres = 0, inter_intra = 0;
   int heartbeat_ms = 0, dead_ms = 0, join_ms = 0, timeout_ms = 5000, standby = 0;
   int partner_wait_ms = 0, max_isolated = 0, period_max = 0;
@@ -82,8 +108,17 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--inter-intra")) inter_intra = 1;
     else if (!strcmp(a, "--bind")) { NEED_VALUE; bind = v; }
     else if (!strcmp(a, "--status")) { NEED_VALUE; status = v; }
-    else if (!strcmp(a, "--token")) { NEED_VALUE; token = v; }
+    else if (!strcmp(a, "--token")) {
+      NEED_VALUE;
+      token = v;
+      token_from = "from --token";
+      fprintf(stderr, "ripples-coordinator: warning: --token puts the job token in the command "
+                      "line, which other users of this host can read (ps); prefer "
+                      "--token-file FILE or $RIPPLES_GG_TOKEN\n");
+    }
     else if (!strcmp(a, "--token-file")) { NEED_VALUE; token_file = v; }
+    else if (!strcmp(a, "--write-token")) { NEED_VALUE; write_token = v; }
+    else if (!strcmp(a, "--print-token")) print_token = 1;
     else if (!strcmp(a, "--policy")) { NEED_VALUE; policy = v; }
     else if (!strcmp(a, "--hosts")) { NEED_VALUE; hosts = v; }
     else if (!strcmp(a, "--seed")) { NEED_VALUE; seed = strtoull(v, NULL, 0); }
@@ -112,6 +147,7 @@ int main(int argc, char **argv) {
       return 2;
     }
     token = token_buf;
+    token_from = "read from the token file";
   }
   rpl_error err;
   if (status) {
@@ -132,6 +168,12 @@ int main(int argc, char **argv) {
   if (workers < 1) {
     fprintf(stderr, "ripples-coordinator: --workers N is required\n");
     usage(stderr);
+    return 2;
+  }
+  if (!token && !write_token && !print_token) {
+    fprintf(stderr, "ripples-coordinator: a new job token must reach the workers: pass "
+                    "--write-token FILE (created 0600) or --print-token, or give one with "
+                    "--token-file / $RIPPLES_GG_TOKEN\n");
     return 2;
   }
   rpl_coord_config cfg;
@@ -191,9 +233,25 @@ int main(int argc, char **argv) {
   sa.sa_handler = on_signal;
   sigaction(SIGINT, &sa, NULL);
   sigaction(SIGTERM, &sa, NULL);
-  printf("ripples-coordinator: %s for %d workers at %s token %s%s\n", policy, workers,
-         rpl_coord_endpoint(c), rpl_coord_token(c), standby ? " (standby)" : "");
+  if (write_token && write_token_file(write_token, rpl_coord_token(c)) != 0) {
+    fprintf(stderr, "ripples-coordinator: cannot write token file '%s': %s\n", write_token,
+            strerror(errno));
+    rpl_coord_destroy(c);
+    return 1;
+  }
+  if (print_token)
+    printf("ripples-coordinator: %s for %d workers at %s token %s%s\n", policy, workers,
+           rpl_coord_endpoint(c), rpl_coord_token(c), standby ? " (standby)" : "");
+  else
+    printf("ripples-coordinator: %s for %d workers at %s token %s%s%s%s\n", policy, workers,
+           rpl_coord_endpoint(c), token_from ? token_from : "generated",
+           write_token ? ", written to " : "", write_token ? write_token : "",
+           standby ? " (standby)" : "");
   fflush(stdout);
+  if (!strncmp(rpl_coord_endpoint(c), "tcp://127.", 10) ||
+      !strncmp(rpl_coord_endpoint(c), "tcp://[::1]", 11))
+    fprintf(stderr, "ripples-coordinator: listening on loopback only; a multi-host job must "
+                    "pass --bind tcp://<interface-ip>:29600 (the address its workers reach)\n");
   rpl_status st = rpl_coord_run(c, &err);
   if (st != RPL_OK) fprintf(stderr, "ripples-coordinator: %s\n", err.msg);
   g_coord = NULL;

@@ -15,7 +15,8 @@ extern "C" {
 #endif
 
 typedef struct rpl_coord_config {
-  const char *bind;        /* zmq endpoint; NULL = "tcp://127.0.0.1:*" (a free port) */
+  const char *bind;        /* zmq endpoint; NULL = "tcp://127.0.0.1:*" (a free port). Bind the
+                              address the job advertises, not every interface (PROTOCOL.md) */
   const char *token_hex;   /* the job token; NULL = generate one (rpl_coord_token) */
   rpl_gg_config gg;        /* policy and its knobs (the trace hook is ignored) */
   int heartbeat_ms;        /* period asked of clients; 0 = 1000 */
@@ -58,6 +59,10 @@ typedef struct rpl_coord_counters {
   uint64_t errors_sent;    /* ERROR replies */
   uint64_t dead_declared;  /* workers declared dead (missed heartbeats or never joined) */
   uint64_t send_failures;  /* replies a peer was no longer there to take */
+  uint64_t wrong_route;    /* refused: a rank's message from a connection it is not bound to */
+  uint64_t replayed;       /* dropped: seq not above the last accepted one of that connection */
+  uint64_t rebinds;        /* a rank bound to a new connection (failover, restart) */
+  uint64_t bad_token_quiet;/* wrong-token messages left unanswered (reply rate limit) */
 } rpl_coord_counters;
 
 /* Readable from any thread while the service runs. */

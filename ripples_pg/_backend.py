@@ -67,7 +67,8 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     size = int(dist_backend_opts.group_size)
     host_label = opts.host_id if opts.host_id is not None else socket.gethostname()
     host_of = _exchange_hosts(store, rank, size, host_label)
-    endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s, bind_addr)
+    endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s, bind_addr,
+                                        job_id=_job_id(dist_backend_opts, size))
     return _C._create_backend(
         store,
         rank,
@@ -201,13 +202,25 @@ def _stop_embedded() -> None:
 MAX_STANDBY_COORDINATORS = 2
 
 
+def _job_id(dist_backend_opts: Any, size: int) -> str:
+    """A string every rank of this group computes alike and another job (most likely) not:
+    the group's name, its size, and the elastic run id when torchrun set one."""
+    return f"{_short_name(dist_backend_opts)}/{size}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+
+
 def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: list,
-                      timeout_s: float, advertise_host: str):
+                      timeout_s: float, advertise_host: str, job_id: str = ""):
     """(endpoints, token) of the coordinator of this group; ("", "") for the static schedule.
     Embedded: "primary,standby1,..." -- the failover order the workers' clients follow. The
-    embedded and standby coordinators listen on every interface and are advertised at
-    ``advertise_host``, the address this rank gives its peers (a standby on another host than
-    rank 0 must not be advertised at MASTER_ADDR)."""
+    embedded and standby coordinators bind ``opts.coordinator_bind``, by default
+    ``advertise_host``: the address this rank gives its peers (127.0.0.1 for a one-host job),
+    so they are reachable from no more networks than the job's own links. A wildcard bind
+    (``coordinator_bind="0.0.0.0"``, an explicit choice) is advertised at ``advertise_host``
+    (a standby on another host than rank 0 must not be advertised at MASTER_ADDR).
+
+    The token: with ``opts.job_secret`` every rank derives it (coordinator.derive_token over
+    ``job_id``) and the store holds only endpoints; without, rank 0 publishes a random one in
+    the store, where anyone who can read the store can read it."""
     if opts.schedule == "static":
         return "", ""
     if opts.coordinator != "embedded":
@@ -234,16 +247,19 @@ def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: 
             atexit.register(_stop_embedded)
         _embedded_coordinators.append((c, timeout_s, rank))
 
+    bind = f"tcp://{opts.coordinator_bind or advertise_host}:*"
+    derived = coordinator.derive_token(opts.job_secret, job_id) if opts.job_secret else None
     if rank == 0:
-        keep(coordinator.start_embedded(store, size, opts.schedule, seed=seed,
-                                        advertise_host=advertise_host, **knobs))
-    endpoint, token = coordinator.lookup(store)
+        keep(coordinator.start_embedded(store, size, opts.schedule, seed=seed, bind=bind,
+                                        advertise_host=advertise_host, token=derived,
+                                        publish_token=derived is None, **knobs))
+    endpoint, token = coordinator.lookup(store, token=derived)
     # The standbys are read from the store now: it may die with rank 0.
     nstandby = min(MAX_STANDBY_COORDINATORS, size - 1)
     if 1 <= rank <= nstandby:
         keep(coordinator.start_standby(store, size, rank, token, opts.schedule,
-                                       seed=seed + rank, advertise_host=advertise_host,
-                                       **knobs))
+                                       seed=seed + rank, bind=bind,
+                                       advertise_host=advertise_host, **knobs))
     standbys = [coordinator.lookup_standby(store, k) for k in range(1, nstandby + 1)]
     return ",".join([endpoint] + standbys), token
 

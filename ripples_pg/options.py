@@ -29,9 +29,15 @@ _ENV_PREFIX = "RIPPLES_"
 # users who prefer them); other types come from Python.
 
 
+# Fields whose values are secrets: never printed (repr, error messages).
+_SECRET_FIELDS = frozenset({"coordinator_token", "job_secret"})
+_REDACTED = "<redacted>"
+
+
 def _fail(name: str, value: Any, accepted: str, from_env: bool) -> None:
     where = f"environment variable {_ENV_PREFIX}{name.upper()}" if from_env else f"Options.{name}"
-    raise ValueError(f"ripples_pg: {where}={value!r} is invalid; accepted: {accepted}")
+    shown = _REDACTED if name in _SECRET_FIELDS else repr(value)
+    raise ValueError(f"ripples_pg: {where}={shown} is invalid; accepted: {accepted}")
 
 
 def _parse_timeout(name: str, value: Any, from_env: bool) -> float:
@@ -64,6 +70,23 @@ def _parse_bind_addr(name: str, value: Any, from_env: bool) -> str:
         _fail(name, value, accepted, from_env)
     if addr.is_unspecified or addr.is_multicast:
         _fail(name, value, accepted + " (not 0.0.0.0 or a multicast address)", from_env)
+    return str(addr)
+
+
+def _parse_coordinator_bind(name: str, value: Any, from_env: bool) -> str:
+    accepted = "an IPv4 address of this host to bind the embedded coordinator and its " \
+               "standbys to, or '0.0.0.0' (or '*') for every interface"
+    if not isinstance(value, str):
+        _fail(name, value, accepted, from_env)
+    text = value.strip()
+    if text == "*":
+        return "0.0.0.0"
+    try:
+        addr = ipaddress.IPv4Address(text)
+    except ValueError:
+        _fail(name, value, accepted, from_env)
+    if addr.is_multicast:
+        _fail(name, value, accepted, from_env)
     return str(addr)
 
 
@@ -147,6 +170,16 @@ def _parse_token(name: str, value: Any, from_env: bool) -> str:
     _fail(name, value, "the coordinator's job token: 32 hexadecimal digits", from_env)
 
 
+JOB_SECRET_MIN_LEN = 16
+
+
+def _parse_job_secret(name: str, value: Any, from_env: bool) -> str:
+    if isinstance(value, str) and len(value.strip()) >= JOB_SECRET_MIN_LEN:
+        return value.strip()
+    _fail(name, value, f"a secret string of at least {JOB_SECRET_MIN_LEN} characters, the "
+                       f"same on every rank of the job", from_env)
+
+
 def _parse_host_id(name: str, value: Any, from_env: bool) -> str:
     if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value).strip() \
             and len(str(value)) <= 200:
@@ -226,7 +259,15 @@ _FIELDS: dict[str, _Field] = {
                "'embedded' or the endpoint(s) of standalone ripples-coordinators "
                "('tcp://A:P,tcp://B:P': primary, then standbys)."),
         _Field("coordinator_token", _parse_token, None,
-               "Job token of a standalone coordinator (printed by ripples-coordinator)."),
+               "Job token of a standalone coordinator (written by ripples-coordinator "
+               "--write-token). Redacted in repr."),
+        _Field("coordinator_bind", _parse_coordinator_bind, None,
+               "Address the embedded coordinator and its standbys bind; None = this rank's "
+               "bind_addr (127.0.0.1 for a one-host job); '0.0.0.0' = every interface."),
+        _Field("job_secret", _parse_job_secret, None,
+               "Per-job secret (>= 16 characters, same on every rank); the embedded "
+               "coordinator's token is derived from it instead of published in the c10d "
+               "store. Redacted in repr."),
         _Field("on_failure", _choice("raise", "skip"), "raise",
                "A partial round that fails (timeout, dead member): raise, or leave the "
                "tensors unchanged and count a skipped round."),
@@ -298,7 +339,23 @@ class Options:
             ``ripples-coordinator``, optionally followed by those of standby ones
             (``--standby``), comma-separated: the order in which workers fail over when
             they lose the one they use (a lone endpoint is retried: a restart in place).
-        coordinator_token: the job token of a standalone coordinator.
+        coordinator_token: the job token of a standalone coordinator (32 hex digits; prefer
+            ``RIPPLES_COORDINATOR_TOKEN`` or a file written by ``ripples-coordinator
+            --write-token`` to code). Redacted in ``repr``.
+        coordinator_bind: the address the embedded coordinator (rank 0) and its standbys
+            (ranks 1, 2) bind (``RIPPLES_COORDINATOR_BIND``). ``None``: the rank's
+            ``bind_addr``, the address it advertises to its peers (``127.0.0.1`` for a
+            one-host job), so a coordinator is never reachable from more networks than the
+            job's own links. ``"0.0.0.0"`` (or ``"*"``) binds every interface: an explicit
+            choice, advertised to peers at ``bind_addr``.
+        job_secret: a per-job secret string of at least 16 characters, the same on every
+            rank (``RIPPLES_JOB_SECRET``; keep it out of code and argv). With it, every rank
+            derives the embedded coordinator's token as HMAC-SHA256(job_secret,
+            ``"ripples-coordinator-token/"`` + the group's name, world size and
+            ``TORCHELASTIC_RUN_ID``), so the token is not published in the c10d store. Without
+            it, rank 0 publishes a random token in the store, and anyone who can read the store
+            (torch's TCPStore has no authentication) can read the token and act for any rank
+            with the coordinator. Redacted in ``repr``.
         on_failure: ``"raise"`` (default) or ``"skip"``: a failed partial round leaves the
             tensors unchanged and is counted in ``ripples_pg.stats()``.
         seed: seed of the coordinator's random choices (``None``: random).
@@ -331,6 +388,8 @@ class Options:
         period_max: Optional[int] = None,
         coordinator: Optional[str] = None,
         coordinator_token: Optional[str] = None,
+        coordinator_bind: Optional[str] = None,
+        job_secret: Optional[str] = None,
         on_failure: Optional[str] = None,
         seed: Optional[int] = None,
         trace: Optional[bool] = None,
@@ -408,7 +467,9 @@ class Options:
     __hash__ = None  # mutable
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{n}={getattr(self, n)!r}" for n in _FIELDS)
+        body = ", ".join(
+            f"{n}={_REDACTED!r}" if n in _SECRET_FIELDS and getattr(self, n) is not None
+            else f"{n}={getattr(self, n)!r}" for n in _FIELDS)
         return f"ripples_pg.Options({body})"
 
     def __reduce__(self):

@@ -1,6 +1,9 @@
 /* Fuzz target for the coordinator's input path: the protocol parser and the message handler
- * (policy included) behind it. Input: a sequence of messages, each prefixed by a 2-byte
- * little-endian length; every reply the coordinator produces must itself parse.
+ * (policy included) behind it. Input: a policy byte, then messages, each prefixed by a 2-byte
+ * little-endian length and a route byte (bits 0-2: which client, bit 3: its heartbeat socket,
+ * bits 4-7: time since the previous message in 50 ms steps). Seeds carry the real job token,
+ * so mutations reach registered workers, groups and rebinding. Oracles: every reply parses,
+ * and no reply to a message that lacked the job token carries the job token's bytes.
  *
  * libFuzzer (clang):   coordinator/fuzz/run_libfuzzer.sh [seconds]
  * Standalone (any cc): fuzz_coord_smoke [iterations] | --write-corpus DIR | FILE...
@@ -13,7 +16,17 @@
 #include "../coord_core.h"
 
 #define FUZZ_WORKERS 6
-static const char *FUZZ_TOKEN = "00000000000000000000000000000000";
+static const char *FUZZ_TOKEN = "f00dfeedc0ffee11deadbeef42a5c3e7";
+static uint8_t g_token[RPL_TOKEN_LEN];
+static int g_stranger; /* the message being handled lacks the job token */
+static const uint8_t *g_msg; /* ... and its bytes */
+static size_t g_msg_len;
+
+static int contains(const uint8_t *hay, size_t n, const uint8_t *needle, size_t k) {
+  for (size_t i = 0; i + k <= n; i++)
+    if (memcmp(hay + i, needle, k) == 0) return 1;
+  return 0;
+}
 
 static int check_reply(void *ctx, const uint8_t *route, size_t route_len, const void *msg,
                        size_t len) {
@@ -26,7 +39,32 @@ static int check_reply(void *ctx, const uint8_t *route, size_t route_len, const 
     fprintf(stderr, "coordinator produced an unparsable reply: %s\n", err.msg);
     abort();
   }
+  /* A reply to a stranger echoes its token, and holds the job token's bytes only where the
+   * stranger sent them itself (e.g. spread over the rank, seq and token it chose). */
+  if (g_stranger && g_msg_len >= RPL_PROTO_HEADER &&
+      memcmp((const uint8_t *)msg + 20, g_msg + 20, RPL_TOKEN_LEN) != 0) {
+    fprintf(stderr, "coordinator's reply to a stranger does not echo the stranger's token\n");
+    abort();
+  }
+  if (g_stranger && contains(msg, len, g_token, RPL_TOKEN_LEN) &&
+      !contains(g_msg, g_msg_len, g_token, RPL_TOKEN_LEN)) {
+    fprintf(stderr, "coordinator sent its job token in reply to a message without it\n");
+    abort();
+  }
   return 0;
+}
+
+/* Client k's routes as the real client names them ('R'/'H' + 16 bytes), or a short one. */
+static size_t make_route(uint8_t sel, uint8_t *out) {
+  int k = sel & 7;
+  if (k == 7) {
+    out[0] = 0;
+    out[1] = 7;
+    return 2;
+  }
+  out[0] = (sel & 8) ? RPL_ROUTE_HEARTBEAT : RPL_ROUTE_REQUEST;
+  memset(out + 1, 0x10 + k, RPL_ROUTE_ID_LEN - 1);
+  return RPL_ROUTE_ID_LEN;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -53,21 +91,31 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   cfg.join_ms = -1;
   coord_core core;
   if (coord_core_init(&core, &cfg, &err) != RPL_OK) abort();
+  memcpy(g_token, core.token, RPL_TOKEN_LEN);
   core.send = check_reply;
   double now = 0;
   size_t pos = 1;
-  while (pos + 2 <= size) {
+  while (pos + 3 <= size) {
     size_t len = (size_t)data[pos] | (size_t)data[pos + 1] << 8;
-    pos += 2;
+    uint8_t sel = data[pos + 2];
+    pos += 3;
     if (len > size - pos) len = size - pos;
     /* Copy so reads past the message are caught by ASan. */
     uint8_t *msg = malloc(len ? len : 1);
     memcpy(msg, data + pos, len);
-    uint8_t route[2] = {(uint8_t)(pos & 0xff), 1};
-    coord_core_handle(&core, route, sizeof route, msg, len, now);
+    uint8_t route[RPL_ROUTE_ID_LEN];
+    size_t rl = make_route(sel, route);
+    now += 0.05 * (sel >> 4);
+    /* Whatever the clock alone decides goes out first (to bound workers, with the token);
+     * then only the message's own replies are sent while it is handled. */
+    coord_core_advance(&core, now);
+    g_stranger = len < RPL_PROTO_HEADER || memcmp(msg + 20, g_token, RPL_TOKEN_LEN) != 0;
+    g_msg = msg;
+    g_msg_len = len;
+    coord_core_handle(&core, route, rl, msg, len, now);
+    g_stranger = 0;
     free(msg);
     pos += len;
-    now += 0.3;
     coord_core_tick(&core, now);
   }
   size_t jl;
@@ -77,28 +125,62 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifdef FUZZ_STANDALONE
-/* Valid messages of every kind a worker sends, as seeds for mutation. */
+static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, uint8_t sel) {
+  uint8_t b[256];
+  size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
+  if (!n || pos + 3 + n > cap) return pos;
+  out[pos++] = (uint8_t)n;
+  out[pos++] = (uint8_t)(n >> 8);
+  out[pos++] = sel;
+  memcpy(out + pos, b, n);
+  return pos + n;
+}
+
+/* Seeds: every rank registers from its own route with the real token, then a mix of what
+ * workers send (heartbeats from the sibling socket), rising seqs; now and then a message
+ * with a wrong token, a replayed seq or from another rank's route. */
 static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
+  uint8_t tok[RPL_TOKEN_LEN];
+  rpl_error err;
+  if (rpl_token_from_hex(FUZZ_TOKEN, tok, &err) != RPL_OK) abort();
   size_t pos = 0;
   out[pos++] = (uint8_t)pick;
-  for (int i = 0; i < 8; i++) {
+  uint32_t seq[FUZZ_WORKERS] = {0};
+  for (int r = 0; r < FUZZ_WORKERS; r++) {
     rpl_msg m;
     memset(&m, 0, sizeof m);
-    static const int types[] = {RPL_MSG_HELLO, RPL_MSG_REQUEST, RPL_MSG_DONE,  RPL_MSG_HEARTBEAT,
-                                RPL_MSG_FENCE, RPL_MSG_UNFENCE, RPL_MSG_LEAVE, RPL_MSG_STATUS};
-    m.type = (uint8_t)types[(pick >> (3 * i)) % 8];
-    m.rank = m.type == RPL_MSG_STATUS ? -1 : (int32_t)((pick >> i) % FUZZ_WORKERS);
-    m.seq = (uint32_t)i;
+    m.type = RPL_MSG_HELLO;
+    m.rank = r;
+    m.seq = ++seq[r];
     m.nworkers = FUZZ_WORKERS;
-    m.round = (pick >> 5) % 3;
-    m.group_id = 1 + (pick >> 9) % 5;
-    uint8_t b[256];
-    size_t n = rpl_msg_encode(&m, NULL, b, sizeof b);
-    if (!n || pos + 2 + n > cap) break;
-    out[pos++] = (uint8_t)n;
-    out[pos++] = (uint8_t)(n >> 8);
-    memcpy(out + pos, b, n);
-    pos += n;
+    memcpy(m.token, tok, RPL_TOKEN_LEN);
+    pos = put_msg(out, pos, cap, &m, (uint8_t)(r | 0x10));
+  }
+  uint64_t s = pick | 1;
+  for (int i = 0; i < 24; i++) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    static const int types[] = {RPL_MSG_REQUEST, RPL_MSG_REQUEST, RPL_MSG_DONE,
+                                RPL_MSG_HEARTBEAT, RPL_MSG_FENCE, RPL_MSG_UNFENCE,
+                                RPL_MSG_LEAVE, RPL_MSG_STATUS};
+    rpl_msg m;
+    memset(&m, 0, sizeof m);
+    m.type = (uint8_t)types[(s >> 33) % 8];
+    int r = (int)((s >> 40) % FUZZ_WORKERS);
+    m.rank = m.type == RPL_MSG_STATUS ? -1 : r;
+    m.seq = ++seq[r];
+    m.round = (s >> 20) % 4;
+    m.group_id = 1 + (s >> 24) % 6;
+    memcpy(m.token, tok, RPL_TOKEN_LEN);
+    uint8_t sel = (uint8_t)(r | ((s >> 50) % 3) << 4);
+    if (m.type == RPL_MSG_HEARTBEAT) sel |= 8;
+    switch ((s >> 56) % 16) {
+      case 0: m.token[(s >> 10) % RPL_TOKEN_LEN] ^= 1; break; /* a stranger's guess */
+      case 1: m.seq = 1; break;                              /* a replay */
+      case 2: sel = (uint8_t)((sel & ~7) | ((r + 1) % FUZZ_WORKERS)); break; /* another route */
+      case 3: sel |= 0xf0; break;                            /* a long silence */
+      default: break;
+    }
+    pos = put_msg(out, pos, cap, &m, sel);
   }
   return pos;
 }

@@ -448,12 +448,15 @@ static PyObject *Coord_counters(CoordObject *o, PyObject *unused) {
   COORD_READY(o);
   rpl_coord_counters k;
   rpl_coord_get_counters(o->c, &k);
-  return Py_BuildValue("{sKsKsKsKsKsK}", "messages", (unsigned long long)k.messages, "malformed",
-                       (unsigned long long)k.malformed, "bad_token",
+  return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsK}", "messages", (unsigned long long)k.messages,
+                       "malformed", (unsigned long long)k.malformed, "bad_token",
                        (unsigned long long)k.bad_token, "errors_sent",
                        (unsigned long long)k.errors_sent, "dead_declared",
                        (unsigned long long)k.dead_declared, "send_failures",
-                       (unsigned long long)k.send_failures);
+                       (unsigned long long)k.send_failures, "wrong_route",
+                       (unsigned long long)k.wrong_route, "replayed",
+                       (unsigned long long)k.replayed, "rebinds", (unsigned long long)k.rebinds,
+                       "bad_token_quiet", (unsigned long long)k.bad_token_quiet);
 }
 
 static PyObject *Coord_active_workers(CoordObject *o, PyObject *args) {

@@ -39,7 +39,10 @@ struct rpl_gg_client {
   void *ctx;
   int own_ctx;
   void *sock;
-  uint32_t seq;
+  atomic_uint seq;             /* one counter for every message of this client, both sockets
+                                  and every registration: it never goes back (PROTOCOL.md) */
+  uint8_t rid[RPL_ROUTE_ID_LEN];/* routing id of the request socket of this registration; the
+                                  heartbeat socket uses it with RPL_ROUTE_HEARTBEAT first */
   uint8_t *buf;                /* receive buffer, MAX_MSG bytes */
   pthread_mutex_t lock;        /* serialises use of sock */
   pthread_t beat;
@@ -87,11 +90,91 @@ static void fill_header(const rpl_gg_client *c, rpl_msg *m, int type, uint32_t s
   m->seq = seq;
 }
 
+static uint32_t next_seq(rpl_gg_client *c) { return atomic_fetch_add(&c->seq, 1) + 1; }
+
 /* Error text carried by an ERROR reply, as a status for the caller. */
 static rpl_status from_error_reply(const rpl_msg *m, const char *endpoint, rpl_error *err) {
   rpl_status code = m->code == RPL_PERR_LEFT ? RPL_ERR_CLOSED : RPL_ERR_INVALID;
   return rpl_sched_fail(err, code, "group generator at %s refused: %.*s", endpoint,
                         (int)(m->text_len > 400 ? 400 : m->text_len), m->text ? m->text : "");
+}
+
+/* ---- reply handling without sockets (fuzzed: coordinator/fuzz/fuzz_client.c) ------------- */
+
+int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
+                      int nworkers, uint32_t seq, rpl_msg *m) {
+  rpl_error perr;
+  if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, m, &perr) != RPL_OK) return 0;
+  /* Every reply carries our token, errors included (a v4 coordinator echoes it). */
+  if (!rpl_token_equal(m->token, token)) return 0;
+  return m->seq == seq;
+}
+
+rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int rank,
+                                        int *members, int cap, int *n, uint64_t *group_id,
+                                        const char *endpoint, rpl_error *err) {
+  switch (m->type) {
+    case RPL_MSG_CANCEL:
+      return RPL_REPLY_RETRY; /* a member fenced, left or died before the group started */
+    case RPL_MSG_ERROR:
+      if (m->code == RPL_PERR_NOT_REGISTERED) {
+        rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s does not know this worker "
+                       "(it restarted)", endpoint);
+        return RPL_REPLY_LOST;
+      }
+      from_error_reply(m, endpoint, err);
+      return RPL_REPLY_FAIL;
+    case RPL_MSG_PASS:
+      if (m->round != round) break;
+      if (cap < 1) {
+        rpl_sched_fail(err, RPL_ERR_INVALID, "group of 1 member, buffer holds %d", cap);
+        *n = 1;
+        return RPL_REPLY_FAIL;
+      }
+      members[0] = rank;
+      *n = 1;
+      *group_id = 0;
+      return RPL_REPLY_PASS;
+    case RPL_MSG_GROUP: {
+      if (m->round != round) break;
+      if ((int)m->nmembers > cap) {
+        *n = (int)m->nmembers;
+        rpl_sched_fail(err, RPL_ERR_INVALID, "group of %u members, buffer holds %d",
+                       m->nmembers, cap);
+        return RPL_REPLY_FAIL;
+      }
+      int self = 0;
+      for (uint32_t i = 0; i < m->nmembers; i++) {
+        members[i] = rpl_msg_member(m, i);
+        self |= members[i] == rank;
+      }
+      if (!self) {
+        rpl_sched_fail(err, RPL_ERR_PEER, "group generator sent a group without rank %d", rank);
+        return RPL_REPLY_FAIL;
+      }
+      *n = (int)m->nmembers;
+      *group_id = m->group_id;
+      return RPL_REPLY_GROUP;
+    }
+    default:
+      break;
+  }
+  rpl_sched_fail(err, RPL_ERR_PEER, "group generator answered a request with %s",
+                 rpl_msg_type_name(m->type));
+  return RPL_REPLY_FAIL;
+}
+
+int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
+                          int nworkers) {
+  rpl_msg m;
+  rpl_error e;
+  if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, &m, &e) != RPL_OK ||
+      !rpl_token_equal(m.token, token))
+    return RPL_BEAT_IGNORE;
+  if (m.type == RPL_MSG_HEARTBEAT_ACK) return RPL_BEAT_ACK;
+  /* A new instance: what we wait for died with the old one. */
+  if (m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED) return RPL_BEAT_LOST;
+  return RPL_BEAT_IGNORE;
 }
 
 /* Waits until `deadline` for a reply on sock answering `seq`; drops stale or foreign ones.
@@ -119,12 +202,7 @@ static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_T
       if (zmq_errno() == EAGAIN || zmq_errno() == EINTR) continue;
       return zfail(err, "recv", endpoint);
     }
-    if ((size_t)n > MAX_MSG) continue; /* truncated: not ours */
-    rpl_error perr;
-    if (rpl_msg_parse(buf, (size_t)n, nworkers, m, &perr) != RPL_OK) continue;
-    if (!rpl_token_equal(m->token, token) && m->type != RPL_MSG_ERROR) continue;
-    if (m->seq != seq) continue;
-    return RPL_OK;
+    if (rpl_client_accept(buf, (size_t)n, token, nworkers, seq, m)) return RPL_OK;
   }
 }
 
@@ -134,19 +212,22 @@ static void *beat_main(void *arg) {
   void *s = zmq_socket(c->ctx, ZMQ_DEALER);
   if (!s) return NULL;
   int linger = 0;
+  uint8_t rid[RPL_ROUTE_ID_LEN];
+  memcpy(rid, c->rid, sizeof rid);
+  rid[0] = RPL_ROUTE_HEARTBEAT; /* the sibling of the registered route (PROTOCOL.md) */
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(s, ZMQ_ROUTING_ID, rid, sizeof rid);
   if (zmq_connect(s, c->endpoint) != 0) {
     zmq_close(s);
     return NULL;
   }
   uint8_t *buf = malloc(MAX_MSG);
   double last_ack = now_s(), next_send = 0;
-  uint32_t seq = 0;
   while (buf && !atomic_load(&c->stop)) {
     double t = now_s();
     if (t >= next_send) {
       rpl_msg m;
-      fill_header(c, &m, RPL_MSG_HEARTBEAT, ++seq);
+      fill_header(c, &m, RPL_MSG_HEARTBEAT, next_seq(c));
       rpl_error e;
       if (send_msg(s, &m, NULL, &e, c->endpoint) == RPL_OK) atomic_fetch_add(&c->hb_sent, 1);
       next_send = t + c->heartbeat_ms / 1000.0;
@@ -155,17 +236,13 @@ static void *beat_main(void *arg) {
     if (zmq_poll(&it, 1, 50) > 0) {
       int n;
       while ((n = zmq_recv(s, buf, MAX_MSG, ZMQ_DONTWAIT)) >= 0) {
-        rpl_msg m;
-        rpl_error e;
-        if ((size_t)n > MAX_MSG || rpl_msg_parse(buf, (size_t)n, c->nworkers, &m, &e) != RPL_OK ||
-            !rpl_token_equal(m.token, c->token))
-          continue;
-        if (m.type == RPL_MSG_HEARTBEAT_ACK) {
+        int kind = rpl_client_beat_reply(buf, (size_t)n, c->token, c->nworkers);
+        if (kind == RPL_BEAT_ACK) {
           atomic_fetch_add(&c->hb_acked, 1);
           last_ack = now_s();
           atomic_store(&c->lost, 0);
-        } else if (m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED) {
-          atomic_store(&c->lost, 1); /* a new instance: what we wait for died with the old */
+        } else if (kind == RPL_BEAT_LOST) {
+          atomic_store(&c->lost, 1);
         }
       }
     }
@@ -184,19 +261,39 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
   if (!c->sock) return zfail(err, "socket", c->endpoint);
   int linger = 1000; /* let a final DONE/LEAVE go out on close */
   zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
-  rpl_status st = RPL_OK;
+  /* A fresh routing id for each registration: the coordinator binds our rank to it. Fresh,
+   * because the coordinator may not have noticed the previous connection close yet, and
+   * ZeroMQ refuses a second connection with a routing id in use. */
+  rpl_status st = rpl_token_generate(c->rid + 1, err);
+  c->rid[0] = RPL_ROUTE_REQUEST;
   rpl_msg m;
-  if (zmq_connect(c->sock, c->endpoint) != 0) {
+  uint32_t seq = 0;
+  if (st != RPL_OK) {
+    /* err says why */
+  } else if (zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, c->rid, sizeof c->rid) != 0) {
+    st = zfail(err, "routing id", c->endpoint);
+  } else if (zmq_connect(c->sock, c->endpoint) != 0) {
     st = rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
                         c->endpoint, zmq_strerror(zmq_errno()));
   } else {
-    fill_header(c, &m, RPL_MSG_HELLO, ++c->seq);
-    m.nworkers = c->nworkers;
-    m.host_label = c->host_label;
-    st = send_msg(c->sock, &m, NULL, err, c->endpoint);
-    if (st == RPL_OK)
-      st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq,
-                      now_s() + hello_ms / 1000.0, NULL, c->endpoint, &m, err);
+    double deadline = now_s() + hello_ms / 1000.0;
+    for (;;) {
+      seq = next_seq(c);
+      fill_header(c, &m, RPL_MSG_HELLO, seq);
+      m.nworkers = c->nworkers;
+      m.host_label = c->host_label;
+      st = send_msg(c->sock, &m, NULL, err, c->endpoint);
+      if (st == RPL_OK)
+        st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq, deadline, NULL,
+                        c->endpoint, &m, err);
+      /* Our rank is still bound to the connection we closed a moment ago (the coordinator
+       * lets it go once it sees it gone or silent): ask again while time remains. */
+      if (st != RPL_OK || m.type != RPL_MSG_ERROR || m.code != RPL_PERR_BAD_RANK ||
+          now_s() + 0.1 >= deadline)
+        break;
+      struct timespec pause = {0, 100 * 1000 * 1000};
+      nanosleep(&pause, NULL);
+    }
     if (st == RPL_ERR_TIMEOUT)
       st = rpl_sched_fail(err, RPL_ERR_PEER,
                           "group generator at %s did not answer within %d ms (not running, wrong "
@@ -350,9 +447,11 @@ rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client *
   return RPL_OK;
 }
 
-static rpl_status send_simple(rpl_gg_client *c, int type, rpl_error *err) {
+static rpl_status send_simple(rpl_gg_client *c, int type, uint32_t *seq, rpl_error *err) {
   rpl_msg m;
-  fill_header(c, &m, type, ++c->seq);
+  uint32_t s = next_seq(c);
+  if (seq) *seq = s;
+  fill_header(c, &m, type, s);
   return send_msg(c->sock, &m, NULL, err, c->endpoint);
 }
 
@@ -366,12 +465,22 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
   st = atomic_load(&c->lost) || !c->sock ? failover(c, err) : RPL_OK;
   for (; st == RPL_OK;) {
     rpl_msg m;
-    fill_header(c, &m, RPL_MSG_REQUEST, ++c->seq);
+    uint32_t seq = next_seq(c);
+    fill_header(c, &m, RPL_MSG_REQUEST, seq);
     m.round = round;
     st = send_msg(c->sock, &m, NULL, err, c->endpoint);
     if (st != RPL_OK) break;
-    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq, deadline, &c->lost,
+    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq, deadline, &c->lost,
                     c->endpoint, &m, err);
+    rpl_reply_kind kind = RPL_REPLY_FAIL;
+    if (st == RPL_OK) {
+      kind = rpl_client_request_reply(&m, round, c->rank, members, cap, n, group_id,
+                                      c->endpoint, err);
+      if (kind == RPL_REPLY_LOST) { /* a restarted coordinator: register again, below */
+        atomic_store(&c->lost, 1);
+        st = RPL_ERR_PEER;
+      }
+    }
     if (st == RPL_ERR_PEER && atomic_load(&c->lost)) {
       /* This round's group, if any, died with the coordinator: the round fails, and the
        * client moves on at once so that the next one is served. */
@@ -392,55 +501,24 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
     if (st == RPL_ERR_TIMEOUT) {
       /* Nobody must wait for a group we will not run: drop our place in every group. */
       rpl_error e2;
-      send_simple(c, RPL_MSG_FENCE, &e2);
-      send_simple(c, RPL_MSG_UNFENCE, &e2);
+      send_simple(c, RPL_MSG_FENCE, NULL, &e2);
+      send_simple(c, RPL_MSG_UNFENCE, NULL, &e2);
       st = rpl_sched_fail(err, RPL_ERR_TIMEOUT,
                           "no group from the group generator at %s for round %llu within %d ms",
                           c->endpoint, (unsigned long long)round, c->request_timeout_ms);
       break;
     }
     if (st != RPL_OK) break;
-    if (m.type == RPL_MSG_CANCEL) {
+    if (kind == RPL_REPLY_RETRY) {
       atomic_fetch_add(&c->cancels, 1);
       continue; /* a member fenced, left or died before the group started: ask again */
     }
-    if (m.type == RPL_MSG_ERROR) {
-      st = from_error_reply(&m, c->endpoint, err);
+    if (kind == RPL_REPLY_FAIL) {
+      st = err->code;
       break;
     }
-    if (m.type == RPL_MSG_PASS && m.round == round) {
-      /* The adaptive period: no averaging this round, a group of this worker alone. */
-      atomic_fetch_add(&c->passes, 1);
-      atomic_store(&c->period, m.period);
-      members[0] = c->rank;
-      *n = 1;
-      *group_id = 0;
-      break;
-    }
-    if (m.type != RPL_MSG_GROUP || m.round != round) {
-      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator answered a request with %s",
-                          rpl_msg_type_name(m.type));
-      break;
-    }
-    if ((int)m.nmembers > cap) {
-      *n = (int)m.nmembers;
-      st = rpl_sched_fail(err, RPL_ERR_INVALID, "group of %u members, buffer holds %d",
-                          m.nmembers, cap);
-      break;
-    }
-    int self = 0;
-    for (uint32_t i = 0; i < m.nmembers; i++) {
-      members[i] = rpl_msg_member(&m, i);
-      self |= members[i] == c->rank;
-    }
-    if (!self) {
-      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator sent a group without rank %d",
-                          c->rank);
-      break;
-    }
-    *n = (int)m.nmembers;
-    *group_id = m.group_id;
-    atomic_store(&c->period, m.period);
+    if (kind == RPL_REPLY_PASS) atomic_fetch_add(&c->passes, 1);
+    atomic_store(&c->period, m.period); /* the adaptive period: PASS = no averaging */
     break;
   }
   c->wait_s += now_s() - t0;
@@ -452,7 +530,7 @@ rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t stat
                               rpl_error *err) {
   pthread_mutex_lock(&c->lock);
   rpl_msg m;
-  fill_header(c, &m, RPL_MSG_DONE, ++c->seq);
+  fill_header(c, &m, RPL_MSG_DONE, next_seq(c));
   m.group_id = group_id;
   m.status = status;
   rpl_status st = send_msg(c->sock, &m, NULL, err, c->endpoint);
@@ -462,32 +540,35 @@ rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t stat
 
 rpl_status rpl_gg_client_fence(rpl_gg_client *c, rpl_error *err) {
   pthread_mutex_lock(&c->lock);
-  rpl_status st = send_simple(c, RPL_MSG_FENCE, err);
+  rpl_status st = send_simple(c, RPL_MSG_FENCE, NULL, err);
   pthread_mutex_unlock(&c->lock);
   return st;
 }
 
 rpl_status rpl_gg_client_unfence(rpl_gg_client *c, rpl_error *err) {
   pthread_mutex_lock(&c->lock);
-  rpl_status st = send_simple(c, RPL_MSG_UNFENCE, err);
+  rpl_status st = send_simple(c, RPL_MSG_UNFENCE, NULL, err);
   pthread_mutex_unlock(&c->lock);
   return st;
 }
 
 rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {
   pthread_mutex_lock(&c->lock);
-  rpl_status st = send_simple(c, RPL_MSG_LEAVE, err);
+  uint32_t seq = 0;
+  rpl_status st = send_simple(c, RPL_MSG_LEAVE, &seq, err);
   rpl_msg m;
   /* Leaving runs at shutdown, often at process exit, when the coordinator (on rank 0) may be
    * gone already; its ACK is a courtesy (silence is noticed through heartbeats anyway), so do
    * not hold the exit up for long. */
   int wait_ms = c->timeout_ms < 2000 ? c->timeout_ms : 2000;
   if (st == RPL_OK)
-    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, c->seq,
+    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq,
                     now_s() + wait_ms / 1000.0, NULL, c->endpoint, &m, err);
   if (st == RPL_ERR_TIMEOUT)
     st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s did not acknowledge LEAVE "
                         "within %d ms", c->endpoint, wait_ms);
+  else if (st == RPL_OK && m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED)
+    st = RPL_OK; /* a restarted coordinator never knew us: nothing to leave */
   else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
     st = from_error_reply(&m, c->endpoint, err);
   pthread_mutex_unlock(&c->lock);
@@ -559,11 +640,12 @@ rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int 
     if (n < 0 || (size_t)n > RPL_PROTO_HEADER + RPL_PROTO_MAX_BODY) continue;
     rpl_error perr;
     if (rpl_msg_parse(buf, (size_t)n, 0, &m, &perr) != RPL_OK) continue;
+    if (!rpl_token_equal(m.token, token)) continue; /* errors echo our token too */
     if (m.type == RPL_MSG_ERROR) {
       st = from_error_reply(&m, endpoint, err);
       goto out;
     }
-    if (m.type != RPL_MSG_STATUS_REPLY || !rpl_token_equal(m.token, token)) continue;
+    if (m.type != RPL_MSG_STATUS_REPLY) continue;
     *json = malloc((size_t)m.text_len + 1);
     if (!*json) {
       st = rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");

@@ -293,9 +293,15 @@ void rpl_gg_foreach_pending(const rpl_gg *gg,
 /* ---- 3a. Wire protocol (coordinator/PROTOCOL.md) ------------------------------------------- */
 
 #define RPL_PROTO_MAGIC 0x47504c52u /* "RPLG" little-endian */
-#define RPL_PROTO_VERSION 3
+#define RPL_PROTO_VERSION 4
 #define RPL_PROTO_HEADER 36
 #define RPL_TOKEN_LEN 16
+/* A client's two sockets set their routing ids to 'R' (requests) or 'H' (heartbeats) followed
+ * by the same 16 random bytes, fresh for each registration: HELLO binds the rank to the 'R'
+ * route, and its heartbeats are accepted from the 'H' sibling (PROTOCOL.md, "Connections"). */
+#define RPL_ROUTE_ID_LEN 17
+#define RPL_ROUTE_REQUEST 'R'
+#define RPL_ROUTE_HEARTBEAT 'H'
 #define RPL_PROTO_MAX_TEXT 4096                 /* ERROR text */
 #define RPL_PROTO_MAX_BODY (1u << 24)           /* STATUS_REPLY json; everything else smaller */
 
@@ -324,7 +330,7 @@ const char *rpl_msg_type_name(int type);
 /* Error codes carried by RPL_MSG_ERROR. */
 typedef enum {
   RPL_PERR_BAD_TOKEN = 1,
-  RPL_PERR_BAD_RANK = 2,
+  RPL_PERR_BAD_RANK = 2,    /* also: the rank is bound to another live connection */
   RPL_PERR_WORLD_MISMATCH = 3,
   RPL_PERR_LEFT = 4,
   RPL_PERR_MALFORMED = 5,

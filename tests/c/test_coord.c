@@ -2,14 +2,18 @@
  * clients (one thread each, as the backend will run them). Checks behaviour only: groups are
  * consistent among members, a silent worker is declared dead and its group cancelled, wrong
  * tokens and malformed messages are rejected and counted while service continues, an
- * unreachable or stopped coordinator gives a clear error. Every wait is bounded. */
+ * unreachable or stopped coordinator gives a clear error. Every wait is bounded. The security
+ * rules (PROTOCOL.md "Connections") are checked on the I/O-free core with made-up routes and
+ * times, and the token echo once more over a real socket. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include <zmq.h>
 
+#include "coord_core.h"
 #include "rpl_coord.h"
 
 #include "check.h"
@@ -187,6 +191,387 @@ static void test_dead_worker(void) {
   printf("  dead worker detected and removed: ok\n");
 }
 
+/* ---- security rules on the core: token echo, rank<->route binding, seq, rebinding -------- */
+
+static const char *SEC_TOKEN = "5ec0de5ec0de5ec0de5ec0de5ec0de5e";
+
+typedef struct {
+  int count;
+  const uint8_t *gone;            /* a route with no connected peer (sends to it fail) */
+  uint8_t route[RPL_ROUTE_MAX];
+  size_t route_len;
+  uint8_t msg[8192];
+  size_t len;
+} sent_log;
+
+static int record_send(void *ctx, const uint8_t *route, size_t route_len, const void *msg,
+                       size_t len) {
+  sent_log *l = ctx;
+  if (l->gone && route_len == RPL_ROUTE_ID_LEN && !memcmp(route, l->gone, route_len))
+    return COORD_SEND_GONE;
+  l->count++;
+  memcpy(l->route, route, route_len);
+  l->route_len = route_len;
+  l->len = len < sizeof l->msg ? len : sizeof l->msg;
+  memcpy(l->msg, msg, l->len);
+  return 0;
+}
+
+static int contains(const uint8_t *hay, size_t n, const uint8_t *needle, size_t k) {
+  for (size_t i = 0; i + k <= n; i++)
+    if (memcmp(hay + i, needle, k) == 0) return 1;
+  return 0;
+}
+
+/* A worker's routes as the client makes them: kind ('R' or 'H') + 16 bytes of `id`. */
+static void make_route(uint8_t out[RPL_ROUTE_ID_LEN], char kind, uint8_t id) {
+  out[0] = (uint8_t)kind;
+  memset(out + 1, id, RPL_ROUTE_ID_LEN - 1);
+}
+
+/* Hands `m` (token: the job's unless `tok` is given) to the core from `route` at `now`;
+ * returns the reply's type (0: no reply) and leaves the reply in *r. */
+static int feed(coord_core *core, sent_log *l, const uint8_t *route, rpl_msg *m,
+                const uint8_t *tok, double now, rpl_msg *r) {
+  uint8_t b[256];
+  if (tok) memcpy(m->token, tok, RPL_TOKEN_LEN);
+  else memcpy(m->token, core->token, RPL_TOKEN_LEN);
+  size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
+  CHECK(n > 0, "encode");
+  int before = l->count;
+  coord_core_handle(core, route, RPL_ROUTE_ID_LEN, b, n, now);
+  if (l->count == before) return 0;
+  rpl_error err;
+  CHECK(rpl_msg_parse(l->msg, l->len, core->nworkers, r, &err) == RPL_OK, "reply: %s", err.msg);
+  CHECK(l->route_len == RPL_ROUTE_ID_LEN && memcmp(l->route, route, RPL_ROUTE_ID_LEN) == 0,
+        "a reply goes back to its sender");
+  return r->type;
+}
+
+static rpl_msg worker_msg(int type, int rank, uint32_t seq) {
+  rpl_msg m;
+  memset(&m, 0, sizeof m);
+  m.type = (uint8_t)type;
+  m.rank = rank;
+  m.seq = seq;
+  m.nworkers = 3;
+  m.round = 0;
+  return m;
+}
+
+static void test_security_core(void) {
+  rpl_coord_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.token_hex = SEC_TOKEN;
+  cfg.gg.policy = RPL_POLICY_RANDOM;
+  cfg.gg.nworkers = 3;
+  cfg.gg.group_size = 2;
+  cfg.heartbeat_ms = 100; /* a binding silent for > 200 ms may be taken over */
+  cfg.dead_ms = 5000;
+  cfg.join_ms = -1;
+  coord_core core;
+  rpl_error err;
+  CHECK(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
+  sent_log log;
+  memset(&log, 0, sizeof log);
+  core.send = record_send;
+  core.send_ctx = &log;
+  core.start = 0;
+  uint8_t A[RPL_ROUTE_ID_LEN], AH[RPL_ROUTE_ID_LEN], B[RPL_ROUTE_ID_LEN], BH[RPL_ROUTE_ID_LEN],
+      C[RPL_ROUTE_ID_LEN], S[RPL_ROUTE_ID_LEN];
+  make_route(A, 'R', 0xa1);
+  make_route(AH, 'H', 0xa1);
+  make_route(B, 'R', 0xb2);
+  make_route(BH, 'H', 0xb2);
+  make_route(C, 'R', 0xc3);
+  make_route(S, 'R', 0x55);
+  rpl_msg m, r;
+  double t = 1.0;
+
+  /* 1. A wrong-token STATUS (all zeros) is told BAD_TOKEN, echoing its own token: the reply
+   * holds no byte sequence of ours. Same for a wrong-token HELLO. */
+  uint8_t zero[RPL_TOKEN_LEN] = {0};
+  m = worker_msg(RPL_MSG_STATUS, -1, 1);
+  CHECK(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
+        "wrong-token STATUS answered BAD_TOKEN");
+  CHECK(memcmp(r.token, zero, RPL_TOKEN_LEN) == 0, "BAD_TOKEN echoes the sender's token");
+  CHECK(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked to a stranger");
+  CHECK(!contains(log.msg, log.len, (const uint8_t *)SEC_TOKEN, 32), "hex token leaked");
+  uint8_t guess[RPL_TOKEN_LEN];
+  memcpy(guess, core.token, RPL_TOKEN_LEN);
+  guess[15] ^= 1; /* one bit off */
+  m = worker_msg(RPL_MSG_HELLO, 0, 1);
+  CHECK(feed(&core, &log, S, &m, guess, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
+        "wrong-token HELLO refused");
+  CHECK(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked");
+  /* A flood of wrong tokens is answered at most COORD_BAD_TOKEN_REPLIES_PER_S a second. */
+  int answered = 0;
+  for (int i = 0; i < 50; i++) {
+    m = worker_msg(RPL_MSG_STATUS, -1, (uint32_t)i);
+    answered += feed(&core, &log, S, &m, zero, t + 0.5, &r) != 0;
+  }
+  CHECK(answered <= COORD_BAD_TOKEN_REPLIES_PER_S, "%d wrong-token replies in one second",
+        answered);
+  CHECK(atomic_load(&core.bad_token_quiet) >= 50 - COORD_BAD_TOKEN_REPLIES_PER_S, "quiet counted");
+  t = 3.0;
+  m = worker_msg(RPL_MSG_STATUS, -1, 99);
+  CHECK(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR, "answered again a second later");
+  /* The status document never carries the token. */
+  m = worker_msg(RPL_MSG_STATUS, -1, 1);
+  CHECK(feed(&core, &log, S, &m, NULL, t, &r) == RPL_MSG_STATUS_REPLY, "status");
+  CHECK(!contains((const uint8_t *)r.text, r.text_len, (const uint8_t *)SEC_TOKEN, 32),
+        "token in the status document");
+
+  /* 2. Before HELLO, rank 1 may not speak: told to register. */
+  m = worker_msg(RPL_MSG_LEAVE, 1, 1);
+  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_ERROR &&
+            r.code == RPL_PERR_NOT_REGISTERED, "LEAVE before HELLO refused");
+  /* HELLO binds rank 1 to A. */
+  m = worker_msg(RPL_MSG_HELLO, 1, 10);
+  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HELLO_ACK, "HELLO from A");
+  /* 3. Rank 1's messages from another connection are refused, counted, and change nothing. */
+  uint64_t wr = atomic_load(&core.wrong_route);
+  m = worker_msg(RPL_MSG_LEAVE, 1, 1000);
+  CHECK(feed(&core, &log, B, &m, NULL, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_RANK,
+        "LEAVE for rank 1 from B refused");
+  m = worker_msg(RPL_MSG_FENCE, 1, 1001);
+  feed(&core, &log, B, &m, NULL, t, &r);
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 1002);
+  CHECK(feed(&core, &log, BH, &m, NULL, t, &r) == RPL_MSG_ERROR, "foreign heartbeat refused");
+  CHECK(atomic_load(&core.wrong_route) == wr + 3, "wrong_route counted");
+  rpl_gg_worker_info info;
+  CHECK(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state == RPL_WORKER_LIVE,
+        "rank 1 neither left nor fenced by a stranger");
+  /* Its own heartbeat socket (the 'H' sibling of A) is accepted; A may not be impersonated
+   * by a sibling for anything but heartbeats. */
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 11);
+  CHECK(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "heartbeat sibling");
+  m = worker_msg(RPL_MSG_LEAVE, 1, 12);
+  CHECK(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_ERROR, "sibling may only heartbeat");
+
+  /* 4. Replayed or out-of-order seq from one connection: dropped and counted. */
+  uint64_t rp = atomic_load(&core.replayed);
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 20);
+  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "seq 20");
+  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == 0, "seq 20 again: dropped");
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 15);
+  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == 0, "seq 15 after 20: dropped");
+  m = worker_msg(RPL_MSG_LEAVE, 1, 10); /* the HELLO's seq, replayed as a LEAVE */
+  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == 0, "old seq as LEAVE: dropped");
+  CHECK(atomic_load(&core.replayed) == rp + 3, "replayed counted");
+  CHECK(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state != RPL_WORKER_LEFT,
+        "a replayed LEAVE does nothing");
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 21);
+  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "seq 21 accepted");
+  /* The heartbeat sibling has its own order (the client draws both from one counter, but
+   * the two connections are not ordered with each other). */
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 12);
+  CHECK(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "sibling seq 12");
+
+  /* 5. A live worker's connection is never taken over: a HELLO for rank 1 from C while A
+   * spoke within two heartbeat intervals is refused... */
+  m = worker_msg(RPL_MSG_HELLO, 1, 5000);
+  CHECK(feed(&core, &log, C, &m, NULL, t + 0.15, &r) == RPL_MSG_ERROR &&
+            r.code == RPL_PERR_BAD_RANK, "live binding kept");
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 22);
+  CHECK(feed(&core, &log, A, &m, NULL, t + 0.15, &r) == RPL_MSG_HEARTBEAT_ACK, "A still served");
+  /* ... 6. but once A has been silent longer than that (a client that failed over and came
+   * back, a restarted worker) the new connection takes the rank, and A is refused. */
+  uint64_t rb = atomic_load(&core.rebinds);
+  m = worker_msg(RPL_MSG_HELLO, 1, 5001);
+  CHECK(feed(&core, &log, C, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rebind after silence");
+  CHECK(atomic_load(&core.rebinds) == rb + 1, "rebinds counted");
+  m = worker_msg(RPL_MSG_HEARTBEAT, 1, 23);
+  CHECK(feed(&core, &log, A, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR &&
+            r.code == RPL_PERR_BAD_RANK, "the old connection no longer speaks for rank 1");
+  m = worker_msg(RPL_MSG_REQUEST, 1, 5002);
+  feed(&core, &log, C, &m, NULL, t + 0.5, &r);
+  CHECK(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.requests == 1,
+        "the new connection's request counts");
+  /* A client that closed its connection and registers anew is let in at once, even within
+   * two heartbeat intervals: the coordinator's probe of the old route finds it gone. */
+  uint8_t D[RPL_ROUTE_ID_LEN], E[RPL_ROUTE_ID_LEN];
+  make_route(D, 'R', 0xd4);
+  make_route(E, 'R', 0xe5);
+  m = worker_msg(RPL_MSG_HELLO, 0, 1);
+  CHECK(feed(&core, &log, D, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 0 from D");
+  m = worker_msg(RPL_MSG_HELLO, 0, 2);
+  CHECK(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR, "D still connected");
+  log.gone = D;
+  m = worker_msg(RPL_MSG_HELLO, 0, 3);
+  CHECK(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK,
+        "D disconnected: E takes rank 0 at once");
+  log.gone = NULL;
+  /* A dead worker's binding is free at once. */
+  m = worker_msg(RPL_MSG_HELLO, 2, 1);
+  CHECK(feed(&core, &log, B, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 2 from B");
+  CHECK(rpl_gg_dead(core.gg, 2, &err) == RPL_OK, "%s", err.msg);
+  m = worker_msg(RPL_MSG_HELLO, 2, 2);
+  CHECK(feed(&core, &log, S, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "dead rank rebound");
+  coord_core_free(&core);
+  printf("  token echo, rank<->route binding, seq, rebinding (core): ok\n");
+}
+
+/* ---- the client as a fake coordinator (a raw ROUTER) sees it ----------------------------- */
+
+#define FAKE_MAX 4096
+typedef struct {
+  void *sock;
+  uint8_t tok[RPL_TOKEN_LEN];
+  atomic_int stop;
+  atomic_int restarted;           /* answer the first registration's routes NOT_REGISTERED */
+  uint8_t first_id[RPL_ROUTE_ID_LEN - 1];
+  int have_first;
+  int n;                          /* what arrived, in order */
+  uint8_t route[FAKE_MAX][RPL_ROUTE_ID_LEN];
+  int route_len[FAKE_MAX];
+  uint32_t seq[FAKE_MAX];
+  int type[FAKE_MAX];
+} fake_coord;
+
+static void fake_send(fake_coord *f, const uint8_t *route, int rl, rpl_msg *m) {
+  uint8_t b[128];
+  size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
+  zmq_send(f->sock, route, (size_t)rl, ZMQ_SNDMORE);
+  zmq_send(f->sock, b, n, 0);
+}
+
+static void *fake_main(void *arg) {
+  fake_coord *f = arg;
+  while (!atomic_load(&f->stop)) {
+    zmq_pollitem_t it = {f->sock, 0, ZMQ_POLLIN, 0};
+    if (zmq_poll(&it, 1, 20) <= 0) continue;
+    uint8_t route[256], buf[512];
+    int rl = zmq_recv(f->sock, route, sizeof route, 0);
+    int n = zmq_recv(f->sock, buf, sizeof buf, 0);
+    rpl_msg m, r;
+    rpl_error err;
+    if (rl <= 0 || n <= 0 || rpl_msg_parse(buf, (size_t)n, 2, &m, &err) != RPL_OK) continue;
+    if (f->n < FAKE_MAX && rl <= RPL_ROUTE_ID_LEN) {
+      memcpy(f->route[f->n], route, (size_t)rl);
+      f->route_len[f->n] = rl;
+      f->seq[f->n] = m.seq;
+      f->type[f->n] = m.type;
+      f->n++;
+    }
+    if (rl != RPL_ROUTE_ID_LEN) continue;
+    if (!f->have_first) {
+      memcpy(f->first_id, route + 1, sizeof f->first_id);
+      f->have_first = 1;
+    }
+    memset(&r, 0, sizeof r);
+    r.rank = m.rank;
+    r.seq = m.seq;
+    memcpy(r.token, f->tok, RPL_TOKEN_LEN);
+    int old = memcmp(route + 1, f->first_id, sizeof f->first_id) == 0;
+    if (m.type == RPL_MSG_HELLO && !(old && atomic_load(&f->restarted))) {
+      r.type = RPL_MSG_HELLO_ACK;
+      r.nworkers = 2;
+      r.heartbeat_ms = 50;
+      r.dead_ms = 3000;
+    } else if (old && atomic_load(&f->restarted)) {
+      r.type = RPL_MSG_ERROR;
+      r.code = RPL_PERR_NOT_REGISTERED;
+    } else if (m.type == RPL_MSG_HEARTBEAT) {
+      r.type = RPL_MSG_HEARTBEAT_ACK;
+    } else if (m.type == RPL_MSG_REQUEST) {
+      /* First an error with another token and the right seq: the client must ignore it. */
+      rpl_msg e = r;
+      e.type = RPL_MSG_ERROR;
+      e.code = RPL_PERR_BAD_TOKEN;
+      memset(e.token, 0x5a, RPL_TOKEN_LEN);
+      fake_send(f, route, rl, &e);
+      r.type = RPL_MSG_PASS;
+      r.round = m.round;
+      r.period = 2;
+    } else if (m.type == RPL_MSG_LEAVE) {
+      r.type = RPL_MSG_ACK;
+    } else {
+      continue;
+    }
+    fake_send(f, route, rl, &r);
+  }
+  return NULL;
+}
+
+static void test_client_routes_and_seq(void) {
+  static fake_coord f;
+  memset(&f, 0, sizeof f);
+  void *ctx = zmq_ctx_new();
+  f.sock = zmq_socket(ctx, ZMQ_ROUTER);
+  int zero = 0;
+  zmq_setsockopt(f.sock, ZMQ_LINGER, &zero, sizeof zero);
+  CHECK(zmq_bind(f.sock, "tcp://127.0.0.1:*") == 0, "bind");
+  char ep[256];
+  size_t el = sizeof ep;
+  zmq_getsockopt(f.sock, ZMQ_LAST_ENDPOINT, ep, &el);
+  const char *hex = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+  rpl_error err;
+  CHECK(rpl_token_from_hex(hex, f.tok, &err) == RPL_OK, "token");
+  pthread_t th;
+  CHECK(pthread_create(&th, NULL, fake_main, &f) == 0, "thread");
+  rpl_gg_client_config cc;
+  memset(&cc, 0, sizeof cc);
+  cc.endpoint = ep;
+  cc.token_hex = hex;
+  cc.rank = 1;
+  cc.nworkers = 2;
+  cc.timeout_ms = 3000;
+  cc.request_timeout_ms = 3000;
+  cc.heartbeat_ms = 50;
+  rpl_gg_client *cl;
+  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
+  usleep(200 * 1000); /* heartbeats flow */
+  atomic_store(&f.restarted, 1); /* "restarted": the first registration is unknown now */
+  int mem[2], n = 0;
+  uint64_t gid = 1;
+  rpl_status st = RPL_ERR_PEER;
+  for (int k = 0; k < 3 && st != RPL_OK; k++) {
+    st = rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err);
+    if (st != RPL_OK) usleep(100 * 1000);
+  }
+  CHECK(st == RPL_OK && n == 1 && mem[0] == 1 && gid == 0,
+        "served (PASS) after registering again, the foreign-token ERROR ignored: %s", err.msg);
+  usleep(200 * 1000);
+  CHECK(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
+  rpl_gg_client_destroy(cl);
+  atomic_store(&f.stop, 1);
+  pthread_join(th, NULL);
+  zmq_close(f.sock);
+  zmq_ctx_term(ctx);
+
+  /* Every route is 'R' or 'H' + 16 bytes; the 'H' ones share their id with an 'R' one. */
+  int hellos = 0, hello2 = -1;
+  uint32_t max_before = 0;
+  for (int i = 0; i < f.n; i++) {
+    CHECK(f.route_len[i] == RPL_ROUTE_ID_LEN &&
+              (f.route[i][0] == RPL_ROUTE_REQUEST || f.route[i][0] == RPL_ROUTE_HEARTBEAT),
+          "routing id of message %d", i);
+    if (f.type[i] == RPL_MSG_HELLO) {
+      CHECK(f.route[i][0] == RPL_ROUTE_REQUEST, "HELLO from the request socket");
+      if (memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) != 0 && hello2 < 0) hello2 = i;
+      hellos++;
+    }
+    /* Per connection, seqs only rise. */
+    for (int j = i + 1; j < f.n; j++)
+      if (f.route_len[j] == f.route_len[i] && !memcmp(f.route[j], f.route[i], RPL_ROUTE_ID_LEN))
+        CHECK((int32_t)(f.seq[j] - f.seq[i]) > 0, "seq %u after %u on one connection", f.seq[j],
+              f.seq[i]);
+  }
+  CHECK(hello2 > 0, "registered again under a fresh routing id (%d HELLOs)", hellos);
+  for (int i = 0; i < f.n; i++)
+    if (!memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) && f.seq[i] > max_before)
+      max_before = f.seq[i];
+  CHECK(f.seq[hello2] > max_before, "the new registration's seq %u continues the counter (%u)",
+        f.seq[hello2], max_before);
+  int beats2 = 0;
+  for (int i = hello2; i < f.n; i++)
+    beats2 += f.route[i][0] == RPL_ROUTE_HEARTBEAT &&
+              !memcmp(f.route[i] + 1, f.route[hello2] + 1, RPL_ROUTE_ID_LEN - 1);
+  CHECK(beats2 > 0, "heartbeats from the sibling of the new registration");
+  printf("  client: routing ids per registration, one rising seq, foreign errors ignored: ok\n");
+}
+
 /* ---- rejection and malformed input ------------------------------------------------------- */
 
 static void test_rejections(void) {
@@ -250,6 +635,18 @@ static void test_rejections(void) {
   CHECK(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
             m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED,
         "unregistered heartbeat answered NOT_REGISTERED");
+  /* A stranger's STATUS with an all-zero token: the raw reply carries no byte of our token. */
+  memset(&m, 0, sizeof m);
+  m.type = RPL_MSG_STATUS;
+  m.rank = -1;
+  m.seq = 7;
+  CHECK(rpl_msg_encode(&m, NULL, bad, sizeof bad) == RPL_PROTO_HEADER, "encode status");
+  zmq_send(s, bad, RPL_PROTO_HEADER, 0);
+  CHECK(zmq_poll(&it, 1, 5000) == 1, "wrong-token STATUS answered");
+  n = zmq_recv(s, rb, sizeof rb, 0);
+  CHECK(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
+            m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN, "BAD_TOKEN");
+  CHECK(!contains(rb, (size_t)n, tok, RPL_TOKEN_LEN), "the job token went to a stranger");
   rpl_coord_counters after;
   rpl_coord_get_counters(c, &after);
   CHECK(after.malformed - before.malformed == (uint64_t)sent, "malformed counted %llu of %d",
@@ -350,6 +747,8 @@ int main(void) {
   test_groups_formed(RPL_POLICY_RANDOM);
   test_groups_formed(RPL_POLICY_ADPSGD);
   test_dead_worker();
+  test_security_core();
+  test_client_routes_and_seq();
   test_rejections();
   test_unreachable();
   printf("test_coord: all passed\n");

@@ -83,6 +83,15 @@ int main(void) {
     buf[n] = 0;
     CHECK(rpl_msg_parse(buf, n + 1, 16, &p, &err) == RPL_ERR_INVALID, "trailing byte");
   }
+  /* Version 4 only: a peer of an earlier version (no connection binding, no token echo) is
+   * refused, whatever the message. */
+  CHECK(RPL_PROTO_VERSION == 4 && bufs[RPL_MSG_HELLO][4] == 4, "version byte 4");
+  for (uint8_t v = 1; v < 4; v++) {
+    memcpy(buf, bufs[RPL_MSG_HELLO], lens[RPL_MSG_HELLO]);
+    buf[4] = v;
+    CHECK(rpl_msg_parse(buf, lens[RPL_MSG_HELLO], 16, &p, &err) == RPL_ERR_INVALID &&
+              strstr(err.msg, "version"), "version %u refused", v);
+  }
   /* Ranks and members out of range for the job. */
   CHECK(rpl_msg_parse(bufs[RPL_MSG_REQUEST], lens[RPL_MSG_REQUEST], 7, &p, &err) ==
             RPL_ERR_INVALID, "rank 7 with 7 workers");

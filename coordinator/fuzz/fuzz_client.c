@@ -1,0 +1,175 @@
+/* Fuzz target for the worker-side client's handling of coordinator replies: the exact
+ * functions csrc/sched/client.c runs on what its sockets receive (rpl_client_accept,
+ * rpl_client_request_reply, rpl_client_beat_reply), without sockets. Input: messages, each
+ * prefixed by a 2-byte little-endian length, as they would arrive on the request socket
+ * (waiting for REQUEST(round 2) under seq 7) and on the heartbeat socket. Oracles: nothing
+ * is accepted without the client's token and seq; a group handed to the caller fits its
+ * buffer, holds the caller, and has sorted, unique members in [0, nworkers).
+ *
+ * libFuzzer (clang):   coordinator/fuzz/run_libfuzzer.sh [seconds] [workdir] client
+ * Standalone (any cc): fuzz_client_smoke [iterations] | --write-corpus DIR | FILE...
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../csrc/sched/sched_internal.h"
+
+#define FUZZ_WORKERS 5
+#define FUZZ_RANK 2
+#define FUZZ_SEQ 7u
+#define FUZZ_ROUND 2u
+static const char *FUZZ_TOKEN = "c1c2c3c4c5c6c7c8c9cacbcccdcecfd0";
+
+static void fail(const char *why) {
+  fprintf(stderr, "fuzz_client: %s\n", why);
+  abort();
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  uint8_t tok[RPL_TOKEN_LEN];
+  rpl_error err;
+  if (rpl_token_from_hex(FUZZ_TOKEN, tok, &err) != RPL_OK) abort();
+  size_t pos = 0;
+  while (pos + 2 <= size) {
+    size_t len = (size_t)data[pos] | (size_t)data[pos + 1] << 8;
+    pos += 2;
+    if (len > size - pos) len = size - pos;
+    uint8_t *buf = malloc(len ? len : 1); /* exact size: ASan catches reads past it */
+    memcpy(buf, data + pos, len);
+    pos += len;
+    rpl_client_beat_reply(buf, len, tok, FUZZ_WORKERS);
+    rpl_msg m;
+    if (!rpl_client_accept(buf, len, tok, FUZZ_WORKERS, FUZZ_SEQ, &m)) {
+      free(buf);
+      continue;
+    }
+    if (!rpl_token_equal(m.token, tok) || m.seq != FUZZ_SEQ) fail("accepted a foreign reply");
+    for (int cap = 1; cap <= FUZZ_WORKERS; cap += 2) {
+      int members[FUZZ_WORKERS];
+      int n = -1;
+      uint64_t gid = 0;
+      rpl_reply_kind k = rpl_client_request_reply(&m, FUZZ_ROUND, FUZZ_RANK, members, cap, &n,
+                                                  &gid, "tcp://fuzz:1", &err);
+      if (k == RPL_REPLY_GROUP) {
+        if (n < 1 || n > cap || gid == 0) fail("group size or id out of bounds");
+        int self = 0;
+        for (int i = 0; i < n; i++) {
+          if (members[i] < 0 || members[i] >= FUZZ_WORKERS) fail("member out of range");
+          if (i && members[i] <= members[i - 1]) fail("members not sorted and unique");
+          self |= members[i] == FUZZ_RANK;
+        }
+        if (!self) fail("a group without the caller");
+        if (m.type != RPL_MSG_GROUP || m.round != FUZZ_ROUND) fail("group from another reply");
+      } else if (k == RPL_REPLY_PASS) {
+        if (n != 1 || members[0] != FUZZ_RANK || gid != 0) fail("pass is not the caller alone");
+      } else if (k == RPL_REPLY_FAIL) {
+        if (err.msg[0] == '\0') fail("failure without a reason");
+      }
+    }
+    free(buf);
+  }
+  return 0;
+}
+
+#ifdef FUZZ_STANDALONE
+static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const int *members) {
+  uint8_t b[512];
+  size_t n = rpl_msg_encode(m, members, b, sizeof b);
+  if (!n || pos + 2 + n > cap) return pos;
+  out[pos++] = (uint8_t)n;
+  out[pos++] = (uint8_t)(n >> 8);
+  memcpy(out + pos, b, n);
+  return pos + n;
+}
+
+/* Seeds: every reply type a coordinator sends, with the client's token and seq (and some
+ * with a stale seq, a wrong token, another round). */
+static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
+  uint8_t tok[RPL_TOKEN_LEN];
+  rpl_error err;
+  if (rpl_token_from_hex(FUZZ_TOKEN, tok, &err) != RPL_OK) abort();
+  size_t pos = 0;
+  uint64_t s = pick | 1;
+  for (int i = 0; i < 8; i++) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    static const int types[] = {RPL_MSG_GROUP, RPL_MSG_GROUP,         RPL_MSG_PASS,
+                                RPL_MSG_CANCEL, RPL_MSG_ERROR,        RPL_MSG_HELLO_ACK,
+                                RPL_MSG_ACK,   RPL_MSG_HEARTBEAT_ACK};
+    rpl_msg m;
+    memset(&m, 0, sizeof m);
+    m.type = (uint8_t)types[(s >> 33) % 8];
+    m.rank = FUZZ_RANK;
+    m.seq = (s >> 40) % 5 ? FUZZ_SEQ : FUZZ_SEQ - 1;
+    memcpy(m.token, tok, RPL_TOKEN_LEN);
+    if ((s >> 45) % 7 == 0) m.token[0] ^= 0x80;
+    m.round = (s >> 48) % 4 ? FUZZ_ROUND : FUZZ_ROUND + 1;
+    m.group_id = 1 + (s >> 20) % 9;
+    m.period = 2;
+    int members[FUZZ_WORKERS], n = 0;
+    for (int r = 0; r < FUZZ_WORKERS; r++)
+      if (r == FUZZ_RANK || (s >> (8 + r)) & 1) members[n++] = r;
+    m.nmembers = (uint32_t)n;
+    m.culprit = 1;
+    m.reason = RPL_REASON_DEAD;
+    m.code = (s >> 52) % 2 ? RPL_PERR_NOT_REGISTERED : RPL_PERR_BAD_RANK;
+    m.text = "refused";
+    m.text_len = 7;
+    m.policy = 0;
+    m.nworkers = FUZZ_WORKERS;
+    m.heartbeat_ms = 100;
+    m.dead_ms = 1000;
+    pos = put_msg(out, pos, cap, &m, members);
+  }
+  return pos;
+}
+
+int main(int argc, char **argv) {
+  uint8_t buf[4096];
+  if (argc == 3 && strcmp(argv[1], "--write-corpus") == 0) {
+    for (int k = 0; k < 32; k++) {
+      char path[1024];
+      snprintf(path, sizeof path, "%s/seed-%02d", argv[2], k);
+      FILE *f = fopen(path, "wb");
+      if (!f) return 1;
+      size_t n = seed_messages(buf, sizeof buf, (uint64_t)k * 0x9e3779b97f4a7c15ull);
+      fwrite(buf, 1, n, f);
+      fclose(f);
+    }
+    return 0;
+  }
+  if (argc >= 2 && (argv[1][0] < '0' || argv[1][0] > '9')) { /* replay files */
+    for (int i = 1; i < argc; i++) {
+      FILE *f = fopen(argv[i], "rb");
+      if (!f) return 1;
+      size_t n = fread(buf, 1, sizeof buf, f);
+      fclose(f);
+      LLVMFuzzerTestOneInput(buf, n);
+    }
+    printf("replayed %d inputs\n", argc - 1);
+    return 0;
+  }
+  long iters = argc >= 2 ? atol(argv[1]) : 20000;
+  uint64_t s = 0x4321;
+  for (long it = 0; it < iters; it++) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    size_t n = seed_messages(buf, sizeof buf, s);
+    int muts = (int)((s >> 40) % 8);
+    for (int k = 0; k < muts && n > 0; k++) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      size_t at = (s >> 33) % n;
+      switch ((s >> 20) % 4) {
+        case 0: buf[at] ^= (uint8_t)(1u << ((s >> 10) % 8)); break;
+        case 1: buf[at] = (uint8_t)(s >> 50); break;
+        case 2: n = at + 1; break;
+        default: buf[at] = 0xff; break;
+      }
+    }
+    LLVMFuzzerTestOneInput(buf, n);
+  }
+  printf("fuzz_client smoke: %ld inputs, no crash\n", iters);
+  return 0;
+}
+#endif

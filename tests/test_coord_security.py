@@ -1,0 +1,311 @@
+"""The coordinator's security rules (coordinator/PROTOCOL.md, "Connections" and "Threat
+model") with real processes and sockets; pyzmq plays the stranger on the network.
+
+- a wrong-token message is never answered with the job token (raw reply bytes checked);
+- a rank is tied to the connection it registered from: another connection cannot speak for
+  it, while the real worker keeps being served;
+- a one-host job's embedded coordinator and standby listen on loopback, not every interface;
+- token files are 0600, the token stays out of stdout, reprs and the status document;
+- with a job secret the token is derived on every rank, absent from the c10d store, and
+  training still averages.
+Every wait is bounded; nothing here depends on timing beyond those bounds."""
+import json
+import os
+import stat
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+
+_gg = pytest.importorskip("ripples_pg._gg")
+zmq = pytest.importorskip("zmq")
+
+import _dist  # noqa: E402
+from ripples_pg import Options, coordinator  # noqa: E402
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+MAGIC, VERSION = 0x47504C52, 4
+HELLO, FENCE, LEAVE, STATUS, ERROR, HEARTBEAT = 1, 9, 11, 13, 15, 7
+BAD_TOKEN, BAD_RANK = 1, 2
+
+
+def encode(mtype, rank, seq, token, body=b""):
+    """A protocol message (PROTOCOL.md, header of 36 bytes)."""
+    return struct.pack("<IBBHIiI16s", MAGIC, VERSION, mtype, 0, len(body), rank, seq,
+                       token) + body
+
+
+def decode(raw):
+    magic, version, mtype, _flags, blen, rank, seq, token = struct.unpack_from("<IBBHIiI16s",
+                                                                            raw)
+    assert magic == MAGIC and version == VERSION and blen == len(raw) - 36, raw
+    return mtype, rank, seq, token, raw[36:]
+
+
+class Stranger:
+    """A DEALER socket on the coordinator's port, as anyone on the network can open."""
+
+    def __init__(self, endpoint):
+        self.ctx = zmq.Context()
+        self.s = self.ctx.socket(zmq.DEALER)
+        self.s.setsockopt(zmq.LINGER, 0)
+        self.s.connect(endpoint)
+
+    def ask(self, msg, timeout_ms=5000):
+        """Sends msg and returns the raw reply, or None if none came within timeout_ms."""
+        self.s.send(msg)
+        if not self.s.poll(timeout_ms):
+            return None
+        return self.s.recv()
+
+    def close(self):
+        self.s.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def coord():
+    c = coordinator.start(2, "random", bind="tcp://127.0.0.1:*", token=TOKEN, group_size=2,
+                          heartbeat_ms=100, dead_ms=5000, join_ms=-1)
+    yield c
+    c.close()
+
+
+def test_wrong_token_reply_never_carries_the_job_token(coord):
+    st = Stranger(coord.endpoint)
+    try:
+        for mtype, rank, body in ((STATUS, -1, b""), (HELLO, 0, struct.pack("<ii", 2, 0)),
+                                  (LEAVE, 1, b"")):
+            raw = st.ask(encode(mtype, rank, 1, bytes(16), body))
+            assert raw is not None, "an honest misconfigured client is told why"
+            assert bytes.fromhex(TOKEN) not in raw and TOKEN.encode() not in raw, raw
+            rtype, _, _, rtoken, rbody = decode(raw)
+            assert rtype == ERROR and struct.unpack_from("<I", rbody)[0] == BAD_TOKEN
+            assert rtoken == bytes(16), "the reply echoes the sender's own token"
+    finally:
+        st.close()
+    counters = coord.counters()
+    assert counters["bad_token"] >= 3
+    # The status document (with the right token) never carries the token either.
+    doc = coordinator.status(coord.endpoint, TOKEN)
+    assert TOKEN not in doc and json.loads(doc)["counters"]["bad_token"] >= 3
+
+
+def test_rank_is_tied_to_its_connection(coord):
+    workers = [_gg.Client(coord.endpoint, TOKEN, r, 2, timeout_ms=5000, request_timeout_ms=20000,
+                          heartbeat_ms=100) for r in range(2)]
+    st = Stranger(coord.endpoint)
+    try:
+        # The stranger holds the token (the worst case), yet cannot act for rank 0, nor take
+        # its registration over while the real worker is alive.
+        for mtype, body in ((LEAVE, b""), (FENCE, b""), (HEARTBEAT, b""),
+                            (HELLO, struct.pack("<ii", 2, 0))):
+            raw = st.ask(encode(mtype, 0, 1 << 30, bytes.fromhex(TOKEN), body))
+            assert raw is not None
+            rtype, _, _, _, rbody = decode(raw)
+            assert rtype == ERROR and struct.unpack_from("<I", rbody)[0] == BAD_RANK, rbody
+        assert coord.counters()["wrong_route"] == 4
+        doc = json.loads(coordinator.status(coord.endpoint, TOKEN))
+        assert doc["workers"][0]["state"] == "live" and doc["workers"][0]["bound"]
+        # The real workers are still served together.
+        got = [None, None]
+
+        def run(r):
+            gid, members = workers[r].request(0)
+            workers[r].done(gid)
+            got[r] = (gid, sorted(members))
+
+        ths = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join(60)
+        assert got[0] == got[1] and got[0][1] == [0, 1], got
+        for w in workers:
+            w.leave()
+    finally:
+        st.close()
+        for w in workers:
+            w.close()
+
+
+def _listening(port):
+    """Local addresses of listening TCP sockets on `port` (hex in /proc/net/tcp{,6})."""
+    found = []
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, p = local.rsplit(":", 1)
+            if state == "0A" and int(p, 16) == port:
+                found.append(addr)
+    return found
+
+
+def _smart_group_and_store(ctx, **options):
+    """A smart ripples group, and the c10d store its backend was given (recorded as the
+    backend looks the coordinator up in it)."""
+    seen = {}
+    orig = coordinator.lookup
+
+    def spy(store, *a, **k):
+        seen["store"] = store
+        return orig(store, *a, **k)
+
+    coordinator.lookup = spy
+    try:
+        g = _dist.ripples_group(ctx, schedule="smart", group_size=2, **options)
+    finally:
+        coordinator.lookup = orig
+    return g, seen["store"]
+
+
+def _coordinator_listeners(ctx):
+    """Task: (endpoint, addresses listening on its port) of each coordinator this rank runs,
+    and the endpoints published in the group's store."""
+    from ripples_pg import _backend
+
+    g, store = _smart_group_and_store(ctx)
+    mine = []
+    for c, _timeout, _rank in _backend._embedded_coordinators:
+        port = int(c.endpoint.rsplit(":", 1)[1])
+        mine.append((c.endpoint, _listening(port)))
+    import torch.distributed as dist
+
+    published = [coordinator.lookup(store)[0]] + [coordinator.lookup_standby(store, 1)]
+    dist.destroy_process_group(g)
+    return {"mine": mine, "published": published}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc/net/tcp")
+def test_one_host_job_coordinators_listen_on_loopback_only():
+    res = _dist.run_spawn(_coordinator_listeners, 2, env={"MASTER_ADDR": "127.0.0.1"})
+    assert len(res[0]["mine"]) == 1 and len(res[1]["mine"]) == 1, res  # primary, standby
+    for r in (0, 1):
+        for endpoint, addrs in res[r]["mine"]:
+            assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+            assert addrs, f"nothing listens on {endpoint}"
+            # 0100007F: 127.0.0.1 (little-endian hex); a wildcard would be 00000000 or ::.
+            assert all(a == "0100007F" for a in addrs), (endpoint, addrs)
+        assert all(e.startswith("tcp://127.0.0.1:") for e in res[r]["published"]), res[r]
+
+
+def test_coordinator_bind_opt_in_and_env():
+    assert Options(coordinator_bind="*").coordinator_bind == "0.0.0.0"
+    assert Options.from_env({"RIPPLES_COORDINATOR_BIND": "10.1.2.3"}).coordinator_bind == \
+        "10.1.2.3"
+    with pytest.raises(ValueError):
+        Options(coordinator_bind="eth0")
+
+
+def test_options_repr_redacts_secrets():
+    secret = "s3cret-job-secret-value"
+    o = Options(coordinator_token=TOKEN, job_secret=secret)
+    for text in (repr(o), str(o), repr(o.resolve(env={}))):
+        assert TOKEN not in text and secret not in text, text
+        assert "coordinator_token='<redacted>'" in text and "job_secret='<redacted>'" in text
+    assert o.job_secret == secret and o.coordinator_token == TOKEN  # still usable
+    with pytest.raises(ValueError) as e:
+        Options(job_secret="short-secret")
+    assert "short-secret" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        Options.from_env({"RIPPLES_COORDINATOR_TOKEN": "not-hex-" + TOKEN[8:]})
+    assert TOKEN[8:] not in str(e.value)
+
+
+def _cli(kind):
+    if kind == "python":
+        return [sys.executable, "-m", "ripples_pg.coordinator"]
+    from test_coordinator import coordinator_binary
+
+    exe = coordinator_binary()
+    if not exe:
+        pytest.skip("ripples-coordinator binary not built")
+    return [exe]
+
+
+@pytest.mark.parametrize("kind", ["python", "binary"])
+def test_token_file_is_0600_and_token_not_printed(kind, tmp_path):
+    port = _dist.free_port()
+    tok = tmp_path / "token"
+    tok.write_text("stale\n")
+    os.chmod(tok, 0o644)  # an existing, readable file is made private too
+    old = os.umask(0o022)
+    try:
+        p = subprocess.Popen(_cli(kind) + ["--bind", f"tcp://127.0.0.1:{port}", "--workers", "2",
+                                           "--write-token", str(tok)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.umask(old)
+    try:
+        line = p.stdout.readline()
+        assert f":{port}" in line, p.stderr.read() if p.poll() is not None else line
+        assert stat.S_IMODE(os.stat(tok).st_mode) == 0o600
+        token = tok.read_text().strip()
+        assert len(token) == 32 and token not in line and str(tok) in line, line
+        env = dict(os.environ, RIPPLES_GG_TOKEN=token)
+        q = subprocess.run(_cli(kind) + ["--status", f"tcp://127.0.0.1:{port}"], env=env,
+                           capture_output=True, text=True, timeout=30)
+        assert q.returncode == 0, q.stderr
+        assert json.loads(q.stdout)["nworkers"] == 2 and token not in q.stdout
+        # The token in argv still works, with a warning that argv is public.
+        q = subprocess.run(_cli(kind) + ["--status", f"tcp://127.0.0.1:{port}", "--token",
+                                         token], capture_output=True, text=True, timeout=30)
+        assert q.returncode == 0 and "argv" not in q.stdout and "ps" in q.stderr, q.stderr
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+    # A generated token that would reach nobody is refused; the default bind is loopback.
+    q = subprocess.run(_cli(kind) + ["--workers", "2", "--bind", f"tcp://127.0.0.1:{port}"],
+                       capture_output=True, text=True, timeout=30)
+    assert q.returncode == 2 and "--write-token" in q.stderr, q.stderr
+    h = subprocess.run(_cli(kind) + ["--help"], capture_output=True, text=True, timeout=30)
+    assert "tcp://127.0.0.1:29600" in h.stdout
+
+
+def _train_with_secret(ctx, secret):
+    """Task: a smart group with (or without) a job secret; reports what the store holds and
+    whether rounds averaged."""
+    import torch
+    import torch.distributed as dist
+
+    import ripples_pg
+
+    g, store = _smart_group_and_store(ctx, timeout=30)
+    has_token = store.check([f"{coordinator.STORE_PREFIX}/token"])
+    has_endpoint = store.check([f"{coordinator.STORE_PREFIX}/endpoint"])
+    x = torch.full((64,), float(ctx.rank))
+    reduced = 0
+    for _ in range(20):
+        before = ripples_pg.stats(g)["reduced"]
+        y = x.clone()
+        ripples_pg.partial_all_reduce([y], group=g)
+        if ripples_pg.stats(g)["reduced"] > before:
+            reduced += 1
+            assert torch.allclose(y, torch.full_like(y, 0.5)), y[:4]
+    from ripples_pg import _backend
+
+    tokens = [c.token for c, _t, _r in _backend._embedded_coordinators]
+    dist.destroy_process_group(g)
+    return {"has_token": has_token, "has_endpoint": has_endpoint, "reduced": reduced,
+            "tokens": tokens, "secret_env": os.environ.get("RIPPLES_JOB_SECRET") == secret}
+
+
+@pytest.mark.parametrize("with_secret", [True, False])
+def test_job_secret_keeps_the_token_out_of_the_store(with_secret):
+    secret = "a-job-secret-of-some-length"
+    env = {"RIPPLES_JOB_SECRET": secret} if with_secret else {}
+    res = _dist.run_spawn(_train_with_secret, 2, secret, env=env)
+    for r in (0, 1):
+        assert res[r]["has_endpoint"]
+        assert res[r]["has_token"] == (not with_secret), res[r]
+        assert res[r]["reduced"] >= 1, res[r]  # averaging still happens
+        assert res[r]["secret_env"] == with_secret
+    # Rank 0 (primary) and rank 1 (standby) serve the same token, derived alike.
+    assert res[0]["tokens"] == res[1]["tokens"] and len(res[0]["tokens"]) == 1
