@@ -90,6 +90,7 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
         on_failure_skip=opts.on_failure == "skip",
         trace=bool(opts.trace),
         partial_by_default=bool(opts.partial),
+        job_secret=opts.job_secret or "",
     )
 
 

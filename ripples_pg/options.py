@@ -355,7 +355,9 @@ class Options:
             ``TORCHELASTIC_RUN_ID``), so the token is not published in the c10d store. Without
             it, rank 0 publishes a random token in the store, and anyone who can read the store
             (torch's TCPStore has no authentication) can read the token and act for any rank
-            with the coordinator. Redacted in ``repr``.
+            with the coordinator. It also keys the authentication of the data links (TCP and
+            UCX; docs/security.md), which otherwise rests on a salt read from the store.
+            Redacted in ``repr``.
         on_failure: ``"raise"`` (default) or ``"skip"``: a failed partial round leaves the
             tensors unchanged and is counted in ``ripples_pg.stats()``.
         seed: seed of the coordinator's random choices (``None``: random).

@@ -148,3 +148,25 @@ def _t_flood_drains(ctx, n, transport):
 def test_flooded_messages_all_arrive_once_received(transport):
     res = run_spawn(_t_flood_drains, 2, 5000, transport, pg_timeout=30, timeout=240)
     assert res[1]["n"] == 5000 and res[1]["holds"] >= 1, res[1]
+
+
+def _t_job_secret(ctx, mismatch):
+    secret = "correct horse battery staple" + (str(ctx.rank) if mismatch else "")
+    g = ripples_group(ctx, transport="tcp", timeout=SHORT, job_secret=secret)
+    x = torch.full((16,), float(ctx.rank + 1))
+    try:
+        dist.all_reduce(x, group=g)
+    except RuntimeError as e:
+        return str(e)
+    assert torch.equal(x, torch.full((16,), float(sum(range(1, ctx.ws + 1))))), x
+    return "ok"
+
+
+def test_job_secret_keys_the_links():
+    assert run_spawn(_t_job_secret, 2, False, pg_timeout=30, timeout=120) == ["ok", "ok"]
+
+
+def test_different_job_secrets_fail_clearly():
+    res = run_spawn(_t_job_secret, 2, True, pg_timeout=30, timeout=120)
+    assert all(r != "ok" for r in res), res
+    assert "job secret" in res[0], res  # rank 0 connects, and finds rank 1 cannot prove the key
