@@ -118,36 +118,45 @@ def test_unexpected_message_flood_is_bounded():
 
 
 def _t_flood_drains(ctx, n, transport):
-    """Below and above the cap, every message arrives, in order, once receives are posted:
-    holding a link back loses nothing, and the link is read again afterwards (messages sent
-    later, while the receiver already waits, arrive)."""
-    g = ripples_group(ctx, timeout=SHORT, transport=transport)
+    """Rank 1 waits for tag 2, which rank 0 sends after n messages of tag 1: those fill the
+    stash and the link is held back. Once rank 1 posts receives for them, every message
+    arrives, in order: holding a link back loses nothing, and the link is read again
+    afterwards (messages sent later, while the receiver already waits, arrive)."""
+    g = ripples_group(ctx, timeout=120, transport=transport)  # n blocking recvs: not quick
     if ctx.rank == 0:
         works = [dist.isend(torch.full((1,), float(i)), 1, group=g, tag=1) for i in range(n)]
+        works.append(dist.isend(torch.full((1,), -1.0), 1, group=g, tag=2))
         for w in works:
             w.wait()
         dist.barrier(group=ctx.ref)
         time.sleep(0.5)  # the receiver waits in recv meanwhile
         dist.send(torch.full((1,), 42.0), 1, group=g, tag=3)
         return None
-    time.sleep(1.0)  # let the messages pile up
-    got = []
-    for _ in range(n):
-        t = torch.zeros(1)
-        dist.recv(t, 0, group=g, tag=1)
-        got.append(int(t.item()))
+    last = torch.zeros(1)
+    w2 = dist.irecv(last, 0, group=g, tag=2)
+    time.sleep(1.5)  # the tag-1 messages pile up in the stash, then the link is held
+    holds = g._get_backend(torch.device("cpu")).counters()["stash_holds"]
+    # Receives are posted without waiting: results become visible in issue order, so a
+    # blocking recv would wait behind the irecv above, which waits behind the held messages.
+    bufs = [torch.zeros(1) for _ in range(n)]
+    works = [dist.irecv(b, 0, group=g, tag=1) for b in bufs]
+    w2.wait()
+    for w in works:
+        w.wait()
+    got = [int(b.item()) for b in bufs]
     assert got == list(range(n)), got[:10]
+    assert last.item() == -1.0
     dist.barrier(group=ctx.ref)
     t = torch.zeros(1)
     dist.recv(t, 0, group=g, tag=3)
     assert t.item() == 42.0
-    return {"n": n, "holds": g._get_backend(torch.device("cpu")).counters()["stash_holds"]}
+    return {"n": n, "holds": holds}
 
 
 @pytest.mark.parametrize("transport", ["auto", "tcp"])
 def test_flooded_messages_all_arrive_once_received(transport):
-    res = run_spawn(_t_flood_drains, 2, 5000, transport, pg_timeout=30, timeout=240)
-    assert res[1]["n"] == 5000 and res[1]["holds"] >= 1, res[1]
+    res = run_spawn(_t_flood_drains, 2, 4500, transport, pg_timeout=30, timeout=300)
+    assert res[1]["n"] == 4500 and res[1]["holds"] >= 1, res[1]
 
 
 def _t_job_secret(ctx, mismatch):
