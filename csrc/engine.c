@@ -760,6 +760,7 @@ static rpl_status setup_link_key(rpl_comm *c, const rpl_comm_config *cfg, const 
   unsigned char k[RPL_LINK_KEY_LEN];
   rpl_link_key(secret, strlen(secret), salt, SALT, k);
   rpl_tr_set_key(c->tr, k);
+  explicit_bzero(k, sizeof k);
   return RPL_OK;
 }
 

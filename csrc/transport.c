@@ -123,7 +123,6 @@ struct rpl_tr {
   int p2p;         /* the current run is a point-to-point batch (rpl_tr_run_p2p) */
   uint64_t completions; /* transfers completed, for rpl_tr_run_p2p's early return */
   uint64_t arrivals;    /* p2p messages stashed so far (stash_msg.arrival) */
-  double run_deadline;  /* of the current run: bounds the wait for a new peer's hello */
   int replaced; /* a peer this run was using reconnected, or -1 */
   double run_start;
   double next_probe;        /* when waiting runs next check their ring peers' locks */
@@ -439,6 +438,7 @@ void rpl_tr_abort(rpl_tr *tr) {
 void rpl_tr_destroy(rpl_tr *tr) {
   if (!tr) return;
   rpl_tr_abort(tr);
+  explicit_bzero(tr->key, sizeof tr->key); /* no copy of the key outlives the transport */
   rpl_shm_destroy(tr->shm);
   rpl_ucx_destroy(tr->ucx);
   free(tr->peer_uport);
@@ -1434,7 +1434,6 @@ static rpl_status run_begin(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
   if (__atomic_load_n(&tr->interrupted, __ATOMIC_SEQ_CST))
     return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
   tr->p2p = p2p;
-  tr->run_deadline = deadline;
   for (int i = 0; i < n; i++) {
     if (!p2p) {
       xs[i].off = 0;
