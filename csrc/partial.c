@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bytes.h"
 #include "common.h"
 #include "kernels.h"
 #include "sched/rpl_sched.h"
@@ -233,14 +234,6 @@ static uint64_t sig_hash(const rpl_op_desc *d) {
   return h;
 }
 
-static void put64(unsigned char *b, uint64_t v) {
-  for (int i = 0; i < 8; i++) b[i] = (unsigned char)(v >> (8 * i));
-}
-static uint64_t get64(const unsigned char *b) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)b[i] << (8 * i);
-  return v;
-}
 
 /* Every member sends its signature to every other. Either all agree, or every member builds
  * the same error message from the same set of signatures. No tensor data has moved yet. */
@@ -252,9 +245,9 @@ static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t 
   unsigned char *all = rpl_scratch(run, 0, (size_t)n * SIG_BYTES);
   if (!all) return RPL_ERR_NOMEM;
   unsigned char *mine = all + (size_t)me * SIG_BYTES;
-  put64(mine, (uint64_t)d->nin);
-  put64(mine + 8, total);
-  put64(mine + 16, sig_hash(d));
+  rpl_put64(mine, (uint64_t)d->nin);
+  rpl_put64(mine + 8, total);
+  rpl_put64(mine + 16, sig_hash(d));
   rpl_xfer *xs = malloc(sizeof(rpl_xfer) * 2 * (size_t)n);
   if (!xs) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory in a partial round");
   int k = 0;
@@ -278,8 +271,8 @@ static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t 
   for (int v = 0; v < n && used < sizeof list - 1; v++) {
     const unsigned char *s = all + (size_t)v * SIG_BYTES;
     int w = snprintf(list + used, sizeof list - used, "%srank %d: %llu tensor(s), %llu elements",
-                     v ? "; " : "", run->members[v], (unsigned long long)get64(s),
-                     (unsigned long long)get64(s + 8));
+                     v ? "; " : "", run->members[v], (unsigned long long)rpl_get64(s),
+                     (unsigned long long)rpl_get64(s + 8));
     if (w < 0) break;
     used += (size_t)w;
   }

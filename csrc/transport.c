@@ -18,6 +18,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "bytes.h"
 #include "common.h"
 #include "crypto.h"
 #include "kernels.h"
@@ -146,46 +147,29 @@ static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doin
                               rpl_error *err);
 _Static_assert(RPL_TR_KEY_LEN == RPL_LINK_KEY_LEN, "one key length");
 
-/* ---- little-endian encoding ---------------------------------------------------------- */
-
-static void put32(unsigned char *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static void put64(unsigned char *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static uint32_t get32(const unsigned char *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-static uint64_t get64(const unsigned char *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
+/* ---- frame headers --------------------------------------------------------------------- */
 
 static void encode_header(unsigned char *h, const rpl_meta *m, uint64_t len) {
-  put32(h, DATA_MAGIC);
+  rpl_put32(h, DATA_MAGIC);
   h[4] = m->op;
   h[5] = m->dtype;
   h[6] = (unsigned char)(m->step & 0xff);
   h[7] = (unsigned char)(m->step >> 8);
-  put32(h + 8, m->tag);
-  put64(h + 16, m->seq);
-  put64(h + 24, m->count);
-  put64(h + 32, len);
+  rpl_put32(h + 8, m->tag);
+  rpl_put64(h + 16, m->seq);
+  rpl_put64(h + 24, m->count);
+  rpl_put64(h + 32, len);
 }
 
 static void decode_header(const unsigned char *h, uint32_t *magic, rpl_meta *m, uint64_t *len) {
-  *magic = get32(h);
+  *magic = rpl_get32(h);
   m->op = h[4];
   m->dtype = h[5];
   m->step = (uint16_t)(h[6] | (h[7] << 8));
-  m->tag = get32(h + 8);
-  m->seq = get64(h + 16);
-  m->count = get64(h + 24);
-  *len = get64(h + 32);
+  m->tag = rpl_get32(h + 8);
+  m->seq = rpl_get64(h + 16);
+  m->count = rpl_get64(h + 24);
+  *len = rpl_get64(h + 32);
 }
 
 static void count_add(uint64_t *c, uint64_t v) { __atomic_fetch_add(c, v, __ATOMIC_RELAXED); }
@@ -319,7 +303,7 @@ static void say_goodbye(rpl_tr *tr, conn *c) {
   rpl_meta none;
   memset(&none, 0, sizeof none);
   encode_header(h, &none, n);
-  put32(h, BYE_MAGIC);
+  rpl_put32(h, BYE_MAGIC);
   if (c->ux) { /* delivered while close_conn lingers; tr->cause outlives that */
     if (!rpl_ucx_writing(c->ux) && rpl_ucx_write(c->ux, h, HDR_SIZE, tr->cause, n) >= 0)
       c->ux_linger = 1;
@@ -368,7 +352,7 @@ static void ucx_leave(rpl_tr *tr) {
   rpl_meta none;
   memset(&none, 0, sizeof none);
   encode_header(fin, &none, 0);
-  put32(fin, FIN_MAGIC);
+  rpl_put32(fin, FIN_MAGIC);
   /* Per peer: -1 not waited for, else the payload bytes still to skip before a header. */
   int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size);
   if (!skip) return;
@@ -398,13 +382,13 @@ static void ucx_leave(rpl_tr *tr) {
                                      HDR_SIZE - c->rx_hdr_got)) > 0 &&
                    (c->rx_hdr_got += (size_t)r) == HDR_SIZE) {
           c->rx_hdr_got = 0;
-          uint32_t magic = get32(c->rx_hdr);
+          uint32_t magic = rpl_get32(c->rx_hdr);
           if (magic == FIN_MAGIC) { /* the peer leaves too: answer it, expect no answer */
-            put32(c->rx_hdr, ACK_MAGIC);
+            rpl_put32(c->rx_hdr, ACK_MAGIC);
             if (!rpl_ucx_writing(c->ux)) rpl_ucx_write(c->ux, c->rx_hdr, HDR_SIZE, NULL, 0);
           }
           if (magic == ACK_MAGIC || magic == FIN_MAGIC) r = -1; /* read up to our FIN */
-          else skip[i] = (int64_t)get64(c->rx_hdr + 32);
+          else skip[i] = (int64_t)rpl_get64(c->rx_hdr + 32);
         }
         if (r < 0) { /* answered, or gone */
           skip[i] = -1;
@@ -1036,8 +1020,8 @@ static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doin
   unsigned char h[HDR_SIZE];
   if (c->ux) {
     if (c->rx_mode == RX_HEADER && c->rx_hdr_got == 0 && link_read_wait(tr, c, h, HDR_SIZE, 0) == 0 &&
-        get32(h) == BYE_MAGIC)
-      return goodbye_error(tr, peer, get64(h + 32), doing, err);
+        rpl_get32(h) == BYE_MAGIC)
+      return goodbye_error(tr, peer, rpl_get64(h + 32), doing, err);
     char d[96];
     peer_desc(tr, peer, d, sizeof d);
     return rpl_fail(err, RPL_ERR_PEER,
@@ -1045,9 +1029,9 @@ static rpl_status peer_closed(rpl_tr *tr, int peer, int errnum, const char *doin
                     "or aborted after an error of its own)", d, doing, rpl_ucx_failure(c->ux));
   }
   if (c->state == CONN_READY && c->rx_mode == RX_HEADER && c->rx_hdr_got == 0 &&
-      recv(c->fd, h, HDR_SIZE, MSG_PEEK | MSG_DONTWAIT) == HDR_SIZE && get32(h) == BYE_MAGIC &&
+      recv(c->fd, h, HDR_SIZE, MSG_PEEK | MSG_DONTWAIT) == HDR_SIZE && rpl_get32(h) == BYE_MAGIC &&
       recv(c->fd, h, HDR_SIZE, MSG_DONTWAIT) == HDR_SIZE)
-    return goodbye_error(tr, peer, get64(h + 32), doing, err);
+    return goodbye_error(tr, peer, rpl_get64(h + 32), doing, err);
   return closed_error(tr, peer, errnum, doing, err);
 }
 
@@ -1305,7 +1289,7 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
          * else will come from it, and the link is done (no write may follow this one). */
         unsigned char a[HDR_SIZE];
         memcpy(a, c->rx_hdr, HDR_SIZE);
-        put32(a, ACK_MAGIC);
+        rpl_put32(a, ACK_MAGIC);
         if (!rpl_ucx_writing(c->ux)) rpl_ucx_write(c->ux, a, HDR_SIZE, NULL, 0);
         c->tx_mid = 1;
         char d[96];

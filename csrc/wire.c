@@ -3,6 +3,7 @@
 
 #include <string.h>
 
+#include "bytes.h"
 #include "crypto.h"
 
 #define HS1_MAGIC 0x32484c52u /* "RLH2" little-endian */
@@ -12,38 +13,22 @@
 static const char ACCEPTOR_LABEL[] = "ripples-link/1 acceptor";
 static const char CONNECTOR_LABEL[] = "ripples-link/1 connector";
 
-static void put32(unsigned char *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static void put64(unsigned char *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
-static uint32_t get32(const unsigned char *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-static uint64_t get64(const unsigned char *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
 
 void rpl_hs1_make(unsigned char out[RPL_HS1_SIZE], int lo, int hi, int size,
                   uint64_t acceptor_id, const unsigned char nonce_lo[RPL_HS_NONCE_LEN]) {
-  put32(out, HS1_MAGIC);
-  put32(out + 4, (uint32_t)lo);
-  put32(out + 8, (uint32_t)hi);
-  put32(out + 12, (uint32_t)size);
-  put64(out + 16, acceptor_id);
+  rpl_put32(out, HS1_MAGIC);
+  rpl_put32(out + 4, (uint32_t)lo);
+  rpl_put32(out + 8, (uint32_t)hi);
+  rpl_put32(out + 12, (uint32_t)size);
+  rpl_put64(out + 16, acceptor_id);
   memcpy(out + 24, nonce_lo, RPL_HS_NONCE_LEN);
 }
 
 int rpl_hs1_parse(const unsigned char in[RPL_HS1_SIZE], int self, int size, uint64_t self_id) {
-  if (get32(in) != HS1_MAGIC || get32(in + 8) != (uint32_t)self ||
-      get32(in + 12) != (uint32_t)size || get64(in + 16) != self_id)
+  if (rpl_get32(in) != HS1_MAGIC || rpl_get32(in + 8) != (uint32_t)self ||
+      rpl_get32(in + 12) != (uint32_t)size || rpl_get64(in + 16) != self_id)
     return -1;
-  uint32_t lo = get32(in + 4);
+  uint32_t lo = rpl_get32(in + 4);
   return lo < (uint32_t)self ? (int)lo : -1;
 }
 
@@ -64,15 +49,15 @@ static void connector_mac(unsigned char mac[32], const unsigned char *key,
 void rpl_hs2_make(unsigned char out[RPL_HS2_SIZE], const unsigned char key[RPL_LINK_KEY_LEN],
                   const unsigned char hs1[RPL_HS1_SIZE], int hi,
                   const unsigned char nonce_hi[RPL_HS_NONCE_LEN]) {
-  put32(out, HS2_MAGIC);
-  put32(out + 4, (uint32_t)hi);
+  rpl_put32(out, HS2_MAGIC);
+  rpl_put32(out + 4, (uint32_t)hi);
   memcpy(out + 8, nonce_hi, RPL_HS_NONCE_LEN);
   acceptor_mac(out + 24, key, hs1, out);
 }
 
 int rpl_hs2_check(const unsigned char hs2[RPL_HS2_SIZE], const unsigned char key[RPL_LINK_KEY_LEN],
                   const unsigned char hs1[RPL_HS1_SIZE], int hi) {
-  if (get32(hs2) != HS2_MAGIC || get32(hs2 + 4) != (uint32_t)hi) return 0;
+  if (rpl_get32(hs2) != HS2_MAGIC || rpl_get32(hs2 + 4) != (uint32_t)hi) return 0;
   unsigned char mac[32];
   acceptor_mac(mac, key, hs1, hs2);
   return rpl_ct_equal(mac, hs2 + 24, 32);
@@ -80,14 +65,14 @@ int rpl_hs2_check(const unsigned char hs2[RPL_HS2_SIZE], const unsigned char key
 
 void rpl_hs3_make(unsigned char out[RPL_HS3_SIZE], const unsigned char key[RPL_LINK_KEY_LEN],
                   const unsigned char hs1[RPL_HS1_SIZE], const unsigned char hs2[RPL_HS2_SIZE]) {
-  put32(out, HS3_MAGIC);
-  put32(out + 4, 0);
+  rpl_put32(out, HS3_MAGIC);
+  rpl_put32(out + 4, 0);
   connector_mac(out + 8, key, hs1, hs2);
 }
 
 int rpl_hs3_check(const unsigned char hs3[RPL_HS3_SIZE], const unsigned char key[RPL_LINK_KEY_LEN],
                   const unsigned char hs1[RPL_HS1_SIZE], const unsigned char hs2[RPL_HS2_SIZE]) {
-  if (get32(hs3) != HS3_MAGIC || get32(hs3 + 4) != 0) return 0;
+  if (rpl_get32(hs3) != HS3_MAGIC || rpl_get32(hs3 + 4) != 0) return 0;
   unsigned char mac[32];
   connector_mac(mac, key, hs1, hs2);
   return rpl_ct_equal(mac, hs3 + 8, 32);
