@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import BACKEND, REF_BACKEND, Checker, seed_of
+from _dist import BACKEND, REF_BACKEND, Checker, run_spawn, seed_of
 
 R = dist.ReduceOp
 OPS = {"SUM": R.SUM, "AVG": R.AVG, "PRODUCT": R.PRODUCT, "MIN": R.MIN, "MAX": R.MAX,
@@ -1477,3 +1477,32 @@ def test_algorithm_variants(pool, ws, variant):
     """Options(small_bytes=..., chunk_bytes=...) forcing each algorithm family for every size
     (incl. messages smaller than the number of ranks), against gloo."""
     pool.run(_t_algorithm_variants, variant)
+
+
+def _t_receives_overtaking_an_earlier_one(ctx, n):
+    """An irecv whose message comes last, then n irecvs whose messages come first: their
+    results wait (in issue order) for the first one without each holding a completion thread,
+    so the first one still completes (more than the executor's 32 threads overtake it)."""
+    from _dist import ripples_group
+
+    g = ripples_group(ctx, timeout=20)
+    if ctx.rank == 0:
+        works = [dist.isend(torch.full((1,), float(i)), 1, group=g, tag=1) for i in range(n)]
+        time.sleep(0.5)
+        works.append(dist.isend(torch.full((1,), -1.0), 1, group=g, tag=2))
+        for w in works:
+            w.wait()
+        return None
+    last = torch.zeros(1)
+    first = dist.irecv(last, 0, group=g, tag=2)
+    bufs = [torch.zeros(1) for _ in range(n)]
+    works = [dist.irecv(b, 0, group=g, tag=1) for b in bufs]
+    first.wait()
+    for w in works:
+        w.wait()
+    assert last.item() == -1.0 and [int(b.item()) for b in bufs] == list(range(n))
+    return n
+
+
+def test_receives_overtaking_an_earlier_receive_complete():
+    assert run_spawn(_t_receives_overtaking_an_earlier_one, 2, 100, timeout=120)[1] == 100

@@ -494,8 +494,8 @@ CompletionExecutor::CompletionExecutor(std::string label) : label_(std::move(lab
 
 CompletionExecutor::~CompletionExecutor() {
   // Only reached once every thread has exited (they own shared_ptrs): the queue is empty.
-  for (OpContext* ctx : queue_) {
-    delete ctx;
+  for (auto& kv : queue_) {
+    delete kv.second;
   }
 }
 
@@ -527,14 +527,21 @@ void CompletionExecutor::spawnLocked(std::unique_lock<std::mutex>& /*lk*/) {
 void CompletionExecutor::push(OpContext* ctx) {
   std::unique_lock<std::mutex> lk(mu_);
   try {
-    queue_.push_back(ctx);
+    queue_.emplace(ctx->seq, ctx);
   } catch (...) {
     // Out of memory in the completion path: nothing sensible is left to do.
     std::terminate();
   }
-  // Every queued operation must have a thread that is free to take it: a busy thread may be
-  // blocked in a user callback waiting for exactly this operation.
-  if (static_cast<int>(queue_.size()) > idle_) {
+  wakeLocked(lk);
+}
+
+// The operation whose turn it is must have a thread that is free to take it: a busy thread
+// may be blocked in a user callback waiting for exactly this operation.
+void CompletionExecutor::wakeLocked(std::unique_lock<std::mutex>& lk) {
+  if (!runnableLocked()) {
+    return;
+  }
+  if (idle_ == 0) {
     spawnLocked(lk);
   }
   lk.unlock();
@@ -542,14 +549,13 @@ void CompletionExecutor::push(OpContext* ctx) {
 }
 
 void CompletionExecutor::advanceTicket(uint64_t seq) {
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (ticket_ != seq) {
-      return;
-    }
-    ticket_ = seq + 1;
+  std::unique_lock<std::mutex> lk(mu_);
+  if (ticket_ != seq) {
+    return;
   }
+  ticket_ = seq + 1;
   ticketCv_.notify_all();
+  wakeLocked(lk);  // the next operation may have finished long ago
 }
 
 bool CompletionExecutor::caughtUp(uint64_t seq) {
@@ -577,20 +583,21 @@ void CompletionExecutor::workerLoop() {
   pthread_setname_np(pthread_self(), "rpl-complete");
   std::unique_lock<std::mutex> lk(mu_);
   for (;;) {
-    if (!queue_.empty()) {
-      OpContext* ctx = queue_.front();
-      queue_.pop_front();
+    if (runnableLocked()) {
+      OpContext* ctx = queue_.begin()->second;
+      queue_.erase(queue_.begin());
       lk.unlock();
       process(ctx);
       lk.lock();
       continue;
     }
-    if (stopping_) {
+    if (stopping_ && queue_.empty()) {
       break;
     }
     ++idle_;
-    const bool woke = cv_.wait_for(
-        lk, std::chrono::seconds(10), [&] { return !queue_.empty() || stopping_; });
+    const bool woke = cv_.wait_for(lk, std::chrono::seconds(10), [&] {
+      return runnableLocked() || (stopping_ && queue_.empty());
+    });
     --idle_;
     if (!woke && threads_ > 1) {
       break;  // surplus thread, idle for a while

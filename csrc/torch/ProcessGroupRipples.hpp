@@ -20,9 +20,11 @@
 //     later collectives of the same group inside them).
 //   * Nothing between taking a ticket and passing it on can block on user code or on a later
 //     operation, so the ticket chain always advances (induction on the sequence number).
-//   * Whenever the queue holds more operations than there are idle threads, another thread is
-//     started (bounded by kMaxCompletionThreads). A callback blocked on a later operation
-//     therefore never starves that operation of a thread. Deadlock would need
+//   * Finished operations wait in the queue by ticket; a thread takes only the one whose turn
+//     it is, so operations finishing out of order (receives overtaking an earlier receive)
+//     hold no thread while they wait. Whenever that operation is there and no thread is idle,
+//     another thread is started (bounded by kMaxCompletionThreads). A callback blocked on a
+//     later operation therefore never starves that operation of a thread. Deadlock would need
 //     kMaxCompletionThreads callbacks blocked at once, each on a later operation of the same
 //     group; even then Work.wait() gives up at the timeout bound with an error instead of
 //     hanging.
@@ -46,6 +48,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -216,13 +219,20 @@ class CompletionExecutor : public std::enable_shared_from_this<CompletionExecuto
   void workerLoop();
   void process(OpContext* ctx);
   void spawnLocked(std::unique_lock<std::mutex>& lk);
+  bool runnableLocked() const {  // the operation whose turn it is has finished
+    return !queue_.empty() && queue_.begin()->first == ticket_;
+  }
+  void wakeLocked(std::unique_lock<std::mutex>& lk);
 
   std::string label_;
   std::mutex mu_;
   std::condition_variable cv_;        // queue non-empty or stopping
   std::condition_variable ticketCv_;  // ticket advanced
   std::condition_variable exitCv_;    // a thread exited
-  std::deque<OpContext*> queue_;
+  // Finished operations waiting for a thread, by ticket. A thread takes only the one whose
+  // turn it is: operations that finished early (p2p receives overtaking an earlier one) wait
+  // here without holding a thread, so they can never use up the threads the earlier one needs.
+  std::map<uint64_t, OpContext*> queue_;
   int threads_ = 0;
   int idle_ = 0;
   bool stopping_ = false;
