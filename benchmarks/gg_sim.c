@@ -38,7 +38,7 @@
  *          [--group-size G] [--c-thres C] [--inter-intra] [--seed S] [--json]
  *          [--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS]
  *          [--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1]
- *          [--period-max P] [--old-policy]
+ *          [--speed-aware 0|-1] [--period-max P] [--old-policy]
  *          [--gg-stats]   (the GG's counters per run, on stderr)
  */
 #include <math.h>
@@ -122,12 +122,14 @@ typedef struct {
   int late_unfence;           /* unfence only through the next request (the first client) */
   double step_ms;             /* one compute step on the GG's clock */
   int partner_wait_ms, max_isolated, arrival_filter; /* rpl_gg_config; 0 = default */
+  int speed_aware;            /* rpl_gg_config; 0 = on (default), negative = the previous rules */
   int period_max;             /* rpl_gg_config; 0 = default, 1 or negative = every request */
 } params;
 
 typedef struct {
   double rounds_per_time, mean_wait, conflicts_per_k, singleton_frac, t_1e3, t_1e6, sim_time;
   double slowest_rounds_per_time;
+  double median_rounds_per_time;     /* the median worker's rounds per unit of time */
   double single_share, single_worst; /* groups of one per round: all workers, worst worker */
   unsigned run_max;                  /* longest run of groups of one of a worker */
   double pass_share;                 /* rounds the adaptive period passed, all workers */
@@ -184,7 +186,7 @@ static int run_allreduce(const params *p, int sc, result *r) {
   memset(r, 0, sizeof *r);
   r->sim_time = t;
   r->rounds_per_time = p->rounds / t;
-  r->slowest_rounds_per_time = r->rounds_per_time;
+  r->slowest_rounds_per_time = r->median_rounds_per_time = r->rounds_per_time;
   r->mean_wait = waits / ((double)n * p->rounds);
   r->t_1e3 = r->t_1e6 = t / p->rounds; /* one global average reaches consensus */
   return 0;
@@ -370,6 +372,18 @@ static void collect(sim *s, result *r) {
   r->single_share = handed ? (double)singles / (double)handed : 0;
   r->pass_share = s->done_rounds ? (double)s->passes / (double)s->done_rounds : 0;
   r->slowest_rounds_per_time = (double)mn / s->now;
+  {
+    uint64_t *rr = malloc(sizeof *rr * (size_t)s->n);
+    for (int w = 0; w < s->n; w++) rr[w] = s->round[w];
+    for (int i = 1; i < s->n; i++) /* insertion sort: n is small or the run is long anyway */
+      for (int j = i; j > 0 && rr[j - 1] > rr[j]; j--) {
+        uint64_t t = rr[j];
+        rr[j] = rr[j - 1];
+        rr[j - 1] = t;
+      }
+    r->median_rounds_per_time = (double)rr[(s->n - 1) / 2] / s->now;
+    free(rr);
+  }
   r->mean_wait = s->done_rounds ? s->waits / (double)s->done_rounds : 0;
   r->conflicts_per_k =
       st.groups_created ? 1000.0 * (double)st.conflicts / (double)st.groups_created : 0;
@@ -394,6 +408,7 @@ static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
   cfg.partner_wait_ms = p->partner_wait_ms;
   cfg.max_isolated = p->max_isolated;
   cfg.arrival_filter = p->arrival_filter;
+  cfg.speed_aware = p->speed_aware;
   cfg.period_max = p->period_max;
   cfg.seed = p->seed;
   sim s = {0};
@@ -446,23 +461,28 @@ static void report(const params *p, const char *pol, int sc, const result *r, in
     printf("%s\n {\"policy\":\"%s\",\"scenario\":\"%s\",\"workers\":%d,\"per_host\":%d,"
            "\"group_size\":%d,\"c_thres\":%d,\"exact_every\":%d,\"late_unfence\":%d,"
            "\"partner_wait_ms\":%d,\"max_isolated\":%d,\"arrival_filter\":%d,"
-           "\"period_max\":%d,"
+           "\"period_max\":%d,\"speed_aware\":%d,"
            "\"jitter\":%g,\"slow_factor\":%g,"
            "\"step_ms\":%g,\"rounds_per_worker_per_time\":%.5f,"
-           "\"slowest_rounds_per_time\":%.5f,\"mean_wait_per_round\":%.5f,"
+           "\"slowest_rounds_per_time\":%.5f,\"median_rounds_per_time\":%.5f,"
+           "\"mean_wait_per_round\":%.5f,"
            "\"conflicts_per_1000_groups\":%.2f,\"singleton_fraction\":%.4f,"
            "\"singleton_share_rounds\":%.4f,\"singleton_share_worst\":%.4f,"
            "\"singleton_run_max\":%u,\"pass_share_rounds\":%.4f,"
            "\"consensus_time_1e3\":%.3f,\"consensus_time_1e6\":%.3f,\"sim_time\":%.2f}",
            first ? "" : ",", pol, sc_names[sc], p->workers, p->per_host, p->group_size,
            p->c_thres, p->exact_every, p->late_unfence, p->partner_wait_ms, p->max_isolated,
-           p->arrival_filter, p->period_max, p->jitter, p->slow_factor, p->step_ms,
-           r->rounds_per_time, r->slowest_rounds_per_time, r->mean_wait, r->conflicts_per_k,
+           p->arrival_filter, p->period_max, p->speed_aware, p->jitter, p->slow_factor, p->step_ms,
+           r->rounds_per_time, r->slowest_rounds_per_time, r->median_rounds_per_time,
+           r->mean_wait, r->conflicts_per_k,
            r->singleton_frac, r->single_share, r->single_worst, r->run_max, r->pass_share,
            r->t_1e3, r->t_1e6, r->sim_time);
   else
-    printf("%-9s %-7s %6d %10.4f %10.4f %9.4f %9.2f %8.4f %7.4f %7.4f %4u %6.4f %9.2f %9.2f\n",
+    printf("%-9s %-7s %6d %10.4f %10.4f %6.2f %9.4f %9.2f %8.4f %7.4f %7.4f %4u %6.4f %9.2f "
+           "%9.2f\n",
            pol, sc_names[sc], p->workers, r->rounds_per_time, r->slowest_rounds_per_time,
+           r->slowest_rounds_per_time > 0 ? r->median_rounds_per_time / r->slowest_rounds_per_time
+                                          : 0,
            r->mean_wait, r->conflicts_per_k, r->singleton_frac, r->single_share,
            r->single_worst, r->run_max, r->pass_share, r->t_1e3, r->t_1e6);
   fflush(stdout);
@@ -470,13 +490,13 @@ static void report(const params *p, const char *pol, int sc, const result *r, in
     fprintf(stderr,
             "  gg: requests %llu deferred %llu wait_expired %llu isolation_holds %llu "
             "joins %llu late %llu filtered %llu cancelled %llu passes %llu period_drops %llu "
-            "period %u\n",
+            "period %u late_dropped %llu\n",
             (unsigned long long)r->gg.requests, (unsigned long long)r->gg.deferred,
             (unsigned long long)r->gg.wait_expired, (unsigned long long)r->gg.isolation_holds,
             (unsigned long long)r->gg.joins, (unsigned long long)r->gg.late,
             (unsigned long long)r->gg.filtered, (unsigned long long)r->gg.groups_cancelled,
             (unsigned long long)r->gg.passes, (unsigned long long)r->gg.period_drops,
-            (unsigned)r->gg.period);
+            (unsigned)r->gg.period, (unsigned long long)r->gg.late_dropped);
 }
 
 static void usage(void) {
@@ -487,7 +507,7 @@ static void usage(void) {
           "[--jitter J] [--slow-factor F] "
           "[--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS] "
           "[--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] "
-          "[--period-max P] [--old-policy] [--json] [--gg-stats]\n"
+          "[--speed-aware 0|-1] [--period-max P] [--old-policy] [--json] [--gg-stats]\n"
           "  --old-policy = --partner-wait-ms -1 --max-isolated -1 --arrival-filter -1 "
           "--period-max 1 --late-unfence (the first implementation)\n");
 }
@@ -517,6 +537,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--partner-wait-ms")) p.partner_wait_ms = atoi(v), i++;
     else if (!strcmp(a, "--max-isolated")) p.max_isolated = atoi(v), i++;
     else if (!strcmp(a, "--arrival-filter")) p.arrival_filter = atoi(v), i++;
+    else if (!strcmp(a, "--speed-aware")) p.speed_aware = atoi(v), i++;
     else if (!strcmp(a, "--period-max")) p.period_max = atoi(v), i++;
     else if (!strcmp(a, "--late-unfence")) p.late_unfence = 1;
     else if (!strcmp(a, "--old-policy")) {
@@ -540,8 +561,8 @@ int main(int argc, char **argv) {
   int first = 1;
   if (p.json) printf("[");
   else
-    printf("%-9s %-7s %6s %10s %10s %9s %9s %8s %7s %7s %4s %6s %9s %9s\n", "policy", "scen",
-           "n", "rnd/w/t", "slowest", "wait/rnd", "confl/1k", "single", "1/rnd", "worst1", "run",
+    printf("%-9s %-7s %6s %10s %10s %6s %9s %9s %8s %7s %7s %4s %6s %9s %9s\n", "policy",
+           "scen", "n", "rnd/w/t", "slowest", "med/sl", "wait/rnd", "confl/1k", "single", "1/rnd", "worst1", "run",
            "pass", "t(1e-3)", "t(1e-6)");
   for (size_t pi = 0; pi < sizeof pols / sizeof *pols; pi++) {
     if (strcmp(policy, "all") && strcmp(policy, pols[pi])) continue;

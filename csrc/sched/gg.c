@@ -65,6 +65,18 @@ enum { G_PENDING = 0, G_HANDED = 1, G_CANCELLED = 2 };
  * cores, 5 ms steps), and every false alarm costs period_max steps of averaging. */
 #define GG_BEHIND 2.0
 #define GG_OVERDUE 4.0
+/* Speed-aware admission (smart): a division admits an idle, computing worker only if it is
+ * expected to ask within the arrival window -- GG_WINDOW_STEP of the bulk's compute step plus
+ * GG_WINDOW_SPREAD median deviations of the workers' steps, never more than one bulk step. The
+ * window is the fast workers' own: a straggler computing is never waited for; it joins a group
+ * once it is ready (waiting), which makes nobody wait. */
+#define GG_WINDOW_STEP 0.5
+#define GG_WINDOW_SPREAD 2.0
+/* A pending smart group whose members have not all asked by this many arrival windows after it
+ * was generated (or the partner wait, if longer) drops its late members, as long as two of its
+ * members are waiting: an arrival predicted wrongly (a worker slowed just now) costs the fast
+ * members a bounded wait, not the straggler's step. */
+#define GG_EVICT_WINDOWS 2.0
 
 typedef struct gg_group {
   uint64_t id;
@@ -75,6 +87,7 @@ typedef struct gg_group {
   uint8_t state;
   uint8_t phase;
   uint8_t heads;
+  double deadline;             /* smart: late members are dropped after it (< 0: never) */
   struct gg_group *prev, *next; /* pending list, generation order */
   int members[];               /* sorted */
 } gg_group;
@@ -102,6 +115,8 @@ typedef struct gg_worker {
   uint32_t since;              /* requests passed since its last group of two or more */
   double free_at;              /* clock when it last left the GG (done, pass), < 0 unknown */
   double comp;                 /* EWMA of free_at -> next request: its compute alone, 0 = unknown */
+  uint8_t late;                /* dropped from a group for lateness: admitted again only once
+                                  it asks (speed_aware) */
   uint64_t passes;
   gg_group **buf;
   int blen, bcap;
@@ -126,6 +141,7 @@ struct rpl_gg {
   double partner_wait;         /* seconds; 0 = adaptive, negative = never wait */
   int max_isolated;            /* negative = no bound */
   int arrival_filter;
+  int speed_aware;             /* smart: the arrival window and late members dropped (below) */
   int period_max;              /* 1 = no adaptive period */
   int period;                  /* the adaptive period now */
   int calm;                    /* requests in a row that found the job calm */
@@ -146,6 +162,9 @@ struct rpl_gg {
   uint64_t *scratch_c;         /* [n], for bulk_refresh */
   uint64_t c_med;              /* the bulk's count and step (bulk_refresh) while !c_dirty */
   double pace_med;
+  double comp_med, comp_mad;   /* median compute step of the live workers and its median
+                                  absolute deviation, 0 = unknown (bulk_refresh) */
+  double iv_med;               /* median step from a group handed to the next request */
   int c_dirty;
   int *host_cnt;               /* [hosts + 1] */
   rpl_gg_stats st;
@@ -295,6 +314,7 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   gg->partner_wait = cfg->partner_wait_ms < 0 ? -1.0 : cfg->partner_wait_ms / 1000.0;
   gg->max_isolated = cfg->max_isolated ? cfg->max_isolated : RPL_GG_DEFAULT_MAX_ISOLATED;
   gg->arrival_filter = cfg->arrival_filter >= 0;
+  gg->speed_aware = cfg->speed_aware >= 0;
   gg->period_max = cfg->period_max == 0 ? RPL_GG_DEFAULT_PERIOD_MAX
                    : cfg->period_max < 1 ? 1 : cfg->period_max;
   if (gg->policy == RPL_POLICY_STATIC) gg->period_max = 1; /* a fixed schedule, no coordinator */
@@ -391,6 +411,8 @@ static void undefer(rpl_gg *gg, int w) {
 }
 
 static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err);
+static double arrival_window(rpl_gg *gg);
+static double partner_wait(rpl_gg *gg);
 
 /* Creates a group from members[0..n) (any order; sorted here), appends it to every member's
  * buffer and the pending list. */
@@ -406,6 +428,12 @@ static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase 
   g->cap = cap;
   g->phase = (uint8_t)phase;
   g->heads = (uint8_t)heads;
+  g->deadline = -1.0;
+  if (gg->policy == RPL_POLICY_SMART && gg->speed_aware && gg->arrival_filter && n > 2) {
+    double window = arrival_window(gg), wait = partner_wait(gg);
+    if (window > 0) g->deadline = gg->now + (GG_EVICT_WINDOWS * window > wait
+                                             ? GG_EVICT_WINDOWS * window : wait);
+  }
   memcpy(g->members, members, sizeof(int) * (size_t)n);
   rpl_sort_ints(g->members, n);
   int conflict = 0;
@@ -490,6 +518,48 @@ static rpl_status group_cancel(rpl_gg *gg, gg_group *g, int culprit, rpl_reason 
   trace_group(gg, RPL_TRACE_CANCELLED, g, culprit, 0);
   g->refs--;
   group_maybe_free(g);
+  return st;
+}
+
+/* Whether member x of g is waiting with g at the head of its buffer, unlocked: ready to go. */
+static int arrived_for(const gg_worker *x, const gg_group *g) {
+  return x->waiting && x->blen > 0 && x->buf[0] == g && !x->locked;
+}
+
+/* Smart groups past their deadline drop the members that have not asked, if two or more have:
+ * the admission predicted their arrivals within the arrival window, and a prediction that
+ * failed (a worker slowed just now) must cost the others a bounded wait. A group with fewer
+ * than two members waiting keeps everyone (dropping would leave a group of one). The dropped
+ * members' buffers lose the group and nothing else, so every order still holds; they are served
+ * afresh when they ask. */
+static rpl_status evict_late(rpl_gg *gg, rpl_error *err) {
+  rpl_status st = RPL_OK;
+  gg_group *g = gg->pend_head;
+  while (g && st == RPL_OK) {
+    gg_group *next = g->next;
+    if (g->deadline >= 0 && g->deadline <= gg->now) {
+      int arrived = 0;
+      for (int i = 0; i < g->n; i++) arrived += arrived_for(&gg->w[g->members[i]], g);
+      if (arrived >= 2 && arrived < g->n) {
+        int k = 0;
+        for (int i = 0; i < g->n; i++) {
+          int m = g->members[i];
+          if (arrived_for(&gg->w[m], g)) {
+            g->members[k++] = m;
+          } else {
+            buf_remove(&gg->w[m], g);
+            gg->w[m].late = 1;
+            gg->st.late_dropped++;
+          }
+        }
+        g->n = k; /* still sorted */
+        g->deadline = -1.0;
+        trace_group(gg, RPL_TRACE_DROPPED, g, -1, 0);
+        st = try_hand(gg, g, err); /* every member left is waiting: handed now */
+      }
+    }
+    g = next;
+  }
   return st;
 }
 
@@ -580,24 +650,71 @@ static uint64_t lower_median(uint64_t *a, int k) {
   return a[want];
 }
 
-/* Where the bulk of the job is: the lower medians of the request counts and of the measured
- * steps (pace, 0 = unknown) of the workers not gone. Recomputed when a count, a step or the set
- * of workers changed (O(n) selections). */
+static int in_job(const gg_worker *x) {
+  return x->state == RPL_WORKER_LIVE || x->state == RPL_WORKER_FENCED;
+}
+
+/* Lower median of the non-negative doubles a[0..k) (as bit patterns: non-negative doubles
+ * order as their bits), 0 if k == 0. Reorders a. */
+static double median_bits(uint64_t *a, int k) {
+  if (k <= 0) return 0;
+  uint64_t bits = lower_median(a, k);
+  double d;
+  memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+/* Where the bulk of the job is: the lower medians of the request counts, of the long step
+ * averages (pace) and of the compute steps (comp, with its median absolute deviation) and
+ * handed -> request steps (iv) of the workers not gone; unknown steps (0) are left out of the
+ * step medians. Recomputed when a count, a step or the set of workers changed (O(n)
+ * selections). */
 static void bulk_refresh(rpl_gg *gg) {
   if (!gg->c_dirty) return;
   uint64_t *a = gg->scratch_c;
   int k = 0;
   for (int r = 0; r < gg->n; r++)
-    if (gg->w[r].state == RPL_WORKER_LIVE || gg->w[r].state == RPL_WORKER_FENCED)
-      a[k++] = gg->w[r].c;
+    if (in_job(&gg->w[r])) a[k++] = gg->w[r].c;
   gg->c_med = k > 0 ? lower_median(a, k) : 0;
   k = 0;
-  for (int r = 0; r < gg->n; r++) /* non-negative doubles order as their bit patterns */
-    if (gg->w[r].state == RPL_WORKER_LIVE || gg->w[r].state == RPL_WORKER_FENCED)
-      memcpy(&a[k++], &gg->w[r].pace, sizeof(double));
-  uint64_t bits = k > 0 ? lower_median(a, k) : 0;
-  memcpy(&gg->pace_med, &bits, sizeof(double));
+  for (int r = 0; r < gg->n; r++)
+    if (in_job(&gg->w[r])) memcpy(&a[k++], &gg->w[r].pace, sizeof(double));
+  gg->pace_med = median_bits(a, k);
+  k = 0;
+  for (int r = 0; r < gg->n; r++)
+    if (in_job(&gg->w[r]) && gg->w[r].comp > 0) memcpy(&a[k++], &gg->w[r].comp, sizeof(double));
+  gg->comp_med = median_bits(a, k);
+  k = 0;
+  for (int r = 0; r < gg->n; r++) {
+    if (!in_job(&gg->w[r]) || gg->w[r].comp <= 0) continue;
+    double dev = gg->w[r].comp - gg->comp_med;
+    if (dev < 0) dev = -dev;
+    memcpy(&a[k++], &dev, sizeof(double));
+  }
+  gg->comp_mad = median_bits(a, k);
+  k = 0;
+  for (int r = 0; r < gg->n; r++)
+    if (in_job(&gg->w[r]) && gg->w[r].iv > 0) memcpy(&a[k++], &gg->w[r].iv, sizeof(double));
+  gg->iv_med = median_bits(a, k);
   gg->c_dirty = 0;
+}
+
+/* The arrival window (seconds, see GG_WINDOW_*), or a negative value while no compute step is
+ * measured. */
+static double arrival_window(rpl_gg *gg) {
+  bulk_refresh(gg);
+  double m = gg->comp_med;
+  if (m <= 0) return -1.0;
+  double w = GG_WINDOW_STEP * m + GG_WINDOW_SPREAD * gg->comp_mad;
+  if (w > m) w = m;
+  return w < RPL_GG_MIN_PARTNER_WAIT ? RPL_GG_MIN_PARTNER_WAIT : w;
+}
+
+/* When idle x is expected to ask (GG clock), from its compute step measured since it last left
+ * the GG; a negative value if unknown. */
+static double expected_arrival(const gg_worker *x) {
+  if (x->comp <= 0 || x->free_at < 0 || x->free_at < x->handed_at) return -1.0;
+  return x->free_at + x->comp;
 }
 
 /* Slowdown filter (paper 5.3): x is far behind the initiator i -- and, beyond the paper, far
@@ -610,18 +727,30 @@ static int filtered_out(rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
   if (gg->c_thres < 0 || i->c <= x->c || i->c - x->c < (uint64_t)gg->c_thres) return 0;
   bulk_refresh(gg);
   if (gg->c_med <= x->c || gg->c_med - x->c < (uint64_t)gg->c_thres) return 0;
+  /* Speed is what a worker computes between rounds (not its waits, nor the reductions). */
+  if (gg->speed_aware && x->comp > 0 && gg->comp_med > 0)
+    return x->comp > GG_SLOWER * gg->comp_med;
   if (x->pace <= 0 || gg->pace_med <= 0) return 1; /* no clock: counts alone */
   return x->pace > GG_SLOWER * gg->pace_med;
 }
 
-static double partner_wait(const rpl_gg *gg);
+static double partner_wait(rpl_gg *gg);
 
-/* Arrival filter: an idle worker not expected to ask within one step of the initiator (or
- * the partner wait, if longer) would make the initiator's group wait for it -- a straggler
- * computing. A slow initiator still takes fast workers in. Unknown intervals never exclude. */
-static int not_due(const rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
-  if (!gg->arrival_filter || x->iv <= 0 || x->handed_at < 0) return 0;
-  double window = partner_wait(gg);
+/* Arrival filter: an idle worker not expected to ask within the arrival window would make
+ * the initiator's group wait for it -- a straggler computing. The window is the bulk's (see
+ * GG_WINDOW_*), the same for every initiator: it does not grow with the coordinator's round
+ * trip or with the straggler's own steps, which is what let a job settle into lockstep with a
+ * straggler (everyone waited for it, so it never fell behind in requests and its arrivals
+ * looked due). Before compute steps are measured: the old estimate (group handed -> next
+ * request, within the partner wait or the initiator's step). Unknown intervals never exclude. */
+static int not_due(rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
+  if (!gg->arrival_filter) return 0;
+  if (gg->speed_aware && x->late) return 1;
+  double eta = gg->speed_aware ? expected_arrival(x) : -1.0;
+  double window = gg->speed_aware ? arrival_window(gg) : -1.0;
+  if (eta >= 0 && window > 0) return eta - gg->now > window;
+  if (x->iv <= 0 || x->handed_at < 0) return 0;
+  window = partner_wait(gg);
   if (i->iv > window) window = i->iv;
   return x->handed_at + x->iv - gg->now > window;
 }
@@ -746,6 +875,7 @@ static rpl_status request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *e
   g->n = n;
   g->cap = n;
   g->phase = RPL_PHASE_STATIC;
+  g->deadline = -1.0;
   memcpy(g->members, m, sizeof(int) * (size_t)n);
   if (buf_push(me, g) != 0) {
     free(g);
@@ -763,9 +893,13 @@ static rpl_status request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *e
 
 /* ---- partners: the bounded wait and the isolation bound (see the top) ------------------------ */
 
-static double partner_wait(const rpl_gg *gg) {
+/* The partner wait: about one step of the bulk (the median worker's group handed -> next
+ * request), not the mean over requests, which a straggler in lockstep drags towards its own. */
+static double partner_wait(rpl_gg *gg) {
   if (gg->partner_wait > 0) return gg->partner_wait;
-  double w = gg->interval > 0 ? 1.5 * gg->interval : RPL_GG_FIRST_PARTNER_WAIT;
+  bulk_refresh(gg);
+  double base = gg->speed_aware && gg->iv_med > 0 ? gg->iv_med : gg->interval;
+  double w = base > 0 ? 1.5 * base : RPL_GG_FIRST_PARTNER_WAIT;
   return w < RPL_GG_MIN_PARTNER_WAIT ? RPL_GG_MIN_PARTNER_WAIT
                                      : w > RPL_GG_MAX_PARTNER_WAIT ? RPL_GG_MAX_PARTNER_WAIT : w;
 }
@@ -779,6 +913,19 @@ static int available(rpl_gg *gg, int w, int widen) {
   if (gg->policy == RPL_POLICY_SMART) return division_participants(gg, w, widen, NULL, NULL);
   int others = gg->nlive - (gg->w[w].state == RPL_WORKER_LIVE ? 1 : 0);
   return 1 + (others < gg->group_size - 1 ? others : gg->group_size - 1);
+}
+
+/* Whether x (live, smart) is worth waiting for, at most `wait`: a worker of the bulk's speed
+ * (or of unknown speed) is, it asks about one bulk step from now at most; a straggler is only if
+ * it is computing and expected within the wait -- waiting for it otherwise is the lockstep the
+ * arrival window avoids. */
+static int arrives_within(rpl_gg *gg, const gg_worker *x, double wait) {
+  if (!gg->speed_aware) return 1;
+  bulk_refresh(gg);
+  if (x->late) return 0;
+  if (x->comp <= 0 || gg->comp_med <= 0 || x->comp <= GG_SLOWER * gg->comp_med) return 1;
+  double eta = worker_idle(x) ? expected_arrival(x) : -1.0;
+  return eta >= 0 && eta - gg->now <= wait;
 }
 
 /* Whether a worker w could group with is about to become available and is not far behind w:
@@ -796,7 +943,8 @@ static int others_coming(rpl_gg *gg, int w, int widen) {
     int soon = (x->state == RPL_WORKER_FENCED && x->fenced_at <= me->unfenced_at &&
                 gg->now - me->unfenced_at < partner_wait(gg)) ||
                (gg->policy == RPL_POLICY_SMART && x->state == RPL_WORKER_LIVE &&
-                (!worker_idle(x) || not_due(gg, me, x))); /* the idle and due are in already */
+                (!worker_idle(x) || not_due(gg, me, x)) && /* the idle and due are in already */
+                arrives_within(gg, x, partner_wait(gg)));
     if (soon && (widen || !filtered_out(gg, me, x))) return 1;
   }
   return 0;
@@ -896,7 +1044,8 @@ static rpl_status serve_deferred(rpl_gg *gg, rpl_error *err) {
 
 rpl_status rpl_gg_advance(rpl_gg *gg, double now, rpl_error *err) {
   if (now > gg->now) gg->now = now;
-  return serve_deferred(gg, err);
+  rpl_status st = evict_late(gg, err);
+  return st != RPL_OK ? st : serve_deferred(gg, err);
 }
 
 double rpl_gg_next_deadline(const rpl_gg *gg) {
@@ -905,6 +1054,10 @@ double rpl_gg_next_deadline(const rpl_gg *gg) {
     double d = gg->w[gg->dq[i]].deadline;
     if (next < 0 || d < next) next = d;
   }
+  /* Pending groups' deadlines still ahead (one passed acts at the next event instead: the
+   * caller must not be woken again and again for a group waiting for its second member). */
+  for (const gg_group *g = gg->pend_head; g; g = g->next)
+    if (g->deadline > gg->now && (next < 0 || g->deadline < next)) next = g->deadline;
   return next;
 }
 
@@ -925,8 +1078,10 @@ static void set_state(rpl_gg *gg, gg_worker *w, rpl_worker_state s) {
   gg->c_dirty = 1; /* the bulk's median is over the workers not gone */
 }
 
-/* Every event may change who is available to the deferred requests: re-check them. */
+/* Every event may change who is available to the deferred requests: re-check them; and a
+ * request may be the second arrival of a group past its deadline. */
 static rpl_status settle(rpl_gg *gg, rpl_status st, rpl_error *err) {
+  if (st == RPL_OK && gg->speed_aware) st = evict_late(gg, err);
   if (st != RPL_OK || gg->dq_len == 0) return st;
   return serve_deferred(gg, err);
 }
@@ -989,6 +1144,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
   if (me->state == RPL_WORKER_FENCED) me->unfenced_at = gg->now;
   if (me->state != RPL_WORKER_LIVE) set_state(gg, me, RPL_WORKER_LIVE);
   if (me->waiting && me->waiting_round == round) return RPL_OK; /* a repeat */
+  me->late = 0;
   if (me->locked) {
     me->locked = 0; /* asking again means the previous group is over */
     gg->st.implicit_dones++;

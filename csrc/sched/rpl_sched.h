@@ -103,7 +103,9 @@ typedef enum {
   RPL_TRACE_HANDED = 2,    /* every member asked for it: handed to all members at once */
   RPL_TRACE_CANCELLED = 3, /* cancelled before it was handed */
   RPL_TRACE_DIVISION = 4,  /* a Global Division starts (members = its participants) */
-  RPL_TRACE_JOINED = 5     /* an isolated worker (initiator) joined a pending group */
+  RPL_TRACE_JOINED = 5,    /* an isolated worker (initiator) joined a pending group */
+  RPL_TRACE_DROPPED = 6    /* smart: members late past the group's deadline were dropped
+                              (members = those left, all waiting; handed next) */
 } rpl_trace_kind;
 
 typedef enum {
@@ -148,6 +150,16 @@ typedef struct rpl_gg_config {
    * waits for a straggler; it is taken in once it asks. 0 = on, negative = off (the paper's
    * division: every idle worker that passes the slowdown filter). Needs the clock. */
   int arrival_filter;
+  /* smart, beyond the paper: speed-aware matchmaking (csrc/sched/README.md). The arrival
+   * filter's window is the bulk's compute step (median and spread of the workers' measured
+   * compute steps, leaving the GG -> asking again), the partner wait the median worker's step,
+   * the slowdown filter's speed the compute step; and a pending group whose members have not
+   * all asked by its deadline (from the same window) drops the late ones when two or more are
+   * waiting. A straggler joins faster workers' groups when it is ready and is never waited for
+   * beyond that bound, at any step length. 0 = on, negative = off (the previous estimates:
+   * group handed -> next request, within the partner wait; kept to reproduce the lockstep a
+   * straggler could hold the job in at short steps, benchmarks/gg_sim.md). */
+  int speed_aware;
   /* Adaptive period (random, smart, adpsgd; not static): while every live worker keeps the
    * bulk's pace -- its compute step (leaving the GG -> asking again) within 2x the median,
    * none computing for 4 median steps -- for one request of each, a worker averages only
@@ -272,6 +284,8 @@ typedef struct rpl_gg_stats {
   uint64_t passes;             /* requests answered with PASS by the adaptive period */
   uint64_t period_drops;       /* times the period fell back to 1 (a worker fell behind) */
   uint32_t period;             /* the adaptive period now (1 = every request averages) */
+  uint64_t late_dropped;       /* smart: members dropped from a pending group past its
+                                  deadline (speed_aware) */
 } rpl_gg_stats;
 
 void rpl_gg_get_stats(const rpl_gg *gg, rpl_gg_stats *out);
