@@ -50,6 +50,25 @@ def test_spread_counts_not_reached_as_late():
     assert b.spread([None], False) is None
 
 
+def test_time_to_target_interpolates_between_evaluations():
+    b = bench()
+    t = [0.0, 1.0, 2.0, 3.0]
+    assert b.time_to_target(t, [1.0, 0.8, 0.5, 0.2], 0.5) == 2.0  # exactly at an evaluation
+    assert b.time_to_target(t, [1.0, 0.8, 0.6, 0.2], 0.5) == pytest.approx(2.25)
+    assert b.time_to_target(t, [0.4, 0.3, 0.2, 0.1], 0.5) == 0.0  # there from the start
+    assert b.time_to_target(t, [1.0, 0.9, 0.8, 0.7], 0.5) is None  # never reached
+    assert b.time_to_target(t, [1.0, 0.9, 0.8, 0.7], None) is None  # no target
+    # not monotone: the first crossing counts, not a later one after a rise
+    assert b.time_to_target(t, [1.0, 0.4, 0.9, 0.3], 0.5) == pytest.approx(5 / 6)
+    # a rise back above the target after it was reached changes nothing
+    assert b.time_to_target(t, [1.0, 0.5, 0.9, 0.8], 0.5) == 1.0
+    # accuracy-like curves: at or above
+    assert b.time_to_target(t, [0.1, 0.5, 0.9, 1.0], 0.8, above=True) == pytest.approx(1.75)
+    # evaluations without a value are skipped: the line runs between the neighbours
+    assert b.time_to_target(t, [1.0, None, float("nan"), 0.0], 0.5) == pytest.approx(1.5)
+    assert b.time_to_target([], [], 0.5) is None
+
+
 def _run(strategy, steps, avg_losses, own_losses, slow_losses, error=None):
     """A made-up result of 3 workers: rank 0's snapshots (with the averaged model's loss)
     and rank 2's, one snapshot a second."""
@@ -77,9 +96,13 @@ def test_metrics_follow_the_averaged_model_and_the_slowest_worker():
                [1.0, 0.9, 0.8, 0.45])
     m = b.metrics(res, cfg, 3)
     assert m["slowest_rank"] == 2
-    assert m["time_to_loss_avg"] == 2.1  # the averaged model's time, not rank 0's
-    assert m["time_to_loss_r0"] == 1.0 and m["steps_to_loss_r0"] == 10
-    assert m["time_to_loss_slowest"] == 3.0
+    # the averaged model's time, not rank 0's: 0.6 at 1.1 s, 0.4 at 2.1 s -> 0.5 at 1.6 s
+    assert m["time_to_loss_avg"] == pytest.approx(1.6)
+    assert m["time_to_loss_avg_snapshot"] == 2.1  # the first snapshot at the target
+    # rank 0: 1.0 at 0 s (step 0), 0.4 at 1 s (step 10)
+    assert m["time_to_loss_r0"] == pytest.approx(5 / 6)
+    assert m["steps_to_loss_r0"] == pytest.approx(50 / 6)
+    assert m["time_to_loss_slowest"] == pytest.approx(2 + 0.3 / 0.35)
     assert m["time_to_acc_avg"] is None  # no accuracy target
     assert m["consensus_max"] == 0.03 and m["consensus"] == 0.02
     assert m["singleton_share_max"] == 0.5 and m["singleton_share_mean"] == 0.25
@@ -92,9 +115,10 @@ def test_cells_report_median_and_range_and_both_ratios():
     b = bench()
     cfg = {"loss_key": "loss", "target_loss": 0.5, "target_acc": None, "time_limit": 10.0}
     runs = []
-    for rep, reach in enumerate([(0.4, 0.4), (0.6, 0.4), (0.6, 0.6)]):
-        for st, losses in (("gloo", [1, 1, 1, 0.4]), ("exact", [1, 1, 0.4, 0.3]),
-                           ("smart", [1, *reach, 0.3])):
+    # every crossing exactly at a snapshot (0.5): times 1.1, 2.1 or 3.1 s
+    for rep, reach in enumerate([(0.5, 0.4), (0.6, 0.5), (0.6, 0.6)]):
+        for st, losses in (("gloo", [1, 1, 1, 0.5]), ("exact", [1, 1, 0.5, 0.3]),
+                           ("smart", [1, *reach, 0.5])):
             r = _run(st, [30, 30, 30], losses, losses, losses)
             r.update(workload="w", scenario="s", repeat=rep)
             r["metrics"] = b.metrics(r, cfg, 3)
