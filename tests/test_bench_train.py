@@ -140,6 +140,89 @@ def test_cells_report_median_and_range_and_both_ratios():
     assert "FAILED: exit status 1" in md and "2.1 [1.1..3.1]" in md
 
 
+def test_scenarios_slow3_and_short_steps_parse():
+    b = bench()
+    a = b.parse_args(["--workloads", "cnn,tiny", "--scenarios", "slow3,short5",
+                      "--pause-ms", "2,5.5", "--strategies", "exact,smart"])
+    assert a.plan["tiny"]["scenarios"] == ["slow3", "short5-2ms", "short5-5.5ms"]
+    assert b.straggler_spec("slow3", 4) == "3:3"
+    assert b.straggler_spec("short5-5.5ms", 4) == "3:5"
+    assert b.scenario_parts("short5-5.5ms") == ("short5", 5.5)
+    assert b.scenario_parts("slow5") == ("slow5", None)
+    assert "P = 5.5 ms" in b.scenario_description("short5-5.5ms")
+    # one instance named directly; the default pauses otherwise
+    assert b.parse_args(["--workloads", "tiny", "--scenarios", "short5-3ms"]).plan["tiny"][
+        "scenarios"] == ["short5-3ms"]
+    d = b.parse_args(["--workloads", "tiny"])
+    assert d.plan["tiny"]["scenarios"] == [f"short5-{x:g}ms" for x in b.DEFAULT_PAUSES_MS]
+    assert d.plan["tiny"]["repeats"] == 3 and d.plan["tiny"]["strategies"] == ["exact", "smart"]
+    # the headline workloads default to 3 repeats, slow5 and slow3 for the large Transformer
+    h = b.parse_args(["--workloads", "cnn,transformer-l"])
+    assert h.plan["cnn"]["repeats"] == 3 and h.plan["transformer-l"]["repeats"] == 3
+    assert h.plan["transformer-l"]["scenarios"] == ["slow5", "slow3"]
+    assert h.warmup_steps == "wrap"  # wrap()'s own default unless told
+    # about 0.3 s of the straggler's steps between time-limit agreements
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-10ms") == 6
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-100ms") == 2
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "slow3") == 20
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scenarios", "slow4"], "unknown scenario 'slow4'"),
+    (["--scenarios", "slow5-2ms"], "unknown scenario 'slow5-2ms'"),
+    (["--scenarios", "short5", "--pause-ms", "2,x"], "'x' is not a positive number"),
+    (["--scenarios", "short5", "--pause-ms", "0"], "'0' is not a positive number"),
+    (["--scenarios", "slow5", "--pause-ms", "2"], "--pause-ms applies to the short-step"),
+    (["--warmup-steps", "some"], "--warmup-steps must be 'wrap' or a number"),
+])
+def test_bad_options_say_what_is_wrong(argv, message, capsys):
+    b = bench()
+    with pytest.raises(SystemExit):
+        b.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_fast_and_slow_workers_step_rates():
+    """With a fixed straggler: the fast workers' rate against the straggler's, over the run
+    and after the warm-up (from the snapshots), and their groups of one."""
+    b = bench()
+    res = _run("smart", [30, 30, 6], [1.0, 0.6], [1.0, 0.6], [1.0, 0.6])
+    res["straggler"] = "2:5"
+    res["final"]["warmup_steps"] = 10
+    # rank 0: steps 0, 10, 20, 30 at 0..3 s; rank 2 (the straggler): steps 0, 2, 4, 6
+    res["snapshots"]["0"] = [{"time": float(k), "step": 10 * k} for k in range(4)]
+    res["snapshots"]["1"] = [{"time": float(k), "step": 10 * k} for k in range(4)]
+    res["snapshots"]["2"] = [{"time": float(k), "step": 2 * k} for k in range(4)]
+    m = b.metrics(res, {"loss_key": "loss", "target_loss": 0.5, "target_acc": None}, 3)
+    assert m["steps_per_s_fast"] == 10.0 and m["steps_per_s_slow"] == 2.0
+    assert m["rate_ratio"] == 5.0
+    assert m["steps_per_s_fast_post"] == 10.0  # from step 10 at 1 s to 30 at 3 s
+    assert m["steps_per_s_slow_post"] is None  # the straggler never got past the warm-up
+    assert m["singleton_share_fast_max"] == 0.5 and m["singleton_share_slow"] is None
+    # no fixed straggler: nothing to split
+    res["straggler"] = "p0.25:5"
+    m = b.metrics(res, {"loss_key": "loss", "target_loss": 0.5, "target_acc": None}, 3)
+    assert m["rate_ratio"] is None and m["singleton_share_fast_max"] is None
+
+
+def test_large_transformer_has_a_million_parameters_and_four_layers():
+    """transformer-l's arguments build the model the docs describe (no training)."""
+    b = bench()
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import train_digits
+        import workloads
+    finally:
+        sys.path.pop(0)
+    args = train_digits.parse_args(b.WORKLOADS["transformer-l"]["args"])
+    model = workloads.TinyGPT(args.width, args.layers, args.context)
+    assert len(model.blocks) == 4
+    assert sum(p.numel() for p in model.parameters()) >= 1_000_000
+    # the older, small one is unchanged (its results stay comparable)
+    small = train_digits.parse_args(b.WORKLOADS["transformer"]["args"])
+    assert (small.width, small.layers) == (64, 2)
+
+
 # ----------------------------------------------------------------------------- slow
 
 
