@@ -887,17 +887,34 @@ def md_table(head, body) -> list[str]:
                for row in body])
 
 
+def baselines(plan: dict) -> list:
+    """The baselines of the ratio columns that this plan runs (a column against a baseline
+    that was not run would say nothing)."""
+    return [b for b in BASELINES if b in plan["strategies"]]
+
+
+def fmt_time(s) -> str:
+    """A time to target: interpolated, so to the hundredth of a second."""
+    return fmt_spread(s, ".2f")
+
+
+def fmt_pct(cell, key) -> str:
+    return fmt_spread(None if cell is None else cell.get(key), ".0f", 100)
+
+
 def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
     """One row per strategy of one (workload, scenario)."""
     tgt = f"{loss_name(cfg)} {cfg['target_loss']:g}"
-    base = {b: cells.get((wl, sc, b)) for b in BASELINES}
+    bases = baselines(plan)
+    base = {b: cells.get((wl, sc, b)) for b in bases}
     lim = cfg["time_limit"]
     acc = cfg["target_acc"] is not None
-    head = ["strategy", f"avg model: time to {tgt} (s)", "x gloo", "x exact",
-            "rank 0: time (s)", "slowest worker: time (s)"]
+    head = (["strategy", f"avg model: time to {tgt} (s)"] + [f"x {b}" for b in bases]
+            + ["rank 0: time (s)", "slowest worker: time (s)"])
     if acc:
-        head += [f"avg model: time to {cfg['target_acc']:.0%} acc (s)", "x gloo (acc)",
-                 "all workers at acc (s)"]
+        head += [f"avg model: time to {cfg['target_acc']:.0%} acc (s)"]
+        head += [f"x {b} (acc)" for b in bases[:1]]
+        head += ["all workers at acc (s)"]
     head += ["steps/s per worker (rank 0..)", "comm+wait % (rank 0)",
              "groups of one % (max / mean)", "longest run of ones", "passed %",
              "consensus end (max over time)", "final acc", "final test loss", "launch s"]
@@ -910,16 +927,15 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
         if not finished(c):
             body.append([label, f"FAILED: {c['errors'][0]}"] + [""] * (len(head) - 2))
             continue
-        row = [label, fmt_spread(c["time_to_loss_avg"]),
-               speedup(c, base["gloo"], "time_to_loss_avg", lim),
-               speedup(c, base["exact"], "time_to_loss_avg", lim),
-               fmt_spread(c["time_to_loss_r0"]),
-               f"{fmt_spread(c['time_to_loss_slowest'])} (rank {c['slowest_rank']})"]
+        row = ([label, fmt_time(c["time_to_loss_avg"])]
+               + [speedup(c, base[b], "time_to_loss_avg", lim) for b in bases]
+               + [fmt_time(c["time_to_loss_r0"]),
+                  f"{fmt_time(c['time_to_loss_slowest'])} (rank {c['slowest_rank']})"])
         if acc:
-            row += [fmt_spread(c["time_to_acc_avg"]),
-                    speedup(c, base["gloo"], "time_to_acc_avg", lim),
-                    fmt_spread(c["time_to_acc_all"])]
-        row += [" ".join(f"{x:.0f}" for x in c["steps_per_s"] or []),
+            row += [fmt_time(c["time_to_acc_avg"])]
+            row += [speedup(c, base[b], "time_to_acc_avg", lim) for b in bases[:1]]
+            row += [fmt_time(c["time_to_acc_all"])]
+        row += [" ".join(f"{x:.3g}" for x in c["steps_per_s"] or []),
                 fmt_spread(c["comm_wait_frac"], ".0f", 100), fmt_share(c),
                 fmt(median(c, "singleton_run_max"), ".0f"),
                 fmt_spread(c.get("passed_share_mean"), ".0f", 100), fmt_consensus(c),
@@ -929,50 +945,104 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
     return md_table(head, body)
 
 
-def matrix(wl: str, plan: dict, cells: dict, cell_text) -> list[str]:
-    head = ["scenario"] + plan["strategies"]
-    body = [[sc] + [cell_text(cells.get((wl, sc, st)), sc) for st in plan["strategies"]]
-            for sc in plan["scenarios"]]
-    return md_table(head, body)
-
-
 def summary(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
-    """Scenario x strategy matrices: speedup of the averaged model to the target over both
-    all-reduce baselines, its final quality, and groups of one / consensus distance."""
+    """The headline table of a workload, one row per (scenario, strategy): the averaged
+    model's time to the target with its range over the repeats, the speedups over the
+    baselines that ran, and beside them whether the workers really averaged (groups of one,
+    consensus distance), the fast workers' step rate against the straggler's and the final
+    quality. A time without the last two would not say whether the workers averaged."""
     lim = cfg["time_limit"]
-
-    def ratios(c, sc):
-        return " / ".join(speedup(c, cells.get((wl, sc, b)), "time_to_loss_avg", lim)
-                          for b in BASELINES)
-
-    def quality(c, _):
-        if not finished(c):
-            return "failed"
-        if cfg["loss_key"] == "test_loss":
-            return fmt(median(c, "final_loss"), ".3f")
-        return fmt(median(c, "final_acc"), ".3f")
-
-    def isolation(c, _):
-        if not finished(c):
-            return "failed"
-        share = median(c, "singleton_share_max")
-        return (f"{fmt(None if share is None else 100 * share, '.0f')} / "
-                f"{fmt_consensus(c)}")
-
+    bases = baselines(plan)
     what = "validation loss" if cfg["loss_key"] == "test_loss" else "test accuracy"
-    return ([f"Time of the averaged model to {loss_name(cfg)} {cfg['target_loss']:g}, as a "
-             "speedup over DDP all-reduce on gloo / on the ripples backend (exact): median "
-             "time of the baseline / median time of the strategy (above 1: sooner; `-`: not "
-             f"reached in {lim:g} s; `>=N`: the baseline never reached it):", ""]
-            + matrix(wl, plan, cells, ratios)
-            + ["", f"Final {what} (exact average of all workers' models at the end, "
-               "median):", ""]
-            + matrix(wl, plan, cells, quality)
-            + ["", "Did the workers average? Groups of one in % of partial rounds (max over "
-               "ranks; `-`: no partial rounds) / consensus distance at the end (max over "
-               "workers of ||x_i - mean|| / ||mean||; 0: identical models) and, in brackets, "
-               "its maximum over time:", ""]
-            + matrix(wl, plan, cells, isolation) + [""])
+    head = (["scenario", "strategy",
+             f"avg model: time to {loss_name(cfg)} {cfg['target_loss']:g} (s)"]
+            + [f"x {b}" for b in bases]
+            + ["groups of one % (worst worker)", "consensus end (max over time)",
+               "steps/s fast / slow (ratio)", f"final {what}", "runs"])
+    body = []
+    for sc in plan["scenarios"]:
+        for st in plan["strategies"]:
+            c = cells.get((wl, sc, st))
+            if c is None:
+                continue
+            if not finished(c):
+                body.append([sc, st, f"FAILED: {c['errors'][0]}"] + [""] * (len(head) - 3))
+                continue
+            quality = c["final_loss"] if cfg["loss_key"] == "test_loss" else c["final_acc"]
+            runs = str(c["n"]) + (f" ({c['failed']} failed)" if c["failed"] else "")
+            body.append([sc, st, fmt_time(c["time_to_loss_avg"])]
+                        + [speedup(c, cells.get((wl, sc, b)), "time_to_loss_avg", lim)
+                           for b in bases]
+                        + [fmt_pct(c, "singleton_share_max"), fmt_consensus(c),
+                           fmt_rates(c), fmt_spread(quality, ".3f"), runs])
+    ratio = (" `x B` = median time of baseline B / median time of this strategy (above 1: "
+             "sooner; `>=N`: B never reached it, N = time limit / this time)."
+             if bases else "")
+    return ([f"Headline: the averaged model's time to {loss_name(cfg)} "
+             f"{cfg['target_loss']:g}, interpolated between snapshots, `median [min..max]` "
+             f"over the runs (`-`: not reached in {lim:g} s).{ratio} Beside every time: "
+             "groups of one in % of a worker's partial rounds (the worst worker; `-`: no "
+             "partial rounds), the consensus distance max_i ||x_i - mean|| / ||mean|| at the "
+             "end (in brackets its maximum over time; 0: identical models), and with a fixed "
+             "straggler the fast workers' steps/s (median over them) / the straggler's.", ""]
+            + md_table(head, body) + [""])
+
+
+def fmt_rates(cell) -> str:
+    """Fast workers' steps/s / the straggler's (their ratio), medians over the runs."""
+    fast, slow = median(cell, "steps_per_s_fast"), median(cell, "steps_per_s_slow")
+    if fast is None or slow is None:
+        return "-"
+    return f"{fast:.1f} / {slow:.1f} ({fmt_spread(cell.get('rate_ratio'), '.1f')}x)"
+
+
+def short_steps(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
+    """The short-step scenarios of a workload, one row per (pause, strategy): do the fast
+    workers run ahead of a 5x slower worker at every step length, and do they still average?
+    The criterion of issue 24: fast workers at >= 3x the straggler's step rate and in groups
+    of one in < 5 % of their rounds. The rates that decide it are those after the warm-up,
+    whose exact steps go at the straggler's pace under every strategy."""
+    head = ["scenario", "pause P (ms)", "strategy", "step of fast workers (ms)",
+            "steps/s fast / slow", "fast / slow", "fast / slow, whole run",
+            "groups of one % fast (worst)", "groups of one % slow",
+            "consensus end (max over time)",
+            f"avg model: time to {loss_name(cfg)} {cfg['target_loss']:g} (s)",
+            ">= 3x and < 5 %"]
+    body = []
+    for sc in plan["scenarios"]:
+        base, pause = scenario_parts(sc)
+        if pause is None:
+            continue
+        for st in plan["strategies"]:
+            c = cells.get((wl, sc, st))
+            if c is None:
+                continue
+            if not finished(c):
+                body.append([base, f"{pause:g}", st, f"FAILED: {c['errors'][0]}"]
+                            + [""] * (len(head) - 4))
+                continue
+            fast, slow = median(c, "steps_per_s_fast_post"), median(c, "steps_per_s_slow_post")
+            ratio, share = median(c, "rate_ratio_post"), median(c, "singleton_share_fast_max")
+            met = ("-" if ratio is None or share is None
+                   else "yes" if ratio >= 3 and share < 0.05 else "no")
+            body.append([base, f"{pause:g}", st, fmt(None if not fast else 1e3 / fast, ".1f"),
+                         f"{fmt(fast, '.0f')} / {fmt(slow, '.0f')}",
+                         fmt_spread(c.get("rate_ratio_post"), ".1f"),
+                         fmt_spread(c.get("rate_ratio"), ".1f"),
+                         fmt_pct(c, "singleton_share_fast_max"),
+                         fmt_pct(c, "singleton_share_slow"), fmt_consensus(c),
+                         fmt_time(c["time_to_loss_avg"]), met])
+    if not body:
+        return []
+    return (["Short steps: every worker pauses P ms after each step, the straggler 5 P; all "
+             "runs train for the same wall time. Step rates are steps per second of training "
+             "after the warm-up (between each worker's first snapshot past it and its last; "
+             "fast: median over the fast workers; medians over the runs), the ratio with its "
+             "`median [min..max]` over the runs, and the ratio over the whole run (warm-up "
+             "included) beside it. Groups of one of the fast workers: the largest share among "
+             "them. Last column: the fast workers ran at >= 3x the straggler's rate after the "
+             "warm-up and were in groups of one in < 5 % of their rounds (medians; `-`: no "
+             "partial rounds).", ""] + md_table(head, body) + [""])
 
 
 def plot(wl: str, sc: str, runs: list, cfg: dict, workers: int, path: str) -> None:
@@ -1066,6 +1136,7 @@ def report(args, out: dict) -> list[str]:
                    "of each worker's own model only, no averaged model; see the rank 0 "
                    "column.)", ""]
         md += summary(wl, plan, cells, cfg)
+        md += short_steps(wl, plan, cells, cfg)
         for sc in plan["scenarios"]:
             pause = scenario_parts(sc)[1]
             md += [f"### {wl} / {sc}: {scenario_description(sc)} (--straggler "

@@ -137,7 +137,18 @@ def test_cells_report_median_and_range_and_both_ratios():
     plan = {"scenarios": ["s"], "strategies": ["gloo", "exact", "smart", "static"],
             "repeats": 3}
     md = "\n".join(b.table("w", "s", plan, cells, cfg))
-    assert "FAILED: exit status 1" in md and "2.1 [1.1..3.1]" in md
+    assert "FAILED: exit status 1" in md and "2.10 [1.10..3.10]" in md
+    # the headline table: the time, both ratios, and beside them groups of one (worst
+    # worker, 50 %) and the consensus (0.02 at the end, 0.03 at most)
+    head = "\n".join(b.summary("w", plan, cells, cfg))
+    row = next(line for line in head.splitlines() if line.startswith("| s ") and " smart " in line)
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    assert cols[:5] == ["s", "smart", "2.10 [1.10..3.10]", "1.48", "1.00"], cols
+    assert cols[5] == "50" and cols[6] == "0.02 (0.03)", cols
+    # a baseline that did not run gets no ratio column
+    plan2 = dict(plan, strategies=["exact", "smart"])
+    assert "x gloo" not in "\n".join(b.summary("w", plan2, cells, cfg))
+    assert "x exact" in "\n".join(b.table("w", "s", plan2, cells, cfg))
 
 
 def test_scenarios_slow3_and_short_steps_parse():
@@ -326,3 +337,46 @@ def test_bench_train_quick(tmp_path):
         assert col in md, col
     for wl in plan:
         assert glob.glob(str(tmp_path / f"{wl}_slow5.png")), wl
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_train_slow3_and_short_steps_run(tmp_path):
+    """slow3 and a short-step scenario end to end, at a tiny size (2 workers, 1 s of
+    training): the pause reaches every worker, the straggler gets F x it, and the report has
+    the short-step table with the step rates, groups of one and consensus."""
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "train.py"), "--workloads", "tiny",
+           "--scenarios", "slow3,short5", "--pause-ms", "2", "--strategies", "smart",
+           "--workers", "2", "--repeats", "1", "--time-limit", "1", "--warmup-steps", "5",
+           "--no-progress", "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=280)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"did not finish in 280 s; stderr tail:\n{(e.stderr or b'')[-3000:]!r}")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
+    runs = {r["scenario"]: r for r in res["results"]}
+    assert set(runs) == {"slow3", "short5-2ms"}
+    for sc, r in runs.items():
+        assert not r.get("error"), r["error"]
+        fin, m = r["final"], r["metrics"]
+        assert min(fin["steps"]) > 0 and fin["warmup_steps"] == 5
+        _check_snapshots(r, 2)
+        assert m["steps_per_s_fast"] > 0 and m["steps_per_s_slow"] > 0 and m["rate_ratio"]
+        assert 0.0 <= m["singleton_share_fast_max"] <= 1.0
+        assert m["consensus"] is not None
+    slow3, short = runs["slow3"]["cmd"], runs["short5-2ms"]["cmd"]
+    assert slow3[slow3.index("--straggler") + 1] == "1:3" and "--pause-s" not in slow3
+    assert short[short.index("--straggler") + 1] == "1:5"
+    # every worker pauses 2 ms; the straggler's unit is the pause: 2 + 4 x 2 = 10 ms
+    assert short[short.index("--pause-s") + 1] == "0.002"
+    assert short[short.index("--step-s") + 1] == "0.002"
+    assert runs["short5-2ms"]["final"]["pause_s"] == 0.002
+    md = (tmp_path / "results.md").read_text()
+    assert "Short steps: every worker pauses P ms" in md and ">= 3x and < 5 %" in md
+    assert "steps/s fast / slow (ratio)" in md
