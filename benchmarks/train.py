@@ -1,5 +1,5 @@
 """Straggler benchmark: time to a target loss of several data-parallel strategies on the same
-model, data, seeds and worker count, under injected stragglers, for four workloads.
+model, data, seeds and worker count, under injected stragglers, for six workloads.
 
 Every (workload, scenario, strategy, repeat) is one torchrun launch of
 examples/train_digits.py (the runs go one after another, never at the same time; with
@@ -9,6 +9,10 @@ examples/train_digits.py (the runs go one after another, never at the same time;
     python benchmarks/train.py --quick --out /tmp/bench_train                 # CI smoke run
     python benchmarks/train.py --workloads cnn --scenarios slow5 --strategies gloo,exact,smart \\
         --repeats 3
+    python benchmarks/train.py --workloads cnn,transformer-l --scenarios slow5,slow3 \\
+        --strategies exact,smart --out benchmarks/results/train_headline     # headline
+    python benchmarks/train.py --workloads tiny --scenarios short5 --pause-ms 2,5,10,20,50 \\
+        --strategies exact,smart --out benchmarks/results/train_short_steps  # lockstep check
 
 Writes results.json, results.md (also printed on stdout) and one <workload>_<scenario>.png
 per pair (the averaged model's loss and the consensus distance against wall time, one line
@@ -24,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -62,18 +67,28 @@ BASELINES = ("gloo", "exact")
 SCENARIOS = {
     "none": ("no straggler", None),
     "slow2": ("one fixed worker (the last rank) 2x slower", "LAST:2"),
+    "slow3": ("one fixed worker (the last rank) 3x slower", "LAST:3"),
     "slow5": ("one fixed worker (the last rank) 5x slower", "LAST:5"),
     "prob2": ("every worker 2x slower with probability 1/n per step", "p1/W:2"),
     "prob5": ("every worker 5x slower with probability 1/n per step", "p1/W:5"),
     "stall": ("every worker stalls 18 step times at 2% of its steps (the blog's 1 s stall "
               "on a 55 ms step)", "p0.02:19"),
+    "short5": ("short steps: every worker pauses P ms after each step, the last rank 5 P",
+               "LAST:5"),
 }
+# Short-step scenarios: after each step every worker pauses P ms (--pause-ms; a stand-in for
+# a step that takes P ms: the tiny workload computes in a fraction of that) and the straggler
+# F x P. This is where averaging in lockstep shows: a partial round that waits for the slow
+# worker costs a whole slow step. One scenario instance per P, named <scenario>-<P>ms.
+PAUSED = ("short5",)
+DEFAULT_PAUSES_MS = (2.0, 5.0, 10.0, 20.0, 50.0)
 
 # name -> how it is trained and judged. "loss_key": the loss the target applies to ("loss":
 # on the training set, "test_loss": on held-out data); "target_acc" None: no accuracy target;
 # "sync_every": steps between the time-limit agreements of all-reduce and static (about
 # 0.3 s of synchronous training: sooner costs a global meeting, later overshoots the limit);
-# "repeats": runs per cell by default (the new workloads' cells are the headline ones).
+# "repeats": runs per cell by default (the headline cells get 3: a median and a range);
+# "strategies" (optional): the default strategies where not all of them.
 # The sizes and targets were chosen by measurement on 2 cores with 4 workers (train.md).
 WORKLOADS = {
     "digits": dict(
@@ -104,6 +119,24 @@ WORKLOADS = {
               "64", "--batch-size", "16", "--optimizer", "adamw", "--lr", "0.003"],
         loss_key="test_loss", target_loss=2.6, target_acc=None, time_limit=30.0,
         snapshot_every=1.0, sync_every=5, scenarios=["none", "slow5"], repeats=3),
+    "transformer-l": dict(
+        description="byte-level causal Transformer LM on Python's standard library: 4 "
+                    "pre-LayerNorm blocks, width 160 (5 heads), 64-byte context, batch 4, "
+                    "AdamW (1.33M parameters, 5.3 MB)",
+        args=["--workload", "transformer", "--width", "160", "--layers", "4", "--context",
+              "64", "--batch-size", "4", "--optimizer", "adamw", "--lr", "0.001"],
+        loss_key="test_loss", target_loss=2.75, target_acc=None, time_limit=30.0,
+        snapshot_every=1.5, sync_every=4, scenarios=["slow5", "slow3"], repeats=3,
+        strategies=["gloo", "exact", "smart"]),
+    "tiny": dict(
+        description="digits MLP, hidden 64, batch 16 (9k parameters): a step computes in a "
+                    "fraction of a millisecond, so the short-step scenarios' pause sets "
+                    "the step length",
+        args=["--workload", "digits", "--model", "mlp", "--hidden", "64", "--batch-size",
+              "16", "--lr", "0.05"],
+        loss_key="loss", target_loss=0.15, target_acc=None, time_limit=10.0,
+        snapshot_every=0.5, sync_every=20, scenarios=["short5"], repeats=3,
+        strategies=["exact", "smart"]),
 }
 
 # --quick: the CI smoke run, each workload at a tiny size (2 workers, 1.5 s of training),
@@ -132,15 +165,24 @@ def parse_args(argv=None):
                    help=f"comma list of {', '.join(WORKLOADS)} (default: all; --quick: "
                         f"{', '.join(QUICK)})")
     p.add_argument("--scenarios", default=None,
-                   help=f"comma list of {', '.join(SCENARIOS)} (default: all for digits; "
-                        "none,slow5 for the others)")
+                   help=f"comma list of {', '.join(SCENARIOS)} (default per workload: all "
+                        "for digits, none,slow5 for wide, cnn and transformer, slow5,slow3 "
+                        "for transformer-l, short5 for tiny); a short-step scenario "
+                        f"({', '.join(PAUSED)}) runs once per --pause-ms value, or name one "
+                        "instance, e.g. short5-5ms")
+    p.add_argument("--pause-ms", default=None,
+                   help="comma list of the pauses P (ms) after every step of the short-step "
+                        "scenarios: the step lengths they sweep (default "
+                        f"{','.join(f'{x:g}' for x in DEFAULT_PAUSES_MS)})")
     p.add_argument("--strategies", default=None,
-                   help=f"comma list of {', '.join(STRATEGIES)} (default: all; the "
-                        f"baselines {' and '.join(BASELINES)} are needed for the ratios)")
+                   help=f"comma list of {', '.join(STRATEGIES)} (default: all; gloo,exact,"
+                        "smart for transformer-l; exact,smart for tiny; the baselines "
+                        f"{' and '.join(BASELINES)} are needed for their ratio columns)")
     p.add_argument("--repeats", type=int, default=None,
                    help="run every cell this many times, the strategies taking turns; the "
                         "report gives the median and the range (default per workload: 3 "
-                        "for cnn and transformer, 1 for digits and wide)")
+                        "for cnn, transformer, transformer-l and tiny, 1 for digits and "
+                        "wide)")
     p.add_argument("--workers", type=int, default=None, help="default 4 (--quick: 2)")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds of training per run (default per workload)")
@@ -149,9 +191,11 @@ def parse_args(argv=None):
     p.add_argument("--target-loss", type=float, default=None,
                    help="target loss (default per workload; the training loss, or the "
                         "validation loss for the transformer)")
-    p.add_argument("--warmup-steps", type=int, default=20,
+    p.add_argument("--warmup-steps", default="wrap",
                    help="exact synchronous steps before local steps (every strategy but "
-                        "all-reduce)")
+                        "all-reduce): a number, or 'wrap' (default): ripples_pg.wrap()'s "
+                        "own default, what a user gets (torch's local and hierarchical SGD "
+                        "then take the same number, ripples_pg.DEFAULT_WARMUP_STEPS)")
     p.add_argument("--group-size", type=int, default=3, help="ripples group size (<= workers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-timeout", type=float, default=None,
@@ -179,6 +223,7 @@ def parse_args(argv=None):
     if a.quick:  # a short warm-up, so that even the Transformer's slow steps get past it
         a.warmup_steps = 5
         a.workers = a.workers or 2
+    a.warmup_steps = parse_warmup(p, a.warmup_steps)
     a.workers = a.workers or 4
     if a.workers < 2:
         p.error("--workers must be >= 2")
@@ -192,14 +237,75 @@ def parse_args(argv=None):
     return a
 
 
-def split(names: str | None, known, what: str, p) -> list | None:
+def parse_warmup(p, value):
+    """--warmup-steps: 'wrap' (wrap()'s default) or a number of steps >= 0."""
+    if value == "wrap":
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0:
+        p.error(f"--warmup-steps must be 'wrap' or a number of steps >= 0, got {value!r}")
+    return n
+
+
+def split(names: str | None, known, what: str, p, base=lambda n: n) -> list | None:
     if names is None:
         return None
     out = [n for n in names.split(",") if n]
     for n in out:
-        if n not in known:
+        if base(n) not in known:
             p.error(f"unknown {what} {n!r} (choose from {', '.join(known)})")
     return out
+
+
+def parse_pauses(p, text: str | None) -> list:
+    """--pause-ms: positive numbers of milliseconds."""
+    if text is None:
+        return list(DEFAULT_PAUSES_MS)
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        try:
+            ms = float(part)
+        except ValueError:
+            ms = -1.0
+        if not (ms > 0 and math.isfinite(ms)):
+            p.error(f"--pause-ms: {part!r} is not a positive number of milliseconds")
+        out.append(ms)
+    return out
+
+
+def scenario_parts(sc: str):
+    """'short5-5ms' -> ('short5', 5.0); any other name -> (name, None)."""
+    m = re.fullmatch(r"([a-z0-9_]+)-([0-9.]+)ms", sc)
+    if m and m.group(1) in PAUSED:
+        try:
+            return m.group(1), float(m.group(2))
+        except ValueError:
+            pass
+    return sc, None
+
+
+def scenario_name(base: str, pause_ms: float) -> str:
+    return f"{base}-{pause_ms:g}ms"
+
+
+def expand_scenarios(names: list, pauses: list) -> list:
+    """A short-step scenario named without its pause becomes one instance per pause."""
+    out = []
+    for sc in names:
+        if sc in PAUSED:
+            out += [scenario_name(sc, ms) for ms in pauses]
+        else:
+            out.append(sc)
+    return list(dict.fromkeys(out))
+
+
+def scenario_description(sc: str) -> str:
+    base, pause = scenario_parts(sc)
+    text = SCENARIOS[base][0]
+    return text if pause is None else f"{text}, P = {pause:g} ms"
 
 
 def make_plan(p, a) -> dict:
@@ -207,20 +313,33 @@ def make_plan(p, a) -> dict:
     workload's defaults (--quick: QUICK's)."""
     workloads = split(a.workloads, WORKLOADS, "workload", p) or list(
         QUICK if a.quick else WORKLOADS)
-    scenarios = split(a.scenarios, SCENARIOS, "scenario", p)
+    scenarios = split(a.scenarios, SCENARIOS, "scenario", p,
+                      base=lambda n: scenario_parts(n)[0])
     strategies = split(a.strategies, STRATEGIES, "strategy", p)
+    pauses = parse_pauses(p, a.pause_ms)
     plan = {}
     for w in workloads:
         q = QUICK.get(w, (list(STRATEGIES), 1, None, None))
+        wl = WORKLOADS[w]
         plan[w] = {
-            "scenarios": scenarios or (["slow5"] if a.quick else WORKLOADS[w]["scenarios"]),
-            "strategies": strategies or (q[0] if a.quick else list(STRATEGIES)),
-            "repeats": a.repeats or (q[1] if a.quick else WORKLOADS[w]["repeats"])}
+            "scenarios": expand_scenarios(
+                scenarios or (["slow5"] if a.quick else wl["scenarios"]), pauses),
+            "strategies": strategies or (q[0] if a.quick
+                                         else wl.get("strategies", list(STRATEGIES))),
+            "repeats": a.repeats or (q[1] if a.quick else wl["repeats"])}
+    if a.pause_ms is not None and not any(scenario_parts(sc)[1] for pl in plan.values()
+                                          for sc in pl["scenarios"]):
+        p.error(f"--pause-ms applies to the short-step scenarios ({', '.join(PAUSED)}), and "
+                "none is in the plan (--scenarios)")
     return plan
 
 
 def settings(args, workload: str) -> dict:
-    """The per-workload numbers a run uses (command-line values win)."""
+    """The per-workload numbers a run uses (command-line values win; with --render, the
+    numbers the runs were made with, stored in results.json)."""
+    stored = (getattr(args, "stored", None) or {}).get(workload)
+    if stored and "target_loss" in stored:
+        return {k: stored.get(k) for k in SETTING_KEYS}
     wl = WORKLOADS[workload]
     target_loss, target_acc = wl["target_loss"], wl["target_acc"]
     limit, every = wl["time_limit"], wl["snapshot_every"]
@@ -235,6 +354,10 @@ def settings(args, workload: str) -> dict:
             "run_timeout": args.run_timeout or 3 * limit + 120}
 
 
+SETTING_KEYS = ("description", "model_args", "loss_key", "target_loss", "target_acc",
+                "time_limit", "snapshot_every", "sync_every", "run_timeout")
+
+
 def loss_name(cfg: dict) -> str:
     return "validation loss" if cfg["loss_key"] == "test_loss" else "training loss"
 
@@ -243,10 +366,23 @@ def loss_name(cfg: dict) -> str:
 
 
 def straggler_spec(scenario: str, workers: int):
-    spec = SCENARIOS[scenario][1]
+    spec = SCENARIOS[scenario_parts(scenario)[0]][1]
     if spec is None:
         return None
     return spec.replace("LAST", str(workers - 1)).replace("1/W", f"{1 / workers:.4g}")
+
+
+def sync_every(cfg: dict, calib: dict, scenario: str) -> int:
+    """Steps between the time-limit agreements of all-reduce and static: the workload's,
+    or in a short-step scenario about 0.3 s of the straggler's steps (its pause sets the
+    step length: a fixed count would overshoot the time limit at long pauses and meet
+    needlessly often at short ones)."""
+    base, pause_ms = scenario_parts(scenario)
+    if pause_ms is None:
+        return cfg["sync_every"]
+    factor = float(SCENARIOS[base][1].split(":")[1])
+    slow_step = calib["step_s"] + factor * pause_ms / 1e3
+    return max(2, round(0.3 / slow_step))
 
 
 def sim_hosts(workers: int) -> int:
@@ -390,16 +526,24 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         except OSError:
             pass
     spec = straggler_spec(scenario, args.workers)
+    pause_ms = scenario_parts(scenario)[1]
+    # the delay unit: the normal step time of synchronous DDP; in a short-step scenario the
+    # pause (every worker pauses P after a step, the straggler F x P in all)
+    unit = calib["step_s"] if pause_ms is None else pause_ms / 1e3
     # no evaluations during training: snapshots, evaluated afterwards (see snapshots.py)
     train_args = [
         *strategy_args(strategy, args.workers), *cfg["model_args"], "--momentum", "0.9",
         "--steps", "1000000", "--time-limit", str(cfg["time_limit"]), "--eval-every", "0",
-        "--snapshot-every", str(cfg["snapshot_every"]), "--sync-every", str(cfg["sync_every"]),
-        "--target-acc", str(cfg["target_acc"] or 1.0),
-        "--seed", str(args.seed), "--warmup-steps", str(args.warmup_steps),
+        "--snapshot-every", str(cfg["snapshot_every"]),
+        "--sync-every", str(sync_every(cfg, calib, scenario)),
+        "--target-acc", str(cfg["target_acc"] or 1.0), "--seed", str(args.seed),
         "--group-size", str(args.group_size), "--compute-s", f"{calib['compute_s']:.6g}",
-        "--step-s", f"{calib['step_s']:.6g}",
+        "--step-s", f"{unit:.6g}",
         "--log-dir", rank_dir, "--quiet", "--timeout", str(max(60.0, cfg["run_timeout"] / 2))]
+    if args.warmup_steps != "wrap":  # else train_digits.py leaves it to wrap()'s default
+        train_args += ["--warmup-steps", str(args.warmup_steps)]
+    if pause_ms is not None:
+        train_args += ["--pause-s", f"{pause_ms / 1e3:.6g}"]
     if spec:
         train_args += ["--straggler", spec]
     train_args += args.extra.split()
@@ -453,15 +597,48 @@ def read_rank_logs(rank_dir: str, workers: int, event: str, fields) -> dict:
 # ----------------------------------------------------------------------------- metrics
 
 
-def first_reach(recs, key, target, above, time_key="time"):
-    """(time, step) of the first record whose ``key`` is at or beyond the target."""
+def time_to_target(times, values, target, above=False):
+    """When a curve evaluated at ``times`` first reaches ``target`` (at or below it; at or
+    above with ``above``), interpolated linearly between the last evaluation short of it and
+    the first at or beyond it; the first evaluation's time if that one already is; None if
+    none is. Evaluations without a finite value are skipped. Why interpolate: the first
+    evaluation at the target is late by up to one evaluation interval, which is 15-35 % of a
+    time to target of a few seconds; on a curve that is locally straight the crossing is
+    where the line between the two evaluations crosses the target."""
     if target is None:
-        return None, None
+        return None
+    prev = None
+    for t, v in zip(times, values):
+        if t is None or v is None or not math.isfinite(v):
+            continue
+        if (v >= target) if above else (v <= target):
+            if prev is None:
+                return t
+            t0, v0 = prev  # v0 is short of the target and v is not: v0 != v
+            return t0 + (t - t0) * (v0 - target) / (v0 - v)
+        prev = (t, v)
+    return None
+
+
+def first_reach(recs, key, target, above, time_key="time"):
+    """(time, step) at which the records' ``key`` first reaches the target, both
+    interpolated (time_to_target) between the snapshots around the crossing."""
+    values = [e.get(key) for e in recs]
+    t = time_to_target([e.get(time_key) for e in recs], values, target, above)
+    step = time_to_target([e.get("step") for e in recs], values, target, above)
+    return t, step
+
+
+def first_snapshot_at(recs, key, target, above, time_key="time"):
+    """The time of the first snapshot at or beyond the target (not interpolated: what the
+    benchmark reported before interpolation, kept in the JSON for comparison)."""
+    if target is None:
+        return None
     for e in recs:
         v = e.get(key)
         if v is not None and ((v >= target) if above else (v <= target)):
-            return e.get(time_key), e.get("step")
-    return None, None
+            return e.get(time_key)
+    return None
 
 
 def rank_series(res: dict) -> dict:
@@ -471,6 +648,68 @@ def rank_series(res: dict) -> dict:
     if not any(src.values()):
         src = res.get("evals") or {}
     return {int(r): recs for r, recs in src.items()}
+
+
+def fixed_straggler(spec) -> int | None:
+    """The rank of a fixed straggler ("R:F"), None for random ones or none."""
+    who = (spec or "").split(":")[0].strip()
+    return int(who) if who.isdigit() else None
+
+
+def warmup_of(res: dict) -> int:
+    """The run's warm-up steps: from its final record, else (results written before that
+    record said it) from its command line; 0 for all-reduce."""
+    w = (res.get("final") or {}).get("warmup_steps")
+    if w is not None:
+        return w
+    cmd = res.get("cmd") or []
+    if "--warmup-steps" in cmd and "allreduce" not in cmd:
+        try:
+            return int(cmd[cmd.index("--warmup-steps") + 1])
+        except (IndexError, ValueError):
+            pass
+    return 0
+
+
+def rate_after(recs: list, first_step: int):
+    """Steps per second of training between a rank's first snapshot at or after
+    ``first_step`` and its last snapshot (None with fewer than two such snapshots)."""
+    after = [e for e in recs if e.get("step") is not None and e["step"] >= first_step
+             and e.get("time") is not None]
+    if len(after) < 2 or after[-1]["time"] <= after[0]["time"]:
+        return None
+    return (after[-1]["step"] - after[0]["step"]) / (after[-1]["time"] - after[0]["time"])
+
+
+def straggler_split(res: dict, m: dict) -> None:
+    """With a fixed straggler: the fast workers' step rate (median over them) against the
+    straggler's, over the whole run and after the warm-up (whose exact steps all go at the
+    straggler's pace), and groups of one of the fast workers (the largest share) and of the
+    straggler: whether the fast workers ran ahead, and whether they still averaged."""
+    fin = res.get("final") or {}
+    slow = fixed_straggler(res.get("straggler"))
+    rates, shares = fin.get("steps_per_s") or [], fin.get("singleton_share") or []
+    keys = ("steps_per_s_fast", "steps_per_s_slow", "rate_ratio", "steps_per_s_fast_post",
+            "steps_per_s_slow_post", "rate_ratio_post", "singleton_share_fast_max",
+            "singleton_share_slow")
+    m.update(dict.fromkeys(keys))
+    if slow is None or slow >= len(rates):
+        return
+
+    def by_role(per_rank, suffix):
+        fast = [x for r, x in enumerate(per_rank) if r != slow and x is not None]
+        fast = statistics.median(fast) if fast else None
+        m["steps_per_s_fast" + suffix], m["steps_per_s_slow" + suffix] = fast, per_rank[slow]
+        if fast and per_rank[slow]:
+            m["rate_ratio" + suffix] = fast / per_rank[slow]
+
+    by_role(rates, "")
+    series = rank_series(res)
+    warmup = warmup_of(res)
+    by_role([rate_after(series.get(r, []), warmup) for r in range(len(rates))], "_post")
+    fast_shares = [x for r, x in enumerate(shares) if r != slow and x is not None]
+    m["singleton_share_fast_max"] = max(fast_shares) if fast_shares else None
+    m["singleton_share_slow"] = shares[slow] if slow < len(shares) else None
 
 
 def slowest_rank(final: dict):
@@ -489,6 +728,8 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     slow = series.get(m["slowest_rank"], [])
     # the model a user would keep: the exact average of all workers' models at that time
     m["time_to_loss_avg"], _ = first_reach(r0, "avg_" + key, tl, False, "avg_time")
+    m["time_to_loss_avg_snapshot"] = first_snapshot_at(r0, "avg_" + key, tl, False,
+                                                       "avg_time")
     m["time_to_acc_avg"], _ = first_reach(r0, "avg_acc", ta, True, "avg_time")
     m["time_to_loss_r0"], m["steps_to_loss_r0"] = first_reach(r0, key, tl, False)
     m["time_to_acc_r0"], _ = first_reach(r0, "acc", ta, True)
@@ -516,9 +757,11 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     passed = [p / r for p, r in zip(fin.get("passed") or [], fin.get("rounds") or [])
               if p is not None and r]
     m["passed_share_mean"] = sum(passed) / len(passed) if passed else None
+    straggler_split(res, m)
     runs = [x for x in fin.get("singleton_run_max") or [] if x is not None]
     m["singleton_run_max"] = max(runs) if runs else None
     m["launch_s"] = res.get("launch_s")
+    m["warmup_steps"] = fin.get("warmup_steps")  # the number wrap() chose, with 'wrap'
     return m
 
 
@@ -526,11 +769,13 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
 
 # times to a target: "not reached" counts as later than any time (so a median can be "not
 # reached" too); the others are plain numbers
-TIME_KEYS = ("time_to_loss_avg", "time_to_acc_avg", "time_to_loss_r0", "time_to_acc_r0",
-             "time_to_loss_slowest", "time_to_acc_all")
+TIME_KEYS = ("time_to_loss_avg", "time_to_loss_avg_snapshot", "time_to_acc_avg",
+             "time_to_loss_r0", "time_to_acc_r0", "time_to_loss_slowest", "time_to_acc_all")
 VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consensus_max",
               "singleton_share_max", "singleton_share_mean", "singleton_run_max", "launch_s",
-              "passed_share_mean")
+              "passed_share_mean", "steps_per_s_fast", "steps_per_s_slow", "rate_ratio",
+              "steps_per_s_fast_post", "steps_per_s_slow_post", "rate_ratio_post",
+              "singleton_share_fast_max", "singleton_share_slow", "warmup_steps")
 
 
 def spread(values, missing_is_late: bool):
@@ -642,17 +887,34 @@ def md_table(head, body) -> list[str]:
                for row in body])
 
 
+def baselines(plan: dict) -> list:
+    """The baselines of the ratio columns that this plan runs (a column against a baseline
+    that was not run would say nothing)."""
+    return [b for b in BASELINES if b in plan["strategies"]]
+
+
+def fmt_time(s) -> str:
+    """A time to target: interpolated, so to the hundredth of a second."""
+    return fmt_spread(s, ".2f")
+
+
+def fmt_pct(cell, key) -> str:
+    return fmt_spread(None if cell is None else cell.get(key), ".0f", 100)
+
+
 def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
     """One row per strategy of one (workload, scenario)."""
     tgt = f"{loss_name(cfg)} {cfg['target_loss']:g}"
-    base = {b: cells.get((wl, sc, b)) for b in BASELINES}
+    bases = baselines(plan)
+    base = {b: cells.get((wl, sc, b)) for b in bases}
     lim = cfg["time_limit"]
     acc = cfg["target_acc"] is not None
-    head = ["strategy", f"avg model: time to {tgt} (s)", "x gloo", "x exact",
-            "rank 0: time (s)", "slowest worker: time (s)"]
+    head = (["strategy", f"avg model: time to {tgt} (s)"] + [f"x {b}" for b in bases]
+            + ["rank 0: time (s)", "slowest worker: time (s)"])
     if acc:
-        head += [f"avg model: time to {cfg['target_acc']:.0%} acc (s)", "x gloo (acc)",
-                 "all workers at acc (s)"]
+        head += [f"avg model: time to {cfg['target_acc']:.0%} acc (s)"]
+        head += [f"x {b} (acc)" for b in bases[:1]]
+        head += ["all workers at acc (s)"]
     head += ["steps/s per worker (rank 0..)", "comm+wait % (rank 0)",
              "groups of one % (max / mean)", "longest run of ones", "passed %",
              "consensus end (max over time)", "final acc", "final test loss", "launch s"]
@@ -665,16 +927,15 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
         if not finished(c):
             body.append([label, f"FAILED: {c['errors'][0]}"] + [""] * (len(head) - 2))
             continue
-        row = [label, fmt_spread(c["time_to_loss_avg"]),
-               speedup(c, base["gloo"], "time_to_loss_avg", lim),
-               speedup(c, base["exact"], "time_to_loss_avg", lim),
-               fmt_spread(c["time_to_loss_r0"]),
-               f"{fmt_spread(c['time_to_loss_slowest'])} (rank {c['slowest_rank']})"]
+        row = ([label, fmt_time(c["time_to_loss_avg"])]
+               + [speedup(c, base[b], "time_to_loss_avg", lim) for b in bases]
+               + [fmt_time(c["time_to_loss_r0"]),
+                  f"{fmt_time(c['time_to_loss_slowest'])} (rank {c['slowest_rank']})"])
         if acc:
-            row += [fmt_spread(c["time_to_acc_avg"]),
-                    speedup(c, base["gloo"], "time_to_acc_avg", lim),
-                    fmt_spread(c["time_to_acc_all"])]
-        row += [" ".join(f"{x:.0f}" for x in c["steps_per_s"] or []),
+            row += [fmt_time(c["time_to_acc_avg"])]
+            row += [speedup(c, base[b], "time_to_acc_avg", lim) for b in bases[:1]]
+            row += [fmt_time(c["time_to_acc_all"])]
+        row += [" ".join(f"{x:.3g}" for x in c["steps_per_s"] or []),
                 fmt_spread(c["comm_wait_frac"], ".0f", 100), fmt_share(c),
                 fmt(median(c, "singleton_run_max"), ".0f"),
                 fmt_spread(c.get("passed_share_mean"), ".0f", 100), fmt_consensus(c),
@@ -684,50 +945,104 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
     return md_table(head, body)
 
 
-def matrix(wl: str, plan: dict, cells: dict, cell_text) -> list[str]:
-    head = ["scenario"] + plan["strategies"]
-    body = [[sc] + [cell_text(cells.get((wl, sc, st)), sc) for st in plan["strategies"]]
-            for sc in plan["scenarios"]]
-    return md_table(head, body)
-
-
 def summary(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
-    """Scenario x strategy matrices: speedup of the averaged model to the target over both
-    all-reduce baselines, its final quality, and groups of one / consensus distance."""
+    """The headline table of a workload, one row per (scenario, strategy): the averaged
+    model's time to the target with its range over the repeats, the speedups over the
+    baselines that ran, and beside them whether the workers really averaged (groups of one,
+    consensus distance), the fast workers' step rate against the straggler's and the final
+    quality. A time without the last two would not say whether the workers averaged."""
     lim = cfg["time_limit"]
-
-    def ratios(c, sc):
-        return " / ".join(speedup(c, cells.get((wl, sc, b)), "time_to_loss_avg", lim)
-                          for b in BASELINES)
-
-    def quality(c, _):
-        if not finished(c):
-            return "failed"
-        if cfg["loss_key"] == "test_loss":
-            return fmt(median(c, "final_loss"), ".3f")
-        return fmt(median(c, "final_acc"), ".3f")
-
-    def isolation(c, _):
-        if not finished(c):
-            return "failed"
-        share = median(c, "singleton_share_max")
-        return (f"{fmt(None if share is None else 100 * share, '.0f')} / "
-                f"{fmt_consensus(c)}")
-
+    bases = baselines(plan)
     what = "validation loss" if cfg["loss_key"] == "test_loss" else "test accuracy"
-    return ([f"Time of the averaged model to {loss_name(cfg)} {cfg['target_loss']:g}, as a "
-             "speedup over DDP all-reduce on gloo / on the ripples backend (exact): median "
-             "time of the baseline / median time of the strategy (above 1: sooner; `-`: not "
-             f"reached in {lim:g} s; `>=N`: the baseline never reached it):", ""]
-            + matrix(wl, plan, cells, ratios)
-            + ["", f"Final {what} (exact average of all workers' models at the end, "
-               "median):", ""]
-            + matrix(wl, plan, cells, quality)
-            + ["", "Did the workers average? Groups of one in % of partial rounds (max over "
-               "ranks; `-`: no partial rounds) / consensus distance at the end (max over "
-               "workers of ||x_i - mean|| / ||mean||; 0: identical models) and, in brackets, "
-               "its maximum over time:", ""]
-            + matrix(wl, plan, cells, isolation) + [""])
+    head = (["scenario", "strategy",
+             f"avg model: time to {loss_name(cfg)} {cfg['target_loss']:g} (s)"]
+            + [f"x {b}" for b in bases]
+            + ["groups of one % (worst worker)", "consensus end (max over time)",
+               "steps/s fast / slow (ratio)", f"final {what}", "runs"])
+    body = []
+    for sc in plan["scenarios"]:
+        for st in plan["strategies"]:
+            c = cells.get((wl, sc, st))
+            if c is None:
+                continue
+            if not finished(c):
+                body.append([sc, st, f"FAILED: {c['errors'][0]}"] + [""] * (len(head) - 3))
+                continue
+            quality = c["final_loss"] if cfg["loss_key"] == "test_loss" else c["final_acc"]
+            runs = str(c["n"]) + (f" ({c['failed']} failed)" if c["failed"] else "")
+            body.append([sc, st, fmt_time(c["time_to_loss_avg"])]
+                        + [speedup(c, cells.get((wl, sc, b)), "time_to_loss_avg", lim)
+                           for b in bases]
+                        + [fmt_pct(c, "singleton_share_max"), fmt_consensus(c),
+                           fmt_rates(c), fmt_spread(quality, ".3f"), runs])
+    ratio = (" `x B` = median time of baseline B / median time of this strategy (above 1: "
+             "sooner; `>=N`: B never reached it, N = time limit / this time)."
+             if bases else "")
+    return ([f"Headline: the averaged model's time to {loss_name(cfg)} "
+             f"{cfg['target_loss']:g}, interpolated between snapshots, `median [min..max]` "
+             f"over the runs (`-`: not reached in {lim:g} s).{ratio} Beside every time: "
+             "groups of one in % of a worker's partial rounds (the worst worker; `-`: no "
+             "partial rounds), the consensus distance max_i ||x_i - mean|| / ||mean|| at the "
+             "end (in brackets its maximum over time; 0: identical models), and with a fixed "
+             "straggler the fast workers' steps/s (median over them) / the straggler's.", ""]
+            + md_table(head, body) + [""])
+
+
+def fmt_rates(cell) -> str:
+    """Fast workers' steps/s / the straggler's (their ratio), medians over the runs."""
+    fast, slow = median(cell, "steps_per_s_fast"), median(cell, "steps_per_s_slow")
+    if fast is None or slow is None:
+        return "-"
+    return f"{fast:.1f} / {slow:.1f} ({fmt_spread(cell.get('rate_ratio'), '.1f')}x)"
+
+
+def short_steps(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
+    """The short-step scenarios of a workload, one row per (pause, strategy): do the fast
+    workers run ahead of a 5x slower worker at every step length, and do they still average?
+    The criterion of issue 24: fast workers at >= 3x the straggler's step rate and in groups
+    of one in < 5 % of their rounds. The rates that decide it are those after the warm-up,
+    whose exact steps go at the straggler's pace under every strategy."""
+    head = ["scenario", "pause P (ms)", "strategy", "step of fast workers (ms)",
+            "steps/s fast / slow", "fast / slow", "fast / slow, whole run",
+            "groups of one % fast (worst)", "groups of one % slow",
+            "consensus end (max over time)",
+            f"avg model: time to {loss_name(cfg)} {cfg['target_loss']:g} (s)",
+            ">= 3x and < 5 %"]
+    body = []
+    for sc in plan["scenarios"]:
+        base, pause = scenario_parts(sc)
+        if pause is None:
+            continue
+        for st in plan["strategies"]:
+            c = cells.get((wl, sc, st))
+            if c is None:
+                continue
+            if not finished(c):
+                body.append([base, f"{pause:g}", st, f"FAILED: {c['errors'][0]}"]
+                            + [""] * (len(head) - 4))
+                continue
+            fast, slow = median(c, "steps_per_s_fast_post"), median(c, "steps_per_s_slow_post")
+            ratio, share = median(c, "rate_ratio_post"), median(c, "singleton_share_fast_max")
+            met = ("-" if ratio is None or share is None
+                   else "yes" if ratio >= 3 and share < 0.05 else "no")
+            body.append([base, f"{pause:g}", st, fmt(None if not fast else 1e3 / fast, ".1f"),
+                         f"{fmt(fast, '.0f')} / {fmt(slow, '.0f')}",
+                         fmt_spread(c.get("rate_ratio_post"), ".1f"),
+                         fmt_spread(c.get("rate_ratio"), ".1f"),
+                         fmt_pct(c, "singleton_share_fast_max"),
+                         fmt_pct(c, "singleton_share_slow"), fmt_consensus(c),
+                         fmt_time(c["time_to_loss_avg"]), met])
+    if not body:
+        return []
+    return (["Short steps: every worker pauses P ms after each step, the straggler 5 P; all "
+             "runs train for the same wall time. Step rates are steps per second of training "
+             "after the warm-up (between each worker's first snapshot past it and its last; "
+             "fast: median over the fast workers; medians over the runs), the ratio with its "
+             "`median [min..max]` over the runs, and the ratio over the whole run (warm-up "
+             "included) beside it. Groups of one of the fast workers: the largest share among "
+             "them. Last column: the fast workers ran at >= 3x the straggler's rate after the "
+             "warm-up and were in groups of one in < 5 % of their rounds (medians; `-`: no "
+             "partial rounds).", ""] + md_table(head, body) + [""])
 
 
 def plot(wl: str, sc: str, runs: list, cfg: dict, workers: int, path: str) -> None:
@@ -768,10 +1083,20 @@ def plot(wl: str, sc: str, runs: list, cfg: dict, workers: int, path: str) -> No
         ax.set_xlabel("wall time of training (s)")
         ax.grid(alpha=0.3)
     axl.legend(fontsize=7, loc="best")
-    fig.suptitle(f"{wl}, {workers} workers, {sc}: {SCENARIOS[sc][0]}", fontsize=9)
+    fig.suptitle(f"{wl}, {workers} workers, {sc}: {scenario_description(sc)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def warmup_text(args, results: list) -> str:
+    """The warm-up the runs had: a number given on the command line, or wrap()'s default
+    and the number it chose (from the runs' final records)."""
+    if args.warmup_steps != "wrap":
+        return f"{args.warmup_steps} exact steps"
+    chosen = sorted({(r.get("final") or {}).get("warmup_steps") for r in results} - {None})
+    return ("ripples_pg.wrap()'s default (" + (", ".join(map(str, chosen)) or "?")
+            + " exact steps)")
 
 
 def report(args, out: dict) -> list[str]:
@@ -779,17 +1104,18 @@ def report(args, out: dict) -> list[str]:
     results = out["results"]
     cells = cells_of(out)
     md = [f"# Straggler benchmark: {args.workers} workers", "",
-          f"Seed {args.seed}; warm-up {args.warmup_steps} exact steps; Ripples group size "
+          f"Seed {args.seed}; warm-up {warmup_text(args, results)}; Ripples group size "
           f"{args.group_size}; host {out['host']} ({out['cpus']} CPUs), "
           f"{out['date']}{' (quick mode)' if args.quick else ''}.",
-          "Times are seconds of training to the first model snapshot at the target. The "
-          "averaged model (avg) is the exact average of all workers' models at that time, "
-          "evaluated after training; rank 0's and the slowest worker's are their own "
-          "models. x gloo / x exact = median time of DDP all-reduce on gloo / on the "
-          "ripples backend, over this strategy's (above 1: faster). With repeats a cell is "
-          "`median [min..max]`. Groups of one = partial rounds in which a worker averaged "
-          "with nobody; consensus = max over workers of ||x_i - mean|| / ||mean||. See "
-          "benchmarks/train.md for the columns.", ""]
+          "Times are seconds of training to the target, interpolated linearly between the "
+          "last model snapshot short of it and the first at or beyond it (snapshots are "
+          "evaluated after training, off the clock). The averaged model (avg) is the exact "
+          "average of all workers' models at that time; rank 0's and the slowest worker's "
+          "are their own models. x gloo / x exact = median time of DDP all-reduce on gloo / "
+          "on the ripples backend, over this strategy's (above 1: faster). With repeats a "
+          "cell is `median [min..max]`. Groups of one = partial rounds in which a worker "
+          "averaged with nobody; consensus = max over workers of ||x_i - mean|| / ||mean||. "
+          "See benchmarks/train.md for the columns.", ""]
     for wl, plan in args.plan.items():
         cfg = settings(args, wl)
         cal = out["workloads"][wl]
@@ -801,7 +1127,8 @@ def report(args, out: dict) -> list[str]:
                f"{cfg['snapshot_every']:g} s; {plan['repeats']} run(s) per cell. One step "
                f"computes in {cal['compute_s'] * 1e3:.2f} ms and takes "
                f"{cal['step_s'] * 1e3:.2f} ms with DDP all-reduce on gloo and no "
-               "straggler: a worker F x slower sleeps (F-1) x that after each of its steps.",
+               "straggler: a worker F x slower sleeps (F-1) x that after each of its steps "
+               "(in a short-step scenario every worker sleeps P, the straggler F x P).",
                ""]
         if not any(any((r.get("snapshots") or {}).values()) for r in results
                    if r["workload"] == wl):
@@ -809,9 +1136,12 @@ def report(args, out: dict) -> list[str]:
                    "of each worker's own model only, no averaged model; see the rank 0 "
                    "column.)", ""]
         md += summary(wl, plan, cells, cfg)
+        md += short_steps(wl, plan, cells, cfg)
         for sc in plan["scenarios"]:
-            md += [f"### {wl} / {sc}: {SCENARIOS[sc][0]} (--straggler "
-                   f"{straggler_spec(sc, args.workers) or 'none'})", ""]
+            pause = scenario_parts(sc)[1]
+            md += [f"### {wl} / {sc}: {scenario_description(sc)} (--straggler "
+                   f"{straggler_spec(sc, args.workers) or 'none'}"
+                   f"{'' if pause is None else f', --pause-s {pause / 1e3:g}'})", ""]
             md += table(wl, sc, plan, cells, cfg)
             png = f"{wl}_{sc}.png"
             runs = [r for r in results if r["workload"] == wl and r["scenario"] == sc]
@@ -843,6 +1173,7 @@ def render(args) -> int:
     for k, v in out["config"].items():
         if k not in ("out", "render"):
             setattr(args, k, v)
+    args.stored = out.get("workloads")  # the targets and limits the runs were made with
     for w, p in args.plan.items():  # results.json of before --repeats: scenarios only
         if isinstance(p, list):
             args.plan[w] = {"scenarios": p, "strategies": list(args.strategies),
@@ -977,7 +1308,7 @@ def _main(args) -> int:
     out = {"config": {k: v for k, v in vars(args).items() if k != "hosts"},
            "workloads": {w: dict(settings(args, w), **calib.get(w, {}), **args.plan[w])
                          for w in args.plan},
-           "scenarios": {s: {"description": SCENARIOS[s][0],
+           "scenarios": {s: {"description": scenario_description(s),
                              "straggler": straggler_spec(s, args.workers)}
                          for s in sorted({s for p in args.plan.values()
                                           for s in p["scenarios"]})},

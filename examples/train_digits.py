@@ -33,6 +33,9 @@ e.g. p0.02:19. The delay unit is --step-s if given (benchmarks/train.py passes t
 synchronous DDP, so "5x slower" means what it means in the paper), else the compute time,
 measured once at start-up (median forward+backward+update of the model on one batch, all
 ranks at once, averaged over ranks) unless --compute-s gives it.
+Short steps (--pause-s P): every worker sleeps P after each step, a stand-in for a step of P
+with a model that computes in a fraction of it; with --step-s P as well, worker R of R:F
+sleeps F x P in all.
 
 Stopping: after --steps steps or --time-limit seconds of training, whichever comes first.
 With all-reduce, local/hierarchical SGD and the static schedule (whose rounds pair every
@@ -202,6 +205,7 @@ class Straggler:
         self.rank, self.world, self.seed = rank, world, seed
         self.compute_s = 0.0
         self.step_s = None  # the delay unit if set (--step-s), else compute_s
+        self.pause_s = 0.0  # every worker's pause after each step (--pause-s)
         self.slept = 0.0
         self.slowed_steps = 0
         if self.who is not None and self.who not in ("p",) and not self.who.startswith("p"):
@@ -220,11 +224,13 @@ class Straggler:
         return int(self.who) == self.rank
 
     def after_step(self, step: int) -> None:
+        d = self.pause_s
         if self.slowed(step):
-            d = (self.factor - 1.0) * (self.step_s or self.compute_s)
+            d += (self.factor - 1.0) * (self.step_s or self.compute_s)
+            self.slowed_steps += 1
+        if d > 0:  # one sleep: two would overshoot twice
             time.sleep(d)
             self.slept += d
-            self.slowed_steps += 1
 
 
 def calibrate_compute(model: nn.Module, x, y, args, reps=30) -> float:
@@ -353,8 +359,10 @@ def parse_args(argv=None):
                    help="process group backend (default: ripples for ripples, else gloo)")
     p.add_argument("--schedule", default="smart", help="ripples: static|random|smart|adpsgd")
     p.add_argument("--group-size", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=50,
-                   help="steps of exact synchronous SGD before local steps (all but allreduce)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="steps of exact synchronous SGD before local steps (all but "
+                        "allreduce); default: ripples_pg.wrap()'s own default, and its "
+                        "DEFAULT_WARMUP_STEPS for torch's local and hierarchical SGD")
     p.add_argument("--local-period", type=int, default=4,
                    help="localsgd: average all workers' models every this many steps")
     p.add_argument("--hier-levels", default="2:2,8:W",
@@ -377,6 +385,10 @@ def parse_args(argv=None):
     p.add_argument("--c-thres", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="keep the per-round trace (ripples)")
     p.add_argument("--straggler", default=None, help="R:F, p:F or pX:F (see above)")
+    p.add_argument("--pause-s", type=float, default=0.0,
+                   help="every worker sleeps this long after each of its steps (a stand-in "
+                        "for a longer step: short-step experiments with a tiny model); a "
+                        "straggler's extra sleep comes on top")
     p.add_argument("--compute-s", type=float, default=None,
                    help="compute time of one step (s) for the straggler delays and the "
                         "comm_wait_s estimate; default: measured at start-up (the mean over "
@@ -428,6 +440,10 @@ def parse_args(argv=None):
     p.add_argument("--quiet", action="store_true", help="rank 0 prints only the final line")
     p.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
     args = p.parse_args(argv)
+    if args.pause_s < 0:
+        p.error("--pause-s must be >= 0")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
     if args.width is None:
         args.width = 64 if args.workload == "transformer" else 16
     return args
@@ -492,7 +508,7 @@ def run(args):
         import ripples_pg
 
         kw = dict(schedule=args.schedule, group_size=args.group_size,
-                  warmup_steps=args.warmup_steps, levels=args.levels,
+                  warmup_steps=args.warmup_steps, levels=args.levels,  # None: wrap()'s
                   post_warmup=args.post_warmup,
                   average_optimizer_state=args.average_optimizer_state)
         if args.c_thres is not None:
@@ -506,7 +522,13 @@ def run(args):
         if args.period_max is not None:
             kw["period_max"] = args.period_max
         optimizer = ripples_pg.wrap(model, base_opt, **kw)
+        if args.warmup_steps is None:  # the stop rule below needs the number wrap() chose
+            args.warmup_steps = optimizer.averager.warmup_steps
     elif args.strategy in ("localsgd", "hier"):
+        if args.warmup_steps is None:  # the same warm-up as wrap()'s default
+            from ripples_pg._wrap import DEFAULT_WARMUP_STEPS
+
+            args.warmup_steps = DEFAULT_WARMUP_STEPS
         optimizer = torch_local_sgd(model, base_opt, args, world)
     else:
         optimizer = base_opt
@@ -523,6 +545,7 @@ def run(args):
         dist.all_reduce(c)
         straggler.compute_s = c.item() / world
     straggler.step_s = args.step_s
+    straggler.pause_s = args.pause_s
     if args.calibrate_only:
         step_s = calibrate_step(model, optimizer, xs, ys, bs, world)
         if rank == 0:
@@ -681,7 +704,8 @@ def run(args):
         final = {"event": "final", "workload": args.workload, "strategy": args.strategy,
               "backend": backend,
               "schedule": args.schedule if args.strategy == "ripples" else None,
-              "straggler": args.straggler, "world": world,
+              "straggler": args.straggler, "pause_s": args.pause_s, "world": world,
+              "warmup_steps": None if args.strategy == "allreduce" else args.warmup_steps,
               "acc": round(final_acc, 5), "loss": round(final_loss, 5),
               "target_acc": args.target_acc,
               "time_to_target": summary["time_to_target"],

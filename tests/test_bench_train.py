@@ -50,6 +50,25 @@ def test_spread_counts_not_reached_as_late():
     assert b.spread([None], False) is None
 
 
+def test_time_to_target_interpolates_between_evaluations():
+    b = bench()
+    t = [0.0, 1.0, 2.0, 3.0]
+    assert b.time_to_target(t, [1.0, 0.8, 0.5, 0.2], 0.5) == 2.0  # exactly at an evaluation
+    assert b.time_to_target(t, [1.0, 0.8, 0.6, 0.2], 0.5) == pytest.approx(2.25)
+    assert b.time_to_target(t, [0.4, 0.3, 0.2, 0.1], 0.5) == 0.0  # there from the start
+    assert b.time_to_target(t, [1.0, 0.9, 0.8, 0.7], 0.5) is None  # never reached
+    assert b.time_to_target(t, [1.0, 0.9, 0.8, 0.7], None) is None  # no target
+    # not monotone: the first crossing counts, not a later one after a rise
+    assert b.time_to_target(t, [1.0, 0.4, 0.9, 0.3], 0.5) == pytest.approx(5 / 6)
+    # a rise back above the target after it was reached changes nothing
+    assert b.time_to_target(t, [1.0, 0.5, 0.9, 0.8], 0.5) == 1.0
+    # accuracy-like curves: at or above
+    assert b.time_to_target(t, [0.1, 0.5, 0.9, 1.0], 0.8, above=True) == pytest.approx(1.75)
+    # evaluations without a value are skipped: the line runs between the neighbours
+    assert b.time_to_target(t, [1.0, None, float("nan"), 0.0], 0.5) == pytest.approx(1.5)
+    assert b.time_to_target([], [], 0.5) is None
+
+
 def _run(strategy, steps, avg_losses, own_losses, slow_losses, error=None):
     """A made-up result of 3 workers: rank 0's snapshots (with the averaged model's loss)
     and rank 2's, one snapshot a second."""
@@ -77,9 +96,13 @@ def test_metrics_follow_the_averaged_model_and_the_slowest_worker():
                [1.0, 0.9, 0.8, 0.45])
     m = b.metrics(res, cfg, 3)
     assert m["slowest_rank"] == 2
-    assert m["time_to_loss_avg"] == 2.1  # the averaged model's time, not rank 0's
-    assert m["time_to_loss_r0"] == 1.0 and m["steps_to_loss_r0"] == 10
-    assert m["time_to_loss_slowest"] == 3.0
+    # the averaged model's time, not rank 0's: 0.6 at 1.1 s, 0.4 at 2.1 s -> 0.5 at 1.6 s
+    assert m["time_to_loss_avg"] == pytest.approx(1.6)
+    assert m["time_to_loss_avg_snapshot"] == 2.1  # the first snapshot at the target
+    # rank 0: 1.0 at 0 s (step 0), 0.4 at 1 s (step 10)
+    assert m["time_to_loss_r0"] == pytest.approx(5 / 6)
+    assert m["steps_to_loss_r0"] == pytest.approx(50 / 6)
+    assert m["time_to_loss_slowest"] == pytest.approx(2 + 0.3 / 0.35)
     assert m["time_to_acc_avg"] is None  # no accuracy target
     assert m["consensus_max"] == 0.03 and m["consensus"] == 0.02
     assert m["singleton_share_max"] == 0.5 and m["singleton_share_mean"] == 0.25
@@ -92,9 +115,10 @@ def test_cells_report_median_and_range_and_both_ratios():
     b = bench()
     cfg = {"loss_key": "loss", "target_loss": 0.5, "target_acc": None, "time_limit": 10.0}
     runs = []
-    for rep, reach in enumerate([(0.4, 0.4), (0.6, 0.4), (0.6, 0.6)]):
-        for st, losses in (("gloo", [1, 1, 1, 0.4]), ("exact", [1, 1, 0.4, 0.3]),
-                           ("smart", [1, *reach, 0.3])):
+    # every crossing exactly at a snapshot (0.5): times 1.1, 2.1 or 3.1 s
+    for rep, reach in enumerate([(0.5, 0.4), (0.6, 0.5), (0.6, 0.6)]):
+        for st, losses in (("gloo", [1, 1, 1, 0.5]), ("exact", [1, 1, 0.5, 0.3]),
+                           ("smart", [1, *reach, 0.5])):
             r = _run(st, [30, 30, 30], losses, losses, losses)
             r.update(workload="w", scenario="s", repeat=rep)
             r["metrics"] = b.metrics(r, cfg, 3)
@@ -113,7 +137,101 @@ def test_cells_report_median_and_range_and_both_ratios():
     plan = {"scenarios": ["s"], "strategies": ["gloo", "exact", "smart", "static"],
             "repeats": 3}
     md = "\n".join(b.table("w", "s", plan, cells, cfg))
-    assert "FAILED: exit status 1" in md and "2.1 [1.1..3.1]" in md
+    assert "FAILED: exit status 1" in md and "2.10 [1.10..3.10]" in md
+    # the headline table: the time, both ratios, and beside them groups of one (worst
+    # worker, 50 %) and the consensus (0.02 at the end, 0.03 at most)
+    head = "\n".join(b.summary("w", plan, cells, cfg))
+    row = next(line for line in head.splitlines() if line.startswith("| s ") and " smart " in line)
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    assert cols[:5] == ["s", "smart", "2.10 [1.10..3.10]", "1.48", "1.00"], cols
+    assert cols[5] == "50" and cols[6] == "0.02 (0.03)", cols
+    # a baseline that did not run gets no ratio column
+    plan2 = dict(plan, strategies=["exact", "smart"])
+    assert "x gloo" not in "\n".join(b.summary("w", plan2, cells, cfg))
+    assert "x exact" in "\n".join(b.table("w", "s", plan2, cells, cfg))
+
+
+def test_scenarios_slow3_and_short_steps_parse():
+    b = bench()
+    a = b.parse_args(["--workloads", "cnn,tiny", "--scenarios", "slow3,short5",
+                      "--pause-ms", "2,5.5", "--strategies", "exact,smart"])
+    assert a.plan["tiny"]["scenarios"] == ["slow3", "short5-2ms", "short5-5.5ms"]
+    assert b.straggler_spec("slow3", 4) == "3:3"
+    assert b.straggler_spec("short5-5.5ms", 4) == "3:5"
+    assert b.scenario_parts("short5-5.5ms") == ("short5", 5.5)
+    assert b.scenario_parts("slow5") == ("slow5", None)
+    assert "P = 5.5 ms" in b.scenario_description("short5-5.5ms")
+    # one instance named directly; the default pauses otherwise
+    assert b.parse_args(["--workloads", "tiny", "--scenarios", "short5-3ms"]).plan["tiny"][
+        "scenarios"] == ["short5-3ms"]
+    d = b.parse_args(["--workloads", "tiny"])
+    assert d.plan["tiny"]["scenarios"] == [f"short5-{x:g}ms" for x in b.DEFAULT_PAUSES_MS]
+    assert d.plan["tiny"]["repeats"] == 3 and d.plan["tiny"]["strategies"] == ["exact", "smart"]
+    # the headline workloads default to 3 repeats, slow5 and slow3 for the large Transformer
+    h = b.parse_args(["--workloads", "cnn,transformer-l"])
+    assert h.plan["cnn"]["repeats"] == 3 and h.plan["transformer-l"]["repeats"] == 3
+    assert h.plan["transformer-l"]["scenarios"] == ["slow5", "slow3"]
+    assert h.warmup_steps == "wrap"  # wrap()'s own default unless told
+    # about 0.3 s of the straggler's steps between time-limit agreements
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-10ms") == 6
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-100ms") == 2
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "slow3") == 20
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--scenarios", "slow4"], "unknown scenario 'slow4'"),
+    (["--scenarios", "slow5-2ms"], "unknown scenario 'slow5-2ms'"),
+    (["--scenarios", "short5", "--pause-ms", "2,x"], "'x' is not a positive number"),
+    (["--scenarios", "short5", "--pause-ms", "0"], "'0' is not a positive number"),
+    (["--scenarios", "slow5", "--pause-ms", "2"], "--pause-ms applies to the short-step"),
+    (["--warmup-steps", "some"], "--warmup-steps must be 'wrap' or a number"),
+])
+def test_bad_options_say_what_is_wrong(argv, message, capsys):
+    b = bench()
+    with pytest.raises(SystemExit):
+        b.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_fast_and_slow_workers_step_rates():
+    """With a fixed straggler: the fast workers' rate against the straggler's, over the run
+    and after the warm-up (from the snapshots), and their groups of one."""
+    b = bench()
+    res = _run("smart", [30, 30, 6], [1.0, 0.6], [1.0, 0.6], [1.0, 0.6])
+    res["straggler"] = "2:5"
+    res["final"]["warmup_steps"] = 10
+    # rank 0: steps 0, 10, 20, 30 at 0..3 s; rank 2 (the straggler): steps 0, 2, 4, 6
+    res["snapshots"]["0"] = [{"time": float(k), "step": 10 * k} for k in range(4)]
+    res["snapshots"]["1"] = [{"time": float(k), "step": 10 * k} for k in range(4)]
+    res["snapshots"]["2"] = [{"time": float(k), "step": 2 * k} for k in range(4)]
+    m = b.metrics(res, {"loss_key": "loss", "target_loss": 0.5, "target_acc": None}, 3)
+    assert m["steps_per_s_fast"] == 10.0 and m["steps_per_s_slow"] == 2.0
+    assert m["rate_ratio"] == 5.0
+    assert m["steps_per_s_fast_post"] == 10.0  # from step 10 at 1 s to 30 at 3 s
+    assert m["steps_per_s_slow_post"] is None  # the straggler never got past the warm-up
+    assert m["singleton_share_fast_max"] == 0.5 and m["singleton_share_slow"] is None
+    # no fixed straggler: nothing to split
+    res["straggler"] = "p0.25:5"
+    m = b.metrics(res, {"loss_key": "loss", "target_loss": 0.5, "target_acc": None}, 3)
+    assert m["rate_ratio"] is None and m["singleton_share_fast_max"] is None
+
+
+def test_large_transformer_has_a_million_parameters_and_four_layers():
+    """transformer-l's arguments build the model the docs describe (no training)."""
+    b = bench()
+    sys.path.insert(0, os.path.join(REPO, "examples"))
+    try:
+        import train_digits
+        import workloads
+    finally:
+        sys.path.pop(0)
+    args = train_digits.parse_args(b.WORKLOADS["transformer-l"]["args"])
+    model = workloads.TinyGPT(args.width, args.layers, args.context)
+    assert len(model.blocks) == 4
+    assert sum(p.numel() for p in model.parameters()) >= 1_000_000
+    # the older, small one is unchanged (its results stay comparable)
+    small = train_digits.parse_args(b.WORKLOADS["transformer"]["args"])
+    assert (small.width, small.layers) == (64, 2)
 
 
 # ----------------------------------------------------------------------------- slow
@@ -219,3 +337,46 @@ def test_bench_train_quick(tmp_path):
         assert col in md, col
     for wl in plan:
         assert glob.glob(str(tmp_path / f"{wl}_slow5.png")), wl
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_train_slow3_and_short_steps_run(tmp_path):
+    """slow3 and a short-step scenario end to end, at a tiny size (2 workers, 1 s of
+    training): the pause reaches every worker, the straggler gets F x it, and the report has
+    the short-step table with the step rates, groups of one and consensus."""
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "train.py"), "--workloads", "tiny",
+           "--scenarios", "slow3,short5", "--pause-ms", "2", "--strategies", "smart",
+           "--workers", "2", "--repeats", "1", "--time-limit", "1", "--warmup-steps", "5",
+           "--no-progress", "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=280)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"did not finish in 280 s; stderr tail:\n{(e.stderr or b'')[-3000:]!r}")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
+    runs = {r["scenario"]: r for r in res["results"]}
+    assert set(runs) == {"slow3", "short5-2ms"}
+    for sc, r in runs.items():
+        assert not r.get("error"), r["error"]
+        fin, m = r["final"], r["metrics"]
+        assert min(fin["steps"]) > 0 and fin["warmup_steps"] == 5
+        _check_snapshots(r, 2)
+        assert m["steps_per_s_fast"] > 0 and m["steps_per_s_slow"] > 0 and m["rate_ratio"]
+        assert 0.0 <= m["singleton_share_fast_max"] <= 1.0
+        assert m["consensus"] is not None
+    slow3, short = runs["slow3"]["cmd"], runs["short5-2ms"]["cmd"]
+    assert slow3[slow3.index("--straggler") + 1] == "1:3" and "--pause-s" not in slow3
+    assert short[short.index("--straggler") + 1] == "1:5"
+    # every worker pauses 2 ms; the straggler's unit is the pause: 2 + 4 x 2 = 10 ms
+    assert short[short.index("--pause-s") + 1] == "0.002"
+    assert short[short.index("--step-s") + 1] == "0.002"
+    assert runs["short5-2ms"]["final"]["pause_s"] == 0.002
+    md = (tmp_path / "results.md").read_text()
+    assert "Short steps: every worker pauses P ms" in md and ">= 3x and < 5 %" in md
+    assert "steps/s fast / slow (ratio)" in md
