@@ -87,7 +87,8 @@ typedef struct gg_group {
   uint8_t state;
   uint8_t phase;
   uint8_t heads;
-  double deadline;             /* smart: late members are dropped after it (< 0: never) */
+  uint8_t evictable;           /* smart, speed_aware, 3+ members: late members may be dropped */
+  double deadline;             /* ... after this, armed when its first member is ready (< 0) */
   struct gg_group *prev, *next; /* pending list, generation order */
   int members[];               /* sorted */
 } gg_group;
@@ -413,6 +414,8 @@ static void undefer(rpl_gg *gg, int w) {
 static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err);
 static double arrival_window(rpl_gg *gg);
 static double partner_wait(rpl_gg *gg);
+static int arrived_for(const gg_worker *x, const gg_group *g);
+static void arm_deadline(rpl_gg *gg, gg_group *g);
 
 /* Creates a group from members[0..n) (any order; sorted here), appends it to every member's
  * buffer and the pending list. */
@@ -429,11 +432,7 @@ static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase 
   g->phase = (uint8_t)phase;
   g->heads = (uint8_t)heads;
   g->deadline = -1.0;
-  if (gg->policy == RPL_POLICY_SMART && gg->speed_aware && gg->arrival_filter && n > 2) {
-    double window = arrival_window(gg), wait = partner_wait(gg);
-    if (window > 0) g->deadline = gg->now + (GG_EVICT_WINDOWS * window > wait
-                                             ? GG_EVICT_WINDOWS * window : wait);
-  }
+  g->evictable = gg->policy == RPL_POLICY_SMART && gg->speed_aware && gg->arrival_filter && n > 2;
   memcpy(g->members, members, sizeof(int) * (size_t)n);
   rpl_sort_ints(g->members, n);
   int conflict = 0;
@@ -455,7 +454,10 @@ static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase 
   gg->st.pending++;
   gg->st.groups_created++;
   if (conflict) gg->st.conflicts++;
-  for (int i = 0; i < n; i++) undefer(gg, g->members[i]); /* a waiting member has its group */
+  for (int i = 0; i < n; i++) {
+    if (arrived_for(&gg->w[g->members[i]], g)) arm_deadline(gg, g);
+    undefer(gg, g->members[i]); /* a waiting member has its group */
+  }
   trace_group(gg, RPL_TRACE_CREATED, g, initiator, division);
   if (out) *out = g;
   /* Deferred members are waiting already: the group may be complete at once. */
@@ -524,6 +526,16 @@ static rpl_status group_cancel(rpl_gg *gg, gg_group *g, int culprit, rpl_reason 
 /* Whether member x of g is waiting with g at the head of its buffer, unlocked: ready to go. */
 static int arrived_for(const gg_worker *x, const gg_group *g) {
   return x->waiting && x->blen > 0 && x->buf[0] == g && !x->locked;
+}
+
+/* The first member ready for g starts its clock: the others get two arrival windows (or the
+ * partner wait, if longer) to come. Measured from the first arrival, not from generation: a
+ * division's second group (inter_intra's Intra) waits for its members' first ones. */
+static void arm_deadline(rpl_gg *gg, gg_group *g) {
+  if (!g || !g->evictable || g->deadline >= 0 || g->state != G_PENDING) return;
+  double window = arrival_window(gg), wait = partner_wait(gg);
+  if (window <= 0) return; /* no compute step measured yet: no prediction to have failed */
+  g->deadline = gg->now + (GG_EVICT_WINDOWS * window > wait ? GG_EVICT_WINDOWS * window : wait);
 }
 
 /* Smart groups past their deadline drop the members that have not asked, if two or more have:
@@ -1187,6 +1199,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
   }
   me->waiting = 1;
   me->waiting_round = round;
+  if (me->blen > 0 && !me->locked) arm_deadline(gg, me->buf[0]);
   st = me->blen == 0 ? serve(gg, w, err) : try_hand(gg, me->buf[0], err);
   return settle(gg, st, err);
 }
@@ -1198,7 +1211,10 @@ rpl_status rpl_gg_done(rpl_gg *gg, int w, uint64_t group_id, rpl_error *err) {
   if (me->locked && me->locked == group_id) {
     me->locked = 0;
     me->free_at = gg->now;
-    if (me->waiting && me->blen > 0) st = try_hand(gg, me->buf[0], err);
+    if (me->waiting && me->blen > 0) {
+      arm_deadline(gg, me->buf[0]);
+      st = try_hand(gg, me->buf[0], err);
+    }
     return settle(gg, st, err); /* it may be idle now: a partner for the deferred */
   }
   gg->st.stale_dones++;
