@@ -37,9 +37,13 @@ from torch.nn.parallel import DistributedDataParallel
 from .averager import RipplesAverager, parse_levels
 from .hooks import POST_WARMUP_MODES, RipplesHookState, _is_ripples, host_group, ripples_hook
 
-__all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "WRAP_DEFAULTS"]
+__all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "DEFAULT_WARMUP_STRAGGLER",
+           "WRAP_DEFAULTS"]
 
 DEFAULT_WARMUP_STEPS = 50
+# Warm-up (exact, at the slowest worker's pace) ends early once a worker computes this many
+# times slower than the median in three checks in a row (ripples_pg.averager); None/0 = never.
+DEFAULT_WARMUP_STRAGGLER = 2.0
 # Defaults of the partial group wrap() creates (an argument or RIPPLES_* variable wins).
 # on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
 # missed averaging step -- the buffers are left as they were, atomically -- while raising would
@@ -160,7 +164,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          seed: Optional[int] = None,
          trace: Optional[bool] = None,
          period_max: Optional[int] = None,
-         overlap: bool = False) -> RipplesOptimizer:
+         overlap: bool = False,
+         warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER) -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
@@ -177,8 +182,14 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             missed averaging step, counted in ``ripples_pg.stats()``, not the end of
             training; exact collectives still raise) and the DDP group's timeout
             (``init_process_group(timeout=...)``).
-        warmup_steps: steps of exact synchronous SGD before model averaging starts (default
-            ``DEFAULT_WARMUP_STEPS`` = 50; a few percent of training is typical).
+        warmup_steps: at most this many steps of exact synchronous SGD before model averaging
+            starts (default ``DEFAULT_WARMUP_STEPS`` = 50; a few percent of training is
+            typical). Exact steps run at the slowest worker's pace, so warm-up ends earlier
+            when a worker is persistently slow (``warmup_straggler``).
+        warmup_straggler: end warm-up early, on every worker after the same step, once one
+            worker's compute time per step is this many times the median in three checks in
+            a row (checked every 5 warm-up steps; default 2.0). ``None`` or ``0``: warm-up
+            always runs ``warmup_steps`` steps.
         levels: the averager's ``{period: level}`` (see :class:`ripples_pg.RipplesAverager`);
             default ``{1: "partial"}``. Add e.g. ``64: "world"`` to bound drift with an exact
             average every 64 steps, at the price of waiting for the slowest worker then.
@@ -279,7 +290,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     averager = RipplesAverager(group, levels=levels, warmup_steps=warmup_steps,
                                host_group=hgroup, world_group=ddp_group, optimizer=optimizer,
                                average_optimizer_state=average_optimizer_state,
-                               module=ddp_model.module, overlap=overlap)
+                               module=ddp_model.module, overlap=overlap,
+                               warmup_straggler=warmup_straggler)
     state = RipplesHookState(ddp_group, warmup_steps=warmup_steps, post_warmup=post_warmup,
                              host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)

@@ -12,6 +12,13 @@ at step ``s`` the level with the largest period dividing ``s`` runs (none if no 
 
 Nothing is averaged during the first ``warmup_steps`` steps: the comm hook
 (``ripples_pg.hooks``) averages gradients exactly then, so the replicas stay identical.
+Exact averaging runs at the slowest worker's pace, so with ``warmup_straggler`` (``wrap()``'s
+default: 2.0) warm-up ends early once one worker persistently computes that many times slower
+than the median: every ``WARMUP_CHECK_EVERY`` warm-up steps the workers exchange their mean
+compute time per step (one tiny exact all-gather; compute = from the end of a step to the
+first gradient bucket of the next, so waiting in the exact all-reduce does not count), and
+when three checks in a row find the same worker at ``warmup_straggler`` times the median,
+every worker ends warm-up after the same step (they all see the same numbers).
 
 The parameters are flattened once: on the first averaging they are copied into one flat buffer
 per dtype and re-pointed (``p.data``) at views of it, exactly like torch's own
@@ -55,6 +62,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 import warnings
 from collections import OrderedDict
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -69,6 +78,12 @@ from .overlap import OverlappedRound
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
 
 logger = logging.getLogger(__name__)
+
+# Warm-up exit (warmup_straggler): how often the workers compare compute times during warm-up,
+# and how many checks in a row must find the same worker that slow (one slow window -- a
+# checkpoint written, a page cache miss, an oversubscribed core -- is no straggler).
+WARMUP_CHECK_EVERY = 5
+WARMUP_CHECKS_IN_A_ROW = 3
 
 LEVELS = ("partial", "host", "world")
 
@@ -254,7 +269,8 @@ class RipplesAverager(ModelAverager):
     def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
                  host_group=None, world_group=None, optimizer: Optional[torch.optim.Optimizer]
                  = None, average_optimizer_state: Union[bool, Sequence[str]] = False,
-                 module: Optional[torch.nn.Module] = None, overlap: bool = False):
+                 module: Optional[torch.nn.Module] = None, overlap: bool = False,
+                 warmup_straggler: Optional[float] = None):
         self._hook_states: list = []
         self._round: Optional[OverlappedRound] = None
         super().__init__(process_group)
@@ -265,6 +281,24 @@ class RipplesAverager(ModelAverager):
             raise ValueError(f"ripples_pg.RipplesAverager: warmup_steps must be >= 0, got "
                              f"{warmup_steps}")
         self.warmup_steps = warmup_steps
+        if warmup_straggler is not None:
+            if isinstance(warmup_straggler, bool) or \
+                    not isinstance(warmup_straggler, (int, float)) or \
+                    not math.isfinite(warmup_straggler) or \
+                    (warmup_straggler != 0 and warmup_straggler <= 1):
+                raise ValueError(f"ripples_pg.RipplesAverager: warmup_straggler must be a "
+                                 f"number > 1 (or 0/None: warm-up always runs its "
+                                 f"warmup_steps), got {warmup_straggler!r}")
+        self.warmup_straggler = float(warmup_straggler or 0)
+        # Warm-up exit: this step's first gradient bucket, the end of the last step, and the
+        # compute times of the current check window; the step warm-up ended at, if early.
+        self._warm_first: Optional[float] = None
+        self._warm_end: Optional[float] = None
+        self._warm_sum = 0.0
+        self._warm_n = 0
+        self._warm_hits = 0
+        self._warm_slow = -1
+        self.warmup_ended_early: Optional[int] = None
         self.levels = parse_levels(levels)
         self._periods = list(self.levels)
         kinds = set(self.levels.values())
@@ -414,6 +448,8 @@ class RipplesAverager(ModelAverager):
         """Averages ``params`` (parameters or optimizer param groups) at this step's level,
         then advances ``step``. With ``overlap``, first applies the round in flight, and a
         ``"partial"`` level starts its round in the background."""
+        if self.warmup_straggler and self.step < self.warmup_steps and not self.detached:
+            self._warmup_check()
         level = self.level_at(self.step)
         self.last_level = level
         packed = None
@@ -424,6 +460,58 @@ class RipplesAverager(ModelAverager):
             self._average(params, level, packed)
             self.counts[level] += 1
         self.step += 1
+        self._warm_end = time.perf_counter()
+        self._warm_first = None
+
+    # -- warm-up exit (warmup_straggler)
+    def note_gradient_bucket(self) -> None:
+        """Called by the comm hook for each gradient bucket: the first of a step ends its
+        compute (forward and the backward up to the first bucket), before any wait for an
+        exact all-reduce."""
+        if self._warm_first is None:
+            self._warm_first = time.perf_counter()
+
+    def _warmup_check(self) -> None:
+        if self._warm_first is not None and self._warm_end is not None and \
+                self._warm_first > self._warm_end:
+            self._warm_sum += self._warm_first - self._warm_end
+            self._warm_n += 1
+        if (self.step + 1) % WARMUP_CHECK_EVERY != 0 or self.step + 1 >= self.warmup_steps:
+            return
+        group = self.world_group
+        n = dist.get_world_size(group)
+        if n < 2:
+            return
+        mine = self._warm_sum / self._warm_n if self._warm_n else -1.0
+        self._warm_sum, self._warm_n = 0.0, 0
+        out = torch.empty(n, dtype=torch.float64)
+        ctx = _exact() if _is_ripples(group) else contextlib.nullcontext()
+        with ctx:
+            dist.all_gather_into_tensor(out, torch.tensor([mine], dtype=torch.float64),
+                                        group=group)
+        times = out.tolist()
+        if min(times) <= 0:  # someone has no measurement yet (every worker sees the same)
+            self._warm_hits = 0
+            return
+        median = sorted(times)[(n - 1) // 2]
+        slow = max(range(n), key=lambda i: times[i])
+        ratio = times[slow] / median
+        if ratio < self.warmup_straggler:
+            self._warm_hits = 0
+        else:
+            self._warm_hits = self._warm_hits + 1 if slow == self._warm_slow else 1
+        self._warm_slow = slow
+        if self._warm_hits < WARMUP_CHECKS_IN_A_ROW:
+            return
+        end = self.step + 1  # this step is the last warm-up step, on every worker
+        ranks = dist.get_process_group_ranks(group)
+        logger.warning("ripples_pg: rank %d computes %.1fx slower than the median; warm-up "
+                       "ends at step %d instead of %d so that the others stop waiting for it",
+                       ranks[slow], ratio, end, self.warmup_steps)
+        self.warmup_ended_early = end
+        self.warmup_steps = end
+        for st in self._hook_states:
+            st.warmup_steps = end
 
     # -- overlap
     def flush(self, params=None) -> None:
@@ -541,7 +629,8 @@ class RipplesAverager(ModelAverager):
     # -- checkpointing (PostLocalSGDOptimizer saves only ``step``)
     def state_dict(self) -> dict:
         return {"step": self.step, "warmup_steps": self.warmup_steps,
-                "levels": dict(self.levels), "counts": dict(self.counts)}
+                "levels": dict(self.levels), "counts": dict(self.counts),
+                "warmup_ended_early": self.warmup_ended_early}
 
     def load_state_dict(self, sd: Mapping) -> None:
         if "levels" in sd and parse_levels(sd["levels"]) != self.levels:
@@ -550,6 +639,15 @@ class RipplesAverager(ModelAverager):
                           stacklevel=2)
         if self._round is not None and self._round.pending:
             self._discard_round()  # it started from the parameters being replaced
+        if sd.get("warmup_ended_early") is not None:
+            # Warm-up had ended early for a straggler: a restored job does not go back into
+            # exact averaging (every worker restores the same checkpoint step).
+            end = int(sd["warmup_ended_early"])
+            self.warmup_ended_early = end
+            if end < self.warmup_steps:
+                self.warmup_steps = end
+                for st in self._hook_states:
+                    st.warmup_steps = end
         self.step = int(sd["step"])
         if "counts" in sd:
             self.counts.update(sd["counts"])

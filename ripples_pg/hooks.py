@@ -292,6 +292,8 @@ def ripples_hook(state: RipplesHookState,
     if state.averager is None:
         state._count(bucket)
     if warm:
+        if state.averager is not None and not state.synchronous:
+            state.averager.note_gradient_bucket()  # the warm-up exit's compute clock
         state.exact_buckets += 1
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         return _allreduce_mean_fut(group, buf)
