@@ -25,6 +25,13 @@ typedef struct rpl_coord_config {
                               negative = wait for ever */
   int standby;             /* a failover coordinator: every worker starts out dead (in no
                               group, not waited for) until it registers with HELLO */
+  const char *const *host_names; /* optional: the host name of every rank (copied), shown by
+                              the status and the slow-worker lines; NULL = the host labels */
+  /* Where the coordinator's few log lines go (a worker becoming persistently slow or
+   * recovering, coordinator/coord_attr.h): each call is one line ending in '\n', from the
+   * service's thread. NULL = stderr. Must not call back into the coordinator. */
+  void (*log)(void *ctx, const char *line);
+  void *log_ctx;
 } rpl_coord_config;
 
 typedef struct rpl_coord rpl_coord;
@@ -67,6 +74,7 @@ typedef struct rpl_coord_counters {
 
 /* Readable from any thread while the service runs. */
 void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out);
+
 
 #ifdef __cplusplus
 }
