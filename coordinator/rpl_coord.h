@@ -75,6 +75,11 @@ typedef struct rpl_coord_counters {
 /* Readable from any thread while the service runs. */
 void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out);
 
+/* The status document (JSON text, as rpl_gg_query_status returns it) as the table that
+ * `ripples-coordinator --status` prints: one row per worker (rank, host, state, steps/s, step,
+ * slowdown, groups of one, last seen). Fills *out (malloc'd, NUL-terminated, caller frees);
+ * RPL_ERR_INVALID if the text is not a status document. coordinator/status_table.c. */
+rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_error *err);
 
 #ifdef __cplusplus
 }

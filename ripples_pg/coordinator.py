@@ -5,7 +5,7 @@ Standalone (same options as the ``ripples-coordinator`` binary)::
     python -m ripples_pg.coordinator --bind tcp://10.0.0.5:29600 --workers 16 --per-host 4 \
         --write-token ~/.ripples-token                      # created 0600
     RIPPLES_GG_TOKEN=$(cat ~/.ripples-token) python -m ripples_pg.coordinator \
-        --status tcp://10.0.0.5:29600
+        --status tcp://10.0.0.5:29600                       # a table; --json: the document
 
 The default bind is ``tcp://127.0.0.1:29600`` (this host only): a multi-host job binds the
 interface its workers reach (``--bind tcp://<interface-ip>:29600``); every interface
@@ -150,6 +150,12 @@ def status(endpoint: str, token: str, timeout_ms: int = 5000) -> str:
     return _gg.status(endpoint, token, timeout_ms)
 
 
+def status_table(document: str) -> str:
+    """A status document as the table ``--status`` prints (rank, host, state, steps/s, step,
+    slowdown, groups of one, last seen). The same code as the C binary's."""
+    return _gg.status_table(document)
+
+
 def _read_token(args) -> Tuple[Optional[str], str]:
     """(token, where it came from); argv is the last resort (visible to every user)."""
     if args.token_file:
@@ -177,7 +183,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"endpoint to listen on (default {DEFAULT_BIND}: this host only); a "
                         f"multi-host job passes tcp://<interface-ip>:29600, every interface "
                         f"is tcp://0.0.0.0:29600")
-    p.add_argument("--status", metavar="ENDPOINT", help="print a running coordinator's state")
+    p.add_argument("--status", metavar="ENDPOINT",
+                   help="print a table of a running coordinator's workers (rank, host, state, "
+                        "steps/s, step, slowdown against the median step, groups of one, last "
+                        "seen)")
+    p.add_argument("--json", action="store_true",
+                   help="--status: print the whole status document (JSON) instead")
     p.add_argument("--token-file", help="read the job token from this file")
     p.add_argument("--token", help=f"job token (32 hex digits) in argv: visible to other "
                                    f"users (ps); prefer --token-file or ${TOKEN_ENV}. Default: "
@@ -205,7 +216,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not token:
             p.error("--status needs the job token (--token, --token-file or $RIPPLES_GG_TOKEN)")
         try:
-            print(status(args.status, token, args.timeout_ms))
+            doc = status(args.status, token, args.timeout_ms)
+            print(doc if args.json else status_table(doc), end="\n" if args.json else "")
         except (ConnectionError, ValueError, RuntimeError) as e:
             print(f"ripples-coordinator: {e}", file=sys.stderr)
             return 1

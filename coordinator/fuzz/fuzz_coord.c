@@ -3,9 +3,9 @@
  * little-endian length and a route byte (bits 0-2: which client, bit 3: its heartbeat socket,
  * bits 4-7: time since the previous message in 50 ms steps). Seeds carry the real job token,
  * so mutations reach registered workers, groups and rebinding. Oracles: every reply parses,
- * no reply to a message that lacked the job token carries the job token's bytes, and every
- * log line is one line of printable text without the token (host names full of quotes and
- * control bytes included).
+ * no reply to a message that lacked the job token carries the job token's bytes, every log
+ * line is one line of printable text without the token, and the status document (with host
+ * names full of quotes and control bytes) renders as the --status table.
  *
  * libFuzzer (clang):   coordinator/fuzz/run_libfuzzer.sh [seconds]
  * Standalone (any cc): fuzz_coord_smoke [iterations] | --write-corpus DIR | FILE...
@@ -145,7 +145,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     coord_core_tick(&core, now);
   }
   size_t jl;
-  free(coord_core_status_json(&core, now, &jl));
+  char *json = coord_core_status_json(&core, now, &jl);
+  char *table = NULL;
+  if (json && rpl_coord_status_table(json, jl, &table, &err) != RPL_OK) {
+    fprintf(stderr, "the status document does not render as a table: %s\n%s\n", err.msg, json);
+    abort();
+  }
+  free(table);
+  free(json);
   free(coord_core_rank_json(&core, 0, now, &jl));
   coord_core_free(&core);
   return 0;

@@ -642,6 +642,19 @@ static PyObject *py_status(PyObject *self, PyObject *args, PyObject *kw) {
   return s;
 }
 
+static PyObject *py_status_table(PyObject *self, PyObject *args) {
+  const char *json;
+  Py_ssize_t len;
+  if (!PyArg_ParseTuple(args, "s#", &json, &len)) return NULL;
+  char *table = NULL;
+  rpl_error err;
+  rpl_status st = rpl_coord_status_table(json, (size_t)len, &table, &err);
+  if (st != RPL_OK) return raise_rpl(st, &err);
+  PyObject *s = PyUnicode_FromString(table);
+  free(table);
+  return s;
+}
+
 static PyObject *py_generate_token(PyObject *self, PyObject *unused) {
   uint8_t tok[RPL_TOKEN_LEN];
   char hex[2 * RPL_TOKEN_LEN + 1];
@@ -657,6 +670,9 @@ static PyMethodDef module_methods[] = {
      "static_round(nworkers, host_of, round) -> list of groups (sorted lists), a partition"},
     {"status", (PyCFunction)(void (*)(void))py_status, METH_VARARGS | METH_KEYWORDS,
      "status(endpoint, token, timeout_ms=5000) -> JSON text of a running coordinator"},
+    {"status_table", (PyCFunction)py_status_table, METH_VARARGS,
+     "status_table(json) -> the status document as the table ripples-coordinator --status "
+     "prints"},
     {"generate_token", py_generate_token, METH_NOARGS, "a fresh job token (32 hex digits)"},
     {NULL, NULL, 0, NULL}};
 

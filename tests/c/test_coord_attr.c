@@ -7,7 +7,8 @@
  *   - a flapping rank is logged at most once per COORD_SLOW_HOLD_S, many at once within the
  *     log's burst, and the lines left out are counted in the next one;
  *   - host names with quotes and control bytes come out sanitised;
- *   - the status document stays within its bound at the largest job;
+ *   - the status document stays within its bound at the largest job, and renders as a table;
+ *   - the table reader refuses what is not a status document;
  *   - over real sockets, a rank's summary comes from the coordinator that serves it, along a
  *     failover list (one that is down, or does not serve the rank, is passed over). */
 #include <stdio.h>
@@ -197,8 +198,14 @@ static void test_slow_rank_named_and_recovers(void) {
         "rank 1's summary: %s", doc);
   CHECK(strstr(doc, "\"slow\":true,\"slow_since_step\":"), "summary: %s", doc);
   doc = status_of(j, -1, t);
-  CHECK(strstr(doc, "\"median_step_s\":0.010000,") && strstr(doc, "\"host_name\":\"beta\""),
-        "document: %.400s", strstr(doc, "\"attribution"));
+  char *table = NULL;
+  rpl_error err;
+  CHECK(rpl_coord_status_table(doc, strlen(doc), &table, &err) == RPL_OK, "%s", err.msg);
+  printf("%s", table);
+  const char *row = strstr(table, "\n   3  beta");
+  CHECK(row && strstr(row, "x  ") && strstr(row, "slow since step"), "table:\n%s", table);
+  CHECK(strstr(table, "median step 10.0 ms"), "table:\n%s", table);
+  free(table);
   /* Back to the others' pace: one line, not before COORD_SLOW_HOLD_S after the first. */
   double slow_at = t;
   j->step[3] = 0.010;
@@ -276,7 +283,7 @@ static void test_rate_limits(void) {
 
 static void test_bounded_document(void) {
   /* The largest job: the document stays within RPL_PROTO_MAX_BODY (listing the workers it
-   * can), and the summary of a rank stays small. */
+   * can), the summary of a rank stays small, and both render. */
   rpl_coord_config cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.gg.policy = RPL_POLICY_SMART;
@@ -291,11 +298,46 @@ static void test_bounded_document(void) {
   CHECK(doc && len <= RPL_PROTO_MAX_BODY, "document of %zu bytes", len);
   CHECK(strstr(doc, "\"workers_omitted\":") && !strstr(doc, "\"workers_omitted\":0,"),
         "some workers left out at %d", RPL_SCHED_MAX_WORKERS);
+  char *table = NULL;
+  CHECK(rpl_coord_status_table(doc, len, &table, &err) == RPL_OK, "%s", err.msg);
+  CHECK(strstr(table, "more workers not listed"), "the table says so");
+  free(table);
   free(doc);
   doc = coord_core_rank_json(&core, RPL_SCHED_MAX_WORKERS - 1, 1.0, &len);
   CHECK(doc && len < 4096, "summary of %zu bytes", len);
   free(doc);
   coord_core_free(&core);
+}
+
+static void test_table_reader(void) {
+  /* A document of a coordinator before issue 24 (no attribution): hosts by label. */
+  const char *old = "{\"version\":4,\"policy\":\"smart\",\"nworkers\":2,\"uptime_s\":3.5,"
+                    "\"counters\":{\"messages\":1},\"workers\":[{\"rank\":0,\"state\":\"live\","
+                    "\"host\":0,\"host_label\":7,\"handed\":4,\"singletons\":1,\"step_s\":0.02,"
+                    "\"seen\":true,\"silent_s\":0.25},{\"rank\":1,\"state\":\"dead\",\"host\":1,"
+                    "\"host_label\":-1,\"seen\":false}],\"pending\":[{\"id\":1,\"members\":[0]}]}";
+  char *table = NULL;
+  rpl_error err;
+  CHECK(rpl_coord_status_table(old, strlen(old), &table, &err) == RPL_OK, "%s", err.msg);
+  CHECK(strstr(table, "smart coordinator, 2 workers, median step -, up 4 s\n") &&
+            strstr(table, "   0  7     live") && strstr(table, "1 (25%)") &&
+            strstr(table, "0.2 s ago") && strstr(table, "   1  1     dead") &&
+            strstr(table, "never"),
+        "table:\n%s", table);
+  free(table);
+  const char *bad[] = {"", "[]", "{", "{\"workers\":[{\"rank\":0}", "{\"workers\":[]} x",
+                       "{\"policy\":\"smart\"}", "{\"workers\":[{\"rank\":\"0\"}]}",
+                       "{\"workers\":[{\"rank\":0,\"state\":\"li\\qve\"}]}",
+                       "{\"workers\":[{\"rank\":1e999}]}"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+    CHECK(rpl_coord_status_table(bad[i], strlen(bad[i]), &table, &err) == RPL_ERR_INVALID,
+          "accepted '%s'", bad[i]);
+  /* Nesting deeper than the reader goes is refused, not followed. */
+  static char deep[40000];
+  size_t k = (size_t)snprintf(deep, sizeof deep, "{\"workers\":[],\"x\":");
+  for (int i = 0; i < 10000; i++) deep[k++] = '[';
+  deep[k] = '\0';
+  CHECK(rpl_coord_status_table(deep, k, &table, &err) == RPL_ERR_INVALID, "deep nesting");
 }
 
 static void test_rank_query_over_sockets(void) {
@@ -344,6 +386,7 @@ int main(void) {
   test_stuck_rank_and_pause();
   test_rate_limits();
   test_bounded_document();
+  test_table_reader();
   test_rank_query_over_sockets();
   printf("test_coord_attr: all passed\n");
   return 0;
