@@ -1,6 +1,7 @@
 /* The coordinator's message handling, independent of ZeroMQ (see coord_core.h). Every input
  * is parsed by rpl_msg_parse (bounds-checked) before anything else looks at it; a message
  * that fails is counted and dropped without a reply. */
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,7 +31,9 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
   core->gone = calloc((size_t)core->nworkers, sizeof *core->gone);
   core->out_cap = RPL_PROTO_HEADER + 20 + 4 * (size_t)core->nworkers + RPL_PROTO_MAX_TEXT + 4;
   core->out = malloc(core->out_cap);
-  if (!core->w || !core->members || !core->out || !core->gone) {
+  int attr_oom = coord_attr_init(&core->attr, core->nworkers, cfg->host_names, cfg->log,
+                                 cfg->log_ctx) != 0;
+  if (!core->w || !core->members || !core->out || !core->gone || attr_oom) {
     coord_core_free(core);
     return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   }
@@ -49,6 +52,7 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
 
 void coord_core_free(coord_core *core) {
   rpl_gg_destroy(core->gg);
+  coord_attr_free(&core->attr);
   free(core->w);
   free(core->members);
   free(core->out);
@@ -103,7 +107,7 @@ static void reply_worker(coord_core *core, coord_worker *w, rpl_msg *m, const in
 }
 
 /* Sends what the policy decided: groups to their members, cancellations to waiting ones. */
-static void flush_events(coord_core *core) {
+static void flush_events(coord_core *core, double now) {
   rpl_gg_event ev;
   while (rpl_gg_poll(core->gg, &ev, core->members, core->nworkers)) {
     coord_worker *w = &core->w[ev.worker];
@@ -119,6 +123,7 @@ static void flush_events(coord_core *core) {
       m.nmembers = (uint32_t)ev.nmembers;
     } else if (ev.kind == RPL_EV_PASS) {
       m.type = RPL_MSG_PASS;
+      coord_attr_computing(&core->attr, ev.worker, now); /* no group: back to its step */
     } else {
       m.type = RPL_MSG_CANCEL;
       m.culprit = ev.culprit;
@@ -195,7 +200,8 @@ static void refuse_token(coord_core *core, const uint8_t *route, size_t route_le
 static void reply_status(coord_core *core, const uint8_t *route, size_t route_len,
                          const rpl_msg *m, double now) {
   size_t jlen = 0;
-  char *json = coord_core_status_json(core, now, &jlen);
+  char *json = m->rank >= 0 ? coord_core_rank_json(core, m->rank, now, &jlen)
+                            : coord_core_status_json(core, now, &jlen);
   if (!json || jlen > RPL_PROTO_MAX_BODY) {
     free(json);
     reply_error(core, route, route_len, m, RPL_PERR_INTERNAL, "status unavailable");
@@ -235,7 +241,11 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   }
   /* From here on the sender proved it holds the job token. */
   if (m.type == RPL_MSG_STATUS) { /* read-only, from any connection (tools) */
-    reply_status(core, route, route_len, &m, now);
+    if (m.rank >= 0 && core->w[m.rank].route_len == 0) /* not served here: try another */
+      reply_error(core, route, route_len, &m, RPL_PERR_NOT_REGISTERED,
+                  "rank %d is not registered with this coordinator", (int)m.rank);
+    else
+      reply_status(core, route, route_len, &m, now);
     return;
   }
   /* Everything else comes from a worker; the parser checked 0 <= rank < nworkers. */
@@ -314,6 +324,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
     case RPL_MSG_REQUEST:
       w->req_seq = m.seq;
       st = rpl_gg_request(core->gg, m.rank, m.round, &err);
+      if (st == RPL_OK) coord_attr_request(&core->attr, m.rank, m.round, now);
       if (st != RPL_OK) {
         reply_error(core, route, route_len, &m,
                     st == RPL_ERR_CLOSED ? RPL_PERR_LEFT : RPL_PERR_INTERNAL, "%s", err.msg);
@@ -321,6 +332,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
       break;
     case RPL_MSG_DONE:
       st = rpl_gg_done(core->gg, m.rank, m.group_id, &err);
+      coord_attr_computing(&core->attr, m.rank, now); /* its next step starts */
       break;
     case RPL_MSG_HEARTBEAT:
       r.type = RPL_MSG_HEARTBEAT_ACK;
@@ -328,12 +340,14 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
       break;
     case RPL_MSG_FENCE:
       st = rpl_gg_fence(core->gg, m.rank, &err);
+      coord_attr_idle(&core->attr, m.rank); /* an exact collective is no compute step */
       break;
     case RPL_MSG_UNFENCE:
       st = rpl_gg_unfence(core->gg, m.rank, &err);
       break;
     case RPL_MSG_LEAVE:
       st = rpl_gg_leave(core->gg, m.rank, &err);
+      coord_attr_idle(&core->attr, m.rank);
       r.type = RPL_MSG_ACK;
       reply_worker(core, w, &r, NULL);
       break;
@@ -347,7 +361,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   w->last_seen = now;
   w->unreachable = 0;
   note_state(core, m.rank); /* a leave, or a dead worker back */
-  flush_events(core);
+  flush_events(core, now);
 }
 
 int coord_core_active(const coord_core *core, int except_rank) {
@@ -360,7 +374,7 @@ int coord_core_active(const coord_core *core, int except_rank) {
 double coord_core_advance(coord_core *core, double now) {
   rpl_error err;
   rpl_gg_advance(core->gg, now - core->start, &err);
-  flush_events(core);
+  flush_events(core, now);
   double next = rpl_gg_next_deadline(core->gg);
   return next < 0 ? -1.0 : next + core->start;
 }
@@ -377,12 +391,14 @@ void coord_core_tick(coord_core *core, double now) {
                        : core->join_ms > 0 && (now - core->start) * 1000.0 > core->join_ms;
     if (dead) {
       rpl_gg_dead(core->gg, i, &err);
+      coord_attr_idle(&core->attr, i);
       atomic_fetch_add(&core->dead_declared, 1);
       note_state(core, i);
       changed = 1;
     }
   }
-  if (changed) flush_events(core);
+  if (changed) flush_events(core, now);
+  coord_attr_refresh(core, now, 0);
 }
 
 /* ---- status JSON ------------------------------------------------------------------------- */
@@ -426,7 +442,7 @@ typedef struct {
 
 static int pend_json(void *ctx, uint64_t id, const int *members, int n, int arrived) {
   pend_ctx *pc = ctx;
-  if (pc->count >= 1000) return 1; /* keep the document bounded */
+  if (pc->count >= 1000 || pc->b->len > COORD_STATUS_LIMIT) return 1; /* keep it bounded */
   sb_printf(pc->b, "%s{\"id\":%llu,\"arrived\":%d,\"members\":[", pc->count ? "," : "",
             (unsigned long long)id, arrived);
   for (int i = 0; i < n; i++) sb_printf(pc->b, "%s%d", i ? "," : "", members[i]);
@@ -435,9 +451,87 @@ static int pend_json(void *ctx, uint64_t id, const int *members, int n, int arri
   return 0;
 }
 
+/* A non-negative finite number with fmt, else null. */
+static void sb_num(sbuf *b, const char *fmt, double v) {
+  if (isfinite(v) && v >= 0) sb_printf(b, fmt, v);
+  else sb_printf(b, "null");
+}
+
+/* The step in progress of worker i: since it left the coordinator, while computing. */
+static double busy_s(const coord_core *core, int i, const rpl_gg_worker_info *wi, double now) {
+  double at = core->attr.w[i].free_at;
+  return at >= 0 && wi->state == RPL_WORKER_LIVE && !wi->waiting && now > at ? now - at : 0;
+}
+
+/* Worker i's attribution fields (coord_attr.h), shared by every document that names it. */
+static void attr_fields(coord_core *core, sbuf *b, int i, const rpl_gg_worker_info *wi,
+                        double now) {
+  const coord_attr_worker *x = &core->attr.w[i];
+  char hb[32];
+  sb_printf(b, "\"host_name\":\"%s\",\"steps_per_s\":", coord_attr_host(core, i, hb, sizeof hb));
+  sb_num(b, "%.3f", x->rate > 0 ? x->rate : -1);
+  sb_printf(b, ",\"busy_s\":");
+  sb_num(b, "%.3f", busy_s(core, i, wi, now));
+  sb_printf(b, ",\"slowdown\":");
+  sb_num(b, "%.3f", x->slowdown > 0 ? x->slowdown : -1);
+  sb_printf(b, ",\"slow\":%s,\"slow_since_step\":", x->slow ? "true" : "false");
+  if (x->slow) sb_printf(b, "%llu", (unsigned long long)x->slow_since);
+  else sb_printf(b, "null");
+}
+
+/* A rank as the summaries name it: who, its step, its slowdown, groups of one, last seen. */
+static void rank_entry(coord_core *core, sbuf *b, int i, double now) {
+  rpl_gg_worker_info wi;
+  rpl_error err;
+  rpl_gg_worker(core->gg, i, &wi, &err);
+  const coord_worker *w = &core->w[i];
+  sb_printf(b, "{\"rank\":%d,\"state\":\"%s\",\"requests\":%llu,\"step_s\":", i,
+            rpl_worker_state_name(wi.state), (unsigned long long)wi.requests);
+  sb_num(b, "%.6f", wi.step);
+  sb_printf(b, ",\"handed\":%llu,\"singletons\":%llu,\"seen\":%s,\"silent_s\":%.3f,",
+            (unsigned long long)wi.handed, (unsigned long long)wi.singletons,
+            w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
+  attr_fields(core, b, i, &wi, now);
+  sb_printf(b, "}");
+}
+
+/* "attribution":{...}: the median step and the slowest ranks (coord_attr_refresh). */
+static void attribution_json(coord_core *core, sbuf *b, double now) {
+  const coord_attr *a = &core->attr;
+  sb_printf(b, "\"attribution\":{\"median_step_s\":");
+  sb_num(b, "%.6f", a->median > 0 ? a->median : -1);
+  sb_printf(b, ",\"known\":%d,\"slow\":%d,\"slow_at\":%.1f,\"slowest\":[", a->known, a->nslow,
+            COORD_SLOW_AT);
+  for (int k = 0; k < a->ntop; k++) {
+    if (k) sb_printf(b, ",");
+    rank_entry(core, b, a->top[k], now);
+  }
+  sb_printf(b, "]}");
+}
+
+char *coord_core_rank_json(coord_core *core, int rank, double now, size_t *len) {
+  sbuf b = {malloc(4096), 0, 4096, 0};
+  if (!b.p) return NULL;
+  coord_attr_refresh(core, now, 0);
+  sb_printf(&b, "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"uptime_s\":%.3f,\"rank\":%d,",
+            RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
+            now - core->start, rank);
+  attribution_json(core, &b, now);
+  sb_printf(&b, ",\"self\":");
+  rank_entry(core, &b, rank, now);
+  sb_printf(&b, "}");
+  if (b.oom) {
+    free(b.p);
+    return NULL;
+  }
+  *len = b.len;
+  return b.p;
+}
+
 char *coord_core_status_json(coord_core *core, double now, size_t *len) {
   sbuf b = {malloc(4096), 0, 4096, 0};
   if (!b.p) return NULL;
+  coord_attr_refresh(core, now, 0);
   rpl_gg_stats st;
   rpl_gg_get_stats(core->gg, &st);
   sb_printf(&b,
@@ -458,7 +552,7 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
             "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
             "\"period_drops\":%llu,\"wrong_route\":%llu,\"replayed\":%llu,\"rebinds\":%llu,"
-            "\"bad_token_quiet\":%llu},",
+            "\"bad_token_quiet\":%llu,\"late_dropped\":%llu},",
             (unsigned long long)atomic_load(&core->messages),
             (unsigned long long)atomic_load(&core->malformed),
             (unsigned long long)atomic_load(&core->bad_token),
@@ -477,9 +571,12 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
             (unsigned long long)atomic_load(&core->wrong_route),
             (unsigned long long)atomic_load(&core->replayed),
             (unsigned long long)atomic_load(&core->rebinds),
-            (unsigned long long)atomic_load(&core->bad_token_quiet));
-  sb_printf(&b, "\"workers\":[");
-  for (int i = 0; i < core->nworkers; i++) {
+            (unsigned long long)atomic_load(&core->bad_token_quiet),
+            (unsigned long long)st.late_dropped);
+  attribution_json(core, &b, now);
+  sb_printf(&b, ",\"workers\":[");
+  int listed = 0;
+  for (int i = 0; i < core->nworkers && b.len <= COORD_STATUS_LIMIT; i++, listed++) {
     rpl_gg_worker_info wi;
     rpl_error err;
     rpl_gg_worker(core->gg, i, &wi, &err);
@@ -489,7 +586,7 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
               "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
               "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
               "\"lonely_max\":%u,\"deferred\":%s,\"passes\":%llu,\"step_s\":%.6f,\"seen\":%s,"
-              "\"silent_s\":%.3f,\"bound\":%s}",
+              "\"silent_s\":%.3f,\"bound\":%s,",
               i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
               (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
               (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
@@ -498,11 +595,14 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
               wi.deferred ? "true" : "false", (unsigned long long)wi.passes, wi.step,
               w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start,
               w->route_len ? "true" : "false");
+    attr_fields(core, &b, i, &wi, now);
+    sb_printf(&b, "}");
   }
-  sb_printf(&b, "],\"pending\":[");
+  sb_printf(&b, "],\"workers_omitted\":%d,\"pending\":[", core->nworkers - listed);
   pend_ctx pc = {&b, 0};
   rpl_gg_foreach_pending(core->gg, pend_json, &pc);
-  sb_printf(&b, "]}");
+  sb_printf(&b, "],\"pending_omitted\":%llu}",
+            (unsigned long long)(st.pending > (uint64_t)pc.count ? st.pending - pc.count : 0));
   if (b.oom) {
     free(b.p);
     return NULL;

@@ -7,6 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "coord_attr.h"
 #include "rpl_coord.h"
 
 #define RPL_ROUTE_MAX 255
@@ -59,6 +60,7 @@ typedef struct coord_core {
   double bad_token_window;      /* start of the second bad_token_replies counts in */
   int bad_token_replies;
   atomic_uchar *gone;           /* [nworkers]: left or dead, readable from other threads */
+  coord_attr attr;              /* straggler attribution (coord_attr.h) */
 } coord_core;
 
 rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err);
@@ -73,7 +75,13 @@ double coord_core_advance(coord_core *core, double now);
 void coord_core_tick(coord_core *core, double now);
 /* Workers neither left nor dead, not counting `except_rank` (-1: count all). Any thread. */
 int coord_core_active(const coord_core *core, int except_rank);
-/* The status document (malloc'd JSON, caller frees), or NULL when out of memory. */
+/* The status document (malloc'd JSON, caller frees), or NULL when out of memory. At most
+ * COORD_STATUS_LIMIT bytes plus one pending group: workers and pending groups past it are
+ * left out and counted ("workers_omitted", "pending_omitted"). */
+#define COORD_STATUS_LIMIT (RPL_PROTO_MAX_BODY - (1u << 20))
 char *coord_core_status_json(coord_core *core, double now, size_t *len);
+/* The summary for rank `rank` (a STATUS with rank >= 0): its attribution and the slowest
+ * ranks', a few hundred bytes whatever the job's size. */
+char *coord_core_rank_json(coord_core *core, int rank, double now, size_t *len);
 
 #endif

@@ -2,7 +2,8 @@
  *   ripples-coordinator --bind tcp://10.0.0.5:29600 --workers 16 --per-host 4 \
  *                       --write-token ~/.ripples-token
  *   RIPPLES_GG_TOKEN=$(cat ~/.ripples-token) ripples-coordinator --status tcp://10.0.0.5:29600
- * The default bind is loopback; the token is printed only with --print-token. */
+ * The default bind is loopback; the token is printed only with --print-token. --status prints
+ * a table of the workers (--json: the whole status document). */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -35,7 +36,7 @@ static void usage(FILE *f) {
           "                           [--heartbeat-ms MS] [--dead-ms MS] [--join-ms MS]\n"
           "                           [--standby]\n"
           "       ripples-coordinator --status ENDPOINT [--token-file PATH | --token HEX]\n"
-          "                           [--timeout-ms MS]\n"
+          "                           [--timeout-ms MS] [--json]\n"
           "--bind defaults to " DEFAULT_BIND " (this host only): a multi-host job passes\n"
           "tcp://<interface-ip>:29600; every interface (tcp://0.0.0.0:29600) only if asked.\n"
           "Policies: random, smart, adpsgd, static. The token comes from --token-file, else\n"
@@ -48,7 +49,10 @@ static void usage(FILE *f) {
           "a worker averages only every P-th request and the coordinator passes the others\n"
           "(0 = default, %d; 1 or -1 = every request, as in the paper).\n"
           "--standby: a failover coordinator; every worker is out until it registers (list it\n"
-          "after the primary in the workers' endpoint: tcp://primary:port,tcp://standby:port).\n",
+          "after the primary in the workers' endpoint: tcp://primary:port,tcp://standby:port).\n"
+          "--status prints a table of the workers (rank, host, state, steps/s, step, slowdown\n"
+          "against the median step, groups of one, last seen); --json prints the whole status\n"
+          "document instead (coordinator/PROTOCOL.md).\n",
           RPL_GG_DEFAULT_PERIOD_MAX);
 }
 
@@ -89,7 +93,7 @@ int main(int argc, char **argv) {
   const char *bind = DEFAULT_BIND, *status = NULL, *token = getenv("RIPPLES_GG_TOKEN");
   const char *policy = "smart", *hosts = NULL, *token_file = NULL, *write_token = NULL;
   const char *token_from = token ? "from $RIPPLES_GG_TOKEN" : NULL;
-  int print_token = 0;
+  int print_token = 0, as_json = 0;
   int workers = 0, per_host = 0, group_size = 0, c_thres = 0, inter_intra = 0;
   int heartbeat_ms = 0, dead_ms = 0, join_ms = 0, timeout_ms = 5000, standby = 0;
   int partner_wait_ms = 0, max_isolated = 0, period_max = 0;
@@ -119,6 +123,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--token-file")) { NEED_VALUE; token_file = v; }
     else if (!strcmp(a, "--write-token")) { NEED_VALUE; write_token = v; }
     else if (!strcmp(a, "--print-token")) print_token = 1;
+    else if (!strcmp(a, "--json")) as_json = 1;
     else if (!strcmp(a, "--policy")) { NEED_VALUE; policy = v; }
     else if (!strcmp(a, "--hosts")) { NEED_VALUE; hosts = v; }
     else if (!strcmp(a, "--seed")) { NEED_VALUE; seed = strtoull(v, NULL, 0); }
@@ -161,8 +166,20 @@ int main(int argc, char **argv) {
       fprintf(stderr, "ripples-coordinator: %s\n", err.msg);
       return 1;
     }
-    printf("%s\n", json);
+    if (as_json) {
+      printf("%s\n", json);
+      free(json);
+      return 0;
+    }
+    char *table = NULL;
+    rpl_status st = rpl_coord_status_table(json, strlen(json), &table, &err);
     free(json);
+    if (st != RPL_OK) {
+      fprintf(stderr, "ripples-coordinator: %s (--json prints it as it came)\n", err.msg);
+      return 1;
+    }
+    fputs(table, stdout);
+    free(table);
     return 0;
   }
   if (workers < 1) {

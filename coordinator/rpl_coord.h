@@ -25,6 +25,13 @@ typedef struct rpl_coord_config {
                               negative = wait for ever */
   int standby;             /* a failover coordinator: every worker starts out dead (in no
                               group, not waited for) until it registers with HELLO */
+  const char *const *host_names; /* optional: the host name of every rank (copied), shown by
+                              the status and the slow-worker lines; NULL = the host labels */
+  /* Where the coordinator's few log lines go (a worker becoming persistently slow or
+   * recovering, coordinator/coord_attr.h): each call is one line ending in '\n', from the
+   * service's thread. NULL = stderr. Must not call back into the coordinator. */
+  void (*log)(void *ctx, const char *line);
+  void *log_ctx;
 } rpl_coord_config;
 
 typedef struct rpl_coord rpl_coord;
@@ -67,6 +74,12 @@ typedef struct rpl_coord_counters {
 
 /* Readable from any thread while the service runs. */
 void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out);
+
+/* The status document (JSON text, as rpl_gg_query_status returns it) as the table that
+ * `ripples-coordinator --status` prints: one row per worker (rank, host, state, steps/s, step,
+ * slowdown, groups of one, last seen). Fills *out (malloc'd, NUL-terminated, caller frees);
+ * RPL_ERR_INVALID if the text is not a status document. coordinator/status_table.c. */
+rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_error *err);
 
 #ifdef __cplusplus
 }

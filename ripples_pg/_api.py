@@ -73,13 +73,27 @@ def stats(group: Any = None) -> dict:
     peers' buffers), ``connections`` (``ucx_connections`` of them UCX
     endpoints), ``ops_staged`` (calls on CUDA tensors,
     staged through pinned host memory).
+
+    Straggler attribution (dynamic schedules; as the coordinator measures it, refreshed in the
+    background at most once a second, so calling this at every step costs nothing and never
+    waits for the coordinator): ``step_s`` (this rank's compute step: from leaving the
+    coordinator to asking again, averaged), ``slowdown`` (its step, or a longer step still in
+    progress, over the median step of the live ranks), ``median_step_s``, ``slowest`` (the
+    slowest ranks, slowest first, at most 8: dicts with ``rank``, ``host``, ``state``,
+    ``steps`` (its step count: partial rounds asked for), ``step_s``, ``slowdown``, ``steps_per_s``, ``slow`` (persistently slow, as the
+    coordinator's log line says), ``slow_since_step``, ``singletons``, ``handed``), and
+    ``attribution_age_s`` (seconds since the coordinator answered). ``None`` (``[]``) until
+    the first answer, when the coordinator cannot be reached, and for the static schedule.
     """
+    from .attribution import attribution
+
     be = _ripples_backend(group)
     out = dict(be.partial_stats())
     meant = out["rounds"] - out["passed"]
     out["singleton_share"] = out["singletons"] / meant if meant else None
     out.update(be.counters())
     out["schedule"] = be.schedule
+    out.update(attribution(be))
     return out
 
 

@@ -66,9 +66,10 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     rank = int(dist_backend_opts.group_rank)
     size = int(dist_backend_opts.group_size)
     host_label = opts.host_id if opts.host_id is not None else socket.gethostname()
-    host_of = _exchange_hosts(store, rank, size, host_label)
+    host_of, host_names = _exchange_hosts(store, rank, size, host_label)
     endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s, bind_addr,
-                                        job_id=_job_id(dist_backend_opts, size))
+                                        job_id=_job_id(dist_backend_opts, size),
+                                        host_names=host_names)
     return _C._create_backend(
         store,
         rank,
@@ -97,18 +98,20 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
 # ----------------------------------------------------------------------------- hosts
 
 
-def _exchange_hosts(store: Any, rank: int, size: int, label: str) -> list:
-    """Dense host index of every rank: labels (host names, or RIPPLES_HOST_ID) published
-    through the group's store, numbered in order of each host's lowest rank. Unlike
-    LOCAL_WORLD_SIZE this stays right for subgroups and uneven hosts."""
+def _exchange_hosts(store: Any, rank: int, size: int, label: str) -> tuple:
+    """(dense host index of every rank, its label): labels (host names, or RIPPLES_HOST_ID)
+    published through the group's store, numbered in order of each host's lowest rank. Unlike
+    LOCAL_WORLD_SIZE this stays right for subgroups and uneven hosts. The labels name the
+    hosts in the coordinator's status and log."""
     store.set(f"ripples/host/{rank}", label)
     index: dict = {}
-    out = []
+    out, names = [], []
     for r in range(size):
         raw = store.get(f"ripples/host/{r}")
-        name = raw.decode() if isinstance(raw, (bytes, bytearray)) else str(raw)
+        name = raw.decode(errors="replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
         out.append(index.setdefault(name, len(index)))
-    return out
+        names.append(name)
+    return out, names
 
 
 def _host_key(label: str) -> str:
@@ -210,7 +213,8 @@ def _job_id(dist_backend_opts: Any, size: int) -> str:
 
 
 def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: list,
-                      timeout_s: float, advertise_host: str, job_id: str = ""):
+                      timeout_s: float, advertise_host: str, job_id: str = "",
+                      host_names: Optional[list] = None):
     """(endpoints, token) of the coordinator of this group; ("", "") for the static schedule.
     Embedded: "primary,standby1,..." -- the failover order the workers' clients follow. The
     embedded and standby coordinators bind ``opts.coordinator_bind``, by default
@@ -239,7 +243,8 @@ def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: 
                  inter_intra=bool(opts.inter_intra),
                  partner_wait_ms=opts.partner_wait_ms if opts.partner_wait_ms is not None else 0,
                  max_isolated=opts.max_isolated if opts.max_isolated is not None else 0,
-                 period_max=opts.period_max if opts.period_max is not None else 0)
+                 period_max=opts.period_max if opts.period_max is not None else 0,
+                 host_names=host_names)
 
     def keep(c) -> None:
         if not _embedded_coordinators:

@@ -5,7 +5,7 @@ Standalone (same options as the ``ripples-coordinator`` binary)::
     python -m ripples_pg.coordinator --bind tcp://10.0.0.5:29600 --workers 16 --per-host 4 \
         --write-token ~/.ripples-token                      # created 0600
     RIPPLES_GG_TOKEN=$(cat ~/.ripples-token) python -m ripples_pg.coordinator \
-        --status tcp://10.0.0.5:29600
+        --status tcp://10.0.0.5:29600                       # a table; --json: the document
 
 The default bind is ``tcp://127.0.0.1:29600`` (this host only): a multi-host job binds the
 interface its workers reach (``--bind tcp://<interface-ip>:29600``); every interface
@@ -21,6 +21,10 @@ Embedded (rank 0 of the default group; the backend's process-group creation call
 
 With a token every rank derived from a job secret (``Options.job_secret``), pass it as
 ``token=`` and ``publish_token=False``: the store then holds only the endpoint.
+
+The coordinator writes one line on stderr when a worker becomes persistently slow, and one
+when it recovers ("ripples: rank 3 on host b is 4.8x slower than the median since step
+120"), rate-limited (``coordinator/coord_attr.h``).
 """
 import argparse
 import os
@@ -56,15 +60,18 @@ def start(nworkers: int, policy: str = "smart", *, bind: Optional[str] = None,
           token: Optional[str] = None, host_of: Optional[Sequence[int]] = None,
           group_size: int = 0, c_thres: int = 0, inter_intra: bool = False, seed: int = 0,
           heartbeat_ms: int = 0, dead_ms: int = 0, join_ms: int = 0, partner_wait_ms: int = 0,
-          max_isolated: int = 0, period_max: int = 0, standby: bool = False) -> "Coordinator":
+          max_isolated: int = 0, period_max: int = 0, standby: bool = False,
+          host_names: Optional[Sequence[str]] = None) -> "Coordinator":
     """Starts a coordinator on a background thread ("rpl-gg-coord") and returns it.
     ``coord.endpoint`` and ``coord.token`` say how to reach it; ``coord.close()`` stops it.
     ``partner_wait_ms``, ``max_isolated`` and ``period_max``: see ``ripples_pg.Options``
     (0 = the default). ``standby``: a failover coordinator (every worker counts as gone
-    until it registers with it)."""
+    until it registers with it). ``host_names``: every rank's host name, shown by the status
+    and the slow-worker lines (default: the host labels the workers send)."""
     c = Coordinator(nworkers, policy, bind, token, list(host_of) if host_of else None,
                     group_size, c_thres, bool(inter_intra), seed, heartbeat_ms, dead_ms, join_ms,
-                    partner_wait_ms, max_isolated, period_max, bool(standby))
+                    partner_wait_ms, max_isolated, period_max, bool(standby),
+                    [str(h) for h in host_names] if host_names else None)
     c.start()
     return c
 
@@ -145,9 +152,16 @@ def write_token_file(path: str, token: str) -> None:
         os.close(fd)
 
 
-def status(endpoint: str, token: str, timeout_ms: int = 5000) -> str:
-    """The JSON status document of a running coordinator."""
-    return _gg.status(endpoint, token, timeout_ms)
+def status(endpoint: str, token: str, timeout_ms: int = 5000, rank: int = -1) -> str:
+    """The JSON status document of a running coordinator; with ``rank`` >= 0, that rank's
+    summary instead (its step and slowdown, and the slowest ranks: a few hundred bytes)."""
+    return _gg.status(endpoint, token, timeout_ms, rank)
+
+
+def status_table(document: str) -> str:
+    """A status document as the table ``--status`` prints (rank, host, state, steps/s, step,
+    slowdown, groups of one, last seen). The same code as the C binary's."""
+    return _gg.status_table(document)
 
 
 def _read_token(args) -> Tuple[Optional[str], str]:
@@ -177,7 +191,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help=f"endpoint to listen on (default {DEFAULT_BIND}: this host only); a "
                         f"multi-host job passes tcp://<interface-ip>:29600, every interface "
                         f"is tcp://0.0.0.0:29600")
-    p.add_argument("--status", metavar="ENDPOINT", help="print a running coordinator's state")
+    p.add_argument("--status", metavar="ENDPOINT",
+                   help="print a table of a running coordinator's workers (rank, host, state, "
+                        "steps/s, step, slowdown against the median step, groups of one, last "
+                        "seen)")
+    p.add_argument("--json", action="store_true",
+                   help="--status: print the whole status document (JSON) instead")
     p.add_argument("--token-file", help="read the job token from this file")
     p.add_argument("--token", help=f"job token (32 hex digits) in argv: visible to other "
                                    f"users (ps); prefer --token-file or ${TOKEN_ENV}. Default: "
@@ -205,7 +224,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not token:
             p.error("--status needs the job token (--token, --token-file or $RIPPLES_GG_TOKEN)")
         try:
-            print(status(args.status, token, args.timeout_ms))
+            doc = status(args.status, token, args.timeout_ms)
+            print(doc if args.json else status_table(doc), end="\n" if args.json else "")
         except (ConnectionError, ValueError, RuntimeError) as e:
             print(f"ripples-coordinator: {e}", file=sys.stderr)
             return 1

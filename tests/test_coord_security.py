@@ -250,10 +250,13 @@ def test_token_file_is_0600_and_token_not_printed(kind, tmp_path):
         token = tok.read_text().strip()
         assert len(token) == 32 and token not in line and str(tok) in line, line
         env = dict(os.environ, RIPPLES_GG_TOKEN=token)
-        q = subprocess.run(_cli(kind) + ["--status", f"tcp://127.0.0.1:{port}"], env=env,
-                           capture_output=True, text=True, timeout=30)
+        q = subprocess.run(_cli(kind) + ["--status", f"tcp://127.0.0.1:{port}", "--json"],
+                           env=env, capture_output=True, text=True, timeout=30)
         assert q.returncode == 0, q.stderr
         assert json.loads(q.stdout)["nworkers"] == 2 and token not in q.stdout
+        q = subprocess.run(_cli(kind) + ["--status", f"tcp://127.0.0.1:{port}"], env=env,
+                           capture_output=True, text=True, timeout=30)  # the table
+        assert q.returncode == 0 and "2 workers" in q.stdout and token not in q.stdout, q.stderr
         # The token in argv still works, with a warning that argv is public.
         q = subprocess.run(_cli(kind) + ["--status", f"tcp://127.0.0.1:{port}", "--token",
                                          token], capture_output=True, text=True, timeout=30)

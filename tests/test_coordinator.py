@@ -107,10 +107,10 @@ def start_standalone(kind, port, n, *extra):
 
 def status(endpoint, kind="python"):
     if kind == "binary" and coordinator_binary():
-        cmd = [coordinator_binary(), "--status", endpoint, "--token", TOKEN]
+        cmd = [coordinator_binary(), "--status", endpoint, "--token", TOKEN, "--json"]
     else:
         cmd = [sys.executable, "-m", "ripples_pg.coordinator", "--status", endpoint, "--token",
-               TOKEN]
+               TOKEN, "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout)

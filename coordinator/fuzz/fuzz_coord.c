@@ -3,7 +3,9 @@
  * little-endian length and a route byte (bits 0-2: which client, bit 3: its heartbeat socket,
  * bits 4-7: time since the previous message in 50 ms steps). Seeds carry the real job token,
  * so mutations reach registered workers, groups and rebinding. Oracles: every reply parses,
- * and no reply to a message that lacked the job token carries the job token's bytes.
+ * no reply to a message that lacked the job token carries the job token's bytes, every log
+ * line is one line of printable text without the token, and the status document (with host
+ * names full of quotes and control bytes) renders as the --status table.
  *
  * libFuzzer (clang):   coordinator/fuzz/run_libfuzzer.sh [seconds]
  * Standalone (any cc): fuzz_coord_smoke [iterations] | --write-corpus DIR | FILE...
@@ -54,6 +56,25 @@ static int check_reply(void *ctx, const uint8_t *route, size_t route_len, const 
   return 0;
 }
 
+/* The slow/recovered lines (coord_attr.c): one printable line each, never the token. */
+static void check_log(void *ctx, const char *line) {
+  (void)ctx;
+  size_t n = strlen(line);
+  if (n == 0 || line[n - 1] != '\n') {
+    fprintf(stderr, "coordinator log line not ended by a newline: %s\n", line);
+    abort();
+  }
+  for (size_t i = 0; i + 1 < n; i++)
+    if ((unsigned char)line[i] < 0x20 || (unsigned char)line[i] > 0x7e) {
+      fprintf(stderr, "coordinator log line with byte 0x%02x\n", (unsigned char)line[i]);
+      abort();
+    }
+  if (strstr(line, FUZZ_TOKEN)) {
+    fprintf(stderr, "coordinator logged its token\n");
+    abort();
+  }
+}
+
 /* Client k's routes as the real client names them ('R'/'H' + 16 bytes), or a short one. */
 static size_t make_route(uint8_t sel, uint8_t *out) {
   int k = sel & 7;
@@ -89,6 +110,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   cfg.heartbeat_ms = 100;
   cfg.dead_ms = 1000;
   cfg.join_ms = -1;
+  cfg.log = check_log;
+  static const char *const names[FUZZ_WORKERS] = {"a", "b\"}", "\x01\xff\\u0000", "", NULL,
+                                                  "a-very-long-host-name-that-goes-on-and-on-"
+                                                  "and-on-beyond-sixty-four-bytes-of-text"};
+  if (size > 1 && (data[1] & 1)) cfg.host_names = names; /* NULL entries: the label */
   coord_core core;
   if (coord_core_init(&core, &cfg, &err) != RPL_OK) abort();
   memcpy(g_token, core.token, RPL_TOKEN_LEN);
@@ -119,7 +145,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     coord_core_tick(&core, now);
   }
   size_t jl;
-  free(coord_core_status_json(&core, now, &jl));
+  char *json = coord_core_status_json(&core, now, &jl);
+  char *table = NULL;
+  if (json && rpl_coord_status_table(json, jl, &table, &err) != RPL_OK) {
+    fprintf(stderr, "the status document does not render as a table: %s\n%s\n", err.msg, json);
+    abort();
+  }
+  free(table);
+  free(json);
+  free(coord_core_rank_json(&core, 0, now, &jl));
   coord_core_free(&core);
   return 0;
 }
@@ -166,7 +200,7 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
     memset(&m, 0, sizeof m);
     m.type = (uint8_t)types[(s >> 33) % 8];
     int r = (int)((s >> 40) % FUZZ_WORKERS);
-    m.rank = m.type == RPL_MSG_STATUS ? -1 : r;
+    m.rank = m.type == RPL_MSG_STATUS && (s >> 12) % 2 ? -1 : r; /* a rank's summary too */
     m.seq = ++seq[r];
     m.round = (s >> 20) % 4;
     m.group_id = 1 + (s >> 24) % 6;

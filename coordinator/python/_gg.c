@@ -254,7 +254,7 @@ static PyObject *GG_stats(GGObject *o, PyObject *unused) {
   rpl_gg_stats s;
   rpl_gg_get_stats(o->gg, &s);
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "requests", (unsigned long long)s.requests,
+      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsIsi}", "requests", (unsigned long long)s.requests,
       "groups_created", (unsigned long long)s.groups_created, "groups_handed",
       (unsigned long long)s.groups_handed, "groups_cancelled",
       (unsigned long long)s.groups_cancelled, "singletons_handed",
@@ -265,7 +265,8 @@ static PyObject *GG_stats(GGObject *o, PyObject *unused) {
       (unsigned long long)s.deferred, "wait_expired", (unsigned long long)s.wait_expired,
       "isolation_holds", (unsigned long long)s.isolation_holds, "joins",
       (unsigned long long)s.joins, "late", (unsigned long long)s.late, "passes",
-      (unsigned long long)s.passes, "period_drops", (unsigned long long)s.period_drops, "period",
+      (unsigned long long)s.passes, "period_drops", (unsigned long long)s.period_drops, "late_dropped",
+      (unsigned long long)s.late_dropped, "period",
       (unsigned int)s.period, "period_max", rpl_gg_period_max(o->gg));
 }
 
@@ -338,20 +339,55 @@ static void Coord_dealloc(CoordObject *o) {
   Py_TYPE(o)->tp_free((PyObject *)o);
 }
 
+/* host_names: None or a sequence of nworkers str (or None) -> malloc'd array of pointers into
+ * the sequence's strings, valid while *keep (a new reference, or NULL) lives. */
+static int parse_names(PyObject *obj, int nworkers, const char ***out, PyObject **keep) {
+  *out = NULL;
+  *keep = NULL;
+  if (obj == NULL || obj == Py_None) return 0;
+  PyObject *seq = PySequence_Fast(obj, "host_names must be a sequence of str");
+  if (!seq) return -1;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  if (n != nworkers) {
+    PyErr_Format(PyExc_ValueError, "host_names has %zd entries, expected %d", n, nworkers);
+    Py_DECREF(seq);
+    return -1;
+  }
+  const char **a = (const char **)calloc((size_t)(n ? n : 1), sizeof *a);
+  if (!a) {
+    Py_DECREF(seq);
+    PyErr_NoMemory();
+    return -1;
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject *it = PySequence_Fast_GET_ITEM(seq, i);
+    if (it == Py_None) continue;
+    a[i] = PyUnicode_AsUTF8(it); /* owned by the str, which seq holds */
+    if (!a[i]) {
+      free((void *)a);
+      Py_DECREF(seq);
+      return -1;
+    }
+  }
+  *out = a;
+  *keep = seq;
+  return 0;
+}
+
 static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   static const char *kwl[] = {"nworkers",    "policy", "bind",         "token",   "host_of",
                         "group_size",  "c_thres", "inter_intra", "seed",    "heartbeat_ms",
                         "dead_ms",     "join_ms", "partner_wait_ms", "max_isolated", "period_max",
-                        "standby",     NULL};
+                        "standby",     "host_names", NULL};
   int n, group_size = 0, c_thres = 0, inter_intra = 0, hb = 0, dead = 0, join = 0;
   int wait_ms = 0, max_isolated = 0, period_max = 0, standby = 0;
   const char *policy = "smart", *bind = NULL, *token = NULL;
-  PyObject *hosts = Py_None;
+  PyObject *hosts = Py_None, *names_obj = Py_None;
   unsigned long long seed = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiiiiiip", (char **)kwl, &n, &policy,
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "i|szzOiipKiiiiiipO", (char **)kwl, &n, &policy,
                                    &bind, &token, &hosts, &group_size, &c_thres, &inter_intra,
                                    &seed, &hb, &dead, &join, &wait_ms, &max_isolated,
-                                   &period_max, &standby))
+                                   &period_max, &standby, &names_obj))
     return -1;
   rpl_coord_config cfg;
   memset(&cfg, 0, sizeof cfg);
@@ -362,6 +398,13 @@ static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   }
   int *labels;
   if (parse_hosts(hosts, n, &labels) != 0) return -1;
+  const char **names;
+  PyObject *names_keep;
+  if (parse_names(names_obj, n, &names, &names_keep) != 0) {
+    free(labels);
+    return -1;
+  }
+  cfg.host_names = names;
   cfg.bind = bind;
   cfg.token_hex = token;
   cfg.gg.nworkers = n;
@@ -382,10 +425,14 @@ static int Coord_init(CoordObject *o, PyObject *args, PyObject *kw) {
   if (o->c) {
     PyErr_SetString(PyExc_RuntimeError, "Coordinator already initialised");
     free(labels);
+    free((void *)names);
+    Py_XDECREF(names_keep);
     return -1;
   }
   Py_BEGIN_ALLOW_THREADS st = rpl_coord_create(&cfg, &o->c, &err);
   Py_END_ALLOW_THREADS free(labels);
+  free((void *)names); /* copied by the coordinator */
+  Py_XDECREF(names_keep);
   if (st != RPL_OK) {
     raise_rpl(st, &err);
     return -1;
@@ -627,18 +674,34 @@ static PyTypeObject ClientType = {PyVarObject_HEAD_INIT(NULL, 0)};
 /* ---- module -------------------------------------------------------------------------------- */
 
 static PyObject *py_status(PyObject *self, PyObject *args, PyObject *kw) {
-  static const char *kwl[] = {"endpoint", "token", "timeout_ms", NULL};
+  static const char *kwl[] = {"endpoint", "token", "timeout_ms", "rank", NULL};
   const char *endpoint, *token;
-  int timeout_ms = 5000;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|i", (char **)kwl, &endpoint, &token, &timeout_ms))
+  int timeout_ms = 5000, rank = -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|ii", (char **)kwl, &endpoint, &token,
+                                   &timeout_ms, &rank))
     return NULL;
   char *json = NULL;
   rpl_error err;
   rpl_status st;
-  Py_BEGIN_ALLOW_THREADS st = rpl_gg_query_status(endpoint, token, timeout_ms, &json, &err);
+  Py_BEGIN_ALLOW_THREADS st =
+      rank < 0 ? rpl_gg_query_status(endpoint, token, timeout_ms, &json, &err)
+               : rpl_gg_query_rank_status(endpoint, token, rank, timeout_ms, &json, &err);
   Py_END_ALLOW_THREADS if (st != RPL_OK) return raise_rpl(st, &err);
   PyObject *s = PyUnicode_FromString(json);
   free(json);
+  return s;
+}
+
+static PyObject *py_status_table(PyObject *self, PyObject *args) {
+  const char *json;
+  Py_ssize_t len;
+  if (!PyArg_ParseTuple(args, "s#", &json, &len)) return NULL;
+  char *table = NULL;
+  rpl_error err;
+  rpl_status st = rpl_coord_status_table(json, (size_t)len, &table, &err);
+  if (st != RPL_OK) return raise_rpl(st, &err);
+  PyObject *s = PyUnicode_FromString(table);
+  free(table);
   return s;
 }
 
@@ -656,7 +719,13 @@ static PyMethodDef module_methods[] = {
     {"static_round", (PyCFunction)(void (*)(void))py_static_round, METH_VARARGS | METH_KEYWORDS,
      "static_round(nworkers, host_of, round) -> list of groups (sorted lists), a partition"},
     {"status", (PyCFunction)(void (*)(void))py_status, METH_VARARGS | METH_KEYWORDS,
-     "status(endpoint, token, timeout_ms=5000) -> JSON text of a running coordinator"},
+     "status(endpoint, token, timeout_ms=5000, rank=-1) -> JSON text of a running coordinator: "
+     "its whole status document, or with rank >= 0 that rank's summary (its step and slowdown, "
+     "the slowest ranks), from the first coordinator of a comma-separated endpoint list that "
+     "serves the rank"},
+    {"status_table", (PyCFunction)py_status_table, METH_VARARGS,
+     "status_table(json) -> the status document as the table ripples-coordinator --status "
+     "prints"},
     {"generate_token", py_generate_token, METH_NOARGS, "a fresh job token (32 hex digits)"},
     {NULL, NULL, 0, NULL}};
 
@@ -686,9 +755,11 @@ static void init_types(void) {
   CoordType.tp_doc = "Coordinator(nworkers, policy='smart', bind=None, token=None, host_of=None, "
                      "group_size=0, c_thres=0, inter_intra=False, seed=0, heartbeat_ms=0, "
                      "dead_ms=0, join_ms=0, partner_wait_ms=0, max_isolated=0, period_max=0, "
-                     "standby=False): the Group Generator service (bound at construction; "
-                     "period_max: the adaptive period, see GroupGenerator; standby: a failover "
-                     "coordinator, every worker out until it registers).";
+                     "standby=False, host_names=None): the Group Generator service (bound at "
+                     "construction; period_max: the adaptive period, see GroupGenerator; "
+                     "standby: a failover coordinator, every worker out until it registers; "
+                     "host_names: each rank's host name, for the status and the slow-worker "
+                     "lines it writes on stderr).";
   CoordType.tp_methods = Coord_methods;
   CoordType.tp_getset = Coord_getset;
   CoordType.tp_init = (initproc)Coord_init;

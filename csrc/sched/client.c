@@ -599,22 +599,24 @@ void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out) {
   pthread_mutex_unlock(&c->lock);
 }
 
-rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int timeout_ms,
-                               char **json, rpl_error *err) {
-  *json = NULL;
-  uint8_t token[RPL_TOKEN_LEN];
-  rpl_status st = rpl_token_from_hex(token_hex, token, err);
-  if (st != RPL_OK) return st;
-  if (timeout_ms <= 0) timeout_ms = 5000;
+/* One STATUS query (rank -1: the whole document; else that rank's summary) to one endpoint
+ * on a socket of its own. The reply is received as it comes (up to the protocol's bound), so
+ * a small answer costs no large buffer. */
+static rpl_status query_one(const char *endpoint, const uint8_t token[RPL_TOKEN_LEN], int rank,
+                            int timeout_ms, char **json, rpl_error *err) {
+  rpl_status st;
   void *ctx = zmq_ctx_new();
   void *s = ctx ? zmq_socket(ctx, ZMQ_DEALER) : NULL;
-  uint8_t *buf = malloc(RPL_PROTO_HEADER + RPL_PROTO_MAX_BODY);
-  if (!s || !buf) {
+  zmq_msg_t in;
+  zmq_msg_init(&in);
+  if (!s) {
     st = zfail(err, "socket", endpoint);
     goto out;
   }
   int linger = 0;
+  int64_t maxmsg = RPL_PROTO_HEADER + (int64_t)RPL_PROTO_MAX_BODY;
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
+  zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
   if (zmq_connect(s, endpoint) != 0) {
     st = rpl_sched_fail(err, RPL_ERR_INVALID, "cannot connect to '%s': %s", endpoint,
                         zmq_strerror(zmq_errno()));
@@ -624,7 +626,7 @@ rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int 
   memset(&m, 0, sizeof m);
   m.type = RPL_MSG_STATUS;
   memcpy(m.token, token, RPL_TOKEN_LEN);
-  m.rank = -1;
+  m.rank = rank;
   m.seq = 1;
   st = send_msg(s, &m, NULL, err, endpoint);
   if (st != RPL_OK) goto out;
@@ -636,10 +638,10 @@ rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int 
                           endpoint, timeout_ms);
       goto out;
     }
-    int n = zmq_recv(s, buf, RPL_PROTO_HEADER + RPL_PROTO_MAX_BODY, 0);
-    if (n < 0 || (size_t)n > RPL_PROTO_HEADER + RPL_PROTO_MAX_BODY) continue;
+    int n = zmq_msg_recv(&in, s, 0);
+    if (n < 0) continue;
     rpl_error perr;
-    if (rpl_msg_parse(buf, (size_t)n, 0, &m, &perr) != RPL_OK) continue;
+    if (rpl_msg_parse(zmq_msg_data(&in), zmq_msg_size(&in), 0, &m, &perr) != RPL_OK) continue;
     if (!rpl_token_equal(m.token, token)) continue; /* errors echo our token too */
     if (m.type == RPL_MSG_ERROR) {
       st = from_error_reply(&m, endpoint, err);
@@ -657,8 +659,46 @@ rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int 
     goto out;
   }
 out:
-  free(buf);
+  zmq_msg_close(&in);
   if (s) zmq_close(s);
   if (ctx) zmq_ctx_term(ctx);
   return st;
+}
+
+rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int timeout_ms,
+                               char **json, rpl_error *err) {
+  *json = NULL;
+  uint8_t token[RPL_TOKEN_LEN];
+  rpl_status st = rpl_token_from_hex(token_hex, token, err);
+  if (st != RPL_OK) return st;
+  return query_one(endpoint, token, -1, timeout_ms > 0 ? timeout_ms : 5000, json, err);
+}
+
+rpl_status rpl_gg_query_rank_status(const char *endpoints, const char *token_hex, int rank,
+                                    int timeout_ms, char **json, rpl_error *err) {
+  *json = NULL;
+  uint8_t token[RPL_TOKEN_LEN];
+  rpl_status st = rpl_token_from_hex(token_hex, token, err);
+  if (st != RPL_OK) return st;
+  if (rank < 0)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "rank %d: a rank's summary needs a rank", rank);
+  if (!endpoints || !*endpoints)
+    return rpl_sched_fail(err, RPL_ERR_INVALID, "no coordinator endpoint");
+  if (timeout_ms <= 0) timeout_ms = 5000;
+  int tried = 0;
+  char one[512];
+  for (const char *p = endpoints; *p;) {
+    const char *e = strchr(p, ',');
+    size_t n = e ? (size_t)(e - p) : strlen(p);
+    if (n > 0 && n < sizeof one) {
+      memcpy(one, p, n);
+      one[n] = '\0';
+      tried = 1;
+      st = query_one(one, token, rank, timeout_ms, json, err);
+      if (st == RPL_OK) return st; /* else not this one (down, or a standby not serving us) */
+    }
+    p = e ? e + 1 : p + n;
+  }
+  if (!tried) return rpl_sched_fail(err, RPL_ERR_INVALID, "no usable endpoint in '%s'", endpoints);
+  return st; /* err: why the last one did not answer */
 }

@@ -468,6 +468,13 @@ void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out);
  * frees) with the coordinator's state. */
 rpl_status rpl_gg_query_status(const char *endpoint, const char *token_hex, int timeout_ms,
                                char **json, rpl_error *err);
+/* The same for rank `rank`'s summary (its step and slowdown, and the slowest ranks':
+ * coordinator/PROTOCOL.md, "Status document"), a few hundred bytes whatever the job's size.
+ * `endpoints` may be a failover list: the first coordinator that serves the rank answers
+ * (one that does not, a standby before failover, refuses with NOT_REGISTERED), each tried
+ * for up to timeout_ms. */
+rpl_status rpl_gg_query_rank_status(const char *endpoints, const char *token_hex, int rank,
+                                    int timeout_ms, char **json, rpl_error *err);
 
 #ifdef __cplusplus
 }

@@ -4,13 +4,16 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <initializer_list>
+#include <stdexcept>
 #include <utility>
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
 #include "ProcessGroupRipples.hpp"
+#include "sched/rpl_sched.h"
 
 namespace py = pybind11;
 
@@ -123,6 +126,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             });
           },
           "Partial-round counters of this rank (see ripples_pg.stats).")
+      .def(
+          "coordinator_status",
+          [](const ripples::ProcessGroupRipples& pg, int timeout_ms) {
+            const ripples::Config& cfg = pg.config();
+            TORCH_CHECK(!cfg.endpoint.empty(), "this group has no coordinator (schedule '",
+                        cfg.schedule, "')");
+            char* json = nullptr;
+            rpl_error err;
+            rpl_status st;
+            {
+              py::gil_scoped_release nogil;
+              st = rpl_gg_query_rank_status(cfg.endpoint.c_str(), cfg.token.c_str(),
+                                            pg.getRank(), timeout_ms, &json, &err);
+            }
+            if (st != RPL_OK) {
+              throw std::runtime_error(err.msg);
+            }
+            std::string out(json);
+            std::free(json);
+            return out;
+          },
+          py::arg("timeout_ms") = 2000,
+          "This rank's summary from its coordinator (JSON text: its step and slowdown, the "
+          "slowest ranks; coordinator/PROTOCOL.md); blocks up to timeout_ms per endpoint of "
+          "the failover list. Raises if none answers. See ripples_pg.stats.")
       .def(
           "trace",
           [](const ripples::ProcessGroupRipples& pg, uint64_t from) {
