@@ -42,7 +42,7 @@ __all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "DEFAULT_WARMUP_S
 
 DEFAULT_WARMUP_STEPS = 50
 # Warm-up (exact, at the slowest worker's pace) ends early once a worker computes this many
-# times slower than the median in three checks in a row (ripples_pg.averager); None/0 = never.
+# times slower than the median in two checks in a row (ripples_pg.averager); None/0 = never.
 DEFAULT_WARMUP_STRAGGLER = 2.0
 # Defaults of the partial group wrap() creates (an argument or RIPPLES_* variable wins).
 # on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
@@ -187,8 +187,9 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             typical). Exact steps run at the slowest worker's pace, so warm-up ends earlier
             when a worker is persistently slow (``warmup_straggler``).
         warmup_straggler: end warm-up early, on every worker after the same step, once one
-            worker's compute time per step is this many times the median in three checks in
-            a row (checked every 5 warm-up steps; default 2.0). ``None`` or ``0``: warm-up
+            worker's compute time per step is this many times the median in two checks in
+            a row (checked every 2 warm-up steps, so at the earliest after step 4; default
+            2.0). ``None`` or ``0``: warm-up
             always runs ``warmup_steps`` steps.
         levels: the averager's ``{period: level}`` (see :class:`ripples_pg.RipplesAverager`);
             default ``{1: "partial"}``. Add e.g. ``64: "world"`` to bound drift with an exact
