@@ -43,9 +43,10 @@ worker's k-th step with the others') all workers must stop at the same step, so 
 is agreed through a tiny exact all-reduce at steps where all workers meet anyway (every
 --sync-every steps, default --eval-every, for all-reduce and static; at the global averaging
 steps for local and hierarchical SGD); with the dynamic schedules every worker stops on its
-own clock (no global barrier), but not before the end of the --warmup-steps exact steps. The
-clock leaves evaluations and snapshots out. At the end the models are averaged exactly once,
-parameters and BatchNorm statistics ("final" model).
+own clock (no global barrier), but not before the end of the warm-up's exact steps
+(--warmup-steps, or fewer where wrap() ends warm-up early for a straggler). The clock leaves
+evaluations and snapshots out. At the end the models are averaged exactly once, parameters and
+BatchNorm statistics ("final" model).
 
 Evaluation: during training every --eval-every steps (0: never), each worker its own model;
 or, with --snapshot-every S, copies of every worker's model every S seconds of training,
@@ -580,6 +581,7 @@ def run(args):
         return time.perf_counter() - t0 - eval_s
 
     step = 0
+    exact_steps = args.warmup_steps  # the warm-up's exact steps (wrap() may end it early)
     loss_sum, loss_n = 0.0, 0
     time_to_target = None
     busy = 0.0  # wall time of forward + backward + optimizer step (+ stop agreement)
@@ -593,6 +595,12 @@ def run(args):
         loss = loss_fn(model(x), y)
         loss.backward()
         optimizer.step()
+        if args.strategy == "ripples":
+            # wrap() ends warm-up early, after the same step on every worker, once a worker is
+            # a persistent straggler (warmup_straggler): the stop rule must follow it, or the
+            # straggler, not allowed to stop before the configured warm-up, trains on alone in
+            # groups of one long after the others stopped at the time limit
+            exact_steps = optimizer.averager.warmup_steps
         loss_sum += loss.item()
         snaps.add_loss(loss.item())
         busy += time.perf_counter() - t_step
@@ -611,7 +619,7 @@ def run(args):
             stop = bool(flag.item())
             busy += time.perf_counter() - t_agree
             met = True
-        elif (args.time_limit > 0 and not sync_stop and step >= args.warmup_steps
+        elif (args.time_limit > 0 and not sync_stop and step >= exact_steps
               and clock() >= args.time_limit):
             # the dynamic schedules: every worker on its own clock, once past the warm-up
             # (a worker leaving during its exact steps would leave the others waiting in an

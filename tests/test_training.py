@@ -49,6 +49,17 @@ def task_train_digits(ctx, schedule):
     return td.run(args)
 
 
+def task_straggler_stops_on_time(ctx, limit_s):
+    """The short5-50ms benchmark at a smaller size: every worker pauses 50 ms after a step, the
+    last rank 250 ms, wrap()'s default warm-up (50 steps, ended early for the straggler)."""
+    td = _example()
+    args = td.parse_args(["--strategy", "ripples", "--schedule", "smart", "--steps", "1000000",
+                          "--time-limit", str(limit_s), "--eval-every", "0", "--hidden", "64",
+                          "--straggler", f"{WS - 1}:5", "--pause-s", "0.05", "--step-s", "0.05",
+                          "--quiet", "--seed", "0"])
+    return td.run(args)
+
+
 def task_torch_local_sgd(ctx, strategy):
     """torch's own post-local / hierarchical SGD on a default group of backend "ripples":
     DDP's gradient all-reduce during warm-up, then PeriodicModelAverager or
@@ -174,6 +185,21 @@ def test_wrap_trains_digits(pool, schedule):
     # real partial rounds: one per post-warm-up step, and some of them moved data
     assert final["stats"]["rounds"] == 300 - 30, final
     assert final["stats"]["reduced"] > 0 and final["stats"]["failed"] == 0, final
+
+
+def test_straggler_stops_with_the_others_after_an_early_warmup_end(pool):
+    """wrap() ends warm-up after step 4 for a 5x straggler; the example's stop rule must follow
+    it. It waited for the configured 50 steps instead: at 250 ms steps the straggler trained
+    on alone for seconds after the others stopped at the time limit, every round a group of
+    one (the short5-50ms benchmark: 13-14 in a row, all after the fast workers had left)."""
+    limit = 2.0
+    final = pool.run(task_straggler_stops_on_time, limit)[0]
+    slow = WS - 1
+    # 4 exact steps (1 s) and about 4 partial ones of 250 ms fit in the limit; 51 = the bug
+    assert final["steps"][slow] <= limit / 0.25 + 4, final
+    assert final["steps"][slow] > 4, final  # it got past the warm-up
+    # at most its step across the others' stop averages with nobody
+    assert final["singleton_run_max"][slow] <= 2, final
 
 
 @pytest.mark.slow
