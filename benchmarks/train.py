@@ -657,9 +657,11 @@ def fixed_straggler(spec) -> int | None:
 
 
 def warmup_of(res: dict) -> int:
-    """The run's warm-up steps: from its final record, else (results written before that
-    record said it) from its command line; 0 for all-reduce."""
-    w = (res.get("final") or {}).get("warmup_steps")
+    """The run's warm-up steps: from its final record (the steps it had, which wrap() may
+    have ended early, else the configured ones), else (results written before that record
+    said it) from its command line; 0 for all-reduce."""
+    fin = res.get("final") or {}
+    w = fin.get("warmup_run", fin.get("warmup_steps"))  # the warm-up it had, else configured
     if w is not None:
         return w
     cmd = res.get("cmd") or []

@@ -714,6 +714,8 @@ def run(args):
               "schedule": args.schedule if args.strategy == "ripples" else None,
               "straggler": args.straggler, "pause_s": args.pause_s, "world": world,
               "warmup_steps": None if args.strategy == "allreduce" else args.warmup_steps,
+              # the exact steps the run had: fewer when wrap() ended warm-up early
+              "warmup_run": None if args.strategy == "allreduce" else exact_steps,
               "acc": round(final_acc, 5), "loss": round(final_loss, 5),
               "target_acc": args.target_acc,
               "time_to_target": summary["time_to_target"],
