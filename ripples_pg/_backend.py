@@ -8,6 +8,7 @@ immune to a broken build of the extension.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 import sys
@@ -15,7 +16,10 @@ import time
 import warnings
 from typing import Any, Optional
 
+from . import _incarnation
 from .options import Options
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "ripples"
 
@@ -56,19 +60,25 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     if not timeout_s > 0:
         raise ValueError(f"ripples_pg: the process group timeout must be > 0 s, got {timeout_s}")
 
-    store = dist_backend_opts.store
+    rank = int(dist_backend_opts.group_rank)
+    size = int(dist_backend_opts.group_size)
+    # A restarted job gets the store its dead predecessor wrote to, under the same group
+    # names: publish nothing outside this incarnation's own prefix (_incarnation.py).
+    store, incarnation = _incarnation.namespaced(dist_backend_opts.store, rank, size, timeout_s)
+    removed = _incarnation.sweep_dead_segments()
+    if removed:
+        logger.info("ripples_pg: removed %d shared-memory segment(s) of dead processes: %s",
+                    len(removed), ", ".join(removed))
     bind_addr = opts.bind_addr
     if bind_addr is None or bind_addr == "auto":
         bind_addr = pick_bind_addr(store)
 
     from . import _C  # the extension is loaded only when a group is created
 
-    rank = int(dist_backend_opts.group_rank)
-    size = int(dist_backend_opts.group_size)
     host_label = opts.host_id if opts.host_id is not None else socket.gethostname()
     host_of, host_names = _exchange_hosts(store, rank, size, host_label)
     endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s, bind_addr,
-                                        job_id=_job_id(dist_backend_opts, size),
+                                        job_id=_job_id(dist_backend_opts, size, incarnation),
                                         host_names=host_names)
     return _C._create_backend(
         store,
@@ -206,10 +216,12 @@ def _stop_embedded() -> None:
 MAX_STANDBY_COORDINATORS = 2
 
 
-def _job_id(dist_backend_opts: Any, size: int) -> str:
+def _job_id(dist_backend_opts: Any, size: int, incarnation: int = 0) -> str:
     """A string every rank of this group computes alike and another job (most likely) not:
-    the group's name, its size, and the elastic run id when torchrun set one."""
-    return f"{_short_name(dist_backend_opts)}/{size}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    the group's name, its size, its incarnation, and the elastic run id when torchrun set
+    one. A restarted group thus derives another coordinator token than the dead one."""
+    return (f"{_short_name(dist_backend_opts)}/{size}/"
+            f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{incarnation}")
 
 
 def _find_coordinator(store: Any, rank: int, size: int, opts: Options, host_of: list,

@@ -193,6 +193,13 @@ static void kill_all(const pid_t *pids, int n) {
     if (pids[i] > 0) kill(pids[i], SIGKILL);
   for (int i = 0; i < n; i++)
     if (pids[i] > 0) waitpid(pids[i], NULL, 0);
+  /* A rank killed before its unlink leaves its segment behind: remove it for it, so the
+   * suite leaves /dev/shm as it found it (a mapped segment outlives its name). */
+  for (int r = 0; r < MAXR; r++)
+    if (g_board->shm[r][0]) {
+      shm_unlink(g_board->shm[r]);
+      g_board->shm[r][0] = '\0';
+    }
 }
 
 /* Waits (without reaping) until `pid` has exited: it is a zombie from then on. */
