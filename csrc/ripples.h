@@ -122,7 +122,7 @@ typedef struct rpl_comm_config {
   size_t single_copy_bytes; /* all-reduce buffers of at least this many bytes, over ranks of
                              * one host, are read straight from the peers' memory (cross-
                              * memory attach) where the OS allows; 0 = never (the rings,
-                             * which measured faster: see README) */
+                             * which measured faster: see docs/limitations.md) */
   const char *job_secret;  /* keys the links' authentication together with a salt read from
                             * the store; NULL or "" = the salt alone, so that whoever can read
                             * the store can also authenticate (docs/security.md). Every rank

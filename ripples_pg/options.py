@@ -224,7 +224,7 @@ _FIELDS: dict[str, _Field] = {
         _Field("single_copy", _parse_bool, False,
                "Large all-reduces between ranks of one host read the peers' buffers "
                "directly (cross-memory attach) where the OS allows it, instead of the "
-               "shared-memory rings (slower where measured: see the README)."),
+               "shared-memory rings (slower where measured: see docs/limitations.md)."),
         _Field("inline_small", _parse_bool, True,
                "Collectives of at most small_bytes run on the calling thread when the group "
                "is idle (the latency path); the call then returns once they completed. False "
@@ -303,7 +303,7 @@ class Options:
             shared-memory rings, where the OS allows it (same user, ptrace policy, seccomp;
             probed when the group is created, and agreed per call: if any member may not,
             all use the rings). ``False`` by default: on the machines measured the kernel's
-            page-by-page copy was about half as fast as the rings (README).
+            page-by-page copy was about half as fast as the rings (docs/limitations.md).
         inline_small: collectives of at most ``small_bytes`` (64 KiB by default; not
             send/recv, not partial rounds) run on the calling thread when nothing else of
             the group is queued or running, sparing two thread hand-offs (about a third of

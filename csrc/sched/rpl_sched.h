@@ -94,7 +94,7 @@ rpl_status rpl_policy_parse(const char *name, rpl_policy *out, rpl_error *err);
 #define RPL_GG_FIRST_PARTNER_WAIT 0.02
 /* Default of period_max: every request averages (the paper; partial_all_reduce as a primitive
  * keeps that meaning). Training loops opt in: ripples_pg.wrap() sets its own bound, chosen with
- * benchmarks/train.py (README, "No straggler"). */
+ * benchmarks/train.py (docs/benchmarks.md, "No straggler"). */
 #define RPL_GG_DEFAULT_PERIOD_MAX 1
 #define RPL_GG_MAX_PERIOD (1 << 20) /* bound on period_max */
 

@@ -617,7 +617,7 @@ int main(void) {
   /* Not under AddressSanitizer: there, with 3-4 such runs in parallel, about 1 run in 5 saw
    * the n=2 world that follows the n=4 one fail its first connection (rank 1 read a complete
    * hello it judged not to be rank 0's and dropped the endpoint); not understood yet, never
-   * seen without the sanitizer. README, "Not done". */
+   * seen without the sanitizer. docs/limitations.md. */
 #ifndef __SANITIZE_ADDRESS__
   if (rpl_has_ucx()) {
     g_layout = (world_layout){.hosts = 2, .ucx = 1};
