@@ -50,8 +50,9 @@ DEFAULT_WARMUP_STRAGGLER = 2.0
 # end the training of every survivor. Exact collectives still raise.
 # period_max=2: with no straggler the coordinator lets the workers average every 2nd step only
 # (back to every step as soon as one falls behind). Chosen with benchmarks/train.py
-# (docs/benchmarks.md, "No straggler"): level with exact DDP on all three workloads, where 4 won on the wide MLP but
-# lost on the ResNet and the Transformer (the replicas drift further apart between averages).
+# (docs/benchmarks.md, "No straggler"): level with exact DDP on all three workloads, where 4
+# won on the wide MLP but lost on the ResNet and the Transformer (the replicas drift further
+# apart between averages).
 WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip", "period_max": 2}
 
 # Options fields wrap() forwards to the partial group it creates.
