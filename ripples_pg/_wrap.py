@@ -188,9 +188,9 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             typical). Exact steps run at the slowest worker's pace, so warm-up ends earlier
             when a worker is persistently slow (``warmup_straggler``).
         warmup_straggler: end warm-up early, on every worker after the same step, once one
-            worker's compute time per step is this many times the median in two checks in
-            a row (checked every 2 warm-up steps, so at the earliest after step 4; default
-            2.0). ``None`` or ``0``: warm-up
+            worker's compute time per step is this many times the median, and at least 5 ms
+            above it, in two checks in a row (checked every 2 warm-up steps, so at the
+            earliest after step 4; default 2.0). ``None`` or ``0``: warm-up
             always runs ``warmup_steps`` steps.
         levels: the averager's ``{period: level}`` (see :class:`ripples_pg.RipplesAverager`);
             default ``{1: "partial"}``. Add e.g. ``64: "world"`` to bound drift with an exact

@@ -17,7 +17,8 @@ default: 2.0) warm-up ends early once one worker persistently computes that many
 than the median: every ``WARMUP_CHECK_EVERY`` warm-up steps the workers exchange their mean
 compute time per step (one tiny exact all-gather; compute = from the end of a step to the
 first gradient bucket of the next, so waiting in the exact all-reduce does not count), and
-when two checks in a row (``WARMUP_CHECKS_IN_A_ROW``) find the same worker at ``warmup_straggler`` times the median,
+when two checks in a row (``WARMUP_CHECKS_IN_A_ROW``) find the same worker at
+``warmup_straggler`` times the median and at least ``WARMUP_MIN_EXCESS_S`` (5 ms) above it,
 every worker ends warm-up after the same step (they all see the same numbers).
 
 The parameters are flattened once: on the first averaging they are copied into one flat buffer
@@ -88,6 +89,10 @@ logger = logging.getLogger(__name__)
 # averaging early, which is what the method does anyway.
 WARMUP_CHECK_EVERY = 2
 WARMUP_CHECKS_IN_A_ROW = 2
+# ... and only for a straggler that costs the others at least this much per step: with steps
+# of a millisecond or two, a worker descheduled for a few steps on a busy machine reads as
+# "2x slower", and waiting for it in warm-up costs next to nothing anyway.
+WARMUP_MIN_EXCESS_S = 0.005
 
 LEVELS = ("partial", "host", "world")
 
@@ -500,7 +505,7 @@ class RipplesAverager(ModelAverager):
         median = sorted(times)[(n - 1) // 2]
         slow = max(range(n), key=lambda i: times[i])
         ratio = times[slow] / median
-        if ratio < self.warmup_straggler:
+        if ratio < self.warmup_straggler or times[slow] - median < WARMUP_MIN_EXCESS_S:
             self._warm_hits = 0
         else:
             self._warm_hits = self._warm_hits + 1 if slow == self._warm_slow else 1
