@@ -4,7 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-int g_fail, g_pass;
 world_layout g_layout;
 int g_inline_runs;
 
@@ -155,9 +154,4 @@ void submit_counting_closed(rpl_comm *c, rpl_op_desc *d, int n, closed_count *w,
 void check_all_closed(const closed_count *w, int n, const char *what) {
   CHECK(w->calls == n && w->closed == n, "%s: %d callbacks, %d closed (of %d; other: %s)", what,
         w->calls, w->closed, n, rpl_status_name(w->other));
-}
-
-int report(const char *suite) {
-  printf("%s: %d passed, %d failed\n", suite, g_pass, g_fail);
-  return g_fail ? 1 : 0;
 }

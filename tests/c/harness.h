@@ -1,6 +1,6 @@
 /*
- * harness.h - what the core's C tests share: check counters, an in-memory key-value store
- * standing in for the c10d store, synchronous submission, and ranks run as threads.
+ * harness.h - what the core's C tests share: the checks (check.h), an in-memory key-value
+ * store standing in for the c10d store, synchronous submission, and ranks run as threads.
  */
 #ifndef RPL_TEST_HARNESS_H
 #define RPL_TEST_HARNESS_H
@@ -8,20 +8,8 @@
 #include <pthread.h>
 #include <stdio.h>
 
+#include "check.h"
 #include "ripples.h"
-
-extern int g_fail, g_pass;
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (cond) {                                            \
-      __atomic_fetch_add(&g_pass, 1, __ATOMIC_RELAXED);    \
-    } else {                                               \
-      __atomic_fetch_add(&g_fail, 1, __ATOMIC_RELAXED);    \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-    }                                                      \
-  } while (0)
 
 typedef struct mem_store mem_store;
 
@@ -70,8 +58,5 @@ void submit_counting_closed(rpl_comm *c, rpl_op_desc *d, int n, closed_count *w,
 
 /* After rpl_comm_shutdown: CHECKs that all n ops submitted into *w ended RPL_ERR_CLOSED. */
 void check_all_closed(const closed_count *w, int n, const char *what);
-
-/* Prints the summary line and returns main's exit code. */
-int report(const char *suite);
 
 #endif

@@ -9,34 +9,13 @@
 #include <float.h>
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "kernels.h"
 #include "ripples.h"
-
-/* ---- Tiny harness ---------------------------------------------------------------------------- */
-
-static long g_pass, g_fail;
-
-__attribute__((format(printf, 3, 4))) static void check_at(int ok, int line, const char *fmt, ...) {
-  if (ok) {
-    g_pass++;
-    return;
-  }
-  g_fail++;
-  if (g_fail <= 200) { /* enough to diagnose, not enough to drown the log */
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "FAIL test_kernels.c:%d: ", line);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-  }
-}
-#define CHECK(ok, ...) check_at((ok) != 0, __LINE__, __VA_ARGS__)
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 static uint64_t rnd(void) { /* xorshift64*: deterministic, so failures reproduce */
@@ -1039,6 +1018,5 @@ int main(void) {
   test_reduce_many_semantics();
   test_scale_divide();
   test_scale_divide_half();
-  printf("kernels: %ld passed, %ld failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return report("kernels");
 }

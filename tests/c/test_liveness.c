@@ -530,7 +530,7 @@ int main(void) {
       {"accepting from a live peer that connects late", test_accept_from_late},
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
-    int before = g_fail;
+    long before = g_fail;
     double t0 = now_s();
     tests[i].fn();
     printf("%s %s (%.2f s)\n", g_fail == before ? "ok  " : "FAIL", tests[i].name, now_s() - t0);
