@@ -3,9 +3,36 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 world_layout g_layout;
 int g_inline_runs;
+
+double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void sleep_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  nanosleep(&ts, NULL);
+}
+
+rpl_xfer xfer(int peer, int is_send, void *buf, size_t len, uint64_t seq) {
+  rpl_xfer x;
+  memset(&x, 0, sizeof x);
+  x.peer = peer;
+  x.is_send = is_send;
+  x.buf = buf;
+  x.len = len;
+  x.meta.op = RPL_OP_BROADCAST;
+  x.meta.dtype = RPL_UINT8;
+  x.meta.tag = 1;
+  x.meta.seq = seq;
+  x.meta.count = len;
+  return x;
+}
 
 typedef struct kv {
   struct kv *next;

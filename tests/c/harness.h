@@ -10,6 +10,15 @@
 
 #include "check.h"
 #include "ripples.h"
+#include "transport.h"
+
+/* Monotonic time in seconds, and a sleep of that many seconds. */
+double now_s(void);
+void sleep_s(double s);
+
+/* A transport transfer of `len` bytes with `peer` (a send if is_send), framed as the seq-th
+ * broadcast of tag 1: what the transport-level tests exchange. */
+rpl_xfer xfer(int peer, int is_send, void *buf, size_t len, uint64_t seq);
 
 typedef struct mem_store mem_store;
 

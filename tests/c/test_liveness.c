@@ -43,17 +43,6 @@ typedef struct board {
 static board *g_board;
 static int g_barriers; /* barriers passed by this process in the current scenario */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_s(double s) {
-  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-  nanosleep(&ts, NULL);
-}
-
 static void new_board(void) {
   memset(g_board, 0, sizeof *g_board);
   g_barriers = 0;
@@ -135,21 +124,6 @@ static int node_up(node *nd, int rank, int size, const int *host) {
   if (!barrier(size)) return 0;
   if (nd->shm) rpl_shm_unlink(nd->shm);
   return 1;
-}
-
-static rpl_xfer xfer(int peer, int is_send, void *buf, size_t len, uint64_t seq) {
-  rpl_xfer x;
-  memset(&x, 0, sizeof x);
-  x.peer = peer;
-  x.is_send = is_send;
-  x.buf = buf;
-  x.len = len;
-  x.meta.op = RPL_OP_BROADCAST;
-  x.meta.dtype = RPL_UINT8;
-  x.meta.tag = 1;
-  x.meta.seq = seq;
-  x.meta.count = len;
-  return x;
 }
 
 /* Every pair exchanges one small message: connections and rings are in use afterwards. */

@@ -16,17 +16,6 @@
 #include "harness.h"
 #include "ripples.h"
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_s(double s) {
-  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-  nanosleep(&ts, NULL);
-}
-
 /* ---- asynchronous requests ------------------------------------------------------------ */
 
 static int g_order; /* global completion counter: orders completions within a rank's ops */
