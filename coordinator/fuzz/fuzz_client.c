@@ -80,11 +80,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const int *members) {
   uint8_t b[512];
   size_t n = rpl_msg_encode(m, members, b, sizeof b);
-  if (!n || pos + 2 + n > cap) return pos;
-  out[pos++] = (uint8_t)n;
-  out[pos++] = (uint8_t)(n >> 8);
-  memcpy(out + pos, b, n);
-  return pos + n;
+  return fuzz_frame(out, pos, cap, NULL, 0, b, n);
 }
 
 /* Seeds: every reply type a coordinator sends, with the client's token and seq (and some

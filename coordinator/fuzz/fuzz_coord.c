@@ -164,12 +164,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, uint8_t sel) {
   uint8_t b[256];
   size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
-  if (!n || pos + 3 + n > cap) return pos;
-  out[pos++] = (uint8_t)n;
-  out[pos++] = (uint8_t)(n >> 8);
-  out[pos++] = sel;
-  memcpy(out + pos, b, n);
-  return pos + n;
+  return fuzz_frame(out, pos, cap, &sel, 1, b, n);
 }
 
 /* Seeds: every rank registers from its own route with the real token, then a mix of what

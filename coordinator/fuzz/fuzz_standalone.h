@@ -15,6 +15,19 @@
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
+/* Appends one input message as the targets read them: a 2-byte little-endian length, then
+ * `nprefix` bytes read before the message (fuzz_coord's route byte), then the n bytes of msg.
+ * Returns the new end, or pos unchanged (nothing written) if it does not fit in cap. */
+static size_t fuzz_frame(uint8_t *out, size_t pos, size_t cap, const uint8_t *prefix,
+                         size_t nprefix, const uint8_t *msg, size_t n) {
+  if (!n || pos + 2 + nprefix + n > cap) return pos;
+  out[pos++] = (uint8_t)n;
+  out[pos++] = (uint8_t)(n >> 8);
+  if (nprefix) memcpy(out + pos, prefix, nprefix); /* prefix may be NULL then */
+  memcpy(out + pos + nprefix, msg, n);
+  return pos + nprefix + n;
+}
+
 /* seed(out, cap, pick) writes one seed input of at most cap bytes (pick chooses which) and
  * returns its length; `s` starts the mutation loop's generator. */
 static int fuzz_standalone_main(int argc, char **argv, const char *name, int nseeds,
