@@ -25,6 +25,24 @@ typedef struct mem_store mem_store;
 /* Runs `op` and waits for its completion; *err gets the completion's message. */
 rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err);
 
+/* An op submitted without waiting (rpl_submit), and how it ended. */
+typedef struct req {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int submitted, done;
+  rpl_status st;
+  rpl_error err;
+  int order; /* when it completed, counted over all requests of the process */
+} req;
+
+/* Submits d, completing into *r; on refusal *r is done with the refusal's status. */
+rpl_status submit(rpl_comm *c, rpl_op_desc d, req *r);
+/* Waits at most max_s (a safety net: ops time out on their own); -1 if still not done. */
+int wait_for(req *r, double max_s);
+int is_done(req *r);
+/* Waits (bounded) and releases the request's lock and condition. */
+void req_free(req *r);
+
 typedef struct job {
   int rank, size;
   mem_store *store;
@@ -52,6 +70,11 @@ extern int g_inline_runs;
 /* Starts `size` ranks as threads, each creating a communicator (small thresholds so the
  * large-message algorithms run on small data) and calling body(job, comm). */
 void run_world(int size, double timeout, void (*body)(job *, rpl_comm *), void *arg);
+
+/* Runs `suite` once over each transport: shared memory only (one host), TCP only, and mixed
+ * (two simulated hosts: rings inside, sockets across, in the same operation). Leaves g_layout
+ * at the last of these. */
+void run_on_each_transport(void (*suite)(void));
 
 /* Shutdown tests leave ops pending and count how they end. The callbacks run on the progress
  * thread, which rpl_comm_shutdown joins: read the counts after it, without a lock. */

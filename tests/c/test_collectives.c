@@ -458,14 +458,7 @@ static void run_all(void) {
 }
 
 int main(void) {
-  /* Every collective over each transport: shared memory only (one host), TCP only, and
-   * mixed (two simulated hosts: rings inside, sockets across, in the same operation). */
-  g_layout = (world_layout){.hosts = 1};
-  run_all();
-  g_layout = (world_layout){.hosts = 1, .tcp_only = 1};
-  run_all();
-  g_layout = (world_layout){.hosts = 2};
-  run_all();
+  run_on_each_transport(run_all); /* every collective */
   /* Single copy on one host: the whole suite (large all-reduces read peers' buffers), and
    * every dtype and op. Across two hosts it must not be tried (groups span the hosts). */
   g_layout = (world_layout){.hosts = 1, .single_copy = 1};
