@@ -89,52 +89,35 @@ static int live(int w) {
   return s == W_COMPUTE || s == W_WAITING || s == W_RUNNING;
 }
 
-static int cmp_u64(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-  return (x > y) - (x < y);
-}
-
-/* The lower median of the counts of the workers the GG holds live or fenced. */
-static uint64_t bulk_count(void) {
-  uint64_t *a = malloc(sizeof *a * (size_t)H.n);
-  int k = 0;
-  for (int r = 0; r < H.n; r++)
-    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT) a[k++] = H.w[r].c;
-  qsort(a, (size_t)k, sizeof *a, cmp_u64);
-  uint64_t m = k ? a[(k - 1) / 2] : 0;
-  free(a);
-  return m;
-}
-
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
 }
 
-/* The lower median of the known compute steps of the same workers (0 = none known). */
-static double bulk_comp(void) {
+/* The lower median of v(r) over the workers the GG holds live or fenced (those with v(r) > 0
+ * only, if known_only); 0 if there are none. */
+static double held_median(double (*v)(int r), int known_only) {
   double *a = malloc(sizeof *a * (size_t)H.n);
   int k = 0;
   for (int r = 0; r < H.n; r++)
-    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT && H.w[r].comp > 0)
-      a[k++] = H.w[r].comp;
+    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT &&
+        (!known_only || v(r) > 0))
+      a[k++] = v(r);
   qsort(a, (size_t)k, sizeof *a, cmp_double);
   double m = k ? a[(k - 1) / 2] : 0;
   free(a);
   return m;
 }
+static double count_of(int r) { return (double)H.w[r].c; } /* exact: far below 2^53 */
+static double comp_of(int r) { return H.w[r].comp; }
+static double pace_of(int r) { return H.w[r].pace; }
 
-/* The lower median of the steps of the same workers (0 = unknown). */
-static double bulk_pace(void) {
-  double *a = malloc(sizeof *a * (size_t)H.n);
-  int k = 0;
-  for (int r = 0; r < H.n; r++)
-    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT) a[k++] = H.w[r].pace;
-  qsort(a, (size_t)k, sizeof *a, cmp_double);
-  double m = k ? a[(k - 1) / 2] : 0;
-  free(a);
-  return m;
-}
+/* The lower median of the counts of the workers the GG holds live or fenced. */
+static uint64_t bulk_count(void) { return (uint64_t)held_median(count_of, 0); }
+/* ... of their known compute steps (0 = none known). */
+static double bulk_comp(void) { return held_median(comp_of, 1); }
+/* ... of their steps (0 = unknown). */
+static double bulk_pace(void) { return held_median(pace_of, 0); }
 
 static void tracer(void *ctx, const rpl_gg_trace *t) {
   (void)ctx;
@@ -169,9 +152,9 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
         fprintf(stderr, "ini gg: state=%d waiting=%d buffered=%d deferred=%d lonely=%u c=%llu harness lonely=%d\n", wi.state, wi.waiting, wi.buffered, wi.deferred, wi.lonely, (unsigned long long)wi.requests, ini->lonely);
       }
       REQUIRE(H.in_div[r] == (idle && pass),
-            "division by %d: worker %d idle=%d pass=%d (c %llu vs %llu) but participant=%d",
-            t->initiator, r, idle, pass, (unsigned long long)ini->c, (unsigned long long)x->c,
-            H.in_div[r]);
+              "division by %d: worker %d idle=%d pass=%d (c %llu vs %llu) but participant=%d",
+              t->initiator, r, idle, pass, (unsigned long long)ini->c, (unsigned long long)x->c,
+              H.in_div[r]);
     }
     for (int h = 0; h < rpl_layout_hosts(H.layout); h++) H.heads_of_div[h] = -1;
     return;
@@ -198,7 +181,7 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
       REQUIRE(m >= 0 && m < H.n && (i == 0 || m > g->m[i - 1]), "members sorted, unique, valid");
       self |= m == t->initiator;
       REQUIRE(live(m) || m == t->initiator, "group %llu includes worker %d, which is out",
-            (unsigned long long)id, m);
+              (unsigned long long)id, m);
       wk *x = &H.w[m];
       if (x->ngen == x->capgen) {
         x->capgen = x->capgen ? 2 * x->capgen : 16;
@@ -243,7 +226,7 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
           for (int i = 0; i < g->n; i++)
             REQUIRE(rpl_layout_host(l, g->m[i]) == h0, "Intra group spans hosts");
           REQUIRE(cnt == g->n, "Intra group of host %d has %d of its %d participants", h0, g->n,
-                cnt);
+                  cnt);
           /* Each head found in an Inter heads group when several hosts take part. */
         }
       } else {
@@ -264,9 +247,9 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     grp *g = &H.g[t->group_id];
     wk *x = &H.w[t->initiator];
     REQUIRE(x->state == W_WAITING && buffered(t->initiator) == 0,
-          "worker %d joined a group while not waiting with an empty buffer", t->initiator);
+            "worker %d joined a group while not waiting with an empty buffer", t->initiator);
     REQUIRE(x->lonely >= RPL_GG_DEFAULT_MAX_ISOLATED, "worker %d joined without being isolated",
-          t->initiator);
+            t->initiator);
     REQUIRE(t->nmembers == g->n + 1 && g->handed_to == 0 && !g->cancelled, "join bookkeeping");
     free(g->m);
     g->n = t->nmembers;
@@ -298,31 +281,31 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
 static void on_group(int w, uint64_t gid, const int *members, int n) {
   wk *x = &H.w[w];
   REQUIRE(x->state == W_WAITING, "worker %d got a group while not waiting (state %d)", w,
-        x->state);
+          x->state);
   REQUIRE(!x->locked, "worker %d handed a group while running another", w);
   REQUIRE(gid < (uint64_t)H.gcap && H.g[gid].m, "unknown group %llu", (unsigned long long)gid);
   grp *g = &H.g[gid];
   REQUIRE(!g->cancelled, "handed a cancelled group");
   REQUIRE(n == g->n && memcmp(members, g->m, sizeof(int) * (size_t)n) == 0,
-        "members differ from the generated group");
+          "members differ from the generated group");
   int self = 0;
   for (int i = 0; i < n; i++) self |= members[i] == w;
   REQUIRE(self, "worker %d not in the group it received", w);
   if (H.policy != RPL_POLICY_STATIC) {
     while (x->next < x->ngen && H.g[x->gen[x->next]].cancelled) x->next++;
     REQUIRE(x->next < x->ngen && x->gen[x->next] == gid,
-          "worker %d received group %llu out of generation order (expected %llu)", w,
-          (unsigned long long)gid,
-          (unsigned long long)(x->next < x->ngen ? x->gen[x->next] : 0));
+            "worker %d received group %llu out of generation order (expected %llu)", w,
+            (unsigned long long)gid,
+            (unsigned long long)(x->next < x->ngen ? x->gen[x->next] : 0));
     x->next++;
   } else {
     rpl_error e;
     int want[256], nw = 0;
     REQUIRE(rpl_static_group(H.layout, w, x->round, want, 256, &nw, NULL, &e) == RPL_OK, "%s",
-          e.msg);
+            e.msg);
     REQUIRE(nw == n && memcmp(want, members, sizeof(int) * (size_t)n) == 0,
-          "static group of %d round %llu differs from the schedule", w,
-          (unsigned long long)x->round);
+            "static group of %d round %llu differs from the schedule", w,
+            (unsigned long long)x->round);
   }
   g->handed_to++;
   total_groups++;
@@ -462,7 +445,7 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
         wk *y = &H.w[ev.worker];
         if (ev.kind == RPL_EV_GROUP) {
           REQUIRE(ev.round == y->round, "GROUP answers round %llu, worker asked %llu",
-                (unsigned long long)ev.round, (unsigned long long)y->round);
+                  (unsigned long long)ev.round, (unsigned long long)y->round);
           on_group(ev.worker, ev.group_id, mem, ev.nmembers);
           H.handed++;
         } else {
@@ -482,9 +465,9 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
   for (int r = 0; r < sc->n; r++)
     if (H.w[r].state != W_LEFT)
       REQUIRE(H.w[r].rounds_done >= (uint64_t)sc->steps / 40,
-            "%s n=%d seed %llu: worker %d made only %llu rounds in %d steps",
-            rpl_policy_name(sc->policy), sc->n, (unsigned long long)seed, r,
-            (unsigned long long)H.w[r].rounds_done, sc->steps);
+              "%s n=%d seed %llu: worker %d made only %llu rounds in %d steps",
+              rpl_policy_name(sc->policy), sc->n, (unsigned long long)seed, r,
+              (unsigned long long)H.w[r].rounds_done, sc->steps);
   /* Everyone leaves: nothing stays pending, and every group was handed to all or none. */
   for (int r = 0; r < sc->n; r++) {
     if (H.w[r].state == W_LEFT) continue;
@@ -497,13 +480,15 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
   }
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  REQUIRE(st.pending == 0, "%llu groups pending after everyone left", (unsigned long long)st.pending);
-  REQUIRE(st.groups_created == st.groups_handed + st.groups_cancelled, "created != handed+cancelled");
+  REQUIRE(st.pending == 0, "%llu groups pending after everyone left",
+          (unsigned long long)st.pending);
+  REQUIRE(st.groups_created == st.groups_handed + st.groups_cancelled,
+          "created != handed+cancelled");
   for (int id = 1; id < H.gcap; id++) {
     grp *g = &H.g[id];
     if (!g->m) continue;
     REQUIRE(g->cancelled ? g->handed_to == 0 : g->handed_to == g->n,
-          "group %d handed to %d of %d members", id, g->handed_to, g->n);
+            "group %d handed to %d of %d members", id, g->handed_to, g->n);
   }
   if (sc->policy == RPL_POLICY_SMART) REQUIRE(H.divisions == st.divisions, "division count");
   if (sc->policy != RPL_POLICY_RANDOM && sc->policy != RPL_POLICY_ADPSGD)
@@ -604,8 +589,8 @@ static void test_figure11(void) {
   REQUIRE(third >= 0, "third worker");
   OK(rpl_gg_fence(gg, third == waiting ? 0 : third, &e_));
   REQUIRE(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_CANCEL && ev.worker == waiting &&
-            ev.reason == RPL_REASON_FENCED,
-        "waiting member told of the cancel");
+              ev.reason == RPL_REASON_FENCED,
+          "waiting member told of the cancel");
   /* Asking again: the fenced worker is left out and everyone else is busy, so it waits for
    * partners about to be free; when the wait ends first, it gets a group of one. */
   OK(rpl_gg_request(gg, waiting, 0, &e_));
@@ -615,8 +600,8 @@ static void test_figure11(void) {
   REQUIRE(!rpl_gg_poll(gg, &ev, m, 4), "still waiting within the wait");
   OK(rpl_gg_advance(gg, 0.011, &e_));
   REQUIRE(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP && ev.nmembers == 1 &&
-            m[0] == waiting,
-        "group of one when no partner is available (got %d members)", ev.nmembers);
+              m[0] == waiting,
+          "group of one when no partner is available (got %d members)", ev.nmembers);
   rpl_gg_destroy(gg);
 }
 
@@ -654,7 +639,7 @@ static void filter_case(int c_thres, int expect_slow_in) {
   rpl_gg_worker_info wi;
   OK(rpl_gg_worker(gg, 2, &wi, &e_));
   REQUIRE((wi.buffered > 0) == expect_slow_in, "c_thres=%d: slow worker buffered=%d", c_thres,
-        wi.buffered);
+          wi.buffered);
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
   REQUIRE((st.filtered > 0) == !expect_slow_in, "filtered count");
@@ -677,7 +662,7 @@ static void test_errors(void) {
   REQUIRE(rpl_gg_request(gg, -1, 0, &e) == RPL_ERR_INVALID, "negative rank");
   REQUIRE(rpl_gg_leave(gg, 2, &e) == RPL_OK, "%s", e.msg);
   REQUIRE(rpl_gg_request(gg, 2, 0, &e) == RPL_ERR_CLOSED && strstr(e.msg, "left"),
-        "request after leave: %s", e.msg);
+          "request after leave: %s", e.msg);
   REQUIRE(rpl_gg_done(gg, 1, 12345, &e) == RPL_OK, "stale done is not an error");
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
@@ -776,7 +761,7 @@ static void test_unfence_reentry(void) {
     OK(rpl_gg_request(gg, 5, 0, &e_));
     int ev = 0;
     REQUIRE(group_of(gg, 5, NULL, 0, NULL, &ev) == 0 && ev == 0, "%s: 5 waits",
-          rpl_policy_name(cfg.policy));
+            rpl_policy_name(cfg.policy));
     for (int w = 0; w < 8; w++) {
       if (w == 5) continue;
       OK(rpl_gg_unfence(gg, w, &e_));
@@ -786,13 +771,13 @@ static void test_unfence_reentry(void) {
     int mm[8], handed = 0;
     while (rpl_gg_poll(gg, &e, mm, 8)) {
       REQUIRE(e.kind == RPL_EV_GROUP && e.nmembers >= 2, "%s: worker %d got a group of %d",
-            rpl_policy_name(cfg.policy), e.worker, e.nmembers);
+              rpl_policy_name(cfg.policy), e.worker, e.nmembers);
       handed++;
     }
     rpl_gg_stats st;
     rpl_gg_get_stats(gg, &st);
     REQUIRE(handed >= 2 && st.singletons_handed == 0, "%s: no group of one after the fence",
-          rpl_policy_name(cfg.policy));
+            rpl_policy_name(cfg.policy));
     rpl_gg_destroy(gg);
   }
 }
@@ -833,10 +818,10 @@ static void test_isolated_joins_pending(void) {
   OK(rpl_gg_request(gg, 3, 2, &e_));
   rpl_gg_get_stats(gg, &st);
   REQUIRE(st.joins == 1, "isolated 3 joined the pending pair (joins %llu)",
-        (unsigned long long)st.joins);
+          (unsigned long long)st.joins);
   OK(rpl_gg_request(gg, 2, 1, &e_));
   REQUIRE(group_of(gg, 3, m, 4, NULL, &ev) == 3 && m[0] == 1 && m[1] == 2 && m[2] == 3,
-        "1, 2 and 3 handed one group");
+          "1, 2 and 3 handed one group");
   OK(rpl_gg_worker(gg, 3, &wi, &e_));
   REQUIRE(wi.lonely == 0 && wi.singletons == 2, "3 grouped after two groups of one");
   rpl_gg_destroy(gg);
@@ -869,7 +854,7 @@ static void test_isolation_bound(void) {
     OK(rpl_gg_worker(gg, 3, &wi, &e_));
     if (r < 2) {
       REQUIRE(s3 == 1 && wi.lonely == r + 1, "round %d: a group of one for 3 (lonely %u)", (int)r,
-            wi.lonely);
+              wi.lonely);
       OK(rpl_gg_done(gg, 3, mine, &e_));
     } else {
       REQUIRE(s3 == 0 && wi.deferred && wi.lonely == 2, "isolated 3 holds on instead");
@@ -969,7 +954,7 @@ static void test_arrival_filter(void) {
   REQUIRE(st.late > 0, "the slow worker was left out of divisions while computing");
   REQUIRE(worst_fast_wait < 0.0125, "a fast worker waited %.3f s for a group", worst_fast_wait);
   REQUIRE(slow_groups >= 10 && round[0] >= 4 * round[3], "rounds: fast %llu, slow %llu",
-        (unsigned long long)round[0], (unsigned long long)round[3]);
+          (unsigned long long)round[0], (unsigned long long)round[3]);
   rpl_gg_destroy(gg);
 }
 
@@ -1018,8 +1003,8 @@ static void filter_behind_case(double slow_step, int expect_in) {
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
   REQUIRE((wi.buffered == 1) == expect_in && (st.filtered == 0) == expect_in,
-        "worker 3 (step %.0f ms, 5 rounds behind) in 0's division: %d, filtered %llu",
-        slow_step * 1000, wi.buffered, (unsigned long long)st.filtered);
+          "worker 3 (step %.0f ms, 5 rounds behind) in 0's division: %d, filtered %llu",
+          slow_step * 1000, wi.buffered, (unsigned long long)st.filtered);
   rpl_gg_destroy(gg);
 }
 
@@ -1084,10 +1069,10 @@ static void test_equal_speeds_no_laggard(void) {
       all += r[w];
     }
     REQUIRE(lo >= hi * 85 / 100, "seed %d: rounds %llu %llu %llu %llu", (int)seed,
-          (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
-          (unsigned long long)r[3]);
+            (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
+            (unsigned long long)r[3]);
     REQUIRE(single * 50 <= all, "seed %d: %llu groups of one in %llu rounds", (int)seed,
-          (unsigned long long)single, (unsigned long long)all);
+            (unsigned long long)single, (unsigned long long)all);
   }
 }
 
@@ -1099,9 +1084,9 @@ static void test_straggler_still_filtered(void) {
     paced_run(10, seed, r, ones);
     for (int w = 0; w < 3; w++)
       REQUIRE(r[w] >= 3 * r[3], "seed %d: fast worker %d made %llu rounds, the slow one %llu",
-            (int)seed, w, (unsigned long long)r[w], (unsigned long long)r[3]);
+              (int)seed, w, (unsigned long long)r[w], (unsigned long long)r[3]);
     REQUIRE(ones[3] * 10 <= r[3] * 3, "seed %d: the slow worker alone in %llu of %llu rounds",
-          (int)seed, (unsigned long long)ones[3], (unsigned long long)r[3]);
+            (int)seed, (unsigned long long)ones[3], (unsigned long long)r[3]);
   }
 }
 
@@ -1131,7 +1116,7 @@ static void test_fenced_after_me_not_coming(void) {
     OK(rpl_gg_request(gg, 2, 0, &e_));
     uint64_t gid = 0;
     REQUIRE(group_of(gg, 2, m, 3, &gid, &ev) == 1, "%s: 2 waited for workers that wait for it",
-          name);
+            name);
     OK(rpl_gg_done(gg, 2, gid, &e_));
     OK(rpl_gg_fence(gg, 2, &e_)); /* 2 joins; the collective ends, 0 and 2 leave it first */
     OK(rpl_gg_advance(gg, 0.010, &e_));
