@@ -32,22 +32,22 @@ static rpl_coord *start_coord(rpl_policy p, int n, int group_size, int hb_ms, in
   rpl_error err;
   REQUIRE(rpl_coord_create(&cfg, &c, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(strncmp(rpl_coord_endpoint(c), "tcp://127.0.0.1:", 16) == 0, "endpoint %s",
-        rpl_coord_endpoint(c));
+          rpl_coord_endpoint(c));
   REQUIRE(rpl_coord_start(c, &err) == RPL_OK, "%s", err.msg);
   return c;
 }
 
 static rpl_gg_client *connect_client(rpl_coord *c, int rank, int n, int hb_ms) {
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = rpl_coord_endpoint(c);
-  cc.token_hex = rpl_coord_token(c);
-  cc.rank = rank;
-  cc.nworkers = n;
-  cc.host_label = 0;
-  cc.timeout_ms = 5000;
-  cc.request_timeout_ms = 10000;
-  cc.heartbeat_ms = hb_ms;
+  rpl_gg_client_config cc = {
+      .endpoint = rpl_coord_endpoint(c),
+      .token_hex = rpl_coord_token(c),
+      .rank = rank,
+      .nworkers = n,
+      .host_label = 0,
+      .timeout_ms = 5000,
+      .request_timeout_ms = 10000,
+      .heartbeat_ms = hb_ms,
+  };
   rpl_gg_client *cl;
   rpl_error err;
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "rank %d: %s", rank, err.msg);
@@ -74,7 +74,7 @@ static void *worker_main(void *arg) {
     int n = 0;
     uint64_t gid = 0;
     REQUIRE(rpl_gg_client_request(cl, (uint64_t)r, wl->m[r], NW, &n, &gid, &err) == RPL_OK,
-          "rank %d round %d: %s", wl->rank, r, err.msg);
+            "rank %d round %d: %s", wl->rank, r, err.msg);
     wl->n[r] = n;
     wl->gid[r] = gid;
     if (r % 7 == 3) { /* an exact collective between partial rounds: fence around it */
@@ -118,18 +118,18 @@ static void test_groups_formed(rpl_policy p) {
           if (logs[o].gid[s] == logs[i].gid[r]) {
             found = 1;
             REQUIRE(logs[o].n[s] == logs[i].n[r] &&
-                      memcmp(logs[o].m[s], logs[i].m[r], sizeof(int) * (size_t)logs[i].n[r]) == 0,
-                  "members disagree on group %llu", (unsigned long long)logs[i].gid[r]);
+                        memcmp(logs[o].m[s], logs[i].m[r], sizeof(int) * (size_t)logs[i].n[r]) == 0,
+                    "members disagree on group %llu", (unsigned long long)logs[i].gid[r]);
           }
         REQUIRE(found, "rank %d never saw group %llu it belongs to", o,
-              (unsigned long long)logs[i].gid[r]);
+                (unsigned long long)logs[i].gid[r]);
       }
     }
   REQUIRE(total > 0, "some rounds had partners");
   char *json = NULL;
   rpl_error err;
   REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json, &err) ==
-            RPL_OK, "%s", err.msg);
+              RPL_OK, "%s", err.msg);
   REQUIRE(strstr(json, "\"state\":\"left\"") && strstr(json, "\"pending\":[]"), "status: %s", json);
   free(json);
   rpl_coord_destroy(c);
@@ -183,7 +183,7 @@ static void test_dead_worker(void) {
   char *json = NULL;
   rpl_error err;
   REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json, &err) ==
-            RPL_OK, "%s", err.msg);
+              RPL_OK, "%s", err.msg);
   REQUIRE(strstr(json, "\"rank\":2,\"state\":\"dead\""), "status: %s", json);
   free(json);
   rpl_gg_client_destroy(silent);
@@ -244,7 +244,7 @@ static int feed(coord_core *core, sent_log *l, const uint8_t *route, rpl_msg *m,
   rpl_error err;
   REQUIRE(rpl_msg_parse(l->msg, l->len, core->nworkers, r, &err) == RPL_OK, "reply: %s", err.msg);
   REQUIRE(l->route_len == RPL_ROUTE_ID_LEN && memcmp(l->route, route, RPL_ROUTE_ID_LEN) == 0,
-        "a reply goes back to its sender");
+          "a reply goes back to its sender");
   return r->type;
 }
 
@@ -293,7 +293,7 @@ static void test_security_core(void) {
   uint8_t zero[RPL_TOKEN_LEN] = {0};
   m = worker_msg(RPL_MSG_STATUS, -1, 1);
   REQUIRE(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
-        "wrong-token STATUS answered BAD_TOKEN");
+          "wrong-token STATUS answered BAD_TOKEN");
   REQUIRE(memcmp(r.token, zero, RPL_TOKEN_LEN) == 0, "BAD_TOKEN echoes the sender's token");
   REQUIRE(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked to a stranger");
   REQUIRE(!contains(log.msg, log.len, (const uint8_t *)SEC_TOKEN, 32), "hex token leaked");
@@ -302,7 +302,7 @@ static void test_security_core(void) {
   guess[15] ^= 1; /* one bit off */
   m = worker_msg(RPL_MSG_HELLO, 0, 1);
   REQUIRE(feed(&core, &log, S, &m, guess, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
-        "wrong-token HELLO refused");
+          "wrong-token HELLO refused");
   REQUIRE(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked");
   /* A flood of wrong tokens is answered at most COORD_BAD_TOKEN_REPLIES_PER_S a second. */
   int answered = 0;
@@ -311,8 +311,9 @@ static void test_security_core(void) {
     answered += feed(&core, &log, S, &m, zero, t + 0.5, &r) != 0;
   }
   REQUIRE(answered <= COORD_BAD_TOKEN_REPLIES_PER_S, "%d wrong-token replies in one second",
-        answered);
-  REQUIRE(atomic_load(&core.bad_token_quiet) >= 50 - COORD_BAD_TOKEN_REPLIES_PER_S, "quiet counted");
+          answered);
+  REQUIRE(atomic_load(&core.bad_token_quiet) >= 50 - COORD_BAD_TOKEN_REPLIES_PER_S,
+          "quiet counted");
   t = 3.0;
   m = worker_msg(RPL_MSG_STATUS, -1, 99);
   REQUIRE(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR, "answered again a second later");
@@ -320,12 +321,12 @@ static void test_security_core(void) {
   m = worker_msg(RPL_MSG_STATUS, -1, 1);
   REQUIRE(feed(&core, &log, S, &m, NULL, t, &r) == RPL_MSG_STATUS_REPLY, "status");
   REQUIRE(!contains((const uint8_t *)r.text, r.text_len, (const uint8_t *)SEC_TOKEN, 32),
-        "token in the status document");
+          "token in the status document");
 
   /* 2. Before HELLO, rank 1 may not speak: told to register. */
   m = worker_msg(RPL_MSG_LEAVE, 1, 1);
   REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_ERROR &&
-            r.code == RPL_PERR_NOT_REGISTERED, "LEAVE before HELLO refused");
+              r.code == RPL_PERR_NOT_REGISTERED, "LEAVE before HELLO refused");
   /* HELLO binds rank 1 to A. */
   m = worker_msg(RPL_MSG_HELLO, 1, 10);
   REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HELLO_ACK, "HELLO from A");
@@ -333,7 +334,7 @@ static void test_security_core(void) {
   uint64_t wr = atomic_load(&core.wrong_route);
   m = worker_msg(RPL_MSG_LEAVE, 1, 1000);
   REQUIRE(feed(&core, &log, B, &m, NULL, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_RANK,
-        "LEAVE for rank 1 from B refused");
+          "LEAVE for rank 1 from B refused");
   m = worker_msg(RPL_MSG_FENCE, 1, 1001);
   feed(&core, &log, B, &m, NULL, t, &r);
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 1002);
@@ -341,7 +342,7 @@ static void test_security_core(void) {
   REQUIRE(atomic_load(&core.wrong_route) == wr + 3, "wrong_route counted");
   rpl_gg_worker_info info;
   REQUIRE(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state == RPL_WORKER_LIVE,
-        "rank 1 neither left nor fenced by a stranger");
+          "rank 1 neither left nor fenced by a stranger");
   /* Its own heartbeat socket (the 'H' sibling of A) is accepted; A may not be impersonated
    * by a sibling for anything but heartbeats. */
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 11);
@@ -360,7 +361,7 @@ static void test_security_core(void) {
   REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == 0, "old seq as LEAVE: dropped");
   REQUIRE(atomic_load(&core.replayed) == rp + 3, "replayed counted");
   REQUIRE(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state != RPL_WORKER_LEFT,
-        "a replayed LEAVE does nothing");
+          "a replayed LEAVE does nothing");
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 21);
   REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "seq 21 accepted");
   /* The heartbeat sibling has its own order (the client draws both from one counter, but
@@ -372,7 +373,7 @@ static void test_security_core(void) {
    * spoke within two heartbeat intervals is refused... */
   m = worker_msg(RPL_MSG_HELLO, 1, 5000);
   REQUIRE(feed(&core, &log, C, &m, NULL, t + 0.15, &r) == RPL_MSG_ERROR &&
-            r.code == RPL_PERR_BAD_RANK, "live binding kept");
+              r.code == RPL_PERR_BAD_RANK, "live binding kept");
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 22);
   REQUIRE(feed(&core, &log, A, &m, NULL, t + 0.15, &r) == RPL_MSG_HEARTBEAT_ACK, "A still served");
   /* ... 6. but once A has been silent longer than that (a client that failed over and came
@@ -383,11 +384,11 @@ static void test_security_core(void) {
   REQUIRE(atomic_load(&core.rebinds) == rb + 1, "rebinds counted");
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 23);
   REQUIRE(feed(&core, &log, A, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR &&
-            r.code == RPL_PERR_BAD_RANK, "the old connection no longer speaks for rank 1");
+              r.code == RPL_PERR_BAD_RANK, "the old connection no longer speaks for rank 1");
   m = worker_msg(RPL_MSG_REQUEST, 1, 5002);
   feed(&core, &log, C, &m, NULL, t + 0.5, &r);
   REQUIRE(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.requests == 1,
-        "the new connection's request counts");
+          "the new connection's request counts");
   /* A client that closed its connection and registers anew is let in at once, even within
    * two heartbeat intervals: the coordinator's probe of the old route finds it gone. */
   uint8_t D[RPL_ROUTE_ID_LEN], E[RPL_ROUTE_ID_LEN];
@@ -400,7 +401,7 @@ static void test_security_core(void) {
   log.gone = D;
   m = worker_msg(RPL_MSG_HELLO, 0, 3);
   REQUIRE(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK,
-        "D disconnected: E takes rank 0 at once");
+          "D disconnected: E takes rank 0 at once");
   log.gone = NULL;
   /* A dead worker's binding is free at once. */
   m = worker_msg(RPL_MSG_HELLO, 2, 1);
@@ -510,15 +511,15 @@ static void test_client_routes_and_seq(void) {
   REQUIRE(rpl_token_from_hex(hex, f.tok, &err) == RPL_OK, "token");
   pthread_t th;
   REQUIRE(pthread_create(&th, NULL, fake_main, &f) == 0, "thread");
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = ep;
-  cc.token_hex = hex;
-  cc.rank = 1;
-  cc.nworkers = 2;
-  cc.timeout_ms = 3000;
-  cc.request_timeout_ms = 3000;
-  cc.heartbeat_ms = 50;
+  rpl_gg_client_config cc = {
+      .endpoint = ep,
+      .token_hex = hex,
+      .rank = 1,
+      .nworkers = 2,
+      .timeout_ms = 3000,
+      .request_timeout_ms = 3000,
+      .heartbeat_ms = 50,
+  };
   rpl_gg_client *cl;
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
   usleep(200 * 1000); /* heartbeats flow */
@@ -531,7 +532,7 @@ static void test_client_routes_and_seq(void) {
     if (st != RPL_OK) usleep(100 * 1000);
   }
   REQUIRE(st == RPL_OK && n == 1 && mem[0] == 1 && gid == 0,
-        "served (PASS) after registering again, the foreign-token ERROR ignored: %s", err.msg);
+          "served (PASS) after registering again, the foreign-token ERROR ignored: %s", err.msg);
   usleep(200 * 1000);
   REQUIRE(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
   rpl_gg_client_destroy(cl);
@@ -545,8 +546,8 @@ static void test_client_routes_and_seq(void) {
   uint32_t max_before = 0;
   for (int i = 0; i < f.n; i++) {
     REQUIRE(f.route_len[i] == RPL_ROUTE_ID_LEN &&
-              (f.route[i][0] == RPL_ROUTE_REQUEST || f.route[i][0] == RPL_ROUTE_HEARTBEAT),
-          "routing id of message %d", i);
+                (f.route[i][0] == RPL_ROUTE_REQUEST || f.route[i][0] == RPL_ROUTE_HEARTBEAT),
+            "routing id of message %d", i);
     if (f.type[i] == RPL_MSG_HELLO) {
       REQUIRE(f.route[i][0] == RPL_ROUTE_REQUEST, "HELLO from the request socket");
       if (memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) != 0 && hello2 < 0) hello2 = i;
@@ -556,14 +557,14 @@ static void test_client_routes_and_seq(void) {
     for (int j = i + 1; j < f.n; j++)
       if (f.route_len[j] == f.route_len[i] && !memcmp(f.route[j], f.route[i], RPL_ROUTE_ID_LEN))
         REQUIRE((int32_t)(f.seq[j] - f.seq[i]) > 0, "seq %u after %u on one connection", f.seq[j],
-              f.seq[i]);
+                f.seq[i]);
   }
   REQUIRE(hello2 > 0, "registered again under a fresh routing id (%d HELLOs)", hellos);
   for (int i = 0; i < f.n; i++)
     if (!memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) && f.seq[i] > max_before)
       max_before = f.seq[i];
   REQUIRE(f.seq[hello2] > max_before, "the new registration's seq %u continues the counter (%u)",
-        f.seq[hello2], max_before);
+          f.seq[hello2], max_before);
   int beats2 = 0;
   for (int i = hello2; i < f.n; i++)
     beats2 += f.route[i][0] == RPL_ROUTE_HEARTBEAT &&
@@ -577,26 +578,26 @@ static void test_client_routes_and_seq(void) {
 static void test_rejections(void) {
   rpl_coord *c = start_coord(RPL_POLICY_RANDOM, 2, 2, 100, 5000);
   rpl_error err;
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = rpl_coord_endpoint(c);
-  cc.token_hex = "00112233445566778899aabbccddeeff";
-  cc.rank = 0;
-  cc.nworkers = 2;
-  cc.timeout_ms = 3000;
-  cc.heartbeat_ms = -1;
+  rpl_gg_client_config cc = {
+      .endpoint = rpl_coord_endpoint(c),
+      .token_hex = "00112233445566778899aabbccddeeff",
+      .rank = 0,
+      .nworkers = 2,
+      .timeout_ms = 3000,
+      .heartbeat_ms = -1,
+  };
   rpl_gg_client *cl = NULL;
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID && strstr(err.msg, "token"),
-        "wrong token must be refused: %s", err.msg);
+          "wrong token must be refused: %s", err.msg);
   cc.token_hex = rpl_coord_token(c);
   cc.nworkers = 3;
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID && strstr(err.msg, "world size"),
-        "world size mismatch: %s", err.msg);
+          "world size mismatch: %s", err.msg);
   cc.token_hex = "not-a-token";
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID, "bad token text");
   char *json;
   REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), "00112233445566778899aabbccddeeff", 3000,
-                            &json, &err) == RPL_ERR_INVALID, "status needs the token");
+                              &json, &err) == RPL_ERR_INVALID, "status needs the token");
 
   /* Malformed input from a raw socket. */
   void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
@@ -633,8 +634,8 @@ static void test_rejections(void) {
   /* ... with NOT_REGISTERED: rank 1 said no HELLO to this instance (a restarted coordinator
    * tells the workers of its predecessor to register again). */
   REQUIRE(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
-            m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED,
-        "unregistered heartbeat answered NOT_REGISTERED");
+              m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED,
+          "unregistered heartbeat answered NOT_REGISTERED");
   /* A stranger's STATUS with an all-zero token: the raw reply carries no byte of our token. */
   memset(&m, 0, sizeof m);
   m.type = RPL_MSG_STATUS;
@@ -645,12 +646,12 @@ static void test_rejections(void) {
   REQUIRE(zmq_poll(&it, 1, 5000) == 1, "wrong-token STATUS answered");
   n = zmq_recv(s, rb, sizeof rb, 0);
   REQUIRE(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
-            m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN, "BAD_TOKEN");
+              m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN, "BAD_TOKEN");
   REQUIRE(!contains(rb, (size_t)n, tok, RPL_TOKEN_LEN), "the job token went to a stranger");
   rpl_coord_counters after;
   rpl_coord_get_counters(c, &after);
   REQUIRE(after.malformed - before.malformed == (uint64_t)sent, "malformed counted %llu of %d",
-        (unsigned long long)(after.malformed - before.malformed), sent);
+          (unsigned long long)(after.malformed - before.malformed), sent);
   /* An oversized message makes zmq drop the connection; the service keeps serving. */
   size_t big = 1 << 20;
   uint8_t *huge = calloc(1, big);
@@ -664,7 +665,7 @@ static void test_rejections(void) {
   uint64_t gid;
   REQUIRE(rpl_gg_client_leave(c0, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(rpl_gg_client_request(c0, 0, mem, 2, &cnt, &gid, &err) == RPL_ERR_CLOSED &&
-            strstr(err.msg, "left"), "request after leave: %s", err.msg);
+              strstr(err.msg, "left"), "request after leave: %s", err.msg);
   rpl_gg_client_destroy(c0);
   rpl_coord_get_counters(c, &after);
   REQUIRE(after.bad_token >= 2, "bad tokens counted");
@@ -694,17 +695,17 @@ static void *request_round(void *arg) {
 /* ---- unreachable or stopped coordinator ---------------------------------------------------- */
 
 static void test_unreachable(void) {
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = "tcp://127.0.0.1:9"; /* discard port: nothing answers */
-  cc.token_hex = "00112233445566778899aabbccddeeff";
-  cc.rank = 0;
-  cc.nworkers = 1;
-  cc.timeout_ms = 300;
+  rpl_gg_client_config cc = {
+      .endpoint = "tcp://127.0.0.1:9", /* discard port: nothing answers */
+      .token_hex = "00112233445566778899aabbccddeeff",
+      .rank = 0,
+      .nworkers = 1,
+      .timeout_ms = 300,
+  };
   rpl_gg_client *cl;
   rpl_error err;
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_PEER && strstr(err.msg, "did not answer"),
-        "unreachable: %s", err.msg);
+          "unreachable: %s", err.msg);
   cc.endpoint = "nonsense://";
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID, "bad endpoint: %s", err.msg);
 
@@ -715,7 +716,7 @@ static void test_unreachable(void) {
   int mem[2], n;
   uint64_t gid;
   REQUIRE(rpl_gg_client_request(c0, 0, mem, 2, &n, &gid, &err) == RPL_ERR_PEER &&
-            strstr(err.msg, "heartbeats"), "stopped coordinator: %s", err.msg);
+              strstr(err.msg, "heartbeats"), "stopped coordinator: %s", err.msg);
   rpl_gg_client_destroy(c0);
   rpl_coord_destroy(c);
 
@@ -729,7 +730,7 @@ static void test_unreachable(void) {
   cc.heartbeat_ms = 50;
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err) == RPL_ERR_TIMEOUT, "timeout: %s",
-        err.msg);
+          err.msg);
   /* Nothing is left stuck behind the timed-out request: both ask again and meet. */
   req2_arg a1 = {c, 1, 0, {0}, 0, RPL_OK};
   pthread_t th;

@@ -182,20 +182,20 @@ static void test_slow_rank_named_and_recovers(void) {
   REQUIRE(j->log.n == 1, "%d lines", j->log.n);
   const char *l = j->log.line[0];
   REQUIRE(strstr(l, "ripples: rank 3 on host beta is ") && strstr(l, "x slower than the median "
-        "since step "), "line: %s", l);
+          "since step "), "line: %s", l);
   double factor = atof(strstr(l, " is ") + 4);
   unsigned long long since = strtoull(strstr(l, "since step ") + 11, NULL, 10);
   REQUIRE(factor >= 4.0 && factor <= 5.5, "slowdown in '%s'", l);
   /* Its spell is seen at the first refresh (every COORD_ATTR_EVERY_S) after a slow step. */
   REQUIRE(since >= began && since <= began + 2 + COORD_ATTR_EVERY_S / 0.05,
-        "since step %llu, slow from %llu", since,
-        (unsigned long long)began);
+          "since step %llu, slow from %llu", since,
+          (unsigned long long)began);
   REQUIRE(j->round[3] - began <= 60, "named after %llu of its steps",
-        (unsigned long long)(j->round[3] - began));
+          (unsigned long long)(j->round[3] - began));
   /* What the documents say. */
   const char *doc = status_of(j, 1, t);
   REQUIRE(strstr(doc, "\"rank\":1,") && strstr(doc, "\"slowest\":[{\"rank\":3,"),
-        "rank 1's summary: %s", doc);
+          "rank 1's summary: %s", doc);
   REQUIRE(strstr(doc, "\"slow\":true,\"slow_since_step\":"), "summary: %s", doc);
   doc = status_of(j, -1, t);
   char *table = NULL;
@@ -211,13 +211,13 @@ static void test_slow_rank_named_and_recovers(void) {
   j->step[3] = 0.010;
   while (j->log.n == 1 && t < 60.0) job_run(j, t += 0.1);
   REQUIRE(j->log.n == 2 && strstr(j->log.line[1], "ripples: rank 3 on host beta recovered ("),
-        "lines: %d, %s", j->log.n, j->log.line[1]);
+          "lines: %d, %s", j->log.n, j->log.line[1]);
   REQUIRE(t - slow_at >= COORD_SLOW_HOLD_S - 0.2, "recovered %.1f s after it was named",
-        t - slow_at);
+          t - slow_at);
   job_run(j, t + 30.0);
   REQUIRE(j->log.n == 2, "quiet afterwards: %s", j->log.line[2]);
   REQUIRE(count_lines(j, "rank 0 ") + count_lines(j, "rank 1 ") + count_lines(j, "rank 2 ") == 0,
-        "only rank 3 named");
+          "only rank 3 named");
   coord_core_free(&j->core);
   free(j);
 }
@@ -235,7 +235,7 @@ static void test_stuck_rank_and_pause(void) {
   double t = 40.0;
   while (j->log.n == 0 && t < 50.0) job_run(j, t += 0.1);
   REQUIRE(j->log.n == 1 && strstr(j->log.line[0], "ripples: rank 1 on host 0 is "),
-        "stuck: %d lines, %s", j->log.n, j->log.line[0]);
+          "stuck: %d lines, %s", j->log.n, j->log.line[0]);
   REQUIRE(t < 45.0, "stuck rank named only after %.1f s", t - 40.0);
   coord_core_free(&j->core);
   free(j);
@@ -255,16 +255,16 @@ static void test_rate_limits(void) {
   /* ... in a line of their own once the bucket has a token again. */
   job_run(j, 20.0);
   REQUIRE(j->log.n == COORD_LOG_BURST + 1 &&
-            strstr(j->log.line[COORD_LOG_BURST], "ripples: 10 slow/recovered change(s) not "
-                   "logged (rate limit)"), "the count of left-out lines: %s",
-        j->log.line[COORD_LOG_BURST]);
+              strstr(j->log.line[COORD_LOG_BURST], "ripples: 10 slow/recovered change(s) not "
+                     "logged (rate limit)"), "the count of left-out lines: %s",
+          j->log.line[COORD_LOG_BURST]);
   const char *doc = status_of(j, -1, 20.0);
   REQUIRE(strstr(doc, "\"slow\":20,"), "every slow rank counted: %.300s",
-        strstr(doc, "\"attribution"));
+          strstr(doc, "\"attribution"));
   /* Sanitised host names, in the line and in the document. */
   REQUIRE(count_lines(j, "rank 20 on host a?b?c is "), "rank 20's line: %s", j->log.line[0]);
   REQUIRE(strstr(doc, "\"host_name\":\"a?b?c\"") && strstr(doc, "\"host_name\":\"x?y?\""),
-        "names in the document");
+          "names in the document");
   /* A flapping rank: slow, fast, slow ... every 3 s; at most one line per hold time. */
   job *f = calloc(1, sizeof *f);
   job_init(f, 4, NULL);
@@ -274,7 +274,7 @@ static void test_rate_limits(void) {
     job_run(f, t += 3.0);
   }
   REQUIRE(f->log.n >= 2 && f->log.n <= (int)(60.0 / COORD_SLOW_HOLD_S) + 1, "%d lines in 60 s",
-        f->log.n);
+          f->log.n);
   coord_core_free(&f->core);
   free(f);
   coord_core_free(&j->core);
@@ -297,7 +297,7 @@ static void test_bounded_document(void) {
   char *doc = coord_core_status_json(&core, 1.0, &len);
   REQUIRE(doc && len <= RPL_PROTO_MAX_BODY, "document of %zu bytes", len);
   REQUIRE(strstr(doc, "\"workers_omitted\":") && !strstr(doc, "\"workers_omitted\":0,"),
-        "some workers left out at %d", RPL_SCHED_MAX_WORKERS);
+          "some workers left out at %d", RPL_SCHED_MAX_WORKERS);
   char *table = NULL;
   REQUIRE(rpl_coord_status_table(doc, len, &table, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(strstr(table, "more workers not listed"), "the table says so");
@@ -320,10 +320,10 @@ static void test_table_reader(void) {
   rpl_error err;
   REQUIRE(rpl_coord_status_table(old, strlen(old), &table, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(strstr(table, "smart coordinator, 2 workers, median step -, up 4 s\n") &&
-            strstr(table, "   0  7     live") && strstr(table, "1 (25%)") &&
-            strstr(table, "0.2 s ago") && strstr(table, "   1  1     dead") &&
-            strstr(table, "never"),
-        "table:\n%s", table);
+              strstr(table, "   0  7     live") && strstr(table, "1 (25%)") &&
+              strstr(table, "0.2 s ago") && strstr(table, "   1  1     dead") &&
+              strstr(table, "never"),
+          "table:\n%s", table);
   free(table);
   const char *bad[] = {"", "[]", "{", "{\"workers\":[{\"rank\":0}", "{\"workers\":[]} x",
                        "{\"policy\":\"smart\"}", "{\"workers\":[{\"rank\":\"0\"}]}",
@@ -331,7 +331,7 @@ static void test_table_reader(void) {
                        "{\"workers\":[{\"rank\":1e999}]}"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
     REQUIRE(rpl_coord_status_table(bad[i], strlen(bad[i]), &table, &err) == RPL_ERR_INVALID,
-          "accepted '%s'", bad[i]);
+            "accepted '%s'", bad[i]);
   /* Nesting deeper than the reader goes is refused, not followed. */
   static char deep[40000];
   size_t k = (size_t)snprintf(deep, sizeof deep, "{\"workers\":[],\"x\":");
@@ -350,31 +350,31 @@ static void test_rank_query_over_sockets(void) {
   rpl_error err;
   REQUIRE(rpl_coord_create(&cfg, &c, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(rpl_coord_start(c, &err) == RPL_OK, "%s", err.msg);
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = rpl_coord_endpoint(c);
-  cc.token_hex = rpl_coord_token(c);
-  cc.rank = 1;
-  cc.nworkers = 2;
-  cc.host_label = 5;
-  cc.timeout_ms = 5000;
+  rpl_gg_client_config cc = {
+      .endpoint = rpl_coord_endpoint(c),
+      .token_hex = rpl_coord_token(c),
+      .rank = 1,
+      .nworkers = 2,
+      .host_label = 5,
+      .timeout_ms = 5000,
+  };
   rpl_gg_client *cl;
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
   char *json = NULL;
   REQUIRE(rpl_gg_query_rank_status(rpl_coord_endpoint(c), rpl_coord_token(c), 1, 5000, &json,
-                                 &err) == RPL_OK, "%s", err.msg);
+                                   &err) == RPL_OK, "%s", err.msg);
   REQUIRE(strstr(json, "\"rank\":1,") && strstr(json, "\"self\":{\"rank\":1,") &&
-            strstr(json, "\"host_name\":\"5\""), "summary: %s", json);
+              strstr(json, "\"host_name\":\"5\""), "summary: %s", json);
   free(json);
   /* Rank 0 never registered here: refused, so that a worker asks its next coordinator. */
   REQUIRE(rpl_gg_query_rank_status(rpl_coord_endpoint(c), rpl_coord_token(c), 0, 5000, &json,
-                                 &err) == RPL_ERR_INVALID && strstr(err.msg, "not registered"),
-        "%s", err.msg);
+                                   &err) == RPL_ERR_INVALID && strstr(err.msg, "not registered"),
+          "%s", err.msg);
   /* A list whose first coordinator is gone. */
   char list[600];
   snprintf(list, sizeof list, "tcp://127.0.0.1:1,%s", rpl_coord_endpoint(c));
   REQUIRE(rpl_gg_query_rank_status(list, rpl_coord_token(c), 1, 300, &json, &err) == RPL_OK,
-        "%s", err.msg);
+          "%s", err.msg);
   free(json);
   rpl_gg_client_leave(cl, &err);
   rpl_gg_client_destroy(cl);

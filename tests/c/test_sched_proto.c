@@ -12,7 +12,7 @@ static size_t enc(rpl_msg *m, const int *members, uint8_t *buf, size_t cap) {
   for (int i = 0; i < RPL_TOKEN_LEN; i++) m->token[i] = (uint8_t)(i * 17 + 1);
   size_t n = rpl_msg_encode(m, members, buf, cap);
   REQUIRE(n == rpl_msg_encoded_size(m) && n >= RPL_PROTO_HEADER, "encode %s",
-        rpl_msg_type_name(m->type));
+          rpl_msg_type_name(m->type));
   return n;
 }
 
@@ -47,20 +47,21 @@ int main(void) {
     size_t n = enc(&m, members, bufs[t], sizeof bufs[t]);
     lens[t] = n;
     REQUIRE(rpl_msg_parse(bufs[t], n, 16, &p, &err) == RPL_OK, "%s: %s", rpl_msg_type_name(t),
-          err.msg);
+            err.msg);
     REQUIRE(p.type == t && p.rank == m.rank && p.seq == m.seq &&
-              memcmp(p.token, m.token, RPL_TOKEN_LEN) == 0, "header round trip %d", t);
+                memcmp(p.token, m.token, RPL_TOKEN_LEN) == 0, "header round trip %d", t);
     switch (t) {
       case RPL_MSG_HELLO: REQUIRE(p.nworkers == 16 && p.host_label == -5, "hello"); break;
       case RPL_MSG_HELLO_ACK:
         REQUIRE(p.policy == RPL_POLICY_SMART && p.nworkers == 16 && p.heartbeat_ms == 250 &&
-                  p.dead_ms == 2500, "hello_ack");
+                    p.dead_ms == 2500, "hello_ack");
         break;
       case RPL_MSG_REQUEST: REQUIRE(p.round == m.round, "request"); break;
       case RPL_MSG_GROUP:
         REQUIRE(p.group_id == 77 && p.round == m.round && p.period == 4 && p.nmembers == 5,
-              "group");
-        for (int i = 0; i < 5; i++) REQUIRE(rpl_msg_member(&p, (uint32_t)i) == members[i], "member");
+                "group");
+        for (int i = 0; i < 5; i++)
+          REQUIRE(rpl_msg_member(&p, (uint32_t)i) == members[i], "member");
         REQUIRE(rpl_msg_member(&p, 5) == -1, "member out of range");
         break;
       case RPL_MSG_CANCEL:
@@ -78,7 +79,7 @@ int main(void) {
     /* Every truncation and every extension fails. */
     for (size_t k = 0; k < n; k++)
       REQUIRE(rpl_msg_parse(bufs[t], k, 16, &p, &err) == RPL_ERR_INVALID, "%s truncated to %zu",
-            rpl_msg_type_name(t), k);
+              rpl_msg_type_name(t), k);
     memcpy(buf, bufs[t], n);
     buf[n] = 0;
     REQUIRE(rpl_msg_parse(buf, n + 1, 16, &p, &err) == RPL_ERR_INVALID, "trailing byte");
@@ -90,13 +91,13 @@ int main(void) {
     memcpy(buf, bufs[RPL_MSG_HELLO], lens[RPL_MSG_HELLO]);
     buf[4] = v;
     REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_HELLO], 16, &p, &err) == RPL_ERR_INVALID &&
-              strstr(err.msg, "version"), "version %u refused", v);
+                strstr(err.msg, "version"), "version %u refused", v);
   }
   /* Ranks and members out of range for the job. */
   REQUIRE(rpl_msg_parse(bufs[RPL_MSG_REQUEST], lens[RPL_MSG_REQUEST], 7, &p, &err) ==
-            RPL_ERR_INVALID, "rank 7 with 7 workers");
+              RPL_ERR_INVALID, "rank 7 with 7 workers");
   REQUIRE(rpl_msg_parse(bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP], 15, &p, &err) == RPL_ERR_INVALID,
-        "member 15 with 15 workers");
+          "member 15 with 15 workers");
   int unsorted[3] = {4, 2, 9};
   memset(&m, 0, sizeof m);
   m.type = RPL_MSG_GROUP;
@@ -104,7 +105,7 @@ int main(void) {
   m.nmembers = 3;
   size_t n = enc(&m, unsorted, buf, sizeof buf);
   REQUIRE(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID && strstr(err.msg, "sorted"),
-        "unsorted members: %s", err.msg);
+          "unsorted members: %s", err.msg);
   int dup[3] = {2, 2, 9};
   n = enc(&m, dup, buf, sizeof buf);
   REQUIRE(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID, "duplicate members");
@@ -158,6 +159,6 @@ int main(void) {
   REQUIRE(!rpl_token_equal(tok, tok2), "token compare");
   REQUIRE(rpl_token_from_hex("abc", tok2, &err) == RPL_ERR_INVALID, "short hex");
   REQUIRE(rpl_token_from_hex("zz112233445566778899aabbccddeeff", tok2, &err) == RPL_ERR_INVALID,
-        "bad hex");
+          "bad hex");
   return report("test_sched_proto");
 }

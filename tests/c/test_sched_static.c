@@ -69,7 +69,7 @@ static void test_figure10(void) {
         int ng = group_of(l, r, round, got, NULL);
         int nw = fig10(l, r, (int)(round % 4), want);
         REQUIRE(same_set(got, ng, want, nw), "H=%d rank %d round %llu differs from Figure 10", H,
-              r, (unsigned long long)round);
+                r, (unsigned long long)round);
       }
     rpl_layout_destroy(l);
   }
@@ -88,13 +88,13 @@ static void test_figure10(void) {
   rpl_layout *li;
   REQUIRE(rpl_layout_create(16, labels, &li, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(rpl_layout_hosts(li) == 4 && rpl_layout_host(li, 5) == 1 && rpl_layout_local(li, 5) == 1,
-        "interleaved layout");
+          "interleaved layout");
   int want[16];
   for (uint64_t round = 0; round < 4; round++)
     for (int r = 0; r < 16; r++) {
       int ng = group_of(li, r, round, m, NULL), nw = fig10(li, r, (int)round, want);
       REQUIRE(same_set(m, ng, want, nw), "interleaved rank %d round %llu", r,
-            (unsigned long long)round);
+              (unsigned long long)round);
     }
   rpl_layout_destroy(li);
   rpl_layout_destroy(l);
@@ -103,7 +103,7 @@ static void test_figure10(void) {
   int small[2];
   int need = 0;
   REQUIRE(rpl_static_group(l, 0, 1, small, 2, &need, NULL, &err) == RPL_ERR_INVALID && need == 4,
-        "short buffer must fail with the size needed");
+          "short buffer must fail with the size needed");
   REQUIRE(rpl_static_group(l, 16, 1, small, 2, &need, NULL, &err) == RPL_ERR_INVALID, "bad rank");
   rpl_layout_destroy(l);
 }
@@ -132,17 +132,17 @@ static void check_properties(const rpl_layout *l, const char *what) {
         if (i) REQUIRE(m[i] > m[i - 1], "%s: members not sorted/unique", what);
       }
       REQUIRE(self, "%s: rank %d not in its own group (round %llu)", what, r,
-            (unsigned long long)round);
+              (unsigned long long)round);
       /* Every member computes the same group and id: a partition, not just a cover. */
       for (int i = 0; i < n; i++) {
         int n2 = group_of(l, m[i], round, m2, &gid2);
         REQUIRE(same_set(m, n, m2, n2) && gid == gid2, "%s: ranks %d and %d disagree (round %llu)",
-              what, r, m[i], (unsigned long long)round);
+                what, r, m[i], (unsigned long long)round);
       }
       if (owner[r] == -1) {
         for (int i = 0; i < n; i++) {
           REQUIRE(owner[m[i]] == -1, "%s: rank %d in two groups in round %llu", what, m[i],
-                (unsigned long long)round);
+                  (unsigned long long)round);
           owner[m[i]] = r;
         }
         gids[r] = gid;
