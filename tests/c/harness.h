@@ -1,6 +1,8 @@
 /*
  * harness.h - what the core's C tests share: the checks (check.h), an in-memory key-value
- * store standing in for the c10d store, synchronous submission, and ranks run as threads.
+ * store standing in for the c10d store, ops run synchronously (run_op) or submitted and waited
+ * on later (req), ranks run as threads (run_world) over each transport, and small clock and
+ * transport-transfer helpers. Tests that play a peer by hand over TCP add loopback.h.
  */
 #ifndef RPL_TEST_HARNESS_H
 #define RPL_TEST_HARNESS_H
