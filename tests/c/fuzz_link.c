@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "crypto.h"
+#include "loopback.h"
 #include "transport.h"
 #include "wire.h"
 
@@ -84,31 +85,6 @@ static void *wait_main(void *p) {
   return NULL;
 }
 
-static int dial(const char *addr) {
-  unsigned port = 0;
-  sscanf(strchr(addr, ':') + 1, "%u", &port);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-    close(fd);
-    fd = -1;
-  }
-  return fd;
-}
-
-static int read_n(int fd, unsigned char *b, size_t n) {
-  size_t got = 0;
-  while (got < n) {
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    if (poll(&p, 1, 1000) <= 0) return -1;
-    ssize_t r = recv(fd, b + got, n - got, 0);
-    if (r <= 0) return -1;
-    got += (size_t)r;
-  }
-  return 0;
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size < 1) return 0;
@@ -131,11 +107,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (raw_handshake) {
       send(fd, data, size, MSG_NOSIGNAL);
     } else {
-      const char *id = strchr(strchr(a1, ':') + 1, ':') + 1;
       unsigned char hs1[RPL_HS1_SIZE], hs2[RPL_HS2_SIZE], hs3[RPL_HS3_SIZE], n[16] = {9};
-      rpl_hs1_make(hs1, 0, 1, 2, strtoull(id, NULL, 16), n);
+      rpl_hs1_make(hs1, 0, 1, 2, id_of(a1), n);
       send(fd, hs1, sizeof hs1, MSG_NOSIGNAL);
-      if (read_n(fd, hs2, sizeof hs2) == 0) {
+      if (read_n(fd, hs2, sizeof hs2, 1.0) == (int)sizeof hs2) {
         if (!rpl_hs2_check(hs2, KEY, hs1, 1)) abort(); /* the genuine acceptor proves it */
         rpl_hs3_make(hs3, KEY, hs1, hs2);
         send(fd, hs3, sizeof hs3, MSG_NOSIGNAL);

@@ -3,10 +3,36 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
-int g_fail, g_pass;
 world_layout g_layout;
 int g_inline_runs;
+
+double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void sleep_s(double s) {
+  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+  nanosleep(&ts, NULL);
+}
+
+rpl_xfer xfer(int peer, int is_send, void *buf, size_t len, uint64_t seq) {
+  rpl_xfer x;
+  memset(&x, 0, sizeof x);
+  x.peer = peer;
+  x.is_send = is_send;
+  x.buf = buf;
+  x.len = len;
+  x.meta.op = RPL_OP_BROADCAST;
+  x.meta.dtype = RPL_UINT8;
+  x.meta.tag = 1;
+  x.meta.seq = seq;
+  x.meta.count = len;
+  return x;
+}
 
 typedef struct kv {
   struct kv *next;
@@ -53,42 +79,82 @@ static rpl_status ms_get(void *ctx, const char *key, void *buf, size_t cap, size
   }
 }
 
-typedef struct waiter {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  int done;
-  rpl_status st;
-  rpl_error err;
-} waiter;
+static int g_order; /* completions so far, in all ranks: gives each its req.order */
 
-static void on_done(void *arg, rpl_status st, const rpl_error *err) {
-  waiter *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->done = 1;
-  w->st = st;
-  if (err) w->err = *err;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
+static void req_done(void *arg, rpl_status st, const rpl_error *err) {
+  req *r = arg;
+  pthread_mutex_lock(&r->mu);
+  r->done = 1;
+  r->st = st;
+  r->order = __atomic_add_fetch(&g_order, 1, __ATOMIC_SEQ_CST);
+  if (err) r->err = *err;
+  pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+rpl_status submit(rpl_comm *c, rpl_op_desc d, req *r) {
+  memset(r, 0, sizeof *r);
+  pthread_mutex_init(&r->mu, NULL);
+  pthread_cond_init(&r->cv, NULL);
+  d.on_done = req_done;
+  d.done_arg = r;
+  rpl_status st = rpl_submit(c, &d, &r->err);
+  r->submitted = st == RPL_OK;
+  if (st != RPL_OK) {
+    r->done = 1;
+    r->st = st;
+  }
+  return st;
+}
+
+int wait_for(req *r, double max_s) {
+  double end = now_s() + max_s;
+  pthread_mutex_lock(&r->mu);
+  while (!r->done) {
+    double left = end - now_s();
+    if (left <= 0) break;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double t = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + (left < 0.05 ? left : 0.05);
+    ts.tv_sec = (time_t)t;
+    ts.tv_nsec = (long)((t - (double)ts.tv_sec) * 1e9);
+    pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+  }
+  int done = r->done;
+  pthread_mutex_unlock(&r->mu);
+  return done ? 0 : -1;
+}
+
+int is_done(req *r) {
+  pthread_mutex_lock(&r->mu);
+  int d = r->done;
+  pthread_mutex_unlock(&r->mu);
+  return d;
+}
+
+void req_free(req *r) {
+  wait_for(r, 60);
+  pthread_mutex_destroy(&r->mu);
+  pthread_cond_destroy(&r->cv);
 }
 
 rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err) {
-  waiter w = {.done = 0};
-  pthread_mutex_init(&w.mu, NULL);
-  pthread_cond_init(&w.cv, NULL);
-  d.on_done = on_done;
-  d.done_arg = &w;
+  req r = {.done = 0};
+  pthread_mutex_init(&r.mu, NULL);
+  pthread_cond_init(&r.cv, NULL);
+  d.on_done = req_done;
+  d.done_arg = &r;
   int ran = 0;
   rpl_status st = g_layout.inline_ops ? rpl_run_inline(c, &d, &ran, err) : RPL_OK;
   if (st == RPL_OK && ran) __atomic_fetch_add(&g_inline_runs, 1, __ATOMIC_RELAXED);
   if (st == RPL_OK && !ran) st = rpl_submit(c, &d, err);
   if (st != RPL_OK) return st;
-  pthread_mutex_lock(&w.mu);
-  while (!w.done) pthread_cond_wait(&w.cv, &w.mu);
-  pthread_mutex_unlock(&w.mu);
-  if (err) *err = w.err;
-  pthread_mutex_destroy(&w.mu);
-  pthread_cond_destroy(&w.cv);
-  return w.st;
+  pthread_mutex_lock(&r.mu);
+  while (!r.done) pthread_cond_wait(&r.cv, &r.mu);
+  pthread_mutex_unlock(&r.mu);
+  if (err) *err = r.err;
+  req_free(&r);
+  return r.st;
 }
 
 static void *rank_main(void *arg) {
@@ -133,6 +199,14 @@ void run_world(int size, double timeout, void (*body)(job *, rpl_comm *), void *
   free(jobs);
 }
 
+void run_on_each_transport(void (*suite)(void)) {
+  static const world_layout layouts[] = {{.hosts = 1}, {.hosts = 1, .tcp_only = 1}, {.hosts = 2}};
+  for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+    g_layout = layouts[i];
+    suite();
+  }
+}
+
 static void count_closed(void *arg, rpl_status st, const rpl_error *err) {
   closed_count *w = arg;
   w->calls++;
@@ -155,9 +229,4 @@ void submit_counting_closed(rpl_comm *c, rpl_op_desc *d, int n, closed_count *w,
 void check_all_closed(const closed_count *w, int n, const char *what) {
   CHECK(w->calls == n && w->closed == n, "%s: %d callbacks, %d closed (of %d; other: %s)", what,
         w->calls, w->closed, n, rpl_status_name(w->other));
-}
-
-int report(const char *suite) {
-  printf("%s: %d passed, %d failed\n", suite, g_pass, g_fail);
-  return g_fail ? 1 : 0;
 }

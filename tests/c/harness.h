@@ -1,6 +1,8 @@
 /*
- * harness.h - what the core's C tests share: check counters, an in-memory key-value store
- * standing in for the c10d store, synchronous submission, and ranks run as threads.
+ * harness.h - what the core's C tests share: the checks (check.h), an in-memory key-value
+ * store standing in for the c10d store, ops run synchronously (run_op) or submitted and waited
+ * on later (req), ranks run as threads (run_world) over each transport, and small clock and
+ * transport-transfer helpers. Tests that play a peer by hand over TCP add loopback.h.
  */
 #ifndef RPL_TEST_HARNESS_H
 #define RPL_TEST_HARNESS_H
@@ -8,25 +10,40 @@
 #include <pthread.h>
 #include <stdio.h>
 
+#include "check.h"
 #include "ripples.h"
+#include "transport.h"
 
-extern int g_fail, g_pass;
-#define CHECK(cond, ...)                                   \
-  do {                                                     \
-    if (cond) {                                            \
-      __atomic_fetch_add(&g_pass, 1, __ATOMIC_RELAXED);    \
-    } else {                                               \
-      __atomic_fetch_add(&g_fail, 1, __ATOMIC_RELAXED);    \
-      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
-      fprintf(stderr, __VA_ARGS__);                        \
-      fprintf(stderr, "\n");                               \
-    }                                                      \
-  } while (0)
+/* Monotonic time in seconds, and a sleep of that many seconds. */
+double now_s(void);
+void sleep_s(double s);
+
+/* A transport transfer of `len` bytes with `peer` (a send if is_send), framed as the seq-th
+ * broadcast of tag 1: what the transport-level tests exchange. */
+rpl_xfer xfer(int peer, int is_send, void *buf, size_t len, uint64_t seq);
 
 typedef struct mem_store mem_store;
 
 /* Runs `op` and waits for its completion; *err gets the completion's message. */
 rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err);
+
+/* An op submitted without waiting (rpl_submit), and how it ended. */
+typedef struct req {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  int submitted, done;
+  rpl_status st;
+  rpl_error err;
+  int order; /* when it completed, counted over all requests of the process */
+} req;
+
+/* Submits d, completing into *r; on refusal *r is done with the refusal's status. */
+rpl_status submit(rpl_comm *c, rpl_op_desc d, req *r);
+/* Waits at most max_s (a safety net: ops time out on their own); -1 if still not done. */
+int wait_for(req *r, double max_s);
+int is_done(req *r);
+/* Waits (bounded) and releases the request's lock and condition. */
+void req_free(req *r);
 
 typedef struct job {
   int rank, size;
@@ -56,6 +73,11 @@ extern int g_inline_runs;
  * large-message algorithms run on small data) and calling body(job, comm). */
 void run_world(int size, double timeout, void (*body)(job *, rpl_comm *), void *arg);
 
+/* Runs `suite` once over each transport: shared memory only (one host), TCP only, and mixed
+ * (two simulated hosts: rings inside, sockets across, in the same operation). Leaves g_layout
+ * at the last of these. */
+void run_on_each_transport(void (*suite)(void));
+
 /* Shutdown tests leave ops pending and count how they end. The callbacks run on the progress
  * thread, which rpl_comm_shutdown joins: read the counts after it, without a lock. */
 typedef struct closed_count {
@@ -70,8 +92,5 @@ void submit_counting_closed(rpl_comm *c, rpl_op_desc *d, int n, closed_count *w,
 
 /* After rpl_comm_shutdown: CHECKs that all n ops submitted into *w ended RPL_ERR_CLOSED. */
 void check_all_closed(const closed_count *w, int n, const char *what);
-
-/* Prints the summary line and returns main's exit code. */
-int report(const char *suite);
 
 #endif

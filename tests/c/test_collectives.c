@@ -329,8 +329,7 @@ static void body_timeout(job *j, rpl_comm *c) {
   rpl_op_desc d = {.kind = RPL_OP_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
   CHECK(run_op(c, d, &err) == RPL_OK, "first allreduce: %s", err.msg);
   if (j->rank == 1) {
-    struct timespec ts = {2, 0}; /* stay connected but absent, past rank 0's timeout */
-    nanosleep(&ts, NULL);
+    sleep_s(2); /* stay connected but absent, past rank 0's timeout */
   } else {
     rpl_status s = run_op(c, d, &err);
     CHECK(s == RPL_ERR_TIMEOUT, "expected a timeout, got %s (%s)", rpl_status_name(s), err.msg);
@@ -400,8 +399,7 @@ static void body_inline_mixed(job *j, rpl_comm *c) {
 }
 
 static void *shutdown_later(void *arg) {
-  struct timespec ts = {0, 200 * 1000 * 1000};
-  nanosleep(&ts, NULL);
+  sleep_s(0.2);
   rpl_comm_shutdown(arg);
   return NULL;
 }
@@ -424,10 +422,7 @@ static void record(void *arg, rpl_status st, const rpl_error *err) {
 static void body_inline_shutdown(job *j, rpl_comm *c) {
   int *finished = j->arg;
   if (j->rank == 0) { /* never joins; stays until rank 1 is done, so it cannot look dead */
-    while (!__atomic_load_n(finished, __ATOMIC_ACQUIRE)) {
-      struct timespec ts = {0, 1000 * 1000};
-      nanosleep(&ts, NULL);
-    }
+    while (!__atomic_load_n(finished, __ATOMIC_ACQUIRE)) sleep_s(0.001);
     return;
   }
   float x = 1;
@@ -463,14 +458,7 @@ static void run_all(void) {
 }
 
 int main(void) {
-  /* Every collective over each transport: shared memory only (one host), TCP only, and
-   * mixed (two simulated hosts: rings inside, sockets across, in the same operation). */
-  g_layout = (world_layout){.hosts = 1};
-  run_all();
-  g_layout = (world_layout){.hosts = 1, .tcp_only = 1};
-  run_all();
-  g_layout = (world_layout){.hosts = 2};
-  run_all();
+  run_on_each_transport(run_all); /* every collective */
   /* Single copy on one host: the whole suite (large all-reduces read peers' buffers), and
    * every dtype and op. Across two hosts it must not be tried (groups span the hosts). */
   g_layout = (world_layout){.hosts = 1, .single_copy = 1};

@@ -30,27 +30,27 @@ static rpl_coord *start_coord(rpl_policy p, int n, int group_size, int hb_ms, in
   cfg.join_ms = -1;
   rpl_coord *c;
   rpl_error err;
-  CHECK(rpl_coord_create(&cfg, &c, &err) == RPL_OK, "%s", err.msg);
-  CHECK(strncmp(rpl_coord_endpoint(c), "tcp://127.0.0.1:", 16) == 0, "endpoint %s",
-        rpl_coord_endpoint(c));
-  CHECK(rpl_coord_start(c, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_coord_create(&cfg, &c, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(strncmp(rpl_coord_endpoint(c), "tcp://127.0.0.1:", 16) == 0, "endpoint %s",
+          rpl_coord_endpoint(c));
+  REQUIRE(rpl_coord_start(c, &err) == RPL_OK, "%s", err.msg);
   return c;
 }
 
 static rpl_gg_client *connect_client(rpl_coord *c, int rank, int n, int hb_ms) {
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = rpl_coord_endpoint(c);
-  cc.token_hex = rpl_coord_token(c);
-  cc.rank = rank;
-  cc.nworkers = n;
-  cc.host_label = 0;
-  cc.timeout_ms = 5000;
-  cc.request_timeout_ms = 10000;
-  cc.heartbeat_ms = hb_ms;
+  rpl_gg_client_config cc = {
+      .endpoint = rpl_coord_endpoint(c),
+      .token_hex = rpl_coord_token(c),
+      .rank = rank,
+      .nworkers = n,
+      .host_label = 0,
+      .timeout_ms = 5000,
+      .request_timeout_ms = 10000,
+      .heartbeat_ms = hb_ms,
+  };
   rpl_gg_client *cl;
   rpl_error err;
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "rank %d: %s", rank, err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "rank %d: %s", rank, err.msg);
   return cl;
 }
 
@@ -73,20 +73,20 @@ static void *worker_main(void *arg) {
   for (int r = 0; r < ROUNDS; r++) {
     int n = 0;
     uint64_t gid = 0;
-    CHECK(rpl_gg_client_request(cl, (uint64_t)r, wl->m[r], NW, &n, &gid, &err) == RPL_OK,
-          "rank %d round %d: %s", wl->rank, r, err.msg);
+    REQUIRE(rpl_gg_client_request(cl, (uint64_t)r, wl->m[r], NW, &n, &gid, &err) == RPL_OK,
+            "rank %d round %d: %s", wl->rank, r, err.msg);
     wl->n[r] = n;
     wl->gid[r] = gid;
     if (r % 7 == 3) { /* an exact collective between partial rounds: fence around it */
-      CHECK(rpl_gg_client_done(cl, gid, 0, &err) == RPL_OK, "%s", err.msg);
-      CHECK(rpl_gg_client_fence(cl, &err) == RPL_OK, "%s", err.msg);
+      REQUIRE(rpl_gg_client_done(cl, gid, 0, &err) == RPL_OK, "%s", err.msg);
+      REQUIRE(rpl_gg_client_fence(cl, &err) == RPL_OK, "%s", err.msg);
       usleep(1000);
-      CHECK(rpl_gg_client_unfence(cl, &err) == RPL_OK, "%s", err.msg);
+      REQUIRE(rpl_gg_client_unfence(cl, &err) == RPL_OK, "%s", err.msg);
     } else {
-      CHECK(rpl_gg_client_done(cl, gid, 0, &err) == RPL_OK, "%s", err.msg);
+      REQUIRE(rpl_gg_client_done(cl, gid, 0, &err) == RPL_OK, "%s", err.msg);
     }
   }
-  CHECK(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
   rpl_gg_client_destroy(cl);
   return NULL;
 }
@@ -99,7 +99,7 @@ static void test_groups_formed(rpl_policy p) {
     memset(&logs[i], 0, sizeof logs[i]);
     logs[i].c = c;
     logs[i].rank = i;
-    CHECK(pthread_create(&th[i], NULL, worker_main, &logs[i]) == 0, "thread");
+    REQUIRE(pthread_create(&th[i], NULL, worker_main, &logs[i]) == 0, "thread");
   }
   for (int i = 0; i < NW; i++) pthread_join(th[i], NULL);
   /* Each worker's groups have increasing ids (generation order), contain it, and every member
@@ -109,28 +109,28 @@ static void test_groups_formed(rpl_policy p) {
     for (int r = 0; r < ROUNDS; r++) {
       int self = 0;
       for (int k = 0; k < logs[i].n[r]; k++) self |= logs[i].m[r][k] == i;
-      CHECK(self, "rank %d not in its group", i);
-      if (r) CHECK(logs[i].gid[r] > logs[i].gid[r - 1], "rank %d ids not increasing", i);
+      REQUIRE(self, "rank %d not in its group", i);
+      if (r) REQUIRE(logs[i].gid[r] > logs[i].gid[r - 1], "rank %d ids not increasing", i);
       total += logs[i].n[r] > 1;
       for (int k = 0; k < logs[i].n[r]; k++) {
         int o = logs[i].m[r][k], found = 0;
         for (int s = 0; s < ROUNDS; s++)
           if (logs[o].gid[s] == logs[i].gid[r]) {
             found = 1;
-            CHECK(logs[o].n[s] == logs[i].n[r] &&
-                      memcmp(logs[o].m[s], logs[i].m[r], sizeof(int) * (size_t)logs[i].n[r]) == 0,
-                  "members disagree on group %llu", (unsigned long long)logs[i].gid[r]);
+            REQUIRE(logs[o].n[s] == logs[i].n[r] &&
+                        memcmp(logs[o].m[s], logs[i].m[r], sizeof(int) * (size_t)logs[i].n[r]) == 0,
+                    "members disagree on group %llu", (unsigned long long)logs[i].gid[r]);
           }
-        CHECK(found, "rank %d never saw group %llu it belongs to", o,
-              (unsigned long long)logs[i].gid[r]);
+        REQUIRE(found, "rank %d never saw group %llu it belongs to", o,
+                (unsigned long long)logs[i].gid[r]);
       }
     }
-  CHECK(total > 0, "some rounds had partners");
+  REQUIRE(total > 0, "some rounds had partners");
   char *json = NULL;
   rpl_error err;
-  CHECK(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json, &err) ==
-            RPL_OK, "%s", err.msg);
-  CHECK(strstr(json, "\"state\":\"left\"") && strstr(json, "\"pending\":[]"), "status: %s", json);
+  REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json, &err) ==
+              RPL_OK, "%s", err.msg);
+  REQUIRE(strstr(json, "\"state\":\"left\"") && strstr(json, "\"pending\":[]"), "status: %s", json);
   free(json);
   rpl_coord_destroy(c);
   printf("  groups formed over loopback (%s): ok\n", rpl_policy_name(p));
@@ -170,21 +170,21 @@ static void test_dead_worker(void) {
     memset(&a[i], 0, sizeof a[i]);
     a[i].c = c;
     a[i].rank = i;
-    CHECK(pthread_create(&th[i], NULL, request_once, &a[i]) == 0, "thread");
+    REQUIRE(pthread_create(&th[i], NULL, request_once, &a[i]) == 0, "thread");
   }
   for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
   for (int i = 0; i < 2; i++) {
-    CHECK(a[i].st == RPL_OK, "rank %d request failed", i);
-    for (int k = 0; k < a[i].n; k++) CHECK(a[i].members[k] != 2, "dead worker still grouped");
+    REQUIRE(a[i].st == RPL_OK, "rank %d request failed", i);
+    for (int k = 0; k < a[i].n; k++) REQUIRE(a[i].members[k] != 2, "dead worker still grouped");
   }
   rpl_coord_counters k;
   rpl_coord_get_counters(c, &k);
-  CHECK(k.dead_declared == 1, "dead_declared %llu", (unsigned long long)k.dead_declared);
+  REQUIRE(k.dead_declared == 1, "dead_declared %llu", (unsigned long long)k.dead_declared);
   char *json = NULL;
   rpl_error err;
-  CHECK(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json, &err) ==
-            RPL_OK, "%s", err.msg);
-  CHECK(strstr(json, "\"rank\":2,\"state\":\"dead\""), "status: %s", json);
+  REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json, &err) ==
+              RPL_OK, "%s", err.msg);
+  REQUIRE(strstr(json, "\"rank\":2,\"state\":\"dead\""), "status: %s", json);
   free(json);
   rpl_gg_client_destroy(silent);
   rpl_coord_destroy(c);
@@ -237,14 +237,14 @@ static int feed(coord_core *core, sent_log *l, const uint8_t *route, rpl_msg *m,
   if (tok) memcpy(m->token, tok, RPL_TOKEN_LEN);
   else memcpy(m->token, core->token, RPL_TOKEN_LEN);
   size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
-  CHECK(n > 0, "encode");
+  REQUIRE(n > 0, "encode");
   int before = l->count;
   coord_core_handle(core, route, RPL_ROUTE_ID_LEN, b, n, now);
   if (l->count == before) return 0;
   rpl_error err;
-  CHECK(rpl_msg_parse(l->msg, l->len, core->nworkers, r, &err) == RPL_OK, "reply: %s", err.msg);
-  CHECK(l->route_len == RPL_ROUTE_ID_LEN && memcmp(l->route, route, RPL_ROUTE_ID_LEN) == 0,
-        "a reply goes back to its sender");
+  REQUIRE(rpl_msg_parse(l->msg, l->len, core->nworkers, r, &err) == RPL_OK, "reply: %s", err.msg);
+  REQUIRE(l->route_len == RPL_ROUTE_ID_LEN && memcmp(l->route, route, RPL_ROUTE_ID_LEN) == 0,
+          "a reply goes back to its sender");
   return r->type;
 }
 
@@ -271,7 +271,7 @@ static void test_security_core(void) {
   cfg.join_ms = -1;
   coord_core core;
   rpl_error err;
-  CHECK(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
   sent_log log;
   memset(&log, 0, sizeof log);
   core.send = record_send;
@@ -292,122 +292,123 @@ static void test_security_core(void) {
    * holds no byte sequence of ours. Same for a wrong-token HELLO. */
   uint8_t zero[RPL_TOKEN_LEN] = {0};
   m = worker_msg(RPL_MSG_STATUS, -1, 1);
-  CHECK(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
-        "wrong-token STATUS answered BAD_TOKEN");
-  CHECK(memcmp(r.token, zero, RPL_TOKEN_LEN) == 0, "BAD_TOKEN echoes the sender's token");
-  CHECK(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked to a stranger");
-  CHECK(!contains(log.msg, log.len, (const uint8_t *)SEC_TOKEN, 32), "hex token leaked");
+  REQUIRE(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
+          "wrong-token STATUS answered BAD_TOKEN");
+  REQUIRE(memcmp(r.token, zero, RPL_TOKEN_LEN) == 0, "BAD_TOKEN echoes the sender's token");
+  REQUIRE(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked to a stranger");
+  REQUIRE(!contains(log.msg, log.len, (const uint8_t *)SEC_TOKEN, 32), "hex token leaked");
   uint8_t guess[RPL_TOKEN_LEN];
   memcpy(guess, core.token, RPL_TOKEN_LEN);
   guess[15] ^= 1; /* one bit off */
   m = worker_msg(RPL_MSG_HELLO, 0, 1);
-  CHECK(feed(&core, &log, S, &m, guess, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
-        "wrong-token HELLO refused");
-  CHECK(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked");
+  REQUIRE(feed(&core, &log, S, &m, guess, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
+          "wrong-token HELLO refused");
+  REQUIRE(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked");
   /* A flood of wrong tokens is answered at most COORD_BAD_TOKEN_REPLIES_PER_S a second. */
   int answered = 0;
   for (int i = 0; i < 50; i++) {
     m = worker_msg(RPL_MSG_STATUS, -1, (uint32_t)i);
     answered += feed(&core, &log, S, &m, zero, t + 0.5, &r) != 0;
   }
-  CHECK(answered <= COORD_BAD_TOKEN_REPLIES_PER_S, "%d wrong-token replies in one second",
-        answered);
-  CHECK(atomic_load(&core.bad_token_quiet) >= 50 - COORD_BAD_TOKEN_REPLIES_PER_S, "quiet counted");
+  REQUIRE(answered <= COORD_BAD_TOKEN_REPLIES_PER_S, "%d wrong-token replies in one second",
+          answered);
+  REQUIRE(atomic_load(&core.bad_token_quiet) >= 50 - COORD_BAD_TOKEN_REPLIES_PER_S,
+          "quiet counted");
   t = 3.0;
   m = worker_msg(RPL_MSG_STATUS, -1, 99);
-  CHECK(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR, "answered again a second later");
+  REQUIRE(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR, "answered again a second later");
   /* The status document never carries the token. */
   m = worker_msg(RPL_MSG_STATUS, -1, 1);
-  CHECK(feed(&core, &log, S, &m, NULL, t, &r) == RPL_MSG_STATUS_REPLY, "status");
-  CHECK(!contains((const uint8_t *)r.text, r.text_len, (const uint8_t *)SEC_TOKEN, 32),
-        "token in the status document");
+  REQUIRE(feed(&core, &log, S, &m, NULL, t, &r) == RPL_MSG_STATUS_REPLY, "status");
+  REQUIRE(!contains((const uint8_t *)r.text, r.text_len, (const uint8_t *)SEC_TOKEN, 32),
+          "token in the status document");
 
   /* 2. Before HELLO, rank 1 may not speak: told to register. */
   m = worker_msg(RPL_MSG_LEAVE, 1, 1);
-  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_ERROR &&
-            r.code == RPL_PERR_NOT_REGISTERED, "LEAVE before HELLO refused");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_ERROR &&
+              r.code == RPL_PERR_NOT_REGISTERED, "LEAVE before HELLO refused");
   /* HELLO binds rank 1 to A. */
   m = worker_msg(RPL_MSG_HELLO, 1, 10);
-  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HELLO_ACK, "HELLO from A");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HELLO_ACK, "HELLO from A");
   /* 3. Rank 1's messages from another connection are refused, counted, and change nothing. */
   uint64_t wr = atomic_load(&core.wrong_route);
   m = worker_msg(RPL_MSG_LEAVE, 1, 1000);
-  CHECK(feed(&core, &log, B, &m, NULL, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_RANK,
-        "LEAVE for rank 1 from B refused");
+  REQUIRE(feed(&core, &log, B, &m, NULL, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_RANK,
+          "LEAVE for rank 1 from B refused");
   m = worker_msg(RPL_MSG_FENCE, 1, 1001);
   feed(&core, &log, B, &m, NULL, t, &r);
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 1002);
-  CHECK(feed(&core, &log, BH, &m, NULL, t, &r) == RPL_MSG_ERROR, "foreign heartbeat refused");
-  CHECK(atomic_load(&core.wrong_route) == wr + 3, "wrong_route counted");
+  REQUIRE(feed(&core, &log, BH, &m, NULL, t, &r) == RPL_MSG_ERROR, "foreign heartbeat refused");
+  REQUIRE(atomic_load(&core.wrong_route) == wr + 3, "wrong_route counted");
   rpl_gg_worker_info info;
-  CHECK(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state == RPL_WORKER_LIVE,
-        "rank 1 neither left nor fenced by a stranger");
+  REQUIRE(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state == RPL_WORKER_LIVE,
+          "rank 1 neither left nor fenced by a stranger");
   /* Its own heartbeat socket (the 'H' sibling of A) is accepted; A may not be impersonated
    * by a sibling for anything but heartbeats. */
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 11);
-  CHECK(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "heartbeat sibling");
+  REQUIRE(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "heartbeat sibling");
   m = worker_msg(RPL_MSG_LEAVE, 1, 12);
-  CHECK(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_ERROR, "sibling may only heartbeat");
+  REQUIRE(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_ERROR, "sibling may only heartbeat");
 
   /* 4. Replayed or out-of-order seq from one connection: dropped and counted. */
   uint64_t rp = atomic_load(&core.replayed);
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 20);
-  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "seq 20");
-  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == 0, "seq 20 again: dropped");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "seq 20");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == 0, "seq 20 again: dropped");
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 15);
-  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == 0, "seq 15 after 20: dropped");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == 0, "seq 15 after 20: dropped");
   m = worker_msg(RPL_MSG_LEAVE, 1, 10); /* the HELLO's seq, replayed as a LEAVE */
-  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == 0, "old seq as LEAVE: dropped");
-  CHECK(atomic_load(&core.replayed) == rp + 3, "replayed counted");
-  CHECK(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state != RPL_WORKER_LEFT,
-        "a replayed LEAVE does nothing");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == 0, "old seq as LEAVE: dropped");
+  REQUIRE(atomic_load(&core.replayed) == rp + 3, "replayed counted");
+  REQUIRE(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.state != RPL_WORKER_LEFT,
+          "a replayed LEAVE does nothing");
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 21);
-  CHECK(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "seq 21 accepted");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "seq 21 accepted");
   /* The heartbeat sibling has its own order (the client draws both from one counter, but
    * the two connections are not ordered with each other). */
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 12);
-  CHECK(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "sibling seq 12");
+  REQUIRE(feed(&core, &log, AH, &m, NULL, t, &r) == RPL_MSG_HEARTBEAT_ACK, "sibling seq 12");
 
   /* 5. A live worker's connection is never taken over: a HELLO for rank 1 from C while A
    * spoke within two heartbeat intervals is refused... */
   m = worker_msg(RPL_MSG_HELLO, 1, 5000);
-  CHECK(feed(&core, &log, C, &m, NULL, t + 0.15, &r) == RPL_MSG_ERROR &&
-            r.code == RPL_PERR_BAD_RANK, "live binding kept");
+  REQUIRE(feed(&core, &log, C, &m, NULL, t + 0.15, &r) == RPL_MSG_ERROR &&
+              r.code == RPL_PERR_BAD_RANK, "live binding kept");
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 22);
-  CHECK(feed(&core, &log, A, &m, NULL, t + 0.15, &r) == RPL_MSG_HEARTBEAT_ACK, "A still served");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t + 0.15, &r) == RPL_MSG_HEARTBEAT_ACK, "A still served");
   /* ... 6. but once A has been silent longer than that (a client that failed over and came
    * back, a restarted worker) the new connection takes the rank, and A is refused. */
   uint64_t rb = atomic_load(&core.rebinds);
   m = worker_msg(RPL_MSG_HELLO, 1, 5001);
-  CHECK(feed(&core, &log, C, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rebind after silence");
-  CHECK(atomic_load(&core.rebinds) == rb + 1, "rebinds counted");
+  REQUIRE(feed(&core, &log, C, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rebind after silence");
+  REQUIRE(atomic_load(&core.rebinds) == rb + 1, "rebinds counted");
   m = worker_msg(RPL_MSG_HEARTBEAT, 1, 23);
-  CHECK(feed(&core, &log, A, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR &&
-            r.code == RPL_PERR_BAD_RANK, "the old connection no longer speaks for rank 1");
+  REQUIRE(feed(&core, &log, A, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR &&
+              r.code == RPL_PERR_BAD_RANK, "the old connection no longer speaks for rank 1");
   m = worker_msg(RPL_MSG_REQUEST, 1, 5002);
   feed(&core, &log, C, &m, NULL, t + 0.5, &r);
-  CHECK(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.requests == 1,
-        "the new connection's request counts");
+  REQUIRE(rpl_gg_worker(core.gg, 1, &info, &err) == RPL_OK && info.requests == 1,
+          "the new connection's request counts");
   /* A client that closed its connection and registers anew is let in at once, even within
    * two heartbeat intervals: the coordinator's probe of the old route finds it gone. */
   uint8_t D[RPL_ROUTE_ID_LEN], E[RPL_ROUTE_ID_LEN];
   make_route(D, 'R', 0xd4);
   make_route(E, 'R', 0xe5);
   m = worker_msg(RPL_MSG_HELLO, 0, 1);
-  CHECK(feed(&core, &log, D, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 0 from D");
+  REQUIRE(feed(&core, &log, D, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 0 from D");
   m = worker_msg(RPL_MSG_HELLO, 0, 2);
-  CHECK(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR, "D still connected");
+  REQUIRE(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_ERROR, "D still connected");
   log.gone = D;
   m = worker_msg(RPL_MSG_HELLO, 0, 3);
-  CHECK(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK,
-        "D disconnected: E takes rank 0 at once");
+  REQUIRE(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK,
+          "D disconnected: E takes rank 0 at once");
   log.gone = NULL;
   /* A dead worker's binding is free at once. */
   m = worker_msg(RPL_MSG_HELLO, 2, 1);
-  CHECK(feed(&core, &log, B, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 2 from B");
-  CHECK(rpl_gg_dead(core.gg, 2, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(feed(&core, &log, B, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 2 from B");
+  REQUIRE(rpl_gg_dead(core.gg, 2, &err) == RPL_OK, "%s", err.msg);
   m = worker_msg(RPL_MSG_HELLO, 2, 2);
-  CHECK(feed(&core, &log, S, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "dead rank rebound");
+  REQUIRE(feed(&core, &log, S, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "dead rank rebound");
   coord_core_free(&core);
   printf("  token echo, rank<->route binding, seq, rebinding (core): ok\n");
 }
@@ -501,26 +502,26 @@ static void test_client_routes_and_seq(void) {
   f.sock = zmq_socket(ctx, ZMQ_ROUTER);
   int zero = 0;
   zmq_setsockopt(f.sock, ZMQ_LINGER, &zero, sizeof zero);
-  CHECK(zmq_bind(f.sock, "tcp://127.0.0.1:*") == 0, "bind");
+  REQUIRE(zmq_bind(f.sock, "tcp://127.0.0.1:*") == 0, "bind");
   char ep[256];
   size_t el = sizeof ep;
   zmq_getsockopt(f.sock, ZMQ_LAST_ENDPOINT, ep, &el);
   const char *hex = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
   rpl_error err;
-  CHECK(rpl_token_from_hex(hex, f.tok, &err) == RPL_OK, "token");
+  REQUIRE(rpl_token_from_hex(hex, f.tok, &err) == RPL_OK, "token");
   pthread_t th;
-  CHECK(pthread_create(&th, NULL, fake_main, &f) == 0, "thread");
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = ep;
-  cc.token_hex = hex;
-  cc.rank = 1;
-  cc.nworkers = 2;
-  cc.timeout_ms = 3000;
-  cc.request_timeout_ms = 3000;
-  cc.heartbeat_ms = 50;
+  REQUIRE(pthread_create(&th, NULL, fake_main, &f) == 0, "thread");
+  rpl_gg_client_config cc = {
+      .endpoint = ep,
+      .token_hex = hex,
+      .rank = 1,
+      .nworkers = 2,
+      .timeout_ms = 3000,
+      .request_timeout_ms = 3000,
+      .heartbeat_ms = 50,
+  };
   rpl_gg_client *cl;
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
   usleep(200 * 1000); /* heartbeats flow */
   atomic_store(&f.restarted, 1); /* "restarted": the first registration is unknown now */
   int mem[2], n = 0;
@@ -530,10 +531,10 @@ static void test_client_routes_and_seq(void) {
     st = rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err);
     if (st != RPL_OK) usleep(100 * 1000);
   }
-  CHECK(st == RPL_OK && n == 1 && mem[0] == 1 && gid == 0,
-        "served (PASS) after registering again, the foreign-token ERROR ignored: %s", err.msg);
+  REQUIRE(st == RPL_OK && n == 1 && mem[0] == 1 && gid == 0,
+          "served (PASS) after registering again, the foreign-token ERROR ignored: %s", err.msg);
   usleep(200 * 1000);
-  CHECK(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
   rpl_gg_client_destroy(cl);
   atomic_store(&f.stop, 1);
   pthread_join(th, NULL);
@@ -544,31 +545,31 @@ static void test_client_routes_and_seq(void) {
   int hellos = 0, hello2 = -1;
   uint32_t max_before = 0;
   for (int i = 0; i < f.n; i++) {
-    CHECK(f.route_len[i] == RPL_ROUTE_ID_LEN &&
-              (f.route[i][0] == RPL_ROUTE_REQUEST || f.route[i][0] == RPL_ROUTE_HEARTBEAT),
-          "routing id of message %d", i);
+    REQUIRE(f.route_len[i] == RPL_ROUTE_ID_LEN &&
+                (f.route[i][0] == RPL_ROUTE_REQUEST || f.route[i][0] == RPL_ROUTE_HEARTBEAT),
+            "routing id of message %d", i);
     if (f.type[i] == RPL_MSG_HELLO) {
-      CHECK(f.route[i][0] == RPL_ROUTE_REQUEST, "HELLO from the request socket");
+      REQUIRE(f.route[i][0] == RPL_ROUTE_REQUEST, "HELLO from the request socket");
       if (memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) != 0 && hello2 < 0) hello2 = i;
       hellos++;
     }
     /* Per connection, seqs only rise. */
     for (int j = i + 1; j < f.n; j++)
       if (f.route_len[j] == f.route_len[i] && !memcmp(f.route[j], f.route[i], RPL_ROUTE_ID_LEN))
-        CHECK((int32_t)(f.seq[j] - f.seq[i]) > 0, "seq %u after %u on one connection", f.seq[j],
-              f.seq[i]);
+        REQUIRE((int32_t)(f.seq[j] - f.seq[i]) > 0, "seq %u after %u on one connection", f.seq[j],
+                f.seq[i]);
   }
-  CHECK(hello2 > 0, "registered again under a fresh routing id (%d HELLOs)", hellos);
+  REQUIRE(hello2 > 0, "registered again under a fresh routing id (%d HELLOs)", hellos);
   for (int i = 0; i < f.n; i++)
     if (!memcmp(f.route[i] + 1, f.first_id, RPL_ROUTE_ID_LEN - 1) && f.seq[i] > max_before)
       max_before = f.seq[i];
-  CHECK(f.seq[hello2] > max_before, "the new registration's seq %u continues the counter (%u)",
-        f.seq[hello2], max_before);
+  REQUIRE(f.seq[hello2] > max_before, "the new registration's seq %u continues the counter (%u)",
+          f.seq[hello2], max_before);
   int beats2 = 0;
   for (int i = hello2; i < f.n; i++)
     beats2 += f.route[i][0] == RPL_ROUTE_HEARTBEAT &&
               !memcmp(f.route[i] + 1, f.route[hello2] + 1, RPL_ROUTE_ID_LEN - 1);
-  CHECK(beats2 > 0, "heartbeats from the sibling of the new registration");
+  REQUIRE(beats2 > 0, "heartbeats from the sibling of the new registration");
   printf("  client: routing ids per registration, one rising seq, foreign errors ignored: ok\n");
 }
 
@@ -577,32 +578,32 @@ static void test_client_routes_and_seq(void) {
 static void test_rejections(void) {
   rpl_coord *c = start_coord(RPL_POLICY_RANDOM, 2, 2, 100, 5000);
   rpl_error err;
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = rpl_coord_endpoint(c);
-  cc.token_hex = "00112233445566778899aabbccddeeff";
-  cc.rank = 0;
-  cc.nworkers = 2;
-  cc.timeout_ms = 3000;
-  cc.heartbeat_ms = -1;
+  rpl_gg_client_config cc = {
+      .endpoint = rpl_coord_endpoint(c),
+      .token_hex = "00112233445566778899aabbccddeeff",
+      .rank = 0,
+      .nworkers = 2,
+      .timeout_ms = 3000,
+      .heartbeat_ms = -1,
+  };
   rpl_gg_client *cl = NULL;
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID && strstr(err.msg, "token"),
-        "wrong token must be refused: %s", err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID && strstr(err.msg, "token"),
+          "wrong token must be refused: %s", err.msg);
   cc.token_hex = rpl_coord_token(c);
   cc.nworkers = 3;
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID && strstr(err.msg, "world size"),
-        "world size mismatch: %s", err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID && strstr(err.msg, "world size"),
+          "world size mismatch: %s", err.msg);
   cc.token_hex = "not-a-token";
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID, "bad token text");
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID, "bad token text");
   char *json;
-  CHECK(rpl_gg_query_status(rpl_coord_endpoint(c), "00112233445566778899aabbccddeeff", 3000,
-                            &json, &err) == RPL_ERR_INVALID, "status needs the token");
+  REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), "00112233445566778899aabbccddeeff", 3000,
+                              &json, &err) == RPL_ERR_INVALID, "status needs the token");
 
   /* Malformed input from a raw socket. */
   void *ctx = zmq_ctx_new(), *s = zmq_socket(ctx, ZMQ_DEALER);
   int linger = 0;
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
-  CHECK(zmq_connect(s, rpl_coord_endpoint(c)) == 0, "connect");
+  REQUIRE(zmq_connect(s, rpl_coord_endpoint(c)) == 0, "connect");
   rpl_coord_counters before;
   rpl_coord_get_counters(c, &before);
   uint8_t good[64];
@@ -611,10 +612,10 @@ static void test_rejections(void) {
   m.type = RPL_MSG_HEARTBEAT;
   m.rank = 1;
   uint8_t tok[RPL_TOKEN_LEN];
-  CHECK(rpl_token_from_hex(rpl_coord_token(c), tok, &err) == RPL_OK, "token");
+  REQUIRE(rpl_token_from_hex(rpl_coord_token(c), tok, &err) == RPL_OK, "token");
   memcpy(m.token, tok, RPL_TOKEN_LEN);
   size_t glen = rpl_msg_encode(&m, NULL, good, sizeof good);
-  CHECK(glen == RPL_PROTO_HEADER, "encode heartbeat");
+  REQUIRE(glen == RPL_PROTO_HEADER, "encode heartbeat");
   int sent = 0;
   zmq_send(s, "x", 1, 0), sent++;                              /* short */
   uint8_t bad[64];
@@ -627,30 +628,30 @@ static void test_rejections(void) {
   zmq_send(s, good, glen, ZMQ_SNDMORE); zmq_send(s, good, glen, 0), sent++; /* two frames */
   zmq_send(s, good, glen, 0); /* valid: answered */
   zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
-  CHECK(zmq_poll(&it, 1, 5000) == 1, "a valid heartbeat after garbage is still answered");
+  REQUIRE(zmq_poll(&it, 1, 5000) == 1, "a valid heartbeat after garbage is still answered");
   uint8_t rb[256];
   int n = zmq_recv(s, rb, sizeof rb, 0);
   /* ... with NOT_REGISTERED: rank 1 said no HELLO to this instance (a restarted coordinator
    * tells the workers of its predecessor to register again). */
-  CHECK(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
-            m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED,
-        "unregistered heartbeat answered NOT_REGISTERED");
+  REQUIRE(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
+              m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED,
+          "unregistered heartbeat answered NOT_REGISTERED");
   /* A stranger's STATUS with an all-zero token: the raw reply carries no byte of our token. */
   memset(&m, 0, sizeof m);
   m.type = RPL_MSG_STATUS;
   m.rank = -1;
   m.seq = 7;
-  CHECK(rpl_msg_encode(&m, NULL, bad, sizeof bad) == RPL_PROTO_HEADER, "encode status");
+  REQUIRE(rpl_msg_encode(&m, NULL, bad, sizeof bad) == RPL_PROTO_HEADER, "encode status");
   zmq_send(s, bad, RPL_PROTO_HEADER, 0);
-  CHECK(zmq_poll(&it, 1, 5000) == 1, "wrong-token STATUS answered");
+  REQUIRE(zmq_poll(&it, 1, 5000) == 1, "wrong-token STATUS answered");
   n = zmq_recv(s, rb, sizeof rb, 0);
-  CHECK(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
-            m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN, "BAD_TOKEN");
-  CHECK(!contains(rb, (size_t)n, tok, RPL_TOKEN_LEN), "the job token went to a stranger");
+  REQUIRE(n > 0 && rpl_msg_parse(rb, (size_t)n, 2, &m, &err) == RPL_OK &&
+              m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN, "BAD_TOKEN");
+  REQUIRE(!contains(rb, (size_t)n, tok, RPL_TOKEN_LEN), "the job token went to a stranger");
   rpl_coord_counters after;
   rpl_coord_get_counters(c, &after);
-  CHECK(after.malformed - before.malformed == (uint64_t)sent, "malformed counted %llu of %d",
-        (unsigned long long)(after.malformed - before.malformed), sent);
+  REQUIRE(after.malformed - before.malformed == (uint64_t)sent, "malformed counted %llu of %d",
+          (unsigned long long)(after.malformed - before.malformed), sent);
   /* An oversized message makes zmq drop the connection; the service keeps serving. */
   size_t big = 1 << 20;
   uint8_t *huge = calloc(1, big);
@@ -662,12 +663,12 @@ static void test_rejections(void) {
   rpl_gg_client *c0 = connect_client(c, 0, 2, 100);
   int mem[2], cnt;
   uint64_t gid;
-  CHECK(rpl_gg_client_leave(c0, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_gg_client_request(c0, 0, mem, 2, &cnt, &gid, &err) == RPL_ERR_CLOSED &&
-            strstr(err.msg, "left"), "request after leave: %s", err.msg);
+  REQUIRE(rpl_gg_client_leave(c0, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_gg_client_request(c0, 0, mem, 2, &cnt, &gid, &err) == RPL_ERR_CLOSED &&
+              strstr(err.msg, "left"), "request after leave: %s", err.msg);
   rpl_gg_client_destroy(c0);
   rpl_coord_get_counters(c, &after);
-  CHECK(after.bad_token >= 2, "bad tokens counted");
+  REQUIRE(after.bad_token >= 2, "bad tokens counted");
   rpl_coord_destroy(c);
   printf("  wrong token, world size, malformed input rejected and counted: ok\n");
 }
@@ -694,19 +695,19 @@ static void *request_round(void *arg) {
 /* ---- unreachable or stopped coordinator ---------------------------------------------------- */
 
 static void test_unreachable(void) {
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = "tcp://127.0.0.1:9"; /* discard port: nothing answers */
-  cc.token_hex = "00112233445566778899aabbccddeeff";
-  cc.rank = 0;
-  cc.nworkers = 1;
-  cc.timeout_ms = 300;
+  rpl_gg_client_config cc = {
+      .endpoint = "tcp://127.0.0.1:9", /* discard port: nothing answers */
+      .token_hex = "00112233445566778899aabbccddeeff",
+      .rank = 0,
+      .nworkers = 1,
+      .timeout_ms = 300,
+  };
   rpl_gg_client *cl;
   rpl_error err;
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_PEER && strstr(err.msg, "did not answer"),
-        "unreachable: %s", err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_PEER && strstr(err.msg, "did not answer"),
+          "unreachable: %s", err.msg);
   cc.endpoint = "nonsense://";
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID, "bad endpoint: %s", err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID, "bad endpoint: %s", err.msg);
 
   /* The coordinator stops while a worker waits for a partner: the heartbeat thread notices. */
   rpl_coord *c = start_coord(RPL_POLICY_SMART, 2, 2, 50, 300);
@@ -714,8 +715,8 @@ static void test_unreachable(void) {
   rpl_coord_stop(c);
   int mem[2], n;
   uint64_t gid;
-  CHECK(rpl_gg_client_request(c0, 0, mem, 2, &n, &gid, &err) == RPL_ERR_PEER &&
-            strstr(err.msg, "heartbeats"), "stopped coordinator: %s", err.msg);
+  REQUIRE(rpl_gg_client_request(c0, 0, mem, 2, &n, &gid, &err) == RPL_ERR_PEER &&
+              strstr(err.msg, "heartbeats"), "stopped coordinator: %s", err.msg);
   rpl_gg_client_destroy(c0);
   rpl_coord_destroy(c);
 
@@ -727,16 +728,16 @@ static void test_unreachable(void) {
   cc.timeout_ms = 3000;
   cc.request_timeout_ms = 300;
   cc.heartbeat_ms = 50;
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err) == RPL_ERR_TIMEOUT, "timeout: %s",
-        err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err) == RPL_ERR_TIMEOUT, "timeout: %s",
+          err.msg);
   /* Nothing is left stuck behind the timed-out request: both ask again and meet. */
   req2_arg a1 = {c, 1, 0, {0}, 0, RPL_OK};
   pthread_t th;
-  CHECK(pthread_create(&th, NULL, request_round, &a1) == 0, "thread");
-  CHECK(rpl_gg_client_request(cl, 1, mem, 2, &n, &gid, &err) == RPL_OK && n == 2, "%s", err.msg);
+  REQUIRE(pthread_create(&th, NULL, request_round, &a1) == 0, "thread");
+  REQUIRE(rpl_gg_client_request(cl, 1, mem, 2, &n, &gid, &err) == RPL_OK && n == 2, "%s", err.msg);
   pthread_join(th, NULL);
-  CHECK(a1.st == RPL_OK && a1.n == 2, "worker 1 grouped with worker 0 after its timeout");
+  REQUIRE(a1.st == RPL_OK && a1.n == 2, "worker 1 grouped with worker 0 after its timeout");
   rpl_gg_client_destroy(cl);
   rpl_coord_destroy(c);
   printf("  unreachable, stopped coordinator and request timeout reported: ok\n");
@@ -751,6 +752,5 @@ int main(void) {
   test_client_routes_and_seq();
   test_rejections();
   test_unreachable();
-  printf("test_coord: all passed\n");
-  return 0;
+  return report("test_coord");
 }

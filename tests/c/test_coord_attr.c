@@ -76,7 +76,7 @@ static void send_msg(job *j, int rank, rpl_msg *m, double now) {
   m->seq = ++j->seq[rank];
   memcpy(m->token, j->core.token, RPL_TOKEN_LEN);
   size_t len = rpl_msg_encode(m, NULL, b, sizeof b);
-  CHECK(len > 0, "encode");
+  REQUIRE(len > 0, "encode");
   coord_core_handle(&j->core, route, RPL_ROUTE_ID_LEN, b, len, now);
 }
 
@@ -102,7 +102,7 @@ static void job_init(job *j, int n, const char *const *names) {
   cfg.log = keep_line;
   cfg.log_ctx = &j->log;
   rpl_error err;
-  CHECK(coord_core_init(&j->core, &cfg, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(coord_core_init(&j->core, &cfg, &err) == RPL_OK, "%s", err.msg);
   j->core.send = ignore_send;
   j->core.start = 0;
   for (int r = 0; r < n; r++) {
@@ -134,7 +134,7 @@ static void job_run(job *j, double until) {
     send_msg(j, w, &m, t);
     rpl_gg_worker_info info;
     rpl_error err;
-    CHECK(rpl_gg_worker(j->core.gg, w, &info, &err) == RPL_OK, "%s", err.msg);
+    REQUIRE(rpl_gg_worker(j->core.gg, w, &info, &err) == RPL_OK, "%s", err.msg);
     memset(&m, 0, sizeof m);
     m.type = RPL_MSG_DONE;
     m.group_id = info.locked_group;
@@ -173,51 +173,51 @@ static void test_slow_rank_named_and_recovers(void) {
   job *j = calloc(1, sizeof *j);
   job_init(j, 4, names);
   job_run(j, 3.0);
-  CHECK(j->log.n == 0, "equal workers: no line, got '%s'", j->log.line[0]);
+  REQUIRE(j->log.n == 0, "equal workers: no line, got '%s'", j->log.line[0]);
   /* Rank 3 becomes 5x slower at t = 3 s. */
   j->step[3] = 0.050;
   uint64_t began = j->round[3];
   double t = 3.0;
   while (j->log.n == 0 && t < 20.0) job_run(j, t += 0.1);
-  CHECK(j->log.n == 1, "%d lines", j->log.n);
+  REQUIRE(j->log.n == 1, "%d lines", j->log.n);
   const char *l = j->log.line[0];
-  CHECK(strstr(l, "ripples: rank 3 on host beta is ") && strstr(l, "x slower than the median "
-        "since step "), "line: %s", l);
+  REQUIRE(strstr(l, "ripples: rank 3 on host beta is ") && strstr(l, "x slower than the median "
+          "since step "), "line: %s", l);
   double factor = atof(strstr(l, " is ") + 4);
   unsigned long long since = strtoull(strstr(l, "since step ") + 11, NULL, 10);
-  CHECK(factor >= 4.0 && factor <= 5.5, "slowdown in '%s'", l);
+  REQUIRE(factor >= 4.0 && factor <= 5.5, "slowdown in '%s'", l);
   /* Its spell is seen at the first refresh (every COORD_ATTR_EVERY_S) after a slow step. */
-  CHECK(since >= began && since <= began + 2 + COORD_ATTR_EVERY_S / 0.05,
-        "since step %llu, slow from %llu", since,
-        (unsigned long long)began);
-  CHECK(j->round[3] - began <= 60, "named after %llu of its steps",
-        (unsigned long long)(j->round[3] - began));
+  REQUIRE(since >= began && since <= began + 2 + COORD_ATTR_EVERY_S / 0.05,
+          "since step %llu, slow from %llu", since,
+          (unsigned long long)began);
+  REQUIRE(j->round[3] - began <= 60, "named after %llu of its steps",
+          (unsigned long long)(j->round[3] - began));
   /* What the documents say. */
   const char *doc = status_of(j, 1, t);
-  CHECK(strstr(doc, "\"rank\":1,") && strstr(doc, "\"slowest\":[{\"rank\":3,"),
-        "rank 1's summary: %s", doc);
-  CHECK(strstr(doc, "\"slow\":true,\"slow_since_step\":"), "summary: %s", doc);
+  REQUIRE(strstr(doc, "\"rank\":1,") && strstr(doc, "\"slowest\":[{\"rank\":3,"),
+          "rank 1's summary: %s", doc);
+  REQUIRE(strstr(doc, "\"slow\":true,\"slow_since_step\":"), "summary: %s", doc);
   doc = status_of(j, -1, t);
   char *table = NULL;
   rpl_error err;
-  CHECK(rpl_coord_status_table(doc, strlen(doc), &table, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_coord_status_table(doc, strlen(doc), &table, &err) == RPL_OK, "%s", err.msg);
   printf("%s", table);
   const char *row = strstr(table, "\n   3  beta");
-  CHECK(row && strstr(row, "x  ") && strstr(row, "slow since step"), "table:\n%s", table);
-  CHECK(strstr(table, "median step 10.0 ms"), "table:\n%s", table);
+  REQUIRE(row && strstr(row, "x  ") && strstr(row, "slow since step"), "table:\n%s", table);
+  REQUIRE(strstr(table, "median step 10.0 ms"), "table:\n%s", table);
   free(table);
   /* Back to the others' pace: one line, not before COORD_SLOW_HOLD_S after the first. */
   double slow_at = t;
   j->step[3] = 0.010;
   while (j->log.n == 1 && t < 60.0) job_run(j, t += 0.1);
-  CHECK(j->log.n == 2 && strstr(j->log.line[1], "ripples: rank 3 on host beta recovered ("),
-        "lines: %d, %s", j->log.n, j->log.line[1]);
-  CHECK(t - slow_at >= COORD_SLOW_HOLD_S - 0.2, "recovered %.1f s after it was named",
-        t - slow_at);
+  REQUIRE(j->log.n == 2 && strstr(j->log.line[1], "ripples: rank 3 on host beta recovered ("),
+          "lines: %d, %s", j->log.n, j->log.line[1]);
+  REQUIRE(t - slow_at >= COORD_SLOW_HOLD_S - 0.2, "recovered %.1f s after it was named",
+          t - slow_at);
   job_run(j, t + 30.0);
-  CHECK(j->log.n == 2, "quiet afterwards: %s", j->log.line[2]);
-  CHECK(count_lines(j, "rank 0 ") + count_lines(j, "rank 1 ") + count_lines(j, "rank 2 ") == 0,
-        "only rank 3 named");
+  REQUIRE(j->log.n == 2, "quiet afterwards: %s", j->log.line[2]);
+  REQUIRE(count_lines(j, "rank 0 ") + count_lines(j, "rank 1 ") + count_lines(j, "rank 2 ") == 0,
+          "only rank 3 named");
   coord_core_free(&j->core);
   free(j);
 }
@@ -229,14 +229,14 @@ static void test_stuck_rank_and_pause(void) {
   /* Everybody pauses (an evaluation, a checkpoint): nobody is slower than anybody. */
   for (int r = 0; r < 4; r++) j->next[r] += 30.0;
   job_run(j, 40.0);
-  CHECK(j->log.n == 0, "a pause of all: %s", j->log.line[0]);
+  REQUIRE(j->log.n == 0, "a pause of all: %s", j->log.line[0]);
   /* Rank 1 gets stuck in a step: named before the step ends (host: its label). */
   j->step[1] = -1;
   double t = 40.0;
   while (j->log.n == 0 && t < 50.0) job_run(j, t += 0.1);
-  CHECK(j->log.n == 1 && strstr(j->log.line[0], "ripples: rank 1 on host 0 is "),
-        "stuck: %d lines, %s", j->log.n, j->log.line[0]);
-  CHECK(t < 45.0, "stuck rank named only after %.1f s", t - 40.0);
+  REQUIRE(j->log.n == 1 && strstr(j->log.line[0], "ripples: rank 1 on host 0 is "),
+          "stuck: %d lines, %s", j->log.n, j->log.line[0]);
+  REQUIRE(t < 45.0, "stuck rank named only after %.1f s", t - 40.0);
   coord_core_free(&j->core);
   free(j);
 }
@@ -251,20 +251,20 @@ static void test_rate_limits(void) {
   /* Half the job turns slow at once: the burst is logged, the rest only counted ... */
   for (int r = 20; r < 40; r++) j->step[r] = 0.05;
   job_run(j, 8.0);
-  CHECK(j->log.n == COORD_LOG_BURST, "%d lines at once", j->log.n);
+  REQUIRE(j->log.n == COORD_LOG_BURST, "%d lines at once", j->log.n);
   /* ... in a line of their own once the bucket has a token again. */
   job_run(j, 20.0);
-  CHECK(j->log.n == COORD_LOG_BURST + 1 &&
-            strstr(j->log.line[COORD_LOG_BURST], "ripples: 10 slow/recovered change(s) not "
-                   "logged (rate limit)"), "the count of left-out lines: %s",
-        j->log.line[COORD_LOG_BURST]);
+  REQUIRE(j->log.n == COORD_LOG_BURST + 1 &&
+              strstr(j->log.line[COORD_LOG_BURST], "ripples: 10 slow/recovered change(s) not "
+                     "logged (rate limit)"), "the count of left-out lines: %s",
+          j->log.line[COORD_LOG_BURST]);
   const char *doc = status_of(j, -1, 20.0);
-  CHECK(strstr(doc, "\"slow\":20,"), "every slow rank counted: %.300s",
-        strstr(doc, "\"attribution"));
+  REQUIRE(strstr(doc, "\"slow\":20,"), "every slow rank counted: %.300s",
+          strstr(doc, "\"attribution"));
   /* Sanitised host names, in the line and in the document. */
-  CHECK(count_lines(j, "rank 20 on host a?b?c is "), "rank 20's line: %s", j->log.line[0]);
-  CHECK(strstr(doc, "\"host_name\":\"a?b?c\"") && strstr(doc, "\"host_name\":\"x?y?\""),
-        "names in the document");
+  REQUIRE(count_lines(j, "rank 20 on host a?b?c is "), "rank 20's line: %s", j->log.line[0]);
+  REQUIRE(strstr(doc, "\"host_name\":\"a?b?c\"") && strstr(doc, "\"host_name\":\"x?y?\""),
+          "names in the document");
   /* A flapping rank: slow, fast, slow ... every 3 s; at most one line per hold time. */
   job *f = calloc(1, sizeof *f);
   job_init(f, 4, NULL);
@@ -273,8 +273,8 @@ static void test_rate_limits(void) {
     f->step[2] = k % 2 ? 0.010 : 0.080;
     job_run(f, t += 3.0);
   }
-  CHECK(f->log.n >= 2 && f->log.n <= (int)(60.0 / COORD_SLOW_HOLD_S) + 1, "%d lines in 60 s",
-        f->log.n);
+  REQUIRE(f->log.n >= 2 && f->log.n <= (int)(60.0 / COORD_SLOW_HOLD_S) + 1, "%d lines in 60 s",
+          f->log.n);
   coord_core_free(&f->core);
   free(f);
   coord_core_free(&j->core);
@@ -291,20 +291,20 @@ static void test_bounded_document(void) {
   cfg.join_ms = -1;
   coord_core core;
   rpl_error err;
-  CHECK(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
   core.start = 0;
   size_t len = 0;
   char *doc = coord_core_status_json(&core, 1.0, &len);
-  CHECK(doc && len <= RPL_PROTO_MAX_BODY, "document of %zu bytes", len);
-  CHECK(strstr(doc, "\"workers_omitted\":") && !strstr(doc, "\"workers_omitted\":0,"),
-        "some workers left out at %d", RPL_SCHED_MAX_WORKERS);
+  REQUIRE(doc && len <= RPL_PROTO_MAX_BODY, "document of %zu bytes", len);
+  REQUIRE(strstr(doc, "\"workers_omitted\":") && !strstr(doc, "\"workers_omitted\":0,"),
+          "some workers left out at %d", RPL_SCHED_MAX_WORKERS);
   char *table = NULL;
-  CHECK(rpl_coord_status_table(doc, len, &table, &err) == RPL_OK, "%s", err.msg);
-  CHECK(strstr(table, "more workers not listed"), "the table says so");
+  REQUIRE(rpl_coord_status_table(doc, len, &table, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(strstr(table, "more workers not listed"), "the table says so");
   free(table);
   free(doc);
   doc = coord_core_rank_json(&core, RPL_SCHED_MAX_WORKERS - 1, 1.0, &len);
-  CHECK(doc && len < 4096, "summary of %zu bytes", len);
+  REQUIRE(doc && len < 4096, "summary of %zu bytes", len);
   free(doc);
   coord_core_free(&core);
 }
@@ -318,26 +318,26 @@ static void test_table_reader(void) {
                     "\"host_label\":-1,\"seen\":false}],\"pending\":[{\"id\":1,\"members\":[0]}]}";
   char *table = NULL;
   rpl_error err;
-  CHECK(rpl_coord_status_table(old, strlen(old), &table, &err) == RPL_OK, "%s", err.msg);
-  CHECK(strstr(table, "smart coordinator, 2 workers, median step -, up 4 s\n") &&
-            strstr(table, "   0  7     live") && strstr(table, "1 (25%)") &&
-            strstr(table, "0.2 s ago") && strstr(table, "   1  1     dead") &&
-            strstr(table, "never"),
-        "table:\n%s", table);
+  REQUIRE(rpl_coord_status_table(old, strlen(old), &table, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(strstr(table, "smart coordinator, 2 workers, median step -, up 4 s\n") &&
+              strstr(table, "   0  7     live") && strstr(table, "1 (25%)") &&
+              strstr(table, "0.2 s ago") && strstr(table, "   1  1     dead") &&
+              strstr(table, "never"),
+          "table:\n%s", table);
   free(table);
   const char *bad[] = {"", "[]", "{", "{\"workers\":[{\"rank\":0}", "{\"workers\":[]} x",
                        "{\"policy\":\"smart\"}", "{\"workers\":[{\"rank\":\"0\"}]}",
                        "{\"workers\":[{\"rank\":0,\"state\":\"li\\qve\"}]}",
                        "{\"workers\":[{\"rank\":1e999}]}"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
-    CHECK(rpl_coord_status_table(bad[i], strlen(bad[i]), &table, &err) == RPL_ERR_INVALID,
-          "accepted '%s'", bad[i]);
+    REQUIRE(rpl_coord_status_table(bad[i], strlen(bad[i]), &table, &err) == RPL_ERR_INVALID,
+            "accepted '%s'", bad[i]);
   /* Nesting deeper than the reader goes is refused, not followed. */
   static char deep[40000];
   size_t k = (size_t)snprintf(deep, sizeof deep, "{\"workers\":[],\"x\":");
   for (int i = 0; i < 10000; i++) deep[k++] = '[';
   deep[k] = '\0';
-  CHECK(rpl_coord_status_table(deep, k, &table, &err) == RPL_ERR_INVALID, "deep nesting");
+  REQUIRE(rpl_coord_status_table(deep, k, &table, &err) == RPL_ERR_INVALID, "deep nesting");
 }
 
 static void test_rank_query_over_sockets(void) {
@@ -348,33 +348,33 @@ static void test_rank_query_over_sockets(void) {
   cfg.join_ms = -1;
   rpl_coord *c;
   rpl_error err;
-  CHECK(rpl_coord_create(&cfg, &c, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_coord_start(c, &err) == RPL_OK, "%s", err.msg);
-  rpl_gg_client_config cc;
-  memset(&cc, 0, sizeof cc);
-  cc.endpoint = rpl_coord_endpoint(c);
-  cc.token_hex = rpl_coord_token(c);
-  cc.rank = 1;
-  cc.nworkers = 2;
-  cc.host_label = 5;
-  cc.timeout_ms = 5000;
+  REQUIRE(rpl_coord_create(&cfg, &c, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_coord_start(c, &err) == RPL_OK, "%s", err.msg);
+  rpl_gg_client_config cc = {
+      .endpoint = rpl_coord_endpoint(c),
+      .token_hex = rpl_coord_token(c),
+      .rank = 1,
+      .nworkers = 2,
+      .host_label = 5,
+      .timeout_ms = 5000,
+  };
   rpl_gg_client *cl;
-  CHECK(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
   char *json = NULL;
-  CHECK(rpl_gg_query_rank_status(rpl_coord_endpoint(c), rpl_coord_token(c), 1, 5000, &json,
-                                 &err) == RPL_OK, "%s", err.msg);
-  CHECK(strstr(json, "\"rank\":1,") && strstr(json, "\"self\":{\"rank\":1,") &&
-            strstr(json, "\"host_name\":\"5\""), "summary: %s", json);
+  REQUIRE(rpl_gg_query_rank_status(rpl_coord_endpoint(c), rpl_coord_token(c), 1, 5000, &json,
+                                   &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(strstr(json, "\"rank\":1,") && strstr(json, "\"self\":{\"rank\":1,") &&
+              strstr(json, "\"host_name\":\"5\""), "summary: %s", json);
   free(json);
   /* Rank 0 never registered here: refused, so that a worker asks its next coordinator. */
-  CHECK(rpl_gg_query_rank_status(rpl_coord_endpoint(c), rpl_coord_token(c), 0, 5000, &json,
-                                 &err) == RPL_ERR_INVALID && strstr(err.msg, "not registered"),
-        "%s", err.msg);
+  REQUIRE(rpl_gg_query_rank_status(rpl_coord_endpoint(c), rpl_coord_token(c), 0, 5000, &json,
+                                   &err) == RPL_ERR_INVALID && strstr(err.msg, "not registered"),
+          "%s", err.msg);
   /* A list whose first coordinator is gone. */
   char list[600];
   snprintf(list, sizeof list, "tcp://127.0.0.1:1,%s", rpl_coord_endpoint(c));
-  CHECK(rpl_gg_query_rank_status(list, rpl_coord_token(c), 1, 300, &json, &err) == RPL_OK,
-        "%s", err.msg);
+  REQUIRE(rpl_gg_query_rank_status(list, rpl_coord_token(c), 1, 300, &json, &err) == RPL_OK,
+          "%s", err.msg);
   free(json);
   rpl_gg_client_leave(cl, &err);
   rpl_gg_client_destroy(cl);
@@ -388,6 +388,5 @@ int main(void) {
   test_bounded_document();
   test_table_reader();
   test_rank_query_over_sockets();
-  printf("test_coord_attr: all passed\n");
-  return 0;
+  return report("test_coord_attr");
 }

@@ -9,34 +9,13 @@
 #include <float.h>
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "kernels.h"
 #include "ripples.h"
-
-/* ---- Tiny harness ---------------------------------------------------------------------------- */
-
-static long g_pass, g_fail;
-
-__attribute__((format(printf, 3, 4))) static void check_at(int ok, int line, const char *fmt, ...) {
-  if (ok) {
-    g_pass++;
-    return;
-  }
-  g_fail++;
-  if (g_fail <= 200) { /* enough to diagnose, not enough to drown the log */
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "FAIL test_kernels.c:%d: ", line);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-  }
-}
-#define CHECK(ok, ...) check_at((ok) != 0, __LINE__, __VA_ARGS__)
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 static uint64_t rnd(void) { /* xorshift64*: deterministic, so failures reproduce */
@@ -73,30 +52,22 @@ static uint64_t dbits(double d) {
 
 /* ---- Reference conversions ------------------------------------------------------------------- */
 
-/* Value of a half bit pattern, computed from the definition. NaN for NaN patterns. */
-static double ref_half_value(uint16_t h) {
-  int sign = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+/* Value of a 16-bit float pattern (a sign bit, `ebits` exponent bits, the rest mantissa: 5 for
+ * half, 8 for bfloat16), computed from the IEEE definition. NaN for NaN patterns. */
+static double ref_value16(uint16_t p, int ebits) {
+  int mbits = 15 - ebits, bias = (1 << (ebits - 1)) - 1, emax = (1 << ebits) - 1;
+  int sign = p >> 15, e = (p >> mbits) & emax, m = p & ((1 << mbits) - 1);
   double v;
-  if (e == 31)
+  if (e == emax)
     v = m ? NAN : INFINITY;
   else if (e == 0)
-    v = ldexp((double)m, -24);
+    v = ldexp((double)m, 1 - bias - mbits);
   else
-    v = ldexp((double)(1024 + m), e - 25);
+    v = ldexp((double)((1 << mbits) + m), e - bias - mbits);
   return sign ? -v : v;
 }
-
-static double ref_bf16_value(uint16_t b) {
-  int sign = b >> 15, e = (b >> 7) & 0xff, m = b & 0x7f;
-  double v;
-  if (e == 255)
-    v = m ? NAN : INFINITY;
-  else if (e == 0)
-    v = ldexp((double)m, -133);
-  else
-    v = ldexp((double)(128 + m), e - 134);
-  return sign ? -v : v;
-}
+static double ref_half_value(uint16_t h) { return ref_value16(h, 5); }
+static double ref_bf16_value(uint16_t b) { return ref_value16(b, 8); }
 
 static int is_half_nan(uint16_t h) { return (h & 0x7c00) == 0x7c00 && (h & 0x3ff); }
 static int is_bf16_nan(uint16_t b) { return (b & 0x7f80) == 0x7f80 && (b & 0x7f); }
@@ -142,6 +113,21 @@ static uint16_t ref_f2b(float f) {
 }
 static float ref_h2f(uint16_t h) { return (float)ref_half_value(h); }
 static float ref_b2f(uint16_t b) { return (float)ref_bf16_value(b); }
+
+/* A million random float bit patterns (all exponents, NaNs, subnormals) through `conv`: a NaN
+ * stays a NaN with its sign, anything else gives the reference's pattern. */
+static void check_random_floats(const char *name, uint16_t (*conv)(float), uint16_t (*ref)(float),
+                                int (*is_nan)(uint16_t)) {
+  long bad = 0;
+  for (int i = 0; i < 1000000; i++) {
+    float f = bitsf((uint32_t)rnd());
+    uint16_t got = conv(f);
+    int ok = isnan(f) ? is_nan(got) && ((got >> 15) == (fbits(f) >> 31)) : got == ref(f);
+    if (!ok && bad++ < 5)
+      CHECK(0, "%s(%a [0x%08x]) = 0x%04x, want 0x%04x", name, f, fbits(f), got, ref(f));
+  }
+  CHECK(bad == 0, "%s wrong for %ld random floats", name, bad);
+}
 
 /* ---- Conversion tests ------------------------------------------------------------------------ */
 
@@ -216,17 +202,7 @@ static void test_half_conversions(void) {
   }
   CHECK(bad == 0, "float_to_half wrong at %ld rounding boundaries", bad);
 
-  /* Random float bit patterns (all exponents, NaNs, subnormals). */
-  bad = 0;
-  for (int i = 0; i < 1000000; i++) {
-    float f = bitsf((uint32_t)rnd());
-    uint16_t got = rpl_float_to_half(f);
-    int ok = isnan(f) ? is_half_nan(got) && ((got >> 15) == (fbits(f) >> 31))
-                      : got == ref_f2h(f);
-    if (!ok && bad++ < 5)
-      CHECK(0, "float_to_half(%a [0x%08x]) = 0x%04x, want 0x%04x", f, fbits(f), got, ref_f2h(f));
-  }
-  CHECK(bad == 0, "float_to_half wrong for %ld random floats", bad);
+  check_random_floats("float_to_half", rpl_float_to_half, ref_f2h, is_half_nan);
 }
 
 static void test_bf16_conversions(void) {
@@ -276,16 +252,7 @@ static void test_bf16_conversions(void) {
         "float_to_bf16(NaN with payload only in dropped bits) is not NaN");
   CHECK(is_bf16_nan(rpl_float_to_bf16(bitsf(0xffffffffu))), "float_to_bf16(0xffffffff) not NaN");
 
-  long bad = 0;
-  for (int i = 0; i < 1000000; i++) {
-    float f = bitsf((uint32_t)rnd());
-    uint16_t got = rpl_float_to_bf16(f);
-    int ok = isnan(f) ? is_bf16_nan(got) && ((got >> 15) == (fbits(f) >> 31))
-                      : got == ref_f2b(f);
-    if (!ok && bad++ < 5)
-      CHECK(0, "float_to_bf16(0x%08x) = 0x%04x, want 0x%04x", fbits(f), got, ref_f2b(f));
-  }
-  CHECK(bad == 0, "float_to_bf16 wrong for %ld random floats", bad);
+  check_random_floats("float_to_bf16", rpl_float_to_bf16, ref_f2b, is_bf16_nan);
 }
 
 /* The kernels convert whole blocks (with F16C instructions where the CPU has them); those must
@@ -1039,6 +1006,5 @@ int main(void) {
   test_reduce_many_semantics();
   test_scale_divide();
   test_scale_divide_half();
-  printf("kernels: %ld passed, %ld failed\n", g_pass, g_fail);
-  return g_fail ? 1 : 0;
+  return report("kernels");
 }

@@ -22,32 +22,12 @@
 
 #include "crypto.h"
 #include "harness.h"
+#include "loopback.h"
 #include "transport.h"
 #include "wire.h"
 
 #define DEADLINE_S 20.0
 #define PEND_FLOOD 100 /* more than the transport keeps pending */
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static rpl_xfer xfer(int peer, int is_send, void *buf, size_t len, uint64_t seq) {
-  rpl_xfer x;
-  memset(&x, 0, sizeof x);
-  x.peer = peer;
-  x.is_send = is_send;
-  x.buf = buf;
-  x.len = len;
-  x.meta.op = RPL_OP_BROADCAST;
-  x.meta.dtype = RPL_UINT8;
-  x.meta.tag = 1;
-  x.meta.seq = seq;
-  x.meta.count = len;
-  return x;
-}
 
 typedef struct run_arg {
   rpl_tr *tr;
@@ -158,41 +138,6 @@ static void relay_stop(relay *r) {
   close(r->listen_fd);
 }
 
-/* ---- helpers: a client socket to a transport's listener -------------------------------- */
-
-static int dial(const char *addr) {
-  unsigned port = 0;
-  sscanf(strchr(addr, ':') + 1, "%u", &port);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-/* Reads n bytes within wait_s: n, 0 if the peer closed, -1 on time-out. */
-static int read_n(int fd, unsigned char *buf, size_t n, double wait_s) {
-  double end = now_s() + wait_s;
-  size_t got = 0;
-  while (got < n) {
-    struct pollfd p = {.fd = fd, .events = POLLIN};
-    int ms = (int)((end - now_s()) * 1000);
-    if (ms <= 0 || poll(&p, 1, ms) <= 0) return -1;
-    ssize_t r = recv(fd, buf + got, n - got, 0);
-    if (r <= 0) return 0;
-    got += (size_t)r;
-  }
-  return (int)n;
-}
-
-static uint64_t id_of(const char *addr) { /* "ADDR:PORT:ID:UCXPORT" */
-  const char *c = strchr(strchr(addr, ':') + 1, ':');
-  return strtoull(c + 1, NULL, 16);
-}
-
 /* A rank-1 run that waits for seq `seq` from rank 0 while `fn` does something to it. */
 typedef struct bg {
   run_arg b;
@@ -228,6 +173,18 @@ static rpl_status bg_finish(bg *g, rpl_tr *t0, uint64_t seq, unsigned char fill,
       return RPL_ERR_MISMATCH;
     }
   return RPL_OK;
+}
+
+/* After an attack on connection fd: rank 1 closes it, and the run that g waits in still
+ * completes over the real link (seq, bytes `fill`). */
+static void expect_refused(int fd, bg *g, rpl_tr *t0, uint64_t seq, unsigned char fill,
+                           const char *what) {
+  unsigned char junk[1];
+  CHECK(read_n(fd, junk, 1, 5.0) == 0, "%s: the connection is closed", what);
+  close(fd);
+  rpl_error err;
+  rpl_status st = bg_finish(g, t0, seq, fill, &err);
+  CHECK(st == RPL_OK, "%s: the link keeps working: %s", what, err.msg);
 }
 
 int main(void) {
@@ -269,11 +226,7 @@ int main(void) {
     int got = read_n(fd, hs2, sizeof hs2, 5.0);
     CHECK(got == RPL_HS2_SIZE, "a challenge comes back (%d)", got);
     send(fd, rl.rec + RPL_HS1_SIZE, rl.nrec - RPL_HS1_SIZE, MSG_NOSIGNAL);
-    unsigned char junk[1];
-    CHECK(read_n(fd, junk, 1, 5.0) == 0, "the replayed connection is closed");
-    close(fd);
-    st = bg_finish(&g, t0, 2, 0x33, &err);
-    CHECK(st == RPL_OK, "the link keeps working after a replay: %s", err.msg);
+    expect_refused(fd, &g, t0, 2, 0x33, "a replay");
     rpl_tr_get_counters(t1, &c);
     CHECK(c.auth_failures == 1, "the replay counts as an authentication failure (%llu)",
           (unsigned long long)c.auth_failures);
@@ -294,11 +247,7 @@ int main(void) {
     CHECK(rpl_hs2_check(hs2, key, hs1, 1), "the acceptor proves the key");
     rpl_hs3_make(hs3, key, hs1, hs2);
     send(fd, hs3, sizeof hs3, MSG_NOSIGNAL);
-    unsigned char junk[1];
-    CHECK(read_n(fd, junk, 1, 5.0) == 0, "the newcomer is closed");
-    close(fd);
-    st = bg_finish(&g, t0, 3, 0x44, &err);
-    CHECK(st == RPL_OK, "the healthy link was kept: %s", err.msg);
+    expect_refused(fd, &g, t0, 3, 0x44, "a newcomer while the link is healthy");
     rpl_tr_get_counters(t1, &c);
     CHECK(c.replacements_refused == 1, "one replacement refused (%llu)",
           (unsigned long long)c.replacements_refused);

@@ -43,17 +43,6 @@ typedef struct board {
 static board *g_board;
 static int g_barriers; /* barriers passed by this process in the current scenario */
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_s(double s) {
-  struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-  nanosleep(&ts, NULL);
-}
-
 static void new_board(void) {
   memset(g_board, 0, sizeof *g_board);
   g_barriers = 0;
@@ -137,21 +126,6 @@ static int node_up(node *nd, int rank, int size, const int *host) {
   return 1;
 }
 
-static rpl_xfer xfer(int peer, int is_send, void *buf, size_t len, uint64_t seq) {
-  rpl_xfer x;
-  memset(&x, 0, sizeof x);
-  x.peer = peer;
-  x.is_send = is_send;
-  x.buf = buf;
-  x.len = len;
-  x.meta.op = RPL_OP_BROADCAST;
-  x.meta.dtype = RPL_UINT8;
-  x.meta.tag = 1;
-  x.meta.seq = seq;
-  x.meta.count = len;
-  return x;
-}
-
 /* Every pair exchanges one small message: connections and rings are in use afterwards. */
 static int warm_up(node *nd) {
   rpl_xfer xs[2 * MAXR];
@@ -202,6 +176,14 @@ static void kill_all(const pid_t *pids, int n) {
     }
 }
 
+/* CHECKs that the ranks came up (`up`); if not, kills this scenario's n children, so the
+ * caller can just return. */
+static int came_up(int up, const pid_t *kids, int n, const char *what) {
+  CHECK(up, "%s: ranks did not come up", what);
+  if (!up) kill_all(kids, n);
+  return up;
+}
+
 /* Waits (without reaping) until `pid` has exited: it is a zombie from then on. */
 static int wait_zombie(pid_t pid) {
   siginfo_t si;
@@ -234,11 +216,7 @@ static void zombie_is_dead(int victim) {
   node nd;
   int me = 1 - victim;
   int up = node_up(&nd, me, 2, ONE_HOST);
-  CHECK(up, "zombie: ranks did not come up");
-  if (!up) {
-    kill_all(&child, 1);
-    return;
-  }
+  if (!came_up(up, &child, 1, "zombie")) return;
   rpl_error err;
   char cause[64];
   CHECK(rpl_shm_check_peer(nd.shm, victim, 1, cause, sizeof cause, &err) == RPL_OK,
@@ -316,11 +294,7 @@ static void test_other_pid_namespace(void) {
   }
   node nd;
   int up = node_up(&nd, 0, 2, ONE_HOST);
-  CHECK(up, "pidns: ranks did not come up");
-  if (!up) {
-    kill_all(&outer, 1);
-    return;
-  }
+  if (!came_up(up, &outer, 1, "pidns")) return;
   rpl_error err;
   char cause[64];
   sleep_s(0.05);
@@ -370,11 +344,7 @@ static void chain(const char *what, const int *host) {
   pid_t kids[2] = {spawn(chain_middle, 1, (void *)host), spawn(chain_victim, 2, (void *)host)};
   node nd;
   int up = node_up(&nd, 0, 3, host) && warm_up(&nd) && barrier(3);
-  CHECK(up, "%s: ranks did not come up", what);
-  if (!up) {
-    kill_all(kids, 2);
-    return;
-  }
+  if (!came_up(up, kids, 2, what)) return;
   sleep_s(0.2); /* rank 1 is asleep in its wait by now */
   kill(kids[1], SIGKILL); /* not reaped until the end: a zombie */
   unsigned char buf[16];
@@ -414,11 +384,7 @@ static void test_mixed_wait(void) {
   pid_t kids[2] = {spawn(mixed_rank, 1, NULL), spawn(mixed_rank, 2, NULL)};
   node nd;
   int up = node_up(&nd, 0, 3, MIXED) && warm_up(&nd) && barrier(3);
-  CHECK(up, "mixed: ranks did not come up");
-  if (!up) {
-    kill_all(kids, 2);
-    return;
-  }
+  if (!came_up(up, kids, 2, "mixed")) return;
   unsigned char a[16], b[16];
   rpl_xfer xs[2] = {xfer(1, 0, a, sizeof a, 2), xfer(2, 0, b, sizeof b, 2)};
   rpl_error err;
@@ -444,11 +410,7 @@ static void test_tcp_send_to_dead(void) {
   pid_t kid = spawn(mute_rank, 1, NULL);
   node nd;
   int up = node_up(&nd, 0, 2, NO_SHM) && warm_up(&nd) && barrier(2);
-  CHECK(up, "send: ranks did not come up");
-  if (!up) {
-    kill_all(&kid, 1);
-    return;
-  }
+  if (!came_up(up, &kid, 1, "send")) return;
   size_t len = 64u << 20;
   unsigned char *big = calloc(1, len);
   rpl_xfer x = xfer(1, 1, big, len, 2);
@@ -483,11 +445,7 @@ static void accept_from(int live) {
   pid_t kid = spawn(never_connects, 0, live ? (void *)1 : NULL);
   node nd;
   int up = node_up(&nd, 1, 2, NO_SHM) && barrier(2);
-  CHECK(up, "accept: ranks did not come up");
-  if (!up) {
-    kill_all(&kid, 1);
-    return;
-  }
+  if (!came_up(up, &kid, 1, "accept")) return;
   unsigned char buf[16];
   rpl_xfer x = xfer(0, 0, buf, sizeof buf, 2);
   rpl_error err;
@@ -530,7 +488,7 @@ int main(void) {
       {"accepting from a live peer that connects late", test_accept_from_late},
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
-    int before = g_fail;
+    long before = g_fail;
     double t0 = now_s();
     tests[i].fn();
     printf("%s %s (%.2f s)\n", g_fail == before ? "ok  " : "FAIL", tests[i].name, now_s() - t0);

@@ -184,8 +184,7 @@ static void body_skip(job *j, rpl_comm *c) {
   int r = j->rank;
   enable(j, c, RPL_ON_FAILURE_SKIP, 0.5);
   if (r == 0) {
-    struct timespec ts = {1, 0};
-    nanosleep(&ts, NULL);
+    sleep_s(1);
     return;
   }
   double x[LEN];

@@ -83,16 +83,16 @@ static void run(rpl_policy policy, int period_max, int slow, int slow_from, int 
     int mm[NW];
     while (rpl_gg_poll(gg, &ev, mm, NW)) {
       int w = ev.worker;
-      CHECK(ev.kind != RPL_EV_CANCEL, "nobody fences here");
-      CHECK(ev.round == round[w], "answer for round %llu, asked %llu",
-            (unsigned long long)ev.round, (unsigned long long)round[w]);
+      REQUIRE(ev.kind != RPL_EV_CANCEL, "nobody fences here");
+      REQUIRE(ev.round == round[w], "answer for round %llu, asked %llu",
+              (unsigned long long)ev.round, (unsigned long long)round[w]);
       if ((uint64_t)ev.period > o->period_max_seen) o->period_max_seen = (uint64_t)ev.period;
       int mult = (w == 3 && tick >= slow_from && tick < slow_until) ? slow : 1;
       waiting[w] = 0;
       round[w]++;
       if (ev.kind == RPL_EV_PASS) {
-        CHECK(ev.group_id == 0 && ev.period >= 2, "a pass has no group and a period of 2+");
-        CHECK(buffered_at_ask[w] == 0, "worker %d passed with a group generated for it", w);
+        REQUIRE(ev.group_id == 0 && ev.period >= 2, "a pass has no group and a period of 2+");
+        REQUIRE(buffered_at_ask[w] == 0, "worker %d passed with a group generated for it", w);
         o->passes[w]++;
         if (dropped && tick < slow_until) o->passes_while_slow++;
         if (++run_len[w] > o->pass_run_max[w]) o->pass_run_max[w] = run_len[w];
@@ -130,35 +130,35 @@ static void test_off_by_default(void) {
   outcome o;
   run(RPL_POLICY_SMART, 0, 1, 0, 0, 1, &o);
   for (int w = 0; w < NW; w++)
-    CHECK(o.passes[w] == 0 && o.requests[w] - o.groups[w] <= 1, /* the last may be in flight */
-          "worker %d: %llu passes, %llu groups for %llu requests", w,
-          (unsigned long long)o.passes[w], (unsigned long long)o.groups[w],
-          (unsigned long long)o.requests[w]);
-  CHECK(o.st.passes == 0 && o.st.period == 1 && o.period_max_seen == 1, "period stays 1");
+    REQUIRE(o.passes[w] == 0 && o.requests[w] - o.groups[w] <= 1, /* the last may be in flight */
+            "worker %d: %llu passes, %llu groups for %llu requests", w,
+            (unsigned long long)o.passes[w], (unsigned long long)o.groups[w],
+            (unsigned long long)o.requests[w]);
+  REQUIRE(o.st.passes == 0 && o.st.period == 1 && o.period_max_seen == 1, "period stays 1");
 }
 
 static void calm_case(rpl_policy policy, int period_max) {
   for (uint64_t seed = 1; seed <= 5; seed++) {
     outcome o;
     run(policy, period_max, 1, 0, 0, seed, &o);
-    CHECK(o.st.period == (uint32_t)period_max && o.period_max_seen == (uint64_t)period_max,
-          "%s: period %u at the end, %llu at most, want %d", rpl_policy_name(policy),
-          o.st.period, (unsigned long long)o.period_max_seen, period_max);
+    REQUIRE(o.st.period == (uint32_t)period_max && o.period_max_seen == (uint64_t)period_max,
+            "%s: period %u at the end, %llu at most, want %d", rpl_policy_name(policy),
+            o.st.period, (unsigned long long)o.period_max_seen, period_max);
     for (int w = 0; w < NW; w++) {
       /* The job averages about every period_max-th request: most requests pass. */
       double share = (double)o.passes[w] / (double)o.requests[w];
       double want = 1.0 - 1.0 / period_max;
-      CHECK(share > want - 0.2 && share <= want + 0.01, "%s seed %llu worker %d: %.2f passed, "
-            "about %.2f wanted", rpl_policy_name(policy), (unsigned long long)seed, w, share,
-            want);
-      CHECK(o.pass_run_max[w] <= period_max - 1, "worker %d: %d passes in a row", w,
-            o.pass_run_max[w]);
-      CHECK(o.averaged[w] * (uint64_t)period_max + 20 >= o.requests[w],
-            "worker %d averaged %llu times in %llu requests", w,
-            (unsigned long long)o.averaged[w], (unsigned long long)o.requests[w]);
+      REQUIRE(share > want - 0.2 && share <= want + 0.01, "%s seed %llu worker %d: %.2f passed, "
+              "about %.2f wanted", rpl_policy_name(policy), (unsigned long long)seed, w, share,
+              want);
+      REQUIRE(o.pass_run_max[w] <= period_max - 1, "worker %d: %d passes in a row", w,
+              o.pass_run_max[w]);
+      REQUIRE(o.averaged[w] * (uint64_t)period_max + 20 >= o.requests[w],
+              "worker %d averaged %llu times in %llu requests", w,
+              (unsigned long long)o.averaged[w], (unsigned long long)o.requests[w]);
     }
-    CHECK(o.st.period_drops == 0, "%s: the period fell %llu times at equal speeds",
-          rpl_policy_name(policy), (unsigned long long)o.st.period_drops);
+    REQUIRE(o.st.period_drops == 0, "%s: the period fell %llu times at equal speeds",
+            rpl_policy_name(policy), (unsigned long long)o.st.period_drops);
   }
 }
 
@@ -166,27 +166,27 @@ static void slowed_case(rpl_policy policy) {
   for (uint64_t seed = 1; seed <= 5; seed++) {
     outcome o;
     run(policy, 4, 5, 2000, 4000, seed, &o);
-    CHECK(o.st.period_drops >= 1, "%s: the period never fell", rpl_policy_name(policy));
+    REQUIRE(o.st.period_drops >= 1, "%s: the period never fell", rpl_policy_name(policy));
     /* Falls by the end of the slowed worker's first slow step (5 x 6 ticks): it is overdue
      * after 4 of the bulk's steps, in which the others ask about 4 times each (a few more
      * when a late member is dropped from a group instead of waited for). */
-    CHECK(o.drop_requests > 0 && o.slow_end > 0 && o.drop_tick <= o.slow_end,
-          "%s seed %llu: the period fell %d ticks (%d requests) after the slow-down, at tick "
-          "%d, the first slow step ended at %d", rpl_policy_name(policy),
-          (unsigned long long)seed, o.drop_ticks, o.drop_requests, o.drop_tick, o.slow_end);
+    REQUIRE(o.drop_requests > 0 && o.slow_end > 0 && o.drop_tick <= o.slow_end,
+            "%s seed %llu: the period fell %d ticks (%d requests) after the slow-down, at tick "
+            "%d, the first slow step ended at %d", rpl_policy_name(policy),
+            (unsigned long long)seed, o.drop_ticks, o.drop_requests, o.drop_tick, o.slow_end);
     /* Each worker's request in flight at the fall may still be answered by the old period. */
-    CHECK(o.passes_while_slow <= NW, "%s: %llu passes while a worker was 5x slow",
-          rpl_policy_name(policy), (unsigned long long)o.passes_while_slow);
-    CHECK(o.recovered, "%s: the period did not rise again at equal speeds",
-          rpl_policy_name(policy));
+    REQUIRE(o.passes_while_slow <= NW, "%s: %llu passes while a worker was 5x slow",
+            rpl_policy_name(policy), (unsigned long long)o.passes_while_slow);
+    REQUIRE(o.recovered, "%s: the period did not rise again at equal speeds",
+            rpl_policy_name(policy));
   }
 }
 
 static void test_static_ignores_period(void) {
   outcome o;
   run(RPL_POLICY_STATIC, 4, 1, 0, 0, 3, &o);
-  CHECK(o.st.passes == 0 && o.st.period == 1, "static passed %llu rounds",
-        (unsigned long long)o.st.passes);
+  REQUIRE(o.st.passes == 0 && o.st.period == 1, "static passed %llu rounds",
+          (unsigned long long)o.st.passes);
 }
 
 static void test_bounds(void) {
@@ -196,11 +196,11 @@ static void test_bounds(void) {
   cfg.period_max = RPL_GG_MAX_PERIOD + 1;
   rpl_gg *gg = NULL;
   rpl_error err;
-  CHECK(rpl_gg_create(&cfg, &gg, &err) == RPL_ERR_INVALID && strstr(err.msg, "period_max"),
-        "period_max out of range: %s", err.msg);
+  REQUIRE(rpl_gg_create(&cfg, &gg, &err) == RPL_ERR_INVALID && strstr(err.msg, "period_max"),
+          "period_max out of range: %s", err.msg);
   cfg.period_max = -3;
   OK(rpl_gg_create(&cfg, &gg, &e_));
-  CHECK(rpl_gg_period_max(gg) == 1, "negative = every request");
+  REQUIRE(rpl_gg_period_max(gg) == 1, "negative = every request");
   rpl_gg_destroy(gg);
 }
 
@@ -213,6 +213,5 @@ int main(void) {
   slowed_case(RPL_POLICY_SMART);
   slowed_case(RPL_POLICY_RANDOM);
   test_static_ignores_period();
-  printf("test_sched_period: all passed\n");
-  return 0;
+  return report("test_sched_period");
 }

@@ -89,57 +89,40 @@ static int live(int w) {
   return s == W_COMPUTE || s == W_WAITING || s == W_RUNNING;
 }
 
-static int cmp_u64(const void *a, const void *b) {
-  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-  return (x > y) - (x < y);
-}
-
-/* The lower median of the counts of the workers the GG holds live or fenced. */
-static uint64_t bulk_count(void) {
-  uint64_t *a = malloc(sizeof *a * (size_t)H.n);
-  int k = 0;
-  for (int r = 0; r < H.n; r++)
-    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT) a[k++] = H.w[r].c;
-  qsort(a, (size_t)k, sizeof *a, cmp_u64);
-  uint64_t m = k ? a[(k - 1) / 2] : 0;
-  free(a);
-  return m;
-}
-
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
 }
 
-/* The lower median of the known compute steps of the same workers (0 = none known). */
-static double bulk_comp(void) {
+/* The lower median of v(r) over the workers the GG holds live or fenced (those with v(r) > 0
+ * only, if known_only); 0 if there are none. */
+static double held_median(double (*v)(int r), int known_only) {
   double *a = malloc(sizeof *a * (size_t)H.n);
   int k = 0;
   for (int r = 0; r < H.n; r++)
-    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT && H.w[r].comp > 0)
-      a[k++] = H.w[r].comp;
+    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT &&
+        (!known_only || v(r) > 0))
+      a[k++] = v(r);
   qsort(a, (size_t)k, sizeof *a, cmp_double);
   double m = k ? a[(k - 1) / 2] : 0;
   free(a);
   return m;
 }
+static double count_of(int r) { return (double)H.w[r].c; } /* exact: far below 2^53 */
+static double comp_of(int r) { return H.w[r].comp; }
+static double pace_of(int r) { return H.w[r].pace; }
 
-/* The lower median of the steps of the same workers (0 = unknown). */
-static double bulk_pace(void) {
-  double *a = malloc(sizeof *a * (size_t)H.n);
-  int k = 0;
-  for (int r = 0; r < H.n; r++)
-    if (!H.w[r].out && H.w[r].state != W_DEAD && H.w[r].state != W_LEFT) a[k++] = H.w[r].pace;
-  qsort(a, (size_t)k, sizeof *a, cmp_double);
-  double m = k ? a[(k - 1) / 2] : 0;
-  free(a);
-  return m;
-}
+/* The lower median of the counts of the workers the GG holds live or fenced. */
+static uint64_t bulk_count(void) { return (uint64_t)held_median(count_of, 0); }
+/* ... of their known compute steps (0 = none known). */
+static double bulk_comp(void) { return held_median(comp_of, 1); }
+/* ... of their steps (0 = unknown). */
+static double bulk_pace(void) { return held_median(pace_of, 0); }
 
 static void tracer(void *ctx, const rpl_gg_trace *t) {
   (void)ctx;
   if (t->kind == RPL_TRACE_DIVISION) {
-    CHECK(H.policy == RPL_POLICY_SMART, "division under %s", rpl_policy_name(H.policy));
+    REQUIRE(H.policy == RPL_POLICY_SMART, "division under %s", rpl_policy_name(H.policy));
     H.divisions++;
     H.cur_div = t->division;
     const wk *ini = &H.w[t->initiator];
@@ -147,7 +130,7 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     double pace = bulk_pace(), comp = bulk_comp();
     for (int r = 0; r < H.n; r++) H.in_div[r] = 0;
     for (int i = 0; i < t->nmembers; i++) H.in_div[t->members[i]] = 1;
-    CHECK(H.in_div[t->initiator], "initiator %d not in its division", t->initiator);
+    REQUIRE(H.in_div[t->initiator], "initiator %d not in its division", t->initiator);
     for (int r = 0; r < H.n; r++) {
       const wk *x = &H.w[r];
       int idle = live(r) && buffered(r) == 0 && !x->locked && !x->handed_soon;
@@ -168,17 +151,17 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
         rpl_gg_worker(H.gg, t->initiator, &wi, &ee);
         fprintf(stderr, "ini gg: state=%d waiting=%d buffered=%d deferred=%d lonely=%u c=%llu harness lonely=%d\n", wi.state, wi.waiting, wi.buffered, wi.deferred, wi.lonely, (unsigned long long)wi.requests, ini->lonely);
       }
-      CHECK(H.in_div[r] == (idle && pass),
-            "division by %d: worker %d idle=%d pass=%d (c %llu vs %llu) but participant=%d",
-            t->initiator, r, idle, pass, (unsigned long long)ini->c, (unsigned long long)x->c,
-            H.in_div[r]);
+      REQUIRE(H.in_div[r] == (idle && pass),
+              "division by %d: worker %d idle=%d pass=%d (c %llu vs %llu) but participant=%d",
+              t->initiator, r, idle, pass, (unsigned long long)ini->c, (unsigned long long)x->c,
+              H.in_div[r]);
     }
     for (int h = 0; h < rpl_layout_hosts(H.layout); h++) H.heads_of_div[h] = -1;
     return;
   }
   if (t->kind == RPL_TRACE_CREATED) {
     uint64_t id = t->group_id;
-    CHECK(id > 0, "group id 0");
+    REQUIRE(id > 0, "group id 0");
     if ((int)id >= H.gcap) {
       int cap = H.gcap ? 2 * H.gcap : 1024;
       while (cap <= (int)id) cap *= 2;
@@ -187,7 +170,7 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
       H.gcap = cap;
     }
     grp *g = &H.g[id];
-    CHECK(g->m == NULL, "group id %llu reused", (unsigned long long)id);
+    REQUIRE(g->m == NULL, "group id %llu reused", (unsigned long long)id);
     g->n = t->nmembers;
     g->m = malloc(sizeof(int) * (size_t)g->n);
     memcpy(g->m, t->members, sizeof(int) * (size_t)g->n);
@@ -195,10 +178,10 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     int self = 0;
     for (int i = 0; i < g->n; i++) {
       int m = g->m[i];
-      CHECK(m >= 0 && m < H.n && (i == 0 || m > g->m[i - 1]), "members sorted, unique, valid");
+      REQUIRE(m >= 0 && m < H.n && (i == 0 || m > g->m[i - 1]), "members sorted, unique, valid");
       self |= m == t->initiator;
-      CHECK(live(m) || m == t->initiator, "group %llu includes worker %d, which is out",
-            (unsigned long long)id, m);
+      REQUIRE(live(m) || m == t->initiator, "group %llu includes worker %d, which is out",
+              (unsigned long long)id, m);
       wk *x = &H.w[m];
       if (x->ngen == x->capgen) {
         x->capgen = x->capgen ? 2 * x->capgen : 16;
@@ -207,47 +190,47 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
       x->gen[x->ngen++] = id;
     }
     if (H.policy == RPL_POLICY_RANDOM || H.policy == RPL_POLICY_ADPSGD) {
-      CHECK(self, "requester %d not in the group it caused", t->initiator);
+      REQUIRE(self, "requester %d not in the group it caused", t->initiator);
       int want = H.policy == RPL_POLICY_ADPSGD ? 2 : 3;
       int lv = 0;
       for (int r = 0; r < H.n; r++) lv += live(r) || r == t->initiator;
-      CHECK(g->n == (want < lv ? want : lv), "group of %d, expected %d", g->n, want);
+      REQUIRE(g->n == (want < lv ? want : lv), "group of %d, expected %d", g->n, want);
     }
     if (H.policy == RPL_POLICY_SMART) {
-      CHECK(t->division == H.cur_div, "group outside its division");
+      REQUIRE(t->division == H.cur_div, "group outside its division");
       for (int i = 0; i < g->n; i++)
-        CHECK(H.in_div[g->m[i]], "division group has non-participant %d", g->m[i]);
+        REQUIRE(H.in_div[g->m[i]], "division group has non-participant %d", g->m[i]);
       /* A group of one is a no-op round: only a division of one makes one. */
       int ndiv = 0;
       for (int r = 0; r < H.n; r++) ndiv += H.in_div[r];
-      CHECK(g->n > 1 || ndiv == 1, "a group of one in a division of %d", ndiv);
+      REQUIRE(g->n > 1 || ndiv == 1, "a group of one in a division of %d", ndiv);
       if (H.inter_intra) {
         const rpl_layout *l = H.layout;
         int h0 = rpl_layout_host(l, g->m[0]);
         if (t->phase == RPL_PHASE_INTER && t->heads) {
           for (int i = 0; i < g->n; i++) {
             int h = rpl_layout_host(l, g->m[i]);
-            CHECK(H.heads_of_div[h] == -1, "two heads of host %d in one division", h);
+            REQUIRE(H.heads_of_div[h] == -1, "two heads of host %d in one division", h);
             H.heads_of_div[h] = g->m[i];
           }
         } else if (t->phase == RPL_PHASE_INTER) {
           for (int i = 0; i < g->n; i++) {
             int h = rpl_layout_host(l, g->m[i]);
-            CHECK(h == h0, "non-head Inter group spans hosts");
-            CHECK(H.heads_of_div[h] != g->m[i], "a head in a non-head group");
+            REQUIRE(h == h0, "non-head Inter group spans hosts");
+            REQUIRE(H.heads_of_div[h] != g->m[i], "a head in a non-head group");
           }
         } else {
-          CHECK(t->phase == RPL_PHASE_INTRA, "phase %d under inter_intra", (int)t->phase);
+          REQUIRE(t->phase == RPL_PHASE_INTRA, "phase %d under inter_intra", (int)t->phase);
           int cnt = 0;
           for (int r = 0; r < H.n; r++) cnt += H.in_div[r] && rpl_layout_host(l, r) == h0;
           for (int i = 0; i < g->n; i++)
-            CHECK(rpl_layout_host(l, g->m[i]) == h0, "Intra group spans hosts");
-          CHECK(cnt == g->n, "Intra group of host %d has %d of its %d participants", h0, g->n,
-                cnt);
+            REQUIRE(rpl_layout_host(l, g->m[i]) == h0, "Intra group spans hosts");
+          REQUIRE(cnt == g->n, "Intra group of host %d has %d of its %d participants", h0, g->n,
+                  cnt);
           /* Each head found in an Inter heads group when several hosts take part. */
         }
       } else {
-        CHECK(t->phase == RPL_PHASE_PLAIN, "plain smart phase");
+        REQUIRE(t->phase == RPL_PHASE_PLAIN, "plain smart phase");
       }
     }
     return;
@@ -260,14 +243,14 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     return;
   }
   if (t->kind == RPL_TRACE_JOINED) {
-    CHECK(t->group_id < (uint64_t)H.gcap && H.g[t->group_id].m, "join of unknown group");
+    REQUIRE(t->group_id < (uint64_t)H.gcap && H.g[t->group_id].m, "join of unknown group");
     grp *g = &H.g[t->group_id];
     wk *x = &H.w[t->initiator];
-    CHECK(x->state == W_WAITING && buffered(t->initiator) == 0,
-          "worker %d joined a group while not waiting with an empty buffer", t->initiator);
-    CHECK(x->lonely >= RPL_GG_DEFAULT_MAX_ISOLATED, "worker %d joined without being isolated",
-          t->initiator);
-    CHECK(t->nmembers == g->n + 1 && g->handed_to == 0 && !g->cancelled, "join bookkeeping");
+    REQUIRE(x->state == W_WAITING && buffered(t->initiator) == 0,
+            "worker %d joined a group while not waiting with an empty buffer", t->initiator);
+    REQUIRE(x->lonely >= RPL_GG_DEFAULT_MAX_ISOLATED, "worker %d joined without being isolated",
+            t->initiator);
+    REQUIRE(t->nmembers == g->n + 1 && g->handed_to == 0 && !g->cancelled, "join bookkeeping");
     free(g->m);
     g->n = t->nmembers;
     g->m = malloc(sizeof(int) * (size_t)g->n);
@@ -281,8 +264,8 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
     return;
   }
   if (t->kind == RPL_TRACE_CANCELLED) {
-    CHECK(t->group_id < (uint64_t)H.gcap && H.g[t->group_id].m, "cancel of unknown group");
-    CHECK(H.g[t->group_id].handed_to == 0, "cancelled a group already handed");
+    REQUIRE(t->group_id < (uint64_t)H.gcap && H.g[t->group_id].m, "cancel of unknown group");
+    REQUIRE(H.g[t->group_id].handed_to == 0, "cancelled a group already handed");
     for (int i = 0; i < t->nmembers; i++) { /* the GG tells waiting members it was first for */
       wk *x = &H.w[t->members[i]];
       int k = x->next;
@@ -297,32 +280,32 @@ static void tracer(void *ctx, const rpl_gg_trace *t) {
 /* The worker received group gid: it must be the next non-cancelled generated one. */
 static void on_group(int w, uint64_t gid, const int *members, int n) {
   wk *x = &H.w[w];
-  CHECK(x->state == W_WAITING, "worker %d got a group while not waiting (state %d)", w,
-        x->state);
-  CHECK(!x->locked, "worker %d handed a group while running another", w);
-  CHECK(gid < (uint64_t)H.gcap && H.g[gid].m, "unknown group %llu", (unsigned long long)gid);
+  REQUIRE(x->state == W_WAITING, "worker %d got a group while not waiting (state %d)", w,
+          x->state);
+  REQUIRE(!x->locked, "worker %d handed a group while running another", w);
+  REQUIRE(gid < (uint64_t)H.gcap && H.g[gid].m, "unknown group %llu", (unsigned long long)gid);
   grp *g = &H.g[gid];
-  CHECK(!g->cancelled, "handed a cancelled group");
-  CHECK(n == g->n && memcmp(members, g->m, sizeof(int) * (size_t)n) == 0,
-        "members differ from the generated group");
+  REQUIRE(!g->cancelled, "handed a cancelled group");
+  REQUIRE(n == g->n && memcmp(members, g->m, sizeof(int) * (size_t)n) == 0,
+          "members differ from the generated group");
   int self = 0;
   for (int i = 0; i < n; i++) self |= members[i] == w;
-  CHECK(self, "worker %d not in the group it received", w);
+  REQUIRE(self, "worker %d not in the group it received", w);
   if (H.policy != RPL_POLICY_STATIC) {
     while (x->next < x->ngen && H.g[x->gen[x->next]].cancelled) x->next++;
-    CHECK(x->next < x->ngen && x->gen[x->next] == gid,
-          "worker %d received group %llu out of generation order (expected %llu)", w,
-          (unsigned long long)gid,
-          (unsigned long long)(x->next < x->ngen ? x->gen[x->next] : 0));
+    REQUIRE(x->next < x->ngen && x->gen[x->next] == gid,
+            "worker %d received group %llu out of generation order (expected %llu)", w,
+            (unsigned long long)gid,
+            (unsigned long long)(x->next < x->ngen ? x->gen[x->next] : 0));
     x->next++;
   } else {
     rpl_error e;
     int want[256], nw = 0;
-    CHECK(rpl_static_group(H.layout, w, x->round, want, 256, &nw, NULL, &e) == RPL_OK, "%s",
-          e.msg);
-    CHECK(nw == n && memcmp(want, members, sizeof(int) * (size_t)n) == 0,
-          "static group of %d round %llu differs from the schedule", w,
-          (unsigned long long)x->round);
+    REQUIRE(rpl_static_group(H.layout, w, x->round, want, 256, &nw, NULL, &e) == RPL_OK, "%s",
+            e.msg);
+    REQUIRE(nw == n && memcmp(want, members, sizeof(int) * (size_t)n) == 0,
+            "static group of %d round %llu differs from the schedule", w,
+            (unsigned long long)x->round);
   }
   g->handed_to++;
   total_groups++;
@@ -461,15 +444,15 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
         hash = (hash ^ (ev.group_id * 31 + (uint64_t)ev.worker + ev.kind)) * 1099511628211ull;
         wk *y = &H.w[ev.worker];
         if (ev.kind == RPL_EV_GROUP) {
-          CHECK(ev.round == y->round, "GROUP answers round %llu, worker asked %llu",
-                (unsigned long long)ev.round, (unsigned long long)y->round);
+          REQUIRE(ev.round == y->round, "GROUP answers round %llu, worker asked %llu",
+                  (unsigned long long)ev.round, (unsigned long long)y->round);
           on_group(ev.worker, ev.group_id, mem, ev.nmembers);
           H.handed++;
         } else {
-          CHECK(ev.kind == RPL_EV_CANCEL, "unknown event");
-          CHECK(y->state == W_WAITING, "cancel to a worker not waiting");
-          CHECK(ev.culprit >= 0 && ev.culprit != ev.worker, "cancel culprit");
-          CHECK(H.g[ev.group_id].cancelled, "cancel event for a live group");
+          REQUIRE(ev.kind == RPL_EV_CANCEL, "unknown event");
+          REQUIRE(y->state == W_WAITING, "cancel to a worker not waiting");
+          REQUIRE(ev.culprit >= 0 && ev.culprit != ev.worker, "cancel culprit");
+          REQUIRE(H.g[ev.group_id].cancelled, "cancel event for a live group");
           /* Ask again at once, same round (not counted again). */
           y->told_cancel = 0;
           count_request(y);
@@ -481,10 +464,10 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
   /* Progress: every worker that stayed in made rounds. */
   for (int r = 0; r < sc->n; r++)
     if (H.w[r].state != W_LEFT)
-      CHECK(H.w[r].rounds_done >= (uint64_t)sc->steps / 40,
-            "%s n=%d seed %llu: worker %d made only %llu rounds in %d steps",
-            rpl_policy_name(sc->policy), sc->n, (unsigned long long)seed, r,
-            (unsigned long long)H.w[r].rounds_done, sc->steps);
+      REQUIRE(H.w[r].rounds_done >= (uint64_t)sc->steps / 40,
+              "%s n=%d seed %llu: worker %d made only %llu rounds in %d steps",
+              rpl_policy_name(sc->policy), sc->n, (unsigned long long)seed, r,
+              (unsigned long long)H.w[r].rounds_done, sc->steps);
   /* Everyone leaves: nothing stays pending, and every group was handed to all or none. */
   for (int r = 0; r < sc->n; r++) {
     if (H.w[r].state == W_LEFT) continue;
@@ -497,17 +480,19 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
   }
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.pending == 0, "%llu groups pending after everyone left", (unsigned long long)st.pending);
-  CHECK(st.groups_created == st.groups_handed + st.groups_cancelled, "created != handed+cancelled");
+  REQUIRE(st.pending == 0, "%llu groups pending after everyone left",
+          (unsigned long long)st.pending);
+  REQUIRE(st.groups_created == st.groups_handed + st.groups_cancelled,
+          "created != handed+cancelled");
   for (int id = 1; id < H.gcap; id++) {
     grp *g = &H.g[id];
     if (!g->m) continue;
-    CHECK(g->cancelled ? g->handed_to == 0 : g->handed_to == g->n,
-          "group %d handed to %d of %d members", id, g->handed_to, g->n);
+    REQUIRE(g->cancelled ? g->handed_to == 0 : g->handed_to == g->n,
+            "group %d handed to %d of %d members", id, g->handed_to, g->n);
   }
-  if (sc->policy == RPL_POLICY_SMART) CHECK(H.divisions == st.divisions, "division count");
+  if (sc->policy == RPL_POLICY_SMART) REQUIRE(H.divisions == st.divisions, "division count");
   if (sc->policy != RPL_POLICY_RANDOM && sc->policy != RPL_POLICY_ADPSGD)
-    CHECK(st.conflicts == 0, "conflicts under %s", rpl_policy_name(sc->policy));
+    REQUIRE(st.conflicts == 0, "conflicts under %s", rpl_policy_name(sc->policy));
   rpl_gg_destroy(gg);
   for (int id = 1; id < H.gcap; id++) free(H.g[id].m);
   for (int r = 0; r < sc->n; r++) free(H.w[r].gen);
@@ -539,7 +524,7 @@ static void test_many_seeds(void) {
       uint64_t a = run(&scs[i], (uint64_t)s);
       if (s <= 3) { /* deterministic given the seed */
         uint64_t b = run(&scs[i], (uint64_t)s);
-        CHECK(a == b, "%s not deterministic for seed %d", rpl_policy_name(scs[i].policy), s);
+        REQUIRE(a == b, "%s not deterministic for seed %d", rpl_policy_name(scs[i].policy), s);
       }
     }
     printf("  %-7s n=%-3d per_host=%d inter_intra=%d c_thres=%d churn=%d: %d seeds ok\n",
@@ -567,11 +552,11 @@ static void test_figure11(void) {
   OK(rpl_gg_request(gg, 0, 0, &e_));
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.divisions == 1 && st.groups_created == 2, "one division, two groups");
+  REQUIRE(st.divisions == 1 && st.groups_created == 2, "one division, two groups");
   for (int w = 0; w < 4; w++) {
     rpl_gg_worker_info wi;
     OK(rpl_gg_worker(gg, w, &wi, &e_));
-    CHECK(wi.buffered == 1, "worker %d buffered %d", w, wi.buffered);
+    REQUIRE(wi.buffered == 1, "worker %d buffered %d", w, wi.buffered);
   }
   rpl_gg_worker_info w0;
   OK(rpl_gg_worker(gg, 0, &w0, &e_));
@@ -581,18 +566,18 @@ static void test_figure11(void) {
     OK(rpl_gg_worker(gg, w, &wi, &e_));
     if (wi.head_group == w0.head_group) partner = w;
   }
-  CHECK(partner > 0, "worker 0 has a partner");
+  REQUIRE(partner > 0, "worker 0 has a partner");
   int other = partner == 3 ? 1 : 3;
   rpl_gg_event ev;
   int m[4];
-  CHECK(!rpl_gg_poll(gg, &ev, m, 4), "nothing handed before the partner asks");
+  REQUIRE(!rpl_gg_poll(gg, &ev, m, 4), "nothing handed before the partner asks");
   OK(rpl_gg_request(gg, other, 0, &e_));
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.divisions == 1, "second request served from the buffer");
+  REQUIRE(st.divisions == 1, "second request served from the buffer");
   OK(rpl_gg_request(gg, partner, 0, &e_));
-  CHECK(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP && ev.nmembers == 2, "handed");
-  CHECK(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP, "both members told");
-  CHECK(!rpl_gg_poll(gg, &ev, m, 4), "only two events");
+  REQUIRE(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP && ev.nmembers == 2, "handed");
+  REQUIRE(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP, "both members told");
+  REQUIRE(!rpl_gg_poll(gg, &ev, m, 4), "only two events");
   /* The remaining group waits for its last member, who fences: the waiting one is told. */
   int last = -1;
   for (int w = 1; w < 4; w++)
@@ -601,22 +586,22 @@ static void test_figure11(void) {
   int waiting = other, third = -1;
   for (int w = 1; w < 4; w++)
     if (w != other && w != partner && w != 0) third = w;
-  CHECK(third >= 0, "third worker");
+  REQUIRE(third >= 0, "third worker");
   OK(rpl_gg_fence(gg, third == waiting ? 0 : third, &e_));
-  CHECK(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_CANCEL && ev.worker == waiting &&
-            ev.reason == RPL_REASON_FENCED,
-        "waiting member told of the cancel");
+  REQUIRE(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_CANCEL && ev.worker == waiting &&
+              ev.reason == RPL_REASON_FENCED,
+          "waiting member told of the cancel");
   /* Asking again: the fenced worker is left out and everyone else is busy, so it waits for
    * partners about to be free; when the wait ends first, it gets a group of one. */
   OK(rpl_gg_request(gg, waiting, 0, &e_));
-  CHECK(!rpl_gg_poll(gg, &ev, m, 4), "the request waits for partners");
-  CHECK(rpl_gg_next_deadline(gg) > 0.0099 && rpl_gg_next_deadline(gg) < 0.0101, "deadline");
+  REQUIRE(!rpl_gg_poll(gg, &ev, m, 4), "the request waits for partners");
+  REQUIRE(rpl_gg_next_deadline(gg) > 0.0099 && rpl_gg_next_deadline(gg) < 0.0101, "deadline");
   OK(rpl_gg_advance(gg, 0.005, &e_));
-  CHECK(!rpl_gg_poll(gg, &ev, m, 4), "still waiting within the wait");
+  REQUIRE(!rpl_gg_poll(gg, &ev, m, 4), "still waiting within the wait");
   OK(rpl_gg_advance(gg, 0.011, &e_));
-  CHECK(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP && ev.nmembers == 1 &&
-            m[0] == waiting,
-        "group of one when no partner is available (got %d members)", ev.nmembers);
+  REQUIRE(rpl_gg_poll(gg, &ev, m, 4) && ev.kind == RPL_EV_GROUP && ev.nmembers == 1 &&
+              m[0] == waiting,
+          "group of one when no partner is available (got %d members)", ev.nmembers);
   rpl_gg_destroy(gg);
 }
 
@@ -641,11 +626,11 @@ static void filter_case(int c_thres, int expect_slow_in) {
     int got = 0;
     uint64_t gid = 0;
     while (rpl_gg_poll(gg, &ev, m, 3)) {
-      CHECK(ev.kind == RPL_EV_GROUP && ev.nmembers == 2, "fast pair");
+      REQUIRE(ev.kind == RPL_EV_GROUP && ev.nmembers == 2, "fast pair");
       gid = ev.group_id;
       got++;
     }
-    CHECK(got == 2, "both fast workers served");
+    REQUIRE(got == 2, "both fast workers served");
     OK(rpl_gg_done(gg, 0, gid, &e_));
     OK(rpl_gg_done(gg, 1, gid, &e_));
   }
@@ -653,11 +638,11 @@ static void filter_case(int c_thres, int expect_slow_in) {
   OK(rpl_gg_request(gg, 0, 4, &e_));
   rpl_gg_worker_info wi;
   OK(rpl_gg_worker(gg, 2, &wi, &e_));
-  CHECK((wi.buffered > 0) == expect_slow_in, "c_thres=%d: slow worker buffered=%d", c_thres,
-        wi.buffered);
+  REQUIRE((wi.buffered > 0) == expect_slow_in, "c_thres=%d: slow worker buffered=%d", c_thres,
+          wi.buffered);
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK((st.filtered > 0) == !expect_slow_in, "filtered count");
+  REQUIRE((st.filtered > 0) == !expect_slow_in, "filtered count");
   rpl_gg_destroy(gg);
 }
 
@@ -667,25 +652,25 @@ static void test_errors(void) {
   rpl_gg_config cfg = {0};
   cfg.policy = RPL_POLICY_RANDOM;
   cfg.nworkers = 0;
-  CHECK(rpl_gg_create(&cfg, &gg, &e) == RPL_ERR_INVALID, "0 workers");
+  REQUIRE(rpl_gg_create(&cfg, &gg, &e) == RPL_ERR_INVALID, "0 workers");
   cfg.nworkers = 4;
   cfg.policy = (rpl_policy)17;
-  CHECK(rpl_gg_create(&cfg, &gg, &e) == RPL_ERR_INVALID, "bad policy");
+  REQUIRE(rpl_gg_create(&cfg, &gg, &e) == RPL_ERR_INVALID, "bad policy");
   cfg.policy = RPL_POLICY_RANDOM;
-  CHECK(rpl_gg_create(&cfg, &gg, &e) == RPL_OK, "%s", e.msg);
-  CHECK(rpl_gg_request(gg, 4, 0, &e) == RPL_ERR_INVALID, "rank out of range");
-  CHECK(rpl_gg_request(gg, -1, 0, &e) == RPL_ERR_INVALID, "negative rank");
-  CHECK(rpl_gg_leave(gg, 2, &e) == RPL_OK, "%s", e.msg);
-  CHECK(rpl_gg_request(gg, 2, 0, &e) == RPL_ERR_CLOSED && strstr(e.msg, "left"),
-        "request after leave: %s", e.msg);
-  CHECK(rpl_gg_done(gg, 1, 12345, &e) == RPL_OK, "stale done is not an error");
+  REQUIRE(rpl_gg_create(&cfg, &gg, &e) == RPL_OK, "%s", e.msg);
+  REQUIRE(rpl_gg_request(gg, 4, 0, &e) == RPL_ERR_INVALID, "rank out of range");
+  REQUIRE(rpl_gg_request(gg, -1, 0, &e) == RPL_ERR_INVALID, "negative rank");
+  REQUIRE(rpl_gg_leave(gg, 2, &e) == RPL_OK, "%s", e.msg);
+  REQUIRE(rpl_gg_request(gg, 2, 0, &e) == RPL_ERR_CLOSED && strstr(e.msg, "left"),
+          "request after leave: %s", e.msg);
+  REQUIRE(rpl_gg_done(gg, 1, 12345, &e) == RPL_OK, "stale done is not an error");
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.stale_dones == 1, "stale done counted");
+  REQUIRE(st.stale_dones == 1, "stale done counted");
   rpl_gg_destroy(gg);
   rpl_policy p;
-  CHECK(rpl_policy_parse("smart", &p, &e) == RPL_OK && p == RPL_POLICY_SMART, "parse");
-  CHECK(rpl_policy_parse("bogus", &p, &e) == RPL_ERR_INVALID && strstr(e.msg, "bogus"), "parse");
+  REQUIRE(rpl_policy_parse("smart", &p, &e) == RPL_OK && p == RPL_POLICY_SMART, "parse");
+  REQUIRE(rpl_policy_parse("bogus", &p, &e) == RPL_ERR_INVALID && strstr(e.msg, "bogus"), "parse");
 }
 
 static rpl_gg *make_smart(int n, int group_size, int wait_ms) {
@@ -725,38 +710,38 @@ static void test_waits_for_busy_partners(void) {
   /* 0 asked first with 1, 2, 3 idle: a division of all four (round(4/3) = 1 group). */
   rpl_gg_worker_info wi;
   OK(rpl_gg_worker(gg, 3, &wi, &e_));
-  CHECK(wi.buffered == 1, "idle worker 3 is in the division");
+  REQUIRE(wi.buffered == 1, "idle worker 3 is in the division");
   OK(rpl_gg_request(gg, 3, 0, &e_));
-  CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 4, "first group of four");
+  REQUIRE(group_of(gg, 0, NULL, 0, &gid, &ev) == 4, "first group of four");
   for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
   /* Now 3 is still running while 0 asks: it waits for 3 (others idle: 1, 2 are enough). */
   OK(rpl_gg_request(gg, 0, 1, &e_));
   int size = group_of(gg, 0, NULL, 0, &gid, &ev);
-  CHECK(size == 0, "0 has its group generated, waiting for its members");
+  REQUIRE(size == 0, "0 has its group generated, waiting for its members");
   OK(rpl_gg_worker(gg, 0, &wi, &e_));
-  CHECK(wi.buffered == 1 && !wi.deferred, "0's division was made at once (3 members idle)");
+  REQUIRE(wi.buffered == 1 && !wi.deferred, "0's division was made at once (3 members idle)");
   rpl_gg_destroy(gg);
 
   /* Two of three busy: the asker waits, and a done is enough to end the wait. */
   gg = make_smart(3, 3, 50);
   ev = 0;
   for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, 0, &e_));
-  CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "group of three");
+  REQUIRE(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "group of three");
   OK(rpl_gg_done(gg, 2, gid, &e_));
   OK(rpl_gg_request(gg, 2, 1, &e_));
-  CHECK(group_of(gg, 2, NULL, 0, NULL, &ev) == 0, "2 waits for 0 and 1");
+  REQUIRE(group_of(gg, 2, NULL, 0, NULL, &ev) == 0, "2 waits for 0 and 1");
   OK(rpl_gg_worker(gg, 2, &wi, &e_));
-  CHECK(wi.deferred && wi.buffered == 0, "2 is deferred");
+  REQUIRE(wi.deferred && wi.buffered == 0, "2 is deferred");
   OK(rpl_gg_done(gg, 0, gid, &e_));
   OK(rpl_gg_done(gg, 1, gid, &e_));
   OK(rpl_gg_worker(gg, 2, &wi, &e_));
-  CHECK(!wi.deferred && wi.buffered == 1, "2's group was made when its partners were free");
+  REQUIRE(!wi.deferred && wi.buffered == 1, "2's group was made when its partners were free");
   OK(rpl_gg_request(gg, 0, 1, &e_));
   OK(rpl_gg_request(gg, 1, 1, &e_));
-  CHECK(group_of(gg, 2, NULL, 0, NULL, &ev) == 3, "a full group, not one of one");
+  REQUIRE(group_of(gg, 2, NULL, 0, NULL, &ev) == 3, "a full group, not one of one");
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.singletons_handed == 0 && st.deferred == 1 && st.wait_expired == 0, "stats");
+  REQUIRE(st.singletons_handed == 0 && st.deferred == 1 && st.wait_expired == 0, "stats");
   rpl_gg_destroy(gg);
 }
 
@@ -775,8 +760,8 @@ static void test_unfence_reentry(void) {
     OK(rpl_gg_unfence(gg, 5, &e_));
     OK(rpl_gg_request(gg, 5, 0, &e_));
     int ev = 0;
-    CHECK(group_of(gg, 5, NULL, 0, NULL, &ev) == 0 && ev == 0, "%s: 5 waits",
-          rpl_policy_name(cfg.policy));
+    REQUIRE(group_of(gg, 5, NULL, 0, NULL, &ev) == 0 && ev == 0, "%s: 5 waits",
+            rpl_policy_name(cfg.policy));
     for (int w = 0; w < 8; w++) {
       if (w == 5) continue;
       OK(rpl_gg_unfence(gg, w, &e_));
@@ -785,14 +770,14 @@ static void test_unfence_reentry(void) {
     rpl_gg_event e;
     int mm[8], handed = 0;
     while (rpl_gg_poll(gg, &e, mm, 8)) {
-      CHECK(e.kind == RPL_EV_GROUP && e.nmembers >= 2, "%s: worker %d got a group of %d",
-            rpl_policy_name(cfg.policy), e.worker, e.nmembers);
+      REQUIRE(e.kind == RPL_EV_GROUP && e.nmembers >= 2, "%s: worker %d got a group of %d",
+              rpl_policy_name(cfg.policy), e.worker, e.nmembers);
       handed++;
     }
     rpl_gg_stats st;
     rpl_gg_get_stats(gg, &st);
-    CHECK(handed >= 2 && st.singletons_handed == 0, "%s: no group of one after the fence",
-          rpl_policy_name(cfg.policy));
+    REQUIRE(handed >= 2 && st.singletons_handed == 0, "%s: no group of one after the fence",
+            rpl_policy_name(cfg.policy));
     rpl_gg_destroy(gg);
   }
 }
@@ -812,13 +797,13 @@ static void test_isolated_joins_pending(void) {
   OK(rpl_gg_request(gg, 2, 0, &e_));
   t += 0.02;
   OK(rpl_gg_advance(gg, t, &e_));
-  CHECK(group_of(gg, 1, NULL, 0, &pair, &ev) == 2, "1 and 2 run a pair");
+  REQUIRE(group_of(gg, 1, NULL, 0, &pair, &ev) == 2, "1 and 2 run a pair");
   OK(rpl_gg_unfence(gg, 3, &e_));
   for (uint64_t r = 0; r < 2; r++) { /* 1 and 2 stay in their round: 3 gets groups of one */
     OK(rpl_gg_request(gg, 3, r, &e_));
     t += 0.02;
     OK(rpl_gg_advance(gg, t, &e_));
-    CHECK(group_of(gg, 3, NULL, 0, &mine, &ev) == 1, "3 alone in round %d", (int)r);
+    REQUIRE(group_of(gg, 3, NULL, 0, &mine, &ev) == 1, "3 alone in round %d", (int)r);
     if (r == 0) OK(rpl_gg_done(gg, 3, mine, &e_));
   }
   /* 3 is isolated, still in its second round; 1 and 2 finish, 1 asks: a pair is pending. */
@@ -828,17 +813,17 @@ static void test_isolated_joins_pending(void) {
   t += 0.02;
   OK(rpl_gg_advance(gg, t, &e_));
   OK(rpl_gg_worker(gg, 2, &wi, &e_));
-  CHECK(wi.buffered == 1, "2 holds the pending pair");
+  REQUIRE(wi.buffered == 1, "2 holds the pending pair");
   OK(rpl_gg_done(gg, 3, mine, &e_));
   OK(rpl_gg_request(gg, 3, 2, &e_));
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.joins == 1, "isolated 3 joined the pending pair (joins %llu)",
-        (unsigned long long)st.joins);
+  REQUIRE(st.joins == 1, "isolated 3 joined the pending pair (joins %llu)",
+          (unsigned long long)st.joins);
   OK(rpl_gg_request(gg, 2, 1, &e_));
-  CHECK(group_of(gg, 3, m, 4, NULL, &ev) == 3 && m[0] == 1 && m[1] == 2 && m[2] == 3,
-        "1, 2 and 3 handed one group");
+  REQUIRE(group_of(gg, 3, m, 4, NULL, &ev) == 3 && m[0] == 1 && m[1] == 2 && m[2] == 3,
+          "1, 2 and 3 handed one group");
   OK(rpl_gg_worker(gg, 3, &wi, &e_));
-  CHECK(wi.lonely == 0 && wi.singletons == 2, "3 grouped after two groups of one");
+  REQUIRE(wi.lonely == 0 && wi.singletons == 2, "3 grouped after two groups of one");
   rpl_gg_destroy(gg);
 }
 
@@ -854,13 +839,13 @@ static void test_isolation_bound(void) {
   OK(rpl_gg_fence(gg, 3, &e_));
   for (uint64_t r = 0; r < 4; r++) {
     for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, r, &e_));
-    CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "fast group");
+    REQUIRE(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "fast group");
     for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
   }
   OK(rpl_gg_unfence(gg, 3, &e_));
   for (uint64_t r = 0; r < 3; r++) {
     for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, r + 4, &e_));
-    CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "fast group (round %d)", (int)r);
+    REQUIRE(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "fast group (round %d)", (int)r);
     OK(rpl_gg_request(gg, 3, r, &e_));
     t += 0.02; /* past the wait */
     OK(rpl_gg_advance(gg, t, &e_));
@@ -868,11 +853,11 @@ static void test_isolation_bound(void) {
     rpl_gg_worker_info wi;
     OK(rpl_gg_worker(gg, 3, &wi, &e_));
     if (r < 2) {
-      CHECK(s3 == 1 && wi.lonely == r + 1, "round %d: a group of one for 3 (lonely %u)", (int)r,
-            wi.lonely);
+      REQUIRE(s3 == 1 && wi.lonely == r + 1, "round %d: a group of one for 3 (lonely %u)", (int)r,
+              wi.lonely);
       OK(rpl_gg_done(gg, 3, mine, &e_));
     } else {
-      CHECK(s3 == 0 && wi.deferred && wi.lonely == 2, "isolated 3 holds on instead");
+      REQUIRE(s3 == 0 && wi.deferred && wi.lonely == 2, "isolated 3 holds on instead");
     }
     for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
   }
@@ -882,13 +867,13 @@ static void test_isolation_bound(void) {
   OK(rpl_gg_request(gg, 2, 7, &e_));
   int m[8];
   int s3 = group_of(gg, 3, m, 8, NULL, &ev);
-  CHECK(s3 >= 2, "the isolated worker is in a group of %d", s3);
+  REQUIRE(s3 >= 2, "the isolated worker is in a group of %d", s3);
   rpl_gg_worker_info wi;
   OK(rpl_gg_worker(gg, 3, &wi, &e_));
-  CHECK(wi.lonely == 0 && wi.lonely_max == 2 && wi.singletons == 2, "isolation counters");
+  REQUIRE(wi.lonely == 0 && wi.lonely_max == 2 && wi.singletons == 2, "isolation counters");
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.isolation_holds == 1, "one hold");
+  REQUIRE(st.isolation_holds == 1, "one hold");
   rpl_gg_destroy(gg);
 
   /* Nobody comes (1 and 2 stay in a long round): the hold is bounded, the worker gets its
@@ -899,22 +884,22 @@ static void test_isolation_bound(void) {
   OK(rpl_gg_fence(gg, 0, &e_));
   OK(rpl_gg_request(gg, 1, 0, &e_));
   OK(rpl_gg_request(gg, 2, 0, &e_));
-  CHECK(group_of(gg, 1, NULL, 0, NULL, &ev) == 2, "1 and 2 run a group");
+  REQUIRE(group_of(gg, 1, NULL, 0, NULL, &ev) == 2, "1 and 2 run a group");
   OK(rpl_gg_unfence(gg, 0, &e_));
   for (uint64_t r = 0; r < 2; r++) {
     OK(rpl_gg_request(gg, 0, r, &e_));
     t += 0.02;
     OK(rpl_gg_advance(gg, t, &e_));
-    CHECK(group_of(gg, 0, NULL, 0, &mine, &ev) == 1, "group of one while 1, 2 are busy");
+    REQUIRE(group_of(gg, 0, NULL, 0, &mine, &ev) == 1, "group of one while 1, 2 are busy");
     OK(rpl_gg_done(gg, 0, mine, &e_));
   }
   OK(rpl_gg_request(gg, 0, 2, &e_));
   t += 0.02;
   OK(rpl_gg_advance(gg, t, &e_));
-  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 0, "isolated: holds on");
+  REQUIRE(group_of(gg, 0, NULL, 0, NULL, &ev) == 0, "isolated: holds on");
   t += 1.0;
   OK(rpl_gg_advance(gg, t, &e_));
-  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "the hold ends in a group of one");
+  REQUIRE(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "the hold ends in a group of one");
   OK(rpl_gg_leave(gg, 2, &e_));
   /* A worker fenced longer than a wait is in a long exact collective (perhaps waiting for
    * this very worker): nothing to wait for. */
@@ -922,11 +907,11 @@ static void test_isolation_bound(void) {
   t += 1.0;
   OK(rpl_gg_advance(gg, t, &e_));
   OK(rpl_gg_request(gg, 0, 3, &e_));
-  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "long-fenced partner: at once");
+  REQUIRE(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "long-fenced partner: at once");
   OK(rpl_gg_leave(gg, 1, &e_));
   /* With every other worker gone there is nothing to wait for. */
   OK(rpl_gg_request(gg, 0, 4, &e_));
-  CHECK(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "alone in the job: at once");
+  REQUIRE(group_of(gg, 0, NULL, 0, NULL, &ev) == 1, "alone in the job: at once");
   rpl_gg_destroy(gg);
 }
 
@@ -953,9 +938,9 @@ static void test_arrival_filter(void) {
     rpl_gg_event ev;
     int mm[8];
     while (rpl_gg_poll(gg, &ev, mm, 8)) {
-      CHECK(ev.kind == RPL_EV_GROUP, "no cancels here");
+      REQUIRE(ev.kind == RPL_EV_GROUP, "no cancels here");
       int w = ev.worker;
-      CHECK(ev.nmembers >= 2, "worker %d got a group of one at %.3f s", w, t);
+      REQUIRE(ev.nmembers >= 2, "worker %d got a group of one at %.3f s", w, t);
       if (w < 3 && t > 0.2 && t - asked[w] > worst_fast_wait) worst_fast_wait = t - asked[w];
       if (w == 3) slow_groups++;
       waiting[w] = 0;
@@ -966,10 +951,10 @@ static void test_arrival_filter(void) {
   }
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK(st.late > 0, "the slow worker was left out of divisions while computing");
-  CHECK(worst_fast_wait < 0.0125, "a fast worker waited %.3f s for a group", worst_fast_wait);
-  CHECK(slow_groups >= 10 && round[0] >= 4 * round[3], "rounds: fast %llu, slow %llu",
-        (unsigned long long)round[0], (unsigned long long)round[3]);
+  REQUIRE(st.late > 0, "the slow worker was left out of divisions while computing");
+  REQUIRE(worst_fast_wait < 0.0125, "a fast worker waited %.3f s for a group", worst_fast_wait);
+  REQUIRE(slow_groups >= 10 && round[0] >= 4 * round[3], "rounds: fast %llu, slow %llu",
+          (unsigned long long)round[0], (unsigned long long)round[3]);
   rpl_gg_destroy(gg);
 }
 
@@ -992,12 +977,12 @@ static void filter_behind_case(double slow_step, int expect_in) {
     rpl_gg_event e;
     int mm[8], size0 = 0;
     while (rpl_gg_poll(gg, &e, mm, 8)) {
-      CHECK(e.kind == RPL_EV_GROUP, "round %d: no cancels", (int)r);
+      REQUIRE(e.kind == RPL_EV_GROUP, "round %d: no cancels", (int)r);
       if (e.worker == 0) size0 = e.nmembers;
       OK(rpl_gg_done(gg, e.worker, e.group_id, &e_));
     }
     int want = r == 1 && slow_step > 0.02 ? 3 : 4;
-    CHECK(size0 == want, "round %d: %d members with worker 0, want %d", (int)r, size0, want);
+    REQUIRE(size0 == want, "round %d: %d members with worker 0, want %d", (int)r, size0, want);
   }
   t = slow_step + 0.001;
   OK(rpl_gg_advance(gg, t, &e_));
@@ -1006,7 +991,7 @@ static void filter_behind_case(double slow_step, int expect_in) {
     t += 0.01;
     OK(rpl_gg_advance(gg, t, &e_));
     for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, r, &e_));
-    CHECK(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "round %d: 0-2", (int)r);
+    REQUIRE(group_of(gg, 0, NULL, 0, &gid, &ev) == 3, "round %d: 0-2", (int)r);
     for (int w = 0; w < 3; w++) OK(rpl_gg_done(gg, w, gid, &e_));
   }
   OK(rpl_gg_unfence(gg, 3, &e_)); /* back, idle and due, 5 rounds behind everyone */
@@ -1017,9 +1002,9 @@ static void filter_behind_case(double slow_step, int expect_in) {
   OK(rpl_gg_worker(gg, 3, &wi, &e_));
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
-  CHECK((wi.buffered == 1) == expect_in && (st.filtered == 0) == expect_in,
-        "worker 3 (step %.0f ms, 5 rounds behind) in 0's division: %d, filtered %llu",
-        slow_step * 1000, wi.buffered, (unsigned long long)st.filtered);
+  REQUIRE((wi.buffered == 1) == expect_in && (st.filtered == 0) == expect_in,
+          "worker 3 (step %.0f ms, 5 rounds behind) in 0's division: %d, filtered %llu",
+          slow_step * 1000, wi.buffered, (unsigned long long)st.filtered);
   rpl_gg_destroy(gg);
 }
 
@@ -1058,7 +1043,7 @@ static void paced_run(int slow, uint64_t seed, uint64_t rounds[4], uint64_t ones
     int mm[8];
     while (rpl_gg_poll(gg, &ev, mm, 8)) {
       int w = ev.worker;
-      CHECK(ev.kind == RPL_EV_GROUP, "no cancels here");
+      REQUIRE(ev.kind == RPL_EV_GROUP, "no cancels here");
       waiting[w] = 0;
       gid[w] = ev.group_id;
       round[w]++;
@@ -1083,11 +1068,11 @@ static void test_equal_speeds_no_laggard(void) {
       single += ones[w];
       all += r[w];
     }
-    CHECK(lo >= hi * 85 / 100, "seed %d: rounds %llu %llu %llu %llu", (int)seed,
-          (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
-          (unsigned long long)r[3]);
-    CHECK(single * 50 <= all, "seed %d: %llu groups of one in %llu rounds", (int)seed,
-          (unsigned long long)single, (unsigned long long)all);
+    REQUIRE(lo >= hi * 85 / 100, "seed %d: rounds %llu %llu %llu %llu", (int)seed,
+            (unsigned long long)r[0], (unsigned long long)r[1], (unsigned long long)r[2],
+            (unsigned long long)r[3]);
+    REQUIRE(single * 50 <= all, "seed %d: %llu groups of one in %llu rounds", (int)seed,
+            (unsigned long long)single, (unsigned long long)all);
   }
 }
 
@@ -1098,10 +1083,10 @@ static void test_straggler_still_filtered(void) {
     uint64_t r[4], ones[4];
     paced_run(10, seed, r, ones);
     for (int w = 0; w < 3; w++)
-      CHECK(r[w] >= 3 * r[3], "seed %d: fast worker %d made %llu rounds, the slow one %llu",
-            (int)seed, w, (unsigned long long)r[w], (unsigned long long)r[3]);
-    CHECK(ones[3] * 10 <= r[3] * 3, "seed %d: the slow worker alone in %llu of %llu rounds",
-          (int)seed, (unsigned long long)ones[3], (unsigned long long)r[3]);
+      REQUIRE(r[w] >= 3 * r[3], "seed %d: fast worker %d made %llu rounds, the slow one %llu",
+              (int)seed, w, (unsigned long long)r[w], (unsigned long long)r[3]);
+    REQUIRE(ones[3] * 10 <= r[3] * 3, "seed %d: the slow worker alone in %llu of %llu rounds",
+            (int)seed, (unsigned long long)ones[3], (unsigned long long)r[3]);
   }
 }
 
@@ -1130,8 +1115,8 @@ static void test_fenced_after_me_not_coming(void) {
     OK(rpl_gg_advance(gg, 0.003, &e_));
     OK(rpl_gg_request(gg, 2, 0, &e_));
     uint64_t gid = 0;
-    CHECK(group_of(gg, 2, m, 3, &gid, &ev) == 1, "%s: 2 waited for workers that wait for it",
-          name);
+    REQUIRE(group_of(gg, 2, m, 3, &gid, &ev) == 1, "%s: 2 waited for workers that wait for it",
+            name);
     OK(rpl_gg_done(gg, 2, gid, &e_));
     OK(rpl_gg_fence(gg, 2, &e_)); /* 2 joins; the collective ends, 0 and 2 leave it first */
     OK(rpl_gg_advance(gg, 0.010, &e_));
@@ -1139,12 +1124,12 @@ static void test_fenced_after_me_not_coming(void) {
     OK(rpl_gg_unfence(gg, 2, &e_));
     OK(rpl_gg_advance(gg, 0.011, &e_));
     OK(rpl_gg_request(gg, 2, 1, &e_));
-    CHECK(group_of(gg, 2, NULL, 0, NULL, &ev) == 0, "%s: 2 waits for 1, leaving with it", name);
+    REQUIRE(group_of(gg, 2, NULL, 0, NULL, &ev) == 0, "%s: 2 waits for 1, leaving with it", name);
     OK(rpl_gg_advance(gg, 0.012, &e_));
     OK(rpl_gg_unfence(gg, 1, &e_));
     OK(rpl_gg_request(gg, 0, 0, &e_));
     OK(rpl_gg_request(gg, 1, 0, &e_));
-    CHECK(group_of(gg, 2, m, 3, NULL, &ev) == 3, "%s: then all three", name);
+    REQUIRE(group_of(gg, 2, m, 3, NULL, &ev) == 3, "%s: then all three", name);
     rpl_gg_destroy(gg);
   }
 }
@@ -1166,6 +1151,5 @@ int main(void) {
   test_straggler_still_filtered();
   test_fenced_after_me_not_coming();
   test_many_seeds();
-  printf("test_sched_policies: all passed\n");
-  return 0;
+  return report("test_sched_policies");
 }

@@ -11,8 +11,8 @@
 static size_t enc(rpl_msg *m, const int *members, uint8_t *buf, size_t cap) {
   for (int i = 0; i < RPL_TOKEN_LEN; i++) m->token[i] = (uint8_t)(i * 17 + 1);
   size_t n = rpl_msg_encode(m, members, buf, cap);
-  CHECK(n == rpl_msg_encoded_size(m) && n >= RPL_PROTO_HEADER, "encode %s",
-        rpl_msg_type_name(m->type));
+  REQUIRE(n == rpl_msg_encoded_size(m) && n >= RPL_PROTO_HEADER, "encode %s",
+          rpl_msg_type_name(m->type));
   return n;
 }
 
@@ -46,84 +46,85 @@ int main(void) {
     m.text_len = 5;
     size_t n = enc(&m, members, bufs[t], sizeof bufs[t]);
     lens[t] = n;
-    CHECK(rpl_msg_parse(bufs[t], n, 16, &p, &err) == RPL_OK, "%s: %s", rpl_msg_type_name(t),
-          err.msg);
-    CHECK(p.type == t && p.rank == m.rank && p.seq == m.seq &&
-              memcmp(p.token, m.token, RPL_TOKEN_LEN) == 0, "header round trip %d", t);
+    REQUIRE(rpl_msg_parse(bufs[t], n, 16, &p, &err) == RPL_OK, "%s: %s", rpl_msg_type_name(t),
+            err.msg);
+    REQUIRE(p.type == t && p.rank == m.rank && p.seq == m.seq &&
+                memcmp(p.token, m.token, RPL_TOKEN_LEN) == 0, "header round trip %d", t);
     switch (t) {
-      case RPL_MSG_HELLO: CHECK(p.nworkers == 16 && p.host_label == -5, "hello"); break;
+      case RPL_MSG_HELLO: REQUIRE(p.nworkers == 16 && p.host_label == -5, "hello"); break;
       case RPL_MSG_HELLO_ACK:
-        CHECK(p.policy == RPL_POLICY_SMART && p.nworkers == 16 && p.heartbeat_ms == 250 &&
-                  p.dead_ms == 2500, "hello_ack");
+        REQUIRE(p.policy == RPL_POLICY_SMART && p.nworkers == 16 && p.heartbeat_ms == 250 &&
+                    p.dead_ms == 2500, "hello_ack");
         break;
-      case RPL_MSG_REQUEST: CHECK(p.round == m.round, "request"); break;
+      case RPL_MSG_REQUEST: REQUIRE(p.round == m.round, "request"); break;
       case RPL_MSG_GROUP:
-        CHECK(p.group_id == 77 && p.round == m.round && p.period == 4 && p.nmembers == 5,
-              "group");
-        for (int i = 0; i < 5; i++) CHECK(rpl_msg_member(&p, (uint32_t)i) == members[i], "member");
-        CHECK(rpl_msg_member(&p, 5) == -1, "member out of range");
+        REQUIRE(p.group_id == 77 && p.round == m.round && p.period == 4 && p.nmembers == 5,
+                "group");
+        for (int i = 0; i < 5; i++)
+          REQUIRE(rpl_msg_member(&p, (uint32_t)i) == members[i], "member");
+        REQUIRE(rpl_msg_member(&p, 5) == -1, "member out of range");
         break;
       case RPL_MSG_CANCEL:
-        CHECK(p.group_id == 77 && p.culprit == 3 && p.reason == RPL_REASON_DEAD, "cancel");
+        REQUIRE(p.group_id == 77 && p.culprit == 3 && p.reason == RPL_REASON_DEAD, "cancel");
         break;
-      case RPL_MSG_DONE: CHECK(p.group_id == 77 && p.status == 2, "done"); break;
-      case RPL_MSG_PASS: CHECK(p.round == m.round && p.period == 4, "pass"); break;
+      case RPL_MSG_DONE: REQUIRE(p.group_id == 77 && p.status == 2, "done"); break;
+      case RPL_MSG_PASS: REQUIRE(p.round == m.round && p.period == 4, "pass"); break;
       case RPL_MSG_ERROR:
       case RPL_MSG_STATUS_REPLY:
-        CHECK(p.text_len == 5 && memcmp(p.text, "hello", 5) == 0, "text");
-        if (t == RPL_MSG_ERROR) CHECK(p.code == RPL_PERR_BAD_TOKEN, "code");
+        REQUIRE(p.text_len == 5 && memcmp(p.text, "hello", 5) == 0, "text");
+        if (t == RPL_MSG_ERROR) REQUIRE(p.code == RPL_PERR_BAD_TOKEN, "code");
         break;
       default: break;
     }
     /* Every truncation and every extension fails. */
     for (size_t k = 0; k < n; k++)
-      CHECK(rpl_msg_parse(bufs[t], k, 16, &p, &err) == RPL_ERR_INVALID, "%s truncated to %zu",
-            rpl_msg_type_name(t), k);
+      REQUIRE(rpl_msg_parse(bufs[t], k, 16, &p, &err) == RPL_ERR_INVALID, "%s truncated to %zu",
+              rpl_msg_type_name(t), k);
     memcpy(buf, bufs[t], n);
     buf[n] = 0;
-    CHECK(rpl_msg_parse(buf, n + 1, 16, &p, &err) == RPL_ERR_INVALID, "trailing byte");
+    REQUIRE(rpl_msg_parse(buf, n + 1, 16, &p, &err) == RPL_ERR_INVALID, "trailing byte");
   }
   /* Version 4 only: a peer of an earlier version (no connection binding, no token echo) is
    * refused, whatever the message. */
-  CHECK(RPL_PROTO_VERSION == 4 && bufs[RPL_MSG_HELLO][4] == 4, "version byte 4");
+  REQUIRE(RPL_PROTO_VERSION == 4 && bufs[RPL_MSG_HELLO][4] == 4, "version byte 4");
   for (uint8_t v = 1; v < 4; v++) {
     memcpy(buf, bufs[RPL_MSG_HELLO], lens[RPL_MSG_HELLO]);
     buf[4] = v;
-    CHECK(rpl_msg_parse(buf, lens[RPL_MSG_HELLO], 16, &p, &err) == RPL_ERR_INVALID &&
-              strstr(err.msg, "version"), "version %u refused", v);
+    REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_HELLO], 16, &p, &err) == RPL_ERR_INVALID &&
+                strstr(err.msg, "version"), "version %u refused", v);
   }
   /* Ranks and members out of range for the job. */
-  CHECK(rpl_msg_parse(bufs[RPL_MSG_REQUEST], lens[RPL_MSG_REQUEST], 7, &p, &err) ==
-            RPL_ERR_INVALID, "rank 7 with 7 workers");
-  CHECK(rpl_msg_parse(bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP], 15, &p, &err) == RPL_ERR_INVALID,
-        "member 15 with 15 workers");
+  REQUIRE(rpl_msg_parse(bufs[RPL_MSG_REQUEST], lens[RPL_MSG_REQUEST], 7, &p, &err) ==
+              RPL_ERR_INVALID, "rank 7 with 7 workers");
+  REQUIRE(rpl_msg_parse(bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP], 15, &p, &err) == RPL_ERR_INVALID,
+          "member 15 with 15 workers");
   int unsorted[3] = {4, 2, 9};
   memset(&m, 0, sizeof m);
   m.type = RPL_MSG_GROUP;
   m.group_id = 1;
   m.nmembers = 3;
   size_t n = enc(&m, unsorted, buf, sizeof buf);
-  CHECK(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID && strstr(err.msg, "sorted"),
-        "unsorted members: %s", err.msg);
+  REQUIRE(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID && strstr(err.msg, "sorted"),
+          "unsorted members: %s", err.msg);
   int dup[3] = {2, 2, 9};
   n = enc(&m, dup, buf, sizeof buf);
-  CHECK(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID, "duplicate members");
+  REQUIRE(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID, "duplicate members");
   /* A worker message with rank -1, a huge claimed member count. */
   memcpy(buf, bufs[RPL_MSG_REQUEST], lens[RPL_MSG_REQUEST]);
   memset(buf + 12, 0xff, 4);
-  CHECK(rpl_msg_parse(buf, lens[RPL_MSG_REQUEST], 16, &p, &err) == RPL_ERR_INVALID, "rank -1");
+  REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_REQUEST], 16, &p, &err) == RPL_ERR_INVALID, "rank -1");
   memcpy(buf, bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP]);
   memset(buf + RPL_PROTO_HEADER + 20, 0xff, 4);
-  CHECK(rpl_msg_parse(buf, lens[RPL_MSG_GROUP], 16, &p, &err) == RPL_ERR_INVALID, "nmembers");
+  REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_GROUP], 16, &p, &err) == RPL_ERR_INVALID, "nmembers");
   /* A period below what the message means: GROUP needs 1 or more, PASS 2 or more (a pass at
    * period 1 would be a round nobody meant to skip). */
   memcpy(buf, bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP]);
   memset(buf + RPL_PROTO_HEADER + 16, 0, 4);
-  CHECK(rpl_msg_parse(buf, lens[RPL_MSG_GROUP], 16, &p, &err) == RPL_ERR_INVALID, "group period");
+  REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_GROUP], 16, &p, &err) == RPL_ERR_INVALID, "group period");
   memcpy(buf, bufs[RPL_MSG_PASS], lens[RPL_MSG_PASS]);
   buf[RPL_PROTO_HEADER + 8] = 1;
   memset(buf + RPL_PROTO_HEADER + 9, 0, 3);
-  CHECK(rpl_msg_parse(buf, lens[RPL_MSG_PASS], 16, &p, &err) == RPL_ERR_INVALID, "pass period 1");
+  REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_PASS], 16, &p, &err) == RPL_ERR_INVALID, "pass period 1");
   /* Random corruption of valid messages never crashes (ASan/UBSan watch the reads). */
   uint64_t s = 99;
   int accepted = 0;
@@ -143,22 +144,21 @@ int main(void) {
     memcpy(h, buf, len);
     if (rpl_msg_parse(h, len, 16, &p, &err) == RPL_OK) {
       accepted++;
-      for (uint32_t i = 0; i < p.nmembers; i++) CHECK(rpl_msg_member(&p, i) < 16, "member range");
+      for (uint32_t i = 0; i < p.nmembers; i++) REQUIRE(rpl_msg_member(&p, i) < 16, "member range");
     }
     free(h);
   }
-  CHECK(accepted > 0, "some corrupted messages (e.g. flipped tokens) are still well-formed");
+  REQUIRE(accepted > 0, "some corrupted messages (e.g. flipped tokens) are still well-formed");
   /* Tokens. */
   uint8_t tok[RPL_TOKEN_LEN], tok2[RPL_TOKEN_LEN];
   char hex[2 * RPL_TOKEN_LEN + 1];
-  CHECK(rpl_token_generate(tok, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_token_generate(tok, &err) == RPL_OK, "%s", err.msg);
   rpl_token_to_hex(tok, hex);
-  CHECK(rpl_token_from_hex(hex, tok2, &err) == RPL_OK && rpl_token_equal(tok, tok2), "hex");
+  REQUIRE(rpl_token_from_hex(hex, tok2, &err) == RPL_OK && rpl_token_equal(tok, tok2), "hex");
   tok2[15] ^= 1;
-  CHECK(!rpl_token_equal(tok, tok2), "token compare");
-  CHECK(rpl_token_from_hex("abc", tok2, &err) == RPL_ERR_INVALID, "short hex");
-  CHECK(rpl_token_from_hex("zz112233445566778899aabbccddeeff", tok2, &err) == RPL_ERR_INVALID,
-        "bad hex");
-  printf("test_sched_proto: all passed\n");
-  return 0;
+  REQUIRE(!rpl_token_equal(tok, tok2), "token compare");
+  REQUIRE(rpl_token_from_hex("abc", tok2, &err) == RPL_ERR_INVALID, "short hex");
+  REQUIRE(rpl_token_from_hex("zz112233445566778899aabbccddeeff", tok2, &err) == RPL_ERR_INVALID,
+          "bad hex");
+  return report("test_sched_proto");
 }

@@ -13,7 +13,7 @@ static int group_of(const rpl_layout *l, int rank, uint64_t round, int *m, uint6
   rpl_error err;
   int n = 0;
   rpl_status st = rpl_static_group(l, rank, round, m, rpl_layout_workers(l), &n, gid, &err);
-  CHECK(st == RPL_OK, "rpl_static_group: %s", err.msg);
+  REQUIRE(st == RPL_OK, "rpl_static_group: %s", err.msg);
   return n;
 }
 
@@ -62,14 +62,14 @@ static void test_figure10(void) {
     int H = hosts_list[hi], N = 4 * H;
     rpl_layout *l;
     rpl_error err;
-    CHECK(rpl_layout_create_uniform(N, 4, &l, &err) == RPL_OK, "%s", err.msg);
+    REQUIRE(rpl_layout_create_uniform(N, 4, &l, &err) == RPL_OK, "%s", err.msg);
     int got[64], want[64];
     for (uint64_t round = 0; round < 12; round++)
       for (int r = 0; r < N; r++) {
         int ng = group_of(l, r, round, got, NULL);
         int nw = fig10(l, r, (int)(round % 4), want);
-        CHECK(same_set(got, ng, want, nw), "H=%d rank %d round %llu differs from Figure 10", H,
-              r, (unsigned long long)round);
+        REQUIRE(same_set(got, ng, want, nw), "H=%d rank %d round %llu differs from Figure 10", H,
+                r, (unsigned long long)round);
       }
     rpl_layout_destroy(l);
   }
@@ -77,34 +77,34 @@ static void test_figure10(void) {
    * round 4k+2. */
   rpl_layout *l;
   rpl_error err;
-  CHECK(rpl_layout_create_uniform(16, 4, &l, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_layout_create_uniform(16, 4, &l, &err) == RPL_OK, "%s", err.msg);
   int m[16];
   int n = group_of(l, 8, 4, m, NULL);
-  CHECK(n == 4 && m[0] == 0 && m[1] == 4 && m[2] == 8 && m[3] == 12, "Figure 9 row 0");
-  for (int r = 2; r < 16; r += 4) CHECK(group_of(l, r, 6, m, NULL) == 1, "W%d skips 4k+2", r);
+  REQUIRE(n == 4 && m[0] == 0 && m[1] == 4 && m[2] == 8 && m[3] == 12, "Figure 9 row 0");
+  for (int r = 2; r < 16; r += 4) REQUIRE(group_of(l, r, 6, m, NULL) == 1, "W%d skips 4k+2", r);
   /* A host's workers need not be contiguous ranks: labels interleaved. */
   int labels[16];
   for (int r = 0; r < 16; r++) labels[r] = 100 + (r % 4); /* host k = ranks k, k+4, ... */
   rpl_layout *li;
-  CHECK(rpl_layout_create(16, labels, &li, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_layout_hosts(li) == 4 && rpl_layout_host(li, 5) == 1 && rpl_layout_local(li, 5) == 1,
-        "interleaved layout");
+  REQUIRE(rpl_layout_create(16, labels, &li, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_layout_hosts(li) == 4 && rpl_layout_host(li, 5) == 1 && rpl_layout_local(li, 5) == 1,
+          "interleaved layout");
   int want[16];
   for (uint64_t round = 0; round < 4; round++)
     for (int r = 0; r < 16; r++) {
       int ng = group_of(li, r, round, m, NULL), nw = fig10(li, r, (int)round, want);
-      CHECK(same_set(m, ng, want, nw), "interleaved rank %d round %llu", r,
-            (unsigned long long)round);
+      REQUIRE(same_set(m, ng, want, nw), "interleaved rank %d round %llu", r,
+              (unsigned long long)round);
     }
   rpl_layout_destroy(li);
   rpl_layout_destroy(l);
   /* A short buffer fails cleanly and says how much is needed. */
-  CHECK(rpl_layout_create_uniform(16, 4, &l, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_layout_create_uniform(16, 4, &l, &err) == RPL_OK, "%s", err.msg);
   int small[2];
   int need = 0;
-  CHECK(rpl_static_group(l, 0, 1, small, 2, &need, NULL, &err) == RPL_ERR_INVALID && need == 4,
-        "short buffer must fail with the size needed");
-  CHECK(rpl_static_group(l, 16, 1, small, 2, &need, NULL, &err) == RPL_ERR_INVALID, "bad rank");
+  REQUIRE(rpl_static_group(l, 0, 1, small, 2, &need, NULL, &err) == RPL_ERR_INVALID && need == 4,
+          "short buffer must fail with the size needed");
+  REQUIRE(rpl_static_group(l, 16, 1, small, 2, &need, NULL, &err) == RPL_ERR_INVALID, "bad rank");
   rpl_layout_destroy(l);
 }
 
@@ -125,24 +125,24 @@ static void check_properties(const rpl_layout *l, const char *what) {
     for (int r = 0; r < N; r++) {
       uint64_t gid, gid2;
       int n = group_of(l, r, round, m, &gid);
-      CHECK(n >= 1, "%s: empty group", what);
+      REQUIRE(n >= 1, "%s: empty group", what);
       int self = 0;
       for (int i = 0; i < n; i++) {
         self |= m[i] == r;
-        if (i) CHECK(m[i] > m[i - 1], "%s: members not sorted/unique", what);
+        if (i) REQUIRE(m[i] > m[i - 1], "%s: members not sorted/unique", what);
       }
-      CHECK(self, "%s: rank %d not in its own group (round %llu)", what, r,
-            (unsigned long long)round);
+      REQUIRE(self, "%s: rank %d not in its own group (round %llu)", what, r,
+              (unsigned long long)round);
       /* Every member computes the same group and id: a partition, not just a cover. */
       for (int i = 0; i < n; i++) {
         int n2 = group_of(l, m[i], round, m2, &gid2);
-        CHECK(same_set(m, n, m2, n2) && gid == gid2, "%s: ranks %d and %d disagree (round %llu)",
-              what, r, m[i], (unsigned long long)round);
+        REQUIRE(same_set(m, n, m2, n2) && gid == gid2, "%s: ranks %d and %d disagree (round %llu)",
+                what, r, m[i], (unsigned long long)round);
       }
       if (owner[r] == -1) {
         for (int i = 0; i < n; i++) {
-          CHECK(owner[m[i]] == -1, "%s: rank %d in two groups in round %llu", what, m[i],
-                (unsigned long long)round);
+          REQUIRE(owner[m[i]] == -1, "%s: rank %d in two groups in round %llu", what, m[i],
+                  (unsigned long long)round);
           owner[m[i]] = r;
         }
         gids[r] = gid;
@@ -150,8 +150,8 @@ static void check_properties(const rpl_layout *l, const char *what) {
       /* Periodic. */
       uint64_t gid3;
       int n3 = group_of(l, r, round + 5 * RPL_STATIC_PERIOD, m2, &gid3);
-      CHECK(same_set(m, n, m2, n3), "%s: not periodic", what);
-      CHECK(gid3 != gid, "%s: group ids must differ across rounds", what);
+      REQUIRE(same_set(m, n, m2, n3), "%s: not periodic", what);
+      REQUIRE(gid3 != gid, "%s: group ids must differ across rounds", what);
       if (round < RPL_STATIC_PERIOD)
         for (int i = 1; i < n; i++) parent[uf_find(parent, m[i])] = uf_find(parent, m[0]);
     }
@@ -159,11 +159,11 @@ static void check_properties(const rpl_layout *l, const char *what) {
     for (int a = 0; a < N; a++)
       if (owner[a] == a)
         for (int b = a + 1; b < N; b++)
-          if (owner[b] == b) CHECK(gids[a] != gids[b], "%s: duplicate group id", what);
+          if (owner[b] == b) REQUIRE(gids[a] != gids[b], "%s: duplicate group id", what);
   }
   int root = uf_find(parent, 0);
   for (int r = 1; r < N; r++)
-    CHECK(uf_find(parent, r) == root, "%s: rank %d not connected over one period", what, r);
+    REQUIRE(uf_find(parent, r) == root, "%s: rank %d not connected over one period", what, r);
   free(m);
   free(m2);
   free(owner);
@@ -180,7 +180,7 @@ static void test_layouts(void) {
       rpl_layout *l;
       rpl_error err;
       int N = per_host[a] * hosts[b];
-      CHECK(rpl_layout_create_uniform(N, per_host[a], &l, &err) == RPL_OK, "%s", err.msg);
+      REQUIRE(rpl_layout_create_uniform(N, per_host[a], &l, &err) == RPL_OK, "%s", err.msg);
       snprintf(what, sizeof what, "%d hosts x %d", hosts[b], per_host[a]);
       check_properties(l, what);
       rpl_layout_destroy(l);
@@ -198,17 +198,17 @@ static void test_layouts(void) {
     }
     rpl_layout *l;
     rpl_error err;
-    CHECK(rpl_layout_create(N, labels, &l, &err) == RPL_OK, "%s", err.msg);
+    REQUIRE(rpl_layout_create(N, labels, &l, &err) == RPL_OK, "%s", err.msg);
     /* Layout sanity: local indices dense per host, hosts ordered by lowest rank. */
     int lastmin = -1;
     for (int h = 0; h < rpl_layout_hosts(l); h++) {
       int first = rpl_layout_rank(l, h, 0);
-      CHECK(first > lastmin, "hosts not ordered by lowest rank");
+      REQUIRE(first > lastmin, "hosts not ordered by lowest rank");
       lastmin = first;
       for (int j = 0; j < rpl_layout_host_size(l, h); j++) {
         int r = rpl_layout_rank(l, h, j);
-        CHECK(rpl_layout_host(l, r) == h && rpl_layout_local(l, r) == j, "layout inverse");
-        CHECK(labels[r] == labels[first], "host mixes labels");
+        REQUIRE(rpl_layout_host(l, r) == h && rpl_layout_local(l, r) == j, "layout inverse");
+        REQUIRE(labels[r] == labels[first], "host mixes labels");
       }
     }
     snprintf(what, sizeof what, "random layout %d (N=%d)", trial, N);
@@ -218,13 +218,12 @@ static void test_layouts(void) {
   }
   rpl_error err;
   rpl_layout *l;
-  CHECK(rpl_layout_create(0, NULL, &l, &err) == RPL_ERR_INVALID, "0 workers rejected");
-  CHECK(rpl_layout_create_uniform(4, 0, &l, &err) == RPL_ERR_INVALID, "per_host 0 rejected");
+  REQUIRE(rpl_layout_create(0, NULL, &l, &err) == RPL_ERR_INVALID, "0 workers rejected");
+  REQUIRE(rpl_layout_create_uniform(4, 0, &l, &err) == RPL_ERR_INVALID, "per_host 0 rejected");
 }
 
 int main(void) {
   test_figure10();
   test_layouts();
-  printf("test_sched_static: all passed\n");
-  return 0;
+  return report("test_sched_static");
 }

@@ -287,12 +287,6 @@ static void test_attach_checks(void) {
   for (int r = 0; r < 3; r++) rpl_shm_destroy(s[r]);
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 /* Two transports over a pair of rings (ranks 0 and 1 in this process). Rank 1 receives from
  * rank 0 with an impossible head in its ring; then rank 0 sends to rank 1 with an impossible
  * tail in the ring it writes. Each run fails with the corrupt-ring error, well before its
