@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../csrc/sched/sched_internal.h"
+#include "common.h"
 #include "coord_core.h"
 
 rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err) {
@@ -35,7 +35,7 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
                                  cfg->log_ctx) != 0;
   if (!core->w || !core->members || !core->out || !core->gone || attr_oom) {
     coord_core_free(core);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   }
   for (int i = 0; i < core->nworkers; i++) core->w[i].host_label = -1;
   if (cfg->standby) {

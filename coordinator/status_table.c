@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../csrc/sched/sched_internal.h"
+#include "common.h"
 #include "rpl_coord.h"
 
 #define MAX_DEPTH 16
@@ -345,7 +345,7 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
   memset(&d, 0, sizeof d);
   if (!json || !read_doc(&r, &d)) {
     free(d.rows);
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "not a coordinator status document");
+    return rpl_fail(err, RPL_ERR_INVALID, "not a coordinator status document");
   }
   int width[NCOLS];
   char c[NCOLS][CELL];
@@ -361,7 +361,7 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
   t.p = malloc(t.cap);
   if (!t.p) {
     free(d.rows);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
   }
   t.p[0] = '\0';
   char med[CELL];
@@ -381,7 +381,7 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
   free(d.rows);
   if (t.oom) {
     free(t.p);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "status table: output larger than sized");
+    return rpl_fail(err, RPL_ERR_NOMEM, "status table: output larger than sized");
   }
   *out = t.p;
   return RPL_OK;

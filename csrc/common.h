@@ -1,5 +1,6 @@
 /*
- * common.h - small helpers shared by the core's files (internal to csrc/).
+ * common.h - the lowest layer (library ripples_base): the one error formatter and small helpers
+ * shared by the core, the Group Generator (csrc/sched) and the coordinator. Not public API.
  */
 #ifndef RPL_COMMON_H
 #define RPL_COMMON_H
@@ -7,6 +8,9 @@
 #include <stdarg.h>
 
 #include "ripples.h"
+
+/* printf-style checking of a function's format (argument a) and its values (from b). */
+#define RPL_PRINTF(a, b) __attribute__((format(printf, a, b)))
 
 /* Fills `err` (which may be NULL) and returns `code`, so callers can `return rpl_fail(...)`. */
 rpl_status rpl_fail(rpl_error *err, rpl_status code, const char *fmt, ...)

@@ -190,9 +190,9 @@ rpl_status rpl_policy_parse(const char *name, rpl_policy *out, rpl_error *err) {
       return RPL_OK;
     }
   }
-  return rpl_sched_fail(err, RPL_ERR_INVALID,
-                        "unknown schedule policy '%s' (static, random, smart, adpsgd)",
-                        name ? name : "(null)");
+  return rpl_fail(err, RPL_ERR_INVALID,
+                  "unknown schedule policy '%s' (static, random, smart, adpsgd)",
+                  name ? name : "(null)");
 }
 
 const char *rpl_reason_name(rpl_reason r) {
@@ -292,20 +292,20 @@ static void trace_group(rpl_gg *gg, rpl_trace_kind kind, const gg_group *g, int 
 
 rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err) {
   *out = NULL;
-  if (!cfg) return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: no config");
+  if (!cfg) return rpl_fail(err, RPL_ERR_INVALID, "gg: no config");
   if ((int)cfg->policy < 0 || cfg->policy >= RPL_POLICY_COUNT)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: unknown policy %d", (int)cfg->policy);
+    return rpl_fail(err, RPL_ERR_INVALID, "gg: unknown policy %d", (int)cfg->policy);
   if (cfg->nworkers < 1 || cfg->nworkers > RPL_SCHED_MAX_WORKERS)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: nworkers %d out of range [1, %d]",
-                          cfg->nworkers, RPL_SCHED_MAX_WORKERS);
+    return rpl_fail(err, RPL_ERR_INVALID, "gg: nworkers %d out of range [1, %d]",
+                    cfg->nworkers, RPL_SCHED_MAX_WORKERS);
   if (cfg->group_size < 0 || cfg->group_size > RPL_SCHED_MAX_WORKERS)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: group_size %d must be >= 1 (0 = default)",
-                          cfg->group_size);
+    return rpl_fail(err, RPL_ERR_INVALID, "gg: group_size %d must be >= 1 (0 = default)",
+                    cfg->group_size);
   if (cfg->period_max > RPL_GG_MAX_PERIOD)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg: period_max %d out of range (at most %d)",
-                          cfg->period_max, RPL_GG_MAX_PERIOD);
+    return rpl_fail(err, RPL_ERR_INVALID, "gg: period_max %d out of range (at most %d)",
+                    cfg->period_max, RPL_GG_MAX_PERIOD);
   rpl_gg *gg = calloc(1, sizeof *gg);
-  if (!gg) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  if (!gg) return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   gg->policy = cfg->policy;
   gg->n = cfg->nworkers;
   gg->group_size = cfg->group_size ? cfg->group_size : RPL_GG_DEFAULT_GROUP_SIZE;
@@ -340,7 +340,7 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   gg->dq = malloc(sizeof(int) * (size_t)gg->n);
   if (!gg->w || !gg->scratch_a || !gg->scratch_b || !gg->scratch_c || !gg->host_cnt || !gg->dq) {
     rpl_gg_destroy(gg);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
   for (int i = 0; i < gg->n; i++)
     gg->w[i].handed_at = gg->w[i].unfenced_at = gg->w[i].free_at = -1.0;
@@ -424,7 +424,7 @@ static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase 
                                gg_group **out, rpl_error *err) {
   int cap = n > 2 * gg->group_size ? n : 2 * gg->group_size; /* room for isolated joiners */
   gg_group *g = calloc(1, sizeof *g + sizeof(int) * (size_t)cap);
-  if (!g) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  if (!g) return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   g->id = gg->next_id++;
   g->key = key;
   g->n = n;
@@ -444,7 +444,7 @@ static rpl_status group_create(rpl_gg *gg, const int *members, int n, rpl_phase 
     if (buf_push(w, g) != 0) {
       for (int k = 0; k < i; k++) buf_remove(&gg->w[g->members[k]], g);
       free(g);
-      return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+      return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
     }
   }
   g->prev = gg->pend_tail;
@@ -488,7 +488,7 @@ static rpl_status try_hand(rpl_gg *gg, gg_group *g, rpl_error *err) {
       w->since = 0;
     }
     if (ev_push(gg, RPL_EV_GROUP, g->members[i], g, w->waiting_round, -1, RPL_REASON_NONE) != 0)
-      return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+      return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
   gg->st.groups_handed++;
   if (g->n == 1) gg->st.singletons_handed++;
@@ -512,7 +512,7 @@ static rpl_status group_cancel(rpl_gg *gg, gg_group *g, int culprit, rpl_reason 
       if (m != culprit) {
         w->cancels++;
         if (ev_push(gg, RPL_EV_CANCEL, m, g, w->waiting_round, culprit, reason) != 0)
-          st = rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+          st = rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
       }
     }
   }
@@ -874,14 +874,14 @@ static rpl_status request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *e
     if (m[i] != w && x->waiting && x->blen > 0 && x->buf[0]->key == key &&
         x->buf[0]->state == G_PENDING) {
       gg_group *g = x->buf[0];
-      if (buf_push(me, g) != 0) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+      if (buf_push(me, g) != 0) return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
       return try_hand(gg, g, err);
     }
   }
   gg_group *g = NULL;
   /* Only the requester gets it now; the others join when they ask for the same round. */
   g = calloc(1, sizeof *g + sizeof(int) * (size_t)n);
-  if (!g) return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+  if (!g) return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   g->id = gg->next_id++;
   g->key = key;
   g->n = n;
@@ -891,7 +891,7 @@ static rpl_status request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *e
   memcpy(g->members, m, sizeof(int) * (size_t)n);
   if (buf_push(me, g) != 0) {
     free(g);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
   g->prev = gg->pend_tail;
   if (gg->pend_tail) gg->pend_tail->next = g;
@@ -995,7 +995,7 @@ static int join_pending(rpl_gg *gg, int w, rpl_status *st, rpl_error *err) {
   }
   if (!best) return 0;
   if (buf_push(&gg->w[w], best) != 0) {
-    *st = rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+    *st = rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
     return 1;
   }
   int i = best->n++;
@@ -1075,8 +1075,8 @@ double rpl_gg_next_deadline(const rpl_gg *gg) {
 
 static rpl_status check_worker(const rpl_gg *gg, int w, const char *what, rpl_error *err) {
   if (w < 0 || w >= gg->n)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "gg %s: worker %d out of range [0, %d)", what,
-                          w, gg->n);
+    return rpl_fail(err, RPL_ERR_INVALID, "gg %s: worker %d out of range [0, %d)", what,
+                    w, gg->n);
   return RPL_OK;
 }
 
@@ -1152,7 +1152,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
   if (st != RPL_OK) return st;
   gg_worker *me = &gg->w[w];
   if (me->state == RPL_WORKER_LEFT)
-    return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg request: worker %d has left the job", w);
+    return rpl_fail(err, RPL_ERR_CLOSED, "gg request: worker %d has left the job", w);
   if (me->state == RPL_WORKER_FENCED) me->unfenced_at = gg->now;
   if (me->state != RPL_WORKER_LIVE) set_state(gg, me, RPL_WORKER_LIVE);
   if (me->waiting && me->waiting_round == round) return RPL_OK; /* a repeat */
@@ -1194,7 +1194,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
     me->handed_at = me->free_at = gg->now; /* its steps are measured from this answer */
     gg->st.passes++;
     if (ev_push(gg, RPL_EV_PASS, w, NULL, round, -1, RPL_REASON_NONE) != 0)
-      return rpl_sched_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
+      return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
     return RPL_OK; /* w stays idle and is not waiting: nobody's availability changed */
   }
   me->waiting = 1;
@@ -1243,7 +1243,7 @@ rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err) {
   if (st != RPL_OK) return st;
   gg_worker *me = &gg->w[w];
   if (me->state == RPL_WORKER_LEFT)
-    return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg fence: worker %d has left the job", w);
+    return rpl_fail(err, RPL_ERR_CLOSED, "gg fence: worker %d has left the job", w);
   if (me->state != RPL_WORKER_FENCED) me->fenced_at = gg->now;
   me->free_at = -1.0; /* an exact collective is no compute step */
   set_state(gg, me, RPL_WORKER_FENCED);
@@ -1255,7 +1255,7 @@ rpl_status rpl_gg_unfence(rpl_gg *gg, int w, rpl_error *err) {
   if (st != RPL_OK) return st;
   gg_worker *me = &gg->w[w];
   if (me->state == RPL_WORKER_LEFT)
-    return rpl_sched_fail(err, RPL_ERR_CLOSED, "gg unfence: worker %d has left the job", w);
+    return rpl_fail(err, RPL_ERR_CLOSED, "gg unfence: worker %d has left the job", w);
   if (me->state == RPL_WORKER_FENCED) {
     me->unfenced_at = gg->now;
     set_state(gg, me, RPL_WORKER_LIVE);

@@ -69,83 +69,83 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
   int maxw = (max_workers > 0 && max_workers <= RPL_SCHED_MAX_WORKERS) ? max_workers
                                                                       : RPL_SCHED_MAX_WORKERS;
   if (!buf || len < RPL_PROTO_HEADER)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "message of %zu bytes, shorter than the %d-byte "
-                          "header", len, RPL_PROTO_HEADER);
+    return rpl_fail(err, RPL_ERR_INVALID, "message of %zu bytes, shorter than the %d-byte "
+                    "header", len, RPL_PROTO_HEADER);
   if (rd32(p) != RPL_PROTO_MAGIC)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "bad magic 0x%08x", rd32(p));
+    return rpl_fail(err, RPL_ERR_INVALID, "bad magic 0x%08x", rd32(p));
   if (p[4] != RPL_PROTO_VERSION)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "protocol version %u, this side speaks %d",
-                          p[4], RPL_PROTO_VERSION);
+    return rpl_fail(err, RPL_ERR_INVALID, "protocol version %u, this side speaks %d",
+                    p[4], RPL_PROTO_VERSION);
   int type = p[5];
   if (type < 1 || type > RPL_MSG_TYPE_MAX)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "unknown message type %d", type);
+    return rpl_fail(err, RPL_ERR_INVALID, "unknown message type %d", type);
   if (rd16(p + 6) != 0)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "non-zero flags 0x%04x", rd16(p + 6));
+    return rpl_fail(err, RPL_ERR_INVALID, "non-zero flags 0x%04x", rd16(p + 6));
   uint32_t body = rd32(p + 8);
   if (body > RPL_PROTO_MAX_BODY || (size_t)body != len - RPL_PROTO_HEADER)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: body length %u, message carries %zu",
-                          rpl_msg_type_name(type), body, len - RPL_PROTO_HEADER);
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: body length %u, message carries %zu",
+                    rpl_msg_type_name(type), body, len - RPL_PROTO_HEADER);
   m->type = (uint8_t)type;
   m->rank = (int32_t)rd32(p + 12);
   m->seq = rd32(p + 16);
   memcpy(m->token, p + 20, RPL_TOKEN_LEN);
   if (m->rank < -1 || m->rank >= maxw || (from_worker(type) && m->rank < 0))
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: rank %d out of range [0, %d)",
-                          rpl_msg_type_name(type), (int)m->rank, maxw);
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d out of range [0, %d)",
+                    rpl_msg_type_name(type), (int)m->rank, maxw);
   long fixed = fixed_body(type);
   if (fixed >= 0 && body != (uint32_t)fixed)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: body of %u bytes, expected %ld",
-                          rpl_msg_type_name(type), body, fixed);
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: body of %u bytes, expected %ld",
+                    rpl_msg_type_name(type), body, fixed);
   const uint8_t *b = p + RPL_PROTO_HEADER;
   switch (type) {
     case RPL_MSG_HELLO:
       m->nworkers = (int32_t)rd32(b);
       m->host_label = (int32_t)rd32(b + 4);
       if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO: nworkers %d out of range",
-                              (int)m->nworkers);
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO: nworkers %d out of range",
+                        (int)m->nworkers);
       break;
     case RPL_MSG_HELLO_ACK:
       m->policy = b[0];
       if (b[1] || b[2] || b[3])
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: non-zero padding");
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: non-zero padding");
       if (m->policy >= RPL_POLICY_COUNT)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: unknown policy %u", m->policy);
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: unknown policy %u", m->policy);
       m->nworkers = (int32_t)rd32(b + 4);
       m->heartbeat_ms = rd32(b + 8);
       m->dead_ms = rd32(b + 12);
       if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: nworkers %d out of range",
-                              (int)m->nworkers);
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: nworkers %d out of range",
+                        (int)m->nworkers);
       break;
     case RPL_MSG_REQUEST:
       m->round = rd64(b);
       break;
     case RPL_MSG_GROUP: {
       if (body < 24)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 24", body);
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 24", body);
       m->group_id = rd64(b);
       m->round = rd64(b + 8);
       m->period = rd32(b + 16);
       m->nmembers = rd32(b + 20);
       if (m->nmembers < 1 || m->nmembers > (uint32_t)maxw ||
           (uint64_t)body != 24 + 4 * (uint64_t)m->nmembers)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
-                              m->nmembers, body);
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
+                        m->nmembers, body);
       if (m->period < 1)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: period 0");
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: period 0");
       m->members_le = b + 24;
       int32_t prev = -1;
       for (uint32_t i = 0; i < m->nmembers; i++) {
         int32_t r = rpl_msg_member(m, i);
         if (r <= prev || r >= maxw)
-          return rpl_sched_fail(err, RPL_ERR_INVALID,
-                                "GROUP: member %u is %d: members must be sorted, unique and in "
-                                "[0, %d)", i, (int)r, maxw);
+          return rpl_fail(err, RPL_ERR_INVALID,
+                          "GROUP: member %u is %d: members must be sorted, unique and in "
+                          "[0, %d)", i, (int)r, maxw);
         prev = r;
       }
       if (m->group_id == 0)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: group id 0");
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: group id 0");
       break;
     }
     case RPL_MSG_CANCEL:
@@ -154,8 +154,8 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
       m->culprit = (int32_t)rd32(b + 16);
       m->reason = rd32(b + 20);
       if (m->culprit < -1 || m->culprit >= maxw || m->reason > RPL_REASON_DEAD)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "CANCEL: culprit %d / reason %u invalid",
-                              (int)m->culprit, m->reason);
+        return rpl_fail(err, RPL_ERR_INVALID, "CANCEL: culprit %d / reason %u invalid",
+                        (int)m->culprit, m->reason);
       break;
     case RPL_MSG_DONE:
       m->group_id = rd64(b);
@@ -165,8 +165,8 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
       m->round = rd64(b);
       m->period = rd32(b + 8);
       if (m->period < 2 || rd32(b + 12))
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "PASS: period %u (at least 2) or padding",
-                              m->period);
+        return rpl_fail(err, RPL_ERR_INVALID, "PASS: period %u (at least 2) or padding",
+                        m->period);
       break;
     case RPL_MSG_STATUS_REPLY:
       m->text = (const char *)b;
@@ -174,7 +174,7 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
       break;
     case RPL_MSG_ERROR:
       if (body < 4 || body - 4 > RPL_PROTO_MAX_TEXT)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "ERROR: body of %u bytes", body);
+        return rpl_fail(err, RPL_ERR_INVALID, "ERROR: body of %u bytes", body);
       m->code = rd32(b);
       m->text = (const char *)b + 4;
       m->text_len = body - 4;
@@ -281,13 +281,13 @@ static int hexval(char c) {
 
 rpl_status rpl_token_from_hex(const char *hex, uint8_t token[RPL_TOKEN_LEN], rpl_error *err) {
   if (!hex || strlen(hex) != 2 * RPL_TOKEN_LEN)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
-                          2 * RPL_TOKEN_LEN);
+    return rpl_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
+                    2 * RPL_TOKEN_LEN);
   for (int i = 0; i < RPL_TOKEN_LEN; i++) {
     int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
     if (hi < 0 || lo < 0)
-      return rpl_sched_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
-                            2 * RPL_TOKEN_LEN);
+      return rpl_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
+                      2 * RPL_TOKEN_LEN);
     token[i] = (uint8_t)(hi << 4 | lo);
   }
   return RPL_OK;
@@ -299,7 +299,7 @@ rpl_status rpl_token_generate(uint8_t token[RPL_TOKEN_LEN], rpl_error *err) {
     ssize_t r = getrandom(token + got, RPL_TOKEN_LEN - got, 0);
     if (r < 0) {
       if (errno == EINTR) continue;
-      return rpl_sched_fail(err, RPL_ERR_SYSTEM, "getrandom: %s", strerror(errno));
+      return rpl_fail(err, RPL_ERR_SYSTEM, "getrandom: %s", strerror(errno));
     }
     got += (size_t)r;
   }
