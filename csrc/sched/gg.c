@@ -282,23 +282,39 @@ void gg_undefer(rpl_gg *gg, int w) {
   }
 }
 
+gg_group *gg_group_new(rpl_gg *gg, const int *members, int n, int cap, rpl_phase phase,
+                       uint64_t key) {
+  gg_group *g = calloc(1, sizeof *g + sizeof(int) * (size_t)cap);
+  if (!g) return NULL;
+  g->id = gg->next_id++;
+  g->key = key;
+  g->n = n;
+  g->cap = cap;
+  g->phase = (uint8_t)phase;
+  g->deadline = -1.0;
+  memcpy(g->members, members, sizeof(int) * (size_t)n);
+  return g;
+}
+
+void gg_pend_append(rpl_gg *gg, gg_group *g) {
+  g->prev = gg->pend_tail;
+  if (gg->pend_tail) gg->pend_tail->next = g;
+  else gg->pend_head = g;
+  gg->pend_tail = g;
+  gg->st.pending++;
+  gg->st.groups_created++;
+}
+
 /* Creates a group from members[0..n) (any order; sorted here), appends it to every member's
  * buffer and the pending list. */
 rpl_status gg_group_create(rpl_gg *gg, const int *members, int n, rpl_phase phase,
                            int heads, uint64_t key, int initiator, uint64_t division,
                            gg_group **out, rpl_error *err) {
   int cap = n > 2 * gg->group_size ? n : 2 * gg->group_size; /* room for isolated joiners */
-  gg_group *g = calloc(1, sizeof *g + sizeof(int) * (size_t)cap);
+  gg_group *g = gg_group_new(gg, members, n, cap, phase, key);
   if (!g) return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
-  g->id = gg->next_id++;
-  g->key = key;
-  g->n = n;
-  g->cap = cap;
-  g->phase = (uint8_t)phase;
   g->heads = (uint8_t)heads;
-  g->deadline = -1.0;
   g->evictable = gg->policy == RPL_POLICY_SMART && gg->speed_aware && gg->arrival_filter && n > 2;
-  memcpy(g->members, members, sizeof(int) * (size_t)n);
   rpl_sort_ints(g->members, n);
   int conflict = 0;
   for (int i = 0; i < n; i++) {
@@ -312,12 +328,7 @@ rpl_status gg_group_create(rpl_gg *gg, const int *members, int n, rpl_phase phas
       return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
     }
   }
-  g->prev = gg->pend_tail;
-  if (gg->pend_tail) gg->pend_tail->next = g;
-  else gg->pend_head = g;
-  gg->pend_tail = g;
-  gg->st.pending++;
-  gg->st.groups_created++;
+  gg_pend_append(gg, g);
   if (conflict) gg->st.conflicts++;
   for (int i = 0; i < n; i++) {
     if (arrived_for(&gg->w[g->members[i]], g)) gg_arm_deadline(gg, g);
@@ -397,6 +408,14 @@ static rpl_status check_worker(const rpl_gg *gg, int w, const char *what, rpl_er
   return RPL_OK;
 }
 
+/* check_worker, and w has not left the job (RPL_ERR_CLOSED): what may bring it back in. */
+static rpl_status check_not_left(const rpl_gg *gg, int w, const char *what, rpl_error *err) {
+  rpl_status st = check_worker(gg, w, what, err);
+  if (st == RPL_OK && gg->w[w].state == RPL_WORKER_LEFT)
+    return rpl_fail(err, RPL_ERR_CLOSED, "gg %s: worker %d has left the job", what, w);
+  return st;
+}
+
 static int gone(uint8_t s) { return s == RPL_WORKER_LEFT || s == RPL_WORKER_DEAD; }
 
 static void set_state(rpl_gg *gg, gg_worker *w, rpl_worker_state s) {
@@ -416,11 +435,9 @@ static rpl_status settle(rpl_gg *gg, rpl_status st, rpl_error *err) {
 }
 
 rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
-  rpl_status st = check_worker(gg, w, "request", err);
+  rpl_status st = check_not_left(gg, w, "request", err);
   if (st != RPL_OK) return st;
   gg_worker *me = &gg->w[w];
-  if (me->state == RPL_WORKER_LEFT)
-    return rpl_fail(err, RPL_ERR_CLOSED, "gg request: worker %d has left the job", w);
   if (me->state == RPL_WORKER_FENCED) me->unfenced_at = gg->now;
   if (me->state != RPL_WORKER_LIVE) set_state(gg, me, RPL_WORKER_LIVE);
   if (me->waiting && me->waiting_round == round) return RPL_OK; /* a repeat */
@@ -507,11 +524,9 @@ static rpl_status remove_from_schedule(rpl_gg *gg, int w, rpl_reason reason, rpl
 }
 
 rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err) {
-  rpl_status st = check_worker(gg, w, "fence", err);
+  rpl_status st = check_not_left(gg, w, "fence", err);
   if (st != RPL_OK) return st;
   gg_worker *me = &gg->w[w];
-  if (me->state == RPL_WORKER_LEFT)
-    return rpl_fail(err, RPL_ERR_CLOSED, "gg fence: worker %d has left the job", w);
   if (me->state != RPL_WORKER_FENCED) me->fenced_at = gg->now;
   me->free_at = -1.0; /* an exact collective is no compute step */
   set_state(gg, me, RPL_WORKER_FENCED);
@@ -519,11 +534,9 @@ rpl_status rpl_gg_fence(rpl_gg *gg, int w, rpl_error *err) {
 }
 
 rpl_status rpl_gg_unfence(rpl_gg *gg, int w, rpl_error *err) {
-  rpl_status st = check_worker(gg, w, "unfence", err);
+  rpl_status st = check_not_left(gg, w, "unfence", err);
   if (st != RPL_OK) return st;
   gg_worker *me = &gg->w[w];
-  if (me->state == RPL_WORKER_LEFT)
-    return rpl_fail(err, RPL_ERR_CLOSED, "gg unfence: worker %d has left the job", w);
   if (me->state == RPL_WORKER_FENCED) {
     me->unfenced_at = gg->now;
     set_state(gg, me, RPL_WORKER_LIVE);

@@ -179,27 +179,14 @@ rpl_status gg_request_static(rpl_gg *gg, int w, uint64_t round, rpl_error *err) 
       return gg_try_hand(gg, g, err);
     }
   }
-  gg_group *g = NULL;
   /* Only the requester gets it now; the others join when they ask for the same round. */
-  g = calloc(1, sizeof *g + sizeof(int) * (size_t)n);
+  gg_group *g = gg_group_new(gg, m, n, n, RPL_PHASE_STATIC, key);
   if (!g) return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
-  g->id = gg->next_id++;
-  g->key = key;
-  g->n = n;
-  g->cap = n;
-  g->phase = RPL_PHASE_STATIC;
-  g->deadline = -1.0;
-  memcpy(g->members, m, sizeof(int) * (size_t)n);
   if (gg_buf_push(me, g) != 0) {
     free(g);
     return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
   }
-  g->prev = gg->pend_tail;
-  if (gg->pend_tail) gg->pend_tail->next = g;
-  else gg->pend_head = g;
-  gg->pend_tail = g;
-  gg->st.pending++;
-  gg->st.groups_created++;
+  gg_pend_append(gg, g);
   gg_trace_group(gg, RPL_TRACE_CREATED, g, w, 0);
   return gg_try_hand(gg, g, err);
 }

@@ -160,6 +160,12 @@ int gg_buf_remove(gg_worker *w, gg_group *g);
 void gg_trace_group(rpl_gg *gg, rpl_trace_kind kind, const gg_group *g, int initiator,
                     uint64_t division);
 void gg_undefer(rpl_gg *gg, int w);
+/* A new group of members[0..n) (as given) with room for cap, in no buffer yet; NULL when out
+ * of memory. */
+gg_group *gg_group_new(rpl_gg *gg, const int *members, int n, int cap, rpl_phase phase,
+                       uint64_t key);
+/* Appends g (in its members' buffers already) to the pending list, counted as created. */
+void gg_pend_append(rpl_gg *gg, gg_group *g);
 rpl_status gg_group_create(rpl_gg *gg, const int *members, int n, rpl_phase phase, int heads,
                            uint64_t key, int initiator, uint64_t division, gg_group **out,
                            rpl_error *err);
