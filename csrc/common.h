@@ -33,6 +33,10 @@ void rpl_set_thread_name(const char *name);
 void rpl_cause_make(char *out, size_t cap, rpl_status code, int rank, const char *msg);
 rpl_status rpl_cause_split(const char *cause, int *rank, const char **msg);
 
+/* The lower median of v[0..n) (its ((n-1)/2)-th smallest value), 0 if n <= 0. Reorders v;
+ * O(n) expected (Hoare's selection). v must hold no NaN. */
+double rpl_lower_median(double *v, int n);
+
 #define RPL_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define RPL_MAX(a, b) ((a) > (b) ? (a) : (b))
 

@@ -207,7 +207,7 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   gg->w = calloc((size_t)gg->n, sizeof *gg->w);
   gg->scratch_a = malloc(sizeof(int) * (size_t)gg->n);
   gg->scratch_b = malloc(sizeof(int) * (size_t)gg->n);
-  gg->scratch_c = malloc(sizeof(uint64_t) * (size_t)gg->n);
+  gg->scratch_c = malloc(sizeof(double) * (size_t)gg->n);
   gg->c_dirty = 1;
   gg->host_cnt = calloc((size_t)rpl_layout_hosts(gg->layout) + 1, sizeof(int));
   gg->dq = malloc(sizeof(int) * (size_t)gg->n);

@@ -116,7 +116,7 @@ struct rpl_gg {
   gg_event *ev;
   size_t ev_len, ev_cap, ev_pos;
   int *scratch_a, *scratch_b;  /* [n] */
-  uint64_t *scratch_c;         /* [n], for bulk_refresh */
+  double *scratch_c;           /* [n], for the medians (bulk_refresh, job_calm) */
   uint64_t c_med;              /* the bulk's count and step (bulk_refresh) while !c_dirty */
   double pace_med;
   double comp_med, comp_mad;   /* median compute step of the live workers and its median

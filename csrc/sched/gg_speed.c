@@ -5,40 +5,8 @@
  * request). */
 #include "gg_internal.h"
 
-/* Lower median of a[0..k), k > 0, by quickselect (reorders a). */
-static uint64_t lower_median(uint64_t *a, int k) {
-  int lo = 0, hi = k - 1, want = (k - 1) / 2;
-  while (lo < hi) {
-    uint64_t pivot = a[(lo + hi) / 2];
-    int i = lo, j = hi;
-    while (i <= j) {
-      while (a[i] < pivot) i++;
-      while (a[j] > pivot) j--;
-      if (i <= j) {
-        uint64_t t = a[i];
-        a[i++] = a[j];
-        a[j--] = t;
-      }
-    }
-    if (want <= j) hi = j;
-    else if (want >= i) lo = i;
-    else break;
-  }
-  return a[want];
-}
-
 static int in_job(const gg_worker *x) {
   return x->state == RPL_WORKER_LIVE || x->state == RPL_WORKER_FENCED;
-}
-
-/* Lower median of the non-negative doubles a[0..k) (as bit patterns: non-negative doubles
- * order as their bits), 0 if k == 0. Reorders a. */
-static double median_bits(uint64_t *a, int k) {
-  if (k <= 0) return 0;
-  uint64_t bits = lower_median(a, k);
-  double d;
-  memcpy(&d, &bits, sizeof d);
-  return d;
 }
 
 /* Where the bulk of the job is: the lower medians of the request counts, of the long step
@@ -48,31 +16,30 @@ static double median_bits(uint64_t *a, int k) {
  * selections). */
 void gg_bulk_refresh(rpl_gg *gg) {
   if (!gg->c_dirty) return;
-  uint64_t *a = gg->scratch_c;
+  double *a = gg->scratch_c;
   int k = 0;
   for (int r = 0; r < gg->n; r++)
-    if (in_job(&gg->w[r])) a[k++] = gg->w[r].c;
-  gg->c_med = k > 0 ? lower_median(a, k) : 0;
+    if (in_job(&gg->w[r])) a[k++] = (double)gg->w[r].c; /* exact: counts stay below 2^53 */
+  gg->c_med = (uint64_t)rpl_lower_median(a, k);
   k = 0;
   for (int r = 0; r < gg->n; r++)
-    if (in_job(&gg->w[r])) memcpy(&a[k++], &gg->w[r].pace, sizeof(double));
-  gg->pace_med = median_bits(a, k);
+    if (in_job(&gg->w[r])) a[k++] = gg->w[r].pace;
+  gg->pace_med = rpl_lower_median(a, k);
   k = 0;
   for (int r = 0; r < gg->n; r++)
-    if (in_job(&gg->w[r]) && gg->w[r].comp > 0) memcpy(&a[k++], &gg->w[r].comp, sizeof(double));
-  gg->comp_med = median_bits(a, k);
+    if (in_job(&gg->w[r]) && gg->w[r].comp > 0) a[k++] = gg->w[r].comp;
+  gg->comp_med = rpl_lower_median(a, k);
   k = 0;
   for (int r = 0; r < gg->n; r++) {
     if (!in_job(&gg->w[r]) || gg->w[r].comp <= 0) continue;
     double dev = gg->w[r].comp - gg->comp_med;
-    if (dev < 0) dev = -dev;
-    memcpy(&a[k++], &dev, sizeof(double));
+    a[k++] = dev < 0 ? -dev : dev;
   }
-  gg->comp_mad = median_bits(a, k);
+  gg->comp_mad = rpl_lower_median(a, k);
   k = 0;
   for (int r = 0; r < gg->n; r++)
-    if (in_job(&gg->w[r]) && gg->w[r].iv > 0) memcpy(&a[k++], &gg->w[r].iv, sizeof(double));
-  gg->iv_med = median_bits(a, k);
+    if (in_job(&gg->w[r]) && gg->w[r].iv > 0) a[k++] = gg->w[r].iv;
+  gg->iv_med = rpl_lower_median(a, k);
   gg->c_dirty = 0;
 }
 
@@ -199,18 +166,16 @@ rpl_status gg_evict_late(rpl_gg *gg, rpl_error *err) {
  * they do not count. Needs the clock. O(n). */
 static int job_calm(rpl_gg *gg) {
   if (gg->now <= 0) return 0;
-  uint64_t *a = gg->scratch_c;
+  double *a = gg->scratch_c;
   int k = 0;
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (x->state != RPL_WORKER_LIVE) continue;
     if (x->comp <= 0) return 0;
-    memcpy(&a[k++], &x->comp, sizeof(double)); /* non-negative doubles order as their bits */
+    a[k++] = x->comp;
   }
   if (k == 0) return 0;
-  uint64_t bits = lower_median(a, k);
-  double med;
-  memcpy(&med, &bits, sizeof med);
+  double med = rpl_lower_median(a, k);
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (x->state != RPL_WORKER_LIVE) continue;
