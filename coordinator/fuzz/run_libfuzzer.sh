@@ -41,7 +41,7 @@ run() { # name, sources..., -- link flags...
 
 if [ "$WHICH" = all ] || [ "$WHICH" = coord ]; then
   run coord "$HERE/fuzz_coord.c" "$ROOT/coordinator/coord_core.c" "$ROOT/coordinator/coord_attr.c" \
-    "$ROOT/coordinator/status_table.c" "${SCHED[@]}" -- -lpthread
+    "$ROOT/coordinator/coord_text.c" "$ROOT/coordinator/status_table.c" "${SCHED[@]}" -- -lpthread
 fi
 if [ "$WHICH" = all ] || [ "$WHICH" = client ]; then
   run client "$HERE/fuzz_client.c" "$ROOT/csrc/sched/client.c" "${SCHED[@]}" -- -lzmq -lpthread
