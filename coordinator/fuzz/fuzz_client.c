@@ -75,6 +75,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifdef FUZZ_STANDALONE
+#include "fuzz_standalone.h"
+
 static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const int *members) {
   uint8_t b[512];
   size_t n = rpl_msg_encode(m, members, b, sizeof b);
@@ -127,49 +129,6 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
 }
 
 int main(int argc, char **argv) {
-  uint8_t buf[4096];
-  if (argc == 3 && strcmp(argv[1], "--write-corpus") == 0) {
-    for (int k = 0; k < 32; k++) {
-      char path[1024];
-      snprintf(path, sizeof path, "%s/seed-%02d", argv[2], k);
-      FILE *f = fopen(path, "wb");
-      if (!f) return 1;
-      size_t n = seed_messages(buf, sizeof buf, (uint64_t)k * 0x9e3779b97f4a7c15ull);
-      fwrite(buf, 1, n, f);
-      fclose(f);
-    }
-    return 0;
-  }
-  if (argc >= 2 && (argv[1][0] < '0' || argv[1][0] > '9')) { /* replay files */
-    for (int i = 1; i < argc; i++) {
-      FILE *f = fopen(argv[i], "rb");
-      if (!f) return 1;
-      size_t n = fread(buf, 1, sizeof buf, f);
-      fclose(f);
-      LLVMFuzzerTestOneInput(buf, n);
-    }
-    printf("replayed %d inputs\n", argc - 1);
-    return 0;
-  }
-  long iters = argc >= 2 ? atol(argv[1]) : 20000;
-  uint64_t s = 0x4321;
-  for (long it = 0; it < iters; it++) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    size_t n = seed_messages(buf, sizeof buf, s);
-    int muts = (int)((s >> 40) % 8);
-    for (int k = 0; k < muts && n > 0; k++) {
-      s = s * 6364136223846793005ull + 1442695040888963407ull;
-      size_t at = (s >> 33) % n;
-      switch ((s >> 20) % 4) {
-        case 0: buf[at] ^= (uint8_t)(1u << ((s >> 10) % 8)); break;
-        case 1: buf[at] = (uint8_t)(s >> 50); break;
-        case 2: n = at + 1; break;
-        default: buf[at] = 0xff; break;
-      }
-    }
-    LLVMFuzzerTestOneInput(buf, n);
-  }
-  printf("fuzz_client smoke: %ld inputs, no crash\n", iters);
-  return 0;
+  return fuzz_standalone_main(argc, argv, "fuzz_client", 32, 0x4321, seed_messages);
 }
 #endif
