@@ -8,7 +8,7 @@
 #include <time.h>
 #include <zmq.h>
 
-#include "../csrc/sched/sched_internal.h"
+#include "common.h"
 #include "coord_core.h"
 
 /* Largest message a worker may send; anything bigger is cut off by zmq (ZMQ_MAXMSGSIZE). */
@@ -49,7 +49,7 @@ static int zsend(void *ctx, const uint8_t *route, size_t route_len, const void *
 rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_error *err) {
   *out = NULL;
   rpl_coord *c = calloc(1, sizeof *c);
-  if (!c) return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
+  if (!c) return rpl_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   rpl_status st = coord_core_init(&c->core, cfg, err);
   if (st != RPL_OK) {
     free(c);
@@ -62,8 +62,8 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   c->ctx = zmq_ctx_new();
   c->sock = c->ctx ? zmq_socket(c->ctx, ZMQ_ROUTER) : NULL;
   if (!c->sock) {
-    st = rpl_sched_fail(err, RPL_ERR_SYSTEM, "coordinator: zmq socket: %s",
-                        zmq_strerror(zmq_errno()));
+    st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: zmq socket: %s",
+                  zmq_strerror(zmq_errno()));
     rpl_coord_destroy(c);
     return st;
   }
@@ -82,8 +82,8 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   zmq_setsockopt(c->sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
   zmq_setsockopt(c->sock, ZMQ_HANDSHAKE_IVL, &handshake_ms, sizeof handshake_ms);
   if (zmq_bind(c->sock, bind) != 0) {
-    st = rpl_sched_fail(err, RPL_ERR_SYSTEM, "coordinator: cannot bind '%s': %s", bind,
-                        zmq_strerror(zmq_errno()));
+    st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: cannot bind '%s': %s", bind,
+                  zmq_strerror(zmq_errno()));
     rpl_coord_destroy(c);
     return st;
   }
@@ -98,7 +98,7 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
 rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
   uint8_t route[RPL_ROUTE_MAX + 1];
   uint8_t *msg = malloc(COORD_MAX_IN);
-  if (!msg) return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
+  if (!msg) return rpl_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   double tick_every = c->core.heartbeat_ms / 4000.0, next_tick = now_s() + tick_every;
   double next_wait = -1; /* when a request waiting for partners must be served */
   rpl_status st = RPL_OK;
@@ -111,7 +111,7 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
     }
     int rc = zmq_poll(&it, 1, ms);
     if (rc < 0 && zmq_errno() != EINTR) {
-      st = rpl_sched_fail(err, RPL_ERR_SYSTEM, "coordinator: poll: %s", zmq_strerror(zmq_errno()));
+      st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: poll: %s", zmq_strerror(zmq_errno()));
       break;
     }
     /* Drain what is there, bounded so liveness ticks still run under load. */
@@ -164,10 +164,10 @@ static void *coord_main(void *arg) {
 
 rpl_status rpl_coord_start(rpl_coord *c, rpl_error *err) {
   if (c->thread_started)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "coordinator: already started");
+    return rpl_fail(err, RPL_ERR_INVALID, "coordinator: already started");
   atomic_store(&c->stop, 0);
   if (pthread_create(&c->thread, NULL, coord_main, c) != 0)
-    return rpl_sched_fail(err, RPL_ERR_SYSTEM, "coordinator: pthread_create failed");
+    return rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: pthread_create failed");
   c->thread_started = 1;
   return RPL_OK;
 }

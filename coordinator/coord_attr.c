@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
 #include "coord_core.h"
 
 static void log_stderr(void *ctx, const char *line) {
@@ -81,30 +82,6 @@ const char *coord_attr_host(const coord_core *core, int w, char *buf, size_t cap
   return buf;
 }
 
-/* The k-th smallest of v[0..n) (0-based); reorders v. Hoare's selection: O(n) expected. */
-static double select_kth(double *v, int n, int k) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    double pivot = v[lo + (hi - lo) / 2];
-    int i = lo, j = hi;
-    while (i <= j) {
-      while (v[i] < pivot) i++;
-      while (v[j] > pivot) j--;
-      if (i <= j) {
-        double t = v[i];
-        v[i] = v[j];
-        v[j] = t;
-        i++;
-        j--;
-      }
-    }
-    if (k <= j) hi = j;
-    else if (k >= i) lo = i;
-    else return v[k];
-  }
-  return v[k];
-}
-
 /* The log's rate limit, a token bucket: takes one token if there is one. */
 static int take_token(coord_attr *a, double now) {
   if (a->tokens_t >= 0 && now > a->tokens_t) a->tokens += (now - a->tokens_t) / COORD_LOG_EVERY_S;
@@ -161,7 +138,7 @@ void coord_attr_refresh(coord_core *core, double now, int force) {
     a->scratch[known++] = x->step;
   }
   a->known = known;
-  a->median = known ? select_kth(a->scratch, known, (known - 1) / 2) : 0;
+  a->median = rpl_lower_median(a->scratch, known);
   /* Slowdowns, the slowest ranks, and the detector. */
   double hold = COORD_SLOW_PERSIST_STEPS * a->median;
   if (hold < COORD_SLOW_PERSIST_S) hold = COORD_SLOW_PERSIST_S;

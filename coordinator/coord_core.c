@@ -7,8 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../csrc/sched/sched_internal.h"
+#include "common.h"
 #include "coord_core.h"
+#include "coord_text.h"
 
 rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err) {
   memset(core, 0, sizeof *core);
@@ -35,7 +36,7 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
                                  cfg->log_ctx) != 0;
   if (!core->w || !core->members || !core->out || !core->gone || attr_oom) {
     coord_core_free(core);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   }
   for (int i = 0; i < core->nworkers; i++) core->w[i].host_label = -1;
   if (cfg->standby) {
@@ -404,57 +405,25 @@ void coord_core_tick(coord_core *core, double now) {
 /* ---- status JSON ------------------------------------------------------------------------- */
 
 typedef struct {
-  char *p;
-  size_t len, cap;
-  int oom;
-} sbuf;
-
-static RPL_PRINTF(2, 3) void sb_printf(sbuf *b, const char *fmt, ...) {
-  if (b->oom) return;
-  for (;;) {
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
-    va_end(ap);
-    if (n < 0) {
-      b->oom = 1;
-      return;
-    }
-    if ((size_t)n < b->cap - b->len) {
-      b->len += (size_t)n;
-      return;
-    }
-    size_t cap = 2 * b->cap + (size_t)n;
-    char *np = realloc(b->p, cap);
-    if (!np) {
-      b->oom = 1;
-      return;
-    }
-    b->p = np;
-    b->cap = cap;
-  }
-}
-
-typedef struct {
-  sbuf *b;
+  coord_text *b;
   int count;
 } pend_ctx;
 
 static int pend_json(void *ctx, uint64_t id, const int *members, int n, int arrived) {
   pend_ctx *pc = ctx;
   if (pc->count >= 1000 || pc->b->len > COORD_STATUS_LIMIT) return 1; /* keep it bounded */
-  sb_printf(pc->b, "%s{\"id\":%llu,\"arrived\":%d,\"members\":[", pc->count ? "," : "",
-            (unsigned long long)id, arrived);
-  for (int i = 0; i < n; i++) sb_printf(pc->b, "%s%d", i ? "," : "", members[i]);
-  sb_printf(pc->b, "]}");
+  coord_printf(pc->b, "%s{\"id\":%llu,\"arrived\":%d,\"members\":[", pc->count ? "," : "",
+               (unsigned long long)id, arrived);
+  for (int i = 0; i < n; i++) coord_printf(pc->b, "%s%d", i ? "," : "", members[i]);
+  coord_printf(pc->b, "]}");
   pc->count++;
   return 0;
 }
 
 /* A non-negative finite number with fmt, else null. */
-static void sb_num(sbuf *b, const char *fmt, double v) {
-  if (isfinite(v) && v >= 0) sb_printf(b, fmt, v);
-  else sb_printf(b, "null");
+static void sb_num(coord_text *b, const char *fmt, double v) {
+  if (isfinite(v) && v >= 0) coord_printf(b, fmt, v);
+  else coord_printf(b, "null");
 }
 
 /* The step in progress of worker i: since it left the coordinator, while computing. */
@@ -464,62 +433,63 @@ static double busy_s(const coord_core *core, int i, const rpl_gg_worker_info *wi
 }
 
 /* Worker i's attribution fields (coord_attr.h), shared by every document that names it. */
-static void attr_fields(coord_core *core, sbuf *b, int i, const rpl_gg_worker_info *wi,
+static void attr_fields(coord_core *core, coord_text *b, int i, const rpl_gg_worker_info *wi,
                         double now) {
   const coord_attr_worker *x = &core->attr.w[i];
   char hb[32];
-  sb_printf(b, "\"host_name\":\"%s\",\"steps_per_s\":", coord_attr_host(core, i, hb, sizeof hb));
+  coord_printf(b, "\"host_name\":\"%s\",\"steps_per_s\":", coord_attr_host(core, i, hb, sizeof hb));
   sb_num(b, "%.3f", x->rate > 0 ? x->rate : -1);
-  sb_printf(b, ",\"busy_s\":");
+  coord_printf(b, ",\"busy_s\":");
   sb_num(b, "%.3f", busy_s(core, i, wi, now));
-  sb_printf(b, ",\"slowdown\":");
+  coord_printf(b, ",\"slowdown\":");
   sb_num(b, "%.3f", x->slowdown > 0 ? x->slowdown : -1);
-  sb_printf(b, ",\"slow\":%s,\"slow_since_step\":", x->slow ? "true" : "false");
-  if (x->slow) sb_printf(b, "%llu", (unsigned long long)x->slow_since);
-  else sb_printf(b, "null");
+  coord_printf(b, ",\"slow\":%s,\"slow_since_step\":", x->slow ? "true" : "false");
+  if (x->slow) coord_printf(b, "%llu", (unsigned long long)x->slow_since);
+  else coord_printf(b, "null");
 }
 
 /* A rank as the summaries name it: who, its step, its slowdown, groups of one, last seen. */
-static void rank_entry(coord_core *core, sbuf *b, int i, double now) {
+static void rank_entry(coord_core *core, coord_text *b, int i, double now) {
   rpl_gg_worker_info wi;
   rpl_error err;
   rpl_gg_worker(core->gg, i, &wi, &err);
   const coord_worker *w = &core->w[i];
-  sb_printf(b, "{\"rank\":%d,\"state\":\"%s\",\"requests\":%llu,\"step_s\":", i,
-            rpl_worker_state_name(wi.state), (unsigned long long)wi.requests);
+  coord_printf(b, "{\"rank\":%d,\"state\":\"%s\",\"requests\":%llu,\"step_s\":", i,
+               rpl_worker_state_name(wi.state), (unsigned long long)wi.requests);
   sb_num(b, "%.6f", wi.step);
-  sb_printf(b, ",\"handed\":%llu,\"singletons\":%llu,\"seen\":%s,\"silent_s\":%.3f,",
-            (unsigned long long)wi.handed, (unsigned long long)wi.singletons,
-            w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
+  coord_printf(b, ",\"handed\":%llu,\"singletons\":%llu,\"seen\":%s,\"silent_s\":%.3f,",
+               (unsigned long long)wi.handed, (unsigned long long)wi.singletons,
+               w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start);
   attr_fields(core, b, i, &wi, now);
-  sb_printf(b, "}");
+  coord_printf(b, "}");
 }
 
 /* "attribution":{...}: the median step and the slowest ranks (coord_attr_refresh). */
-static void attribution_json(coord_core *core, sbuf *b, double now) {
+static void attribution_json(coord_core *core, coord_text *b, double now) {
   const coord_attr *a = &core->attr;
-  sb_printf(b, "\"attribution\":{\"median_step_s\":");
+  coord_printf(b, "\"attribution\":{\"median_step_s\":");
   sb_num(b, "%.6f", a->median > 0 ? a->median : -1);
-  sb_printf(b, ",\"known\":%d,\"slow\":%d,\"slow_at\":%.1f,\"slowest\":[", a->known, a->nslow,
-            COORD_SLOW_AT);
+  coord_printf(b, ",\"known\":%d,\"slow\":%d,\"slow_at\":%.1f,\"slowest\":[", a->known, a->nslow,
+               COORD_SLOW_AT);
   for (int k = 0; k < a->ntop; k++) {
-    if (k) sb_printf(b, ",");
+    if (k) coord_printf(b, ",");
     rank_entry(core, b, a->top[k], now);
   }
-  sb_printf(b, "]}");
+  coord_printf(b, "]}");
 }
 
 char *coord_core_rank_json(coord_core *core, int rank, double now, size_t *len) {
-  sbuf b = {malloc(4096), 0, 4096, 0};
-  if (!b.p) return NULL;
+  coord_text b;
+  if (coord_text_init(&b, 4096) != 0) return NULL;
   coord_attr_refresh(core, now, 0);
-  sb_printf(&b, "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"uptime_s\":%.3f,\"rank\":%d,",
-            RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
-            now - core->start, rank);
+  coord_printf(&b,
+               "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"uptime_s\":%.3f,\"rank\":%d,",
+               RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
+               now - core->start, rank);
   attribution_json(core, &b, now);
-  sb_printf(&b, ",\"self\":");
+  coord_printf(&b, ",\"self\":");
   rank_entry(core, &b, rank, now);
-  sb_printf(&b, "}");
+  coord_printf(&b, "}");
   if (b.oom) {
     free(b.p);
     return NULL;
@@ -529,80 +499,80 @@ char *coord_core_rank_json(coord_core *core, int rank, double now, size_t *len) 
 }
 
 char *coord_core_status_json(coord_core *core, double now, size_t *len) {
-  sbuf b = {malloc(4096), 0, 4096, 0};
-  if (!b.p) return NULL;
+  coord_text b;
+  if (coord_text_init(&b, 4096) != 0) return NULL;
   coord_attr_refresh(core, now, 0);
   rpl_gg_stats st;
   rpl_gg_get_stats(core->gg, &st);
-  sb_printf(&b,
-            "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"group_size\":%d,"
-            "\"c_thres\":%d,\"inter_intra\":%s,\"heartbeat_ms\":%u,\"dead_ms\":%u,"
-            "\"standby\":%s,\"uptime_s\":%.3f,\"period_max\":%d,\"period\":%u,",
-            RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
-            rpl_gg_group_size(core->gg), rpl_gg_c_thres(core->gg),
-            rpl_gg_inter_intra(core->gg) ? "true" : "false", core->heartbeat_ms, core->dead_ms,
-            core->standby ? "true" : "false", now - core->start, rpl_gg_period_max(core->gg),
-            st.period);
-  sb_printf(&b,
-            "\"counters\":{\"messages\":%llu,\"malformed\":%llu,\"bad_token\":%llu,"
-            "\"errors_sent\":%llu,\"dead_declared\":%llu,\"send_failures\":%llu,"
-            "\"requests\":%llu,\"groups_created\":%llu,\"groups_handed\":%llu,"
-            "\"groups_cancelled\":%llu,\"singletons_handed\":%llu,\"divisions\":%llu,"
-            "\"filtered\":%llu,\"conflicts\":%llu,\"implicit_dones\":%llu,"
-            "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
-            "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
-            "\"period_drops\":%llu,\"wrong_route\":%llu,\"replayed\":%llu,\"rebinds\":%llu,"
-            "\"bad_token_quiet\":%llu,\"late_dropped\":%llu},",
-            (unsigned long long)atomic_load(&core->messages),
-            (unsigned long long)atomic_load(&core->malformed),
-            (unsigned long long)atomic_load(&core->bad_token),
-            (unsigned long long)atomic_load(&core->errors_sent),
-            (unsigned long long)atomic_load(&core->dead_declared),
-            (unsigned long long)atomic_load(&core->send_failures),
-            (unsigned long long)st.requests, (unsigned long long)st.groups_created,
-            (unsigned long long)st.groups_handed, (unsigned long long)st.groups_cancelled,
-            (unsigned long long)st.singletons_handed, (unsigned long long)st.divisions,
-            (unsigned long long)st.filtered, (unsigned long long)st.conflicts,
-            (unsigned long long)st.implicit_dones, (unsigned long long)st.stale_dones,
-            (unsigned long long)st.pending, (unsigned long long)st.deferred,
-            (unsigned long long)st.wait_expired, (unsigned long long)st.isolation_holds,
-            (unsigned long long)st.joins, (unsigned long long)st.late,
-            (unsigned long long)st.passes, (unsigned long long)st.period_drops,
-            (unsigned long long)atomic_load(&core->wrong_route),
-            (unsigned long long)atomic_load(&core->replayed),
-            (unsigned long long)atomic_load(&core->rebinds),
-            (unsigned long long)atomic_load(&core->bad_token_quiet),
-            (unsigned long long)st.late_dropped);
+  coord_printf(&b,
+               "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"group_size\":%d,"
+               "\"c_thres\":%d,\"inter_intra\":%s,\"heartbeat_ms\":%u,\"dead_ms\":%u,"
+               "\"standby\":%s,\"uptime_s\":%.3f,\"period_max\":%d,\"period\":%u,",
+               RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
+               rpl_gg_group_size(core->gg), rpl_gg_c_thres(core->gg),
+               rpl_gg_inter_intra(core->gg) ? "true" : "false", core->heartbeat_ms, core->dead_ms,
+               core->standby ? "true" : "false", now - core->start, rpl_gg_period_max(core->gg),
+               st.period);
+  coord_printf(&b,
+               "\"counters\":{\"messages\":%llu,\"malformed\":%llu,\"bad_token\":%llu,"
+               "\"errors_sent\":%llu,\"dead_declared\":%llu,\"send_failures\":%llu,"
+               "\"requests\":%llu,\"groups_created\":%llu,\"groups_handed\":%llu,"
+               "\"groups_cancelled\":%llu,\"singletons_handed\":%llu,\"divisions\":%llu,"
+               "\"filtered\":%llu,\"conflicts\":%llu,\"implicit_dones\":%llu,"
+               "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
+               "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
+               "\"period_drops\":%llu,\"wrong_route\":%llu,\"replayed\":%llu,\"rebinds\":%llu,"
+               "\"bad_token_quiet\":%llu,\"late_dropped\":%llu},",
+               (unsigned long long)atomic_load(&core->messages),
+               (unsigned long long)atomic_load(&core->malformed),
+               (unsigned long long)atomic_load(&core->bad_token),
+               (unsigned long long)atomic_load(&core->errors_sent),
+               (unsigned long long)atomic_load(&core->dead_declared),
+               (unsigned long long)atomic_load(&core->send_failures),
+               (unsigned long long)st.requests, (unsigned long long)st.groups_created,
+               (unsigned long long)st.groups_handed, (unsigned long long)st.groups_cancelled,
+               (unsigned long long)st.singletons_handed, (unsigned long long)st.divisions,
+               (unsigned long long)st.filtered, (unsigned long long)st.conflicts,
+               (unsigned long long)st.implicit_dones, (unsigned long long)st.stale_dones,
+               (unsigned long long)st.pending, (unsigned long long)st.deferred,
+               (unsigned long long)st.wait_expired, (unsigned long long)st.isolation_holds,
+               (unsigned long long)st.joins, (unsigned long long)st.late,
+               (unsigned long long)st.passes, (unsigned long long)st.period_drops,
+               (unsigned long long)atomic_load(&core->wrong_route),
+               (unsigned long long)atomic_load(&core->replayed),
+               (unsigned long long)atomic_load(&core->rebinds),
+               (unsigned long long)atomic_load(&core->bad_token_quiet),
+               (unsigned long long)st.late_dropped);
   attribution_json(core, &b, now);
-  sb_printf(&b, ",\"workers\":[");
+  coord_printf(&b, ",\"workers\":[");
   int listed = 0;
   for (int i = 0; i < core->nworkers && b.len <= COORD_STATUS_LIMIT; i++, listed++) {
     rpl_gg_worker_info wi;
     rpl_error err;
     rpl_gg_worker(core->gg, i, &wi, &err);
     const coord_worker *w = &core->w[i];
-    sb_printf(&b,
-              "%s{\"rank\":%d,\"state\":\"%s\",\"host\":%d,\"host_label\":%d,\"requests\":%llu,"
-              "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
-              "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
-              "\"lonely_max\":%u,\"deferred\":%s,\"passes\":%llu,\"step_s\":%.6f,\"seen\":%s,"
-              "\"silent_s\":%.3f,\"bound\":%s,",
-              i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
-              (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
-              (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
-              (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
-              (unsigned long long)wi.singletons, wi.lonely, wi.lonely_max,
-              wi.deferred ? "true" : "false", (unsigned long long)wi.passes, wi.step,
-              w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start,
-              w->route_len ? "true" : "false");
+    coord_printf(&b,
+                 "%s{\"rank\":%d,\"state\":\"%s\",\"host\":%d,\"host_label\":%d,\"requests\":%llu,"
+                 "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
+                 "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
+                 "\"lonely_max\":%u,\"deferred\":%s,\"passes\":%llu,\"step_s\":%.6f,\"seen\":%s,"
+                 "\"silent_s\":%.3f,\"bound\":%s,",
+                 i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
+                 (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
+                 (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
+                 (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
+                 (unsigned long long)wi.singletons, wi.lonely, wi.lonely_max,
+                 wi.deferred ? "true" : "false", (unsigned long long)wi.passes, wi.step,
+                 w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start,
+                 w->route_len ? "true" : "false");
     attr_fields(core, &b, i, &wi, now);
-    sb_printf(&b, "}");
+    coord_printf(&b, "}");
   }
-  sb_printf(&b, "],\"workers_omitted\":%d,\"pending\":[", core->nworkers - listed);
+  coord_printf(&b, "],\"workers_omitted\":%d,\"pending\":[", core->nworkers - listed);
   pend_ctx pc = {&b, 0};
   rpl_gg_foreach_pending(core->gg, pend_json, &pc);
-  sb_printf(&b, "],\"pending_omitted\":%llu}",
-            (unsigned long long)(st.pending > (uint64_t)pc.count ? st.pending - pc.count : 0));
+  coord_printf(&b, "],\"pending_omitted\":%llu}",
+               (unsigned long long)(st.pending > (uint64_t)pc.count ? st.pending - pc.count : 0));
   if (b.oom) {
     free(b.p);
     return NULL;

@@ -5,12 +5,12 @@
  * text all the same: a small JSON reader with bounds on every length and on nesting, that
  * only keeps the fields the table shows and skips the rest. */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "../csrc/sched/sched_internal.h"
+#include "common.h"
+#include "coord_text.h"
 #include "rpl_coord.h"
 
 #define MAX_DEPTH 16
@@ -314,28 +314,12 @@ static void cells(const row *w, char c[NCOLS][CELL]) {
     c[C_NOTE][0] = '\0';
 }
 
-typedef struct {
-  char *p;
-  size_t len, cap;
-  int oom;
-} text;
-
-static RPL_PRINTF(2, 3) void put(text *t, const char *fmt, ...) {
-  if (t->oom) return;
-  va_list ap;
-  va_start(ap, fmt);
-  int n = vsnprintf(t->p + t->len, t->cap - t->len, fmt, ap);
-  va_end(ap);
-  if (n < 0 || (size_t)n >= t->cap - t->len) t->oom = 1; /* sized up front: cannot happen */
-  else t->len += (size_t)n;
-}
-
-static void put_row(text *t, char c[NCOLS][CELL], const int *width) {
+static void put_row(coord_text *t, char c[NCOLS][CELL], const int *width) {
   int last = NCOLS - 1;
   while (last > 0 && !c[last][0]) last--;
   for (int k = 0; k <= last; k++)
-    put(t, k < last ? (LEFT[k] ? "%-*s  " : "%*s  ") : (LEFT[k] ? "%-*s\n" : "%*s\n"),
-        k < last || !LEFT[k] ? width[k] : 0, c[k]);
+    coord_printf(t, k < last ? (LEFT[k] ? "%-*s  " : "%*s  ") : (LEFT[k] ? "%-*s\n" : "%*s\n"),
+                 k < last || !LEFT[k] ? width[k] : 0, c[k]);
 }
 
 rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_error *err) {
@@ -345,7 +329,7 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
   memset(&d, 0, sizeof d);
   if (!json || !read_doc(&r, &d)) {
     free(d.rows);
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "not a coordinator status document");
+    return rpl_fail(err, RPL_ERR_INVALID, "not a coordinator status document");
   }
   int width[NCOLS];
   char c[NCOLS][CELL];
@@ -357,18 +341,16 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
   }
   int line = 0;
   for (int k = 0; k < NCOLS; k++) line += width[k] + 2;
-  text t = {NULL, 0, (size_t)(d.nrows + 3) * (size_t)(line + 2) + 512, 0};
-  t.p = malloc(t.cap);
-  if (!t.p) {
+  coord_text t; /* sized for the whole table: it does not grow */
+  if (coord_text_init(&t, (size_t)(d.nrows + 3) * (size_t)(line + 2) + 512) != 0) {
     free(d.rows);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
   }
-  t.p[0] = '\0';
   char med[CELL];
   duration(med, d.have_median && d.median > 0 ? d.median : -1);
-  put(&t, "%s coordinator%s, %.0f workers, median step %s, up %.0f s\n",
-      d.policy[0] ? d.policy : "?", d.standby ? " (standby)" : "", d.nworkers, med,
-      d.uptime_s);
+  coord_printf(&t, "%s coordinator%s, %.0f workers, median step %s, up %.0f s\n",
+               d.policy[0] ? d.policy : "?", d.standby ? " (standby)" : "", d.nworkers, med,
+               d.uptime_s);
   for (int k = 0; k < NCOLS; k++) snprintf(c[k], CELL, "%s", HEAD[k]);
   put_row(&t, c, width);
   for (int i = 0; i < d.nrows; i++) {
@@ -376,12 +358,13 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
     put_row(&t, c, width);
   }
   if (d.omitted > 0)
-    put(&t, "(%.0f more workers not listed: the status document is bounded; see --json)\n",
-        d.omitted);
+    coord_printf(&t,
+                 "(%.0f more workers not listed: the status document is bounded; see --json)\n",
+                 d.omitted);
   free(d.rows);
   if (t.oom) {
     free(t.p);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "status table: output larger than sized");
+    return rpl_fail(err, RPL_ERR_NOMEM, "status table: output larger than sized");
   }
   *out = t.p;
   return RPL_OK;

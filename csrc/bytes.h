@@ -1,6 +1,7 @@
 /*
  * bytes.h - little-endian integers in byte buffers (internal to csrc/): what every wire format
- * of the core (frames, the link handshake, partial rounds) writes and reads.
+ * of the core (frames, the link handshake, partial rounds) and of the Group Generator's
+ * protocol (csrc/sched/proto.c) writes and reads.
  */
 #ifndef RPL_BYTES_H
 #define RPL_BYTES_H

@@ -1,4 +1,4 @@
-/* common.c - error formatting, clocks, thread names, enum names. */
+/* common.c - error formatting, clocks, thread names, enum names, a median. */
 #include "common.h"
 
 #include <errno.h>
@@ -78,6 +78,28 @@ const char *rpl_op_name(rpl_op_kind kind) {
     case RPL_OP_PARTIAL_ALLREDUCE: return "partial allreduce";
   }
   return "unknown-op";
+}
+
+double rpl_lower_median(double *v, int n) {
+  if (n <= 0) return 0;
+  int lo = 0, hi = n - 1, k = (n - 1) / 2;
+  while (lo < hi) {
+    double pivot = v[lo + (hi - lo) / 2];
+    int i = lo, j = hi;
+    while (i <= j) {
+      while (v[i] < pivot) i++;
+      while (v[j] > pivot) j--;
+      if (i <= j) {
+        double t = v[i];
+        v[i++] = v[j];
+        v[j--] = t;
+      }
+    }
+    if (k <= j) hi = j;
+    else if (k >= i) lo = i;
+    else break;
+  }
+  return v[k];
 }
 
 void rpl_cause_make(char *out, size_t cap, rpl_status code, int rank, const char *msg) {

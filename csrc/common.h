@@ -1,5 +1,6 @@
 /*
- * common.h - small helpers shared by the core's files (internal to csrc/).
+ * common.h - the lowest layer (library ripples_base): the one error formatter and small helpers
+ * shared by the core, the Group Generator (csrc/sched) and the coordinator. Not public API.
  */
 #ifndef RPL_COMMON_H
 #define RPL_COMMON_H
@@ -7,6 +8,9 @@
 #include <stdarg.h>
 
 #include "ripples.h"
+
+/* printf-style checking of a function's format (argument a) and its values (from b). */
+#define RPL_PRINTF(a, b) __attribute__((format(printf, a, b)))
 
 /* Fills `err` (which may be NULL) and returns `code`, so callers can `return rpl_fail(...)`. */
 rpl_status rpl_fail(rpl_error *err, rpl_status code, const char *fmt, ...)
@@ -28,6 +32,10 @@ void rpl_set_thread_name(const char *name);
  * the status (RPL_ERR_PEER for text without the prefix) and points *msg at the message. */
 void rpl_cause_make(char *out, size_t cap, rpl_status code, int rank, const char *msg);
 rpl_status rpl_cause_split(const char *cause, int *rank, const char **msg);
+
+/* The lower median of v[0..n) (its ((n-1)/2)-th smallest value), 0 if n <= 0. Reorders v;
+ * O(n) expected (Hoare's selection). v must hold no NaN. */
+double rpl_lower_median(double *v, int n);
 
 #define RPL_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define RPL_MAX(a, b) ((a) > (b) ? (a) : (b))

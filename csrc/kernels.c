@@ -17,9 +17,9 @@
  */
 #include "kernels.h"
 
-#include <stdarg.h>
-#include <stdio.h>
 #include <string.h>
+
+#include "common.h"
 
 /* Elements per block. Large enough to amortise the per-block call, small enough that the
  * stack buffers (at most two float32/float64 blocks, 16 KiB) and the touched slices of every
@@ -94,34 +94,20 @@ int rpl_dtype_is_floating(rpl_dtype dtype) {
          dtype == RPL_FLOAT64;
 }
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
-static rpl_status check_fail(rpl_error *err, const char *fmt, ...) {
-  if (err) {
-    va_list ap;
-    va_start(ap, fmt);
-    err->code = RPL_ERR_UNSUPPORTED;
-    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-    va_end(ap);
-  }
-  return RPL_ERR_UNSUPPORTED;
-}
-
 rpl_status rpl_reduce_check(rpl_dtype dtype, rpl_redop op, rpl_error *err) {
   /* Enum values arrive from the wire and from the shim: check the range explicitly. */
   if ((int)dtype < 0 || (int)dtype >= RPL_DTYPE_COUNT)
-    return check_fail(err, "unknown dtype %d", (int)dtype);
+    return rpl_fail(err, RPL_ERR_UNSUPPORTED, "unknown dtype %d", (int)dtype);
   if ((int)op < 0 || (int)op >= RPL_REDOP_COUNT)
-    return check_fail(err, "unknown ReduceOp %d", (int)op);
+    return rpl_fail(err, RPL_ERR_UNSUPPORTED, "unknown ReduceOp %d", (int)op);
   if (op == RPL_AVG && !rpl_dtype_is_floating(dtype))
-    return check_fail(err, "ReduceOp.%s needs a floating-point tensor; got %s", rpl_redop_name(op),
-                      rpl_dtype_name(dtype));
+    return rpl_fail(err, RPL_ERR_UNSUPPORTED, "ReduceOp.%s needs a floating-point tensor; got %s",
+                    rpl_redop_name(op), rpl_dtype_name(dtype));
   if ((op == RPL_BAND || op == RPL_BOR || op == RPL_BXOR) && rpl_dtype_is_floating(dtype))
-    return check_fail(err,
-                      "ReduceOp.%s is not defined for %s tensors (bitwise ops need an integer or "
-                      "bool dtype)",
-                      rpl_redop_name(op), rpl_dtype_name(dtype));
+    return rpl_fail(err, RPL_ERR_UNSUPPORTED,
+                    "ReduceOp.%s is not defined for %s tensors (bitwise ops need an integer or "
+                    "bool dtype)",
+                    rpl_redop_name(op), rpl_dtype_name(dtype));
   return RPL_OK;
 }
 

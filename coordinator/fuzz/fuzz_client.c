@@ -14,7 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../csrc/sched/sched_internal.h"
+#include "rpl_sched.h"
 
 #define FUZZ_WORKERS 5
 #define FUZZ_RANK 2

@@ -16,7 +16,10 @@ WHICH=${3:-all}
 CC=${FUZZ_CC:-$(command -v clang-14 || command -v clang || true)}
 if [ -z "$CC" ]; then echo "run_libfuzzer: clang not found" >&2; exit 77; fi
 INC=(-I"$ROOT/coordinator" -I"$ROOT/csrc/sched" -I"$ROOT/csrc")
-SCHED=("$ROOT/csrc/sched/layout.c" "$ROOT/csrc/sched/gg.c" "$ROOT/csrc/sched/proto.c")
+# ripples_sched's sources and ripples_base (csrc/common.c, the error formatter they use).
+SCHED=("$ROOT/csrc/sched/layout.c" "$ROOT/csrc/sched/gg.c" "$ROOT/csrc/sched/gg_generate.c"
+       "$ROOT/csrc/sched/gg_speed.c" "$ROOT/csrc/sched/gg_partners.c" "$ROOT/csrc/sched/proto.c"
+       "$ROOT/csrc/common.c")
 
 run() { # name, sources..., -- link flags...
   local name=$1; shift
@@ -38,7 +41,7 @@ run() { # name, sources..., -- link flags...
 
 if [ "$WHICH" = all ] || [ "$WHICH" = coord ]; then
   run coord "$HERE/fuzz_coord.c" "$ROOT/coordinator/coord_core.c" "$ROOT/coordinator/coord_attr.c" \
-    "$ROOT/coordinator/status_table.c" "${SCHED[@]}" --
+    "$ROOT/coordinator/coord_text.c" "$ROOT/coordinator/status_table.c" "${SCHED[@]}" -- -lpthread
 fi
 if [ "$WHICH" = all ] || [ "$WHICH" = client ]; then
   run client "$HERE/fuzz_client.c" "$ROOT/csrc/sched/client.c" "${SCHED[@]}" -- -lzmq -lpthread

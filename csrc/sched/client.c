@@ -61,23 +61,23 @@ static double now_s(void) {
 }
 
 static rpl_status zfail(rpl_error *err, const char *what, const char *endpoint) {
-  return rpl_sched_fail(err, RPL_ERR_SYSTEM, "group generator client: %s (%s): %s", what,
-                        endpoint ? endpoint : "", zmq_strerror(zmq_errno()));
+  return rpl_fail(err, RPL_ERR_SYSTEM, "group generator client: %s (%s): %s", what,
+                  endpoint ? endpoint : "", zmq_strerror(zmq_errno()));
 }
 
 static rpl_status send_msg(void *sock, rpl_msg *m, const int *members, rpl_error *err,
                            const char *endpoint) {
   if (!sock) /* between a lost coordinator and a successful failover */
-    return rpl_sched_fail(err, RPL_ERR_PEER, "no group generator connected (last: %s)",
-                          endpoint ? endpoint : "");
+    return rpl_fail(err, RPL_ERR_PEER, "no group generator connected (last: %s)",
+                    endpoint ? endpoint : "");
   uint8_t small[128];
   size_t need = rpl_msg_encoded_size(m);
   uint8_t *b = need <= sizeof small ? small : malloc(need);
-  if (!b) return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+  if (!b) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
   size_t len = rpl_msg_encode(m, members, b, need);
   int rc = len ? zmq_send(sock, b, len, ZMQ_DONTWAIT) : -1;
   if (b != small) free(b);
-  if (!len) return rpl_sched_fail(err, RPL_ERR_INVALID, "cannot encode %s", rpl_msg_type_name(m->type));
+  if (!len) return rpl_fail(err, RPL_ERR_INVALID, "cannot encode %s", rpl_msg_type_name(m->type));
   if (rc < 0) return zfail(err, "send", endpoint);
   return RPL_OK;
 }
@@ -95,8 +95,8 @@ static uint32_t next_seq(rpl_gg_client *c) { return atomic_fetch_add(&c->seq, 1)
 /* Error text carried by an ERROR reply, as a status for the caller. */
 static rpl_status from_error_reply(const rpl_msg *m, const char *endpoint, rpl_error *err) {
   rpl_status code = m->code == RPL_PERR_LEFT ? RPL_ERR_CLOSED : RPL_ERR_INVALID;
-  return rpl_sched_fail(err, code, "group generator at %s refused: %.*s", endpoint,
-                        (int)(m->text_len > 400 ? 400 : m->text_len), m->text ? m->text : "");
+  return rpl_fail(err, code, "group generator at %s refused: %.*s", endpoint,
+                  (int)(m->text_len > 400 ? 400 : m->text_len), m->text ? m->text : "");
 }
 
 /* ---- reply handling without sockets (fuzzed: coordinator/fuzz/fuzz_client.c) ------------- */
@@ -118,8 +118,8 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
       return RPL_REPLY_RETRY; /* a member fenced, left or died before the group started */
     case RPL_MSG_ERROR:
       if (m->code == RPL_PERR_NOT_REGISTERED) {
-        rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s does not know this worker "
-                       "(it restarted)", endpoint);
+        rpl_fail(err, RPL_ERR_PEER, "group generator at %s does not know this worker "
+                 "(it restarted)", endpoint);
         return RPL_REPLY_LOST;
       }
       from_error_reply(m, endpoint, err);
@@ -127,7 +127,7 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
     case RPL_MSG_PASS:
       if (m->round != round) break;
       if (cap < 1) {
-        rpl_sched_fail(err, RPL_ERR_INVALID, "group of 1 member, buffer holds %d", cap);
+        rpl_fail(err, RPL_ERR_INVALID, "group of 1 member, buffer holds %d", cap);
         *n = 1;
         return RPL_REPLY_FAIL;
       }
@@ -139,8 +139,8 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
       if (m->round != round) break;
       if ((int)m->nmembers > cap) {
         *n = (int)m->nmembers;
-        rpl_sched_fail(err, RPL_ERR_INVALID, "group of %u members, buffer holds %d",
-                       m->nmembers, cap);
+        rpl_fail(err, RPL_ERR_INVALID, "group of %u members, buffer holds %d",
+                 m->nmembers, cap);
         return RPL_REPLY_FAIL;
       }
       int self = 0;
@@ -149,7 +149,7 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
         self |= members[i] == rank;
       }
       if (!self) {
-        rpl_sched_fail(err, RPL_ERR_PEER, "group generator sent a group without rank %d", rank);
+        rpl_fail(err, RPL_ERR_PEER, "group generator sent a group without rank %d", rank);
         return RPL_REPLY_FAIL;
       }
       *n = (int)m->nmembers;
@@ -159,8 +159,8 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
     default:
       break;
   }
-  rpl_sched_fail(err, RPL_ERR_PEER, "group generator answered a request with %s",
-                 rpl_msg_type_name(m->type));
+  rpl_fail(err, RPL_ERR_PEER, "group generator answered a request with %s",
+           rpl_msg_type_name(m->type));
   return RPL_REPLY_FAIL;
 }
 
@@ -184,10 +184,10 @@ static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_T
                              const char *endpoint, rpl_msg *m, rpl_error *err) {
   for (;;) {
     double left = deadline - now_s();
-    if (left <= 0) return rpl_sched_fail(err, RPL_ERR_TIMEOUT, "timed out");
+    if (left <= 0) return rpl_fail(err, RPL_ERR_TIMEOUT, "timed out");
     if (lost && atomic_load(lost))
-      return rpl_sched_fail(err, RPL_ERR_PEER,
-                            "group generator at %s stopped answering heartbeats", endpoint);
+      return rpl_fail(err, RPL_ERR_PEER,
+                      "group generator at %s stopped answering heartbeats", endpoint);
     long ms = (long)(left * 1000.0) + 1;
     if (ms > 100) ms = 100; /* wake up to notice a lost coordinator */
     zmq_pollitem_t it = {sock, 0, ZMQ_POLLIN, 0};
@@ -273,8 +273,8 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
   } else if (zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, c->rid, sizeof c->rid) != 0) {
     st = zfail(err, "routing id", c->endpoint);
   } else if (zmq_connect(c->sock, c->endpoint) != 0) {
-    st = rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
-                        c->endpoint, zmq_strerror(zmq_errno()));
+    st = rpl_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
+                  c->endpoint, zmq_strerror(zmq_errno()));
   } else {
     double deadline = now_s() + hello_ms / 1000.0;
     for (;;) {
@@ -295,21 +295,21 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
       nanosleep(&pause, NULL);
     }
     if (st == RPL_ERR_TIMEOUT)
-      st = rpl_sched_fail(err, RPL_ERR_PEER,
-                          "group generator at %s did not answer within %d ms (not running, wrong "
-                          "endpoint, or unreachable)", c->endpoint, hello_ms);
+      st = rpl_fail(err, RPL_ERR_PEER,
+                    "group generator at %s did not answer within %d ms (not running, wrong "
+                    "endpoint, or unreachable)", c->endpoint, hello_ms);
     else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
       st = from_error_reply(&m, c->endpoint, err);
     else if (st == RPL_OK && m.type != RPL_MSG_HELLO_ACK)
-      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
-                          c->endpoint, rpl_msg_type_name(m.type));
+      st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
+                    c->endpoint, rpl_msg_type_name(m.type));
   }
   if (st == RPL_OK) {
     c->dead_ms = m.dead_ms ? m.dead_ms : 10000;
     atomic_store(&c->lost, 0);
     if (c->heartbeat_ms > 0) {
       if (pthread_create(&c->beat, NULL, beat_main, c) != 0)
-        st = rpl_sched_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
+        st = rpl_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
       else
         c->beat_started = 1;
     }
@@ -343,9 +343,9 @@ static void detach(rpl_gg_client *c, int linger_ms) {
 static rpl_status failover(rpl_gg_client *c, rpl_error *err) {
   double t = now_s();
   if (t < c->next_failover)
-    return rpl_sched_fail(err, RPL_ERR_PEER,
-                          "no group generator answered at %s (the last one tried); the next "
-                          "attempt is in %.1f s", c->endpoint, c->next_failover - t);
+    return rpl_fail(err, RPL_ERR_PEER,
+                    "no group generator answered at %s (the last one tried); the next "
+                    "attempt is in %.1f s", c->endpoint, c->next_failover - t);
   detach(c, 0);
   int hello_ms = c->timeout_ms < FAILOVER_HELLO_MS ? c->timeout_ms : FAILOVER_HELLO_MS;
   rpl_error e;
@@ -364,9 +364,9 @@ static rpl_status failover(rpl_gg_client *c, rpl_error *err) {
     *err = e;
     return st;
   }
-  return rpl_sched_fail(err, RPL_ERR_PEER,
-                        "lost the group generator, and none of its %d endpoint(s) answered "
-                        "within %d ms (last: %s)", c->neps, hello_ms, c->endpoint);
+  return rpl_fail(err, RPL_ERR_PEER,
+                  "lost the group generator, and none of its %d endpoint(s) answered "
+                  "within %d ms (last: %s)", c->neps, hello_ms, c->endpoint);
 }
 
 /* Splits "a,b,c" into c->eps. */
@@ -396,14 +396,14 @@ rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client *
                                 rpl_error *err) {
   *out = NULL;
   if (!cfg || !cfg->endpoint || !*cfg->endpoint)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: no endpoint");
+    return rpl_fail(err, RPL_ERR_INVALID, "group generator client: no endpoint");
   if (cfg->nworkers < 1 || cfg->nworkers > RPL_SCHED_MAX_WORKERS || cfg->rank < 0 ||
       cfg->rank >= cfg->nworkers)
-    return rpl_sched_fail(err, RPL_ERR_INVALID,
-                          "group generator client: rank %d / nworkers %d out of range",
-                          cfg->rank, cfg->nworkers);
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "group generator client: rank %d / nworkers %d out of range",
+                    cfg->rank, cfg->nworkers);
   rpl_gg_client *c = calloc(1, sizeof *c);
-  if (!c) return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+  if (!c) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
   rpl_status st = rpl_token_from_hex(cfg->token_hex, c->token, err);
   if (st != RPL_OK) {
     free(c);
@@ -419,12 +419,12 @@ rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client *
   c->heartbeat_ms = cfg->heartbeat_ms == 0 ? 1000 : cfg->heartbeat_ms;
   if (!c->buf || parse_endpoints(c, cfg->endpoint) != 0) {
     rpl_gg_client_destroy(c);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
   }
   if (c->neps == 0) {
     rpl_gg_client_destroy(c);
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "group generator client: no endpoint in '%s'",
-                          cfg->endpoint);
+    return rpl_fail(err, RPL_ERR_INVALID, "group generator client: no endpoint in '%s'",
+                    cfg->endpoint);
   }
   c->endpoint = c->eps[0];
   c->ctx = cfg->zmq_context;
@@ -488,14 +488,14 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
       snprintf(was, sizeof was, "%s", c->endpoint);
       rpl_error e2;
       if (failover(c, &e2) == RPL_OK)
-        st = rpl_sched_fail(err, RPL_ERR_PEER,
-                            "the group generator at %s was lost (no answer to heartbeats, or "
-                            "it restarted): round %llu not served; the next rounds go to %s",
-                            was, (unsigned long long)round, c->endpoint);
+        st = rpl_fail(err, RPL_ERR_PEER,
+                      "the group generator at %s was lost (no answer to heartbeats, or "
+                      "it restarted): round %llu not served; the next rounds go to %s",
+                      was, (unsigned long long)round, c->endpoint);
       else
-        st = rpl_sched_fail(err, RPL_ERR_PEER,
-                            "the group generator at %s stopped answering heartbeats: round "
-                            "%llu not served (%s)", was, (unsigned long long)round, e2.msg);
+        st = rpl_fail(err, RPL_ERR_PEER,
+                      "the group generator at %s stopped answering heartbeats: round "
+                      "%llu not served (%s)", was, (unsigned long long)round, e2.msg);
       break;
     }
     if (st == RPL_ERR_TIMEOUT) {
@@ -503,9 +503,9 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
       rpl_error e2;
       send_simple(c, RPL_MSG_FENCE, NULL, &e2);
       send_simple(c, RPL_MSG_UNFENCE, NULL, &e2);
-      st = rpl_sched_fail(err, RPL_ERR_TIMEOUT,
-                          "no group from the group generator at %s for round %llu within %d ms",
-                          c->endpoint, (unsigned long long)round, c->request_timeout_ms);
+      st = rpl_fail(err, RPL_ERR_TIMEOUT,
+                    "no group from the group generator at %s for round %llu within %d ms",
+                    c->endpoint, (unsigned long long)round, c->request_timeout_ms);
       break;
     }
     if (st != RPL_OK) break;
@@ -565,8 +565,8 @@ rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {
     st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq,
                     now_s() + wait_ms / 1000.0, NULL, c->endpoint, &m, err);
   if (st == RPL_ERR_TIMEOUT)
-    st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s did not acknowledge LEAVE "
-                        "within %d ms", c->endpoint, wait_ms);
+    st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s did not acknowledge LEAVE "
+                  "within %d ms", c->endpoint, wait_ms);
   else if (st == RPL_OK && m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED)
     st = RPL_OK; /* a restarted coordinator never knew us: nothing to leave */
   else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
@@ -618,8 +618,8 @@ static rpl_status query_one(const char *endpoint, const uint8_t token[RPL_TOKEN_
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
   if (zmq_connect(s, endpoint) != 0) {
-    st = rpl_sched_fail(err, RPL_ERR_INVALID, "cannot connect to '%s': %s", endpoint,
-                        zmq_strerror(zmq_errno()));
+    st = rpl_fail(err, RPL_ERR_INVALID, "cannot connect to '%s': %s", endpoint,
+                  zmq_strerror(zmq_errno()));
     goto out;
   }
   rpl_msg m;
@@ -634,8 +634,8 @@ static rpl_status query_one(const char *endpoint, const uint8_t token[RPL_TOKEN_
     zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
     int rc = zmq_poll(&it, 1, timeout_ms);
     if (rc <= 0) {
-      st = rpl_sched_fail(err, RPL_ERR_PEER, "group generator at %s did not answer within %d ms",
-                          endpoint, timeout_ms);
+      st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s did not answer within %d ms",
+                    endpoint, timeout_ms);
       goto out;
     }
     int n = zmq_msg_recv(&in, s, 0);
@@ -650,7 +650,7 @@ static rpl_status query_one(const char *endpoint, const uint8_t token[RPL_TOKEN_
     if (m.type != RPL_MSG_STATUS_REPLY) continue;
     *json = malloc((size_t)m.text_len + 1);
     if (!*json) {
-      st = rpl_sched_fail(err, RPL_ERR_NOMEM, "out of memory");
+      st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
       goto out;
     }
     memcpy(*json, m.text, m.text_len);
@@ -681,9 +681,9 @@ rpl_status rpl_gg_query_rank_status(const char *endpoints, const char *token_hex
   rpl_status st = rpl_token_from_hex(token_hex, token, err);
   if (st != RPL_OK) return st;
   if (rank < 0)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "rank %d: a rank's summary needs a rank", rank);
+    return rpl_fail(err, RPL_ERR_INVALID, "rank %d: a rank's summary needs a rank", rank);
   if (!endpoints || !*endpoints)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "no coordinator endpoint");
+    return rpl_fail(err, RPL_ERR_INVALID, "no coordinator endpoint");
   if (timeout_ms <= 0) timeout_ms = 5000;
   int tried = 0;
   char one[512];
@@ -699,6 +699,6 @@ rpl_status rpl_gg_query_rank_status(const char *endpoints, const char *token_hex
     }
     p = e ? e + 1 : p + n;
   }
-  if (!tried) return rpl_sched_fail(err, RPL_ERR_INVALID, "no usable endpoint in '%s'", endpoints);
+  if (!tried) return rpl_fail(err, RPL_ERR_INVALID, "no usable endpoint in '%s'", endpoints);
   return st; /* err: why the last one did not answer */
 }

@@ -58,8 +58,8 @@ rpl_status rpl_layout_create(int nworkers, const int *host_of, rpl_layout **out,
                              rpl_error *err) {
   *out = NULL;
   if (nworkers < 1 || nworkers > RPL_SCHED_MAX_WORKERS)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "layout: nworkers %d out of range [1, %d]",
-                          nworkers, RPL_SCHED_MAX_WORKERS);
+    return rpl_fail(err, RPL_ERR_INVALID, "layout: nworkers %d out of range [1, %d]",
+                    nworkers, RPL_SCHED_MAX_WORKERS);
   rpl_layout *l = calloc(1, sizeof *l);
   label_rank *lr = malloc(sizeof *lr * (size_t)nworkers);
   int *first = malloc(sizeof *first * (size_t)nworkers); /* dense index per sorted label run */
@@ -74,7 +74,7 @@ rpl_status rpl_layout_create(int nworkers, const int *host_of, rpl_layout **out,
     free(lr);
     free(first);
     rpl_layout_destroy(l);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "layout: out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "layout: out of memory");
   }
   for (int r = 0; r < nworkers; r++) {
     lr[r].label = host_of ? host_of[r] : 0;
@@ -92,7 +92,7 @@ rpl_status rpl_layout_create(int nworkers, const int *host_of, rpl_layout **out,
     free(lr);
     free(first);
     rpl_layout_destroy(l);
-    return rpl_sched_fail(err, RPL_ERR_NOMEM, "layout: out of memory");
+    return rpl_fail(err, RPL_ERR_NOMEM, "layout: out of memory");
   }
   /* Key: lowest rank of run k; ranks are unique, so an array indexed by rank sorts it. */
   int *run_of_min = l->by_host; /* borrowed as scratch: filled properly below */
@@ -126,12 +126,12 @@ rpl_status rpl_layout_create_uniform(int nworkers, int per_host, rpl_layout **ou
                                      rpl_error *err) {
   *out = NULL;
   if (per_host < 1)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "layout: per_host %d must be >= 1", per_host);
+    return rpl_fail(err, RPL_ERR_INVALID, "layout: per_host %d must be >= 1", per_host);
   if (nworkers < 1 || nworkers > RPL_SCHED_MAX_WORKERS)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "layout: nworkers %d out of range [1, %d]",
-                          nworkers, RPL_SCHED_MAX_WORKERS);
+    return rpl_fail(err, RPL_ERR_INVALID, "layout: nworkers %d out of range [1, %d]",
+                    nworkers, RPL_SCHED_MAX_WORKERS);
   int *labels = malloc(sizeof *labels * (size_t)nworkers);
-  if (!labels) return rpl_sched_fail(err, RPL_ERR_NOMEM, "layout: out of memory");
+  if (!labels) return rpl_fail(err, RPL_ERR_NOMEM, "layout: out of memory");
   for (int r = 0; r < nworkers; r++) labels[r] = r / per_host;
   rpl_status st = rpl_layout_create(nworkers, labels, out, err);
   free(labels);
@@ -176,8 +176,8 @@ static int cross_local(int host_size) { return host_size >= 2 ? 1 : 0; }
 rpl_status rpl_static_group(const rpl_layout *l, int rank, uint64_t round, int *members,
                             int cap, int *n, uint64_t *group_id, rpl_error *err) {
   if (rank < 0 || rank >= l->nworkers)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "static: rank %d out of range [0, %d)", rank,
-                          l->nworkers);
+    return rpl_fail(err, RPL_ERR_INVALID, "static: rank %d out of range [0, %d)", rank,
+                    l->nworkers);
   int h = l->host[rank], j = l->local[rank], L = rpl_layout_host_size(l, h), H = l->nhosts;
   int phase = (int)(round % RPL_STATIC_PERIOD);
   int need;
@@ -223,6 +223,6 @@ rpl_status rpl_static_group(const rpl_layout *l, int rank, uint64_t round, int *
   return RPL_OK;
 short_buf:
   *n = need;
-  return rpl_sched_fail(err, RPL_ERR_INVALID, "static: group of %d members, buffer holds %d",
-                        need, cap);
+  return rpl_fail(err, RPL_ERR_INVALID, "static: group of %d members, buffer holds %d",
+                  need, cap);
 }

@@ -6,27 +6,8 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include "bytes.h"
 #include "sched_internal.h"
-
-static uint32_t rd32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t rd64(const uint8_t *p) { return (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32; }
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static void wr32(uint8_t *p, uint32_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-  p[2] = (uint8_t)(v >> 16);
-  p[3] = (uint8_t)(v >> 24);
-}
-static void wr64(uint8_t *p, uint64_t v) {
-  wr32(p, (uint32_t)v);
-  wr32(p + 4, (uint32_t)(v >> 32));
-}
-static void wr16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
 
 const char *rpl_msg_type_name(int t) {
   static const char *names[] = {"?",         "HELLO",  "HELLO_ACK", "REQUEST",      "GROUP",
@@ -69,104 +50,104 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
   int maxw = (max_workers > 0 && max_workers <= RPL_SCHED_MAX_WORKERS) ? max_workers
                                                                       : RPL_SCHED_MAX_WORKERS;
   if (!buf || len < RPL_PROTO_HEADER)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "message of %zu bytes, shorter than the %d-byte "
-                          "header", len, RPL_PROTO_HEADER);
-  if (rd32(p) != RPL_PROTO_MAGIC)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "bad magic 0x%08x", rd32(p));
+    return rpl_fail(err, RPL_ERR_INVALID, "message of %zu bytes, shorter than the %d-byte "
+                    "header", len, RPL_PROTO_HEADER);
+  if (rpl_get32(p) != RPL_PROTO_MAGIC)
+    return rpl_fail(err, RPL_ERR_INVALID, "bad magic 0x%08x", rpl_get32(p));
   if (p[4] != RPL_PROTO_VERSION)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "protocol version %u, this side speaks %d",
-                          p[4], RPL_PROTO_VERSION);
+    return rpl_fail(err, RPL_ERR_INVALID, "protocol version %u, this side speaks %d",
+                    p[4], RPL_PROTO_VERSION);
   int type = p[5];
   if (type < 1 || type > RPL_MSG_TYPE_MAX)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "unknown message type %d", type);
-  if (rd16(p + 6) != 0)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "non-zero flags 0x%04x", rd16(p + 6));
-  uint32_t body = rd32(p + 8);
+    return rpl_fail(err, RPL_ERR_INVALID, "unknown message type %d", type);
+  if (rpl_get16(p + 6) != 0)
+    return rpl_fail(err, RPL_ERR_INVALID, "non-zero flags 0x%04x", rpl_get16(p + 6));
+  uint32_t body = rpl_get32(p + 8);
   if (body > RPL_PROTO_MAX_BODY || (size_t)body != len - RPL_PROTO_HEADER)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: body length %u, message carries %zu",
-                          rpl_msg_type_name(type), body, len - RPL_PROTO_HEADER);
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: body length %u, message carries %zu",
+                    rpl_msg_type_name(type), body, len - RPL_PROTO_HEADER);
   m->type = (uint8_t)type;
-  m->rank = (int32_t)rd32(p + 12);
-  m->seq = rd32(p + 16);
+  m->rank = (int32_t)rpl_get32(p + 12);
+  m->seq = rpl_get32(p + 16);
   memcpy(m->token, p + 20, RPL_TOKEN_LEN);
   if (m->rank < -1 || m->rank >= maxw || (from_worker(type) && m->rank < 0))
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: rank %d out of range [0, %d)",
-                          rpl_msg_type_name(type), (int)m->rank, maxw);
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d out of range [0, %d)",
+                    rpl_msg_type_name(type), (int)m->rank, maxw);
   long fixed = fixed_body(type);
   if (fixed >= 0 && body != (uint32_t)fixed)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "%s: body of %u bytes, expected %ld",
-                          rpl_msg_type_name(type), body, fixed);
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: body of %u bytes, expected %ld",
+                    rpl_msg_type_name(type), body, fixed);
   const uint8_t *b = p + RPL_PROTO_HEADER;
   switch (type) {
     case RPL_MSG_HELLO:
-      m->nworkers = (int32_t)rd32(b);
-      m->host_label = (int32_t)rd32(b + 4);
+      m->nworkers = (int32_t)rpl_get32(b);
+      m->host_label = (int32_t)rpl_get32(b + 4);
       if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO: nworkers %d out of range",
-                              (int)m->nworkers);
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO: nworkers %d out of range",
+                        (int)m->nworkers);
       break;
     case RPL_MSG_HELLO_ACK:
       m->policy = b[0];
       if (b[1] || b[2] || b[3])
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: non-zero padding");
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: non-zero padding");
       if (m->policy >= RPL_POLICY_COUNT)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: unknown policy %u", m->policy);
-      m->nworkers = (int32_t)rd32(b + 4);
-      m->heartbeat_ms = rd32(b + 8);
-      m->dead_ms = rd32(b + 12);
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: unknown policy %u", m->policy);
+      m->nworkers = (int32_t)rpl_get32(b + 4);
+      m->heartbeat_ms = rpl_get32(b + 8);
+      m->dead_ms = rpl_get32(b + 12);
       if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "HELLO_ACK: nworkers %d out of range",
-                              (int)m->nworkers);
+        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: nworkers %d out of range",
+                        (int)m->nworkers);
       break;
     case RPL_MSG_REQUEST:
-      m->round = rd64(b);
+      m->round = rpl_get64(b);
       break;
     case RPL_MSG_GROUP: {
       if (body < 24)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 24", body);
-      m->group_id = rd64(b);
-      m->round = rd64(b + 8);
-      m->period = rd32(b + 16);
-      m->nmembers = rd32(b + 20);
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 24", body);
+      m->group_id = rpl_get64(b);
+      m->round = rpl_get64(b + 8);
+      m->period = rpl_get32(b + 16);
+      m->nmembers = rpl_get32(b + 20);
       if (m->nmembers < 1 || m->nmembers > (uint32_t)maxw ||
           (uint64_t)body != 24 + 4 * (uint64_t)m->nmembers)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
-                              m->nmembers, body);
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
+                        m->nmembers, body);
       if (m->period < 1)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: period 0");
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: period 0");
       m->members_le = b + 24;
       int32_t prev = -1;
       for (uint32_t i = 0; i < m->nmembers; i++) {
         int32_t r = rpl_msg_member(m, i);
         if (r <= prev || r >= maxw)
-          return rpl_sched_fail(err, RPL_ERR_INVALID,
-                                "GROUP: member %u is %d: members must be sorted, unique and in "
-                                "[0, %d)", i, (int)r, maxw);
+          return rpl_fail(err, RPL_ERR_INVALID,
+                          "GROUP: member %u is %d: members must be sorted, unique and in "
+                          "[0, %d)", i, (int)r, maxw);
         prev = r;
       }
       if (m->group_id == 0)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "GROUP: group id 0");
+        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: group id 0");
       break;
     }
     case RPL_MSG_CANCEL:
-      m->group_id = rd64(b);
-      m->round = rd64(b + 8);
-      m->culprit = (int32_t)rd32(b + 16);
-      m->reason = rd32(b + 20);
+      m->group_id = rpl_get64(b);
+      m->round = rpl_get64(b + 8);
+      m->culprit = (int32_t)rpl_get32(b + 16);
+      m->reason = rpl_get32(b + 20);
       if (m->culprit < -1 || m->culprit >= maxw || m->reason > RPL_REASON_DEAD)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "CANCEL: culprit %d / reason %u invalid",
-                              (int)m->culprit, m->reason);
+        return rpl_fail(err, RPL_ERR_INVALID, "CANCEL: culprit %d / reason %u invalid",
+                        (int)m->culprit, m->reason);
       break;
     case RPL_MSG_DONE:
-      m->group_id = rd64(b);
-      m->status = rd32(b + 8);
+      m->group_id = rpl_get64(b);
+      m->status = rpl_get32(b + 8);
       break;
     case RPL_MSG_PASS:
-      m->round = rd64(b);
-      m->period = rd32(b + 8);
-      if (m->period < 2 || rd32(b + 12))
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "PASS: period %u (at least 2) or padding",
-                              m->period);
+      m->round = rpl_get64(b);
+      m->period = rpl_get32(b + 8);
+      if (m->period < 2 || rpl_get32(b + 12))
+        return rpl_fail(err, RPL_ERR_INVALID, "PASS: period %u (at least 2) or padding",
+                        m->period);
       break;
     case RPL_MSG_STATUS_REPLY:
       m->text = (const char *)b;
@@ -174,8 +155,8 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
       break;
     case RPL_MSG_ERROR:
       if (body < 4 || body - 4 > RPL_PROTO_MAX_TEXT)
-        return rpl_sched_fail(err, RPL_ERR_INVALID, "ERROR: body of %u bytes", body);
-      m->code = rd32(b);
+        return rpl_fail(err, RPL_ERR_INVALID, "ERROR: body of %u bytes", body);
+      m->code = rpl_get32(b);
       m->text = (const char *)b + 4;
       m->text_len = body - 4;
       break;
@@ -187,7 +168,7 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
 
 int32_t rpl_msg_member(const rpl_msg *m, uint32_t i) {
   if (!m->members_le || i >= m->nmembers) return -1;
-  return (int32_t)rd32(m->members_le + 4 * (size_t)i);
+  return (int32_t)rpl_get32(m->members_le + 4 * (size_t)i);
 }
 
 size_t rpl_msg_encoded_size(const rpl_msg *m) {
@@ -209,53 +190,54 @@ size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *out, size_t ca
   if (m->type == RPL_MSG_GROUP && (m->nmembers == 0 || !members)) return 0;
   uint8_t *p = out;
   memset(p, 0, need);
-  wr32(p, RPL_PROTO_MAGIC);
+  rpl_put32(p, RPL_PROTO_MAGIC);
   p[4] = RPL_PROTO_VERSION;
   p[5] = m->type;
-  wr16(p + 6, 0);
-  wr32(p + 8, (uint32_t)(need - RPL_PROTO_HEADER));
-  wr32(p + 12, (uint32_t)m->rank);
-  wr32(p + 16, m->seq);
+  rpl_put16(p + 6, 0);
+  rpl_put32(p + 8, (uint32_t)(need - RPL_PROTO_HEADER));
+  rpl_put32(p + 12, (uint32_t)m->rank);
+  rpl_put32(p + 16, m->seq);
   memcpy(p + 20, m->token, RPL_TOKEN_LEN);
   uint8_t *b = p + RPL_PROTO_HEADER;
   switch (m->type) {
     case RPL_MSG_HELLO:
-      wr32(b, (uint32_t)m->nworkers);
-      wr32(b + 4, (uint32_t)m->host_label);
+      rpl_put32(b, (uint32_t)m->nworkers);
+      rpl_put32(b + 4, (uint32_t)m->host_label);
       break;
     case RPL_MSG_HELLO_ACK:
       b[0] = m->policy;
-      wr32(b + 4, (uint32_t)m->nworkers);
-      wr32(b + 8, m->heartbeat_ms);
-      wr32(b + 12, m->dead_ms);
+      rpl_put32(b + 4, (uint32_t)m->nworkers);
+      rpl_put32(b + 8, m->heartbeat_ms);
+      rpl_put32(b + 12, m->dead_ms);
       break;
-    case RPL_MSG_REQUEST: wr64(b, m->round); break;
+    case RPL_MSG_REQUEST: rpl_put64(b, m->round); break;
     case RPL_MSG_GROUP:
-      wr64(b, m->group_id);
-      wr64(b + 8, m->round);
-      wr32(b + 16, m->period ? m->period : 1);
-      wr32(b + 20, m->nmembers);
-      for (uint32_t i = 0; i < m->nmembers; i++) wr32(b + 24 + 4 * (size_t)i, (uint32_t)members[i]);
+      rpl_put64(b, m->group_id);
+      rpl_put64(b + 8, m->round);
+      rpl_put32(b + 16, m->period ? m->period : 1);
+      rpl_put32(b + 20, m->nmembers);
+      for (uint32_t i = 0; i < m->nmembers; i++)
+        rpl_put32(b + 24 + 4 * (size_t)i, (uint32_t)members[i]);
       break;
     case RPL_MSG_PASS:
-      wr64(b, m->round);
-      wr32(b + 8, m->period);
+      rpl_put64(b, m->round);
+      rpl_put32(b + 8, m->period);
       break;
     case RPL_MSG_CANCEL:
-      wr64(b, m->group_id);
-      wr64(b + 8, m->round);
-      wr32(b + 16, (uint32_t)m->culprit);
-      wr32(b + 20, m->reason);
+      rpl_put64(b, m->group_id);
+      rpl_put64(b + 8, m->round);
+      rpl_put32(b + 16, (uint32_t)m->culprit);
+      rpl_put32(b + 20, m->reason);
       break;
     case RPL_MSG_DONE:
-      wr64(b, m->group_id);
-      wr32(b + 8, m->status);
+      rpl_put64(b, m->group_id);
+      rpl_put32(b + 8, m->status);
       break;
     case RPL_MSG_STATUS_REPLY:
       if (m->text_len) memcpy(b, m->text, m->text_len);
       break;
     case RPL_MSG_ERROR:
-      wr32(b, m->code);
+      rpl_put32(b, m->code);
       if (need > RPL_PROTO_HEADER + 4) memcpy(b + 4, m->text, need - RPL_PROTO_HEADER - 4);
       break;
     default: break;
@@ -280,16 +262,14 @@ static int hexval(char c) {
 }
 
 rpl_status rpl_token_from_hex(const char *hex, uint8_t token[RPL_TOKEN_LEN], rpl_error *err) {
-  if (!hex || strlen(hex) != 2 * RPL_TOKEN_LEN)
-    return rpl_sched_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
-                          2 * RPL_TOKEN_LEN);
-  for (int i = 0; i < RPL_TOKEN_LEN; i++) {
+  int ok = hex && strlen(hex) == 2 * RPL_TOKEN_LEN;
+  for (int i = 0; ok && i < RPL_TOKEN_LEN; i++) {
     int hi = hexval(hex[2 * i]), lo = hexval(hex[2 * i + 1]);
-    if (hi < 0 || lo < 0)
-      return rpl_sched_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits",
-                            2 * RPL_TOKEN_LEN);
-    token[i] = (uint8_t)(hi << 4 | lo);
+    ok = hi >= 0 && lo >= 0;
+    if (ok) token[i] = (uint8_t)(hi << 4 | lo);
   }
+  if (!ok)
+    return rpl_fail(err, RPL_ERR_INVALID, "job token must be %d hex digits", 2 * RPL_TOKEN_LEN);
   return RPL_OK;
 }
 
@@ -299,7 +279,7 @@ rpl_status rpl_token_generate(uint8_t token[RPL_TOKEN_LEN], rpl_error *err) {
     ssize_t r = getrandom(token + got, RPL_TOKEN_LEN - got, 0);
     if (r < 0) {
       if (errno == EINTR) continue;
-      return rpl_sched_fail(err, RPL_ERR_SYSTEM, "getrandom: %s", strerror(errno));
+      return rpl_fail(err, RPL_ERR_SYSTEM, "getrandom: %s", strerror(errno));
     }
     got += (size_t)r;
   }

@@ -8,7 +8,8 @@
  *      a state machine with no I/O and no clock. Callers feed it what workers do (request,
  *      done, fence, unfence, leave, dead) and drain the events it produces (a group handed to a
  *      worker, a request cancelled). The coordinator service and the simulator both drive it.
- *   3. The wire protocol (encode/parse, no I/O) and the worker-side client (libzmq).
+ *   3. The wire protocol (encode/parse, no I/O: rpl_sched_proto.h, which this header includes)
+ *      and the worker-side client (libzmq).
  *
  * Ownership: every object is created by a *_create function and freed by its *_destroy; inputs
  * are copied, so callers keep ownership of what they pass in. No global state: every random
@@ -23,6 +24,7 @@
 #include <stdint.h>
 
 #include "ripples.h"
+#include "rpl_sched_proto.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -304,108 +306,7 @@ void rpl_gg_foreach_pending(const rpl_gg *gg,
                                       int arrived),
                             void *ctx);
 
-/* ---- 3a. Wire protocol (coordinator/PROTOCOL.md) ------------------------------------------- */
-
-#define RPL_PROTO_MAGIC 0x47504c52u /* "RPLG" little-endian */
-#define RPL_PROTO_VERSION 4
-#define RPL_PROTO_HEADER 36
-#define RPL_TOKEN_LEN 16
-/* A client's two sockets set their routing ids to 'R' (requests) or 'H' (heartbeats) followed
- * by the same 16 random bytes, fresh for each registration: HELLO binds the rank to the 'R'
- * route, and its heartbeats are accepted from the 'H' sibling (PROTOCOL.md, "Connections"). */
-#define RPL_ROUTE_ID_LEN 17
-#define RPL_ROUTE_REQUEST 'R'
-#define RPL_ROUTE_HEARTBEAT 'H'
-#define RPL_PROTO_MAX_TEXT 4096                 /* ERROR text */
-#define RPL_PROTO_MAX_BODY (1u << 24)           /* STATUS_REPLY json; everything else smaller */
-
-typedef enum {
-  RPL_MSG_HELLO = 1,
-  RPL_MSG_HELLO_ACK = 2,
-  RPL_MSG_REQUEST = 3,
-  RPL_MSG_GROUP = 4,
-  RPL_MSG_CANCEL = 5,
-  RPL_MSG_DONE = 6,
-  RPL_MSG_HEARTBEAT = 7,
-  RPL_MSG_HEARTBEAT_ACK = 8,
-  RPL_MSG_FENCE = 9,
-  RPL_MSG_UNFENCE = 10,
-  RPL_MSG_LEAVE = 11,
-  RPL_MSG_ACK = 12,
-  RPL_MSG_STATUS = 13,
-  RPL_MSG_STATUS_REPLY = 14,
-  RPL_MSG_ERROR = 15,
-  RPL_MSG_PASS = 16,
-  RPL_MSG_TYPE_MAX = 16
-} rpl_msg_type;
-
-const char *rpl_msg_type_name(int type);
-
-/* Error codes carried by RPL_MSG_ERROR. */
-typedef enum {
-  RPL_PERR_BAD_TOKEN = 1,
-  RPL_PERR_BAD_RANK = 2,    /* also: the rank is bound to another live connection */
-  RPL_PERR_WORLD_MISMATCH = 3,
-  RPL_PERR_LEFT = 4,
-  RPL_PERR_MALFORMED = 5,
-  RPL_PERR_INTERNAL = 6,
-  RPL_PERR_NOT_REGISTERED = 7 /* a heartbeat from a worker that said no HELLO to this instance
-                                 (the coordinator restarted): say HELLO again */
-} rpl_proto_error;
-
-/* A decoded message. Variable parts point into the parsed buffer (valid while it is). */
-typedef struct rpl_msg {
-  uint8_t type;
-  uint8_t token[RPL_TOKEN_LEN];
-  int32_t rank;             /* sender (worker messages) or addressee (replies); -1 = tool */
-  uint32_t seq;             /* replies echo the sequence number of what they answer */
-  /* HELLO */
-  int32_t nworkers;
-  int32_t host_label;
-  /* HELLO_ACK */
-  uint8_t policy;
-  uint32_t heartbeat_ms;
-  uint32_t dead_ms;
-  /* REQUEST, GROUP, PASS */
-  uint64_t round;
-  /* GROUP, PASS */
-  uint32_t period;
-  /* GROUP, CANCEL, DONE */
-  uint64_t group_id;
-  uint32_t nmembers;
-  const uint8_t *members_le;/* nmembers little-endian int32, use rpl_msg_member() */
-  /* CANCEL */
-  int32_t culprit;
-  uint32_t reason;
-  /* DONE */
-  uint32_t status;
-  /* ERROR (code + text), STATUS_REPLY (text = json) */
-  uint32_t code;
-  const char *text;         /* not NUL-terminated */
-  uint32_t text_len;
-} rpl_msg;
-
-/* Parses and bounds-checks one message. RPL_ERR_INVALID with a reason for anything
- * malformed: short, wrong magic/version/type, lengths that disagree, member counts or ranks
- * out of range (ranks must be in [0, max_workers) when max_workers > 0). Never reads past
- * buf[len). */
-rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *out,
-                         rpl_error *err);
-int32_t rpl_msg_member(const rpl_msg *m, uint32_t i);
-
-/* Bytes rpl_msg_encode needs for m. */
-size_t rpl_msg_encoded_size(const rpl_msg *m);
-/* Encodes m into buf; for GROUP the members come from `members` (host ints), not
- * m->members_le. Returns bytes written, 0 if cap is too small or m is invalid. */
-size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *buf, size_t cap);
-
-/* 32 lowercase hex digits <-> 16 bytes. */
-void rpl_token_to_hex(const uint8_t token[RPL_TOKEN_LEN], char hex[2 * RPL_TOKEN_LEN + 1]);
-rpl_status rpl_token_from_hex(const char *hex, uint8_t token[RPL_TOKEN_LEN], rpl_error *err);
-/* Fresh random token from the OS. */
-rpl_status rpl_token_generate(uint8_t token[RPL_TOKEN_LEN], rpl_error *err);
-/* Constant-time comparison: 1 if equal. */
-int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LEN]);
+/* ---- 3a. Wire protocol: rpl_sched_proto.h (included above) --------------------------------- */
 
 /* ---- 3b. Worker-side client (libzmq) ------------------------------------------------------- */
 
