@@ -4,11 +4,13 @@
  * buffer to the root, which reduces in rank order, for small buffers; for large ones it runs a
  * ring reduce-scatter on a scratch copy and gathers the reduced segments at the root, so the
  * root's link is not the bottleneck. Non-root buffers are never modified. */
+#include "algorithms.h"
+
 #include <stdlib.h>
 #include <string.h>
 
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 #define MAX_DIRECT 64
