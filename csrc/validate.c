@@ -30,6 +30,18 @@ static rpl_status check_same(const rpl_buf *b, int n, rpl_dtype dtype, size_t co
   return RPL_OK;
 }
 
+/* Gather and scatter: every rank has one block (`one`, `none` of them given), the root also
+ * the `nmany` blocks `many`, one per rank; the names say which are inputs and outputs. */
+static rpl_status check_root_blocks(const char *op, int n, int is_root, const rpl_buf *one,
+                                    int none, const char *one_what, const rpl_buf *many,
+                                    int nmany, const char *many_what, rpl_error *err) {
+  if (none != 1 || nmany != (is_root ? n : 0))
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "%s needs 1 %s, and %d %ss on the root (none elsewhere); got %d and %d", op,
+                    one_what, n, many_what, none, nmany);
+  return check_same(many, nmany, one->dtype, one->count, 1, many_what, op, err);
+}
+
 rpl_status rpl_validate(const rpl_op_desc *d, int rank, int size, int has_partial,
                         rpl_error *err) {
   const char *op = rpl_op_name(d->kind);
@@ -92,17 +104,11 @@ rpl_status rpl_validate(const rpl_op_desc *d, int rank, int size, int has_partia
                         d->in[rank].count, d->out[rank].count);
       return RPL_OK;
     case RPL_OP_GATHER:
-      if (d->nin != 1 || d->nout != (rank == d->root ? n : 0))
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "gather needs 1 input, and %d outputs on the root (none elsewhere); got "
-                        "%d and %d", n, d->nin, d->nout);
-      return check_same(d->out, d->nout, d->in[0].dtype, d->in[0].count, 1, "output", op, err);
+      return check_root_blocks(op, n, rank == d->root, d->in, d->nin, "input", d->out, d->nout,
+                               "output", err);
     case RPL_OP_SCATTER:
-      if (d->nout != 1 || d->nin != (rank == d->root ? n : 0))
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "scatter needs 1 output, and %d inputs on the root (none elsewhere); got "
-                        "%d and %d", n, d->nout, d->nin);
-      return check_same(d->in, d->nin, d->out[0].dtype, d->out[0].count, 1, "input", op, err);
+      return check_root_blocks(op, n, rank == d->root, d->out, d->nout, "output", d->in, d->nin,
+                               "input", err);
     case RPL_OP_REDUCE:
       if (d->nin != 1)
         return rpl_fail(err, RPL_ERR_INVALID, "reduce needs exactly 1 tensor, got %d", d->nin);
