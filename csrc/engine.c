@@ -1,24 +1,33 @@
-/* engine.c - communicators: the operation queue, the progress thread, validation, completion. */
-#include "engine.h"
-
+/*
+ * engine.c - communicators: the operation queue, the progress thread, dispatch, the public API
+ * (ripples.h). Creation's peer set-up is in bootstrap.c, argument checks in validate.c.
+ *
+ * The engine pops an operation from the communicator's queue and calls the algorithm for its
+ * kind (algorithms/algorithms.h) with an rpl_run (ctx.h), or a partial round (partial.h).
+ *
+ * Sends and recvs are not algorithms: consecutive ones at the head of the queue form a batch
+ * whose transfers progress together (rpl_tr_run_p2p); each completes as soon as its own
+ * transfer has, and p2p ops submitted while a batch runs join it. A collective starts only
+ * once every earlier p2p op has completed.
+ */
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
+#include "algorithms/algorithms.h"
+#include "bootstrap.h"
 #include "common.h"
-#include "crypto.h"
-#include "kernels.h"
+#include "ctx.h"
 #include "partial.h"
-#include "shm.h"
-#include "wire.h"
+#include "ripples.h"
+#include "transport.h"
+#include "validate.h"
 
 #define DEFAULT_SMALL_BYTES (64u * 1024u)
 #define DEFAULT_CHUNK_BYTES (512u * 1024u)
-#define DEFAULT_RING_BYTES (1u << 20)
 
 typedef struct rpl_op {
   struct rpl_op *next;
@@ -65,222 +74,10 @@ struct rpl_comm {
   /* Used only by the thread that holds `executing`. */
   uint64_t coll_seq;
   p2p_batch batch;
-  void *scratch[RPL_SCRATCH_SLOTS];
-  size_t scratch_cap[RPL_SCRATCH_SLOTS];
+  rpl_scratch_pool scratch;
 
   uint64_t ops_completed, ops_failed; /* relaxed atomics */
 };
-
-/* ---- helpers for algorithms ---------------------------------------------------------- */
-
-void *rpl_scratch(rpl_run *run, int slot, size_t bytes) {
-  rpl_comm *c = run->comm;
-  if (bytes == 0) bytes = 1;
-  if (c->scratch_cap[slot] < bytes) {
-    free(c->scratch[slot]);
-    c->scratch[slot] = malloc(bytes);
-    c->scratch_cap[slot] = c->scratch[slot] ? bytes : 0;
-    if (!c->scratch[slot]) {
-      rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory: %s needs %zu bytes of scratch space",
-               rpl_op_name(run->kind), bytes);
-      return NULL;
-    }
-  }
-  return c->scratch[slot];
-}
-
-static rpl_meta make_meta(const rpl_run *run, rpl_dtype dtype, uint64_t count, unsigned step) {
-  rpl_meta m = {.op = (uint8_t)run->kind,
-                .dtype = (uint8_t)dtype,
-                .step = (uint16_t)step,
-                .tag = run->nbufs,
-                .seq = run->seq,
-                .count = count};
-  return m;
-}
-
-rpl_xfer rpl_send(const rpl_run *run, int peer, const void *buf, size_t len, rpl_dtype dtype,
-                  uint64_t count, unsigned step) {
-  rpl_xfer x = {.peer = run->members ? run->members[peer] : peer, .is_send = 1,
-                .buf = (void *)buf, .len = len};
-  x.meta = make_meta(run, dtype, count, step);
-  return x;
-}
-
-rpl_xfer rpl_recv(const rpl_run *run, int peer, void *buf, size_t len, rpl_dtype dtype,
-                  uint64_t count, unsigned step) {
-  rpl_xfer x = {.peer = run->members ? run->members[peer] : peer, .is_send = 0, .buf = buf,
-                .len = len};
-  x.meta = make_meta(run, dtype, count, step);
-  return x;
-}
-
-rpl_xfer rpl_recv_reduce(const rpl_run *run, int peer, void *tmp, void *dst, size_t len,
-                         rpl_dtype dtype, rpl_redop op, uint64_t count, unsigned step) {
-  rpl_xfer x = rpl_recv(run, peer, tmp, len, dtype, count, step);
-  x.reduce_dst = dst;
-  x.rdtype = dtype;
-  x.rop = op;
-  x.window = RPL_REDUCE_WINDOW;
-  return x;
-}
-
-rpl_status rpl_exchange(rpl_run *run, rpl_xfer *xs, int n) {
-  return rpl_tr_run(run->tr, xs, n, run->deadline, run->err);
-}
-
-void rpl_segment(size_t count, int parts, int i, size_t *off, size_t *cnt) {
-  size_t base = count / (size_t)parts, extra = count % (size_t)parts;
-  size_t ui = (size_t)i;
-  *cnt = base + (ui < extra ? 1 : 0);
-  *off = ui * base + (ui < extra ? ui : extra);
-}
-
-rpl_status rpl_ring_reduce_scatter(rpl_run *run, void *base, size_t count, rpl_dtype dtype,
-                                   rpl_redop op, int shift, unsigned step) {
-  int n = run->size, r = run->rank;
-  size_t esz = rpl_dtype_size(dtype);
-  size_t maxseg = count / (size_t)n + 1;
-  unsigned char *tmp = rpl_scratch(run, 1, RPL_MIN(maxseg * esz, RPL_REDUCE_WINDOW));
-  if (!tmp) return RPL_ERR_NOMEM;
-  int right = (r + 1) % n, left = (r - 1 + n) % n;
-  for (int s = 0; s < n - 1; s++) {
-    int sseg = ((r + shift - 1 - s) % n + 2 * n) % n;
-    int rseg = ((r + shift - 2 - s) % n + 2 * n) % n;
-    size_t so, sc, ro, rc;
-    rpl_segment(count, n, sseg, &so, &sc);
-    rpl_segment(count, n, rseg, &ro, &rc);
-    rpl_xfer xs[2] = {
-        rpl_send(run, right, (unsigned char *)base + so * esz, sc * esz, dtype, count, step),
-        rpl_recv_reduce(run, left, tmp, (unsigned char *)base + ro * esz, rc * esz, dtype, op,
-                        count, step),
-    };
-    rpl_status st = rpl_exchange(run, xs, 2);
-    if (st != RPL_OK) return st;
-  }
-  return RPL_OK;
-}
-
-/* ---- validation ---------------------------------------------------------------------- */
-
-static rpl_status check_bufs(const rpl_buf *b, int n, const char *what, rpl_error *err) {
-  for (int i = 0; i < n; i++) {
-    if ((unsigned)b[i].dtype >= RPL_DTYPE_COUNT)
-      return rpl_fail(err, RPL_ERR_UNSUPPORTED, "%s[%d] has an unsupported dtype (%d)", what, i,
-                      (int)b[i].dtype);
-    if (b[i].count && !b[i].ptr)
-      return rpl_fail(err, RPL_ERR_INVALID, "%s[%d] has %zu elements but no data", what, i,
-                      b[i].count);
-  }
-  return RPL_OK;
-}
-
-static rpl_status check_same(const rpl_buf *b, int n, rpl_dtype dtype, size_t count,
-                             int check_count, const char *what, const char *op,
-                             rpl_error *err) {
-  for (int i = 0; i < n; i++) {
-    if (b[i].dtype != dtype)
-      return rpl_fail(err, RPL_ERR_INVALID, "%s: %s[%d] is %s but the input is %s", op, what, i,
-                      rpl_dtype_name(b[i].dtype), rpl_dtype_name(dtype));
-    if (check_count && b[i].count != count)
-      return rpl_fail(err, RPL_ERR_INVALID,
-                      "%s: %s[%d] has %zu elements but the input has %zu", op, what, i,
-                      b[i].count, count);
-  }
-  return RPL_OK;
-}
-
-static rpl_status validate(const rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
-  const char *op = rpl_op_name(d->kind);
-  int n = c->size;
-  if (!(d->timeout_s >= 0))
-    return rpl_fail(err, RPL_ERR_INVALID,
-                    "%s: timeout must be >= 0 seconds (0 = the process group's), got %g", op,
-                    d->timeout_s);
-  if (d->nin < 0 || d->nout < 0 || (d->nin && !d->in) || (d->nout && !d->out))
-    return rpl_fail(err, RPL_ERR_INVALID, "%s: bad buffer lists", op);
-  rpl_status st = check_bufs(d->in, d->nin, "input", err);
-  if (st == RPL_OK) st = check_bufs(d->out, d->nout, "output", err);
-  if (st != RPL_OK) return st;
-  int rooted = d->kind == RPL_OP_BROADCAST || d->kind == RPL_OP_GATHER ||
-               d->kind == RPL_OP_SCATTER || d->kind == RPL_OP_REDUCE ||
-               d->kind == RPL_OP_SEND || d->kind == RPL_OP_RECV;
-  int any_source = d->kind == RPL_OP_RECV && d->root == RPL_ANY_SOURCE;
-  if (rooted && !any_source && (d->root < 0 || d->root >= n))
-    return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d is out of range for a group of size %d",
-                    op, d->root, n);
-  switch (d->kind) {
-    case RPL_OP_PARTIAL_ALLREDUCE:
-      if (!c->partial)
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "partial allreduce on a communicator without a partial schedule");
-      /* fall through */
-    case RPL_OP_ALLREDUCE:
-      if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "allreduce needs a tensor");
-      for (int i = 0; i < d->nin; i++)
-        if ((st = rpl_reduce_check(d->in[i].dtype, d->redop, err)) != RPL_OK) return st;
-      return RPL_OK;
-    case RPL_OP_BROADCAST:
-      if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "broadcast needs a tensor");
-      return RPL_OK;
-    case RPL_OP_ALLGATHER:
-      if (d->nin != 1 || d->nout != n)
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "allgather needs 1 input and %d outputs (one per rank), got %d and %d",
-                        n, d->nin, d->nout);
-      return check_same(d->out, n, d->in[0].dtype, d->in[0].count, 1, "output", op, err);
-    case RPL_OP_REDUCE_SCATTER:
-      if (d->nin != n || d->nout != 1)
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "reduce_scatter needs %d inputs (one per rank) and 1 output, got %d "
-                        "and %d", n, d->nin, d->nout);
-      if ((st = rpl_reduce_check(d->out[0].dtype, d->redop, err)) != RPL_OK) return st;
-      return check_same(d->in, n, d->out[0].dtype, d->out[0].count, 1, "input", op, err);
-    case RPL_OP_ALLTOALL:
-      if (d->nin != n || d->nout != n)
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "alltoall needs %d inputs and %d outputs, got %d and %d", n, n, d->nin,
-                        d->nout);
-      if ((st = check_same(d->in, n, d->in[0].dtype, 0, 0, "input", op, err)) != RPL_OK)
-        return st;
-      if ((st = check_same(d->out, n, d->in[0].dtype, 0, 0, "output", op, err)) != RPL_OK)
-        return st;
-      if (d->in[c->rank].count != d->out[c->rank].count)
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "alltoall: this rank sends %zu elements to itself but expects %zu",
-                        d->in[c->rank].count, d->out[c->rank].count);
-      return RPL_OK;
-    case RPL_OP_GATHER:
-      if (d->nin != 1 || d->nout != (c->rank == d->root ? n : 0))
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "gather needs 1 input, and %d outputs on the root (none elsewhere); got "
-                        "%d and %d", n, d->nin, d->nout);
-      return check_same(d->out, d->nout, d->in[0].dtype, d->in[0].count, 1, "output", op, err);
-    case RPL_OP_SCATTER:
-      if (d->nout != 1 || d->nin != (c->rank == d->root ? n : 0))
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "scatter needs 1 output, and %d inputs on the root (none elsewhere); got "
-                        "%d and %d", n, d->nout, d->nin);
-      return check_same(d->in, d->nin, d->out[0].dtype, d->out[0].count, 1, "input", op, err);
-    case RPL_OP_REDUCE:
-      if (d->nin != 1)
-        return rpl_fail(err, RPL_ERR_INVALID, "reduce needs exactly 1 tensor, got %d", d->nin);
-      return rpl_reduce_check(d->in[0].dtype, d->redop, err);
-    case RPL_OP_BARRIER:
-      return RPL_OK;
-    case RPL_OP_SEND:
-    case RPL_OP_RECV:
-      if ((d->kind == RPL_OP_SEND ? d->nin : d->nout) != 1)
-        return rpl_fail(err, RPL_ERR_INVALID, "%s needs exactly 1 tensor", op);
-      if (d->root == c->rank)
-        return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d cannot %s itself", op, c->rank,
-                        d->kind == RPL_OP_SEND ? "send to" : "receive from");
-      if (d->tag < 0)
-        return rpl_fail(err, RPL_ERR_INVALID, "%s: tag must be >= 0, got %d", op, d->tag);
-      return RPL_OK;
-  }
-  return rpl_fail(err, RPL_ERR_INVALID, "unknown operation kind %d", (int)d->kind);
-}
 
 /* ---- execution ----------------------------------------------------------------------- */
 
@@ -290,6 +87,21 @@ static double op_timeout(const rpl_comm *c, const rpl_op_desc *d) {
 
 static int is_p2p(const rpl_op *op) {
   return op->d.kind == RPL_OP_SEND || op->d.kind == RPL_OP_RECV;
+}
+
+/* A run over the whole communicator; the caller sets seq, nbufs and the deadline. */
+static rpl_run comm_run(rpl_comm *c, rpl_op_kind kind, rpl_error *err) {
+  rpl_run run = {.tr = c->tr,
+                 .scratch = &c->scratch,
+                 .rank = c->rank,
+                 .size = c->size,
+                 .kind = kind,
+                 .small_bytes = c->small_bytes,
+                 .chunk_bytes = c->chunk_bytes,
+                 .single_copy_bytes = c->single_copy_bytes,
+                 .same_host = c->same_host,
+                 .err = err};
+  return run;
 }
 
 /* A failed exchange leaves streams mid-message: close everything so peers fail fast instead
@@ -330,11 +142,8 @@ static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *
   rpl_op_desc exact;
   if (d->kind == RPL_OP_PARTIAL_ALLREDUCE) {
     if (rpl_partial_eligible(d)) {
-      rpl_run run = {.comm = c, .tr = c->tr, .rank = c->rank, .size = c->size,
-                     .kind = d->kind, .nbufs = (uint32_t)d->nin,
-                     .small_bytes = c->small_bytes, .chunk_bytes = c->chunk_bytes,
-                     .single_copy_bytes = c->single_copy_bytes, .same_host = c->same_host,
-                     .err = err};
+      rpl_run run = comm_run(c, d->kind, err);
+      run.nbufs = (uint32_t)d->nin;
       *contained = 1;
       return rpl_partial_run(partial, &run, d, err);
     }
@@ -363,22 +172,12 @@ static int next_is_exact(rpl_comm *c) {
 
 static rpl_status execute_exact(rpl_comm *c, const rpl_op_desc *d, int collective,
                                 rpl_error *err) {
-  rpl_run run = {.comm = c,
-                 .tr = c->tr,
-                 .rank = c->rank,
-                 .size = c->size,
-                 .kind = d->kind,
-                 .seq = collective ? ++c->coll_seq : 0,
-                 /* Only these take a list of tensors whose length every rank must share;
-                  * elsewhere list lengths legitimately differ (a root has more). */
-                 .nbufs = d->kind == RPL_OP_ALLREDUCE || d->kind == RPL_OP_BROADCAST
-                              ? (uint32_t)d->nin : 1u,
-                 .deadline = rpl_now() + op_timeout(c, d),
-                 .small_bytes = c->small_bytes,
-                 .chunk_bytes = c->chunk_bytes,
-                 .single_copy_bytes = c->single_copy_bytes,
-                 .same_host = c->same_host,
-                 .err = err};
+  rpl_run run = comm_run(c, d->kind, err);
+  run.seq = collective ? ++c->coll_seq : 0;
+  /* Only these take a list of tensors whose length every rank must share; elsewhere list
+   * lengths legitimately differ (a root has more). */
+  run.nbufs = d->kind == RPL_OP_ALLREDUCE || d->kind == RPL_OP_BROADCAST ? (uint32_t)d->nin : 1u;
+  run.deadline = rpl_now() + op_timeout(c, d);
   if (!collective) run.nbufs = (uint32_t)d->tag;
   switch (d->kind) {
     case RPL_OP_ALLREDUCE: return rpl_algo_allreduce(&run, d);
@@ -549,8 +348,8 @@ static void run_p2p(rpl_comm *c) {
     double now = rpl_now();
     for (int i = first_new; i < b->n; i++) {
       rpl_op *op = b->ops[i];
-      rpl_run run = {.comm = c, .tr = c->tr, .rank = c->rank, .size = c->size,
-                     .kind = op->d.kind, .seq = 0, .nbufs = (uint32_t)op->d.tag};
+      rpl_run run = comm_run(c, op->d.kind, NULL);
+      run.nbufs = (uint32_t)op->d.tag;
       b->xs[i] = rpl_p2p_xfer(&run, &op->d);
       b->deadline[i] = now + op_timeout(c, &op->d);
     }
@@ -665,105 +464,6 @@ static void *progress_main(void *arg) {
   return NULL;
 }
 
-/* ---- creation ------------------------------------------------------------------------ */
-
-static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
-  const unsigned char *b = data;
-  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
-
-/* Equal on ranks that can share memory: the caller's key, or hostname + boot id (two
- * containers with the same hostname on different machines must not match). */
-static uint64_t host_hash(const char *key) {
-  uint64_t h = 1469598103934665603ull;
-  if (key && *key) return fnv1a(h, key, strlen(key));
-  char host[256] = "";
-  gethostname(host, sizeof host - 1);
-  h = fnv1a(h, host, strlen(host));
-  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-  if (f) {
-    char boot[64] = "";
-    if (fgets(boot, sizeof boot, f)) h = fnv1a(h, boot, strlen(boot));
-    fclose(f);
-  }
-  return h;
-}
-
-/* Creates our rings, maps every local peer's, and unlinks ours once all have mapped it. */
-static rpl_status setup_shm(rpl_comm *c, const rpl_comm_config *cfg, const rpl_store *store,
-                            const int *local_of, rpl_error *err) {
-  char name[96], key[64];
-  /* The nonce makes the segment's name unguessable (the kernel's CSPRNG, no fallback): a
-   * local user cannot create it first; peers check the header against the name. */
-  uint64_t nonce;
-  rpl_status st = rpl_random_bytes(&nonce, sizeof nonce, err);
-  if (st != RPL_OK) return st;
-  rpl_shm *shm;
-  st = rpl_shm_create(c->rank, c->size, local_of, nonce,
-                                 cfg->ring_bytes ? cfg->ring_bytes : DEFAULT_RING_BYTES, &shm,
-                                 name, sizeof name, err);
-  if (st != RPL_OK) return st;
-  rpl_tr_set_shm(c->tr, shm); /* the transport owns it from here, also on failure */
-  snprintf(key, sizeof key, "ripples/shm/%d", c->rank);
-  if ((st = store->set(store->ctx, key, name, strlen(name), err)) != RPL_OK) return st;
-  for (int p = 0; p < c->size; p++) {
-    if (p == c->rank || local_of[p] < 0) continue;
-    char peer[96];
-    size_t len = 0;
-    snprintf(key, sizeof key, "ripples/shm/%d", p);
-    if ((st = store->get(store->ctx, key, peer, sizeof peer - 1, &len, err)) != RPL_OK) return st;
-    peer[len < sizeof peer ? len : sizeof peer - 1] = '\0';
-    if ((st = rpl_shm_attach(shm, p, peer, err)) != RPL_OK) return st;
-  }
-  snprintf(key, sizeof key, "ripples/shm-mapped/%d", c->rank);
-  if ((st = store->set(store->ctx, key, "1", 1, err)) != RPL_OK) return st;
-  for (int p = 0; p < c->size; p++) {
-    if (p == c->rank || local_of[p] < 0) continue;
-    char v[8];
-    size_t len;
-    snprintf(key, sizeof key, "ripples/shm-mapped/%d", p);
-    if ((st = store->get(store->ctx, key, v, sizeof v, &len, err)) != RPL_OK) return st;
-  }
-  rpl_shm_unlink(shm);
-  return RPL_OK;
-}
-
-/* The key every link of this communicator authenticates with (wire.h): rank 0 draws a salt
- * and publishes it; every rank keys it with the job secret, if the user gave one. */
-static rpl_status setup_link_key(rpl_comm *c, const rpl_comm_config *cfg, const rpl_store *store,
-                                 rpl_error *err) {
-  enum { SALT = 32 };
-  unsigned char salt[SALT];
-  char hex[2 * SALT + 1];
-  const char *key = "ripples/link-salt";
-  rpl_status st;
-  if (c->rank == 0) {
-    if ((st = rpl_random_bytes(salt, SALT, err)) != RPL_OK) return st;
-    for (int i = 0; i < SALT; i++) snprintf(hex + 2 * i, 3, "%02x", salt[i]);
-    if ((st = store->set(store->ctx, key, hex, 2 * SALT, err)) != RPL_OK) return st;
-  } else {
-    size_t len = 0;
-    if ((st = store->get(store->ctx, key, hex, sizeof hex - 1, &len, err)) != RPL_OK) return st;
-    hex[sizeof hex - 1] = '\0';
-    if (len != 2 * SALT)
-      return rpl_fail(err, RPL_ERR_INVALID, "rank 0 published a malformed link salt (%zu "
-                      "characters; a different ripples version?)", len);
-    for (int i = 0; i < SALT; i++) {
-      unsigned v;
-      if (sscanf(hex + 2 * i, "%2x", &v) != 1)
-        return rpl_fail(err, RPL_ERR_INVALID, "rank 0 published a malformed link salt");
-      salt[i] = (unsigned char)v;
-    }
-  }
-  const char *secret = cfg->job_secret ? cfg->job_secret : "";
-  unsigned char k[RPL_LINK_KEY_LEN];
-  rpl_link_key(secret, strlen(secret), salt, SALT, k);
-  rpl_tr_set_key(c->tr, k);
-  explicit_bzero(k, sizeof k);
-  return RPL_OK;
-}
-
 /* ---- public API ---------------------------------------------------------------------- */
 
 rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, rpl_comm **out,
@@ -776,7 +476,6 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
     return rpl_fail(err, RPL_ERR_INVALID, "timeout must be positive, got %g s", cfg->timeout_s);
   if (!store || !store->set || !store->get)
     return rpl_fail(err, RPL_ERR_INVALID, "a key-value store is required");
-  int *local_of = NULL;
   rpl_comm *c = calloc(1, sizeof *c);
   if (!c) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a communicator");
   c->rank = cfg->rank;
@@ -791,54 +490,12 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
 
   rpl_status st = rpl_tr_create(c->rank, c->size, cfg->bind_addr, cfg->use_ucx, &c->tr, err);
   if (st != RPL_OK) goto fail;
-  if ((st = setup_link_key(c, cfg, store, err)) != RPL_OK) goto fail;
-
-  /* Exchange addresses: publish ours (with a hash of our host key, so peers can tell who
-   * shares this machine), then read every peer's (waits for all to arrive). */
-  char key[64], addr[160];
-  uint64_t my_host = host_hash(cfg->host_key);
-  rpl_tr_address(c->tr, addr, 128);
-  snprintf(addr + strlen(addr), sizeof addr - strlen(addr), ":%016llx",
-           (unsigned long long)my_host);
-  snprintf(key, sizeof key, "ripples/addr/%d", c->rank);
-  if ((st = store->set(store->ctx, key, addr, strlen(addr), err)) != RPL_OK) goto fail;
-  local_of = malloc(sizeof(int) * (size_t)c->size);
   c->same_host = calloc((size_t)c->size, 1);
-  if (!local_of || !c->same_host) {
+  if (!c->same_host) {
     st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a communicator");
     goto fail;
   }
-  int nlocal = 0;
-  for (int p = 0; p < c->size; p++) {
-    uint64_t h = my_host;
-    if (p != c->rank) {
-      char peer[160];
-      size_t len = 0;
-      snprintf(key, sizeof key, "ripples/addr/%d", p);
-      if ((st = store->get(store->ctx, key, peer, sizeof peer - 1, &len, err)) != RPL_OK)
-        goto fail;
-      if (len >= sizeof peer) {
-        st = rpl_fail(err, RPL_ERR_INVALID, "rank %d published an over-long address", p);
-        goto fail;
-      }
-      peer[len] = '\0';
-      const char *hk = strrchr(peer, ':');
-      unsigned long long hv = 0;
-      if (!hk || sscanf(hk + 1, "%llx", &hv) != 1) {
-        st = rpl_fail(err, RPL_ERR_INVALID, "rank %d published a malformed address '%.60s' "
-                      "(a different ripples version?)", p, peer);
-        goto fail;
-      }
-      h = hv;
-      if ((st = rpl_tr_set_peer(c->tr, p, peer, err)) != RPL_OK) goto fail;
-    }
-    local_of[p] = h == my_host ? nlocal++ : -1;
-    c->same_host[p] = h == my_host;
-  }
-  if (!cfg->tcp_only && nlocal > 1 && (st = setup_shm(c, cfg, store, local_of, err)) != RPL_OK)
-    goto fail;
-  free(local_of);
-  local_of = NULL;
+  if ((st = rpl_bootstrap(c->tr, cfg, store, c->same_host, err)) != RPL_OK) goto fail;
 
   if (pthread_create(&c->thread, NULL, progress_main, c) != 0) {
     st = rpl_fail_errno(err, RPL_ERR_SYSTEM, errno, "cannot start the progress thread");
@@ -849,7 +506,6 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
   return RPL_OK;
 
 fail:
-  free(local_of);
   rpl_comm_destroy(c);
   return st;
 }
@@ -878,7 +534,7 @@ void rpl_comm_destroy(rpl_comm *c) {
   rpl_comm_shutdown(c);
   rpl_partial_destroy(c->partial);
   rpl_tr_destroy(c->tr);
-  for (int i = 0; i < RPL_SCRATCH_SLOTS; i++) free(c->scratch[i]);
+  rpl_scratch_free(&c->scratch);
   free(c->batch.ops);
   free(c->batch.xs);
   free(c->batch.deadline);
@@ -893,7 +549,7 @@ int rpl_comm_rank(const rpl_comm *c) { return c->rank; }
 int rpl_comm_size(const rpl_comm *c) { return c->size; }
 
 rpl_status rpl_submit(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
-  rpl_status st = validate(c, d, err);
+  rpl_status st = rpl_validate(d, c->rank, c->size, c->partial != NULL, err);
   if (st != RPL_OK) return st;
   rpl_op *op = calloc(1, sizeof *op);
   size_t nb = (size_t)d->nin + (size_t)d->nout;
@@ -940,7 +596,7 @@ static int inline_eligible(const rpl_comm *c, const rpl_op_desc *d) {
 
 rpl_status rpl_run_inline(rpl_comm *c, const rpl_op_desc *d, int *ran, rpl_error *err) {
   *ran = 0;
-  rpl_status st = validate(c, d, err);
+  rpl_status st = rpl_validate(d, c->rank, c->size, c->partial != NULL, err);
   if (st != RPL_OK) return st;
   if (!inline_eligible(c, d)) return RPL_OK;
   pthread_mutex_lock(&c->mu);

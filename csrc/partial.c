@@ -6,8 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "algorithms/algorithms.h"
 #include "bytes.h"
 #include "common.h"
+#include "ctx.h"
 #include "kernels.h"
 #include "sched/rpl_sched.h"
 
@@ -354,8 +356,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
     if (st != RPL_OK && st != RPL_ERR_MISMATCH) {
       /* Streams with the group may be mid-message: start them afresh next time. A signature
        * mismatch is detected after complete messages, so those connections stay usable. */
-      for (int i = 0; i < n; i++)
-        if (i != me) rpl_tr_reset_peer(run->tr, p->members[i]);
+      rpl_reset_peers(run);
     }
   } else if (st == RPL_OK && d->redop == RPL_SUM && p->size > 1) {
     for (int i = 0; i < d->nin; i++)

@@ -3,12 +3,13 @@
  *
  * Owns where groups come from (the static schedule, or the coordinator client), the round
  * counter, the per-round statistics and trace. The engine calls in from its progress thread;
- * statistics may be read from any thread.
+ * statistics may be read from any thread. A round reduces its group's buffers with the exact
+ * all-reduce (algorithms/algorithms.h) over a run (ctx.h) narrowed to the group.
  */
 #ifndef RPL_PARTIAL_H
 #define RPL_PARTIAL_H
 
-#include "engine.h"
+#include "ctx.h"
 #include "ripples.h"
 
 typedef struct rpl_partial rpl_partial;

@@ -2,10 +2,12 @@
  *
  * Small totals: direct exchange with every peer (one round). Otherwise a ring: each step
  * forwards the block received in the previous step, straight into the output. */
+#include "algorithms.h"
+
 #include <string.h>
 
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 #define MAX_DIRECT 64

@@ -7,10 +7,12 @@
  * Large buffers between ranks of one host that may read each other's memory: single_copy.c.
  * Either way every rank ends with the same bits. Several buffers (coalesced) run one after
  * another inside the same operation. */
+#include "algorithms.h"
+
 #include <string.h>
 
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 static rpl_status direct(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step) {

@@ -2,11 +2,13 @@
  *
  * All sends and receives are posted at once; the transport interleaves them, so no pair waits
  * on another. A receiver checks each block's byte size against what it expects. */
+#include "algorithms.h"
+
 #include <stdlib.h>
 #include <string.h>
 
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 rpl_status rpl_algo_alltoall(rpl_run *run, const rpl_op_desc *d) {

@@ -3,8 +3,10 @@
  * Small buffers (or two ranks): the root sends to every rank directly.
  * Large buffers: a pipelined chain root -> root+1 -> ... in chunks, so every link carries
  * data at once and the time approaches one buffer transfer instead of (size-1). */
+#include "algorithms.h"
+
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 #define MAX_DIRECT 256

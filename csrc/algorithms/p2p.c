@@ -5,8 +5,10 @@
  * sends and recvs together as one batch (rpl_tr_run_p2p), so they progress independently.
  * The barrier is a dissemination barrier: ceil(log2 n) rounds of empty messages, in round k to
  * rank+2^k and from rank-2^k; nobody leaves before everyone has arrived. */
+#include "algorithms.h"
+
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 rpl_xfer rpl_p2p_xfer(const rpl_run *run, const rpl_op_desc *d) {

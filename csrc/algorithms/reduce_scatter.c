@@ -2,10 +2,12 @@
  *
  * Inputs are never modified. Small blocks: every rank sends in[p] to p, and each reduces the
  * blocks it receives in rank order. Otherwise a ring reduce-scatter over a scratch copy. */
+#include "algorithms.h"
+
 #include <string.h>
 
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 #define MAX_DIRECT 64

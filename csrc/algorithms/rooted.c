@@ -4,54 +4,51 @@
  * buffer to the root, which reduces in rank order, for small buffers; for large ones it runs a
  * ring reduce-scatter on a scratch copy and gathers the reduced segments at the root, so the
  * root's link is not the bottleneck. Non-root buffers are never modified. */
+#include "algorithms.h"
+
 #include <stdlib.h>
 #include <string.h>
 
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 #define MAX_DIRECT 64
 
-rpl_status rpl_algo_gather(rpl_run *run, const rpl_op_desc *d) {
+/* Gather and scatter are one exchange in opposite directions: every rank's block (`one`)
+ * travels to or from the root's block for it, many[rank]. */
+static rpl_status root_blocks(rpl_run *run, const rpl_op_desc *d, int gather) {
   int n = run->size, r = run->rank, root = d->root;
-  const rpl_buf *in = &d->in[0];
-  size_t bytes = in->count * rpl_dtype_size(in->dtype);
+  const rpl_buf *one = gather ? &d->in[0] : &d->out[0];
+  const rpl_buf *many = gather ? d->out : d->in;
+  rpl_dtype dt = one->dtype;
+  size_t bytes = one->count * rpl_dtype_size(dt);
   if (r != root) {
-    rpl_xfer x = rpl_send(run, root, in->ptr, bytes, in->dtype, in->count, 0);
+    rpl_xfer x = gather ? rpl_send(run, root, one->ptr, bytes, dt, one->count, 0)
+                        : rpl_recv(run, root, one->ptr, bytes, dt, one->count, 0);
     return rpl_exchange(run, &x, 1);
   }
-  if (bytes && d->out[r].ptr != in->ptr) memcpy(d->out[r].ptr, in->ptr, bytes);
+  if (bytes && many[r].ptr != one->ptr) {
+    if (gather) memcpy(many[r].ptr, one->ptr, bytes);
+    else memcpy(one->ptr, many[r].ptr, bytes);
+  }
   if (n == 1) return RPL_OK;
   rpl_xfer *xs = malloc(sizeof(rpl_xfer) * (size_t)n);
-  if (!xs) return rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory in gather");
+  if (!xs)
+    return rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory in %s", gather ? "gather" : "scatter");
   int k = 0;
   for (int p = 0; p < n; p++)
-    if (p != r) xs[k++] = rpl_recv(run, p, d->out[p].ptr, bytes, in->dtype, in->count, 0);
+    if (p != r)
+      xs[k++] = gather ? rpl_recv(run, p, many[p].ptr, bytes, dt, one->count, 0)
+                       : rpl_send(run, p, many[p].ptr, bytes, dt, one->count, 0);
   rpl_status st = rpl_exchange(run, xs, k);
   free(xs);
   return st;
 }
 
-rpl_status rpl_algo_scatter(rpl_run *run, const rpl_op_desc *d) {
-  int n = run->size, r = run->rank, root = d->root;
-  const rpl_buf *out = &d->out[0];
-  size_t bytes = out->count * rpl_dtype_size(out->dtype);
-  if (r != root) {
-    rpl_xfer x = rpl_recv(run, root, out->ptr, bytes, out->dtype, out->count, 0);
-    return rpl_exchange(run, &x, 1);
-  }
-  if (bytes && out->ptr != d->in[r].ptr) memcpy(out->ptr, d->in[r].ptr, bytes);
-  if (n == 1) return RPL_OK;
-  rpl_xfer *xs = malloc(sizeof(rpl_xfer) * (size_t)n);
-  if (!xs) return rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory in scatter");
-  int k = 0;
-  for (int p = 0; p < n; p++)
-    if (p != r) xs[k++] = rpl_send(run, p, d->in[p].ptr, bytes, out->dtype, out->count, 0);
-  rpl_status st = rpl_exchange(run, xs, k);
-  free(xs);
-  return st;
-}
+rpl_status rpl_algo_gather(rpl_run *run, const rpl_op_desc *d) { return root_blocks(run, d, 1); }
+
+rpl_status rpl_algo_scatter(rpl_run *run, const rpl_op_desc *d) { return root_blocks(run, d, 0); }
 
 rpl_status rpl_algo_reduce(rpl_run *run, const rpl_op_desc *d) {
   int n = run->size, r = run->rank, root = d->root;

@@ -2,7 +2,7 @@
  *
  * The ring moves every byte through a shared-memory ring: copied in by the sender, copied out
  * by the receiver. Here a rank reads its peers' buffers directly (cross-memory attach,
- * rpl_tr_read), so each byte crosses between processes once:
+ * rpl_read_peer), so each byte crosses between processes once:
  *
  *   0. handshake: every member sends every other its buffer's address and whether it may read
  *      every member's memory; all proceed only if all may (else all take the ring, the same
@@ -19,10 +19,12 @@
  * Each segment is reduced once, by its owner: every rank ends with the same bits.
  * The barriers are ordinary zero-length messages, so a peer that called another collective,
  * with other sizes, or died, fails the exchange as in the other algorithms. */
+#include "algorithms.h"
+
 #include <string.h>
 
 #include "../common.h"
-#include "../engine.h"
+#include "../ctx.h"
 #include "../kernels.h"
 
 #define SC_CHUNK_BYTES (64u * 1024u) /* per peer, reduced while still in cache */
@@ -32,8 +34,6 @@ typedef struct sc_hello {
   uint64_t addr; /* the buffer, in the sender's address space */
   uint64_t ok;   /* the sender may read every member */
 } sc_hello;
-
-static int comm_rank(const rpl_run *run, int p) { return run->members ? run->members[p] : p; }
 
 /* Zero-length messages with every other member. */
 static rpl_status barrier(rpl_run *run, const rpl_buf *b, unsigned step) {
@@ -51,7 +51,7 @@ int rpl_single_copy_applies(const rpl_run *run, size_t bytes) {
   if (run->size < 2 || run->size > SC_MAX_RANKS || !run->same_host) return 0;
   if (run->single_copy_bytes == 0 || bytes < run->single_copy_bytes) return 0;
   for (int p = 0; p < run->size; p++)
-    if (!run->same_host[comm_rank(run, p)]) return 0;
+    if (!rpl_peer_local(run, p)) return 0;
   return 1;
 }
 
@@ -63,7 +63,7 @@ rpl_status rpl_single_copy_allreduce(rpl_run *run, const rpl_buf *b, rpl_redop o
 
   sc_hello mine = {(uint64_t)(uintptr_t)b->ptr, 1}, theirs[SC_MAX_RANKS];
   for (int p = 0; p < n; p++)
-    if (p != me && !rpl_tr_can_read(run->tr, comm_rank(run, p))) mine.ok = 0;
+    if (p != me && !rpl_peer_readable(run, p)) mine.ok = 0;
   rpl_xfer xs[2 * SC_MAX_RANKS];
   int k = 0;
   for (int p = 0; p < n; p++) {
@@ -95,7 +95,7 @@ rpl_status rpl_single_copy_allreduce(rpl_run *run, const rpl_buf *b, rpl_redop o
         continue;
       }
       unsigned char *dst = tmp + (size_t)p * chunk * esz;
-      st = rpl_tr_read(run->tr, comm_rank(run, p), theirs[p].addr + at, dst, c * esz, run->err);
+      st = rpl_read_peer(run, p, theirs[p].addr + at, dst, c * esz);
       if (st != RPL_OK) return st;
       srcs[p] = dst;
     }
@@ -108,8 +108,7 @@ rpl_status rpl_single_copy_allreduce(rpl_run *run, const rpl_buf *b, rpl_redop o
     if (p == me) continue;
     rpl_segment(b->count, n, p, &off, &cnt);
     if (!cnt) continue;
-    st = rpl_tr_read(run->tr, comm_rank(run, p), theirs[p].addr + off * esz, base + off * esz,
-                     cnt * esz, run->err);
+    st = rpl_read_peer(run, p, theirs[p].addr + off * esz, base + off * esz, cnt * esz);
     if (st != RPL_OK) return st;
   }
   return barrier(run, b, step);

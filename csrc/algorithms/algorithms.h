@@ -1,0 +1,37 @@
+/*
+ * algorithms.h - the collective algorithms, one per operation kind (internal to csrc/).
+ *
+ * Each runs one operation over an rpl_run (ctx.h) and touches peers only through it. The
+ * engine dispatches to them; partial rounds use rpl_allreduce_buf on their group.
+ */
+#ifndef RPL_ALGORITHMS_H
+#define RPL_ALGORITHMS_H
+
+#include "../ctx.h"
+#include "../ripples.h"
+
+rpl_status rpl_algo_allreduce(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_broadcast(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_allgather(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_reduce_scatter(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_alltoall(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_gather(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_scatter(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_reduce(rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_barrier(rpl_run *run, const rpl_op_desc *d);
+
+/* The one transfer of a SEND or RECV (progress zeroed), for the engine's p2p batches. */
+rpl_xfer rpl_p2p_xfer(const rpl_run *run, const rpl_op_desc *d);
+
+/* All-reduce of one buffer in place over the run's ranks, without AVG's division. */
+rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step);
+
+/* Single copy between ranks of one host (single_copy.c), used by rpl_allreduce_buf. _applies
+ * says whether the run may try it (every member on this host, a large enough buffer): the same
+ * answer on every member. The all-reduce then agrees with the members whether all may read
+ * each other's memory; *used = 0 (with RPL_OK) means they may not and nothing was reduced. */
+int rpl_single_copy_applies(const rpl_run *run, size_t bytes);
+rpl_status rpl_single_copy_allreduce(rpl_run *run, const rpl_buf *b, rpl_redop op,
+                                     unsigned step, int *used);
+
+#endif /* RPL_ALGORITHMS_H */
