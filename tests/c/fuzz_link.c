@@ -13,7 +13,7 @@
  * ctest runs the standalone driver (FUZZ_STANDALONE): valid frames, mutated. A libFuzzer
  * campaign (clang, from the repository root):
  *   clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Icsrc \
- *     tests/c/fuzz_link.c csrc/common.c csrc/crypto.c csrc/kernels.c csrc/transport.c \
+ *     tests/c/fuzz_link.c csrc/common.c csrc/crypto.c csrc/kernels.c csrc/transport*.c \
  *     csrc/shm.c csrc/ucx.c csrc/wire.c -lpthread -lm -o /tmp/fuzz_link
  *   /tmp/fuzz_link -max_total_time=3600 -max_len=4096 /tmp/fuzz_link_corpus
  */
@@ -126,7 +126,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 }
 
 #ifdef FUZZ_STANDALONE
-/* A frame header as the transport writes it (transport.c encode_header). */
+/* A frame header as the transport writes it (rpl_tr_encode_header in transport_frame.c). */
 static size_t frame(unsigned char *p, uint8_t op, uint32_t tag, uint64_t seq, uint64_t count,
                     uint64_t len) {
   memset(p, 0, 40);
