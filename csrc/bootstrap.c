@@ -13,24 +13,18 @@
 
 #define DEFAULT_RING_BYTES (1u << 20)
 
-static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
-  const unsigned char *b = data;
-  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
-
 /* Equal on ranks that can share memory: the caller's key, or hostname + boot id (two
  * containers with the same hostname on different machines must not match). */
 static uint64_t host_hash(const char *key) {
-  uint64_t h = 1469598103934665603ull;
-  if (key && *key) return fnv1a(h, key, strlen(key));
+  uint64_t h = RPL_FNV1A_INIT;
+  if (key && *key) return rpl_fnv1a(h, key, strlen(key));
   char host[256] = "";
   gethostname(host, sizeof host - 1);
-  h = fnv1a(h, host, strlen(host));
+  h = rpl_fnv1a(h, host, strlen(host));
   FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
   if (f) {
     char boot[64] = "";
-    if (fgets(boot, sizeof boot, f)) h = fnv1a(h, boot, strlen(boot));
+    if (fgets(boot, sizeof boot, f)) h = rpl_fnv1a(h, boot, strlen(boot));
     fclose(f);
   }
   return h;

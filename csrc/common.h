@@ -6,6 +6,8 @@
 #define RPL_COMMON_H
 
 #include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
 
 #include "ripples.h"
 
@@ -36,6 +38,15 @@ rpl_status rpl_cause_split(const char *cause, int *rank, const char **msg);
 /* The lower median of v[0..n) (its ((n-1)/2)-th smallest value), 0 if n <= 0. Reorders v;
  * O(n) expected (Hoare's selection). v must hold no NaN. */
 double rpl_lower_median(double *v, int n);
+
+/* FNV-1a, 64 bit: a cheap, stable hash of bytes (not a secret's protection). Chain calls by
+ * passing the previous result as h; start from RPL_FNV1A_INIT. */
+#define RPL_FNV1A_INIT 1469598103934665603ull
+static inline uint64_t rpl_fnv1a(uint64_t h, const void *data, size_t n) {
+  const unsigned char *b = (const unsigned char *)data;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+  return h;
+}
 
 #define RPL_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define RPL_MAX(a, b) ((a) > (b) ? (a) : (b))

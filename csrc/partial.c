@@ -227,11 +227,10 @@ void rpl_partial_after_exact(rpl_partial *p, int more) {
 /* ---- one round ------------------------------------------------------------------------- */
 
 static uint64_t sig_hash(const rpl_op_desc *d) {
-  uint64_t h = 1469598103934665603ull; /* FNV-1a over (dtype, count) pairs */
+  uint64_t h = RPL_FNV1A_INIT; /* over (dtype, count) pairs */
   for (int i = 0; i < d->nin; i++) {
     uint64_t v[2] = {(uint64_t)d->in[i].dtype, (uint64_t)d->in[i].count};
-    const unsigned char *b = (const unsigned char *)v;
-    for (size_t k = 0; k < sizeof v; k++) h = (h ^ b[k]) * 1099511628211ull;
+    h = rpl_fnv1a(h, v, sizeof v);
   }
   return h;
 }
