@@ -709,6 +709,9 @@ def run(args):
     dist.all_gather_object(summaries, summary)
     final = None
     if rank == 0:
+        def per_rank(*keys):  # every rank's value of each key, in rank order
+            return {k: [s[k] for s in summaries] for k in keys}
+
         final = {"event": "final", "workload": args.workload, "strategy": args.strategy,
               "backend": backend,
               "schedule": args.schedule if args.strategy == "ripples" else None,
@@ -720,17 +723,10 @@ def run(args):
               "target_acc": args.target_acc,
               "time_to_target": summary["time_to_target"],
               "train_time": summary["train_time"],
-              "steps": [s["steps"] for s in summaries],
-              "steps_per_s": [s["steps_per_s"] for s in summaries],
-              "comm_wait_s": [s["comm_wait_s"] for s in summaries],
-              "compute_s": [s["compute_s"] for s in summaries],
-              "local_acc": [s["local_acc"] for s in summaries],
+              **per_rank("steps", "steps_per_s", "comm_wait_s", "compute_s", "local_acc"),
               "consensus": summary["consensus"],
-              "rounds": [s["rounds"] for s in summaries],
-              "singletons": [s["singletons"] for s in summaries],
-              "singleton_share": [s["singleton_share"] for s in summaries],
-              "singleton_run_max": [s["singleton_run_max"] for s in summaries],
-              "passed": [s["passed"] for s in summaries],
+              **per_rank("rounds", "singletons", "singleton_share", "singleton_run_max",
+                         "passed"),
               "level_counts": summary.get("level_counts"), "stats": summary.get("stats")}
         emit(final, stdout=True)
     if logf:

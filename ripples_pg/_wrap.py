@@ -35,7 +35,8 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .averager import RipplesAverager, parse_levels
-from .hooks import POST_WARMUP_MODES, RipplesHookState, _is_ripples, host_group, ripples_hook
+from ._groups import host_group, is_ripples
+from .hooks import POST_WARMUP_MODES, RipplesHookState, ripples_hook
 
 __all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "DEFAULT_WARMUP_STRAGGLER",
            "WRAP_DEFAULTS"]
@@ -232,7 +233,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         raise ValueError("ripples_pg.wrap: the optimizer holds none of the model's parameters "
                          "(create it from ddp_model.parameters())")
     ddp_group = ddp_model.process_group
-    if not _is_ripples(ddp_group):
+    if not is_ripples(ddp_group):
         raise ValueError(
             f"ripples_pg.wrap: the DDP model's process group uses backend "
             f"{str(dist.get_backend(ddp_group))!r}, not 'ripples'. Initialise with "
@@ -262,7 +263,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             raise ValueError(f"ripples_pg.wrap: group= was given, so the schedule options "
                              f"{sorted(explicit)} cannot apply; set them on that group's "
                              f"ripples_pg.Options instead")
-        if not _is_ripples(group):
+        if not is_ripples(group):
             raise ValueError(f"ripples_pg.wrap: group= must be a 'ripples' process group, "
                              f"got backend {str(dist.get_backend(group))!r}")
     else:

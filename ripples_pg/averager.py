@@ -61,7 +61,6 @@ The averager counts steps like torch's averagers (``step`` increases by one per 
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -73,7 +72,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from .hooks import _exact, _is_ripples, host_group as _host_group
+from ._api import partial_all_reduce
+from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
 from .overlap import OverlappedRound
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
@@ -160,28 +160,6 @@ def _params_of(params) -> List[torch.Tensor]:
                 seen.add(id(p))
                 out.append(p)
     return out
-
-
-def _all_reduce_one_call(tensors: List[torch.Tensor], op, group) -> None:
-    """All-reduces ``tensors`` (possibly of several dtypes) in a single collective call, i.e.
-    one partial round when partial mode is on."""
-    import ripples_pg
-
-    fn = getattr(ripples_pg, "partial_all_reduce", None)
-    if fn is not None:
-        fn(tensors, group=group, op=op)
-        return
-    if len(tensors) == 1:
-        dist.all_reduce(tensors[0], op=op, group=group)
-        return
-    # One allreduce_coalesced call on the backend: dist.all_reduce_coalesced insists on a
-    # single dtype, the ripples backend does not.
-    pg = group if group is not None else dist.group.WORLD
-    opts = dist.AllreduceCoalescedOptions()
-    opts.reduceOp = op
-    work = pg.allreduce_coalesced(tensors, opts)
-    if work is not None:
-        work.wait()
 
 
 class _Layout:
@@ -311,7 +289,7 @@ class RipplesAverager(ModelAverager):
         self.levels = parse_levels(levels)
         self._periods = list(self.levels)
         kinds = set(self.levels.values())
-        if "partial" in kinds and not _is_ripples(self.process_group):
+        if "partial" in kinds and not is_ripples(self.process_group):
             raise ValueError(
                 f"ripples_pg.RipplesAverager: a 'partial' level needs a process group on the "
                 f"'ripples' backend, got one on {dist.get_backend(self.process_group)!r}; "
@@ -494,8 +472,7 @@ class RipplesAverager(ModelAverager):
         mine = self._warm_sum / self._warm_n if self._warm_n else -1.0
         self._warm_sum, self._warm_n = 0.0, 0
         out = torch.empty(n, dtype=torch.float64)
-        ctx = _exact() if _is_ripples(group) else contextlib.nullcontext()
-        with ctx:
+        with exact_if_ripples(group):
             dist.all_gather_into_tensor(out, torch.tensor([mine], dtype=torch.float64),
                                         group=group)
         times = out.tolist()
@@ -585,16 +562,10 @@ class RipplesAverager(ModelAverager):
         if level == "partial" and self._round is not None:
             self._round.start(lay, group, self.step)
             return  # the extras are updated when the round is applied
-        if level == "partial":
-            import ripples_pg
-
-            ctx = ripples_pg.partial()
-        else:
-            ctx = _exact() if _is_ripples(group) else contextlib.nullcontext()
-        with ctx:
-            if level == "partial":
-                _all_reduce_one_call(lay.flats, dist.ReduceOp.AVG, group)
-            else:  # exact: one call per dtype is fine (and works on any backend)
+        if level == "partial":  # every dtype in one call: one partial round
+            partial_all_reduce(lay.flats, group=group, op=dist.ReduceOp.AVG)
+        else:  # exact: one call per dtype is fine (and works on any backend)
+            with exact_if_ripples(group):
                 for flat in lay.flats:
                     dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)
         lay.unpack_extras()
@@ -624,8 +595,7 @@ class RipplesAverager(ModelAverager):
         by_kind: "OrderedDict[tuple, List[torch.Tensor]]" = OrderedDict()
         for t in tensors:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
-        ctx = _exact() if _is_ripples(group) else contextlib.nullcontext()
-        with ctx:
+        with exact_if_ripples(group):
             for ts in by_kind.values():  # a few calls, once: no need for the flat layout
                 flat = torch.cat([t.detach().reshape(-1) for t in ts])
                 dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=group)

@@ -38,92 +38,21 @@ backward pass therefore see the same step. When the state is linked to an averag
 optimizer steps taken so far. That stays right with gradient accumulation and is restored by
 ``PostLocalSGDOptimizer.load_state_dict`` together with the averager's.
 """
-import contextlib
 import logging
 import weakref
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from ._api import exact
+from ._groups import host_group  # public here: ripples_pg.hooks.host_group
 
 __all__ = ["RipplesHookState", "ripples_hook", "host_group", "POST_WARMUP_MODES"]
 
 logger = logging.getLogger(__name__)
 
 POST_WARMUP_MODES = ("local", "host")
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _is_ripples(group) -> bool:
-    try:
-        return str(dist.get_backend(group)).lower() == "ripples"
-    except Exception:  # noqa: BLE001 - not a group we can ask about
-        return False
-
-
-def _exact():
-    """A context in which ``all_reduce`` on a ripples group is exact even if a caller further
-    up the stack entered ``ripples_pg.partial()``: ``ripples_pg.exact()`` if the build has it,
-    else ``ripples_pg.partial(False)`` if ``partial`` takes an on/off flag, else nothing."""
-    import inspect
-
-    import ripples_pg
-
-    fn = getattr(ripples_pg, "exact", None)
-    if callable(fn):
-        return fn()
-    fn = getattr(ripples_pg, "partial", None)
-    if callable(fn):
-        try:
-            params = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            params = []
-        if params and params[0] in ("enabled", "enable", "on", "flag", "mode"):
-            return fn(False)
-    return contextlib.nullcontext()
-
-
-_HOST_GROUPS: Dict[tuple, tuple] = {}
-
-
-def host_group(group=None, backend: Optional[str] = None, pg_options=None):
-    """The process group of this rank's host inside ``group`` (default: the world).
-
-    Hosts come from ``ripples_pg.host_of(group)`` (host names exchanged when the group was
-    created, or ``RIPPLES_HOST_ID``) for a ``ripples`` group. Every rank of the *default* group
-    must call this, in the same order, because it creates one subgroup per host with
-    ``torch.distributed.new_subgroups_by_enumeration``; the result is cached per group, so later
-    calls are free. Returns ``None`` if this rank is alone on its host (nothing to average).
-    """
-    group = group if group is not None else dist.group.WORLD
-    key = (id(group),)
-    if key in _HOST_GROUPS:
-        return _HOST_GROUPS[key][0]
-    import ripples_pg
-
-    host_of = getattr(ripples_pg, "host_of", None)
-    if host_of is None:
-        raise RuntimeError("ripples_pg.host_of is not available in this build")
-    hosts: List[int] = [int(h) for h in host_of(group)]
-    global_ranks = dist.get_process_group_ranks(group)
-    if len(hosts) != len(global_ranks):
-        raise RuntimeError(
-            f"ripples_pg.host_of returned {len(hosts)} entries for a group of "
-            f"{len(global_ranks)} ranks")
-    per_host: Dict[int, List[int]] = {}
-    for grank, h in zip(global_ranks, hosts):
-        per_host.setdefault(h, []).append(grank)
-    ranks_lists = [per_host[h] for h in sorted(per_host)]
-    if backend is None:
-        backend = dist.get_backend(group)
-    kw = {"pg_options": pg_options} if pg_options is not None else {}
-    mine, _all = dist.new_subgroups_by_enumeration(ranks_lists, backend=backend, **kw)
-    if mine is not None and dist.get_world_size(mine) <= 1:
-        mine = None
-    _HOST_GROUPS[key] = (mine, group)  # keep `group` alive so its id is not reused
-    return mine
 
 
 # ----------------------------------------------------------------------------- state
@@ -272,7 +201,7 @@ class RipplesHookState:
 def _allreduce_mean_fut(group, tensor: torch.Tensor) -> torch.futures.Future:
     n = dist.get_world_size(group)
     tensor.div_(n)
-    with _exact():
+    with exact():
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 

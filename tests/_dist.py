@@ -371,6 +371,66 @@ class WorkerPool:
         self.close(check_exit=exc[0] is None)
 
 
+def regression_steps(ctx, model, opt, start, steps):
+    """Takes ``steps`` optimizer steps of ``model`` (8 inputs, 1 output) on random regression
+    batches seeded by (step, rank), numbered from ``start``, yielding each step's number:
+    a restored run sees the very batches the uninterrupted one would have."""
+    for s in range(start, start + steps):
+        gen = torch.Generator().manual_seed(100 * s + ctx.rank)
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        yield s
+
+
+def expect_error(errors, name, exc, fn):
+    """Calls ``fn()``, which must raise ``exc``; its message goes to ``errors[name]`` (a task
+    returns them for the test to check). Another exception, or none, fails the task."""
+    try:
+        fn()
+    except exc as e:
+        errors[name] = str(e)
+        return
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"{name}: raised {type(e).__name__}: {e}, expected "
+                             f"{exc.__name__}") from e
+    raise AssertionError(f"{name}: no error raised")
+
+
+def pool_test(task, *marks, **params):
+    """A pytest test that runs ``task(ctx, *values)`` on every rank of the ``pool`` fixture,
+    for every combination of ``params`` (name -> values; the values are passed to the task in
+    the order the names are given). ``marks`` (``WS_ALL``, ``skipif``, ...) apply as if they
+    were decorators stacked in that order. The test's docstring is the task's.
+
+    ``test_x = pool_test(_t_x, WS_ALL, dtype=DTYPES)`` is the same test as ::
+
+        @WS_ALL
+        @pytest.mark.parametrize("dtype", DTYPES)
+        def test_x(pool, ws, dtype):
+            pool.run(_t_x, dtype)
+    """
+    import inspect
+
+    import pytest
+
+    names = list(params)
+
+    def test(pool, ws, **values):
+        pool.run(task, *(values[n] for n in names))
+
+    arg = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    test.__signature__ = inspect.Signature(  # what pytest reads for the fixtures it passes
+        [inspect.Parameter(n, arg) for n in ("pool", "ws", *names)])
+    test.__doc__ = task.__doc__
+    for name in reversed(names):
+        test = pytest.mark.parametrize(name, params[name])(test)
+    for mark in reversed(marks):
+        test = mark(test)
+    return test
+
+
 def run_spawn(fn, world_size, *args, backend=BACKEND, init=True, pg_timeout=PG_TIMEOUT,
               timeout=TASK_TIMEOUT, env=None, check_exit=True, **kwargs):
     """Run one task in fresh processes; the processes must also exit cleanly afterwards."""

@@ -2,6 +2,7 @@
 partial group's round trace), each level computes the right average, parameters of several
 dtypes go into one round, flattening happens once, optimizer state can be averaged, and it
 works inside torch's PostLocalSGDOptimizer including state_dict / load_state_dict."""
+import functools
 import os
 
 import pytest
@@ -147,17 +148,8 @@ def _postlocal_task(ctx):
         model.register_comm_hook(state, hooks.ripples_hook)
         return module, model, PostLocalSGDOptimizer(inner, av), av, state
 
-    def train(model, opt, steps, start):
-        for s in range(start, start + steps):
-            gen = torch.Generator().manual_seed(100 * s + ctx.rank)
-            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-            yield s
-
     module, model, opt, av, state = build()
-    for s in train(model, opt, 8, 0):
+    for s in _dist.regression_steps(ctx, model, opt, 0, 8):
         if s == 6:  # a "world" step with optimizer state averaging: momentum identical too
             bufs = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1)
                               for p in module.parameters()])
@@ -182,7 +174,8 @@ def _postlocal_task(ctx):
     chk.true(torch.equal(opt2.state[next(module2.parameters())]["momentum_buffer"],
                          opt.state[next(module.parameters())]["momentum_buffer"]),
              "restored momentum")
-    list(train(model2, opt2, 4, 8))  # steps 8..11: partial, world, partial, partial
+    # steps 8..11: partial, world, partial, partial
+    list(_dist.regression_steps(ctx, model2, opt2, 8, 4))
     # With a dynamic schedule a rank that has finished its rounds may already be a member of
     # a group another rank is still waiting in; it serves no more rounds, so it must not block
     # on anything but a ripples collective (which fences it, cancelling such groups) before
@@ -202,17 +195,7 @@ def _misuse_task(ctx):
     import ripples_pg
 
     errors = {}
-
-    def expect(name, exc, fn):
-        try:
-            fn()
-        except exc as e:
-            errors[name] = str(e)
-            return
-        except Exception as e:  # noqa: BLE001
-            raise AssertionError(f"{name}: raised {type(e).__name__}: {e}, expected "
-                                 f"{exc.__name__}") from e
-        raise AssertionError(f"{name}: no error")
+    expect = functools.partial(_dist.expect_error, errors)
 
     expect("gloo", ValueError, lambda: ripples_pg.RipplesAverager(ctx.ref))
     expect("period0", ValueError, lambda: ripples_pg.RipplesAverager(levels={0: "partial"}))

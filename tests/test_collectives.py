@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import BACKEND, REF_BACKEND, Checker, run_spawn, seed_of
+from _dist import BACKEND, REF_BACKEND, Checker, pool_test, run_spawn, seed_of
 
 R = dist.ReduceOp
 OPS = {"SUM": R.SUM, "AVG": R.AVG, "PRODUCT": R.PRODUCT, "MIN": R.MIN, "MAX": R.MAX,
@@ -53,6 +53,10 @@ MIB = 1 << 20
 
 WS_ALL = pytest.mark.parametrize("ws", [1, 2, 3, 4], scope="module", ids=lambda w: f"ws{w}")
 WS_MULTI = pytest.mark.parametrize("ws", [2, 3, 4], scope="module", ids=lambda w: f"ws{w}")
+
+
+def ripples_only(reason):
+    return pytest.mark.skipif(BACKEND != "ripples", reason=reason)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -109,6 +113,20 @@ def compare(ck, actual, expected, op, ws, what):
     return ck.close(actual, expected, what, atol=tol[0], rtol=tol[1])
 
 
+def check_all_reduce(ck, ctx, group, dtype, op, input_of, what):
+    """all_reduce of this rank's ``input_of(rank)`` on ``group`` against gloo, or, for a dtype
+    gloo lacks, against a local reduction of every rank's input (regenerated here)."""
+    x = input_of(ctx.rank)
+    a = x.clone()
+    dist.all_reduce(a, op=OPS[op], group=group)
+    if gloo_ok(dtype):
+        b = x.clone()
+        dist.all_reduce(b, op=OPS[op], group=ctx.ref)
+    else:
+        b = local_reduce([input_of(r) for r in range(ctx.ws)], op)
+    compare(ck, a, b, op, ctx.ws, what)
+
+
 def local_reduce(tensors, op):
     """Reference reduction of integer tensors (used for int16, which gloo lacks); wraps like
     the tensor dtype."""
@@ -149,30 +167,19 @@ def make_base(shape, dtype, seed, op="SUM"):
 # ------------------------------------------------------------------------------ all_reduce
 
 
-def _t_all_reduce(ctx, dtype_name, sizes):
+def _t_all_reduce(ctx, dtype_name, sizes=SIZES):
+    """Every op gloo supports for the dtype, sizes 0, 1, 7, 1023."""
     dtype = DTYPES[dtype_name]
     ck = Checker(ctx)
     for op in ops_for(dtype):
         for n in sizes:
-            what = f"all_reduce {dtype_name} {op} n={n}"
-            x = rand(n, dtype, seed_of("ar", dtype_name, op, n, ctx.rank), op)
-            a = x.clone()
-            dist.all_reduce(a, op=OPS[op], group=ctx.pg)
-            if gloo_ok(dtype):
-                b = x.clone()
-                dist.all_reduce(b, op=OPS[op], group=ctx.ref)
-            else:
-                b = local_reduce([rand(n, dtype, seed_of("ar", dtype_name, op, n, r), op)
-                                  for r in range(ctx.ws)], op)
-            compare(ck, a, b, op, ctx.ws, what)
+            check_all_reduce(ck, ctx, ctx.pg, dtype, op,
+                             lambda r: rand(n, dtype, seed_of("ar", dtype_name, op, n, r), op),
+                             f"all_reduce {dtype_name} {op} n={n}")
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-def test_all_reduce(pool, ws, dtype):
-    """Every op gloo supports for the dtype, sizes 0, 1, 7, 1023."""
-    pool.run(_t_all_reduce, dtype, SIZES)
+test_all_reduce = pool_test(_t_all_reduce, WS_ALL, dtype=DTYPE_NAMES)
 
 
 LARGE_AR = [(d, op) for d, op in [
@@ -181,21 +188,14 @@ LARGE_AR = [(d, op) for d, op in [
 
 
 def _t_all_reduce_large(ctx):
+    """Several MiB (3 MiB + a few elements) for a subset of dtype/op pairs."""
     ck = Checker(ctx)
     for dtype_name, op in LARGE_AR:
         dtype = DTYPES[dtype_name]
         n = 3 * MIB // dtype.itemsize + 5  # several MiB, and not a multiple of anything nice
-        what = f"all_reduce {dtype_name} {op} n={n}"
-        x = rand(n, dtype, seed_of("arL", dtype_name, op, ctx.rank), op)
-        a = x.clone()
-        dist.all_reduce(a, op=OPS[op], group=ctx.pg)
-        if gloo_ok(dtype):
-            b = x.clone()
-            dist.all_reduce(b, op=OPS[op], group=ctx.ref)
-        else:
-            b = local_reduce([rand(n, dtype, seed_of("arL", dtype_name, op, r), op)
-                              for r in range(ctx.ws)], op)
-        compare(ck, a, b, op, ctx.ws, what)
+        check_all_reduce(ck, ctx, ctx.pg, dtype, op,
+                         lambda r: rand(n, dtype, seed_of("arL", dtype_name, op, r), op),
+                         f"all_reduce {dtype_name} {op} n={n}")
     # a large non-contiguous one: 3 MiB of float32 seen through a transpose
     base = make_base((768, 1024), torch.float32, seed_of("arLT", ctx.rank))
     ref = base.t().contiguous()
@@ -205,14 +205,13 @@ def _t_all_reduce_large(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_all_reduce_large(pool, ws):
-    """Several MiB (3 MiB + a few elements) for a subset of dtype/op pairs."""
-    pool.run(_t_all_reduce_large)
+test_all_reduce_large = pool_test(_t_all_reduce_large, WS_ALL)
 
 
 def _t_all_reduce_single_copy(ctx):
-    """Options(single_copy=True): every dtype and op at odd sizes above the single-copy
+    """Large all-reduces that read local peers' memory (cross-memory attach).
+
+    Options(single_copy=True): every dtype and op at odd sizes above the single-copy
     threshold, and a large transposed view, against gloo; the counters prove the bytes were
     read from the peers' buffers rather than sent through the rings."""
     import ripples_pg
@@ -225,17 +224,9 @@ def _t_all_reduce_single_copy(ctx):
         dtype = DTYPES[dtype_name]
         for op in ops_for(dtype):
             n = 300 * 1024 // dtype.itemsize + 7
-            what = f"single-copy all_reduce {dtype_name} {op} n={n}"
-            x = rand(n, dtype, seed_of("arSC", dtype_name, op, ctx.rank), op)
-            a = x.clone()
-            dist.all_reduce(a, op=OPS[op], group=g)
-            if gloo_ok(dtype):
-                b = x.clone()
-                dist.all_reduce(b, op=OPS[op], group=ctx.ref)
-            else:
-                b = local_reduce([rand(n, dtype, seed_of("arSC", dtype_name, op, r), op)
-                                  for r in range(ctx.ws)], op)
-            compare(ck, a, b, op, ctx.ws, what)
+            check_all_reduce(ck, ctx, g, dtype, op,
+                             lambda r: rand(n, dtype, seed_of("arSC", dtype_name, op, r), op),
+                             f"single-copy all_reduce {dtype_name} {op} n={n}")
     base = make_base((768, 1024), torch.float32, seed_of("arSCT", ctx.rank))
     ref = base.t().contiguous()
     dist.all_reduce(base.t(), group=g)
@@ -248,11 +239,8 @@ def _t_all_reduce_single_copy(ctx):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.skipif(BACKEND != "ripples", reason="ripples option")
-def test_all_reduce_single_copy(pool, ws):
-    """Large all-reduces that read local peers' memory (cross-memory attach)."""
-    pool.run(_t_all_reduce_single_copy)
+test_all_reduce_single_copy = pool_test(_t_all_reduce_single_copy, WS_ALL,
+                                        ripples_only("ripples option"))
 
 
 def _t_small_queued(ctx):
@@ -284,10 +272,8 @@ def _t_small_queued(ctx):
     return ck.finish()
 
 
-@WS_MULTI
-@pytest.mark.skipif(BACKEND != "ripples", reason="ripples option")
-def test_small_collectives_queued(pool, ws):
-    pool.run(_t_small_queued)
+test_small_collectives_queued = pool_test(_t_small_queued, WS_MULTI,
+                                          ripples_only("ripples option"))
 
 
 def _sparse_input(dtype, shape, sparse_dims, seed, density=0.3):
@@ -342,10 +328,8 @@ def _t_sparse_all_reduce(ctx):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.skipif(BACKEND != "ripples", reason="ripples' sparse path (gloo is the reference)")
-def test_sparse_all_reduce(pool, ws):
-    pool.run(_t_sparse_all_reduce)
+test_sparse_all_reduce = pool_test(_t_sparse_all_reduce, WS_ALL,
+                                   ripples_only("ripples' sparse path (gloo is the reference)"))
 
 
 def _t_all_reduce_wrap(ctx):
@@ -368,12 +352,12 @@ def _t_all_reduce_wrap(ctx):
     return ck.finish()
 
 
-@WS_MULTI
-def test_all_reduce_integer_overflow_wraps(pool, ws):
-    pool.run(_t_all_reduce_wrap)
+test_all_reduce_integer_overflow_wraps = pool_test(_t_all_reduce_wrap, WS_MULTI)
 
 
 def _t_all_reduce_views(ctx):
+    """Transposed, strided, sliced, channels_last and permuted views: the result lands in the
+    user's view and nothing else in the storage changes."""
     ck = Checker(ctx)
     for dtype_name, op in [("float32", "SUM"), ("float64", "AVG"), ("bfloat16", "MAX"),
                            ("int32", "BXOR"), ("int16", "SUM"), ("bool", "BOR"),
@@ -403,11 +387,7 @@ def _t_all_reduce_views(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_all_reduce_noncontiguous(pool, ws):
-    """Transposed, strided, sliced, channels_last and permuted views: the result lands in the
-    user's view and nothing else in the storage changes."""
-    pool.run(_t_all_reduce_views)
+test_all_reduce_noncontiguous = pool_test(_t_all_reduce_views, WS_ALL)
 
 
 def _t_all_reduce_coalesced(ctx):
@@ -449,15 +429,14 @@ def _t_all_reduce_coalesced(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_all_reduce_coalesced(pool, ws):
-    pool.run(_t_all_reduce_coalesced)
+test_all_reduce_coalesced = pool_test(_t_all_reduce_coalesced, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ broadcast
 
 
 def _t_broadcast(ctx, dtype_name):
+    """Every root, sizes 0/1/7/1023 and three kinds of views."""
     dtype = DTYPES[dtype_name]
     ck = Checker(ctx)
     for root in range(ctx.ws):
@@ -484,11 +463,7 @@ def _t_broadcast(ctx, dtype_name):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-def test_broadcast(pool, ws, dtype):
-    """Every root, sizes 0/1/7/1023 and three kinds of views."""
-    pool.run(_t_broadcast, dtype)
+test_broadcast = pool_test(_t_broadcast, WS_ALL, dtype=DTYPE_NAMES)
 
 
 def _t_broadcast_large(ctx):
@@ -502,15 +477,14 @@ def _t_broadcast_large(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_broadcast_large(pool, ws):
-    pool.run(_t_broadcast_large)
+test_broadcast_large = pool_test(_t_broadcast_large, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ all_gather
 
 
 def _t_all_gather(ctx, dtype_name):
+    """all_gather (list form) and all_gather_into_tensor, incl. views."""
     dtype = DTYPES[dtype_name]
     ck = Checker(ctx)
     ws = ctx.ws
@@ -556,11 +530,7 @@ def _t_all_gather(ctx, dtype_name):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", MOVE_DTYPES)
-def test_all_gather(pool, ws, dtype):
-    """all_gather (list form) and all_gather_into_tensor, incl. views."""
-    pool.run(_t_all_gather, dtype)
+test_all_gather = pool_test(_t_all_gather, WS_ALL, dtype=MOVE_DTYPES)
 
 
 def _t_all_gather_coalesced(ctx, dtype_name):
@@ -599,10 +569,8 @@ def _t_all_gather_coalesced(ctx, dtype_name):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int64", "bool"])
-def test_all_gather_coalesced(pool, ws, dtype):
-    pool.run(_t_all_gather_coalesced, dtype)
+test_all_gather_coalesced = pool_test(_t_all_gather_coalesced, WS_ALL,
+                                      dtype=["float32", "float16", "int64", "bool"])
 
 
 def _t_all_gather_large(ctx):
@@ -619,15 +587,14 @@ def _t_all_gather_large(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_all_gather_large(pool, ws):
-    pool.run(_t_all_gather_large)
+test_all_gather_large = pool_test(_t_all_gather_large, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ reduce_scatter
 
 
 def _t_reduce_scatter(ctx, dtype_name):
+    """reduce_scatter (list form) and reduce_scatter_tensor, every op, incl. views."""
     dtype = DTYPES[dtype_name]
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
@@ -683,11 +650,7 @@ def _t_reduce_scatter(ctx, dtype_name):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-def test_reduce_scatter(pool, ws, dtype):
-    """reduce_scatter (list form) and reduce_scatter_tensor, every op, incl. views."""
-    pool.run(_t_reduce_scatter, dtype)
+test_reduce_scatter = pool_test(_t_reduce_scatter, WS_ALL, dtype=DTYPE_NAMES)
 
 
 def _t_reduce_scatter_large(ctx):
@@ -702,9 +665,7 @@ def _t_reduce_scatter_large(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_reduce_scatter_large(pool, ws):
-    pool.run(_t_reduce_scatter_large)
+test_reduce_scatter_large = pool_test(_t_reduce_scatter_large, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ all_to_all
@@ -716,6 +677,7 @@ def a2a_count(src, dst, salt):
 
 
 def _t_all_to_all(ctx, dtype_name):
+    """all_to_all and all_to_all_single, equal and unequal (incl. empty) splits, views."""
     dtype = DTYPES[dtype_name]
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
@@ -777,11 +739,8 @@ def _t_all_to_all(ctx, dtype_name):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", _dt(["float32", "bfloat16", "int64", "int16", "uint8", "bool"]))
-def test_all_to_all(pool, ws, dtype):
-    """all_to_all and all_to_all_single, equal and unequal (incl. empty) splits, views."""
-    pool.run(_t_all_to_all, dtype)
+test_all_to_all = pool_test(_t_all_to_all, WS_ALL,
+                            dtype=_dt(["float32", "bfloat16", "int64", "int16", "uint8", "bool"]))
 
 
 def _t_all_to_all_large(ctx):
@@ -800,15 +759,14 @@ def _t_all_to_all_large(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_all_to_all_large(pool, ws):
-    pool.run(_t_all_to_all_large)
+test_all_to_all_large = pool_test(_t_all_to_all_large, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ gather / scatter
 
 
 def _t_gather_scatter(ctx, dtype_name):
+    """gather and scatter, every root, sizes 0/1/7/1023 (+3 MiB for float32), views."""
     dtype = DTYPES[dtype_name]
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
@@ -856,17 +814,15 @@ def _t_gather_scatter(ctx, dtype_name):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", _dt(["float32", "float16", "int8", "int16", "int64", "bool"]))
-def test_gather_scatter(pool, ws, dtype):
-    """gather and scatter, every root, sizes 0/1/7/1023 (+3 MiB for float32), views."""
-    pool.run(_t_gather_scatter, dtype)
+test_gather_scatter = pool_test(_t_gather_scatter, WS_ALL,
+                                dtype=_dt(["float32", "float16", "int8", "int16", "int64", "bool"]))
 
 
 # ------------------------------------------------------------------------------ reduce
 
 
 def _t_reduce(ctx, dtype_name):
+    """reduce, every root and op; the root's result against gloo, non-root inputs unchanged."""
     dtype = DTYPES[dtype_name]
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
@@ -901,11 +857,7 @@ def _t_reduce(ctx, dtype_name):
     return ck.finish()
 
 
-@WS_ALL
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-def test_reduce(pool, ws, dtype):
-    """reduce, every root and op; the root's result against gloo, non-root inputs unchanged."""
-    pool.run(_t_reduce, dtype)
+test_reduce = pool_test(_t_reduce, WS_ALL, dtype=DTYPE_NAMES)
 
 
 def _t_reduce_large(ctx):
@@ -923,9 +875,7 @@ def _t_reduce_large(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_reduce_large(pool, ws):
-    pool.run(_t_reduce_large)
+test_reduce_large = pool_test(_t_reduce_large, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ barrier
@@ -952,9 +902,7 @@ def _t_barrier(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_barrier(pool, ws):
-    pool.run(_t_barrier)
+test_barrier = pool_test(_t_barrier, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ send / recv
@@ -1005,12 +953,11 @@ def _t_recv_any_source(ctx):
     return ck.finish()
 
 
-@WS_MULTI
-def test_recv_any_source(pool, ws):
-    pool.run(_t_recv_any_source)
+test_recv_any_source = pool_test(_t_recv_any_source, WS_MULTI)
 
 
 def _t_send_recv(ctx):
+    """Blocking send/recv around a ring: several dtypes, sizes 0..3 MiB, views."""
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
     nxt, prv = (me + 1) % ws, (me - 1) % ws
@@ -1057,13 +1004,12 @@ def _t_send_recv(ctx):
     return ck.finish()
 
 
-@WS_MULTI
-def test_send_recv(pool, ws):
-    """Blocking send/recv around a ring: several dtypes, sizes 0..3 MiB, views."""
-    pool.run(_t_send_recv)
+test_send_recv = pool_test(_t_send_recv, WS_MULTI)
 
 
 def _t_isend_irecv_tags(ctx):
+    """isend/irecv with tags: matching by tag, FIFO per tag, everything outstanding at once
+    (sends are issued before the receives here; the other order has its own test)."""
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
     nxt, prv = (me + 1) % ws, (me - 1) % ws
@@ -1110,14 +1056,12 @@ def _t_isend_irecv_tags(ctx):
     return ck.finish()
 
 
-@WS_MULTI
-def test_isend_irecv_tags(pool, ws):
-    """isend/irecv with tags: matching by tag, FIFO per tag, everything outstanding at once
-    (sends are issued before the receives here; the other order has its own test)."""
-    pool.run(_t_isend_irecv_tags)
+test_isend_irecv_tags = pool_test(_t_isend_irecv_tags, WS_MULTI)
 
 
 def _t_irecv_before_isend(ctx):
+    """irecv posted before the matching isend (both ranks), and receives posted in the reverse
+    order of the sends' tags: matched by tag, no deadlock."""
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
     nxt, prv = (me + 1) % ws, (me - 1) % ws
@@ -1144,11 +1088,7 @@ def _t_irecv_before_isend(ctx):
     return ck.finish()
 
 
-@WS_MULTI
-def test_irecv_before_isend(pool, ws):
-    """irecv posted before the matching isend (both ranks), and receives posted in the reverse
-    order of the sends' tags: matched by tag, no deadlock."""
-    pool.run(_t_irecv_before_isend)
+test_irecv_before_isend = pool_test(_t_irecv_before_isend, WS_MULTI)
 
 
 def _t_batch_isend_irecv(ctx):
@@ -1165,9 +1105,7 @@ def _t_batch_isend_irecv(ctx):
     return ck.finish()
 
 
-@WS_MULTI
-def test_batch_isend_irecv(pool, ws):
-    pool.run(_t_batch_isend_irecv)
+test_batch_isend_irecv = pool_test(_t_batch_isend_irecv, WS_MULTI)
 
 
 # ------------------------------------------------------------------------------ async / futures
@@ -1230,12 +1168,11 @@ def _t_async_outstanding(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_async_outstanding(pool, ws):
-    pool.run(_t_async_outstanding)
+test_async_outstanding = pool_test(_t_async_outstanding, WS_ALL)
 
 
 def _t_futures(ctx):
+    """work.get_future() values, then() callbacks, a collective waited inside a callback."""
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
     # all_reduce: the future's value is the list of output tensors (what DDP relies on)
@@ -1300,16 +1237,15 @@ def _t_futures(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_futures(pool, ws):
-    """work.get_future() values, then() callbacks, a collective waited inside a callback."""
-    pool.run(_t_futures)
+test_futures = pool_test(_t_futures, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ subgroups
 
 
 def _t_subgroups(ctx):
+    """new_group(ranks=..., backend=ripples): a subgroup without rank 0, one with the first
+    and last ranks, and a second full group, interleaved (some async) with WORLD."""
     ck = Checker(ctx)
     ws, me = ctx.ws, ctx.rank
     ranks_a = list(range(1, ws)) if ws > 1 else [0]  # excludes rank 0 when it can
@@ -1399,18 +1335,17 @@ def _t_subgroups(ctx):
     return ck.finish()
 
 
-@WS_ALL
-def test_subgroups(pool, ws):
-    """new_group(ranks=..., backend=ripples): a subgroup without rank 0, one with the first
-    and last ranks, and a second full group, interleaved (some async) with WORLD."""
-    pool.run(_t_subgroups)
+test_subgroups = pool_test(_t_subgroups, WS_ALL)
 
 
 # ------------------------------------------------------------------------------ algorithm variants
 
 
 def _t_algorithm_variants(ctx, variant):
-    """The same collectives on a group whose Options force one algorithm family: everything
+    """Options(small_bytes=..., chunk_bytes=...) forcing each algorithm family for every size
+    (incl. messages smaller than the number of ranks), against gloo.
+
+    The same collectives on a group whose Options force one algorithm family: everything
     latency-optimised, everything pipelined/ring (even 1-element messages), tiny chunks."""
     import ripples_pg
 
@@ -1428,16 +1363,9 @@ def _t_algorithm_variants(ctx, variant):
             continue
         dtype = DTYPES[dtype_name]
         for n in sizes:
-            what = f"[{variant}] all_reduce {dtype_name} {op} n={n}"
-            xs = [rand(n, dtype, seed_of("alg", dtype_name, op, n, r), op) for r in range(ws)]
-            a = xs[me].clone()
-            dist.all_reduce(a, op=OPS[op], group=g)
-            if gloo_ok(dtype):
-                b = xs[me].clone()
-                dist.all_reduce(b, op=OPS[op], group=ctx.ref)
-            else:
-                b = local_reduce(xs, op)
-            compare(ck, a, b, op, ws, what)
+            check_all_reduce(ck, ctx, g, dtype, op,
+                             lambda r: rand(n, dtype, seed_of("alg", dtype_name, op, n, r), op),
+                             f"[{variant}] all_reduce {dtype_name} {op} n={n}")
     for n in sizes:
         for root in range(ws):
             x = rand(n, torch.float32, seed_of("algbc", n, root, me))
@@ -1470,13 +1398,9 @@ def _t_algorithm_variants(ctx, variant):
     return ck.finish()
 
 
-@pytest.mark.skipif(BACKEND != "ripples", reason="ripples_pg.Options only exists for ripples")
-@WS_MULTI
-@pytest.mark.parametrize("variant", ["latency", "ring", "tiny_chunks"])
-def test_algorithm_variants(pool, ws, variant):
-    """Options(small_bytes=..., chunk_bytes=...) forcing each algorithm family for every size
-    (incl. messages smaller than the number of ranks), against gloo."""
-    pool.run(_t_algorithm_variants, variant)
+test_algorithm_variants = pool_test(_t_algorithm_variants,
+                                    ripples_only("ripples_pg.Options only exists for ripples"),
+                                    WS_MULTI, variant=["latency", "ring", "tiny_chunks"])
 
 
 def _t_receives_overtaking_an_earlier_one(ctx, n):

@@ -1,6 +1,7 @@
 """Training with ripples_pg.wrap(): the digits example reaches a stated test accuracy under the
 static, random and smart schedules; wrap()'s checkpoint round-trip; wrap()'s misuse errors;
 and the example's command line under torchrun."""
+import functools
 import json
 import os
 import subprocess
@@ -87,20 +88,12 @@ def task_wrap_restore(ctx):
                                                                          4: "world"})
         return module, model, opt
 
-    def train(model, opt, start, steps):
-        for s in range(start, start + steps):
-            gen = torch.Generator().manual_seed(100 * s + ctx.rank)
-            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
-            opt.zero_grad()
-            ((model(x) - y) ** 2).mean().backward()
-            opt.step()
-
     module, model, opt = build()
     chk.true(isinstance(opt, PostLocalSGDOptimizer), "wrap returns a PostLocalSGDOptimizer")
     tmo = ripples_pg._api._ripples_backend(opt.group).timeout_s
     chk.true(abs(tmo - ctx.pg_timeout) < 1e-6, "the partial group inherits the DDP group's "
              "timeout", f"{tmo} s, DDP group {ctx.pg_timeout} s")
-    train(model, opt, 0, 6)
+    list(_dist.regression_steps(ctx, model, opt, 0, 6))
     sd = opt.state_dict()
     chk.true(sd["step"] == 6 and sd["ripples"]["step"] == 6, "saved steps",
              f"{sd['step']} {sd.get('ripples')}")
@@ -112,7 +105,8 @@ def task_wrap_restore(ctx):
     opt2.load_state_dict(sd)
     chk.true(opt2.averager.step == 6 and opt2.hook_state.step == 6, "restored steps",
              f"{opt2.averager.step} {opt2.hook_state.step}")
-    train(model2, opt2, 6, 3)  # steps 6, 7, 8: partial, partial, world
+    # steps 6, 7, 8: partial, partial, world
+    list(_dist.regression_steps(ctx, model2, opt2, 6, 3))
     chk.true(opt2.hook_state.exact_buckets == 0, "no warm-up after restore",
              f"{opt2.hook_state.exact_buckets}")
     chk.true(opt2.averager.counts == {"partial": 4, "host": 0, "world": 2},
@@ -130,17 +124,7 @@ def task_wrap_misuse(ctx):
     import ripples_pg
 
     errors = {}
-
-    def expect(name, exc, fn):
-        try:
-            fn()
-        except exc as e:
-            errors[name] = str(e)
-            return
-        except Exception as e:  # noqa: BLE001
-            raise AssertionError(f"{name}: raised {type(e).__name__}: {e}; expected "
-                                 f"{exc.__name__}") from e
-        raise AssertionError(f"{name}: no error raised")
+    expect = functools.partial(_dist.expect_error, errors)
 
     def fresh(pg=None):
         torch.manual_seed(0)
