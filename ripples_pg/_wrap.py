@@ -158,7 +158,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          post_warmup: str = "local",
          average_optimizer_state: Union[bool, Sequence[str]] = False,
          group=None,
-         c_thres: Optional[float] = None,
+         c_thres: Optional[int] = None,
          inter_intra: Optional[bool] = None,
          coordinator: Optional[str] = None,
          timeout: Optional[float] = None,

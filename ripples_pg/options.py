@@ -135,16 +135,24 @@ def _choice(*choices: str) -> Callable[[str, Any, bool], str]:
     return parse
 
 
-def _int_at_least(low: int, what: str) -> Callable[[str, Any, bool], int]:
+# Upper bounds: these integers reach C (int fields of the Group Generator's config), so a value
+# C cannot hold is refused here, naming the field, instead of wrapping around on the way.
+_INT_MAX = 2**31 - 1
+_GG_MAX_PERIOD = 1 << 20        # RPL_GG_MAX_PERIOD in csrc/sched/rpl_sched.h
+_GG_MAX_WORKERS = 65536         # RPL_SCHED_MAX_WORKERS in csrc/sched/rpl_sched.h
+_SEED_MAX = 2**63 - 1           # a standby's seed is seed + rank, a uint64 in C
+
+
+def _int_at_least(low: int, what: str, high: int = _INT_MAX) -> Callable[[str, Any, bool], int]:
     def parse(name: str, value: Any, from_env: bool) -> int:
-        accepted = f"an integer >= {low} ({what})"
+        accepted = f"an integer from {low} to {high} ({what})"
         if isinstance(value, bool):
             _fail(name, value, accepted, from_env)
         try:
             n = int(value) if isinstance(value, (int, str)) else None
         except ValueError:
             n = None
-        if n is None or n < low:
+        if n is None or not low <= n <= high:
             _fail(name, value, accepted, from_env)
         return n
     return parse
@@ -188,7 +196,7 @@ def _parse_host_id(name: str, value: Any, from_env: bool) -> str:
 
 
 def _parse_seed(name: str, value: Any, from_env: bool) -> int:
-    return _int_at_least(0, "the Group Generator's random seed")(name, value, from_env)
+    return _int_at_least(0, "the Group Generator's random seed", _SEED_MAX)(name, value, from_env)
 
 
 @dataclass(frozen=True)
@@ -238,7 +246,7 @@ _FIELDS: dict[str, _Field] = {
         _Field("schedule", _choice("static", "random", "smart", "adpsgd"), "static",
                "Where partial groups come from: 'static' (local, no coordinator), 'random', "
                "'smart', 'adpsgd' (the coordinator)."),
-        _Field("group_size", _int_at_least(1, "workers per partial group"), 3,
+        _Field("group_size", _int_at_least(1, "workers per partial group", _GG_MAX_WORKERS), 3,
                "Group size of the random and smart schedules."),
         _Field("c_thres", _int_at_least(-1, "-1 turns the filter off"), None,
                "Slowdown filter of the smart schedule; None = the coordinator's default."),
@@ -246,11 +254,11 @@ _FIELDS: dict[str, _Field] = {
                "smart: alternate Inter (across hosts) and Intra (within a host) groups."),
         _Field("partner_wait_ms", _int_at_least(-1, "-1 never waits"), None,
                "Longest wait of a request for partners before a smaller group; None = "
-               "adaptive (about one step of the fast workers), -1 = never wait."),
+               "adaptive (1.5x the median worker's step, 2-500 ms), -1 = never wait."),
         _Field("max_isolated", _int_at_least(-1, "-1 = no bound"), None,
                "Groups of one in a row a worker may get while others live; None = the "
                "coordinator's default (2), -1 = no bound."),
-        _Field("period_max", _int_at_least(-1, "1 or less = average at every step"), None,
+        _Field("period_max", _int_at_least(-1, "1 or less = average at every step", _GG_MAX_PERIOD), None,
                "Dynamic schedules: while no worker falls behind, average only every "
                "period_max-th step (the coordinator passes the others); None/0 = the "
                "coordinator's default (1: every step, as in the paper; wrap() uses 2), "
@@ -323,8 +331,8 @@ class Options:
         inter_intra: smart only: Inter and Intra groups per division (paper §5.2).
         partner_wait_ms: dynamic schedules: how long a request for which fewer than
             ``group_size`` members are free, while others soon will be, waits for them before
-            it takes a smaller group (``None``: adaptive, 1.5x the recent mean interval
-            between requests, 2-500 ms; ``-1``: never wait).
+            it takes a smaller group (``None``: adaptive, 1.5x the median worker's
+            step, 2-500 ms; ``-1``: never wait).
         max_isolated: dynamic schedules: after this many groups of one in a row a worker
             waits (bounded) until it is placed in a group of two or more (``None``: 2,
             ``-1``: no bound).

@@ -195,6 +195,14 @@ def test_options_validation():
                 dict(coordinator="tcp://a:1,"), dict(coordinator="tcp://a:1,embedded")]:
         with pytest.raises(ValueError):
             ripples_pg.Options(**bad)
+    # Integers that reach the Group Generator's C config are bounded where they are given,
+    # naming the field, instead of wrapping around in C.
+    for field, top in [("group_size", 65536), ("period_max", 1 << 20), ("c_thres", 2**31 - 1),
+                       ("partner_wait_ms", 2**31 - 1), ("max_isolated", 2**31 - 1),
+                       ("seed", 2**63 - 1)]:
+        assert getattr(ripples_pg.Options(**{field: top}), field) == top
+        with pytest.raises(ValueError, match=field):
+            ripples_pg.Options(**{field: top + 1})
 
 
 def _t_options(ctx):

@@ -88,9 +88,9 @@ rpl_status rpl_policy_parse(const char *name, rpl_policy *out, rpl_error *err);
 #define RPL_GG_DEFAULT_C_THRES 4
 /* Default isolation bound: consecutive groups of one a worker may get while others live. */
 #define RPL_GG_DEFAULT_MAX_ISOLATED 2
-/* The adaptive partner wait (partner_wait_ms = 0): 1.5 x the recent mean interval between
- * requests (weighted by requests, so about one step of the fast workers), within [MIN, MAX];
- * FIRST until an interval is known. Seconds of the GG's clock (rpl_gg_advance). */
+/* The adaptive partner wait (partner_wait_ms = 0): 1.5 x the median worker's step when
+ * speed_aware (the default), else 1.5 x the recent mean interval between requests; within
+ * [MIN, MAX]; FIRST until a step is known. Seconds of the GG's clock (rpl_gg_advance). */
 #define RPL_GG_MIN_PARTNER_WAIT 0.002
 #define RPL_GG_MAX_PARTNER_WAIT 0.5
 #define RPL_GG_FIRST_PARTNER_WAIT 0.02
