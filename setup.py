@@ -69,7 +69,7 @@ setup(
     install_requires=["torch>=2.4,<3"],
     entry_points={
         "torch.backends": ["ripples = ripples_pg:_autoload"],
-        # The coordinator CLI (same flags as the C binary built under build/cmake-ext/).
+        # The coordinator CLI: the C binary's own command line (coordinator/cli.c), in-process.
         "console_scripts": ["ripples-coordinator = ripples_pg.coordinator:main"],
     },
 )
