@@ -223,6 +223,35 @@ class GroupGenerator {
   std::vector<int> members_; // poll's member buffer, one slot per worker
 };
 
+// One C object a Python object owns: close() frees it without the GIL (freeing joins the
+// service's thread or closes sockets); get() refuses a closed one with closed_msg.
+template <typename T, void (*Destroy)(T*)>
+class Owned {
+ public:
+  explicit Owned(const char* closed_msg) : closed_msg_(closed_msg) {}
+  ~Owned() { close(); }
+  Owned(const Owned&) = delete;
+  Owned& operator=(const Owned&) = delete;
+
+  T* get() const {
+    if (!p_) throw std::runtime_error(closed_msg_);
+    return p_;
+  }
+  T** out() { return &p_; } // for the C create call
+  bool open() const { return p_ != nullptr; }
+  void close() {
+    T* p = p_;
+    p_ = nullptr;
+    if (!p) return;
+    py::gil_scoped_release nogil;
+    Destroy(p);
+  }
+
+ private:
+  T* p_ = nullptr;
+  const char* closed_msg_;
+};
+
 // ---- Coordinator ----------------------------------------------------------------------------
 
 class Coordinator {
@@ -249,12 +278,8 @@ class Coordinator {
     cfg.dead_ms = dead_ms;
     cfg.join_ms = join_ms;
     cfg.standby = standby ? 1 : 0;
-    callReleased([&](rpl_error* e) { return rpl_coord_create(&cfg, &c_, e); });
+    callReleased([&](rpl_error* e) { return rpl_coord_create(&cfg, c_.out(), e); });
   }
-  ~Coordinator() { close(); }
-  Coordinator(const Coordinator&) = delete;
-  Coordinator& operator=(const Coordinator&) = delete;
-
   void start() {
     rpl_error err;
     check(rpl_coord_start(ready(), &err), err);
@@ -264,17 +289,12 @@ class Coordinator {
     callReleased([&](rpl_error* e) { return rpl_coord_run(c, e); });
   }
   void stop() {
-    if (!c_) return;
+    if (!c_.open()) return;
+    rpl_coord* c = c_.get();
     py::gil_scoped_release nogil;
-    rpl_coord_stop(c_);
+    rpl_coord_stop(c);
   }
-  void close() {
-    rpl_coord* c = c_;
-    c_ = nullptr;
-    if (!c) return;
-    py::gil_scoped_release nogil;
-    rpl_coord_destroy(c);
-  }
+  void close() { c_.close(); }
   std::string endpoint() const { return rpl_coord_endpoint(ready()); }
   std::string token() const { return rpl_coord_token(ready()); }
   int activeWorkers(int except_rank) const {
@@ -291,11 +311,8 @@ class Coordinator {
   }
 
  private:
-  rpl_coord* ready() const {
-    if (!c_) throw std::runtime_error("Coordinator is closed");
-    return c_;
-  }
-  rpl_coord* c_ = nullptr;
+  rpl_coord* ready() const { return c_.get(); }
+  Owned<rpl_coord, rpl_coord_destroy> c_{"Coordinator is closed"};
 };
 
 // ---- Client -------------------------------------------------------------------------------
@@ -313,13 +330,9 @@ class Client {
     cc.timeout_ms = timeout_ms;
     cc.request_timeout_ms = request_timeout_ms;
     cc.heartbeat_ms = heartbeat_ms;
-    callReleased([&](rpl_error* e) { return rpl_gg_client_create(&cc, &cl_, e); });
+    callReleased([&](rpl_error* e) { return rpl_gg_client_create(&cc, cl_.out(), e); });
     members_.resize(nworkers > 0 ? nworkers : 0);
   }
-  ~Client() { close(); }
-  Client(const Client&) = delete;
-  Client& operator=(const Client&) = delete;
-
   py::tuple request(const py::int_& round_obj) {
     rpl_gg_client* cl = ready();
     uint64_t round = u64(round_obj);
@@ -335,25 +348,16 @@ class Client {
     rpl_error err;
     check(rpl_gg_client_done(ready(), u64(gid), status, &err), err);
   }
-  void fence() {
+  // fence, unfence: a message that does not wait for the coordinator.
+  void post(rpl_status (*fn)(rpl_gg_client*, rpl_error*)) {
     rpl_error err;
-    check(rpl_gg_client_fence(ready(), &err), err);
-  }
-  void unfence() {
-    rpl_error err;
-    check(rpl_gg_client_unfence(ready(), &err), err);
+    check(fn(ready(), &err), err);
   }
   void leave() {
     rpl_gg_client* cl = ready();
     callReleased([&](rpl_error* e) { return rpl_gg_client_leave(cl, e); });
   }
-  void close() {
-    rpl_gg_client* cl = cl_;
-    cl_ = nullptr;
-    if (!cl) return;
-    py::gil_scoped_release nogil;
-    rpl_gg_client_destroy(cl);
-  }
+  void close() { cl_.close(); }
   py::dict stats() const {
     rpl_gg_client_stats s;
     rpl_gg_client_get_stats(ready(), &s);
@@ -364,11 +368,8 @@ class Client {
   }
 
  private:
-  rpl_gg_client* ready() const {
-    if (!cl_) throw std::runtime_error("Client is closed");
-    return cl_;
-  }
-  rpl_gg_client* cl_ = nullptr;
+  rpl_gg_client* ready() const { return cl_.get(); }
+  Owned<rpl_gg_client, rpl_gg_client_destroy> cl_{"Client is closed"};
   std::vector<int> members_; // request's member buffer, one slot per worker
 };
 
@@ -520,8 +521,8 @@ void bindGroupGenerator(py::module_& parent) {
            "send)")
       .def("done", &Client::done, py::arg("group_id"), py::arg("status") = 0u,
            "done(group_id, status=0)")
-      .def("fence", &Client::fence, "fence()")
-      .def("unfence", &Client::unfence, "unfence()")
+      .def("fence", [](Client& c) { c.post(rpl_gg_client_fence); }, "fence()")
+      .def("unfence", [](Client& c) { c.post(rpl_gg_client_unfence); }, "unfence()")
       .def("leave", &Client::leave, "leave() and wait for the ack")
       .def("close", &Client::close, "stop heartbeats, close sockets")
       .def("stats", &Client::stats,
