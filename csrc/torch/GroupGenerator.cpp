@@ -87,9 +87,6 @@ rpl_policy parsePolicy(const std::string& name) {
   return p;
 }
 
-// Counters into a dict: d["f"] = s.f, the Python key being the C field's name.
-#define PUT(f) d[#f] = s.f
-
 py::list intList(const int* a, int n) {
   py::list l;
   for (int i = 0; i < n; ++i) l.append(a[i]);
@@ -132,6 +129,9 @@ py::list staticRound(int n, const Hosts& host_of, const py::int_& round_obj) {
   }
   return res;
 }
+
+// Counters into a dict: d["f"] = s.f, the Python key being the C field's name.
+#define PUT(f) d[#f] = s.f
 
 // ---- GroupGenerator (the policy state machine) ---------------------------------------------
 
