@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from setuptools import Extension, find_packages, setup
+from setuptools import find_packages, setup
 
 try:
     from torch.utils.cpp_extension import BuildExtension, CppExtension
@@ -47,21 +47,14 @@ class CMakeThenTorchExt(BuildExtension):
         super().run()
 
 
+# One extension: the backend and the Group Generator's binding (csrc/torch/GroupGenerator.cpp:
+# policies, coordinator, client and CLI), over the C libraries CMake built.
 ext = CppExtension(
     name="ripples_pg._C",
     sources=sorted(glob.glob(os.path.join("csrc", "torch", "*.cpp"))),
-    include_dirs=[os.path.join(HERE, "csrc")],
-    extra_compile_args=["-O2", "-Wall"],
-)
-
-# The Group Generator's binding (plain C, CPython API): policies, coordinator and client. Its
-# static archives and -lzmq come from the same CMake link list as the extension above.
-gg_ext = Extension(
-    name="ripples_pg._gg",
-    sources=[os.path.join("coordinator", "python", "_gg.c")],
     include_dirs=[os.path.join(HERE, "csrc"), os.path.join(HERE, "csrc", "sched"),
                   os.path.join(HERE, "coordinator")],
-    extra_compile_args=["-O2", "-Wall", "-D_GNU_SOURCE"],  # torch may compile it as C++
+    extra_compile_args=["-O2", "-Wall"],
 )
 
 setup(
@@ -70,13 +63,13 @@ setup(
     description="A PyTorch c10d backend with Partial All-Reduce for straggler-tolerant "
                 "data-parallel training (Ripples, ASPLOS 2020)",
     packages=find_packages(include=["ripples_pg", "ripples_pg.*"]),
-    ext_modules=[ext, gg_ext],
+    ext_modules=[ext],
     cmdclass={"build_ext": CMakeThenTorchExt},
     python_requires=">=3.9",
     install_requires=["torch>=2.4,<3"],
     entry_points={
         "torch.backends": ["ripples = ripples_pg:_autoload"],
-        # The coordinator CLI (same flags as the C binary built under build/cmake-ext/).
+        # The coordinator CLI: the C binary's own command line (coordinator/cli.c), in-process.
         "console_scripts": ["ripples-coordinator = ripples_pg.coordinator:main"],
     },
 )

@@ -1,4 +1,6 @@
-"""Shared command-line pieces of ``ripples_pg.schedule`` and ``ripples_pg.coordinator``."""
+"""Command-line pieces of ``ripples_pg.schedule``: the worker layout and policy flags. (The
+coordinator's command line is the C one, ``coordinator/cli.c``, run by
+``ripples_pg.coordinator.main``.)"""
 import argparse
 
 

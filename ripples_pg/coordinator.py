@@ -1,6 +1,7 @@
 """The Group Generator service, embedded or standalone.
 
-Standalone (same options as the ``ripples-coordinator`` binary)::
+Standalone (the ``ripples-coordinator`` binary's command line, ``coordinator/cli.c``, run in
+this process)::
 
     python -m ripples_pg.coordinator --bind tcp://10.0.0.5:29600 --workers 16 --per-host 4 \
         --write-token ~/.ripples-token                      # created 0600
@@ -26,16 +27,12 @@ The coordinator writes one line on stderr when a worker becomes persistently slo
 when it recovers ("ripples: rank 3 on host b is 4.8x slower than the median since step
 120"), rate-limited (``coordinator/coord_attr.h``).
 """
-import argparse
 import os
-import signal
 import socket
 import sys
-import threading
 from typing import Optional, Sequence, Tuple
 
 from . import _gg
-from ._gg_cli import add_layout_args, add_policy_args, host_labels
 
 Coordinator = _gg.Coordinator
 Client = _gg.Client
@@ -164,110 +161,15 @@ def status_table(document: str) -> str:
     return _gg.status_table(document)
 
 
-def _read_token(args) -> Tuple[Optional[str], str]:
-    """(token, where it came from); argv is the last resort (visible to every user)."""
-    if args.token_file:
-        with open(args.token_file) as f:
-            return f.read().strip(), f"read from {args.token_file}"
-    if args.token:
-        print("ripples-coordinator: warning: --token puts the job token in the command line, "
-              "which other users of this host can read (ps); prefer --token-file FILE or "
-              f"${TOKEN_ENV}", file=sys.stderr)
-        return args.token, "from --token"
-    if os.environ.get(TOKEN_ENV):
-        return os.environ[TOKEN_ENV].strip(), f"from ${TOKEN_ENV}"
-    return None, ""
-
-
-def _is_loopback_bind(endpoint: str) -> bool:
-    return endpoint.startswith(("tcp://127.", "tcp://localhost:", "tcp://[::1]:"))
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ripples_pg.coordinator",
-                                description="Run the Group Generator service, or print the "
-                                            "status of a running one.")
-    p.add_argument("--bind", default=DEFAULT_BIND,
-                   help=f"endpoint to listen on (default {DEFAULT_BIND}: this host only); a "
-                        f"multi-host job passes tcp://<interface-ip>:29600, every interface "
-                        f"is tcp://0.0.0.0:29600")
-    p.add_argument("--status", metavar="ENDPOINT",
-                   help="print a table of a running coordinator's workers (rank, host, state, "
-                        "steps/s, step, slowdown against the median step, groups of one, last "
-                        "seen)")
-    p.add_argument("--json", action="store_true",
-                   help="--status: print the whole status document (JSON) instead")
-    p.add_argument("--token-file", help="read the job token from this file")
-    p.add_argument("--token", help=f"job token (32 hex digits) in argv: visible to other "
-                                   f"users (ps); prefer --token-file or ${TOKEN_ENV}. Default: "
-                                   f"${TOKEN_ENV}, else a new one")
-    p.add_argument("--write-token", metavar="FILE",
-                   help="write the token to this file (created 0600)")
-    p.add_argument("--print-token", action="store_true",
-                   help="print the token on stdout (it is not printed otherwise)")
-    p.add_argument("--heartbeat-ms", type=int, default=0)
-    p.add_argument("--dead-ms", type=int, default=0)
-    p.add_argument("--join-ms", type=int, default=0, help="-1 = wait for ever for workers")
-    p.add_argument("--standby", action="store_true",
-                   help="a failover coordinator: every worker is out until it registers (list "
-                        "it after the primary in the workers' endpoint, comma-separated)")
-    p.add_argument("--timeout-ms", type=int, default=5000, help="--status: reply timeout")
-    add_layout_args(p, workers_required=False)
-    add_policy_args(p, "smart")
-    args = p.parse_args(argv)
-    try:
-        token, token_from = _read_token(args)
-    except OSError as e:
-        print(f"ripples-coordinator: cannot read token file: {e}", file=sys.stderr)
-        return 2
-    if args.status:
-        if not token:
-            p.error("--status needs the job token (--token, --token-file or $RIPPLES_GG_TOKEN)")
-        try:
-            doc = status(args.status, token, args.timeout_ms)
-            print(doc if args.json else status_table(doc), end="\n" if args.json else "")
-        except (ConnectionError, ValueError, RuntimeError) as e:
-            print(f"ripples-coordinator: {e}", file=sys.stderr)
-            return 1
-        return 0
-    if not args.workers or args.workers < 1:
-        p.error("--workers N is required")
-    if token is None and not (args.write_token or args.print_token):
-        p.error("a new job token must reach the workers: pass --write-token FILE (created "
-                f"0600) or --print-token, or give one with --token-file / ${TOKEN_ENV}")
-    try:
-        c = start(args.workers, args.policy, bind=args.bind, token=token,
-                  host_of=host_labels(args), group_size=args.group_size, c_thres=args.c_thres,
-                  inter_intra=args.inter_intra, seed=args.seed, heartbeat_ms=args.heartbeat_ms,
-                  dead_ms=args.dead_ms, join_ms=args.join_ms,
-                  partner_wait_ms=args.partner_wait_ms, max_isolated=args.max_isolated,
-                  period_max=args.period_max, standby=args.standby)
-    except (ValueError, RuntimeError) as e:
-        print(f"ripples-coordinator: {e}", file=sys.stderr)
-        return 1
-    if args.write_token:
-        try:
-            write_token_file(args.write_token, c.token)
-        except OSError as e:
-            print(f"ripples-coordinator: cannot write token file: {e}", file=sys.stderr)
-            c.close()
-            return 1
-        token_from = f"written to {args.write_token}" if token is None else \
-            f"{token_from}, written to {args.write_token}"
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    where = f"token {c.token}" if args.print_token else f"token {token_from or 'generated'}"
-    print(f"ripples-coordinator: {args.policy} for {args.workers} workers at {c.endpoint} "
-          f"{where}{' (standby)' if args.standby else ''}", flush=True)
-    if _is_loopback_bind(c.endpoint):
-        print("ripples-coordinator: listening on loopback only; a multi-host job must pass "
-              "--bind tcp://<interface-ip>:29600 (the address its workers reach)",
-              file=sys.stderr, flush=True)
-    while not stop.wait(0.2):
-        pass
-    c.close()
-    return 0
+    """``python -m ripples_pg.coordinator`` and the ``ripples-coordinator`` entry point: the
+    command line of the C binary itself (``coordinator/cli.c``: the same flags, defaults, help
+    and messages), run in this process. It serves until SIGINT or SIGTERM and returns the exit
+    status (0, 1 the service or the query failed, 2 bad usage)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    sys.stdout.flush()  # the C code writes to the same descriptors
+    sys.stderr.flush()
+    return _gg.cli_main(["ripples-coordinator", *args])
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
+#include "GroupGenerator.hpp"
 #include "ProcessGroupRipples.hpp"
 #include "sched/rpl_sched.h"
 
@@ -256,4 +257,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CORE_VERSION") =
       py::make_tuple(RPL_VERSION_MAJOR, RPL_VERSION_MINOR);
   m.attr("MAX_COMPLETION_THREADS") = ripples::kMaxCompletionThreads;
+  ripples::bindGroupGenerator(m); // _C.gg: policies, coordinator, client, CLI
 }
