@@ -567,7 +567,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall_base(
   const rpl_dtype d = checkTensor(inputBuffer, op, "the input tensor");
   checkTensor(outputBuffer, op, "the output tensor");
   checkSameDtype(outputBuffer, inputBuffer, op, "the output tensor", "the input tensor");
-  const std::vector<size_t> inCounts = splitCounts(inputBuffer, inputSplitSizes, size_, op, "input");
+  const std::vector<size_t> inCounts =
+      splitCounts(inputBuffer, inputSplitSizes, size_, op, "input");
   const std::vector<size_t> outCounts =
       splitCounts(outputBuffer, outputSplitSizes, size_, op, "output");
   return post(
@@ -646,7 +647,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::send(
   static const Entry e{c10d::OpType::SEND, "ripples:send", "send"};
   checkOpen(e.name);
   rpl_dtype d;
-  const rpl_op_desc desc = p2pDesc(e.name, RPL_OP_SEND, tensors, false, dstRank, tag, rank_, size_, &d);
+  const rpl_op_desc desc =
+      p2pDesc(e.name, RPL_OP_SEND, tensors, false, dstRank, tag, rank_, size_, &d);
   return post(e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc},
               [&](Call& c) { c.in(tensors[0], d); });
 }
@@ -658,7 +660,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
   static const Entry e{c10d::OpType::RECV, "ripples:recv", "recv"};
   checkOpen(e.name);
   rpl_dtype d;
-  const rpl_op_desc desc = p2pDesc(e.name, RPL_OP_RECV, tensors, false, srcRank, tag, rank_, size_, &d);
+  const rpl_op_desc desc =
+      p2pDesc(e.name, RPL_OP_RECV, tensors, false, srcRank, tag, rank_, size_, &d);
   return post(e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc}, [&](Call& c) {
     c.out(tensors[0], d, "tensor");
     c.setSource(srcRank);  // known at once

@@ -38,11 +38,11 @@ struct Entry {
 rpl_op_desc makeDesc(rpl_op_kind kind);
 
 // A call being built: the context that will be handed to the core and the buffers staged into
-// it. Tensors in contiguous host memory are used as they are; others (non-contiguous, or device
-// tensors, which always are) go through a contiguous host tensor, copied back on completion
-// when results land in it. Inputs and outputs are appended in order; a call of n core
-// operations gives operation i the i-th of n equal shares of each (coalesced calls stage one
-// share per operation).
+// it. A contiguous tensor of an unstaged call is used as it is; any other (non-contiguous, or
+// in a staged call: device tensors, RIPPLES_DEBUG_STAGE_CPU) goes through a contiguous host
+// tensor, copied back on completion when results land in it. Inputs and outputs are appended
+// in order; a call of n core operations gives operation i the i-th of n equal shares of each
+// (coalesced calls stage one share per operation).
 class Call {
  public:
   // Read-only input.
