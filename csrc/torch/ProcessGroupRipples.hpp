@@ -3,32 +3,17 @@
 // A thin shim over the C core (csrc/ripples.h): every collective validates its arguments,
 // turns tensors into rpl_buf (pointer, count, dtype) — staging non-contiguous tensors through
 // contiguous temporaries — and calls rpl_submit. The core completes each operation on its
-// progress thread; the shim's completion executor (below) then copies staged results back and
-// completes the Work and its future. CUDA tensors are staged through pinned host memory with
-// stream semantics (DeviceStaging.hpp); their operations reach the core through the group's
-// staging thread once the copies are done.
+// progress thread; the shim's completion executor (RipplesWork.hpp) then copies staged results
+// back and completes the Work and its future. CUDA tensors are staged through pinned host
+// memory with stream semantics (DeviceStaging.hpp); their operations reach the core through
+// the group's staging thread once the copies are done.
 //
-// Completion and threading (why it cannot deadlock):
-//   * on_done (core progress thread) only records the status and pushes the operation onto
-//     the executor's queue. It never runs user code and never takes a lock that user code holds.
-//   * Executor threads ("rpl-complete") pop operations in completion order. Each operation
-//     holds a ticket (its per-group sequence number): the thread waits for the previous
-//     operation's ticket, copies staged outputs back into the user's tensors, marks the future
-//     completed (or sets its error); the future's FIRST callback — registered by the shim before
-//     the future is handed out — finishes the Work and passes the ticket on. Only then do the
-//     user's .then callbacks run, still on that thread, and they may block (PowerSGD waits on
-//     later collectives of the same group inside them).
-//   * Nothing between taking a ticket and passing it on can block on user code or on a later
-//     operation, so the ticket chain always advances (induction on the sequence number).
-//   * Finished operations wait in the queue by ticket; a thread takes only the one whose turn
-//     it is, so operations finishing out of order (receives overtaking an earlier receive)
-//     hold no thread while they wait. Whenever that operation is there and no thread is idle,
-//     another thread is started (bounded by kMaxCompletionThreads). A callback blocked on a
-//     later operation therefore never starves that operation of a thread. Deadlock would need
-//     kMaxCompletionThreads callbacks blocked at once, each on a later operation of the same
-//     group; even then Work.wait() gives up at the timeout bound with an error instead of
-//     hanging.
-//   * Futures are never completed while the shim holds one of its locks.
+// The shim's parts, each in its own file: TensorArgs (argument checks, dtype and ReduceOp
+// translation), Submission (the one path every entry point takes to the core), RipplesWork
+// (Work, and the completion executor: why completion cannot deadlock), DeviceStaging (device
+// tensors), StoreAdapter (the c10d store for the core's rendezvous), Errors (core statuses as
+// torch exceptions), SparseAllreduce (sparse COO tensors). This file is the backend itself:
+// its lifecycle and its entry points.
 //
 // Lifetime: shutdown() (destroy_process_group) shuts the core communicator down — queued
 // operations fail with a "shut down" error — and stops the completion threads, waiting (with
@@ -41,27 +26,26 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/FunctionRef.h>
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <map>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "DeviceStaging.hpp"
+#include "RipplesWork.hpp"
 #include "ripples.h"
 
 // Hidden: nothing here is part of the extension's ABI (and pybind11's own types are hidden, so
 // classes bound with it should be too).
 namespace ripples __attribute__((visibility("hidden"))) {
-
-constexpr int kMaxCompletionThreads = 32;
 
 // Configuration handed over by the Python creator (ripples_pg/_backend.py), already resolved
 // from Options and the environment.
@@ -96,148 +80,8 @@ PartialMode setThreadPartialMode(PartialMode mode);
 // The fence domain shared by every ripples group of this process.
 rpl_domain* processFenceDomain();
 
-class CompletionExecutor;
-
-// "torch.float32"-style names, the way users write them.
-std::string pyDtypeName(at::ScalarType st);
-// The core's dtype for a torch dtype; false if the core has none.
-bool toRplDtype(at::ScalarType st, rpl_dtype* out);
-struct OpContext;
-
-// State shared by a process group, its works and its in-flight operations. Works and
-// operations keep it alive by shared_ptr; it never refers back to the process group.
-struct GroupShared {
-  std::string name;  // "ripples process group '<name>' (rank r of n)"
-  int rank = 0;
-  int size = 1;
-  double timeout_s = 1800.0;
-  // steady_clock nanoseconds at which the core last completed an operation of this group;
-  // operations run one at a time in order, so this is when the oldest pending one started.
-  std::atomic<int64_t> last_done_ns{0};
-};
-
-class WorkRipples : public c10d::Work {
- public:
-  WorkRipples(
-      int rank,
-      c10d::OpType opType,
-      const char* profilingTitle,
-      std::string opName,
-      std::vector<at::Tensor> outputs,
-      std::shared_ptr<GroupShared> group,
-      std::chrono::milliseconds opTimeout,
-      uint64_t seq,
-      c10::Device device,
-      std::shared_ptr<DeviceStage> stage,
-      const std::optional<std::vector<at::Tensor>>& profiled);
-  ~WorkRipples() override;
-
-  // For device tensors, returns once the result is complete on the host side and the caller's
-  // current stream has been made to wait for the copies back (no device sync).
-  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  void synchronize() override;
-  std::vector<at::Tensor> result() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-  uint64_t getSequencenumber() const override {
-    return seq_;
-  }
-  // The sender of a recv: known at once for recv(src), once complete for recvAnysource.
-  int sourceRank() const override;
-  void setSourceRank(int rank) {
-    source_.store(rank);
-  }
-
-  // Used by the completion executor.
-  const std::string& opName() const {
-    return opName_;
-  }
-  const std::vector<at::Tensor>& outputs() const {
-    return outputs_;
-  }
-  void finishFromExecutor(std::exception_ptr eptr) {
-    finish(std::move(eptr));
-  }
-
- private:
-  std::string opName_;
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::shared_ptr<GroupShared> group_;
-  std::chrono::steady_clock::time_point submitted_;
-  std::chrono::milliseconds opTimeout_;
-  uint64_t seq_;
-  std::shared_ptr<DeviceStage> stage_;  // null for host tensors
-  std::atomic<int> source_{-1};         // recv only
-};
-
-// One accepted call: the buffers handed to the core, the temporaries they point at, what to
-// copy back, and the Work to complete. Owned by the core (via on_done's arg) until completion.
-struct OpContext {
-  c10::intrusive_ptr<WorkRipples> work;
-  std::shared_ptr<CompletionExecutor> executor;
-  std::shared_ptr<GroupShared> group;
-  std::vector<at::Tensor> keepAlive;  // every tensor a buffer points into
-  std::vector<std::pair<at::Tensor, at::Tensor>> copyBack;  // (contiguous source, user dest)
-  std::vector<rpl_buf> in;
-  std::vector<rpl_buf> out;
-  std::vector<rpl_op_desc> descs;  // kept for a submission deferred to the staging thread
-  std::shared_ptr<DeviceStage> stage;  // device tensors (or RIPPLES_DEBUG_STAGE_CPU); else null
-  // A call may be several core operations (allgather_into_tensor_coalesced). `pending` is the
-  // number of outstanding ones plus one for the submitting thread.
-  std::atomic<int> pending{1};
-  std::mutex errMu;
-  rpl_status status = RPL_OK;
-  std::string errMsg;
-  uint64_t seq = 0;
-  int source = -1;  // recvAnysource: the sender, written by the core before on_done
-
-  void recordError(rpl_status st, const std::string& msg);
-};
-
-class CompletionExecutor : public std::enable_shared_from_this<CompletionExecutor> {
- public:
-  explicit CompletionExecutor(std::string label);
-  ~CompletionExecutor();
-
-  void start();  // spawns the first thread
-  // Called from on_done (core thread) when every core operation of `ctx` has finished.
-  void push(OpContext* ctx);
-  // Stops accepting work once the queue drains; wakes idle threads. With wait_s > 0, waits at
-  // most that long for every thread to exit (never waits for the calling thread itself).
-  void stop(double wait_s);
-  // Called by the future's first callback: the op with sequence `seq` is complete.
-  void advanceTicket(uint64_t seq);
-  // Whether every operation before `seq` has completed its future (the latency path may then
-  // complete `seq` on the caller's thread without overtaking one).
-  bool caughtUp(uint64_t seq);
-  // Completes an operation that ran inline, on the calling thread (as a worker would).
-  void completeHere(OpContext* ctx);
-
-  static bool onCompletionThread();
-
- private:
-  void workerLoop();
-  void process(OpContext* ctx);
-  void spawnLocked(std::unique_lock<std::mutex>& lk);
-  bool runnableLocked() const {  // the operation whose turn it is has finished
-    return !queue_.empty() && queue_.begin()->first == ticket_;
-  }
-  void wakeLocked(std::unique_lock<std::mutex>& lk);
-
-  std::string label_;
-  std::mutex mu_;
-  std::condition_variable cv_;        // queue non-empty or stopping
-  std::condition_variable ticketCv_;  // ticket advanced
-  std::condition_variable exitCv_;    // a thread exited
-  // Finished operations waiting for a thread, by ticket. A thread takes only the one whose
-  // turn it is: operations that finished early (p2p receives overtaking an earlier one) wait
-  // here without holding a thread, so they can never use up the threads the earlier one needs.
-  std::map<uint64_t, OpContext*> queue_;
-  int threads_ = 0;
-  int idle_ = 0;
-  bool stopping_ = false;
-  uint64_t ticket_ = 0;  // sequence number allowed to complete next
-};
+class Call;   // Submission.hpp
+struct Entry;  // Submission.hpp
 
 class ProcessGroupRipples : public c10d::Backend {
  public:
@@ -367,9 +211,6 @@ class ProcessGroupRipples : public c10d::Backend {
   }
 
  private:
-  struct Call;  // a call being built: context + work, see the .cpp
-
-  // `device`: where every tensor of the call lives (callDevice()); device tensors are staged.
   // A Work with no core operation: it completes in order with the others, holding `outputs`
   // (for calls whose work was done on the caller's thread).
   c10::intrusive_ptr<c10d::Work> completedWork(
@@ -382,17 +223,29 @@ class ProcessGroupRipples : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> sparseAllreduce(
       at::Tensor& tensor,
       const c10d::AllreduceOptions& opts);
-  // `profiled`: the tensors whose shapes the profiler records (default: the outputs).
+
+  // ---- the submission path (Submission.hpp, Submission.cpp) ----
+  // The one call of every entry point: begins a call on the device of `tensors` (every input
+  // and output), lets `stage` put its tensors into core buffers, submits `descs` and returns
+  // the Work. `outputs`: what the Work's result and future hold; `profiled`: the tensors whose
+  // shapes the profiler records (default: the outputs).
+  c10::intrusive_ptr<c10d::Work> post(
+      const Entry& entry,
+      std::chrono::milliseconds timeout,
+      std::vector<at::Tensor> outputs,
+      std::initializer_list<c10::ArrayRef<at::Tensor>> tensors,
+      std::vector<rpl_op_desc> descs,
+      c10::function_ref<void(Call&)> stage,
+      std::optional<std::vector<at::Tensor>> profiled = std::nullopt);
+  // The Work and context of a call on `device` (device tensors are staged); counts it.
   Call begin(
-      c10d::OpType opType,
-      const char* profilingTitle,
-      const char* opName,
+      const Entry& entry,
       std::vector<at::Tensor> outputs,
       std::chrono::milliseconds opTimeout,
       c10::Device device,
-      std::optional<std::vector<at::Tensor>> profiled = std::nullopt);
-  // Submits the core operations of `call` (one per descriptor) and returns its Work.
-  c10::intrusive_ptr<c10d::Work> submit(Call& call, std::vector<rpl_op_desc> descs);
+      std::optional<std::vector<at::Tensor>> profiled);
+  // Submits the core operations of `call` (its context's descriptors) and returns its Work.
+  c10::intrusive_ptr<c10d::Work> submit(Call& call);
   // The latency path: runs the single core op of `ctx` on this thread if the core is idle and
   // every earlier future has completed; false if it was not run (or *st says why it failed).
   // Called with submitMu_ held.

@@ -17,6 +17,7 @@
 // bad index cannot reach a later to_dense(). All ranks see the same descriptions and indices,
 // so they all raise the same ValueError, naming the rank, and stay in step.
 #include "ProcessGroupRipples.hpp"
+#include "TensorArgs.hpp"
 
 #include <c10/util/Exception.h>
 

@@ -1,0 +1,88 @@
+// Submission: the one path from an entry point to the core.
+//
+// An entry point checks its arguments (TensorArgs.hpp), then makes one call:
+//
+//     return post(entry, opts.timeout, outputs, {tensors...}, {desc},
+//                 [&](Call& c) { c.in(input, d); c.out(output, d, "the output tensor"); });
+//
+// `entry` names the operation (torch's OpType, the profiler's title, the name in messages);
+// `desc` is the core operation with its own fields set (kind, root, redop, tag: makeDesc); the
+// function stages the call's tensors into core buffers, in the order the core reads them.
+// ProcessGroupRipples::post (Submission.cpp) does the rest the same way for every entry point:
+// the Work and its sequence number, device staging, each descriptor's buffers, the completion
+// callback and timeout, and the hand-off to the core — run inline (the latency path), through
+// the staging thread (device tensors), or queued — or a synchronous error if the core refuses.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "DeviceStaging.hpp"
+#include "RipplesWork.hpp"
+#include "ripples.h"
+
+namespace ripples __attribute__((visibility("hidden"))) {
+
+// The identity of an entry point.
+struct Entry {
+  c10d::OpType type;
+  const char* title;  // the profiler's: "ripples:all_reduce"
+  const char* name;   // in messages: "allreduce"
+};
+
+// A core operation of `kind`; every other field zero (root 0, SUM, tag 0, no buffers).
+rpl_op_desc makeDesc(rpl_op_kind kind);
+
+// A call being built: the context that will be handed to the core and the buffers staged into
+// it. A contiguous tensor of an unstaged call is used as it is; any other (non-contiguous, or
+// in a staged call: device tensors, RIPPLES_DEBUG_STAGE_CPU) goes through a contiguous host
+// tensor, copied back on completion when results land in it. Inputs and outputs are appended
+// in order; a call of n core operations gives operation i the i-th of n equal shares of each
+// (coalesced calls stage one share per operation).
+class Call {
+ public:
+  // Read-only input.
+  void in(const at::Tensor& t, rpl_dtype d);
+  // Read and written in place (one input buffer). Returns the tensor the core reads and
+  // writes: `t` itself, or its staging tensor.
+  at::Tensor inout(const at::Tensor& t, rpl_dtype d, const std::string& what);
+  // Written only; a temporary need not be filled first.
+  void out(const at::Tensor& t, rpl_dtype d, const std::string& what);
+  // One buffer per count: consecutive slices of `t`, staged as a whole as above.
+  void inSlices(const at::Tensor& t, rpl_dtype d, const std::vector<size_t>& counts);
+  void outSlices(
+      const at::Tensor& t,
+      rpl_dtype d,
+      const std::vector<size_t>& counts,
+      const std::string& what);
+  // `dest` receives the contents of `from` (a tensor this call writes) on completion too.
+  void copyTo(const at::Tensor& from, const at::Tensor& dest, const std::string& what);
+  // recv(src): the sender is known before the call completes.
+  void setSource(int rank);
+  // recvAnysource: the core writes the sender into the context before on_done.
+  void reportSource();
+
+  // Used by the submission path.
+  std::unique_ptr<OpContext> ctx;
+  const char* opName = nullptr;
+  double timeoutS = 0;  // per-call timeout (opts.timeout); 0 = the group's
+
+ private:
+  DeviceStage* stage() const {
+    return ctx->stage.get();
+  }
+  // The tensor the core uses for `t` (kept alive by the context). `read`: it must hold t's
+  // contents; `write`: results land in it, so a copy is copied back into `t`.
+  at::Tensor hostTensor(const at::Tensor& t, bool read, bool write, const std::string& what);
+  void slices(
+      const at::Tensor& c,
+      rpl_dtype d,
+      const std::vector<size_t>& counts,
+      std::vector<rpl_buf>& into);
+};
+
+}  // namespace ripples
