@@ -90,53 +90,57 @@ DEFAULT_PAUSES_MS = (2.0, 5.0, 10.0, 20.0, 50.0)
 # "repeats": runs per cell by default (the headline cells get 3: a median and a range);
 # "strategies" (optional): the default strategies where not all of them.
 # The sizes and targets were chosen by measurement on 2 cores with 4 workers (train.md).
+def _workload(description, args, *, target_loss, time_limit, sync_every, target_acc=None,
+              loss_key="loss", snapshot_every=0.5, scenarios=("none", "slow5"), repeats=3,
+              strategies=None):
+    """One WORKLOADS entry: ``args`` as on the command line; the defaults are the common case."""
+    wl = dict(description=description, args=args.split(), loss_key=loss_key,
+              target_loss=target_loss, target_acc=target_acc, time_limit=time_limit,
+              snapshot_every=snapshot_every, sync_every=sync_every, scenarios=list(scenarios),
+              repeats=repeats)
+    if strategies:
+        wl["strategies"] = list(strategies)
+    return wl
+
+
 WORKLOADS = {
-    "digits": dict(
-        description="digits MLP, hidden 512, batch 64 (300k parameters; compute and "
-                    "communication comparable)",
-        args=["--workload", "digits", "--model", "mlp", "--hidden", "512", "--batch-size",
-              "64", "--lr", "0.05"],
-        loss_key="loss", target_loss=0.03, target_acc=0.96, time_limit=30.0,
-        snapshot_every=0.5, sync_every=20, scenarios=list(SCENARIOS), repeats=1),
-    "wide": dict(
-        description="digits wide MLP, hidden 1024, batch 16 (1.1M parameters, 4.4 MB; "
-                    "communication-bound)",
-        args=["--workload", "digits", "--model", "mlp", "--hidden", "1024", "--batch-size",
-              "16", "--lr", "0.02"],
-        loss_key="loss", target_loss=0.10, target_acc=0.95, time_limit=35.0,
-        snapshot_every=0.5, sync_every=25, scenarios=["none", "slow5"], repeats=1),
-    "cnn": dict(
-        description="ResNet with BatchNorm on the digits: stem + 3 residual blocks, 16/32 "
-                    "channels, batch 32 (38k parameters; compute-bound)",
-        args=["--workload", "cnn", "--width", "16", "--batch-size", "32", "--lr", "0.05"],
-        loss_key="loss", target_loss=0.005, target_acc=0.97, time_limit=20.0,
-        snapshot_every=0.5, sync_every=10, scenarios=["none", "slow5"], repeats=3),
-    "transformer": dict(
-        description="byte-level causal Transformer LM on Python's standard library: 2 "
-                    "pre-LayerNorm blocks, width 64, 64-byte context, batch 16, AdamW "
-                    "(137k parameters)",
-        args=["--workload", "transformer", "--width", "64", "--layers", "2", "--context",
-              "64", "--batch-size", "16", "--optimizer", "adamw", "--lr", "0.003"],
-        loss_key="test_loss", target_loss=2.6, target_acc=None, time_limit=30.0,
-        snapshot_every=1.0, sync_every=5, scenarios=["none", "slow5"], repeats=3),
-    "transformer-l": dict(
-        description="byte-level causal Transformer LM on Python's standard library: 4 "
-                    "pre-LayerNorm blocks, width 160 (5 heads), 64-byte context, batch 4, "
-                    "AdamW (1.33M parameters, 5.3 MB)",
-        args=["--workload", "transformer", "--width", "160", "--layers", "4", "--context",
-              "64", "--batch-size", "4", "--optimizer", "adamw", "--lr", "0.001"],
-        loss_key="test_loss", target_loss=2.75, target_acc=None, time_limit=30.0,
-        snapshot_every=1.5, sync_every=4, scenarios=["slow5", "slow3"], repeats=3,
-        strategies=["gloo", "exact", "smart"]),
-    "tiny": dict(
-        description="digits MLP, hidden 64, batch 16 (9k parameters): a step computes in a "
-                    "fraction of a millisecond, so the short-step scenarios' pause sets "
-                    "the step length",
-        args=["--workload", "digits", "--model", "mlp", "--hidden", "64", "--batch-size",
-              "16", "--lr", "0.05"],
-        loss_key="loss", target_loss=0.15, target_acc=None, time_limit=10.0,
-        snapshot_every=0.5, sync_every=20, scenarios=["short5"], repeats=3,
-        strategies=["exact", "smart"]),
+    "digits": _workload(
+        "digits MLP, hidden 512, batch 64 (300k parameters; compute and communication "
+        "comparable)",
+        "--workload digits --model mlp --hidden 512 --batch-size 64 --lr 0.05",
+        target_loss=0.03, target_acc=0.96, time_limit=30.0, sync_every=20,
+        scenarios=SCENARIOS, repeats=1),
+    "wide": _workload(
+        "digits wide MLP, hidden 1024, batch 16 (1.1M parameters, 4.4 MB; "
+        "communication-bound)",
+        "--workload digits --model mlp --hidden 1024 --batch-size 16 --lr 0.02",
+        target_loss=0.10, target_acc=0.95, time_limit=35.0, sync_every=25, repeats=1),
+    "cnn": _workload(
+        "ResNet with BatchNorm on the digits: stem + 3 residual blocks, 16/32 channels, batch "
+        "32 (38k parameters; compute-bound)",
+        "--workload cnn --width 16 --batch-size 32 --lr 0.05",
+        target_loss=0.005, target_acc=0.97, time_limit=20.0, sync_every=10),
+    "transformer": _workload(
+        "byte-level causal Transformer LM on Python's standard library: 2 pre-LayerNorm "
+        "blocks, width 64, 64-byte context, batch 16, AdamW (137k parameters)",
+        "--workload transformer --width 64 --layers 2 --context 64 --batch-size 16 "
+        "--optimizer adamw --lr 0.003",
+        loss_key="test_loss", target_loss=2.6, time_limit=30.0, snapshot_every=1.0,
+        sync_every=5),
+    "transformer-l": _workload(
+        "byte-level causal Transformer LM on Python's standard library: 4 pre-LayerNorm "
+        "blocks, width 160 (5 heads), 64-byte context, batch 4, AdamW (1.33M parameters, "
+        "5.3 MB)",
+        "--workload transformer --width 160 --layers 4 --context 64 --batch-size 4 "
+        "--optimizer adamw --lr 0.001",
+        loss_key="test_loss", target_loss=2.75, time_limit=30.0, snapshot_every=1.5,
+        sync_every=4, scenarios=("slow5", "slow3"), strategies=("gloo", "exact", "smart")),
+    "tiny": _workload(
+        "digits MLP, hidden 64, batch 16 (9k parameters): a step computes in a fraction of a "
+        "millisecond, so the short-step scenarios' pause sets the step length",
+        "--workload digits --model mlp --hidden 64 --batch-size 16 --lr 0.05",
+        target_loss=0.15, time_limit=10.0, sync_every=20, scenarios=("short5",),
+        strategies=("exact", "smart")),
 }
 
 # --quick: the CI smoke run, each workload at a tiny size (2 workers, 1.5 s of training),
@@ -184,13 +188,11 @@ def parse_args(argv=None):
                         "for cnn, transformer, transformer-l and tiny, 1 for digits and "
                         "wide)")
     p.add_argument("--workers", type=int, default=None, help="default 4 (--quick: 2)")
-    p.add_argument("--time-limit", type=float, default=None,
-                   help="seconds of training per run (default per workload)")
-    p.add_argument("--target-acc", type=float, default=None,
-                   help="target test accuracy (default per workload)")
-    p.add_argument("--target-loss", type=float, default=None,
-                   help="target loss (default per workload; the training loss, or the "
-                        "validation loss for the transformer)")
+    for flag, text in (("--time-limit", "seconds of training per run (default per workload)"),
+                       ("--target-acc", "target test accuracy (default per workload)"),
+                       ("--target-loss", "target loss (default per workload; the training "
+                                         "loss, or the validation loss for the transformer)")):
+        p.add_argument(flag, type=float, default=None, help=text)  # None: the workload's own
     p.add_argument("--warmup-steps", default="wrap",
                    help="exact synchronous steps before local steps (every strategy but "
                         "all-reduce): a number, or 'wrap' (default): ripples_pg.wrap()'s "
