@@ -42,6 +42,7 @@
  *          [--gg-stats]   (the GG's counters per run, on stderr)
  */
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -512,33 +513,61 @@ static void usage(void) {
           "--period-max 1 --late-unfence (the first implementation)\n");
 }
 
+/* The options that take a number: each sets one field of params, read as an int (atoi), a
+ * double (atof) or, for the seed, an unsigned 64-bit integer in any base strtoull reads. */
+typedef struct {
+  const char *flag;
+  size_t off;
+  char kind; /* 'i' int, 'd' double, 'u' uint64_t */
+} num_opt;
+#define NUM_OPT(flag, field, kind) {flag, offsetof(params, field), kind}
+static const num_opt k_num_opts[] = {
+    NUM_OPT("--workers", workers, 'i'),
+    NUM_OPT("--per-host", per_host, 'i'),
+    NUM_OPT("--rounds", rounds, 'i'),
+    NUM_OPT("--group-size", group_size, 'i'),
+    NUM_OPT("--c-thres", c_thres, 'i'),
+    NUM_OPT("--seed", seed, 'u'),
+    NUM_OPT("--gg-lat", gg_lat, 'd'),
+    NUM_OPT("--jitter", jitter, 'd'),
+    NUM_OPT("--slow-factor", slow_factor, 'd'),
+    NUM_OPT("--alpha", alpha, 'd'),
+    NUM_OPT("--beta", beta, 'd'),
+    NUM_OPT("--exact-every", exact_every, 'i'),
+    NUM_OPT("--exact-cost", exact_cost, 'd'),
+    NUM_OPT("--step-ms", step_ms, 'd'),
+    NUM_OPT("--partner-wait-ms", partner_wait_ms, 'i'),
+    NUM_OPT("--max-isolated", max_isolated, 'i'),
+    NUM_OPT("--arrival-filter", arrival_filter, 'i'),
+    NUM_OPT("--speed-aware", speed_aware, 'i'),
+    NUM_OPT("--period-max", period_max, 'i'),
+};
+
+static const num_opt *find_num_opt(const char *flag) {
+  for (size_t k = 0; k < sizeof k_num_opts / sizeof *k_num_opts; k++)
+    if (!strcmp(flag, k_num_opts[k].flag)) return &k_num_opts[k];
+  return NULL;
+}
+
+static void set_num_opt(params *p, const num_opt *o, const char *v) {
+  char *field = (char *)p + o->off;
+  if (o->kind == 'i') *(int *)field = atoi(v);
+  else if (o->kind == 'd') *(double *)field = atof(v);
+  else *(uint64_t *)field = strtoull(v, NULL, 0);
+}
+
 int main(int argc, char **argv) {
   params p = {.workers = 16, .per_host = 4, .rounds = 200, .seed = 1, .gg_lat = 0.002,
               .alpha = 0.02, .beta = 0.1, .exact_cost = -1, .step_ms = 100, .slow_factor = 5};
   const char *policy = "all", *scenario = "all";
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
-    if (!strcmp(a, "--workers")) p.workers = atoi(v), i++;
-    else if (!strcmp(a, "--per-host")) p.per_host = atoi(v), i++;
-    else if (!strcmp(a, "--rounds")) p.rounds = atoi(v), i++;
-    else if (!strcmp(a, "--group-size")) p.group_size = atoi(v), i++;
-    else if (!strcmp(a, "--c-thres")) p.c_thres = atoi(v), i++;
-    else if (!strcmp(a, "--seed")) p.seed = strtoull(v, NULL, 0), i++;
-    else if (!strcmp(a, "--policy")) policy = v, i++;
+    const num_opt *o = find_num_opt(a);
+    if (o) {
+      set_num_opt(&p, o, v);
+      i++;
+    } else if (!strcmp(a, "--policy")) policy = v, i++;
     else if (!strcmp(a, "--scenario")) scenario = v, i++;
-    else if (!strcmp(a, "--gg-lat")) p.gg_lat = atof(v), i++;
-    else if (!strcmp(a, "--jitter")) p.jitter = atof(v), i++;
-    else if (!strcmp(a, "--slow-factor")) p.slow_factor = atof(v), i++;
-    else if (!strcmp(a, "--alpha")) p.alpha = atof(v), i++;
-    else if (!strcmp(a, "--beta")) p.beta = atof(v), i++;
-    else if (!strcmp(a, "--exact-every")) p.exact_every = atoi(v), i++;
-    else if (!strcmp(a, "--exact-cost")) p.exact_cost = atof(v), i++;
-    else if (!strcmp(a, "--step-ms")) p.step_ms = atof(v), i++;
-    else if (!strcmp(a, "--partner-wait-ms")) p.partner_wait_ms = atoi(v), i++;
-    else if (!strcmp(a, "--max-isolated")) p.max_isolated = atoi(v), i++;
-    else if (!strcmp(a, "--arrival-filter")) p.arrival_filter = atoi(v), i++;
-    else if (!strcmp(a, "--speed-aware")) p.speed_aware = atoi(v), i++;
-    else if (!strcmp(a, "--period-max")) p.period_max = atoi(v), i++;
     else if (!strcmp(a, "--late-unfence")) p.late_unfence = 1;
     else if (!strcmp(a, "--old-policy")) {
       p.partner_wait_ms = p.max_isolated = p.arrival_filter = -1;

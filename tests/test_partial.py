@@ -68,8 +68,7 @@ def task_rounds(ctx, schedule, rounds, hosts, inter_intra):
     s = ripples_pg.stats(g)
     chk.true(s["rounds"] == rounds and s["failed"] == 0, "stats", str(s))
     chk.true(sum(s["group_sizes"]) == rounds, "group size histogram", str(s["group_sizes"]))
-    chk.finish()
-    return True
+    return chk.finish()
 
 
 @pytest.mark.parametrize("schedule", POLICIES)
@@ -130,8 +129,7 @@ def task_sum_and_exact_fallback(ctx):
     chk.equal(y, torch.tensor([float(ctx.ws)]), "exact() overrides Options(partial=True)")
     s = ripples_pg.stats(g)
     chk.true(s["rounds"] == 1 and s["exact_fallbacks"] == 2, "stats", str(s))
-    chk.finish()
-    return True
+    return chk.finish()
 
 
 def test_sum_scaling_and_exact_fallbacks():
@@ -157,8 +155,7 @@ def task_periodic_model_averager(ctx):
         post = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
         chk.close(post, torch.stack([pre[m] for m in members]).mean(0),
                   f"step {step}: torch's averager gives the group mean", 1e-6, 1e-6)
-    chk.finish()
-    return True
+    return chk.finish()
 
 
 def test_torch_periodic_model_averager_does_group_averaging():
@@ -185,8 +182,7 @@ def task_mismatch(ctx):
     ripples_pg.partial_all_reduce([y], group=g)  # the group is still usable
     chk.true(bool(torch.all(y == 0.5)) or bool(torch.all(y == float(ctx.rank))),
              "a later round works", str(y))
-    chk.finish()
-    return True
+    return chk.finish()
 
 
 def test_mismatched_members_all_raise_the_same_error():

@@ -86,22 +86,15 @@ static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const in
 /* Seeds: every reply type a coordinator sends, with the client's token and seq (and some
  * with a stale seq, a wrong token, another round). */
 static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
-  uint8_t tok[RPL_TOKEN_LEN];
-  rpl_error err;
-  if (rpl_token_from_hex(FUZZ_TOKEN, tok, &err) != RPL_OK) abort();
+  static const int types[] = {RPL_MSG_GROUP, RPL_MSG_GROUP,         RPL_MSG_PASS,
+                              RPL_MSG_CANCEL, RPL_MSG_ERROR,        RPL_MSG_HELLO_ACK,
+                              RPL_MSG_ACK,   RPL_MSG_HEARTBEAT_ACK};
   size_t pos = 0;
   uint64_t s = pick | 1;
   for (int i = 0; i < 8; i++) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    static const int types[] = {RPL_MSG_GROUP, RPL_MSG_GROUP,         RPL_MSG_PASS,
-                                RPL_MSG_CANCEL, RPL_MSG_ERROR,        RPL_MSG_HELLO_ACK,
-                                RPL_MSG_ACK,   RPL_MSG_HEARTBEAT_ACK};
-    rpl_msg m;
-    memset(&m, 0, sizeof m);
-    m.type = (uint8_t)types[(s >> 33) % 8];
-    m.rank = FUZZ_RANK;
-    m.seq = (s >> 40) % 5 ? FUZZ_SEQ : FUZZ_SEQ - 1;
-    memcpy(m.token, tok, RPL_TOKEN_LEN);
+    s = fuzz_next(s);
+    rpl_msg m = fuzz_msg(types[(s >> 33) % 8], FUZZ_RANK,
+                         (s >> 40) % 5 ? FUZZ_SEQ : FUZZ_SEQ - 1, FUZZ_TOKEN);
     if ((s >> 45) % 7 == 0) m.token[0] ^= 0x80;
     m.round = (s >> 48) % 4 ? FUZZ_ROUND : FUZZ_ROUND + 1;
     m.group_id = 1 + (s >> 20) % 9;

@@ -171,37 +171,25 @@ static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, uint8_t 
  * workers send (heartbeats from the sibling socket), rising seqs; now and then a message
  * with a wrong token, a replayed seq or from another rank's route. */
 static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
-  uint8_t tok[RPL_TOKEN_LEN];
-  rpl_error err;
-  if (rpl_token_from_hex(FUZZ_TOKEN, tok, &err) != RPL_OK) abort();
+  static const int types[] = {RPL_MSG_REQUEST, RPL_MSG_REQUEST, RPL_MSG_DONE,
+                              RPL_MSG_HEARTBEAT, RPL_MSG_FENCE, RPL_MSG_UNFENCE,
+                              RPL_MSG_LEAVE, RPL_MSG_STATUS};
   size_t pos = 0;
   out[pos++] = (uint8_t)pick;
   uint32_t seq[FUZZ_WORKERS] = {0};
   for (int r = 0; r < FUZZ_WORKERS; r++) {
-    rpl_msg m;
-    memset(&m, 0, sizeof m);
-    m.type = RPL_MSG_HELLO;
-    m.rank = r;
-    m.seq = ++seq[r];
+    rpl_msg m = fuzz_msg(RPL_MSG_HELLO, r, ++seq[r], FUZZ_TOKEN);
     m.nworkers = FUZZ_WORKERS;
-    memcpy(m.token, tok, RPL_TOKEN_LEN);
     pos = put_msg(out, pos, cap, &m, (uint8_t)(r | 0x10));
   }
   uint64_t s = pick | 1;
   for (int i = 0; i < 24; i++) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
-    static const int types[] = {RPL_MSG_REQUEST, RPL_MSG_REQUEST, RPL_MSG_DONE,
-                                RPL_MSG_HEARTBEAT, RPL_MSG_FENCE, RPL_MSG_UNFENCE,
-                                RPL_MSG_LEAVE, RPL_MSG_STATUS};
-    rpl_msg m;
-    memset(&m, 0, sizeof m);
-    m.type = (uint8_t)types[(s >> 33) % 8];
-    int r = (int)((s >> 40) % FUZZ_WORKERS);
-    m.rank = m.type == RPL_MSG_STATUS && (s >> 12) % 2 ? -1 : r; /* a rank's summary too */
-    m.seq = ++seq[r];
+    s = fuzz_next(s);
+    int type = types[(s >> 33) % 8], r = (int)((s >> 40) % FUZZ_WORKERS);
+    int32_t rank = type == RPL_MSG_STATUS && (s >> 12) % 2 ? -1 : r; /* a rank's summary too */
+    rpl_msg m = fuzz_msg(type, rank, ++seq[r], FUZZ_TOKEN);
     m.round = (s >> 20) % 4;
     m.group_id = 1 + (s >> 24) % 6;
-    memcpy(m.token, tok, RPL_TOKEN_LEN);
     uint8_t sel = (uint8_t)(r | ((s >> 50) % 3) << 4);
     if (m.type == RPL_MSG_HEARTBEAT) sel |= 8;
     switch ((s >> 56) % 16) {

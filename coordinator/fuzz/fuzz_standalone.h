@@ -4,6 +4,7 @@
  *                            flips, random and 0xff bytes, truncations
  *   PROG --write-corpus DIR  writes the seeds to DIR/seed-NN
  *   PROG FILE...             replays inputs, e.g. a crash-* file libFuzzer left
+ * Also what the two seed generators share (framing, the generator, a message's start).
  * Header-only (static), so run_libfuzzer.sh builds each target from its one source file. */
 #ifndef RPL_FUZZ_STANDALONE_H
 #define RPL_FUZZ_STANDALONE_H
@@ -12,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "rpl_sched_proto.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -26,6 +29,23 @@ static size_t fuzz_frame(uint8_t *out, size_t pos, size_t cap, const uint8_t *pr
   if (nprefix) memcpy(out + pos, prefix, nprefix); /* prefix may be NULL then */
   memcpy(out + pos + nprefix, msg, n);
   return pos + nprefix + n;
+}
+
+/* The generator of the mutation loop and the seeds: one step of a 64-bit LCG. */
+static uint64_t fuzz_next(uint64_t s) {
+  return s * 6364136223846793005ull + 1442695040888963407ull;
+}
+
+/* What every seed message starts from: zeroed, with its type, rank, seq and the job's token. */
+static rpl_msg fuzz_msg(int type, int32_t rank, uint32_t seq, const char *token_hex) {
+  rpl_msg m;
+  memset(&m, 0, sizeof m);
+  rpl_error err;
+  if (rpl_token_from_hex(token_hex, m.token, &err) != RPL_OK) abort();
+  m.type = (uint8_t)type;
+  m.rank = rank;
+  m.seq = seq;
+  return m;
 }
 
 /* seed(out, cap, pick) writes one seed input of at most cap bytes (pick chooses which) and
@@ -58,11 +78,11 @@ static int fuzz_standalone_main(int argc, char **argv, const char *name, int nse
   }
   long iters = argc >= 2 ? atol(argv[1]) : 20000;
   for (long it = 0; it < iters; it++) {
-    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    s = fuzz_next(s);
     size_t n = seed(buf, sizeof buf, s);
     int muts = (int)((s >> 40) % 8);
     for (int k = 0; k < muts && n > 0; k++) {
-      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      s = fuzz_next(s);
       size_t at = (s >> 33) % n;
       switch ((s >> 20) % 4) {
         case 0: buf[at] ^= (uint8_t)(1u << ((s >> 10) % 8)); break;

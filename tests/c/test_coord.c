@@ -138,9 +138,12 @@ static void test_groups_formed(rpl_policy p) {
 
 /* ---- dead worker ------------------------------------------------------------------------- */
 
+/* One worker on a thread: connects to a job of `nworkers` (at most 3), asks once for a group in
+ * `round`, then, if `leave`, reports it done and leaves before disconnecting. */
 typedef struct {
   rpl_coord *c;
-  int rank;
+  int rank, nworkers, leave;
+  uint64_t round;
   int members[3];
   int n;
   rpl_status st;
@@ -148,13 +151,15 @@ typedef struct {
 
 static void *request_once(void *arg) {
   req_arg *a = arg;
-  rpl_gg_client *cl = connect_client(a->c, a->rank, 3, 50);
+  rpl_gg_client *cl = connect_client(a->c, a->rank, a->nworkers, 50);
   rpl_error err;
   uint64_t gid;
-  a->st = rpl_gg_client_request(cl, 0, a->members, 3, &a->n, &gid, &err);
+  a->st = rpl_gg_client_request(cl, a->round, a->members, a->nworkers, &a->n, &gid, &err);
   if (a->st != RPL_OK) fprintf(stderr, "rank %d: %s\n", a->rank, err.msg);
-  rpl_gg_client_done(cl, gid, 0, &err);
-  rpl_gg_client_leave(cl, &err);
+  if (a->leave) {
+    rpl_gg_client_done(cl, gid, 0, &err);
+    rpl_gg_client_leave(cl, &err);
+  }
   rpl_gg_client_destroy(cl);
   return NULL;
 }
@@ -167,9 +172,7 @@ static void test_dead_worker(void) {
   req_arg a[2];
   pthread_t th[2];
   for (int i = 0; i < 2; i++) {
-    memset(&a[i], 0, sizeof a[i]);
-    a[i].c = c;
-    a[i].rank = i;
+    a[i] = (req_arg){.c = c, .rank = i, .nworkers = 3, .leave = 1};
     REQUIRE(pthread_create(&th[i], NULL, request_once, &a[i]) == 0, "thread");
   }
   for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
@@ -673,25 +676,6 @@ static void test_rejections(void) {
   printf("  wrong token, world size, malformed input rejected and counted: ok\n");
 }
 
-typedef struct {
-  rpl_coord *c;
-  int rank;
-  uint64_t round;
-  int members[2];
-  int n;
-  rpl_status st;
-} req2_arg;
-
-static void *request_round(void *arg) {
-  req2_arg *a = arg;
-  rpl_gg_client *cl = connect_client(a->c, a->rank, 2, 50);
-  rpl_error err;
-  uint64_t gid;
-  a->st = rpl_gg_client_request(cl, a->round, a->members, 2, &a->n, &gid, &err);
-  rpl_gg_client_destroy(cl);
-  return NULL;
-}
-
 /* ---- unreachable or stopped coordinator ---------------------------------------------------- */
 
 static void test_unreachable(void) {
@@ -732,9 +716,9 @@ static void test_unreachable(void) {
   REQUIRE(rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err) == RPL_ERR_TIMEOUT, "timeout: %s",
           err.msg);
   /* Nothing is left stuck behind the timed-out request: both ask again and meet. */
-  req2_arg a1 = {c, 1, 0, {0}, 0, RPL_OK};
+  req_arg a1 = {.c = c, .rank = 1, .nworkers = 2};
   pthread_t th;
-  REQUIRE(pthread_create(&th, NULL, request_round, &a1) == 0, "thread");
+  REQUIRE(pthread_create(&th, NULL, request_once, &a1) == 0, "thread");
   REQUIRE(rpl_gg_client_request(cl, 1, mem, 2, &n, &gid, &err) == RPL_OK && n == 2, "%s", err.msg);
   pthread_join(th, NULL);
   REQUIRE(a1.st == RPL_OK && a1.n == 2, "worker 1 grouped with worker 0 after its timeout");

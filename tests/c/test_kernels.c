@@ -131,30 +131,41 @@ static void check_random_floats(const char *name, uint16_t (*conv)(float), uint1
 
 /* ---- Conversion tests ------------------------------------------------------------------------ */
 
-static void test_half_conversions(void) {
+/* Every 16-bit pattern through to_f and back: the reference's value and an exact round trip;
+ * a NaN stays NaN as the float nan_bits(p) (quieted, sign and payload kept) and comes back as
+ * p | quiet. `name` ("half", "bf16") starts the messages. */
+static void check_all_patterns(const char *name, float (*to_f)(uint16_t), uint16_t (*from_f)(float),
+                               float (*ref)(uint16_t), int (*is_nan)(uint16_t),
+                               uint32_t (*nan_bits)(uint32_t), uint32_t quiet) {
   long bad_value = 0, bad_trip = 0, bad_nan = 0;
-  for (uint32_t h = 0; h < 65536; h++) {
-    float f = rpl_half_to_float((uint16_t)h);
-    uint16_t back = rpl_float_to_half(f);
-    if (is_half_nan((uint16_t)h)) {
-      /* NaN stays NaN with its sign and payload (shifted into the float's top bits), quieted
-       * as the F16C instruction does; back in half it keeps sign and payload. */
-      uint32_t want = ((h & 0x8000u) << 16) | 0x7fc00000u | ((h & 0x3ffu) << 13);
-      if (!isnan(f) || fbits(f) != want) bad_nan++;
-      if (!is_half_nan(back) || back != (h | 0x200u)) bad_nan++;
+  for (uint32_t p = 0; p < 65536; p++) {
+    float f = to_f((uint16_t)p);
+    uint16_t back = from_f(f);
+    if (is_nan((uint16_t)p)) {
+      if (!isnan(f) || fbits(f) != nan_bits(p)) bad_nan++;
+      if (!is_nan(back) || back != (p | quiet)) bad_nan++;
       continue;
     }
-    if (fbits(f) != fbits(ref_h2f((uint16_t)h))) {
-      if (bad_value++ < 5)
-        CHECK(0, "half_to_float(0x%04x) = %a, want %a", h, f, ref_h2f((uint16_t)h));
-    }
-    if (back != h) {
-      if (bad_trip++ < 5) CHECK(0, "half 0x%04x -> float -> half gives 0x%04x", h, back);
-    }
+    if (fbits(f) != fbits(ref((uint16_t)p)) && bad_value++ < 5)
+      CHECK(0, "%s_to_float(0x%04x) = %a, want %a", name, p, f, ref((uint16_t)p));
+    if (back != p && bad_trip++ < 5)
+      CHECK(0, "%s 0x%04x -> float -> %s gives 0x%04x", name, p, name, back);
   }
-  CHECK(bad_value == 0, "half_to_float wrong for %ld of 65536 patterns", bad_value);
-  CHECK(bad_trip == 0, "half round trip wrong for %ld patterns", bad_trip);
-  CHECK(bad_nan == 0, "half NaN handling wrong for %ld checks", bad_nan);
+  CHECK(bad_value == 0, "%s_to_float wrong for %ld of 65536 patterns", name, bad_value);
+  CHECK(bad_trip == 0, "%s round trip wrong for %ld patterns", name, bad_trip);
+  CHECK(bad_nan == 0, "%s NaN handling wrong for %ld checks", name, bad_nan);
+}
+
+/* A half NaN widens with its sign and payload (shifted into the float's top bits), quieted as
+ * the F16C instruction does; a bfloat16 is the float's top half. */
+static uint32_t half_nan_bits(uint32_t h) {
+  return ((h & 0x8000u) << 16) | 0x7fc00000u | ((h & 0x3ffu) << 13);
+}
+static uint32_t bf16_nan_bits(uint32_t b) { return b << 16; }
+
+static void test_half_conversions(void) {
+  check_all_patterns("half", rpl_half_to_float, rpl_float_to_half, ref_h2f, is_half_nan,
+                     half_nan_bits, 0x200u);
 
   /* Known values. */
   static const struct {
@@ -206,23 +217,6 @@ static void test_half_conversions(void) {
 }
 
 static void test_bf16_conversions(void) {
-  long bad_value = 0, bad_trip = 0, bad_nan = 0;
-  for (uint32_t b = 0; b < 65536; b++) {
-    float f = rpl_bf16_to_float((uint16_t)b);
-    uint16_t back = rpl_float_to_bf16(f);
-    if (is_bf16_nan((uint16_t)b)) {
-      if (!isnan(f) || fbits(f) != (b << 16)) bad_nan++;
-      if (!is_bf16_nan(back) || back != (b | 0x40u)) bad_nan++;
-      continue;
-    }
-    if (fbits(f) != fbits(ref_b2f((uint16_t)b)) && bad_value++ < 5)
-      CHECK(0, "bf16_to_float(0x%04x) = %a, want %a", b, f, ref_b2f((uint16_t)b));
-    if (back != b && bad_trip++ < 5) CHECK(0, "bf16 0x%04x -> float -> bf16 gives 0x%04x", b, back);
-  }
-  CHECK(bad_value == 0, "bf16_to_float wrong for %ld of 65536 patterns", bad_value);
-  CHECK(bad_trip == 0, "bf16 round trip wrong for %ld patterns", bad_trip);
-  CHECK(bad_nan == 0, "bf16 NaN handling wrong for %ld checks", bad_nan);
-
   static const struct {
     uint32_t f;
     uint16_t b;
@@ -251,6 +245,9 @@ static void test_bf16_conversions(void) {
   CHECK(is_bf16_nan(rpl_float_to_bf16(bitsf(0x7f800001u))),
         "float_to_bf16(NaN with payload only in dropped bits) is not NaN");
   CHECK(is_bf16_nan(rpl_float_to_bf16(bitsf(0xffffffffu))), "float_to_bf16(0xffffffff) not NaN");
+
+  check_all_patterns("bf16", rpl_bf16_to_float, rpl_float_to_bf16, ref_b2f, is_bf16_nan,
+                     bf16_nan_bits, 0x40u);
 
   check_random_floats("float_to_bf16", rpl_float_to_bf16, ref_f2b, is_bf16_nan);
 }
@@ -359,6 +356,30 @@ static double ref_fop(rpl_redop op, double a, double b, int is_single) {
   return r;
 }
 
+/* A float element's value (half types through the reference conversions, exact in double),
+ * and a value stored as dtype d (rounded to float first for all but float64). */
+static double load_float(rpl_dtype d, const void *p) {
+  uint16_t h;
+  float f;
+  double v;
+  switch (d) {
+    case RPL_FLOAT16: memcpy(&h, p, 2); return ref_h2f(h);
+    case RPL_BFLOAT16: memcpy(&h, p, 2); return ref_b2f(h);
+    case RPL_FLOAT32: memcpy(&f, p, 4); return f;
+    default: memcpy(&v, p, 8); return v;
+  }
+}
+static void store_float(rpl_dtype d, void *p, double v) {
+  uint16_t h;
+  float f;
+  switch (d) {
+    case RPL_FLOAT16: h = ref_f2h((float)v); memcpy(p, &h, 2); break;
+    case RPL_BFLOAT16: h = ref_f2b((float)v); memcpy(p, &h, 2); break;
+    case RPL_FLOAT32: f = (float)v; memcpy(p, &f, 4); break;
+    default: memcpy(p, &v, 8);
+  }
+}
+
 /* out = a op b for one element of dtype d (half types: through float, rounded). */
 static void ref_elem(rpl_dtype d, rpl_redop op, const void *a, const void *b, void *out) {
   switch (d) {
@@ -370,33 +391,9 @@ static void ref_elem(rpl_dtype d, rpl_redop op, const void *a, const void *b, vo
       *(uint8_t *)out = (uint8_t)r;
       return;
     }
-    case RPL_FLOAT16: case RPL_BFLOAT16: {
-      uint16_t x, y, r;
-      memcpy(&x, a, 2);
-      memcpy(&y, b, 2);
-      float fx = d == RPL_FLOAT16 ? ref_h2f(x) : ref_b2f(x);
-      float fy = d == RPL_FLOAT16 ? ref_h2f(y) : ref_b2f(y);
-      float fr = (float)ref_fop(op, fx, fy, 1);
-      r = d == RPL_FLOAT16 ? ref_f2h(fr) : ref_f2b(fr);
-      memcpy(out, &r, 2);
+    case RPL_FLOAT16: case RPL_BFLOAT16: case RPL_FLOAT32: case RPL_FLOAT64:
+      store_float(d, out, ref_fop(op, load_float(d, a), load_float(d, b), d != RPL_FLOAT64));
       return;
-    }
-    case RPL_FLOAT32: {
-      float x, y, r;
-      memcpy(&x, a, 4);
-      memcpy(&y, b, 4);
-      r = (float)ref_fop(op, x, y, 1);
-      memcpy(out, &r, 4);
-      return;
-    }
-    case RPL_FLOAT64: {
-      double x, y, r;
-      memcpy(&x, a, 8);
-      memcpy(&y, b, 8);
-      r = ref_fop(op, x, y, 0);
-      memcpy(out, &r, 8);
-      return;
-    }
     default: {
       int64_t x = load_int(d, a), y = load_int(d, b);
       uint64_t r;
@@ -492,60 +489,61 @@ static const size_t k_sizes[] = {0, 1, 7, 255, 256, 257, 1000, 1023, 1024, 1025,
 #define NSIZES (sizeof k_sizes / sizeof k_sizes[0])
 #define GUARD 16 /* elements after dst's end that must stay untouched */
 
-static void test_reduce_into(void) {
-  for (size_t di = 0; di < NDT; di++) {
-    rpl_dtype d = k_dtypes[di];
-    size_t es = esize(d);
-    for (size_t oi = 0; oi < NOPS; oi++) {
-      rpl_redop op = k_ops[oi];
-      if (!supported(d, op)) continue;
-      for (size_t si = 0; si < NSIZES; si++) {
-        for (int shift = 0; shift < 2; shift++) { /* shift: misalign by one element */
-          size_t n = k_sizes[si];
-          char *dstm = xmalloc((n + GUARD + 1) * es), *srcm = xmalloc((n + 1) * es);
-          char *want = xmalloc((n + GUARD) * es);
-          char *dst = dstm + shift * es, *src = srcm + shift * es;
-          for (size_t i = 0; i < n + GUARD; i++) rand_elem(d, dst + i * es);
-          for (size_t i = 0; i < n; i++) rand_elem(d, src + i * es);
-          memcpy(want, dst, (n + GUARD) * es);
-          for (size_t i = 0; i < n; i++)
-            ref_elem(d, op, dst + i * es, src + i * es, want + i * es);
-          rpl_reduce_into(dst, src, n, d, op);
-          size_t bad = n + GUARD, nbad = 0;
-          for (size_t i = 0; i < n + GUARD; i++)
-            if (i < n ? !elem_eq(d, dst + i * es, want + i * es)
-                      : memcmp(dst + i * es, want + i * es, es) != 0) {
-              if (bad == n + GUARD) bad = i;
-              nbad++;
-            }
-          char g[64] = "", w[64] = "";
-          if (nbad) {
-            fmt_elem(d, dst + bad * es, g, sizeof g);
-            fmt_elem(d, want + bad * es, w, sizeof w);
-          }
-          CHECK(nbad == 0, "reduce_into %s %s n=%zu shift=%d: %zu wrong, first [%zu] got %s want %s%s",
-                rpl_dtype_name(d), rpl_redop_name(op), n, shift, nbad, bad, g, w,
-                bad >= n && nbad ? " (past the end!)" : "");
-          free(dstm);
-          free(srcm);
-          free(want);
+/* Runs one_case(d, op) for every dtype and every op it supports. */
+static void each_supported(void (*one_case)(rpl_dtype, rpl_redop)) {
+  for (size_t di = 0; di < NDT; di++)
+    for (size_t oi = 0; oi < NOPS; oi++)
+      if (supported(k_dtypes[di], k_ops[oi])) one_case(k_dtypes[di], k_ops[oi]);
+}
+
+static void reduce_into_case(rpl_dtype d, rpl_redop op) {
+  size_t es = esize(d);
+  for (size_t si = 0; si < NSIZES; si++) {
+    for (int shift = 0; shift < 2; shift++) { /* shift: misalign by one element */
+      size_t n = k_sizes[si];
+      char *dstm = xmalloc((n + GUARD + 1) * es), *srcm = xmalloc((n + 1) * es);
+      char *want = xmalloc((n + GUARD) * es);
+      char *dst = dstm + shift * es, *src = srcm + shift * es;
+      for (size_t i = 0; i < n + GUARD; i++) rand_elem(d, dst + i * es);
+      for (size_t i = 0; i < n; i++) rand_elem(d, src + i * es);
+      memcpy(want, dst, (n + GUARD) * es);
+      for (size_t i = 0; i < n; i++)
+        ref_elem(d, op, dst + i * es, src + i * es, want + i * es);
+      rpl_reduce_into(dst, src, n, d, op);
+      size_t bad = n + GUARD, nbad = 0;
+      for (size_t i = 0; i < n + GUARD; i++)
+        if (i < n ? !elem_eq(d, dst + i * es, want + i * es)
+                  : memcmp(dst + i * es, want + i * es, es) != 0) {
+          if (bad == n + GUARD) bad = i;
+          nbad++;
         }
+      char g[64] = "", w[64] = "";
+      if (nbad) {
+        fmt_elem(d, dst + bad * es, g, sizeof g);
+        fmt_elem(d, want + bad * es, w, sizeof w);
       }
-      /* dst == src: x op x. */
-      size_t n = 1500;
-      char *x = xmalloc(n * es), *want = xmalloc(n * es);
-      for (size_t i = 0; i < n; i++) rand_elem(d, x + i * es);
-      for (size_t i = 0; i < n; i++) ref_elem(d, op, x + i * es, x + i * es, want + i * es);
-      rpl_reduce_into(x, x, n, d, op);
-      size_t nbad = 0;
-      for (size_t i = 0; i < n; i++) nbad += !elem_eq(d, x + i * es, want + i * es);
-      CHECK(nbad == 0, "reduce_into %s %s with dst == src: %zu wrong", rpl_dtype_name(d),
-            rpl_redop_name(op), nbad);
-      free(x);
+      CHECK(nbad == 0, "reduce_into %s %s n=%zu shift=%d: %zu wrong, first [%zu] got %s want %s%s",
+            rpl_dtype_name(d), rpl_redop_name(op), n, shift, nbad, bad, g, w,
+            bad >= n && nbad ? " (past the end!)" : "");
+      free(dstm);
+      free(srcm);
       free(want);
     }
   }
+  /* dst == src: x op x. */
+  size_t n = 1500;
+  char *x = xmalloc(n * es), *want = xmalloc(n * es);
+  for (size_t i = 0; i < n; i++) rand_elem(d, x + i * es);
+  for (size_t i = 0; i < n; i++) ref_elem(d, op, x + i * es, x + i * es, want + i * es);
+  rpl_reduce_into(x, x, n, d, op);
+  size_t nbad = 0;
+  for (size_t i = 0; i < n; i++) nbad += !elem_eq(d, x + i * es, want + i * es);
+  CHECK(nbad == 0, "reduce_into %s %s with dst == src: %zu wrong", rpl_dtype_name(d),
+        rpl_redop_name(op), nbad);
+  free(x);
+  free(want);
 }
+static void test_reduce_into(void) { each_supported(reduce_into_case); }
 
 /* ---- rpl_reduce_many ------------------------------------------------------------------------- */
 
@@ -575,68 +573,62 @@ static void ref_many(rpl_dtype d, rpl_redop op, char *const *srcs, int nsrc, siz
   }
 }
 
-static void test_reduce_many(void) {
+static void reduce_many_case(rpl_dtype d, rpl_redop op) {
   static const int nsrcs[] = {1, 2, 3, 5};
   static const size_t sizes[] = {0, 1, 7, 256, 257, 1025, 4099};
-  for (size_t di = 0; di < NDT; di++) {
-    rpl_dtype d = k_dtypes[di];
-    size_t es = esize(d);
-    for (size_t oi = 0; oi < NOPS; oi++) {
-      rpl_redop op = k_ops[oi];
-      if (!supported(d, op)) continue;
-      for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
-        size_t n = sizes[si];
-        for (size_t ki = 0; ki < sizeof nsrcs / sizeof nsrcs[0]; ki++) {
-          int nsrc = nsrcs[ki];
-          /* alias: -1 = separate dst, else dst is srcs[alias]. */
-          for (int alias = -1; alias < nsrc; alias++) {
-            char *srcs[5], *orig[5];
-            for (int j = 0; j < nsrc; j++) {
-              srcs[j] = xmalloc(n * es);
-              orig[j] = xmalloc(n * es);
-              for (size_t i = 0; i < n; i++) rand_elem(d, srcs[j] + i * es);
-              memcpy(orig[j], srcs[j], n * es);
-            }
-            char *sep = xmalloc((n + GUARD) * es), *want = xmalloc(n * es);
-            for (size_t i = 0; i < n + GUARD; i++) rand_elem(d, sep + i * es);
-            char *guard = xmalloc(GUARD * es);
-            memcpy(guard, sep + n * es, GUARD * es);
-            char *dst = alias < 0 ? sep : srcs[alias];
-            ref_many(d, op, orig, nsrc, n, want);
-            rpl_reduce_many(dst, (const void *const *)srcs, nsrc, n, d, op);
-            size_t nbad = 0, first = 0;
-            for (size_t i = 0; i < n; i++)
-              if (!elem_eq(d, dst + i * es, want + i * es) && nbad++ == 0) first = i;
-            char g[64] = "", w[64] = "";
-            if (nbad) {
-              fmt_elem(d, dst + first * es, g, sizeof g);
-              fmt_elem(d, want + first * es, w, sizeof w);
-            }
-            CHECK(nbad == 0, "reduce_many %s %s n=%zu nsrc=%d dst=%s%d: %zu wrong, first [%zu] got %s want %s",
-                  rpl_dtype_name(d), rpl_redop_name(op), n, nsrc, alias < 0 ? "separate" : "srcs",
-                  alias, nbad, first, g, w);
-            int untouched = 1;
-            for (int j = 0; j < nsrc; j++)
-              if (j != alias && memcmp(srcs[j], orig[j], n * es) != 0) untouched = 0;
-            CHECK(untouched, "reduce_many %s %s n=%zu nsrc=%d alias=%d modified a source",
-                  rpl_dtype_name(d), rpl_redop_name(op), n, nsrc, alias);
-            if (alias < 0)
-              CHECK(memcmp(sep + n * es, guard, GUARD * es) == 0,
-                    "reduce_many %s %s n=%zu wrote past the end of dst", rpl_dtype_name(d),
-                    rpl_redop_name(op), n);
-            for (int j = 0; j < nsrc; j++) {
-              free(srcs[j]);
-              free(orig[j]);
-            }
-            free(sep);
-            free(want);
-            free(guard);
-          }
+  size_t es = esize(d);
+  for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
+    size_t n = sizes[si];
+    for (size_t ki = 0; ki < sizeof nsrcs / sizeof nsrcs[0]; ki++) {
+      int nsrc = nsrcs[ki];
+      /* alias: -1 = separate dst, else dst is srcs[alias]. */
+      for (int alias = -1; alias < nsrc; alias++) {
+        char *srcs[5], *orig[5];
+        for (int j = 0; j < nsrc; j++) {
+          srcs[j] = xmalloc(n * es);
+          orig[j] = xmalloc(n * es);
+          for (size_t i = 0; i < n; i++) rand_elem(d, srcs[j] + i * es);
+          memcpy(orig[j], srcs[j], n * es);
         }
+        char *sep = xmalloc((n + GUARD) * es), *want = xmalloc(n * es);
+        for (size_t i = 0; i < n + GUARD; i++) rand_elem(d, sep + i * es);
+        char *guard = xmalloc(GUARD * es);
+        memcpy(guard, sep + n * es, GUARD * es);
+        char *dst = alias < 0 ? sep : srcs[alias];
+        ref_many(d, op, orig, nsrc, n, want);
+        rpl_reduce_many(dst, (const void *const *)srcs, nsrc, n, d, op);
+        size_t nbad = 0, first = 0;
+        for (size_t i = 0; i < n; i++)
+          if (!elem_eq(d, dst + i * es, want + i * es) && nbad++ == 0) first = i;
+        char g[64] = "", w[64] = "";
+        if (nbad) {
+          fmt_elem(d, dst + first * es, g, sizeof g);
+          fmt_elem(d, want + first * es, w, sizeof w);
+        }
+        CHECK(nbad == 0, "reduce_many %s %s n=%zu nsrc=%d dst=%s%d: %zu wrong, first [%zu] got %s want %s",
+              rpl_dtype_name(d), rpl_redop_name(op), n, nsrc, alias < 0 ? "separate" : "srcs",
+              alias, nbad, first, g, w);
+        int untouched = 1;
+        for (int j = 0; j < nsrc; j++)
+          if (j != alias && memcmp(srcs[j], orig[j], n * es) != 0) untouched = 0;
+        CHECK(untouched, "reduce_many %s %s n=%zu nsrc=%d alias=%d modified a source",
+              rpl_dtype_name(d), rpl_redop_name(op), n, nsrc, alias);
+        if (alias < 0)
+          CHECK(memcmp(sep + n * es, guard, GUARD * es) == 0,
+                "reduce_many %s %s n=%zu wrote past the end of dst", rpl_dtype_name(d),
+                rpl_redop_name(op), n);
+        for (int j = 0; j < nsrc; j++) {
+          free(srcs[j]);
+          free(orig[j]);
+        }
+        free(sep);
+        free(want);
+        free(guard);
       }
     }
   }
 }
+static void test_reduce_many(void) { each_supported(reduce_many_case); }
 
 /* Order and float32 accumulation, with values chosen so that other choices give other bits. */
 static void test_reduce_many_semantics(void) {

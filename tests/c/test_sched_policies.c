@@ -24,6 +24,14 @@ static uint32_t rnd(uint32_t n) {
   return (uint32_t)((rng_state >> 33) % n);
 }
 
+/* A Group Generator made from cfg (a compound literal naming only what is not zero); a
+ * failure to create it ends the test. */
+static rpl_gg *make_gg(rpl_gg_config cfg) {
+  rpl_gg *gg;
+  OK(rpl_gg_create(&cfg, &gg, &e_));
+  return gg;
+}
+
 enum { W_COMPUTE, W_WAITING, W_RUNNING, W_FENCED, W_DEAD, W_LEFT };
 
 typedef struct {
@@ -353,17 +361,10 @@ static uint64_t run(const scenario *sc, uint64_t seed) {
   int *labels = malloc(sizeof(int) * (size_t)sc->n);
   for (int r = 0; r < sc->n; r++)
     labels[r] = sc->per_host ? r / sc->per_host : (int)rnd(1 + (uint32_t)sc->n / 3);
-  rpl_gg_config cfg = {0};
-  cfg.policy = sc->policy;
-  cfg.nworkers = sc->n;
-  cfg.host_of = labels;
-  cfg.inter_intra = sc->inter_intra;
-  cfg.c_thres = sc->c_thres;
-  cfg.seed = seed;
-  cfg.trace = tracer;
-  cfg.arrival_filter = -1; /* the tracer checks the paper's division rule (tested below) */
-  rpl_gg *gg;
-  OK(rpl_gg_create(&cfg, &gg, &e_));
+  rpl_gg *gg = make_gg((rpl_gg_config){
+      .policy = sc->policy, .nworkers = sc->n, .host_of = labels, .inter_intra = sc->inter_intra,
+      .c_thres = sc->c_thres, .seed = seed, .trace = tracer,
+      .arrival_filter = -1}); /* the tracer checks the paper's division rule (tested below) */
   H.gg = gg;
   H.layout = rpl_gg_layout(gg);
   H.c_thres = rpl_gg_c_thres(gg);
@@ -541,14 +542,8 @@ static void test_many_seeds(void) {
 /* Figure 11: with 4 idle workers, the first request divides all of them; the next request
  * gets its group from the buffer without another division. */
 static void test_figure11(void) {
-  rpl_gg_config cfg = {0};
-  cfg.policy = RPL_POLICY_SMART;
-  cfg.nworkers = 4;
-  cfg.group_size = 2;
-  cfg.seed = 3;
-  cfg.partner_wait_ms = 10;
-  rpl_gg *gg;
-  OK(rpl_gg_create(&cfg, &gg, &e_));
+  rpl_gg *gg = make_gg((rpl_gg_config){.policy = RPL_POLICY_SMART, .nworkers = 4, .group_size = 2,
+                                       .seed = 3, .partner_wait_ms = 10});
   OK(rpl_gg_request(gg, 0, 0, &e_));
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
@@ -608,15 +603,9 @@ static void test_figure11(void) {
 /* The slowdown filter keeps a worker far behind out of a fast worker's division, and lets it
  * in when off. */
 static void filter_case(int c_thres, int expect_slow_in) {
-  rpl_gg_config cfg = {0};
-  cfg.policy = RPL_POLICY_SMART;
-  cfg.nworkers = 3;
-  cfg.group_size = 3;
-  cfg.c_thres = c_thres;
-  cfg.seed = 9;
-  cfg.partner_wait_ms = -1; /* this test is about the filter: no waiting for the fenced one */
-  rpl_gg *gg;
-  OK(rpl_gg_create(&cfg, &gg, &e_));
+  rpl_gg *gg = make_gg((rpl_gg_config){
+      .policy = RPL_POLICY_SMART, .nworkers = 3, .group_size = 3, .c_thres = c_thres, .seed = 9,
+      .partner_wait_ms = -1}); /* this test is about the filter: no waiting for the fenced one */
   rpl_gg_event ev;
   int m[3];
   OK(rpl_gg_fence(gg, 2, &e_)); /* worker 2 is busy elsewhere for a while */
@@ -674,15 +663,8 @@ static void test_errors(void) {
 }
 
 static rpl_gg *make_smart(int n, int group_size, int wait_ms) {
-  rpl_gg_config cfg = {0};
-  cfg.policy = RPL_POLICY_SMART;
-  cfg.nworkers = n;
-  cfg.group_size = group_size;
-  cfg.partner_wait_ms = wait_ms;
-  cfg.seed = 5;
-  rpl_gg *gg;
-  OK(rpl_gg_create(&cfg, &gg, &e_));
-  return gg;
+  return make_gg((rpl_gg_config){.policy = RPL_POLICY_SMART, .nworkers = n,
+                                 .group_size = group_size, .partner_wait_ms = wait_ms, .seed = 5});
 }
 
 /* Collects the GROUP events for worker w (members of the last one in m); returns its size. */
@@ -749,13 +731,8 @@ static void test_waits_for_busy_partners(void) {
  * everyone still fenced and take a group of one: it waits for the others to unfence. */
 static void test_unfence_reentry(void) {
   for (int pol = RPL_POLICY_RANDOM; pol <= RPL_POLICY_ADPSGD; pol++) {
-    rpl_gg_config cfg = {0};
-    cfg.policy = (rpl_policy)pol;
-    cfg.nworkers = 8;
-    cfg.group_size = 3;
-    cfg.seed = 11;
-    rpl_gg *gg;
-    OK(rpl_gg_create(&cfg, &gg, &e_));
+    rpl_gg_config cfg = {.policy = (rpl_policy)pol, .nworkers = 8, .group_size = 3, .seed = 11};
+    rpl_gg *gg = make_gg(cfg);
     for (int w = 0; w < 8; w++) OK(rpl_gg_fence(gg, w, &e_));
     OK(rpl_gg_unfence(gg, 5, &e_));
     OK(rpl_gg_request(gg, 5, 0, &e_));
@@ -1012,13 +989,8 @@ static void filter_behind_case(double slow_step, int expect_in) {
  * to 2, reduce 3 ms + up to 6 -- members say done apart, as on a busy machine, so groups of
  * three form and the counts drift apart by chance. rounds[] counts from 0.3 s on. */
 static void paced_run(int slow, uint64_t seed, uint64_t rounds[4], uint64_t ones[4]) {
-  rpl_gg_config cfg = {0};
-  cfg.policy = RPL_POLICY_SMART;
-  cfg.nworkers = 4;
-  cfg.group_size = 3;
-  cfg.seed = seed;
-  rpl_gg *gg;
-  OK(rpl_gg_create(&cfg, &gg, &e_));
+  rpl_gg *gg = make_gg(
+      (rpl_gg_config){.policy = RPL_POLICY_SMART, .nworkers = 4, .group_size = 3, .seed = seed});
   rng_state = seed;
   int period[4] = {4, 4, 4, 4 * slow}, next_ask[4] = {0, 1, 2, 3}, done_at[4] = {-1, -1, -1, -1};
   int waiting[4] = {0};
@@ -1096,15 +1068,9 @@ static void test_straggler_still_filtered(void) {
  * fenced before it unfenced are leaving its own collective: it waits for them. */
 static void test_fenced_after_me_not_coming(void) {
   for (int pol = RPL_POLICY_RANDOM; pol <= RPL_POLICY_SMART; pol++) {
-    rpl_gg_config cfg = {0};
-    cfg.policy = (rpl_policy)pol;
-    cfg.nworkers = 3;
-    cfg.group_size = 3;
-    cfg.partner_wait_ms = 50;
-    cfg.seed = 2;
-    rpl_gg *gg;
-    OK(rpl_gg_create(&cfg, &gg, &e_));
-    const char *name = rpl_policy_name(cfg.policy);
+    rpl_gg *gg = make_gg((rpl_gg_config){.policy = (rpl_policy)pol, .nworkers = 3, .group_size = 3,
+                                         .partner_wait_ms = 50, .seed = 2});
+    const char *name = rpl_policy_name((rpl_policy)pol);
     int ev = 0, m[3];
     for (int w = 0; w < 3; w++) OK(rpl_gg_fence(gg, w, &e_));
     OK(rpl_gg_advance(gg, 0.001, &e_));
