@@ -96,6 +96,10 @@ WARMUP_MIN_EXCESS_S = 0.005
 
 LEVELS = ("partial", "host", "world")
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); the
+# package supports torch releases that have only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def parse_levels(levels) -> "OrderedDict[int, str]":
     """Validates ``levels`` ({period: level} or a string such as ``"1:partial,64:world"``) and
@@ -473,8 +477,7 @@ class RipplesAverager(ModelAverager):
         self._warm_sum, self._warm_n = 0.0, 0
         out = torch.empty(n, dtype=torch.float64)
         with exact_if_ripples(group):
-            dist.all_gather_into_tensor(out, torch.tensor([mine], dtype=torch.float64),
-                                        group=group)
+            _all_gather_single(out, torch.tensor([mine], dtype=torch.float64), group=group)
         times = out.tolist()
         if min(times) <= 0:  # someone has no measurement yet (every worker sees the same)
             self._warm_hits = 0
