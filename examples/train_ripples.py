@@ -61,6 +61,8 @@ def parse_args():
         a.epochs = 20
     if a.resume and not a.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
+    if a.ckpt_every < 1 or a.batch_size < 1:
+        p.error("--ckpt-every and --batch-size must be >= 1")
     if a.straggler:
         rank, _, factor = a.straggler.partition(":")
         try:
@@ -90,7 +92,8 @@ def datasets(seed):
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     y = torch.tensor(y)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))  # same on all ranks
+    # the same split on every rank: a fixed seed
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
     n_test = len(x) // 5
     test, train = perm[:n_test], perm[n_test:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
@@ -115,6 +118,8 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("ripples")  # torchrun's env:// rendezvous
     rank, world = dist.get_rank(), dist.get_world_size()
+    if a.straggler and not 0 <= a.straggler[0] < world:
+        raise ValueError(f"--straggler: rank {a.straggler[0]} is not in 0..{world - 1}")
     if a.ckpt_dir:
         os.makedirs(a.ckpt_dir, exist_ok=True)
     torch.manual_seed(a.seed)
