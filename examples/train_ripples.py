@@ -109,7 +109,8 @@ def save_checkpoint(a, rank, model, optimizer, step, epoch, batch):
     # warm-up state, so a resumed run neither repeats warm-up nor restarts the step count.
     tmp = ckpt_path(a, rank) + ".tmp"
     torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "step": step, "epoch": epoch, "batch": batch, "strategy": a.strategy}, tmp)
+                "step": step, "epoch": epoch, "batch": batch, "strategy": a.strategy,
+                "world": dist.get_world_size()}, tmp)
     os.replace(tmp, ckpt_path(a, rank))  # never a half-written checkpoint
 
 
@@ -145,6 +146,9 @@ def main():
         ck = torch.load(ckpt_path(a, rank))
         if ck["strategy"] != a.strategy:
             raise ValueError(f"--resume: the checkpoint is from --strategy {ck['strategy']}")
+        if ck["world"] != world:  # the shards, the schedule and the states are per rank
+            raise ValueError(f"--resume: the checkpoints were written by {ck['world']} "
+                             f"workers, this run has {world}")
         model.module.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
         step, epoch, batch = ck["step"], ck["epoch"], ck["batch"]

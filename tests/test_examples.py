@@ -66,3 +66,11 @@ def test_resume_continues_the_step_count_and_warmup(tmp_path):
         assert r2["steps"] == 70, second
     assert len({r["digest"] for r in second["ranks"]}) == 1, second
     assert second["test_acc"] >= 0.85, second
+    # resuming with another world size is refused, not silently done from some ranks' files
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           EXAMPLE, "--steps", "80", "--ckpt-dir", str(tmp_path), "--resume"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH"), ROOT] if p)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode != 0
+    assert "written by 3 workers, this run has 2" in out.stdout + out.stderr, out.stderr[-3000:]
