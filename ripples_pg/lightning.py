@@ -53,12 +53,12 @@ def _import_lightning():
 _PL_NAME, pl = _import_lightning()
 _sub = lambda mod: __import__(f"{_PL_NAME}.{mod}", fromlist=["_"])  # noqa: E731
 
+# Only the strategies module at import time: the automatic registration
+# (ripples_pg._pl_autoregister) imports this module right after Lightning's strategies module
+# has loaded, possibly while the rest of Lightning is still being imported.
 DDPStrategy = _sub("strategies").DDPStrategy
 StrategyRegistry = _sub("strategies").StrategyRegistry
-_callbacks = _sub("callbacks")
-ModelCheckpoint, Timer = _callbacks.ModelCheckpoint, _callbacks.Timer
-TrainerFn = _sub("trainer.states").TrainerFn
-SIGTERMException = getattr(_sub("utilities.exceptions"), "SIGTERMException", None)
+_FITTING = "fit"  # TrainerFn.FITTING (a str enum)
 
 import ripples_pg  # noqa: E402
 from ._groups import exact_if_ripples  # noqa: E402
@@ -262,6 +262,8 @@ class RipplesStrategy(DDPStrategy):
                 "step of one optimizer. Use automatic optimization.")
         if self.time_limit is None:
             return
+        _callbacks = _sub("callbacks")
+        ModelCheckpoint, Timer = _callbacks.ModelCheckpoint, _callbacks.Timer
         if any(isinstance(cb, Timer) for cb in trainer.callbacks):
             raise ValueError(
                 "RipplesStrategy(time_limit=...) and Trainer(max_time=...)/Timer cannot be "
@@ -278,6 +280,11 @@ class RipplesStrategy(DDPStrategy):
                     "checkpoints (collectives) would not match across ranks. Epoch-end and "
                     "last checkpoints are written once, at the stop; or use max_steps instead "
                     "of time_limit.")
+        if trainer.limit_train_batches != 1.0 or trainer.overfit_batches:
+            raise ValueError(
+                "RipplesStrategy(time_limit=...): limit_train_batches/overfit_batches would "
+                "end epochs after a number of batches, and ranks finish different numbers of "
+                "epochs; with time_limit each rank makes one endless pass over its shard")
         val_int = trainer.val_check_interval
         if trainer.limit_val_batches != 0 and (
                 getattr(trainer, "_val_check_time_interval", None) is not None or
@@ -289,7 +296,7 @@ class RipplesStrategy(DDPStrategy):
                 "1.0), or set limit_val_batches=0")
 
     def setup(self, trainer) -> None:
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting = trainer.state.fn == _FITTING
         if fitting:
             self._check_fit(trainer)
         super().setup(trainer)
@@ -339,9 +346,8 @@ class RipplesStrategy(DDPStrategy):
 
         def _local_sigterm_check() -> None:
             if getattr(trainer, "received_sigterm", False):
-                if SIGTERMException is not None:
-                    raise SIGTERMException()
-                raise SystemExit(1)
+                exc = getattr(_sub("utilities.exceptions"), "SIGTERMException", SystemExit)
+                raise exc(1)
 
         loop._broadcast_sigterm_tensor = _local_sigterm_check
 
@@ -350,7 +356,7 @@ class RipplesStrategy(DDPStrategy):
         lm = self.lightning_module
         trainer = lm.trainer if lm is not None else None
         if self.time_limit is not None and trainer is not None and \
-                trainer.state.fn == TrainerFn.FITTING and trainer.training:
+                trainer.state.fn == _FITTING and trainer.training:
             return _Endless(dataloader)
         return dataloader
 
@@ -440,15 +446,32 @@ class RipplesStrategy(DDPStrategy):
             self._average_replicas()
         return super().lightning_module_state_dict()
 
-    def reduce(self, tensor, group: Optional[Any] = None, reduce_op="mean"):
-        if self._free_running and isinstance(tensor, torch.Tensor):
+    # -- Lightning's collectives while ranks train on their own clocks (time_limit)
+    def _refuse_collective(self, what: str) -> None:
+        if self._free_running:
             raise RuntimeError(
-                "RipplesStrategy(time_limit=...): a collective (self.log(..., sync_dist=True), "
-                "all_gather, a callback's reduce) ran during training; ranks run different "
-                "numbers of steps, so it cannot match across ranks (and would make every rank "
-                "wait for the straggler). Log with sync_dist=False in training_step, or use "
-                "max_steps instead of time_limit")
+                f"RipplesStrategy(time_limit=...): {what} was called during training (e.g. "
+                f"self.log(..., sync_dist=True) or self.all_gather in training_step, or a "
+                f"callback). The ranks run different numbers of steps, so it cannot match "
+                f"across ranks (and it would make every rank wait for the straggler). Log with "
+                f"sync_dist=False in training_step, or use max_steps instead of time_limit")
+
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op="mean"):
+        if isinstance(tensor, torch.Tensor):
+            self._refuse_collective("a reduce")
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor, group: Optional[Any] = None, sync_grads: bool = False):
+        self._refuse_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_collective("a barrier")
+        return super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj, src: int = 0):
+        self._refuse_collective("a broadcast")
+        return super().broadcast(obj, src)
 
     def on_train_end(self) -> None:
         # After the callbacks' on_train_end (ModelCheckpoint's last checkpoint): that

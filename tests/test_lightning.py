@@ -40,12 +40,13 @@ def _module_cls(pl):
     import torch.nn.functional as F
 
     class DigitsNet(pl.LightningModule):
-        def __init__(self, slow_rank=-1, sleep_s=0.0, lr=0.1, manual=False):
+        def __init__(self, slow_rank=-1, sleep_s=0.0, lr=0.1, manual=False, sync_dist=False):
             super().__init__()
             self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32),
                                            torch.nn.ReLU(), torch.nn.Linear(32, 10))
             self.slow_rank, self.sleep_s, self.lr = slow_rank, sleep_s, lr
             self.automatic_optimization = not manual
+            self.sync_dist = sync_dist
 
         def forward(self, x):
             return self.net(x)
@@ -55,7 +56,7 @@ def _module_cls(pl):
                 time.sleep(self.sleep_s)
             x, y = batch
             loss = F.cross_entropy(self(x), y)
-            self.log("train_loss", loss)  # sync_dist=False: no collective per step
+            self.log("train_loss", loss, sync_dist=self.sync_dist)  # False: no collective
             return loss
 
         def configure_optimizers(self):
@@ -83,6 +84,14 @@ def _worker(scenario, out_dir):
     import torch
 
     torch.set_num_threads(1)
+    if scenario == "byname":
+        # no `import ripples_pg.lightning` before the Trainer: torch's backend autoload
+        # imported ripples_pg, which registers the strategy once Lightning's strategies load
+        try:
+            import lightning.pytorch as pl
+        except ImportError:
+            import pytorch_lightning as pl
+        autoregistered = "ripples" in pl.strategies.StrategyRegistry
     import ripples_pg.lightning as rl
     pl = rl.pl
     rank = int(os.environ["LOCAL_RANK"])
@@ -153,6 +162,7 @@ def _worker(scenario, out_dir):
         model = Net()
         trainer.fit(model, loader())
         result.update(cls=type(trainer.strategy).__name__, global_step=trainer.global_step,
+                      autoregistered=autoregistered,
                       backend=trainer.strategy.process_group_backend,
                       snapshot=_snapshot(model))
         # misuse that needs a running job: each raises the same error on every rank
@@ -166,6 +176,11 @@ def _worker(scenario, out_dir):
                                dirpath=os.path.join(out_dir, "x"), every_n_train_steps=5)]),
                            {}),
         }
+        cases["limit_batches"] = (lambda: rl.RipplesStrategy(time_limit=5),
+                                  dict(limit_train_batches=5), {})
+        cases["sync_dist"] = (lambda: rl.RipplesStrategy(time_limit=5, warmup_steps=2),
+                              dict(max_steps=10, enable_checkpointing=False),
+                              dict(sync_dist=True))
         for name, (make, tkw, mkw) in cases.items():
             kw = dict(common, logger=False)
             kw.setdefault("enable_checkpointing", "callbacks" in tkw)
@@ -173,8 +188,8 @@ def _worker(scenario, out_dir):
             try:
                 pl.Trainer(strategy=make(), **kw).fit(Net(**mkw), loader())
                 errors[name] = None
-            except ValueError as exc:
-                errors[name] = str(exc)
+            except (ValueError, RuntimeError) as exc:
+                errors[name] = f"{type(exc).__name__}: {exc}"
         result["errors"] = errors
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
@@ -324,12 +339,17 @@ def test_strategy_by_name_and_misuse_in_a_job(tmp_path):
     res = run_job("byname", 2, str(tmp_path))
     for r in res:
         assert r["cls"] == "RipplesStrategy" and r["backend"] == "ripples"
+        assert r["autoregistered"] or not _autoload_active()
         assert r["global_step"] == 3
         _assert_same(r["snapshot"], res[0]["snapshot"], "after fit")
         err = r["errors"]
         assert err["manual"] and "manual optimization" in err["manual"]
         assert err["max_time"] and "max_time" in err["max_time"]
         assert err["ckpt_steps"] and "every_n_train_steps" in err["ckpt_steps"]
+        assert err["limit_batches"] and "limit_train_batches" in err["limit_batches"]
+        # a per-step collective with time_limit: a clear error on every rank, not a hang
+        assert err["sync_dist"] and err["sync_dist"].startswith("RuntimeError") and \
+            "sync_dist" in err["sync_dist"], err["sync_dist"]
 
 
 def test_misuse_raises_at_construction():
@@ -361,6 +381,59 @@ def test_registered_by_name_on_import():
     assert "ripples" in rl.StrategyRegistry
     assert isinstance(rl.StrategyRegistry.get("ripples"), rl.RipplesStrategy)
     rl.RipplesStrategy.register_strategies(rl.StrategyRegistry)  # idempotent
+
+
+def _autoload_active():
+    """Whether torch imports ripples_pg by itself (its torch.backends entry point)."""
+    from importlib.metadata import entry_points
+
+    return os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1") != "0" and any(
+        ep.name == "ripples" for ep in entry_points(group="torch.backends"))
+
+
+_PL_IMPORT = ("try:\n    import lightning.pytorch as pl\nexcept ImportError:\n"
+              "    import pytorch_lightning as pl\n")
+
+
+def _py(code, **env):
+    out = subprocess.run([sys.executable, "-c", code], env=_env(env), cwd=ROOT, timeout=180,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return out.stdout
+
+
+def test_autoregister_when_ripples_pg_comes_first():
+    # ripples_pg imported before Lightning (what torch's autoload does): registered when
+    # Lightning's strategies module loads; Lightning's loader is left as it was
+    out = _py("import sys, ripples_pg\n" + _PL_IMPORT +
+              "from ripples_pg._pl_autoregister import _Finder, _Loader\n"
+              "assert 'ripples' in pl.strategies.StrategyRegistry\n"
+              "assert not isinstance(pl.strategies.__spec__.loader, _Loader)\n"
+              "assert not isinstance(pl.strategies.__loader__, _Loader)\n"
+              "assert not any(isinstance(f, _Finder) for f in sys.meta_path)\n"
+              "print('ok')", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert out.strip().endswith("ok")
+
+
+def test_autoregister_when_lightning_comes_first_and_opt_out():
+    _py(_PL_IMPORT + "import ripples_pg\n"
+        "assert 'ripples' in pl.strategies.StrategyRegistry", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    _py("import ripples_pg, sys\n" + _PL_IMPORT +
+        "assert 'ripples' not in pl.strategies.StrategyRegistry\n"
+        "assert 'ripples_pg.lightning' not in sys.modules",
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0", RIPPLES_LIGHTNING_AUTOREGISTER="0")
+
+
+def test_autoregister_failure_never_breaks_lightning_import():
+    # ripples_pg.lightning made unimportable: Lightning still imports, with a warning
+    _py("import sys, warnings, ripples_pg\nsys.modules['ripples_pg.lightning'] = None\n"
+        "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
+        + "\n".join("    " + line for line in _PL_IMPORT.splitlines()) + "\n"
+        "assert any('import ripples_pg.lightning' in str(x.message) for x in w), "
+        "[str(x.message) for x in w]\n"
+        "assert 'ripples' not in pl.strategies.StrategyRegistry\n"
+        "pl.Trainer(logger=False, enable_progress_bar=False)",
+        TORCH_DEVICE_BACKEND_AUTOLOAD="0")
 
 
 def test_core_import_does_not_import_lightning():
