@@ -352,6 +352,30 @@ def test_strategy_by_name_and_misuse_in_a_job(tmp_path):
             "sync_dist" in err["sync_dist"], err["sync_dist"]
 
 
+@pytest.mark.slow
+def test_example_under_torchrun(tmp_path):
+    """examples/lightning_digits.py, launched as the README says (2 workers, a few seconds)."""
+    import json
+
+    import torch
+
+    ckdir = str(tmp_path / "ckpts")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "examples", "lightning_digits.py"), "--straggler", "1:0.1",
+           "--max-time", "3", "--warmup-steps", "10", "--ckpt-dir", ckdir]
+    out = subprocess.run(cmd, env=_env(), cwd=str(tmp_path), timeout=PROC_TIMEOUT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    by_rank = {d["rank"]: d for d in lines}
+    assert sorted(by_rank) == [0, 1], out.stdout[-3000:]
+    # the averaged model is the same on both workers; the fast one ran more steps
+    assert by_rank[0]["test_accuracy"] == by_rank[1]["test_accuracy"] >= 0.8, by_rank
+    assert by_rank[0]["steps"] > by_rank[1]["steps"] > 0, by_rank
+    ck = torch.load(by_rank[0]["checkpoint"], map_location="cpu", weights_only=False)
+    assert ck["global_step"] == by_rank[0]["steps"]
+
+
 def test_misuse_raises_at_construction():
     import ripples_pg.lightning as rl
 
