@@ -2,7 +2,8 @@
 
 ::
 
-    import ripples_pg.lightning                      # registers strategy="ripples"
+    import ripples_pg.lightning    # registers strategy="ripples" (also done by itself when
+                                   # torch's backend autoload imported ripples_pg first)
     trainer = Trainer(strategy="ripples", accelerator="cpu", devices=4)
     trainer = Trainer(strategy=ripples_pg.lightning.RipplesStrategy(time_limit=600), ...)
 
