@@ -265,10 +265,8 @@ def _assert_same(a, b, what):
 
 # ----------------------------------------------------------------------------- tests
 
-pl_name = None
 try:  # skip cleanly without Lightning (either package)
     import lightning.pytorch  # noqa: F401
-    pl_name = "lightning.pytorch"
 except ImportError:
     pytest.importorskip("pytorch_lightning")
 pytest.importorskip("sklearn")
