@@ -64,7 +64,7 @@ _FITTING = "fit"  # TrainerFn.FITTING (a str enum)
 import ripples_pg  # noqa: E402
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import DEFAULT_WARMUP_STRAGGLER, RipplesOptimizer, wrap  # noqa: E402
-from .averager import LEVELS, parse_levels  # noqa: E402
+from .averager import parse_levels  # noqa: E402
 from .hooks import POST_WARMUP_MODES  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
