@@ -238,7 +238,8 @@ class RipplesStrategy(DDPStrategy):
     # -- access
     @property
     def ripples_optimizer(self) -> Optional[RipplesOptimizer]:
-        """The :class:`ripples_pg.RipplesOptimizer` of the current ``fit`` (None outside)."""
+        """The :class:`ripples_pg.RipplesOptimizer` of the current or last ``fit`` (None
+        before one; unwrapped -- plain synchronous DDP -- once a ``fit`` has ended)."""
         return self._ropt
 
     @property
