@@ -111,3 +111,8 @@ except Exception as _exc:  # noqa: BLE001
     if not _inside_torch_autoload():
         raise
     _register_error = _exc
+
+# Trainer(strategy="ripples") once Lightning is imported (imports nothing of Lightning here).
+from . import _pl_autoregister  # noqa: E402
+
+_pl_autoregister.install()

@@ -79,6 +79,14 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         self.group = group
         self.unwrapped = False
 
+    def step(self, closure=None):
+        """Steps the inner optimizer, then averages (at this step's level). ``closure`` is
+        passed on as ``torch.optim.Optimizer.step`` takes it (Lightning steps with one; torch's
+        ``PostLocalSGDOptimizer.step`` takes none); returns its loss."""
+        loss = self.optim.step() if closure is None else self.optim.step(closure)
+        self.averager.average_parameters(params=self.param_groups)
+        return loss
+
     def flush(self) -> None:
         """With ``wrap(overlap=True)``: waits for the partial round in flight and applies it,
         so that the parameters hold its average (call it before evaluating or saving the model

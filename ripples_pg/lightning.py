@@ -1,0 +1,492 @@
+"""``ripples_pg.lightning.RipplesStrategy``: Ripples training under PyTorch Lightning.
+
+::
+
+    import ripples_pg.lightning    # registers strategy="ripples" (also done by itself when
+                                   # torch's backend autoload imported ripples_pg first)
+    trainer = Trainer(strategy="ripples", accelerator="cpu", devices=4)
+    trainer = Trainer(strategy=ripples_pg.lightning.RipplesStrategy(time_limit=600), ...)
+
+A ``DDPStrategy`` on the ``ripples`` process-group backend that applies
+:func:`ripples_pg.wrap` to the DDP model Lightning builds: the comm hook (exact gradients during
+warm-up, local afterwards), a :class:`ripples_pg.RipplesAverager` (one Partial All-Reduce round
+per optimizer step, BatchNorm buffers included) and a :class:`ripples_pg.RipplesOptimizer`
+around the LightningModule's optimizer, whose ``state_dict`` carries the averager's state into
+Lightning's checkpoints. Every checkpoint written during ``fit`` holds the exact average of the
+replicas (the strategy averages them when the checkpoint is written), and ``fit`` ends with an
+exact average, so every rank holds the same model afterwards. docs/lightning.md has the
+arguments, what is logged, and which Lightning features put a global barrier back.
+
+Works with either ``lightning`` (``lightning.pytorch``) or ``pytorch_lightning`` installed; if
+both are, the one already imported wins, else ``lightning``. ``import ripples_pg`` never imports
+Lightning: only ``import ripples_pg.lightning`` does.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+
+def _import_lightning():
+    order = ["lightning.pytorch", "pytorch_lightning"]
+    if "pytorch_lightning" in sys.modules and "lightning.pytorch" not in sys.modules:
+        order.reverse()
+    errors = []
+    for name in order:
+        try:
+            __import__(name)
+            return name, sys.modules[name]
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError(
+        "ripples_pg.lightning needs PyTorch Lightning 2.x, which is not installed ("
+        + "; ".join(errors) + "). Install it with: pip install 'pytorch-lightning>=2.0' "
+        "(or pip install 'lightning>=2.0'); the core ripples_pg package does not need it.")
+
+
+_PL_NAME, pl = _import_lightning()
+_sub = lambda mod: __import__(f"{_PL_NAME}.{mod}", fromlist=["_"])  # noqa: E731
+
+# Only the strategies module at import time: the automatic registration
+# (ripples_pg._pl_autoregister) imports this module right after Lightning's strategies module
+# has loaded, possibly while the rest of Lightning is still being imported.
+DDPStrategy = _sub("strategies").DDPStrategy
+StrategyRegistry = _sub("strategies").StrategyRegistry
+_FITTING = "fit"  # TrainerFn.FITTING (a str enum)
+
+import ripples_pg  # noqa: E402
+from ._groups import exact_if_ripples  # noqa: E402
+from ._wrap import DEFAULT_WARMUP_STRAGGLER, RipplesOptimizer, wrap  # noqa: E402
+from .averager import parse_levels  # noqa: E402
+from .hooks import POST_WARMUP_MODES  # noqa: E402
+
+__all__ = ["RipplesStrategy", "STRATEGY_NAME"]
+
+log = logging.getLogger(__name__)
+
+STRATEGY_NAME = "ripples"
+DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
+
+
+class _Endless:
+    """The training dataloader as one endless pass (``time_limit``): each rank iterates its own
+    shard again and again (the sampler re-shuffled with a new epoch each pass) until it stops on
+    its own clock, so Lightning's once-per-epoch work (validation, epoch-end checkpoints and
+    their collectives) runs exactly once, at the stop, on every rank -- whatever number of
+    passes each rank made. No ``__len__``: Lightning treats it as an infinite iterable."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.passes = 0
+
+    def __iter__(self):
+        while True:
+            for owner in (self.loader, getattr(self.loader, "batch_sampler", None)):
+                sampler = getattr(owner, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self.passes)
+            n = 0
+            for batch in self.loader:
+                n += 1
+                yield batch
+            self.passes += 1
+            if n == 0:
+                raise RuntimeError("ripples_pg.lightning: the training dataloader is empty on "
+                                   "this rank; time_limit cannot train on it")
+
+
+class RipplesStrategy(DDPStrategy):
+    """DDP on the ``ripples`` backend with Ripples training (``ripples_pg.wrap``).
+
+    Ripples arguments (as :func:`ripples_pg.wrap`; ``None`` = the ``RIPPLES_*`` environment,
+    else wrap's default): ``schedule`` (default ``"smart"``), ``group_size`` (3),
+    ``warmup_steps`` (50), ``warmup_straggler`` (2.0), ``levels`` (``{1: "partial"}``),
+    ``post_warmup`` (``"local"``), ``average_optimizer_state``, ``overlap``, ``c_thres``,
+    ``inter_intra``, ``coordinator``, ``on_failure`` (``"skip"``), ``seed``, ``trace``,
+    ``period_max`` (2), and ``round_timeout`` (seconds; wrap's ``timeout``: default the
+    process group's ``timeout``).
+
+    Strategy arguments:
+        time_limit: seconds of training per rank, each on its own clock (no global
+            agreement): with a dynamic schedule fast ranks run more steps than a straggler in
+            the same time. The training dataloader is then one endless pass per rank and
+            ``fit`` stops on the clock (or ``max_steps``), never before warm-up has ended;
+            see docs/lightning.md for what must then be off. ``None``: Lightning's own
+            stopping (``max_steps``/``max_epochs``; every rank runs the same steps).
+        stats_every_n_steps: log ``ripples_pg.stats()`` of rank 0 through the Trainer's
+            loggers every so many optimizer steps (default: the Trainer's
+            ``log_every_n_steps``; 0 = never). Local counters only: no collective.
+        process_group_backend: must be ``"ripples"`` (the default).
+        timeout: the process group's timeout (``timedelta`` or seconds), as ``DDPStrategy``.
+
+    Other keyword arguments go to ``DDPStrategy`` / ``DistributedDataParallel``; DDP comm
+    hooks and ``model_averaging_period`` are refused (the strategy registers its own).
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(self, *, schedule: Optional[str] = None, group_size: Optional[int] = None,
+                 warmup_steps: Optional[int] = None,
+                 warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
+                 levels=None, post_warmup: str = "local",
+                 average_optimizer_state: Union[bool, Sequence[str]] = False,
+                 overlap: bool = False, c_thres: Optional[int] = None,
+                 inter_intra: Optional[bool] = None, coordinator: Optional[str] = None,
+                 on_failure: Optional[str] = None, seed: Optional[int] = None,
+                 trace: Optional[bool] = None, period_max: Optional[int] = None,
+                 round_timeout: Optional[float] = None,
+                 time_limit: Optional[float] = None,
+                 stats_every_n_steps: Optional[int] = None,
+                 process_group_backend: Optional[str] = STRATEGY_NAME,
+                 timeout: Optional[Union[timedelta, float]] = None,
+                 **kwargs: Any) -> None:
+        if process_group_backend is None:
+            process_group_backend = STRATEGY_NAME
+        if process_group_backend != STRATEGY_NAME:
+            raise ValueError(
+                f"RipplesStrategy: process_group_backend must be 'ripples', got "
+                f"{process_group_backend!r}. Partial rounds cannot be fenced against another "
+                f"backend's collectives; for plain DDP on {process_group_backend!r} use "
+                f"DDPStrategy.")
+        for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper",
+                     "model_averaging_period"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"RipplesStrategy: {name}= is not supported: the strategy "
+                                 f"registers Ripples' own comm hook and model averager")
+            kwargs.pop(name, None)
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=float(timeout))
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        # wrap()'s arguments, validated now so that a typo fails at construction, not in fit
+        if post_warmup not in POST_WARMUP_MODES:
+            raise ValueError(f"RipplesStrategy: post_warmup must be one of "
+                             f"{POST_WARMUP_MODES}, got {post_warmup!r}")
+        levels = parse_levels(levels)
+        for name, value, minimum in (("warmup_steps", warmup_steps, 0),
+                                     ("group_size", group_size, 1),
+                                     ("stats_every_n_steps", stats_every_n_steps, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < minimum):
+                raise ValueError(f"RipplesStrategy: {name} must be an int >= {minimum}, got "
+                                 f"{value!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"RipplesStrategy: overlap must be True or False, got {overlap!r}")
+        if time_limit is not None:
+            if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or \
+                    not math.isfinite(time_limit) or time_limit <= 0:
+                raise ValueError(f"RipplesStrategy: time_limit must be a number of seconds "
+                                 f"> 0, got {time_limit!r}")
+            # Ranks stop at different steps: anything that pairs every rank's k-th step with
+            # the others' (the static schedule's rounds, exact levels, host gradients) would
+            # pair a stopped rank's ending with another's step.
+            if schedule == "static":
+                raise ValueError("RipplesStrategy: time_limit needs a dynamic schedule "
+                                 "(random, smart, adpsgd): the static schedule pairs every "
+                                 "rank's k-th round, so all ranks must stop at the same step "
+                                 "(use max_steps)")
+            exact = [f"{p}: {k!r}" for p, k in levels.items() if k != "partial"]
+            if exact:
+                raise ValueError(f"RipplesStrategy: time_limit cannot be combined with exact "
+                                 f"levels ({', '.join(exact)}): they pair every rank's k-th "
+                                 f"step, and ranks stop at different steps")
+            if post_warmup == "host":
+                raise ValueError("RipplesStrategy: time_limit cannot be combined with "
+                                 "post_warmup='host' (an exact per-step all-reduce among the "
+                                 "host's ranks, which stop at different steps)")
+        given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
+                 "inter_intra": inter_intra, "coordinator": coordinator,
+                 "timeout": round_timeout, "on_failure": on_failure, "seed": seed,
+                 "trace": trace, "period_max": period_max}
+        fields = set(ripples_pg.Options.fields())
+        unknown = sorted(k for k, v in given.items() if v is not None and k not in fields)
+        if unknown:
+            raise ValueError(f"RipplesStrategy: this build's ripples_pg.Options has no "
+                             f"field(s) {unknown}")
+        ripples_pg.Options(**{k: v for k, v in given.items() if v is not None})  # validates
+        super().__init__(process_group_backend=STRATEGY_NAME, **kwargs)
+        self._wrap_kwargs = dict(given, warmup_steps=warmup_steps,
+                                 warmup_straggler=warmup_straggler, levels=levels,
+                                 post_warmup=post_warmup,
+                                 average_optimizer_state=average_optimizer_state,
+                                 overlap=overlap)
+        self.time_limit = float(time_limit) if time_limit is not None else None
+        self.stats_every_n_steps = stats_every_n_steps
+        self._ropt: Optional[RipplesOptimizer] = None
+        self._dirty = False  # this rank stepped since the replicas were last averaged exactly
+        self._t0: Optional[float] = None
+        self._free_running = False  # time_limit: training, not stopped yet
+        self.last_stats: Optional[dict] = None
+        self.stopped_at: Optional[int] = None  # time_limit: the step this rank stopped at
+
+    # -- registration
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(
+                STRATEGY_NAME, cls,
+                description="DDP on the 'ripples' backend with Ripples partial averaging "
+                            "(ripples_pg.lightning.RipplesStrategy)")
+
+    # -- access
+    @property
+    def ripples_optimizer(self) -> Optional[RipplesOptimizer]:
+        """The :class:`ripples_pg.RipplesOptimizer` of the current or last ``fit`` (None
+        before one; unwrapped -- plain synchronous DDP -- once a ``fit`` has ended)."""
+        return self._ropt
+
+    @property
+    def averager(self):
+        return self._ropt.averager if self._ropt is not None else None
+
+    # -- setup
+    def _get_process_group_backend(self) -> str:
+        return STRATEGY_NAME
+
+    def setup_environment(self) -> None:
+        if not ripples_pg.is_registered():
+            ripples_pg.register()
+        super().setup_environment()
+
+    def _check_fit(self, trainer) -> None:
+        lm = self.lightning_module
+        if lm is not None and not lm.automatic_optimization:
+            raise ValueError(
+                "RipplesStrategy: manual optimization (automatic_optimization = False) is not "
+                "supported: the averager must see exactly one optimizer step per training "
+                "step of one optimizer. Use automatic optimization.")
+        if self.time_limit is None:
+            return
+        _callbacks = _sub("callbacks")
+        ModelCheckpoint, Timer = _callbacks.ModelCheckpoint, _callbacks.Timer
+        if any(isinstance(cb, Timer) for cb in trainer.callbacks):
+            raise ValueError(
+                "RipplesStrategy(time_limit=...) and Trainer(max_time=...)/Timer cannot be "
+                "combined: the Timer broadcasts rank 0's decision at every step (a global "
+                "barrier at the straggler's pace); time_limit stops each rank on its own clock")
+        for cb in trainer.callbacks:
+            if isinstance(cb, ModelCheckpoint) and (
+                    getattr(cb, "_every_n_train_steps", 0) or
+                    getattr(cb, "_train_time_interval", None) is not None):
+                raise ValueError(
+                    "RipplesStrategy(time_limit=...): ModelCheckpoint(every_n_train_steps=... "
+                    "or train_time_interval=...) cannot be used: ranks reach a given step at "
+                    "different times and stop at different steps, so step- or time-triggered "
+                    "checkpoints (collectives) would not match across ranks. Epoch-end and "
+                    "last checkpoints are written once, at the stop; or use max_steps instead "
+                    "of time_limit.")
+        if trainer.limit_train_batches != 1.0 or trainer.overfit_batches:
+            raise ValueError(
+                "RipplesStrategy(time_limit=...): limit_train_batches/overfit_batches would "
+                "end epochs after a number of batches, and ranks finish different numbers of "
+                "epochs; with time_limit each rank makes one endless pass over its shard")
+        val_int = trainer.val_check_interval
+        if trainer.limit_val_batches != 0 and (
+                getattr(trainer, "_val_check_time_interval", None) is not None or
+                isinstance(val_int, int) or val_int != 1.0):
+            raise ValueError(
+                "RipplesStrategy(time_limit=...): validation during training "
+                "(val_check_interval) would run a different number of times on each rank; "
+                "with time_limit validation runs once, at the stop (keep val_check_interval="
+                "1.0), or set limit_val_batches=0")
+
+    def setup(self, trainer) -> None:
+        fitting = trainer.state.fn == _FITTING
+        if fitting:
+            self._check_fit(trainer)
+        super().setup(trainer)
+        if fitting:
+            self._enable_ripples(trainer)
+
+    def _enable_ripples(self, trainer) -> None:
+        if len(self.optimizers) != 1:
+            raise ValueError(f"RipplesStrategy supports exactly one optimizer, got "
+                             f"{len(self.optimizers)}: one averager follows one optimizer's "
+                             f"steps (and the DDP model takes one comm hook)")
+        opt = self.optimizers[0]
+        opt = getattr(opt, "_optimizer", opt)  # a LightningOptimizer
+        ropt = wrap(self.model, opt, **self._wrap_kwargs)
+        if self.time_limit is not None and ripples_pg.stats(ropt.group)["schedule"] \
+                not in DYNAMIC_SCHEDULES:
+            ropt.unwrap(average=False)
+            raise ValueError("RipplesStrategy: time_limit needs a dynamic schedule (random, "
+                             "smart, adpsgd); the schedule in effect (RIPPLES_SCHEDULE?) is "
+                             "static, which pairs every rank's k-th round")
+        self._ropt = ropt
+        self._dirty = False
+        # Lightning's optimizer_step passes a closure, which RipplesOptimizer.step takes.
+        self.optimizers = [ropt]
+
+    # -- training
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        ropt = self._ropt
+        if ropt is not None and ropt.averager.step == 0 and trainer.global_step > 0:
+            # a checkpoint without Ripples' state (plain DDP): continue its step count
+            log.info("ripples_pg.lightning: no Ripples state in the checkpoint; the averager "
+                     "continues at global step %d", trainer.global_step)
+            ropt.averager.step = trainer.global_step
+        self._silence_sigterm_broadcast(trainer)
+        self._t0 = time.monotonic()
+        self._free_running = self.time_limit is not None
+
+    def _silence_sigterm_broadcast(self, trainer) -> None:
+        """Lightning (2.5+) broadcasts rank 0's SIGTERM flag at every training step: an exact
+        collective per step, i.e. every rank at the straggler's pace. Each rank checks its own
+        flag instead (a scheduler's SIGTERM reaches every rank)."""
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None or not hasattr(loop, "_broadcast_sigterm_tensor"):
+            return
+
+        def _local_sigterm_check() -> None:
+            if getattr(trainer, "received_sigterm", False):
+                exc = getattr(_sub("utilities.exceptions"), "SIGTERMException", SystemExit)
+                raise exc(1)
+
+        loop._broadcast_sigterm_tensor = _local_sigterm_check
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        lm = self.lightning_module
+        trainer = lm.trainer if lm is not None else None
+        if self.time_limit is not None and trainer is not None and \
+                trainer.state.fn == _FITTING and trainer.training:
+            return _Endless(dataloader)
+        return dataloader
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None,
+                       **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        ropt = self._ropt
+        if ropt is None or ropt.unwrapped:
+            return out
+        self._dirty = True
+        trainer = self.lightning_module.trainer
+        step = ropt.averager.step  # optimizer steps taken, this one included
+        every = self.stats_every_n_steps
+        if every is None:
+            every = trainer.log_every_n_steps
+        if every and step % every == 0 and self.is_global_zero and trainer.loggers:
+            self._log_stats(trainer, step)
+        if self._free_running:
+            in_warmup = step < ropt.averager.warmup_steps
+            done = trainer.max_steps is not None and 0 <= trainer.max_steps <= \
+                trainer.global_step + 1
+            if done or (not in_warmup and time.monotonic() - self._t0 >= self.time_limit):
+                # This rank's last step: it stops on its own clock. Its next collective is an
+                # exact one on a ripples group (a checkpoint's average, the end of fit), which
+                # fences it against the others' partial rounds.
+                trainer.should_stop = True
+                self._free_running = False
+                self.stopped_at = step
+        return out
+
+    def ripples_stats(self) -> dict:
+        """``ripples_pg.stats()`` of this rank's partial group (local counters and the
+        coordinator's straggler attribution; no collective)."""
+        if self._ropt is None:
+            raise RuntimeError("RipplesStrategy.ripples_stats: no Ripples training is set up "
+                               "(call it during fit)")
+        return ripples_pg.stats(self._ropt.group)
+
+    def _log_stats(self, trainer, step: int) -> None:
+        try:
+            st = self.ripples_stats()
+        except Exception as exc:  # noqa: BLE001 - statistics must never stop training
+            log.debug("ripples_pg.lightning: stats unavailable: %s", exc)
+            return
+        self.last_stats = st
+        av = self._ropt.averager
+        m = {"ripples/step": float(step), "ripples/in_warmup": float(step < av.warmup_steps)}
+        for k in ("rounds", "singletons", "skipped", "failed", "passed", "period",
+                  "singleton_share", "slowdown", "rounds_since_group"):
+            v = st.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                m[f"ripples/{k}"] = float(v)
+        slow = [e for e in st.get("slowest") or [] if e.get("slow")]
+        m["ripples/slow_ranks"] = float(len(slow))
+        if slow and slow[0].get("rank") is not None:
+            m["ripples/slowest_rank"] = float(slow[0]["rank"])
+            if slow[0].get("slowdown"):
+                m["ripples/slowest_slowdown"] = float(slow[0]["slowdown"])
+        for lg in trainer.loggers:
+            lg.log_metrics(m, step=trainer.global_step)
+
+    # -- the exact average (checkpoints, end of fit)
+    def _average_replicas(self) -> None:
+        """Exact average of the parameters, floating-point buffers and optimizer state over
+        every rank, if any rank stepped since the last one (one tiny exact all-reduce decides,
+        so averaging identical replicas again cannot change them by a rounding). Every rank
+        must call it at the same point; it is the fence after a rank's last partial round."""
+        ropt = self._ropt
+        group = ropt.hook_state.process_group
+        flag = torch.tensor([1 if self._dirty else 0], dtype=torch.int32)
+        with exact_if_ripples(group):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()):
+            ropt.averager.synchronize(ropt.param_groups, group=group)
+        self._dirty = False
+
+    def lightning_module_state_dict(self) -> dict:
+        # Called on every rank by Trainer.save_checkpoint (before its barrier): the checkpoint
+        # holds the average of the replicas, not rank 0's own.
+        if self._ropt is not None and not self._ropt.unwrapped:
+            if self._free_running:
+                raise RuntimeError(
+                    "RipplesStrategy(time_limit=...): a checkpoint was requested while this "
+                    "rank is still training on its own clock; the ranks would not meet at the "
+                    "same point. Save at the end of fit (ModelCheckpoint's epoch-end/last "
+                    "checkpoint) or use max_steps instead of time_limit")
+            self._average_replicas()
+        return super().lightning_module_state_dict()
+
+    # -- Lightning's collectives while ranks train on their own clocks (time_limit)
+    def _refuse_collective(self, what: str) -> None:
+        if self._free_running:
+            raise RuntimeError(
+                f"RipplesStrategy(time_limit=...): {what} was called during training (e.g. "
+                f"self.log(..., sync_dist=True) or self.all_gather in training_step, or a "
+                f"callback). The ranks run different numbers of steps, so it cannot match "
+                f"across ranks (and it would make every rank wait for the straggler). Log with "
+                f"sync_dist=False in training_step, or use max_steps instead of time_limit")
+
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op="mean"):
+        if isinstance(tensor, torch.Tensor):
+            self._refuse_collective("a reduce")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor, group: Optional[Any] = None, sync_grads: bool = False):
+        self._refuse_collective("all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_collective("a barrier")
+        return super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj, src: int = 0):
+        self._refuse_collective("a broadcast")
+        return super().broadcast(obj, src)
+
+    def on_train_end(self) -> None:
+        # After the callbacks' on_train_end (ModelCheckpoint's last checkpoint): that
+        # checkpoint was averaged as it was written, so this is a no-op unless a rank stepped
+        # since.
+        super().on_train_end()
+        ropt = self._ropt
+        self._free_running = False
+        if ropt is not None and not ropt.unwrapped:
+            self._average_replicas()
+            ropt.unwrap(average=False)  # replicas identical: plain synchronous DDP from here
+
+
+# Lightning has no entry-point discovery for external strategies: registering on import is the
+# way to make Trainer(strategy="ripples") work (docs/lightning.md).
+RipplesStrategy.register_strategies(StrategyRegistry)
