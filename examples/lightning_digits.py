@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -158,7 +159,10 @@ def main(argv=None) -> dict:
            "test_accuracy": round(accuracy(model, test), 4), "wall_s": round(wall, 1)}
     if args.ckpt_dir and trainer.is_global_zero:
         out["checkpoint"] = os.path.join(args.ckpt_dir, "last.ckpt")
-    print(json.dumps(out), flush=True)
+    # one write per line: the workers share the launcher's stdout, and print() writes the line
+    # and its newline separately when Python's output is unbuffered
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
     return out
 
 

@@ -364,7 +364,13 @@ def test_example_under_torchrun(tmp_path):
     out = subprocess.run(cmd, env=_env(), cwd=str(tmp_path), timeout=PROC_TIMEOUT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    lines = []
+    for line in out.stdout.splitlines():
+        if line.startswith("{"):
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                raise AssertionError(f"not one JSON object: {line!r}\n{out.stdout[-3000:]}")
     by_rank = {d["rank"]: d for d in lines}
     assert sorted(by_rank) == [0, 1], out.stdout[-3000:]
     # the averaged model is the same on both workers; the fast one ran more steps
