@@ -53,7 +53,12 @@ def _torch_minor() -> str:
 
 def _wheel_requirement() -> str:
     major, minor = (int(p) for p in _torch_minor().split("."))
-    return f"torch>={major}.{minor},<{major}.{minor + 1}"
+    floor = f"{major}.{minor}"
+    if any(c.isalpha() for c in torch.__version__.split("+")[0]):
+        # A nightly or release candidate (2.14.0.dev..., 2.14.0rc1) sorts below 2.14: the floor
+        # must name a pre-release for the wheel to accept the torch it was built with.
+        floor += ".0.dev0"
+    return f"torch>={floor},<{major}.{minor + 1}"
 
 
 def _build_info_text() -> str:
