@@ -1,8 +1,11 @@
 # One entry point for set-up, build, tests and benchmarks. Every target sets up what it needs:
 # system packages through apt when run as root, a virtualenv in .venv, the build.
 #   make demo   - the main job: torchrun training, 4 workers, one 5x straggler, gloo vs ripples
-#   make test   - everything CI runs: C unit tests, the same under ASan+UBSan, pytest
+#   make test   - everything CI runs: C unit tests, the same under ASan+UBSan, pytest, and the
+#                 wheel check
 #   make build  - (re)build the package into .venv
+#   make wheel  - the binary wheel, libzmq bundled: wheelhouse/ripples_pg-*.whl
+#   make wheel-check - that wheel installed into a fresh venv holding only torch: smoke test
 #   make bench, make bench-train - collectives vs gloo; training under stragglers (~1 h)
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,7 +15,7 @@ PIP := $(VENV)/bin/pip
 JOBS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: all sysdeps venv build ctest asan pytest test demo bench bench-train clean
+.PHONY: all sysdeps venv build ctest asan pytest test wheel wheel-check demo bench bench-train clean
 
 all: build
 
@@ -43,7 +46,14 @@ asan: sysdeps
 pytest: build
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test: ctest asan pytest
+# Builds the wheel in its own directory (build/wheel), so it never disturbs the dev build.
+wheel: venv
+	PYTHON=$(abspath $(PY)) MAX_JOBS=$(JOBS) bash scripts/wheel.sh
+
+wheel-check: venv
+	PYTHON=$(abspath $(PY)) MAX_JOBS=$(JOBS) bash scripts/wheel-check.sh
+
+test: ctest asan pytest wheel-check
 
 demo: build
 	PYTHON=$(abspath $(PY)) bash scripts/demo.sh
@@ -55,4 +65,4 @@ bench-train: build
 	$(PY) benchmarks/train.py --out benchmarks/results/train
 
 clean:
-	rm -rf build $(VENV) *.egg-info ripples_pg/*.so
+	rm -rf build dist wheelhouse $(VENV) *.egg-info ripples_pg/*.so ripples_pg/_build_info.py

@@ -50,9 +50,9 @@ def __getattr__(name: str):
 def has_ucx() -> bool:
     """Whether this build has the UCX transport (``Options(transport="ucx")``): it is built
     when UCX's development files (Debian: ``libucx-dev``) are present at build time."""
-    from . import _C
+    from ._backend import load_extension
 
-    return bool(_C.has_ucx())
+    return bool(load_extension().has_ucx())
 
 
 def is_registered() -> bool:
@@ -80,6 +80,12 @@ def _autoload() -> None:
             stacklevel=2,
         )
         return
+    version_error = globals().get("_version_error")
+    if version_error is not None:
+        import warnings
+
+        warnings.warn(version_error + " (creating a 'ripples' process group raises this error)",
+                      RuntimeWarning, stacklevel=2)
     if _register_error is not None:
         import warnings
 
@@ -111,6 +117,15 @@ except Exception as _exc:  # noqa: BLE001
     if not _inside_torch_autoload():
         raise
     _register_error = _exc
+
+# The extension is tied to the torch minor version it was built for: an explicit import says so
+# at once, before anything loads it. Inside torch's autoload it only warns (_autoload), and
+# loading the extension (_backend.load_extension) raises the same error.
+from ._backend import torch_version_error as _torch_version_error  # noqa: E402
+
+_version_error = _torch_version_error()
+if _version_error is not None and not _inside_torch_autoload():
+    raise ImportError(_version_error)
 
 # Trainer(strategy="ripples") once Lightning is imported (imports nothing of Lightning here).
 from . import _pl_autoregister  # noqa: E402

@@ -7,9 +7,9 @@ so the C Group Generator is loaded once per process; this module only re-exports
 long-standing name. Errors raise ValueError (bad arguments), TimeoutError, ConnectionError
 (coordinator unreachable or gone), MemoryError or RuntimeError.
 """
-import torch as _torch  # noqa: F401  (first: the extension links against the libraries torch loads)
+from ._backend import load_extension
 
-from ._C import gg as _gg
+_gg = load_extension().gg  # checks the torch version and names the cause of a failed load
 
 GroupGenerator = _gg.GroupGenerator
 Coordinator = _gg.Coordinator
