@@ -157,6 +157,12 @@ def main(argv=None) -> dict:
     # Every worker now holds the same (averaged) model: evaluate it.
     out = {"rank": trainer.global_rank, "steps": trainer.global_step,
            "test_accuracy": round(accuracy(model, test), 4), "wall_s": round(wall, 1)}
+    if args.strategy == "ripples":
+        # did the workers really average? partial rounds, groups of one (averaged with
+        # nobody), and the consensus distance of the replicas before the final average
+        st = trainer.strategy.ripples_stats()
+        out.update(rounds=st["rounds"], groups_of_one=st["singletons"],
+                   consensus=trainer.strategy.consensus)
     if args.ckpt_dir and trainer.is_global_zero:
         out["checkpoint"] = os.path.join(args.ckpt_dir, "last.ckpt")
     # one write per line: the workers share the launcher's stdout, and print() writes the line

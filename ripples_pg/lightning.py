@@ -224,6 +224,8 @@ class RipplesStrategy(DDPStrategy):
         self._t0: Optional[float] = None
         self._free_running = False  # time_limit: training, not stopped yet
         self.last_stats: Optional[dict] = None
+        # the consensus distance measured at the last exact average (None before one)
+        self.consensus: Optional[float] = None
         self.stopped_at: Optional[int] = None  # time_limit: the step this rank stopped at
 
     # -- registration
@@ -417,8 +419,7 @@ class RipplesStrategy(DDPStrategy):
             m["ripples/slowest_rank"] = float(slow[0]["rank"])
             if slow[0].get("slowdown"):
                 m["ripples/slowest_slowdown"] = float(slow[0]["slowdown"])
-        for lg in trainer.loggers:
-            lg.log_metrics(m, step=trainer.global_step)
+        self._log_metrics(m)
 
     # -- the exact average (checkpoints, end of fit)
     def _average_replicas(self) -> None:
@@ -432,8 +433,36 @@ class RipplesStrategy(DDPStrategy):
         with exact_if_ripples(group):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()):
+            self.consensus = self._consensus(ropt, group)
+            self._log_metrics({"ripples/consensus": self.consensus})
             ropt.averager.synchronize(ropt.param_groups, group=group)
         self._dirty = False
+
+    @staticmethod
+    def _consensus(ropt, group) -> float:
+        """The consensus distance of the replicas about to be averaged: max over ranks of
+        ||x_i - mean|| / ||mean||, x_i = rank i's parameters (float64): 0 when every rank
+        holds the same model, growing as they drift apart. Two exact collectives, only where
+        the replicas are averaged anyway (a checkpoint, the end of fit)."""
+        with torch.no_grad():
+            x = torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+                           for g in ropt.param_groups for p in g["params"]])
+            mean = x.clone()
+            with exact_if_ripples(group):
+                dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=group)
+                norm = float(mean.norm())
+                d = torch.tensor([float((x - mean).norm()) / norm if norm > 0 else 0.0],
+                                 dtype=torch.float64)
+                dist.all_reduce(d, op=dist.ReduceOp.MAX, group=group)
+        return float(d.item())
+
+    def _log_metrics(self, metrics: dict) -> None:
+        lm = self.lightning_module
+        trainer = lm.trainer if lm is not None else None
+        if trainer is None or not self.is_global_zero:
+            return
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
 
     def lightning_module_state_dict(self) -> dict:
         # Called on every rank by Trainer.save_checkpoint (before its barrier): the checkpoint

@@ -119,7 +119,9 @@ def _worker(scenario, out_dir):
                       warmup_steps=strategy.averager.warmup_steps,
                       snapshot=_snapshot(model), acc=_accuracy(model, ds),
                       last=ckpt.last_model_path, best=ckpt.best_model_path,
-                      log_dir=trainer.logger.log_dir)
+                      log_dir=trainer.logger.log_dir, consensus=strategy.consensus,
+                      singletons=strategy.ripples_stats()["singletons"],
+                      rounds=strategy.ripples_stats()["rounds"])
 
     elif scenario.startswith("resume"):
         # resume0: 12 steps from scratch, checkpoints every 4; resumeA: from the step-4
@@ -303,6 +305,13 @@ def test_straggler_fast_ranks_run_more_steps_and_end_averaged(tmp_path):
     with open(os.path.join(res[0]["log_dir"], "metrics.csv")) as f:
         header = f.readline()
     assert "ripples/rounds" in header and "ripples/singletons" in header, header
+    assert "ripples/consensus" in header, header
+    # the replicas really averaged: they had drifted (local steps) but stayed close, every
+    # rank measured the same distance, and most partial rounds had a partner
+    assert all(res[r]["consensus"] == res[0]["consensus"] for r in range(len(res))), res
+    assert 0 < res[0]["consensus"] < 0.5, res[0]["consensus"]
+    for r in range(len(res)):
+        assert res[r]["rounds"] > 0 and res[r]["singletons"] <= res[r]["rounds"] // 2, res[r]
 
 
 @pytest.mark.slow
