@@ -478,8 +478,7 @@ def test_core_import_does_not_import_lightning():
             "bad = [m for m in sys.modules if m.split('.')[0] in "
             "('lightning', 'pytorch_lightning', 'lightning_fabric')]; "
             "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), cwd=ROOT,
-                   timeout=120)
+    _py(code)
 
 
 def test_missing_lightning_gives_clear_import_error():
@@ -488,8 +487,7 @@ def test_missing_lightning_gives_clear_import_error():
             "None\ntry:\n    import ripples_pg.lightning\nexcept ImportError as e:\n"
             "    assert 'pip install' in str(e) and 'pytorch-lightning' in str(e), e\n"
             "else:\n    raise SystemExit('imported')")
-    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), cwd=ROOT,
-                   timeout=120)
+    _py(code)
 
 
 if __name__ == "__main__":
