@@ -898,7 +898,8 @@ def run(args):
                 summary["stats"] = {k: st[k] for k in ("rounds", "reduced", "singletons",
                                                        "singleton_run_max", "skipped",
                                                        "failed", "wait_s", "passed",
-                                                       "period", "group_s", "reduce_s")
+                                                       "period", "group_s", "reduce_s",
+                                                       "bytes")
                                     if k in st}
                 if "group_sizes" in st:
                     summary["stats"]["group_sizes"] = st["group_sizes"]
