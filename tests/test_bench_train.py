@@ -482,3 +482,45 @@ def test_bench_train_slow3_and_short_steps_run(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "Short steps: every worker pauses P ms" in md and ">= 3x and < 5 %" in md
     assert "steps/s fast / slow (ratio)" in md
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_train_torchft_diloco_beside_smart(tmp_path):
+    """torchft's DiLoCo through the benchmark, beside smart, one worker 3x slower in compute
+    (--delay-unit compute): both finish, torchft's outer steps are rounds of the whole world
+    (groups of one 0 %) with their bytes and time per round in the report."""
+    pytest.importorskip("torchft")
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "train.py"), "--workloads",
+           "digits", "--scenarios", "slow3", "--strategies", "torchft_diloco,smart",
+           "--workers", "2", "--time-limit", "1.5", "--warmup-steps", "5", "--outer-every",
+           "4", "--delay-unit", "compute", "--no-progress", "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=280)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"did not finish in 280 s; stderr tail:\n{(e.stderr or b'')[-3000:]!r}")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
+    runs = {r["strategy"]: r for r in res["results"]}
+    assert set(runs) == {"torchft_diloco", "smart"}
+    compute = res["workloads"]["digits"]["compute_s"]
+    for st, r in runs.items():
+        assert not r.get("error"), r["error"]
+        cmd = r["cmd"]
+        assert float(cmd[cmd.index("--step-s") + 1]) == pytest.approx(compute, rel=1e-3)
+        _check_snapshots(r, 2)
+    tft = runs["torchft_diloco"]
+    assert tft["cmd"][tft["cmd"].index("--outer-every") + 1] == "4"
+    assert min(tft["final"]["rounds"]) > 0 and tft["final"]["singletons"] == [0, 0]
+    m = tft["metrics"]
+    assert m["singleton_share_max"] == 0.0 and m["consensus"] is not None
+    assert m["bytes_per_round"] == tft["final"]["rank_stats"][0]["payload_bytes"]
+    assert m["round_s"] > 0
+    assert runs["smart"]["metrics"]["bytes_per_round"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "MB / round" in md and "round ms" in md and "H = 4 local steps" in md
