@@ -22,7 +22,15 @@ Strategies:
              --hier-levels PERIOD:GROUP_SIZE,... (HierarchicalModelAverager)
   ripples    DDP on the "ripples" backend + ripples_pg.wrap(): exact gradient averaging for
              --warmup-steps steps, then local SGD steps each followed by one Partial All-Reduce
-             round of the model in a group chosen by --schedule (static|random|smart|adpsgd)
+             round of the model in a group chosen by --schedule (static|random|smart|adpsgd);
+             with --outer-every H, Ripples partial DiLoCo (wrap(outer_optimizer=Nesterov,
+             sync_every=H)); with --compression bf16|fp16|int8, compressed rounds (both issue
+             28, refused with the reason where this ripples_pg lacks them)
+  torchft_diloco  torchft's own DiLoCo (torchft.local_sgd.DiLoCo, its Manager and a
+             Lighthouse run by rank 0; every worker its own replica group), the global-DiLoCo
+             baseline: DDP's gradient all-reduce for --warmup-steps steps, then H = --outer-every
+             local steps between outer steps; outer optimizer Nesterov SGD (--outer-lr 0.7,
+             --outer-momentum 0.9), built as for Ripples. Needs torchft (benchmark-only)
 
 Stragglers (--straggler):
   R:F        worker R is F times slower: after each step it sleeps (F-1) x the delay unit
@@ -95,7 +103,10 @@ Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.j
   "singletons" (groups of one), "singleton_share" (singletons / rounds; null without rounds)
   and "singleton_run_max" (the longest run of consecutive rounds without a group of two or
   more; null where ripples_pg.stats() does not report it) are this rank's partial rounds,
-  from ripples_pg.stats() (ripples strategy; null for the others).
+  from ripples_pg.stats() (ripples strategy; torchft_diloco: its outer steps, never a group
+  of one; null for the others). "stats": the round statistics (torchft_diloco: "rounds",
+  "reduced" (committed), "sync_s" (wall time of its outer steps), "bytes", "payload_bytes",
+  "quorums"); the final record has every rank's as "rank_stats".
   {"event": "final", "acc", "loss", "time_to_target", "consensus", "singleton_share", ...}
       rank 0, after the final average: its test accuracy and test (validation) loss; the
       per-rank numbers are lists in rank order
