@@ -37,10 +37,11 @@ import time
 # makes them importable when it is loaded by path too (tests/test_bench_train.py, which also
 # reaches the report's functions through this module).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_config import (BASELINES, DEFAULT_PAUSES_MS, PAUSED, QUICK,  # noqa: E402
-                          QUICK_TIME_LIMIT, REPO, SCENARIOS, STRATEGIES, TRAIN, WORKLOADS,
-                          expand_scenarios, log, scenario_description, scenario_parts,
-                          settings, straggler_spec)
+from train_config import (BASELINES, DEFAULT_PAUSES_MS, DEFAULT_STRATEGIES,  # noqa: E402
+                          DILOCO_STRATEGIES, PAUSED, QUICK, QUICK_TIME_LIMIT, REPO,
+                          SCENARIOS, STRATEGIES, TRAIN, WORKLOADS, expand_scenarios, log,
+                          missing_features, scenario_description, scenario_parts, settings,
+                          straggler_spec)
 from train_report import (cells_json, cells_of, fmt, fmt_spread, metrics,  # noqa: E402,F401
                           report, slowest_rank, speedup, spread, summary, table,
                           time_to_target)
@@ -64,8 +65,9 @@ def parse_args(argv=None):
                         "scenarios: the step lengths they sweep (default "
                         f"{','.join(f'{x:g}' for x in DEFAULT_PAUSES_MS)})")
     p.add_argument("--strategies", default=None,
-                   help=f"comma list of {', '.join(STRATEGIES)} (default: all; gloo,exact,"
-                        "smart for transformer-l; exact,smart for tiny; the baselines "
+                   help=f"comma list of {', '.join(STRATEGIES)} (default: all but issue 28's "
+                        f"{', '.join(DILOCO_STRATEGIES)}; gloo,exact,smart for transformer-l; "
+                        "exact,smart for tiny; the baselines "
                         f"{' and '.join(BASELINES)} are needed for their ratio columns)")
     p.add_argument("--repeats", type=int, default=None,
                    help="run every cell this many times, the strategies taking turns; the "
@@ -84,6 +86,16 @@ def parse_args(argv=None):
                         "own default, what a user gets (torch's local and hierarchical SGD "
                         "then take the same number, ripples_pg.DEFAULT_WARMUP_STEPS)")
     p.add_argument("--group-size", type=int, default=3, help="ripples group size (<= workers)")
+    p.add_argument("--outer-every", type=int, default=None,
+                   help="DiLoCo's H for the DiLoCo strategies (torchft_diloco, diloco*): "
+                        "local steps between outer steps (default per workload: 32 for wide, "
+                        "16 otherwise)")
+    p.add_argument("--delay-unit", choices=["ddp-step", "compute"], default="ddp-step",
+                   help="what a straggler's 'F x slower' multiplies: the step time of "
+                        "synchronous DDP on gloo (default: the paper's meaning) or the "
+                        "compute time of one step (over a slow link, where a DDP step is "
+                        "mostly communication, this keeps a '3x slower' worker's compute 3x "
+                        "slower)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-timeout", type=float, default=None,
                    help="kill a run after this many seconds (default: 3 x time limit + 120)")
@@ -116,6 +128,8 @@ def parse_args(argv=None):
         p.error("--workers must be >= 2")
     if a.repeats is not None and a.repeats < 1:
         p.error("--repeats must be >= 1")
+    if a.outer_every is not None and a.outer_every < 1:
+        p.error("--outer-every must be >= 1")
     a.group_size = max(2, min(a.group_size, a.workers))
     if a.test_hosts and (a.test_hosts < 2 or a.workers % a.test_hosts):
         p.error("--test-hosts must be >= 2 and divide --workers")
@@ -174,13 +188,14 @@ def make_plan(p, a) -> dict:
     pauses = parse_pauses(p, a.pause_ms)
     plan = {}
     for w in workloads:
-        q = QUICK.get(w, (list(STRATEGIES), 1, None, None))
+        q = QUICK.get(w, (list(DEFAULT_STRATEGIES), 1, None, None))
         wl = WORKLOADS[w]
         plan[w] = {
             "scenarios": expand_scenarios(
                 scenarios or (["slow5"] if a.quick else wl["scenarios"]), pauses),
             "strategies": strategies or (q[0] if a.quick
-                                         else wl.get("strategies", list(STRATEGIES))),
+                                         else wl.get("strategies",
+                                                     list(DEFAULT_STRATEGIES))),
             "repeats": a.repeats or (q[1] if a.quick else wl["repeats"])}
     if a.pause_ms is not None and not any(scenario_parts(sc)[1] for pl in plan.values()
                                           for sc in pl["scenarios"]):
@@ -224,13 +239,13 @@ def strategy_label(strategy: str, workers: int) -> str:
     return STRATEGIES[strategy][0].replace("{H}", str(sim_hosts(workers)))
 
 
-def strategy_args(strategy: str, workers: int) -> list:
+def strategy_args(strategy: str, workers: int, outer_every: int = 16) -> list:
     raw = list(STRATEGIES[strategy][1])
     if REAL_HOSTS and "--sim-hosts" in raw:
         i = raw.index("--sim-hosts")
         del raw[i:i + 2]  # real hosts: the backend knows them from the hostnames
     return [a.replace("{H}", str(sim_hosts(workers))).replace("{HIER}", hier_levels(workers))
-            for a in raw]
+            .replace("{OUTER}", str(outer_every)) for a in raw]
 
 
 def tail(path: str, n: int = 60) -> str:
@@ -247,6 +262,9 @@ def launch(args, train_args: list, out_path: str, err_path: str, timeout: float)
     one torchrun per host (node 0's output in out_path, node i's in out_path + ".node<i>");
     the status is the first non-zero one."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # a strategy without --compression means uncompressed rounds, whatever the caller's
+    # environment says (the compressed ones name it on their command line)
+    env.pop("RIPPLES_COMPRESSION", None)
     t0 = time.perf_counter()
     nodes = args.test_hosts or 1
     if args.hosts is not None:
@@ -349,10 +367,13 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
     pause_ms = scenario_parts(scenario)[1]
     # the delay unit: the normal step time of synchronous DDP; in a short-step scenario the
     # pause (every worker pauses P after a step, the straggler F x P in all)
-    unit = calib["step_s"] if pause_ms is None else pause_ms / 1e3
+    unit = (pause_ms / 1e3 if pause_ms is not None
+            else calib["compute_s"] if getattr(args, "delay_unit", "ddp-step") == "compute"
+            else calib["step_s"])
     # no evaluations during training: snapshots, evaluated afterwards (see snapshots.py)
     train_args = [
-        *strategy_args(strategy, args.workers), *cfg["model_args"], "--momentum", "0.9",
+        *strategy_args(strategy, args.workers, cfg["outer_every"]), *cfg["model_args"],
+        "--momentum", "0.9",
         "--steps", "1000000", "--time-limit", str(cfg["time_limit"]), "--eval-every", "0",
         "--snapshot-every", str(cfg["snapshot_every"]),
         "--sync-every", str(sync_every(cfg, calib, scenario)),
@@ -513,6 +534,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.render:
         return render(args)
+    missing = missing_features(dict.fromkeys(st for p in args.plan.values()
+                                             for st in p["strategies"]))
+    if missing:  # before the test hosts and any calibration: nothing would come of the runs
+        raise SystemExit("cannot run these strategies here:\n  " + "\n  ".join(missing))
     if args.test_hosts:
         global REAL_HOSTS
         sys.path.insert(0, os.path.join(REPO, "tests"))

@@ -130,6 +130,51 @@ def straggler_split(res: dict, m: dict) -> None:
     m["singleton_share_slow"] = shares[slow] if slow < len(shares) else None
 
 
+def wire_bytes(st: dict):
+    """The compressed rounds' bytes-on-the-wire counter of a stats dict, if the core reports
+    one (a numeric key naming "wire"); None otherwise."""
+    for k, v in sorted(st.items()):
+        if "wire" in k and isinstance(v, (int, float)) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def round_costs(fin: dict) -> dict:
+    """Per round that moved data, from every rank's round statistics: the bytes a worker put
+    on the link (the core's wire counter where it has one, else the payload: compression
+    shows only in the former) and the time of a round. Ripples: ``reduce_s`` per round (the
+    transfer and reduction, not the wait for partners or the Group Generator), mean over
+    ranks. torchft DiLoCo: its outer step (quorum, pseudo-gradient all-reduce, outer
+    optimizer step) of the rank with the shortest ones, the last to arrive, which waits least
+    for the others. None where a run has no rounds (all-reduce, torch's local SGD)."""
+    out = {"bytes_per_round": None, "bytes_kind": None, "round_s": None}
+    per_rank = [st for st in fin.get("rank_stats") or [] if st]
+    if not per_rank and fin.get("stats"):
+        per_rank = [fin["stats"]]  # results of before rank_stats: rank 0's
+    sizes, times, kinds = [], [], set()
+    for st in per_rank:
+        n = st.get("reduced") or st.get("rounds")
+        if not n:
+            continue
+        wire = wire_bytes(st)
+        b = wire if wire is not None else st.get("bytes")
+        if b is not None:
+            sizes.append(b / n)
+            kinds.add("wire" if wire is not None else "payload")
+        if st.get("reduce_s") is not None:
+            times.append(("mean", st["reduce_s"] / n))
+        elif st.get("sync_s") is not None:
+            times.append(("min", st["sync_s"] / n))
+    if sizes:
+        out["bytes_per_round"] = sum(sizes) / len(sizes)
+        out["bytes_kind"] = "wire" if kinds == {"wire"} else "payload"
+    if times:
+        vals = [t for _, t in times]
+        out["round_s"] = (min(vals) if all(k == "min" for k, _ in times)
+                          else sum(vals) / len(vals))
+    return out
+
+
 def slowest_rank(final: dict):
     """The worker with the fewest steps (ties: the highest rank, the fixed straggler's)."""
     steps = final.get("steps") or []
@@ -180,6 +225,8 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     m["singleton_run_max"] = max(runs) if runs else None
     m["launch_s"] = res.get("launch_s")
     m["warmup_steps"] = fin.get("warmup_steps")  # the number wrap() chose, with 'wrap'
+    m.update(round_costs(fin))
+    m["outer_every"] = fin.get("outer_every")
     return m
 
 
@@ -193,7 +240,8 @@ VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consens
               "singleton_share_max", "singleton_share_mean", "singleton_run_max", "launch_s",
               "passed_share_mean", "steps_per_s_fast", "steps_per_s_slow", "rate_ratio",
               "steps_per_s_fast_post", "steps_per_s_slow_post", "rate_ratio_post",
-              "singleton_share_fast_max", "singleton_share_slow", "warmup_steps")
+              "singleton_share_fast_max", "singleton_share_slow", "warmup_steps",
+              "bytes_per_round", "round_s", "outer_every")
 
 
 def spread(values, missing_is_late: bool):
@@ -226,6 +274,8 @@ def aggregate(runs: list) -> dict:
         cell[k] = spread([m[k] for m in ms], True)
     for k in VALUE_KEYS:
         cell[k] = spread([m.get(k) for m in ms], False)
+    kinds = {m.get("bytes_kind") for m in ms} - {None}
+    cell["bytes_kind"] = (kinds.pop() if len(kinds) == 1 else "payload") if kinds else None
     sps = [m["steps_per_s"] for m in ms if m.get("steps_per_s")]
     cell["steps_per_s"] = ([statistics.median(col) for col in zip(*sps)] if sps else None)
     cell["slowest_rank"] = ms[0]["slowest_rank"]
@@ -290,6 +340,19 @@ def fmt_share(cell) -> str:
     return "-" if hi is None else f"{100 * hi:.0f} / {100 * mean:.0f}"
 
 
+def fmt_bytes(cell) -> str:
+    """MB a worker puts on the link per round (median over the runs); '(payload)' where the
+    core has no wire counter, so a compressed round still shows its uncompressed size."""
+    b = median(cell, "bytes_per_round")
+    if b is None:
+        return "-"
+    return f"{b / 1e6:.2f}" + ("" if cell.get("bytes_kind") == "wire" else " (payload)")
+
+
+def fmt_round_ms(cell) -> str:
+    return fmt_spread(None if cell is None else cell.get("round_s"), ".0f", 1e3)
+
+
 def fmt_consensus(cell) -> str:
     """The consensus distance at the end, and (in brackets) its maximum over time."""
     end, hi = median(cell, "consensus"), median(cell, "consensus_max")
@@ -335,7 +398,8 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
         head += ["all workers at acc (s)"]
     head += ["steps/s per worker (rank 0..)", "comm+wait % (rank 0)",
              "groups of one % (max / mean)", "longest run of ones", "passed %",
-             "consensus end (max over time)", "final acc", "final test loss", "launch s"]
+             "consensus end (max over time)", "MB / round", "round ms", "final acc",
+             "final test loss", "launch s"]
     body = []
     for st in plan["strategies"]:
         c = cells.get((wl, sc, st))
@@ -357,6 +421,7 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
                 fmt_spread(c["comm_wait_frac"], ".0f", 100), fmt_share(c),
                 fmt(median(c, "singleton_run_max"), ".0f"),
                 fmt_spread(c.get("passed_share_mean"), ".0f", 100), fmt_consensus(c),
+                fmt_bytes(c), fmt_round_ms(c),
                 fmt_spread(c["final_acc"], ".3f"), fmt_spread(c["final_loss"], ".3f"),
                 fmt(median(c, "launch_s"), ".0f")]
         body.append(row)
@@ -376,7 +441,8 @@ def summary(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
              f"avg model: time to {loss_name(cfg)} {cfg['target_loss']:g} (s)"]
             + [f"x {b}" for b in bases]
             + ["groups of one % (worst worker)", "consensus end (max over time)",
-               "steps/s fast / slow (ratio)", f"final {what}", "runs"])
+               "steps/s fast / slow (ratio)", "MB / round", "round ms", f"final {what}",
+               "runs"])
     body = []
     for sc in plan["scenarios"]:
         for st in plan["strategies"]:
@@ -392,7 +458,8 @@ def summary(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
                         + [speedup(c, cells.get((wl, sc, b)), "time_to_loss_avg", lim)
                            for b in bases]
                         + [fmt_pct(c, "singleton_share_max"), fmt_consensus(c),
-                           fmt_rates(c), fmt_spread(quality, ".3f"), runs])
+                           fmt_rates(c), fmt_bytes(c), fmt_round_ms(c),
+                           fmt_spread(quality, ".3f"), runs])
     ratio = (" `x B` = median time of baseline B / median time of this strategy (above 1: "
              "sooner; `>=N`: B never reached it, N = time limit / this time)."
              if bases else "")
@@ -402,7 +469,12 @@ def summary(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
              "groups of one in % of a worker's partial rounds (the worst worker; `-`: no "
              "partial rounds), the consensus distance max_i ||x_i - mean|| / ||mean|| at the "
              "end (in brackets its maximum over time; 0: identical models), and with a fixed "
-             "straggler the fast workers' steps/s (median over them) / the straggler's.", ""]
+             "straggler the fast workers' steps/s (median over them) / the straggler's. "
+             "MB / round and round ms: per round that moved data, what a worker put on the "
+             "link (`(payload)`: the uncompressed size, where the core counts no wire bytes) "
+             "and how long the round's transfer took (Ripples: reduce time; torchft DiLoCo: "
+             "its whole outer step, quorum included, on the rank that waited least); `-`: no "
+             "rounds.", ""]
             + md_table(head, body) + [""])
 
 
@@ -507,6 +579,26 @@ def plot(wl: str, sc: str, runs: list, cfg: dict, workers: int, path: str) -> No
     plt.close(fig)
 
 
+def unit_text(args) -> str:
+    """What a straggler's delay multiplies (--delay-unit)."""
+    if getattr(args, "delay_unit", "ddp-step") == "compute":
+        return "the compute time (--delay-unit compute)"
+    return "the DDP step time"
+
+
+def diloco_text(args, plan: dict, cfg: dict) -> str:
+    """The DiLoCo settings, where the plan has a DiLoCo strategy."""
+    if not any(st == "torchft_diloco" or st.startswith("diloco") for st in plan["strategies"]):
+        return ""
+    hosts = getattr(args, "test_hosts", 0)
+    link = getattr(args, "link_mbit", None)
+    where = (f" Across {hosts} test hosts" + (f", {link:g} Mbit/s links" if link else "")
+             + "." if hosts else "")
+    return (f" DiLoCo: H = {cfg.get('outer_every')} local steps between outer steps, outer "
+            "optimizer Nesterov SGD (lr 0.7, momentum 0.9 unless --extra sets --outer-lr / "
+            f"--outer-momentum), the same inner optimizer as every strategy.{where}")
+
+
 def warmup_text(args, results: list) -> str:
     """The warm-up the runs had: a number given on the command line, or wrap()'s default
     and the number it chose (from the runs' final records)."""
@@ -545,8 +637,9 @@ def report(args, out: dict) -> list[str]:
                f"{cfg['snapshot_every']:g} s; {plan['repeats']} run(s) per cell. One step "
                f"computes in {cal['compute_s'] * 1e3:.2f} ms and takes "
                f"{cal['step_s'] * 1e3:.2f} ms with DDP all-reduce on gloo and no "
-               "straggler: a worker F x slower sleeps (F-1) x that after each of its steps "
-               "(in a short-step scenario every worker sleeps P, the straggler F x P).",
+               f"straggler: a worker F x slower sleeps (F-1) x {unit_text(args)} after each "
+               "of its steps (in a short-step scenario every worker sleeps P, the straggler "
+               f"F x P).{diloco_text(args, plan, cfg)}",
                ""]
         if not any(any((r.get("snapshots") or {}).values()) for r in results
                    if r["workload"] == wl):

@@ -22,7 +22,15 @@ Strategies:
              --hier-levels PERIOD:GROUP_SIZE,... (HierarchicalModelAverager)
   ripples    DDP on the "ripples" backend + ripples_pg.wrap(): exact gradient averaging for
              --warmup-steps steps, then local SGD steps each followed by one Partial All-Reduce
-             round of the model in a group chosen by --schedule (static|random|smart|adpsgd)
+             round of the model in a group chosen by --schedule (static|random|smart|adpsgd);
+             with --outer-every H, Ripples partial DiLoCo (wrap(outer_optimizer=Nesterov,
+             sync_every=H)); with --compression bf16|fp16|int8, compressed rounds (both issue
+             28, refused with the reason where this ripples_pg lacks them)
+  torchft_diloco  torchft's own DiLoCo (torchft.local_sgd.DiLoCo, its Manager and a
+             Lighthouse run by rank 0; every worker its own replica group), the global-DiLoCo
+             baseline: DDP's gradient all-reduce for --warmup-steps steps, then H = --outer-every
+             local steps between outer steps; outer optimizer Nesterov SGD (--outer-lr 0.7,
+             --outer-momentum 0.9), built as for Ripples. Needs torchft (benchmark-only)
 
 Stragglers (--straggler):
   R:F        worker R is F times slower: after each step it sleeps (F-1) x the delay unit
@@ -95,7 +103,10 @@ Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.j
   "singletons" (groups of one), "singleton_share" (singletons / rounds; null without rounds)
   and "singleton_run_max" (the longest run of consecutive rounds without a group of two or
   more; null where ripples_pg.stats() does not report it) are this rank's partial rounds,
-  from ripples_pg.stats() (ripples strategy; null for the others).
+  from ripples_pg.stats() (ripples strategy; torchft_diloco: its outer steps, never a group
+  of one; null for the others). "stats": the round statistics (torchft_diloco: "rounds",
+  "reduced" (committed), "sync_s" (wall time of its outer steps), "bytes", "payload_bytes",
+  "quorums"); the final record has every rank's as "rank_stats".
   {"event": "final", "acc", "loss", "time_to_target", "consensus", "singleton_share", ...}
       rank 0, after the final average: its test accuracy and test (validation) loss; the
       per-rank numbers are lists in rank order
@@ -109,6 +120,7 @@ import functools
 import json
 import os
 import random
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -163,11 +175,17 @@ def consensus_distance(module: nn.Module, backend: str) -> float:
     return rel.item()
 
 
-def round_stats(optimizer, strategy: str) -> dict:
-    """This rank's partial-round statistics for the summary (None for non-ripples
-    strategies, and where ripples_pg.stats() cannot tell)."""
+def round_stats(optimizer, strategy: str, tft=None) -> dict:
+    """This rank's partial-round statistics for the summary (None for strategies without
+    rounds, and where ripples_pg.stats() cannot tell). torchft's DiLoCo: its outer steps are
+    the rounds, each of the whole world, so never a group of one."""
     out = {"rounds": None, "singletons": None, "singleton_share": None,
            "singleton_run_max": None, "passed": None}
+    if tft is not None:
+        st = tft.stats()
+        out.update(rounds=st["rounds"], singletons=0, passed=0, singleton_run_max=0,
+                   singleton_share=0.0 if st["rounds"] else None)
+        return out
     if strategy != "ripples":
         return out
     import ripples_pg
@@ -325,6 +343,147 @@ def torch_local_sgd(model: DDP, base_opt, args, world: int):
     return PostLocalSGDOptimizer(base_opt, averager)
 
 
+def outer_optimizer_factory(args):
+    """DiLoCo's outer optimizer, built the same way for Ripples' partial DiLoCo and torchft's
+    DiLoCo (so the two differ only in who averages): Nesterov SGD, --outer-lr and
+    --outer-momentum (DiLoCo's 0.7 and 0.9 by default)."""
+    def make(params):
+        return torch.optim.SGD(params, lr=args.outer_lr, momentum=args.outer_momentum,
+                               nesterov=True)
+    return make
+
+
+def ripples_diloco_options(args) -> dict:
+    """wrap() keywords of issue 28's features (partial DiLoCo, compressed rounds), checked
+    against this ripples_pg's wrap(): a build without them fails here with the reason, not
+    with a TypeError from deep inside, and never trains something else silently."""
+    import inspect
+
+    import ripples_pg
+
+    have = inspect.signature(ripples_pg.wrap).parameters
+    kw = {}
+    if args.outer_every:
+        missing = [k for k in ("outer_optimizer", "sync_every") if k not in have]
+        if missing:
+            raise SystemExit(
+                "--outer-every (Ripples partial DiLoCo) needs ripples_pg.wrap("
+                "outer_optimizer=..., sync_every=...); this ripples_pg's wrap() has no "
+                f"{' or '.join(missing)}: partial DiLoCo (issue 28) is not in this build")
+        kw["outer_optimizer"] = outer_optimizer_factory(args)
+        kw["sync_every"] = args.outer_every
+    if args.compression is not None:
+        if "compression" not in have:
+            raise SystemExit(
+                f"--compression {args.compression} needs ripples_pg.wrap(compression=...); "
+                "this ripples_pg's wrap() has none: compressed partial rounds (issue 28) "
+                "are not in this build")
+        kw["compression"] = args.compression
+    return kw
+
+
+class TorchftDiLoCo:
+    """torchft's own DiLoCo (torchft.local_sgd.DiLoCo with its Manager, a Lighthouse and
+    torchft's reconfigurable gloo group): the global-DiLoCo baseline of issue 28, driven as
+    torchft's integration tests drive it, not re-implemented.
+
+    Every worker is its own replica group (a group of one: group rank 0, group world size 1,
+    replica id = its rank), with its own TCPStore. Rank 0 of the launch runs the Lighthouse
+    with min_replicas = the world size, so every outer step's quorum is the whole world:
+    global DiLoCo. The Manager's gloo group connects by host name, so across test hosts its
+    all-reduce goes over the shaped link like every other strategy's traffic. Its
+    use_async_quorum=False is what DiLoCo requires; init_sync=False because every worker
+    starts from the same seeded model (and, after a warm-up, the same DDP-trained one), so
+    there is nothing to heal at step 0. The inner optimizer is the worker's own (the same as
+    every other strategy's); the outer one is outer_optimizer_factory's, as for Ripples.
+
+    The warm-up (--warmup-steps, as for torch's local SGD: DDP's gradient all-reduce on the
+    default group through post_localSGD_hook) comes first; DiLoCo starts after it (start()),
+    so its first anchor is the warmed-up model every worker shares."""
+
+    def __init__(self, module: nn.Module, inner_opt, args, rank: int, world: int):
+        try:
+            from torchft.coordination import LighthouseServer
+            from torchft.local_sgd import DiLoCo
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError as e:
+            raise SystemExit("--strategy torchft_diloco needs torchft (a benchmark-only "
+                             f"dependency: pip install 'torchft==0.2.0'): {e}")
+        self._diloco_cls = DiLoCo
+        self.module, self.inner, self.H = module, inner_opt, args.outer_every
+        host = socket.gethostname()  # the test host's own name there (tests/_hosts.py)
+        self.lighthouse = None
+        addr = [None]
+        if rank == 0:
+            self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world,
+                                               quorum_tick_ms=args.lighthouse_tick_ms)
+            addr = [self.lighthouse.address()]
+        dist.broadcast_object_list(addr, src=0)
+        # this replica group's store: its Manager finds its ManagerServer there, and the
+        # quorum's gloo group rendezvouses on the primary's (the TCPStore listens on every
+        # interface; the host name is what the others are told)
+        self.store = dist.TCPStore(host_name=host, port=0, is_master=True,
+                                   wait_for_workers=False)
+        timeout = timedelta(seconds=args.timeout)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self._load_state,
+            state_dict=self._state, min_replica_size=world, use_async_quorum=False,
+            timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, rank=0,
+            world_size=1, store_addr=host, store_port=self.store.port,
+            lighthouse_addr=addr[0], replica_id=f"replica_{rank}", port=0, hostname=host,
+            init_sync=False)
+        self.outer = outer_optimizer_factory(args)(module.parameters())
+        self.diloco = None
+        self.syncs = 0  # outer steps attempted
+        self.sync_s = 0.0  # their wall time: quorum + pseudo-gradient all-reduce + outer step
+        self.quorum_ids = set()
+        self.payload = sum(p.numel() * p.element_size() for p in module.parameters())
+
+    def _state(self):
+        return {"model": self.module.state_dict(), "optim": self.inner.state_dict()}
+
+    def _load_state(self, sd):  # healing a replica that fell behind (never with no faults)
+        self.module.load_state_dict(sd["model"])
+        self.inner.load_state_dict(sd["optim"])
+
+    def connect(self) -> None:
+        """One quorum before the training clock: it configures the Manager's gloo group (its
+        connections), the counterpart of the other strategies' process group set-up, which
+        is off the clock too. Later quorums of the same members keep the group."""
+        self.manager.start_quorum()  # use_async_quorum=False: returns with the quorum
+        self.quorum_ids.add(self.manager._quorum_id)
+
+    def start(self) -> None:
+        """DiLoCo from here on (after the warm-up): the current model is the first anchor."""
+        self.diloco = self._diloco_cls(self.manager, [self.module], self.inner, self.outer,
+                                       sync_every=self.H)
+        self.diloco.__enter__()
+
+    def is_sync(self, step: int, warmup: int) -> bool:
+        """Whether the optimizer step of 0-based ``step`` ends with DiLoCo's outer step."""
+        return self.diloco is not None and step >= warmup and (step - warmup + 1) % self.H == 0
+
+    def record_sync(self, seconds: float) -> None:
+        self.syncs += 1
+        self.sync_s += seconds
+        self.quorum_ids.add(self.manager._quorum_id)
+
+    def stats(self) -> dict:
+        commits = self.manager.current_step()  # outer steps that committed
+        return {"rounds": self.syncs, "reduced": commits, "singletons": 0,
+                "sync_s": round(self.sync_s, 4), "bytes": self.payload * commits,
+                "payload_bytes": self.payload, "quorums": len(self.quorum_ids)}
+
+    def close(self) -> None:
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+        dist.barrier()  # every Manager is done with the Lighthouse before it goes
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+
+
 def sync_period(args) -> int:
     """Steps between the time-limit agreements of all-reduce and the static schedule:
     --sync-every, else the evaluations' period (where the workers meet anyway), else 20."""
@@ -345,6 +504,10 @@ def global_sync_step(args, i: int) -> bool:
             return (i - args.warmup_steps) % args.local_period == 0
         # HierarchicalModelAverager's rule: the largest period is the whole world
         return i % max(parse_hier_levels(args.hier_levels, dist.get_world_size())) == 0
+    if args.strategy == "torchft_diloco":
+        if i < args.warmup_steps:  # gradient all-reduce every step
+            return (i + 1) % every == 0
+        return (i - args.warmup_steps + 1) % args.outer_every == 0  # DiLoCo's outer step
     return None
 
 
@@ -354,7 +517,8 @@ def global_sync_step(args, i: int) -> bool:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--strategy", choices=["allreduce", "localsgd", "hier", "ripples"],
+    p.add_argument("--strategy",
+                   choices=["allreduce", "localsgd", "hier", "ripples", "torchft_diloco"],
                    default="ripples")
     p.add_argument("--backend", default=None,
                    help="process group backend (default: ripples for ripples, else gloo)")
@@ -383,6 +547,23 @@ def parse_args(argv=None):
     p.add_argument("--period-max", type=int, default=None,
                    help="ripples: bound of the coordinator's adaptive period (wrap's default "
                         "4; 1 = average at every step)")
+    p.add_argument("--outer-every", type=int, default=0,
+                   help="DiLoCo's H: local steps between outer steps. ripples: partial DiLoCo "
+                        "(wrap(outer_optimizer=..., sync_every=H)); torchft_diloco: torchft's "
+                        "DiLoCo(sync_every=H). 0: off (ripples: a partial round after every "
+                        "step, as without it)")
+    p.add_argument("--outer-lr", type=float, default=0.7,
+                   help="DiLoCo's outer optimizer: Nesterov SGD with this learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="DiLoCo's outer optimizer's (Nesterov) momentum")
+    p.add_argument("--compression", choices=["none", "bf16", "fp16", "int8"], default=None,
+                   help="ripples: the transfer format of partial rounds "
+                        "(wrap(compression=...)); default: the backend's (RIPPLES_COMPRESSION, "
+                        "else none)")
+    p.add_argument("--lighthouse-tick-ms", type=int, default=10,
+                   help="torchft_diloco: the Lighthouse's quorum tick (torchft's own default "
+                        "is 100 ms; every outer step asks for a quorum, so a short tick keeps "
+                        "torchft's overhead to what its protocol needs)")
     p.add_argument("--c-thres", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="keep the per-round trace (ripples)")
     p.add_argument("--straggler", default=None, help="R:F, p:F or pX:F (see above)")
@@ -447,6 +628,17 @@ def parse_args(argv=None):
         p.error("--warmup-steps must be >= 0")
     if args.width is None:
         args.width = 64 if args.workload == "transformer" else 16
+    if args.outer_every < 0:
+        p.error("--outer-every must be >= 0")
+    if args.strategy == "torchft_diloco" and args.outer_every < 1:
+        p.error("--strategy torchft_diloco needs --outer-every H >= 1 (DiLoCo's sync_every)")
+    if args.outer_every and args.strategy not in ("ripples", "torchft_diloco"):
+        p.error("--outer-every applies to --strategy ripples (partial DiLoCo) and "
+                "torchft_diloco only")
+    if args.compression is not None and args.strategy != "ripples":
+        p.error("--compression applies to --strategy ripples only")
+    if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
+        p.error("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
     return args
 
 
@@ -503,6 +695,7 @@ def run(args):
 
     torch.manual_seed(args.seed)  # same initial model everywhere (DDP broadcasts it anyway)
     module = data.make_model()
+    tft = None  # torchft's DiLoCo (--strategy torchft_diloco)
     model = DDP(module)
     base_opt = make_optimizer(model.parameters(), args)
     if args.strategy == "ripples":
@@ -522,6 +715,7 @@ def run(args):
             kw["overlap"] = True
         if args.period_max is not None:
             kw["period_max"] = args.period_max
+        kw.update(ripples_diloco_options(args))
         optimizer = ripples_pg.wrap(model, base_opt, **kw)
         if args.warmup_steps is None:  # the stop rule below needs the number wrap() chose
             args.warmup_steps = optimizer.averager.warmup_steps
@@ -531,6 +725,22 @@ def run(args):
 
             args.warmup_steps = DEFAULT_WARMUP_STEPS
         optimizer = torch_local_sgd(model, base_opt, args, world)
+    elif args.strategy == "torchft_diloco":
+        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+            PostLocalSGDState, post_localSGD_hook)
+
+        if args.warmup_steps is None:  # the same warm-up as wrap()'s default
+            from ripples_pg._wrap import DEFAULT_WARMUP_STEPS
+
+            args.warmup_steps = DEFAULT_WARMUP_STEPS
+        # the warm-up's exact steps as torch's local SGD has them (DDP's gradient all-reduce
+        # on the default group), then no gradient sync: DiLoCo's outer steps average
+        model.register_comm_hook(
+            PostLocalSGDState(process_group=None, subgroup=None,
+                              start_localSGD_iter=args.warmup_steps,
+                              post_local_gradient_allreduce=False), post_localSGD_hook)
+        optimizer = base_opt
+        tft = TorchftDiLoCo(module, base_opt, args, rank, world)
     else:
         optimizer = base_opt
 
@@ -573,6 +783,8 @@ def run(args):
                 idx = order[i:i + bs]
                 yield xs[idx], ys[idx]
 
+    if tft is not None:
+        tft.connect()
     dist.barrier()
     t0 = time.perf_counter()
     eval_s = 0.0  # evaluations are not training: the clock below leaves them out
@@ -590,11 +802,18 @@ def run(args):
     it = batches()
     while step < args.steps:
         x, y = next(it)
+        if tft is not None and tft.diloco is None and step >= exact_steps:
+            tft.start()  # off the clock: one copy of the model (the first anchor)
         t_step = time.perf_counter()
         optimizer.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
-        optimizer.step()
+        if tft is not None and tft.is_sync(step, exact_steps):
+            t_sync = time.perf_counter()
+            optimizer.step()  # DiLoCo's outer step runs in its post-step hook
+            tft.record_sync(time.perf_counter() - t_sync)
+        else:
+            optimizer.step()
         if args.strategy == "ripples":
             # wrap() ends warm-up early, after the same step on every worker, once a worker is
             # a persistent straggler (warmup_straggler): the stop rule must follow it, or the
@@ -672,7 +891,7 @@ def run(args):
                "slowed_steps": straggler.slowed_steps,
                "consensus": float(f"{consensus:.6g}")}
     try:
-        summary.update(round_stats(optimizer, args.strategy))
+        summary.update(round_stats(optimizer, args.strategy, tft))
     except Exception as e:  # noqa: BLE001 - stats are informative only
         summary.update(round_stats(None, "none"))
         summary["stats_error"] = repr(e)
@@ -690,12 +909,20 @@ def run(args):
                 summary["stats"] = {k: st[k] for k in ("rounds", "reduced", "singletons",
                                                        "singleton_run_max", "skipped",
                                                        "failed", "wait_s", "passed",
-                                                       "period", "group_s", "reduce_s")
+                                                       "period", "group_s", "reduce_s",
+                                                       "bytes")
                                     if k in st}
                 if "group_sizes" in st:
                     summary["stats"]["group_sizes"] = st["group_sizes"]
+                # compressed rounds' bytes on the wire (the counter's name is the core's)
+                summary["stats"].update({k: v for k, v in st.items() if "wire" in k})
             except Exception as e:  # noqa: BLE001 - stats are informative only
                 summary["stats_error"] = repr(e)
+    if tft is not None:
+        summary["stats"] = tft.stats()
+        summary["outer_every"] = args.outer_every
+    elif args.strategy == "ripples" and args.outer_every:
+        summary["outer_every"] = args.outer_every
     emit(summary, stdout=False)
 
     # the "final" model: one exact average over all workers (a no-op change for allreduce),
@@ -727,8 +954,13 @@ def run(args):
               "consensus": summary["consensus"],
               **per_rank("rounds", "singletons", "singleton_share", "singleton_run_max",
                          "passed"),
-              "level_counts": summary.get("level_counts"), "stats": summary.get("stats")}
+              "level_counts": summary.get("level_counts"), "stats": summary.get("stats"),
+              "outer_every": summary.get("outer_every"), "compression": args.compression,
+              # every rank's round statistics (bytes and round times: report per round)
+              "rank_stats": [s.get("stats") for s in summaries]}
         emit(final, stdout=True)
+    if tft is not None:
+        tft.close()
     if logf:
         logf.close()
     return final

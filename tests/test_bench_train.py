@@ -193,6 +193,108 @@ def test_bad_options_say_what_is_wrong(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+ISSUE28_STRATEGIES = ["torchft_diloco", "diloco", "diloco_bf16", "diloco_int8", "smart_bf16",
+                      "smart_int8"]
+
+
+def test_plan_accepts_the_diloco_and_compression_strategies():
+    """Issue 28's strategies are in the plan when named, never by default, and get DiLoCo's
+    H (the workload's, or --outer-every) and their compression on the command line."""
+    b = bench()
+    a = b.parse_args(["--workloads", "wide", "--scenarios", "none,slow3", "--strategies",
+                      ",".join(["gloo", "local", "smart"] + ISSUE28_STRATEGIES)])
+    assert a.plan["wide"]["strategies"] == ["gloo", "local", "smart"] + ISSUE28_STRATEGIES
+    assert a.plan["wide"]["scenarios"] == ["none", "slow3"]
+    assert not set(ISSUE28_STRATEGIES) & set(b.parse_args([]).plan["digits"]["strategies"])
+    assert b.parse_args(["--quick"]).plan["digits"]["strategies"] == ALL_STRATEGIES
+    cfg = b.settings(a, "wide")
+    assert cfg["outer_every"] == 32
+    tft = b.strategy_args("torchft_diloco", 4, cfg["outer_every"])
+    assert tft[tft.index("--strategy") + 1] == "torchft_diloco"
+    assert tft[tft.index("--outer-every") + 1] == "32"
+    int8 = b.strategy_args("diloco_int8", 4, 7)
+    assert int8[int8.index("--outer-every") + 1] == "7"
+    assert int8[int8.index("--compression") + 1] == "int8"
+    assert "--outer-every" not in b.strategy_args("smart_bf16", 4, 7)
+    assert b.settings(b.parse_args(["--workloads", "wide", "--outer-every", "24"]),
+                      "wide")["outer_every"] == 24
+
+
+def test_missing_features_name_the_cause(monkeypatch):
+    """A strategy whose ripples_pg feature is not in the build is refused with the reason,
+    before anything runs; with the feature it passes."""
+    import ripples_pg
+
+    bench()  # puts benchmarks/ on the path
+    from train_config import missing_features
+
+    def old_wrap(ddp_model, optimizer, *, schedule=None):
+        pass
+
+    def new_wrap(ddp_model, optimizer, *, schedule=None, outer_optimizer=None,
+                 sync_every=None, compression=None):
+        pass
+
+    monkeypatch.setattr(ripples_pg, "wrap", old_wrap)
+    why = missing_features(["gloo", "smart", "diloco", "smart_int8"])
+    assert len(why) == 2
+    assert why[0].startswith("diloco:") and "outer_optimizer" in why[0]
+    assert why[1].startswith("smart_int8:") and "compression" in why[1]
+    monkeypatch.setattr(ripples_pg, "wrap", new_wrap)
+    assert missing_features(ISSUE28_STRATEGIES[1:]) == []
+
+
+def test_round_costs_prefer_wire_bytes_and_torchft_waits_least():
+    """Bytes per round: the core's wire counter where it has one, else the payload; round
+    time: Ripples' reduce time per round (mean over ranks), torchft's outer step on the rank
+    that waited least."""
+    bench()
+    from train_report import round_costs
+
+    ripples = {"rank_stats": [{"rounds": 12, "reduced": 10, "bytes": 4000, "reduce_s": 2.0},
+                              {"rounds": 12, "reduced": 8, "bytes": 3200, "reduce_s": 0.8}]}
+    m = round_costs(ripples)
+    assert m["bytes_per_round"] == 400 and m["bytes_kind"] == "payload"
+    assert math.isclose(m["round_s"], (0.2 + 0.1) / 2)
+    for st in ripples["rank_stats"]:
+        st["wire_bytes"] = st["bytes"] // 4  # int8: a quarter of the payload
+    m = round_costs(ripples)
+    assert m["bytes_per_round"] == 100 and m["bytes_kind"] == "wire"
+    tft = {"rank_stats": [{"rounds": 5, "reduced": 5, "bytes": 500, "sync_s": 5.0},
+                          {"rounds": 5, "reduced": 5, "bytes": 500, "sync_s": 1.0}]}
+    m = round_costs(tft)
+    assert m["bytes_per_round"] == 100 and math.isclose(m["round_s"], 0.2)
+    assert round_costs({"rank_stats": [None, None]})["round_s"] is None  # no rounds: DDP
+
+
+def test_torchft_diloco_runs(tmp_path):
+    """torchft's own DiLoCo (Manager, Lighthouse, one replica group per worker) trains 2
+    workers under train_digits.py, with a straggler, and reports its outer steps as rounds of
+    the whole world (no groups of one), the consensus distance and the bytes per round."""
+    pytest.importorskip("torchft")
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node=2", os.path.join(REPO, "examples", "train_digits.py"),
+           "--strategy", "torchft_diloco", "--outer-every", "4", "--warmup-steps", "3",
+           "--hidden", "64", "--batch-size", "16", "--steps", "30", "--eval-every", "0",
+           "--straggler", "1:3", "--compute-s", "0.001", "--quiet", "--timeout", "60",
+           "--log-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = next(json.loads(x) for x in proc.stdout.splitlines() if '"final"' in x)
+    assert final["strategy"] == "torchft_diloco" and final["steps"] == [30, 30]
+    # 27 steps after the 3 warm-up steps: 6 outer steps of H = 4, every one committed
+    assert final["rounds"] == [6, 6] and final["singletons"] == [0, 0]
+    assert final["singleton_share"] == [0.0, 0.0]
+    for st in final["rank_stats"]:
+        assert st["reduced"] == 6 and st["sync_s"] > 0
+        assert st["bytes"] == 6 * st["payload_bytes"] > 0
+    assert isinstance(final["consensus"], float) and final["consensus"] >= 0.0
+    assert final["outer_every"] == 4 and 0.0 <= final["acc"] <= 1.0
+
+
 def test_fast_and_slow_workers_step_rates():
     """With a fixed straggler: the fast workers' rate against the straggler's, over the run
     and after the warm-up (from the snapshots), and their groups of one."""
@@ -380,3 +482,45 @@ def test_bench_train_slow3_and_short_steps_run(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "Short steps: every worker pauses P ms" in md and ">= 3x and < 5 %" in md
     assert "steps/s fast / slow (ratio)" in md
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_train_torchft_diloco_beside_smart(tmp_path):
+    """torchft's DiLoCo through the benchmark, beside smart, one worker 3x slower in compute
+    (--delay-unit compute): both finish, torchft's outer steps are rounds of the whole world
+    (groups of one 0 %) with their bytes and time per round in the report."""
+    pytest.importorskip("torchft")
+    pytest.importorskip("sklearn")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "train.py"), "--workloads",
+           "digits", "--scenarios", "slow3", "--strategies", "torchft_diloco,smart",
+           "--workers", "2", "--time-limit", "1.5", "--warmup-steps", "5", "--outer-every",
+           "4", "--delay-unit", "compute", "--no-progress", "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=280)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"did not finish in 280 s; stderr tail:\n{(e.stderr or b'')[-3000:]!r}")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
+    runs = {r["strategy"]: r for r in res["results"]}
+    assert set(runs) == {"torchft_diloco", "smart"}
+    compute = res["workloads"]["digits"]["compute_s"]
+    for st, r in runs.items():
+        assert not r.get("error"), r["error"]
+        cmd = r["cmd"]
+        assert float(cmd[cmd.index("--step-s") + 1]) == pytest.approx(compute, rel=1e-3)
+        _check_snapshots(r, 2)
+    tft = runs["torchft_diloco"]
+    assert tft["cmd"][tft["cmd"].index("--outer-every") + 1] == "4"
+    assert min(tft["final"]["rounds"]) > 0 and tft["final"]["singletons"] == [0, 0]
+    m = tft["metrics"]
+    assert m["singleton_share_max"] == 0.0 and m["consensus"] is not None
+    assert m["bytes_per_round"] == tft["final"]["rank_stats"][0]["payload_bytes"]
+    assert m["round_s"] > 0
+    assert runs["smart"]["metrics"]["bytes_per_round"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "MB / round" in md and "round ms" in md and "H = 4 local steps" in md
