@@ -1,11 +1,10 @@
 /* compress.c - quantisers of compressed partial rounds (compress.h). */
 #include "compress.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-#include "kernels.h"
 
 #define FP16_MAX 65504.0f
 #define BF16_MAX 0x1.fep127f /* the largest finite bfloat16 */
@@ -18,6 +17,43 @@ const char *rpl_compress_name(rpl_compress mode) {
     case RPL_COMPRESS_INT8: return "int8";
     default: return "?";
   }
+}
+
+/* ---- branch-free conversions of finite values (the callers clamp first), inline so that the
+ * loops vectorise; tests/c/test_compress.c checks them against kernels.c's. */
+
+static inline uint32_t fbits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+static inline float bitsf(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even */
+  uint32_t u = fbits(f);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline float from_bf16(uint16_t b) { return bitsf((uint32_t)b << 16); }
+
+/* |f| <= 65504: normals by rebiasing with round to nearest even, subnormals through the float
+ * adder (adding 0.5 aligns the mantissa so that the hardware rounds it). */
+static inline uint16_t to_half(float f) {
+  uint32_t u = fbits(f), sign = u & 0x80000000u;
+  u ^= sign;
+  uint32_t normal = (u + ((uint32_t)(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  uint32_t sub = fbits(bitsf(u) + 0.5f) - fbits(0.5f);
+  uint32_t h = u >= 0x38800000u ? normal : sub; /* 2^-14, the smallest normal half */
+  return (uint16_t)(h | (sign >> 16));
+}
+static inline float from_half(uint16_t h) { /* finite halves; the caller rejects the rest */
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+  float normal = bitsf((em << 13) + ((uint32_t)(127 - 15) << 23));
+  float sub = (float)(int32_t)em * 0x1p-24f;
+  return bitsf(fbits(em >= 0x400u ? normal : sub) | sign);
 }
 
 static size_t round4(size_t b) { return (b + 3) & ~(size_t)3; }
@@ -54,17 +90,29 @@ static void encode_int8(const float *x, size_t n, unsigned char *out) {
   for (size_t b = 0; b < nb; b++) {
     size_t lo = b * RPL_CQ_BLOCK, hi = lo + RPL_CQ_BLOCK < n ? lo + RPL_CQ_BLOCK : n;
     float amax = 0.0f;
-    for (size_t i = lo; i < hi; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (size_t i = lo; i < hi; i++) {
+      float v = fabsf(x[i]);
+      amax = v > amax ? v : amax; /* (no NaN here: the round checked its input) */
+    }
     float scale = amax / 127.0f;
     memcpy(out + 4 * b, &scale, 4);
     if (scale == 0.0f) { /* zeros, or magnitudes so tiny that the scale underflows */
       memset(q + lo, 0, hi - lo);
       continue;
     }
-    for (size_t i = lo; i < hi; i++) {
-      /* Division, not a multiplication by 127/amax: that inverse overflows for tiny amax. */
-      float v = nearbyintf(clampf(x[i], amax) / scale);
-      q[i] = (signed char)clampf(v, 127.0f);
+    /* 1.5 * 2^23 added and taken away rounds |v| <= 2^22 to the nearest integer (even on
+     * ties) in the default rounding mode, and vectorises, unlike nearbyintf. */
+    const float magic = 12582912.0f, inv = 127.0f / amax;
+    if (inv <= FLT_MAX) {
+      for (size_t i = lo; i < hi; i++) {
+        float v = (clampf(x[i], amax) * inv + magic) - magic;
+        q[i] = (signed char)clampf(v, 127.0f);
+      }
+    } else { /* amax so tiny that 127 / amax overflows: divide */
+      for (size_t i = lo; i < hi; i++) {
+        float v = (clampf(x[i], amax) / scale + magic) - magic;
+        q[i] = (signed char)clampf(v, 127.0f);
+      }
     }
   }
   memset(q + n, 0, round4(n) - n);
@@ -79,9 +127,9 @@ void rpl_cq_encode(rpl_compress mode, const float *x, size_t n, void *out) {
   if (mode != RPL_COMPRESS_BF16 && mode != RPL_COMPRESS_FP16) return;
   uint16_t *h = out;
   if (mode == RPL_COMPRESS_BF16)
-    for (size_t i = 0; i < n; i++) h[i] = rpl_float_to_bf16(clampf(x[i], BF16_MAX));
+    for (size_t i = 0; i < n; i++) h[i] = to_bf16(clampf(x[i], BF16_MAX));
   else
-    for (size_t i = 0; i < n; i++) h[i] = rpl_float_to_half(clampf(x[i], FP16_MAX));
+    for (size_t i = 0; i < n; i++) h[i] = to_half(clampf(x[i], FP16_MAX));
   memset(o + 2 * n, 0, rpl_cq_size(mode, n) - 2 * n);
 }
 
@@ -106,9 +154,39 @@ int rpl_cq_decode(rpl_compress mode, const void *in, size_t n, float bound, floa
   }
   if (mode != RPL_COMPRESS_BF16 && mode != RPL_COMPRESS_FP16) return -1;
   const uint16_t *h = in;
-  if (mode == RPL_COMPRESS_BF16)
-    for (size_t i = 0; i < n; i++) out[i] = rpl_bf16_to_float(h[i]);
-  else
-    for (size_t i = 0; i < n; i++) out[i] = rpl_half_to_float(h[i]);
-  return rpl_cq_in_range(out, n, bound) ? 0 : -1;
+  if (mode == RPL_COMPRESS_BF16) {
+    for (size_t i = 0; i < n; i++) out[i] = from_bf16(h[i]);
+  } else {
+    for (size_t i = 0; i < n; i++) {
+      ok &= (h[i] & 0x7c00u) != 0x7c00u; /* inf and NaN halves */
+      out[i] = from_half(h[i]);
+    }
+  }
+  return ok && rpl_cq_in_range(out, n, bound) ? 0 : -1;
 }
+
+void rpl_cq_encode_residual(rpl_compress mode, float *y, size_t n, void *out) {
+  rpl_cq_encode(mode, y, n, out);
+  if (mode == RPL_COMPRESS_BF16) {
+    const uint16_t *h = out;
+    for (size_t i = 0; i < n; i++) y[i] -= from_bf16(h[i]);
+  } else if (mode == RPL_COMPRESS_FP16) {
+    const uint16_t *h = out;
+    for (size_t i = 0; i < n; i++) y[i] -= from_half(h[i]);
+  } else if (mode == RPL_COMPRESS_INT8) {
+    const unsigned char *p = out;
+    size_t nb = nblocks(n);
+    const signed char *q = (const signed char *)(p + 4 * nb);
+    for (size_t b = 0; b < nb; b++) {
+      size_t lo = b * RPL_CQ_BLOCK, hi = lo + RPL_CQ_BLOCK < n ? lo + RPL_CQ_BLOCK : n;
+      float scale;
+      memcpy(&scale, p + 4 * b, 4);
+      for (size_t i = lo; i < hi; i++) y[i] -= (float)q[i] * scale;
+    }
+  }
+}
+
+/* Exposed for the unit test's comparison with kernels.c. */
+uint16_t rpl_cq_to_half(float f) { return to_half(f); }
+float rpl_cq_from_half(uint16_t h) { return from_half(h); }
+uint16_t rpl_cq_to_bf16(float f) { return to_bf16(f); }

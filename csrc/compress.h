@@ -20,6 +20,7 @@
 #define RPL_COMPRESS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "ripples.h"
 
@@ -44,5 +45,14 @@ void rpl_cq_encode(rpl_compress mode, const float *x, size_t n, void *out);
 /* Decodes n floats from `in` into out. Returns 0, or -1 when the encoding holds a non-finite
  * value or scale, an int8 of -128, or a value beyond `bound` (then out is unspecified). */
 int rpl_cq_decode(rpl_compress mode, const void *in, size_t n, float bound, float *out);
+
+/* rpl_cq_encode, then y[i] -= decoded[i]: y becomes the quantisation error (the residual of
+ * error feedback), in the same pass over the data. */
+void rpl_cq_encode_residual(rpl_compress mode, float *y, size_t n, void *out);
+
+/* The conversions the 16-bit modes use (finite inputs; |f| <= 65504 for half), for tests. */
+uint16_t rpl_cq_to_half(float f);
+float rpl_cq_from_half(uint16_t h);
+uint16_t rpl_cq_to_bf16(float f);
 
 #endif /* RPL_COMPRESS_H */

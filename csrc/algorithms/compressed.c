@@ -67,11 +67,7 @@ rpl_status rpl_compressed_average(rpl_run *run, float *y, size_t count, rpl_comp
   float *acc = (float *)(r2 + s2a), *tmp = (float *)(r2 + s2a + align64(4 * ccnt[me]));
 
   /* Quantise, and turn y into the residual y - deQ(Q(y)) the caller commits with the round. */
-  for (int k = 0; k < n; k++) {
-    rpl_cq_encode(mode, y + coff[k], ccnt[k], mine + eoff[k]);
-    rpl_cq_decode(mode, mine + eoff[k], ccnt[k], limit * SLACK, tmp);
-    for (size_t i = 0; i < ccnt[k]; i++) y[coff[k] + i] -= tmp[i];
-  }
+  for (int k = 0; k < n; k++) rpl_cq_encode_residual(mode, y + coff[k], ccnt[k], mine + eoff[k]);
 
   int m = 0;
   for (int v = 0; v < n; v++) {

@@ -17,6 +17,7 @@
 
 #include "compress.h"
 #include "harness.h"
+#include "kernels.h"
 #include "ripples.h"
 #include "sched/rpl_sched.h"
 
@@ -34,6 +35,35 @@ static float *roundtrip(rpl_compress m, const float *x, size_t n, unsigned char 
   REQUIRE(rpl_cq_decode(m, enc, n, rpl_cq_limit(m) * 1.02f, y) == 0, "%s decode of n=%zu",
           rpl_compress_name(m), n);
   return y;
+}
+
+/* The inline conversions of compress.c against kernels.c's (themselves tested against an
+ * independent reference in test_kernels.c): every finite half, and many floats of every
+ * magnitude within the range, ties included. */
+static void test_conversions(void) {
+  int bad = 0;
+  for (uint32_t h = 0; h < 0x10000; h++) {
+    if ((h & 0x7c00) == 0x7c00) continue; /* inf/NaN: refused before conversion */
+    float a = rpl_cq_from_half((uint16_t)h), b = rpl_half_to_float((uint16_t)h);
+    bad += memcmp(&a, &b, 4) != 0;
+  }
+  CHECK(bad == 0, "half -> float differs from kernels.c for %d halves", bad);
+  int bad_h = 0, bad_b = 0;
+  for (int i = 0; i < 2000000; i++) {
+    float f;
+    if (i < 65536) { /* exact ties and neighbours around every half */
+      uint32_t u = (uint32_t)((i & 0x7fff) << 13) + ((uint32_t)(127 - 15) << 23);
+      u += (uint32_t)((i >> 15) & 1) * 0x1000; /* half-way between two halves */
+      memcpy(&f, &u, 4);
+      if (!(f <= 65504.0f)) continue;
+    } else {
+      f = (float)(ldexp(urand() * 2 - 1, (int)(urand() * 45) - 29));
+    }
+    bad_h += rpl_cq_to_half(f) != rpl_float_to_half(f);
+    bad_b += rpl_cq_to_bf16(f) != rpl_float_to_bf16(f);
+  }
+  CHECK(bad_h == 0, "float -> half differs from kernels.c for %d values", bad_h);
+  CHECK(bad_b == 0, "float -> bf16 differs from kernels.c for %d values", bad_b);
 }
 
 static void test_sizes(void) {
@@ -266,6 +296,7 @@ static void body_round(job *j, rpl_comm *c) {
 }
 
 int main(void) {
+  test_conversions();
   test_sizes();
   test_float16_bounds(RPL_COMPRESS_BF16, 0x1p-8);
   test_float16_bounds(RPL_COMPRESS_FP16, 0x1p-11);
