@@ -9,11 +9,14 @@
 #include "algorithms/algorithms.h"
 #include "bytes.h"
 #include "common.h"
+#include "compress.h"
 #include "ctx.h"
 #include "kernels.h"
 #include "sched/rpl_sched.h"
 
-#define SIG_BYTES 24
+#define SIG_BYTES 32 /* nin, elements, hash of (dtype, count), compression mode, flags */
+#define SIG_SAME 28  /* the part every member must agree on; the flags are OR-ed */
+#define SIG_FLAG_OUT_OF_RANGE 1u /* a value this member would compress is not finite or too big */
 #define TRACE_SLOTS 8192
 
 /* A fence domain: the dynamic schedules of one process. */
@@ -37,6 +40,15 @@ struct rpl_partial {
   int left;
   uint64_t round;           /* progress thread only */
   int *members;             /* size entries */
+  rpl_compress compression;
+  int *host_of;             /* size entries, or NULL (one host) */
+  /* Error feedback of compressed rounds: the quantisation error each round leaves, added to
+   * the next one's buffers. `next` is the candidate a round computes; the two swap when the
+   * round commits, so a failed round leaves `resid` as it was. Reset (zeroed) when the
+   * buffers' signature changes. */
+  float *resid, *next;
+  size_t resid_n;
+  uint64_t resid_sig;
 
   pthread_mutex_t mu;       /* guards stats and the trace */
   rpl_partial_stats stats;
@@ -126,6 +138,8 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
   rpl_policy policy;
   rpl_status st = rpl_policy_parse(cfg->schedule, &policy, err);
   if (st != RPL_OK) return st;
+  if ((unsigned)cfg->compression >= RPL_COMPRESS_COUNT)
+    return rpl_fail(err, RPL_ERR_INVALID, "unknown compression mode %d", (int)cfg->compression);
   rpl_partial *p = calloc(1, sizeof *p);
   if (!p) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
   pthread_mutex_init(&p->mu, NULL);
@@ -133,10 +147,19 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
   p->size = size;
   p->timeout_s = timeout_s;
   p->on_failure = cfg->on_failure;
+  p->compression = cfg->compression;
   p->members = calloc((size_t)size, sizeof(int));
   if (!p->members) {
     st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
     goto fail;
+  }
+  if (cfg->host_of) {
+    p->host_of = malloc(sizeof(int) * (size_t)size);
+    if (!p->host_of) {
+      st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
+      goto fail;
+    }
+    memcpy(p->host_of, cfg->host_of, sizeof(int) * (size_t)size);
   }
   if (cfg->trace) {
     p->trace = calloc(TRACE_SLOTS, sizeof *p->trace);
@@ -190,6 +213,9 @@ void rpl_partial_destroy(rpl_partial *p) {
   if (p->client) rpl_gg_client_destroy(p->client);
   rpl_layout_destroy(p->layout);
   free(p->members);
+  free(p->host_of);
+  free(p->resid);
+  free(p->next);
   free(p->trace);
   pthread_mutex_destroy(&p->mu);
   free(p);
@@ -237,8 +263,10 @@ static uint64_t sig_hash(const rpl_op_desc *d) {
 
 
 /* Every member sends its signature to every other. Either all agree, or every member builds
- * the same error message from the same set of signatures. No tensor data has moved yet. */
+ * the same error message from the same set of signatures. No tensor data has moved yet.
+ * `flags` goes out with it; *flags_or is the OR of every member's (valid when RPL_OK). */
 static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t group_id,
+                                   rpl_compress mode, uint32_t flags, uint32_t *flags_or,
                                    rpl_error *err) {
   int n = run->size, me = run->rank;
   uint64_t total = 0;
@@ -249,6 +277,8 @@ static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t 
   rpl_put64(mine, (uint64_t)d->nin);
   rpl_put64(mine + 8, total);
   rpl_put64(mine + 16, sig_hash(d));
+  rpl_put32(mine + 24, (uint32_t)mode);
+  rpl_put32(mine + 28, flags);
   rpl_xfer *xs = malloc(sizeof(rpl_xfer) * 2 * (size_t)n);
   if (!xs) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory in a partial round");
   int k = 0;
@@ -264,23 +294,72 @@ static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t 
   rpl_status st = rpl_exchange(run, xs, k);
   free(xs);
   if (st != RPL_OK) return st;
-  int same = 1;
-  for (int v = 0; v < n; v++) same &= memcmp(all + (size_t)v * SIG_BYTES, all, SIG_BYTES) == 0;
+  int same = 1, same_mode = 1;
+  *flags_or = 0;
+  for (int v = 0; v < n; v++) {
+    const unsigned char *sv = all + (size_t)v * SIG_BYTES;
+    same &= memcmp(sv, all, SIG_SAME) == 0;
+    same_mode &= rpl_get32(sv + 24) == rpl_get32(all + 24);
+    *flags_or |= rpl_get32(sv + 28);
+  }
   if (same) return RPL_OK;
   char list[300] = "";
   size_t used = 0;
   for (int v = 0; v < n && used < sizeof list - 1; v++) {
-    const unsigned char *s = all + (size_t)v * SIG_BYTES;
-    int w = snprintf(list + used, sizeof list - used, "%srank %d: %llu tensor(s), %llu elements",
-                     v ? "; " : "", run->members[v], (unsigned long long)rpl_get64(s),
-                     (unsigned long long)rpl_get64(s + 8));
+    const unsigned char *sv = all + (size_t)v * SIG_BYTES;
+    int w;
+    if (!same_mode) /* a peer's number, so bounded by rpl_compress_name ("?") */
+      w = snprintf(list + used, sizeof list - used, "%srank %d: %s", v ? "; " : "",
+                   run->members[v], rpl_compress_name((rpl_compress)rpl_get32(sv + 24)));
+    else
+      w = snprintf(list + used, sizeof list - used, "%srank %d: %llu tensor(s), %llu elements",
+                   v ? "; " : "", run->members[v], (unsigned long long)rpl_get64(sv),
+                   (unsigned long long)rpl_get64(sv + 8));
     if (w < 0) break;
     used += (size_t)w;
   }
+  if (!same_mode)
+    return rpl_fail(err, RPL_ERR_MISMATCH,
+                    "partial all-reduce group %llu: members use different compression settings "
+                    "(%s); every rank must set the same Options.compression",
+                    (unsigned long long)group_id, list);
   return rpl_fail(err, RPL_ERR_MISMATCH,
                   "partial all-reduce group %llu: members passed different tensors (%s); every "
                   "member of a round must pass the same number of tensors with the same sizes "
                   "and dtypes", (unsigned long long)group_id, list);
+}
+
+/* Whether this round compresses: a mode is set, every buffer is float32 (the same answer on
+ * every member once the signatures agree), and the group spans more than one host (host_of
+ * is the same on every member). */
+static int compresses(const rpl_partial *p, const rpl_op_desc *d, int n) {
+  if (p->compression == RPL_COMPRESS_NONE || !p->host_of) return 0;
+  for (int i = 0; i < d->nin; i++)
+    if (d->in[i].dtype != RPL_FLOAT32) return 0;
+  for (int i = 1; i < n; i++)
+    if (p->host_of[p->members[i]] != p->host_of[p->members[0]]) return 1;
+  return 0;
+}
+
+/* Sizes the residual for `total` elements of the buffers with signature `sig`: zeroed when
+ * either changed. */
+static rpl_status residual_for(rpl_partial *p, uint64_t sig, size_t total, rpl_error *err) {
+  if (p->resid && p->resid_n == total && p->resid_sig == sig) return RPL_OK;
+  free(p->resid);
+  free(p->next);
+  p->resid = calloc(total ? total : 1, sizeof(float));
+  p->next = malloc(sizeof(float) * (total ? total : 1));
+  p->resid_n = total;
+  p->resid_sig = sig;
+  if (!p->resid || !p->next) {
+    free(p->resid);
+    free(p->next);
+    p->resid = p->next = NULL;
+    return rpl_fail(err, RPL_ERR_NOMEM,
+                    "out of memory for the compression residual (%zu bytes, twice)",
+                    total * sizeof(float));
+  }
+  return RPL_OK;
 }
 
 static void record(rpl_partial *p, uint64_t round, uint64_t group_id, const int *members,
@@ -317,24 +396,67 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
                   p->rank);
 
   size_t bytes = 0;
+  uint64_t wire = 0;
   double t2 = t1, t3 = t1;
-  int moved = 0;
+  int moved = 0, compressed = 0, fellback = 0;
   if (st == RPL_OK && n > 1) {
     run->members = p->members;
     run->rank = me;
     run->size = n;
     run->seq = gid;
-    st = check_signatures(run, d, gid, err);
+    size_t total = 0;
+    for (int i = 0; i < d->nin; i++) {
+      total += d->in[i].count;
+      bytes += d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+    }
+    /* A compressing round works on y = buffers + residual (in p->next), checked before the
+     * signatures go out so that every member learns whether all can compress. */
+    int comp = compresses(p, d, n);
+    uint32_t flags = 0, flags_or = 0;
+    if (comp && (st = residual_for(p, sig_hash(d), total, err)) == RPL_OK) {
+      size_t off = 0;
+      for (int i = 0; i < d->nin; i++) {
+        const float *x = d->in[i].ptr;
+        for (size_t j = 0; j < d->in[i].count; j++) p->next[off + j] = x[j] + p->resid[off + j];
+        off += d->in[i].count;
+      }
+      if (!rpl_cq_in_range(p->next, total, rpl_cq_limit(p->compression)))
+        flags |= SIG_FLAG_OUT_OF_RANGE;
+    }
+    if (st == RPL_OK)
+      st = check_signatures(run, d, gid, p->compression, flags, &flags_or, err);
     t2 = rpl_now();
-    if (st == RPL_OK) {
+    rpl_tr_counters c0, c1;
+    rpl_tr_get_counters(run->tr, &c0);
+    if (st == RPL_OK && comp && !(flags_or & SIG_FLAG_OUT_OF_RANGE)) {
+      float *out = rpl_scratch(run, 2, total * sizeof(float));
+      st = out ? rpl_compressed_average(run, p->next, total, p->compression, out)
+               : RPL_ERR_NOMEM;
+      if (st == RPL_OK) {
+        /* Commit: the buffers and the residual change together, only now. */
+        if (d->redop == RPL_SUM) rpl_scale(out, total, RPL_FLOAT32, (double)p->size);
+        size_t off = 0;
+        for (int i = 0; i < d->nin; i++) {
+          if (d->in[i].count) memcpy(d->in[i].ptr, out + off, d->in[i].count * sizeof(float));
+          off += d->in[i].count;
+        }
+        float *t = p->resid;
+        p->resid = p->next;
+        p->next = t;
+        moved = compressed = 1;
+      }
+    } else if (st == RPL_OK) {
+      /* Exact. A compressing round that a member's values keep from compressing sends the
+       * buffers plus the residual (y), which delivers the residual and clears it. */
+      fellback = comp;
       /* Reduce a working copy; the caller's buffers change only once everything arrived. */
-      for (int i = 0; i < d->nin; i++) bytes += d->in[i].count * rpl_dtype_size(d->in[i].dtype);
       unsigned char *work = rpl_scratch(run, 2, bytes);
       st = work ? RPL_OK : RPL_ERR_NOMEM;
       size_t off = 0;
       for (int i = 0; st == RPL_OK && i < d->nin; i++) {
         size_t b = d->in[i].count * rpl_dtype_size(d->in[i].dtype);
-        if (b) memcpy(work + off, d->in[i].ptr, b);
+        if (b) memcpy(work + off, fellback ? (void *)((unsigned char *)p->next + off)
+                                           : d->in[i].ptr, b);
         rpl_buf wb = {work + off, d->in[i].count, d->in[i].dtype};
         st = rpl_allreduce_buf(run, &wb, RPL_SUM, (unsigned)i);
         off += b;
@@ -348,9 +470,12 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
           if (b) memcpy(d->in[i].ptr, work + off, b);
           off += b;
         }
+        if (fellback) memset(p->resid, 0, total * sizeof(float));
         moved = 1;
       }
     }
+    rpl_tr_get_counters(run->tr, &c1);
+    wire = c1.bytes_sent - c0.bytes_sent;
     t3 = rpl_now();
     if (st != RPL_OK && st != RPL_ERR_MISMATCH) {
       /* Streams with the group may be mid-message: start them afresh next time. A signature
@@ -381,6 +506,9 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
       else s->singletons++;
       s->group_sizes[n < RPL_HIST_BUCKETS - 1 ? n : RPL_HIST_BUCKETS - 1]++;
       s->bytes += moved ? bytes : 0;
+      s->wire_bytes += moved ? wire : 0;
+      s->compressed += (uint64_t)compressed;
+      s->compress_fallbacks += (uint64_t)(moved && fellback);
     } else if (skip) {
       s->skipped++;
     } else {

@@ -264,6 +264,17 @@ typedef struct rpl_domain rpl_domain;
 rpl_status rpl_domain_create(rpl_domain **out, rpl_error *err);
 void rpl_domain_destroy(rpl_domain *domain);
 
+/* Compressed partial rounds (docs/compression.md): a round whose buffers are all float32 and
+ * whose group spans more than one host (by host_of) sends its data quantised, with error
+ * feedback; the reduction stays in float32. Values stable (they go into the signature). */
+typedef enum {
+  RPL_COMPRESS_NONE = 0,
+  RPL_COMPRESS_BF16 = 1,
+  RPL_COMPRESS_FP16 = 2,
+  RPL_COMPRESS_INT8 = 3, /* blockwise absmax, one float32 scale per 128 elements */
+  RPL_COMPRESS_COUNT = 4
+} rpl_compress;
+
 typedef struct rpl_partial_config {
   const char *schedule;      /* "static", "random", "smart" or "adpsgd" */
   const int *host_of;        /* host label of every rank (size entries); NULL = one host */
@@ -273,6 +284,7 @@ typedef struct rpl_partial_config {
   rpl_on_failure on_failure; /* SKIP: a failed round leaves the buffers, counts, and succeeds */
   int trace;                 /* keep a per-round trace for rpl_comm_trace() */
   rpl_domain *domain;        /* fence domain (see above); NULL = this communicator alone */
+  rpl_compress compression;  /* every member of a group must set the same (else MISMATCH) */
 } rpl_partial_config;
 
 /* Enables partial rounds (once, before the first one). Connects to the coordinator for
@@ -302,6 +314,11 @@ typedef struct rpl_partial_stats {
                                coordinator after losing its own */
   uint64_t group_sizes[RPL_HIST_BUCKETS];
   uint64_t bytes;           /* payload bytes of rounds that moved data */
+  uint64_t wire_bytes;      /* bytes this rank sent moving them (after the signature exchange;
+                               frame headers included; compressed where compression applied) */
+  uint64_t compressed;      /* rounds that moved data compressed */
+  uint64_t compress_fallbacks; /* rounds eligible for compression that ran uncompressed because
+                               a member held a non-finite value or one beyond the mode's range */
   double group_s;           /* time obtaining groups (the coordinator round trip) */
   double wait_s;            /* time waiting for the group's members (signature exchange) */
   double reduce_s;          /* time moving, reducing and writing back data */

@@ -64,7 +64,12 @@ def stats(group: Any = None) -> dict:
     skipped and failed rounds), ``singleton_run_max`` (the longest such run), ``skipped`` /
     ``failed``, ``exact_fallbacks`` (partial calls on non-floating tensors or other ops),
     ``fences`` / ``unfences`` (messages to the coordinator around exact collectives),
-    ``group_sizes`` (histogram: index = group size, the last bucket 16 or more), ``bytes``, and
+    ``group_sizes`` (histogram: index = group size, the last bucket 16 or more), ``bytes``
+    (payload of the rounds that moved data), ``wire_bytes`` (what this rank actually sent
+    moving it, frame headers included: fewer than ``bytes`` where rounds were compressed),
+    ``compressed`` (rounds sent compressed, ``Options.compression``), ``compress_fallbacks``
+    (rounds that would have been but ran exact: a member held a non-finite value or one beyond
+    the mode's range; docs/compression.md), and
     seconds spent obtaining groups (``group_s``, the coordinator round trip, including any wait
     for partners), waiting for the group's members (``wait_s``) and reducing (``reduce_s``),
     ``coordinator_failovers`` (times this worker registered with a standby or restarted

@@ -182,6 +182,7 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
         trace=bool(opts.trace),
         partial_by_default=bool(opts.partial),
         job_secret=opts.job_secret or "",
+        compression=opts.compression,
     )
 
 

@@ -58,7 +58,7 @@ WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip", "pe
 
 # Options fields wrap() forwards to the partial group it creates.
 _GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinator", "timeout",
-                 "on_failure", "seed", "trace", "period_max")
+                 "on_failure", "seed", "trace", "period_max", "compression")
 
 
 class RipplesOptimizer(PostLocalSGDOptimizer):
@@ -174,6 +174,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          seed: Optional[int] = None,
          trace: Optional[bool] = None,
          period_max: Optional[int] = None,
+         compression: Optional[str] = None,
          overlap: bool = False,
          warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER) -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
@@ -182,12 +183,12 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         ddp_model: a ``DistributedDataParallel`` model on a ``ripples`` process group.
         optimizer: its (local) optimizer.
         schedule, group_size, c_thres, inter_intra, coordinator, timeout, on_failure, seed,
-            trace, period_max: ``ripples_pg.Options`` of the partial group that ``wrap``
-            creates over the DDP group's ranks (``None``: the ``RIPPLES_*`` environment, else
-            the default). ``wrap``'s defaults: the straggler-aware ``"smart"`` schedule, groups
-            of 3, ``period_max=2`` (while no worker falls behind, the coordinator lets the
-            workers average every 2nd step only; at every step again as soon as one does;
-            ``1`` = every step, as in the paper),
+            trace, period_max, compression: ``ripples_pg.Options`` of the partial group that
+            ``wrap`` creates over the DDP group's ranks (``None``: the ``RIPPLES_*``
+            environment, else the default). ``wrap``'s defaults: the straggler-aware
+            ``"smart"`` schedule, groups of 3, ``period_max=2`` (while no worker falls
+            behind, the coordinator lets the workers average every 2nd step only; at every
+            step again as soon as one does; ``1`` = every step, as in the paper),
             ``on_failure="skip"`` (a partial round that fails because a partner died is a
             missed averaging step, counted in ``ripples_pg.stats()``, not the end of
             training; exact collectives still raise) and the DDP group's timeout
@@ -264,7 +265,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
 
     given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
              "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
-             "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max}
+             "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max,
+             "compression": compression}
     if group is not None:
         explicit = {k: v for k, v in given.items() if v is not None}
         if explicit:

@@ -283,6 +283,10 @@ _FIELDS: dict[str, _Field] = {
                "Seed of the coordinator's random choices; None = random."),
         _Field("trace", _parse_bool, False,
                "Keep a per-round trace (ripples_pg.trace)."),
+        _Field("compression", _choice("none", "bf16", "fp16", "int8"), "none",
+               "Partial rounds over float32 buffers whose group spans several hosts send "
+               "their data quantised, with error feedback (docs/compression.md): 'bf16', "
+               "'fp16', 'int8' (blockwise absmax), or 'none'. Same on every rank."),
     )
 }
 
@@ -370,6 +374,14 @@ class Options:
             tensors unchanged and is counted in ``ripples_pg.stats()``.
         seed: seed of the coordinator's random choices (``None``: random).
         trace: keep a per-round trace, read with ``ripples_pg.trace()``.
+        compression: ``"none"`` (default), ``"bf16"``, ``"fp16"`` or ``"int8"``
+            (``RIPPLES_COMPRESSION``): partial rounds whose buffers are all float32 and whose
+            group spans more than one host (by ``host_id``) send their data quantised, with
+            error feedback kept per group in float32 (as much memory as the buffers, twice);
+            the reduction itself stays float32. Groups within one host, other dtypes and
+            exact collectives are never compressed. About 2x (bf16, fp16) or 3.9x (int8)
+            fewer bytes per round; worth it on slow links only (docs/compression.md). Every
+            rank must set the same value (a round with mixed settings fails naming them).
 
     Every field may also come from ``RIPPLES_<FIELD>`` in the environment (e.g.
     ``RIPPLES_TIMEOUT=120``, ``RIPPLES_CHUNK_BYTES=1M``); a value set here wins over the
@@ -403,6 +415,7 @@ class Options:
         on_failure: Optional[str] = None,
         seed: Optional[int] = None,
         trace: Optional[bool] = None,
+        compression: Optional[str] = None,
     ) -> None:
         args = locals()  # every field is a parameter of the same name
         for name in _FIELDS:

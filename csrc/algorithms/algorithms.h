@@ -26,6 +26,13 @@ rpl_xfer rpl_p2p_xfer(const rpl_run *run, const rpl_op_desc *d);
 /* All-reduce of one buffer in place over the run's ranks, without AVG's division. */
 rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step);
 
+/* The compressed average of a partial round (compressed.c, docs/compression.md): y holds
+ * `count` float32 values (this member's buffer plus its residual); on RPL_OK out holds the
+ * group's average as this member sees it, and y the new residual y - deQ(Q(y)). On failure
+ * out and y are unspecified (the caller keeps its own copies). */
+rpl_status rpl_compressed_average(rpl_run *run, float *y, size_t count, rpl_compress mode,
+                                  float *out);
+
 /* Single copy between ranks of one host (single_copy.c), used by rpl_allreduce_buf. _applies
  * says whether the run may try it (every member on this host, a large enough buffer): the same
  * answer on every member. The all-reduce then agrees with the members whether all may read

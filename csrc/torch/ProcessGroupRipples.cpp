@@ -117,6 +117,7 @@ ProcessGroupRipples::ProcessGroupRipples(
     pc.on_failure = cfg_.on_failure_skip ? RPL_ON_FAILURE_SKIP : RPL_ON_FAILURE_RAISE;
     pc.trace = cfg_.trace ? 1 : 0;
     pc.domain = processFenceDomain();
+    pc.compression = static_cast<rpl_compress>(cfg_.compression);
     st = rpl_comm_enable_partial(comm_, &pc, &err);
     if (st != RPL_OK) {
       rpl_comm_destroy(comm_);

@@ -70,6 +70,7 @@ struct Config {
   bool on_failure_skip = false;
   bool trace = false;
   bool partial_by_default = false;  // Options(partial=True): no context manager needed
+  int compression = 0;        // rpl_compress of partial rounds (Options.compression)
 };
 
 // How allreduce calls issued by the current thread treat partial mode: follow the group's

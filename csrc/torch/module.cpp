@@ -121,6 +121,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"coordinator_failovers", py::cast(s.failovers)},
                 {"group_sizes", listOf(s.group_sizes, RPL_HIST_BUCKETS)},
                 {"bytes", py::cast(s.bytes)},
+                {"wire_bytes", py::cast(s.wire_bytes)},
+                {"compressed", py::cast(s.compressed)},
+                {"compress_fallbacks", py::cast(s.compress_fallbacks)},
                 {"group_s", py::cast(s.group_s)},
                 {"wait_s", py::cast(s.wait_s)},
                 {"reduce_s", py::cast(s.reduce_s)},
@@ -207,7 +210,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          bool on_failure_skip,
          bool trace,
          bool partial_by_default,
-         const std::string& job_secret) {
+         const std::string& job_secret,
+         const std::string& compression) {
         ripples::Config cfg;
         cfg.timeout_s = timeout_s;
         cfg.bind_addr = bind_addr;
@@ -227,6 +231,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         cfg.trace = trace;
         cfg.partial_by_default = partial_by_default;
         cfg.job_secret = job_secret;
+        // The names of Options.compression, in rpl_compress order.
+        static const char* const kModes[] = {"none", "bf16", "fp16", "int8"};
+        cfg.compression = -1;
+        for (int i = 0; i < RPL_COMPRESS_COUNT; i++)
+          if (compression == kModes[i]) cfg.compression = i;
+        TORCH_CHECK_VALUE(cfg.compression >= 0, "ripples: unknown compression '", compression,
+                          "' (none, bf16, fp16 or int8)");
         return ripples::createProcessGroupRipples(store, rank, size, cfg);
       },
       py::arg("store"),
@@ -250,6 +261,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("trace") = false,
       py::arg("partial_by_default") = false,
       py::arg("job_secret") = std::string(),
+      py::arg("compression") = std::string("none"),
       // Blocks until every rank of the group has joined (through the store).
       py::call_guard<py::gil_scoped_release>(),
       "Creates the backend; every rank of the group must call it.");
