@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from .averager import RipplesAverager, parse_levels
+from .averager import RipplesAverager
 from .diloco import DiLoCoAverager, resolve_sync_levels
 from ._groups import host_group, is_ripples
 from .hooks import POST_WARMUP_MODES, RipplesHookState, ripples_hook

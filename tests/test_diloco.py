@@ -176,6 +176,33 @@ def task_world_level(ctx):
     return {"params": got, "counts": counts}
 
 
+def task_mixed_dtypes_alone(ctx):
+    """A DiLoCoAverager alone in its world level (a gloo group of one rank), on float32 and
+    bfloat16 parameters: the outer step uses the worker's own pseudo-gradient, in float32."""
+    import ripples_pg
+
+    sub, _ = dist.new_subgroups(group_size=1, backend="gloo")
+    ps = [torch.nn.Parameter(torch.randn(5, 3)),
+          torch.nn.Parameter(torch.randn(4).to(torch.bfloat16))]
+    inner = torch.optim.SGD(ps, lr=0.1)
+    av = ripples_pg.DiLoCoAverager(sub, levels={2: "world"}, outer_optimizer="nesterov",
+                                   optimizer=inner)
+    a0 = [p.detach().float().clone() for p in ps]
+    deltas = [torch.full_like(p, 0.25) for p in ps]
+    av.average_parameters(ps)  # local step 1: nothing yet
+    for p, d in zip(ps, deltas):  # "inner steps": theta = a0 - 2 * delta
+        p.data.sub_(2 * d)
+    av.average_parameters(ps)  # local step 2: the outer step
+    ok = []
+    for p, a in zip(ps, a0):
+        g = a - (a - 0.5).to(p.dtype).float()  # own pseudo-gradient, from the stored dtype
+        want = a - 0.7 * (g + 0.9 * g)  # first Nesterov step: buf = g
+        ok.append(torch.allclose(p.detach().float(), want.to(p.dtype).float(), atol=1e-6))
+    anchors_fp32 = all(t.dtype == torch.float32 for t in av._anchor.values())
+    return {"ok": ok, "stats": av.diloco_stats, "anchors_fp32": anchors_fp32,
+            "dtypes": [str(p.dtype) for p in ps]}
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -381,3 +408,10 @@ def test_straggler_run_trains_and_counts(pool, schedule, world_every):
             # a global DiLoCo step every 4th outer step keeps the anchors close (without one
             # the anchors of groups that rarely meet drift apart: docs/diloco.md)
             assert r["spread_before"] < 0.05, r
+
+
+def test_group_of_one_mixed_dtypes(pool):
+    for r in pool.run(task_mixed_dtypes_alone):
+        assert all(r["ok"]) and r["anchors_fp32"], r
+        assert r["dtypes"] == ["torch.float32", "torch.bfloat16"]
+        assert r["stats"]["outer_steps"] == 1 and r["stats"]["local_outer_steps"] == 1, r
