@@ -35,7 +35,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from .averager import RipplesAverager
-from .diloco import DiLoCoAverager, resolve_sync_levels
+from .diloco import DiLoCoAverager, check_on_alone, resolve_sync_levels
 from ._groups import host_group, is_ripples
 from .hooks import POST_WARMUP_MODES, RipplesHookState, ripples_hook
 
@@ -141,9 +141,10 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
 
     @property
     def diloco_stats(self) -> Optional[dict]:
-        """With ``sync_every``/``outer_optimizer``: ``outer_steps``, ``local_outer_steps``
-        (those on the worker's own pseudo-gradient: a group of one, a skipped, failed or passed
-        round), ``sync_every`` and the outer optimizer; None for plain Ripples."""
+        """With ``sync_every``/``outer_optimizer``: ``outer_steps`` (taken), ``alone_rounds``
+        (rounds that averaged with nobody: a group of one, a skipped, failed or passed round),
+        ``deferred_outer_steps`` (those of them with no outer step, ``on_alone="defer"``),
+        ``on_alone``, ``sync_every`` and the outer optimizer; None for plain Ripples."""
         return getattr(self.averager, "diloco_stats", None)
 
     def __repr__(self):
@@ -187,7 +188,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          overlap: bool = False,
          warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
          outer_optimizer=None,
-         sync_every: Optional[int] = None) -> RipplesOptimizer:
+         sync_every: Optional[int] = None,
+         on_alone: str = "defer") -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
@@ -238,6 +240,10 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             ``H`` as smallest period and only multiples of it (``{H: "partial", 8*H:
             "world"}``: every 8th outer step is global DiLoCo). Without ``outer_optimizer``:
             plain partial model averaging every ``H`` steps.
+        on_alone: with ``outer_optimizer``, a round that averaged with nobody (a group of one,
+            a skipped, failed or passed round): ``"defer"`` (default) takes no outer step (the
+            anchor and outer state stay, the model keeps its local progress, the next real
+            round covers it); ``"local_step"`` takes one on the worker's own pseudo-gradient.
 
     Buffers: the averager averages the module's floating-point buffers (BatchNorm's running
     statistics) with the parameters; integer buffers (``num_batches_tracked``) stay each
@@ -280,6 +286,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
                          f"got {post_warmup!r}")
     levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
                                              "ripples_pg.wrap")
+    check_on_alone(on_alone, "ripples_pg.wrap")
     if group_size is not None:
         _check_int("group_size", group_size, 1)
     if not isinstance(overlap, bool):
@@ -329,7 +336,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
                overlap=overlap, warmup_straggler=warmup_straggler)
     if sync_every is not None:  # partial DiLoCo, or periodic averaging without outer_optimizer
         averager = DiLoCoAverager(group, outer_optimizer=outer_optimizer,
-                                  sync_every=sync_every, **akw)
+                                  sync_every=sync_every, on_alone=on_alone, **akw)
     else:
         averager = RipplesAverager(group, **akw)
     state = RipplesHookState(ddp_group, warmup_steps=warmup_steps, post_warmup=post_warmup,

@@ -15,8 +15,11 @@ and sets ``model = anchor_i``. When the anchors in ``G`` are equal this is DiLoC
 pseudo-gradient exactly; when they differ, ``g_i`` also holds ``anchor_i - mean_G(anchor)``,
 which contracts the anchors towards each other (for Nesterov lr 0.7, momentum 0.9 by a factor
 ``sqrt(0.9 * 0.3) ~= 0.52`` per common outer step; the algebra is in docs/diloco.md). A group of
-one, a skipped or failed round and a round the adaptive period passed leave
-``mean_G(theta) = theta_i``: the outer step still runs, on the worker's own pseudo-gradient.
+one, a skipped or failed round and a round the adaptive period passed averaged with nobody:
+by default (``on_alone="defer"``) there is no outer step -- anchor and outer state stay as they
+are, the model keeps its local progress, and the next round that averages with someone covers
+every local step since the last outer step. ``on_alone="local_step"`` takes an outer step on the
+worker's own pseudo-gradient instead (local DiLoCo; measured against in docs/diloco.md).
 
 Anchors and outer state are float32, one flat buffer per parameter dtype, in the averager's
 parameter order; the outer optimizer sees per-parameter views of them (shaped like the
@@ -34,12 +37,16 @@ import torch.distributed as dist
 
 from .averager import RipplesAverager, _params_of, parse_levels
 
-__all__ = ["DiLoCoAverager", "OUTER_NESTEROV", "resolve_sync_levels", "make_outer_optimizer"]
+__all__ = ["DiLoCoAverager", "OUTER_NESTEROV", "ON_ALONE", "resolve_sync_levels",
+           "make_outer_optimizer"]
 
 logger = logging.getLogger(__name__)
 
 # The DiLoCo paper's outer optimizer (and torchft's examples): Nesterov SGD, lr 0.7, mu 0.9.
 OUTER_NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+# What an outer step does after a round that averaged with nobody (docs/diloco.md).
+ON_ALONE = ("defer", "local_step")
 
 OuterSpec = Union[None, str, Callable[[List[torch.Tensor]], torch.optim.Optimizer]]
 
@@ -61,6 +68,12 @@ def check_outer_optimizer(outer_optimizer: OuterSpec, who: str) -> None:
                         f"optimizer steps the float32 anchors, which wrap() creates")
     raise TypeError(f"{who}: outer_optimizer must be None, 'nesterov' or a callable params -> "
                     f"torch.optim.Optimizer, got {type(outer_optimizer).__name__}")
+
+
+def check_on_alone(on_alone, who: str) -> None:
+    if on_alone not in ON_ALONE:
+        raise ValueError(f"{who}: on_alone must be one of {ON_ALONE} (what a round that "
+                         f"averaged with nobody does), got {on_alone!r}")
 
 
 def resolve_sync_levels(outer_optimizer: OuterSpec, sync_every: Optional[int], levels,
@@ -123,6 +136,10 @@ class DiLoCoAverager(RipplesAverager):
             float32 anchors, one tensor shaped like each parameter), or ``None``: no outer
             step -- plain model averaging every ``sync_every`` steps.
         sync_every: ``H``, inner steps per outer step; ``levels`` default ``{H: "partial"}``.
+        on_alone: a round that averaged with nobody (a group of one, a skipped/failed or passed
+            round, a host level alone on its host): ``"defer"`` (default) -- no outer step,
+            anchor and outer state untouched, the model keeps its local progress;
+            ``"local_step"`` -- an outer step on the worker's own pseudo-gradient.
 
     Steps are counted from the end of warm-up: the level of period ``p`` runs after every
     ``p``-th local step (the first outer step after ``H`` local steps), not at every step index
@@ -130,15 +147,16 @@ class DiLoCoAverager(RipplesAverager):
     warm-up (identical on every worker then); with ``warmup_steps=0`` it is taken from
     ``optimizer``'s parameters at construction, so ``optimizer=`` is then required.
 
-    ``outer_steps`` counts outer steps, ``local_outer_steps`` those that used the worker's own
-    pseudo-gradient only (a group of one, a skipped/failed or passed round, a host level alone
-    on its host).
+    ``outer_steps`` counts the outer steps taken, ``alone_rounds`` the rounds that averaged with
+    nobody; with ``on_alone="defer"`` those are ``deferred_outer_steps`` (no outer step), with
+    ``"local_step"`` they are among ``outer_steps``.
     """
 
     def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
                  outer_optimizer: OuterSpec = "nesterov", sync_every: Optional[int] = None,
-                 **kwargs):
+                 on_alone: str = "defer", **kwargs):
         who = "ripples_pg.DiLoCoAverager"
+        check_on_alone(on_alone, who)
         levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels,
                                                  kwargs.get("overlap", False), who)
         if sync_every is None:
@@ -146,8 +164,10 @@ class DiLoCoAverager(RipplesAverager):
         super().__init__(process_group, levels, warmup_steps, **kwargs)
         self.sync_every = sync_every
         self.outer_spec = outer_optimizer
+        self.on_alone = on_alone
         self.outer_steps = 0
-        self.local_outer_steps = 0
+        self.alone_rounds = 0
+        self.deferred_outer_steps = 0
         # float32 anchors: dtype -> flat buffer over that dtype's parameters (in order)
         self._anchor: Optional["OrderedDict[torch.dtype, torch.Tensor]"] = None
         self._anchor_views: List[torch.Tensor] = []
@@ -257,10 +277,15 @@ class DiLoCoAverager(RipplesAverager):
         if self._signature(plist) != self._anchor_sig:
             raise RuntimeError("ripples_pg.DiLoCoAverager: the model's parameters changed "
                                "(number, shape, dtype or device) since the anchor was taken")
+        if local:
+            self.alone_rounds += 1
+            if self.on_alone == "defer":
+                # no outer step: anchor and outer state untouched, the model keeps its local
+                # progress; the next real round's a_i - mean_G(theta) covers all of it
+                self.deferred_outer_steps += 1
+                return
         self._outer_step(plist)
         self.outer_steps += 1
-        if local:
-            self.local_outer_steps += 1
 
     @torch.no_grad()
     def _outer_step(self, plist: List[torch.Tensor]) -> None:
@@ -282,14 +307,16 @@ class DiLoCoAverager(RipplesAverager):
     @property
     def diloco_stats(self) -> dict:
         return {"sync_every": self.sync_every, "outer_steps": self.outer_steps,
-                "local_outer_steps": self.local_outer_steps,
+                "alone_rounds": self.alone_rounds,
+                "deferred_outer_steps": self.deferred_outer_steps, "on_alone": self.on_alone,
                 "outer_optimizer": None if self.outer_spec is None else
                 (self.outer_spec if isinstance(self.outer_spec, str) else "callable")}
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
         d = {"sync_every": self.sync_every, "outer_steps": self.outer_steps,
-             "local_outer_steps": self.local_outer_steps}
+             "alone_rounds": self.alone_rounds,
+             "deferred_outer_steps": self.deferred_outer_steps}
         if self._anchor is not None:
             d["anchors"] = [t.detach().clone() for t in self._anchor.values()]
             d["outer"] = self.outer.state_dict()
@@ -314,7 +341,8 @@ class DiLoCoAverager(RipplesAverager):
                           f"sync_every={d['sync_every']} into one with "
                           f"sync_every={self.sync_every}", stacklevel=2)
         self.outer_steps = int(d.get("outer_steps", 0))
-        self.local_outer_steps = int(d.get("local_outer_steps", 0))
+        self.alone_rounds = int(d.get("alone_rounds", 0))
+        self.deferred_outer_steps = int(d.get("deferred_outer_steps", 0))
         # the anchors are rebuilt on the parameters at the next step (they may not be laid out
         # yet); a state inside warm-up has none: the anchor is taken when warm-up ends
         self._anchor = None
@@ -324,4 +352,5 @@ class DiLoCoAverager(RipplesAverager):
     def __repr__(self) -> str:
         base = super().__repr__()[len("RipplesAverager("):-1]
         outer = self.diloco_stats["outer_optimizer"]
-        return f"DiLoCoAverager({base}, sync_every={self.sync_every}, outer={outer!r})"
+        return (f"DiLoCoAverager({base}, sync_every={self.sync_every}, outer={outer!r}, "
+                f"on_alone={self.on_alone!r})")

@@ -65,7 +65,7 @@ import ripples_pg  # noqa: E402
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import DEFAULT_WARMUP_STRAGGLER, RipplesOptimizer, wrap  # noqa: E402
 from .averager import parse_levels  # noqa: E402
-from .diloco import resolve_sync_levels  # noqa: E402
+from .diloco import check_on_alone, resolve_sync_levels  # noqa: E402
 from .hooks import POST_WARMUP_MODES  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
@@ -112,8 +112,8 @@ class RipplesStrategy(DDPStrategy):
     ``post_warmup`` (``"local"``), ``average_optimizer_state``, ``overlap``, ``c_thres``,
     ``inter_intra``, ``coordinator``, ``on_failure`` (``"skip"``), ``seed``, ``trace``,
     ``period_max`` (2), ``round_timeout`` (seconds; wrap's ``timeout``: default the
-    process group's ``timeout``), and ``outer_optimizer`` / ``sync_every`` (partial DiLoCo,
-    docs/diloco.md).
+    process group's ``timeout``), and ``outer_optimizer`` / ``sync_every`` / ``on_alone``
+    (partial DiLoCo, docs/diloco.md).
 
     Strategy arguments:
         time_limit: seconds of training per rank, each on its own clock (no global
@@ -145,7 +145,7 @@ class RipplesStrategy(DDPStrategy):
                  trace: Optional[bool] = None, period_max: Optional[int] = None,
                  round_timeout: Optional[float] = None,
                  outer_optimizer=None, sync_every: Optional[int] = None,
-                 time_limit: Optional[float] = None,
+                 on_alone: str = "defer", time_limit: Optional[float] = None,
                  stats_every_n_steps: Optional[int] = None,
                  process_group_backend: Optional[str] = STRATEGY_NAME,
                  timeout: Optional[Union[timedelta, float]] = None,
@@ -176,6 +176,7 @@ class RipplesStrategy(DDPStrategy):
         # then sets them)
         resolved, _ = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
                                           "RipplesStrategy")
+        check_on_alone(on_alone, "RipplesStrategy")
         levels = parse_levels(levels) if levels is not None or sync_every is None else None
         for name, value, minimum in (("warmup_steps", warmup_steps, 0),
                                      ("group_size", group_size, 1),
@@ -224,7 +225,7 @@ class RipplesStrategy(DDPStrategy):
                                  post_warmup=post_warmup,
                                  average_optimizer_state=average_optimizer_state,
                                  overlap=overlap, outer_optimizer=outer_optimizer,
-                                 sync_every=sync_every)
+                                 sync_every=sync_every, on_alone=on_alone)
         self.time_limit = float(time_limit) if time_limit is not None else None
         self.stats_every_n_steps = stats_every_n_steps
         self._ropt: Optional[RipplesOptimizer] = None

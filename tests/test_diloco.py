@@ -6,7 +6,10 @@
 * a straggler run (smart schedule, 4 workers, groups of 2) trains, counts outer steps and
   groups of one, and ends with identical replicas after the exact average;
 * checkpoint/resume continues bit for bit; bad arguments raise clear errors;
-* a group of one takes the local outer step: anchor update = its own pseudo-gradient;
+* a round that averaged with nobody (a group of one) defers the outer step by default: anchor
+  and outer state untouched, the model keeps its local progress, and the next real round's
+  pseudo-gradient covers every local step since; on_alone="local_step" takes the outer step
+  on the worker's own pseudo-gradient instead;
 * the anchor contraction factor documented for Nesterov lr 0.7, momentum 0.9.
 """
 import copy
@@ -87,28 +90,38 @@ def task_world_equivalence(ctx):
     return {"params": got, "stats": st}
 
 
-def task_group_of_one(ctx):
-    model = DDP(C.make_model())
-    ropt = _wrap(model)
-    got = _train(ctx, ropt, model, H * ROUNDS, record_every=H, parity=ALONE)
+def task_group_of_one(ctx, on_alone):
+    """ROUNDS rounds that are all groups of one, then (defer) one round over the world."""
     import ripples_pg
 
+    model = DDP(C.make_model())
+    ropt = _wrap(model, on_alone=on_alone)
+    av = ropt.averager
+    anchor0 = [t.clone() for t in av._anchor.values()]
+    got = _train(ctx, ropt, model, H * ROUNDS, record_every=H, parity=ALONE)
     st = dict(ropt.diloco_stats)
     st["singletons"] = ripples_pg.stats(ropt.group)["singletons"]
+    out = {"params": got, "stats": st,
+           "anchor_kept": all(torch.equal(a, b) for a, b in zip(anchor0, av._anchor.values())),
+           "outer_state": len(av.outer.state_dict()["state"])}
+    if on_alone == "defer":  # a real round now: its pseudo-gradient covers all 4 rounds' steps
+        out["after_world"] = _train(ctx, ropt, model, H * (ROUNDS + 1), start=H * ROUNDS,
+                                    record_every=H, parity=WORLD)[-1]
+        out["world_stats"] = dict(ropt.diloco_stats)
     ropt.unwrap(average=False)
     dist.barrier()  # a ripples collective: fences the end of the partial rounds
-    return {"params": got, "stats": st}
+    return out
 
 
-def task_resume(ctx, warmup, save_after, total):
+def task_resume(ctx, warmup, save_after, total, parity=WORLD):
     """Run A: train ``total`` steps, snapshotting after ``save_after``. Run B: a fresh model
     and wrap() load the snapshot and train the rest. Both final models must be equal."""
     model = DDP(C.make_model())
     ropt = _wrap(model, warmup_steps=warmup)
-    _train(ctx, ropt, model, save_after)
+    _train(ctx, ropt, model, save_after, parity=parity)
     snap = copy.deepcopy({"model": model.module.state_dict(), "opt": ropt.state_dict()})
     ripples_sd = snap["opt"]["ripples"]
-    _train(ctx, ropt, model, total, start=save_after)
+    _train(ctx, ropt, model, total, start=save_after, parity=parity)
     a = C.flat_params(model.module)
     a_stats = ropt.diloco_stats
     ropt.unwrap(average=False)
@@ -117,7 +130,7 @@ def task_resume(ctx, warmup, save_after, total):
     ropt2 = _wrap(model2, warmup_steps=warmup)
     model2.module.load_state_dict(snap["model"])
     ropt2.load_state_dict(snap["opt"])
-    _train(ctx, ropt2, model2, total, start=save_after)
+    _train(ctx, ropt2, model2, total, start=save_after, parity=parity)
     b = C.flat_params(model2.module)
     b_stats = ropt2.diloco_stats
     ropt2.unwrap(average=False)
@@ -149,6 +162,8 @@ def task_errors(ctx):
                                            levels={2: "partial"}))
     expect("levels_multiple", ValueError, lambda: w(m, o, sync_every=4,
                                                     levels={4: "partial", 6: "world"}))
+    expect("on_alone", ValueError, lambda: w(m, o, outer_optimizer="nesterov", sync_every=4,
+                                             on_alone="skip"))
     # consistent levels are accepted: every 2nd outer step is exact (global DiLoCo)
     ropt = w(m, o, outer_optimizer="nesterov", sync_every=4,
              levels={4: "partial", 8: "world"}, schedule="static")
@@ -176,9 +191,10 @@ def task_world_level(ctx):
     return {"params": got, "counts": counts}
 
 
-def task_mixed_dtypes_alone(ctx):
+def task_mixed_dtypes_alone(ctx, on_alone):
     """A DiLoCoAverager alone in its world level (a gloo group of one rank), on float32 and
-    bfloat16 parameters: the outer step uses the worker's own pseudo-gradient, in float32."""
+    bfloat16 parameters. "local_step": the outer step uses the worker's own pseudo-gradient,
+    in float32; "defer": the round leaves model, anchors and outer state as they were."""
     import ripples_pg
 
     sub, _ = dist.new_subgroups(group_size=1, backend="gloo")
@@ -186,20 +202,25 @@ def task_mixed_dtypes_alone(ctx):
           torch.nn.Parameter(torch.randn(4).to(torch.bfloat16))]
     inner = torch.optim.SGD(ps, lr=0.1)
     av = ripples_pg.DiLoCoAverager(sub, levels={2: "world"}, outer_optimizer="nesterov",
-                                   optimizer=inner)
+                                   optimizer=inner, on_alone=on_alone)
     a0 = [p.detach().float().clone() for p in ps]
     deltas = [torch.full_like(p, 0.25) for p in ps]
     av.average_parameters(ps)  # local step 1: nothing yet
     for p, d in zip(ps, deltas):  # "inner steps": theta = a0 - 2 * delta
         p.data.sub_(2 * d)
-    av.average_parameters(ps)  # local step 2: the outer step
+    theta = [p.detach().clone() for p in ps]
+    av.average_parameters(ps)  # local step 2: the outer step's round, alone
     ok = []
-    for p, a in zip(ps, a0):
+    for p, a, t, v in zip(ps, a0, theta, av._anchor_views):
+        if on_alone == "defer":
+            ok.append(torch.equal(p.detach(), t) and torch.equal(v, a))
+            continue
         g = a - (a - 0.5).to(p.dtype).float()  # own pseudo-gradient, from the stored dtype
         want = a - 0.7 * (g + 0.9 * g)  # first Nesterov step: buf = g
         ok.append(torch.allclose(p.detach().float(), want.to(p.dtype).float(), atol=1e-6))
     anchors_fp32 = all(t.dtype == torch.float32 for t in av._anchor.values())
     return {"ok": ok, "stats": av.diloco_stats, "anchors_fp32": anchors_fp32,
+            "outer_state": len(av.outer.state_dict()["state"]),
             "dtypes": [str(p.dtype) for p in ps]}
 
 
@@ -242,7 +263,8 @@ def test_group_world_equals_global_diloco_and_torchft(pool, tmp_path):
     ref = C.reference_diloco([0, 1], H, ROUNDS)
     for r in res:
         assert len(r["params"]) == ROUNDS
-        assert r["stats"]["outer_steps"] == ROUNDS and r["stats"]["local_outer_steps"] == 0
+        assert r["stats"]["outer_steps"] == ROUNDS and r["stats"]["alone_rounds"] == 0
+        assert r["stats"]["deferred_outer_steps"] == 0
         for k, (got, want) in enumerate(zip(r["params"], ref)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"outer step {k}: {m}")
@@ -271,12 +293,52 @@ def test_world_level_is_global_diloco(pool):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_group_of_one_takes_the_local_outer_step(pool):
-    res = pool.run(task_group_of_one)
+def _local_training(rank, steps):
+    """The model after ``steps`` inner steps on ``rank``'s data, with no averaging at all."""
+    model = C.make_model()
+    inner = C.make_inner(model.parameters())
+    for step in range(steps):
+        x, y = C.batch(rank, step)
+        inner.zero_grad()
+        C.loss_of(model, x, y).backward()
+        inner.step()
+    return C.flat_params(model)
+
+
+def test_group_of_one_defers_the_outer_step(pool):
+    res = pool.run(task_group_of_one, "defer")
+    start = C.flat_params(C.make_model())
     for rank, r in enumerate(res):
         st = r["stats"]
-        assert st["outer_steps"] == ROUNDS and st["local_outer_steps"] == ROUNDS, st
+        assert st["outer_steps"] == 0 and st["on_alone"] == "defer", st
+        assert st["alone_rounds"] == ROUNDS and st["deferred_outer_steps"] == ROUNDS, st
         assert st["singletons"] >= ROUNDS, st
+        # anchor and outer state untouched, the rounds did not move the model: it is plain
+        # local training on the rank's own data
+        assert r["anchor_kept"] and r["outer_state"] == 0, r
+        for k, got in enumerate(r["params"]):
+            torch.testing.assert_close(got, _local_training(rank, H * (k + 1)), rtol=1e-5,
+                                       atol=1e-6)
+        assert float((r["params"][-1] - start).abs().max()) > 1e-2  # it did train
+    # the next real round (the world): one outer step from the untouched anchor with the
+    # pseudo-gradient of all (ROUNDS + 1) * H local steps; first Nesterov step: (1 + mu) g
+    thetas = [_local_training(rank, H * (ROUNDS + 1)) for rank in range(len(res))]
+    g = start - torch.stack(thetas).mean(0)
+    want = start - 0.7 * (1 + 0.9) * g
+    for r in res:
+        assert r["world_stats"]["outer_steps"] == 1, r["world_stats"]
+        assert r["world_stats"]["deferred_outer_steps"] == ROUNDS, r["world_stats"]
+        torch.testing.assert_close(r["after_world"], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(res[0]["after_world"], res[1]["after_world"])
+
+
+def test_group_of_one_local_step_option(pool):
+    res = pool.run(task_group_of_one, "local_step")
+    for rank, r in enumerate(res):
+        st = r["stats"]
+        assert st["outer_steps"] == ROUNDS and st["alone_rounds"] == ROUNDS, st
+        assert st["deferred_outer_steps"] == 0 and st["on_alone"] == "local_step", st
+        assert not r["anchor_kept"] and r["outer_state"] > 0, r
         # local DiLoCo: anchor - lr * nesterov(own pseudo-gradient), own data only
         ref = C.reference_diloco([rank], H, ROUNDS)
         for got, want in zip(r["params"], ref):
@@ -284,17 +346,21 @@ def test_group_of_one_takes_the_local_outer_step(pool):
     assert not torch.equal(res[0]["params"][-1], res[1]["params"][-1])
 
 
-@pytest.mark.parametrize("warmup,save_after", [(0, 8), (2, 12), (6, 4)])
-def test_checkpoint_resume_is_exact(pool, warmup, save_after):
-    res = pool.run(task_resume, warmup, save_after, 22)
+@pytest.mark.parametrize("warmup,save_after,parity", [(0, 8, WORLD), (2, 12, WORLD),
+                                                     (6, 4, WORLD), (2, 12, ALONE)])
+def test_checkpoint_resume_is_exact(pool, warmup, save_after, parity):
+    res = pool.run(task_resume, warmup, save_after, 22, parity)
     for r in res:
         assert r["equal"], r
         assert r["a_stats"] == r["b_stats"], r
-        assert r["a_stats"]["outer_steps"] == (22 - warmup) // H
+        st = r["a_stats"]
+        assert st["outer_steps"] + st["deferred_outer_steps"] == (22 - warmup) // H
+        # ALONE: every round is a group of one, deferred (the model trains on locally)
+        assert st["deferred_outer_steps"] == (0 if parity == WORLD else (22 - warmup) // H)
         # saved after warm-up: the anchor and the outer momentum travel in the checkpoint
         if save_after > warmup:
             assert r["has_anchor"], r
-        if save_after - warmup >= H:
+        if save_after - warmup >= H and parity == WORLD:
             assert r["has_outer"], r
 
 
@@ -309,6 +375,7 @@ def test_bad_arguments(pool):
     assert "overlap" in e["overlap"]
     assert "levels" in e["levels"] and "sync_every=4" in e["levels"]
     assert "multiple" in e["levels_multiple"]
+    assert "on_alone" in e["on_alone"] and "'defer'" in e["on_alone"]
     assert res["ok"]
     assert res["bad_return"] and "torch.optim.Optimizer" in res["bad_return"]
 
@@ -341,6 +408,11 @@ def test_lightning_strategy_passes_diloco_options():
 
     s = RipplesStrategy(outer_optimizer="nesterov", sync_every=8)
     assert s._wrap_kwargs["outer_optimizer"] == "nesterov"
+    assert s._wrap_kwargs["on_alone"] == "defer"
+    assert RipplesStrategy(outer_optimizer="nesterov", sync_every=8,
+                           on_alone="local_step")._wrap_kwargs["on_alone"] == "local_step"
+    with pytest.raises(ValueError, match="on_alone"):
+        RipplesStrategy(outer_optimizer="nesterov", sync_every=8, on_alone="nope")
     assert s._wrap_kwargs["sync_every"] == 8 and s._wrap_kwargs["levels"] is None
     with pytest.raises(ValueError, match="overlap"):
         RipplesStrategy(outer_optimizer="nesterov", sync_every=8, overlap=True)
@@ -397,10 +469,11 @@ def test_straggler_run_trains_and_counts(pool, schedule, world_every):
     exact = 0 if world_every is None else outer // world_every
     for r in res:
         st = r["stats"]
-        assert st["outer_steps"] == outer and r["rounds"] == outer - exact, r
-        # the partial rounds that averaged with no one are the local outer steps (an exact
-        # level over 4 workers never is one)
-        assert st["local_outer_steps"] == r["alone"], r
+        assert st["outer_steps"] + st["deferred_outer_steps"] == outer, r
+        assert r["rounds"] == outer - exact, r
+        # the partial rounds that averaged with no one deferred their outer step (an exact
+        # level over 4 workers never is one); the others took it
+        assert st["alone_rounds"] == st["deferred_outer_steps"] == r["alone"], r
         assert r["end_loss"] < 0.3 * r["start_loss"], r
         assert r["identical_after"], r  # unwrap's exact average: identical replicas
         assert math.isfinite(r["spread_before"])
@@ -410,8 +483,15 @@ def test_straggler_run_trains_and_counts(pool, schedule, world_every):
             assert r["spread_before"] < 0.05, r
 
 
-def test_group_of_one_mixed_dtypes(pool):
-    for r in pool.run(task_mixed_dtypes_alone):
+@pytest.mark.parametrize("on_alone", ["defer", "local_step"])
+def test_group_of_one_mixed_dtypes(pool, on_alone):
+    for r in pool.run(task_mixed_dtypes_alone, on_alone):
         assert all(r["ok"]) and r["anchors_fp32"], r
         assert r["dtypes"] == ["torch.float32", "torch.bfloat16"]
-        assert r["stats"]["outer_steps"] == 1 and r["stats"]["local_outer_steps"] == 1, r
+        assert r["stats"]["alone_rounds"] == 1, r
+        if on_alone == "defer":
+            assert r["stats"]["outer_steps"] == 0 and r["outer_state"] == 0, r
+            assert r["stats"]["deferred_outer_steps"] == 1, r
+        else:
+            assert r["stats"]["outer_steps"] == 1 and r["outer_state"] == 2, r
+            assert r["stats"]["deferred_outer_steps"] == 0, r
