@@ -19,7 +19,7 @@ from .options import Options
 __version__ = "0.1.0"
 
 __all__ = [
-    "Options", "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "has_ucx", "hooks",
+    "DiLoCoAverager", "Options", "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "has_ucx", "hooks",
     "host_of", "is_registered", "partial", "partial_all_reduce", "pick_bind_addr", "register",
     "stats", "trace", "wrap",
 ]
@@ -29,6 +29,7 @@ __all__ = [
 # cycle-free and fast.
 _LAZY = {
     "RipplesAverager": ("averager", "RipplesAverager"),
+    "DiLoCoAverager": ("diloco", "DiLoCoAverager"),
     "RipplesOptimizer": ("_wrap", "RipplesOptimizer"),
     "wrap": ("_wrap", "wrap"),
     "hooks": ("hooks", None),

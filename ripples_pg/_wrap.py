@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from .averager import RipplesAverager, parse_levels
+from .averager import RipplesAverager
+from .diloco import DiLoCoAverager, check_on_alone, resolve_sync_levels
 from ._groups import host_group, is_ripples
 from .hooks import POST_WARMUP_MODES, RipplesHookState, ripples_hook
 
@@ -69,7 +70,9 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
     ``PostLocalSGDOptimizer`` saves it) and ``"ripples"``: the averager's state; loading it
     restores the step of both the averager and the comm hook, so warm-up is not repeated and
     the levels continue at the right step (and DDP's buffer broadcast is on again for a step
-    inside warm-up).
+    inside warm-up). With an outer optimizer (partial DiLoCo) ``"ripples"`` also holds the
+    float32 anchors, the outer optimizer's state and the outer step counts, so a resumed job
+    continues exactly.
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: RipplesAverager,
@@ -136,6 +139,14 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         if extra is not None:
             self.averager.load_state_dict(extra)
 
+    @property
+    def diloco_stats(self) -> Optional[dict]:
+        """With ``sync_every``/``outer_optimizer``: ``outer_steps`` (taken), ``alone_rounds``
+        (rounds that averaged with nobody: a group of one, a skipped, failed or passed round),
+        ``deferred_outer_steps`` (those of them with no outer step, ``on_alone="defer"``),
+        ``on_alone``, ``sync_every`` and the outer optimizer; None for plain Ripples."""
+        return getattr(self.averager, "diloco_stats", None)
+
     def __repr__(self):
         return f"RipplesOptimizer({self.optim!r}, {self.averager!r})"
 
@@ -176,7 +187,10 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          period_max: Optional[int] = None,
          compression: Optional[str] = None,
          overlap: bool = False,
-         warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER) -> RipplesOptimizer:
+         warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
+         outer_optimizer=None,
+         sync_every: Optional[int] = None,
+         on_alone: str = "defer") -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
@@ -215,6 +229,22 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             plus the local update made since (one step of staleness, as in overlap-SGP). Off
             by default until measurements show it faster. Call ``optimizer.flush()`` before
             evaluating or saving the model at the end; ``unwrap()`` does it too.
+        outer_optimizer: partial DiLoCo (docs/diloco.md): ``"nesterov"`` (``torch.optim.SGD(
+            lr=0.7, momentum=0.9, nesterov=True)``, the DiLoCo paper's), or a callable
+            ``params -> torch.optim.Optimizer`` (any torch optimizer; it gets float32 anchors
+            shaped like the parameters). Every ``sync_every`` steps after warm-up, one partial
+            round averages the model within the Group Generator's group, then each worker steps
+            its own anchor with ``anchor - average`` as gradient and restarts from it. ``None``
+            (default): plain Ripples. Not with ``overlap=True``.
+        sync_every: ``H``, local steps between averaging steps (counted from the end of
+            warm-up); ``levels`` then defaults to ``{H: "partial"}``, and given levels must have
+            ``H`` as smallest period and only multiples of it (``{H: "partial", 8*H:
+            "world"}``: every 8th outer step is global DiLoCo). Without ``outer_optimizer``:
+            plain partial model averaging every ``H`` steps.
+        on_alone: with ``outer_optimizer``, a round that averaged with nobody (a group of one,
+            a skipped, failed or passed round): ``"defer"`` (default) takes no outer step (the
+            anchor and outer state stay, the model keeps its local progress, the next real
+            round covers it); ``"local_step"`` takes one on the worker's own pseudo-gradient.
 
     Buffers: the averager averages the module's floating-point buffers (BatchNorm's running
     statistics) with the parameters; integer buffers (``num_batches_tracked``) stay each
@@ -255,7 +285,9 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     if post_warmup not in POST_WARMUP_MODES:
         raise ValueError(f"ripples_pg.wrap: post_warmup must be one of {POST_WARMUP_MODES}, "
                          f"got {post_warmup!r}")
-    levels = parse_levels(levels)
+    levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
+                                             "ripples_pg.wrap")
+    check_on_alone(on_alone, "ripples_pg.wrap")
     if group_size is not None:
         _check_int("group_size", group_size, 1)
     if not isinstance(overlap, bool):
@@ -300,11 +332,15 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     hgroup = None
     if post_warmup == "host" or "host" in levels.values():
         hgroup = host_group(ddp_group)
-    averager = RipplesAverager(group, levels=levels, warmup_steps=warmup_steps,
-                               host_group=hgroup, world_group=ddp_group, optimizer=optimizer,
-                               average_optimizer_state=average_optimizer_state,
-                               module=ddp_model.module, overlap=overlap,
-                               warmup_straggler=warmup_straggler)
+    akw = dict(levels=levels, warmup_steps=warmup_steps, host_group=hgroup,
+               world_group=ddp_group, optimizer=optimizer,
+               average_optimizer_state=average_optimizer_state, module=ddp_model.module,
+               overlap=overlap, warmup_straggler=warmup_straggler)
+    if sync_every is not None:  # partial DiLoCo, or periodic averaging without outer_optimizer
+        averager = DiLoCoAverager(group, outer_optimizer=outer_optimizer,
+                                  sync_every=sync_every, on_alone=on_alone, **akw)
+    else:
+        averager = RipplesAverager(group, **akw)
     state = RipplesHookState(ddp_group, warmup_steps=warmup_steps, post_warmup=post_warmup,
                              host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)

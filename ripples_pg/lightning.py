@@ -65,6 +65,7 @@ import ripples_pg  # noqa: E402
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import DEFAULT_WARMUP_STRAGGLER, RipplesOptimizer, wrap  # noqa: E402
 from .averager import parse_levels  # noqa: E402
+from .diloco import check_on_alone, resolve_sync_levels  # noqa: E402
 from .hooks import POST_WARMUP_MODES  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
@@ -110,8 +111,9 @@ class RipplesStrategy(DDPStrategy):
     ``warmup_steps`` (50), ``warmup_straggler`` (2.0), ``levels`` (``{1: "partial"}``),
     ``post_warmup`` (``"local"``), ``average_optimizer_state``, ``overlap``, ``c_thres``,
     ``inter_intra``, ``coordinator``, ``on_failure`` (``"skip"``), ``seed``, ``trace``,
-    ``period_max`` (2), and ``round_timeout`` (seconds; wrap's ``timeout``: default the
-    process group's ``timeout``).
+    ``period_max`` (2), ``round_timeout`` (seconds; wrap's ``timeout``: default the
+    process group's ``timeout``), and ``outer_optimizer`` / ``sync_every`` / ``on_alone``
+    (partial DiLoCo, docs/diloco.md).
 
     Strategy arguments:
         time_limit: seconds of training per rank, each on its own clock (no global
@@ -142,7 +144,8 @@ class RipplesStrategy(DDPStrategy):
                  on_failure: Optional[str] = None, seed: Optional[int] = None,
                  trace: Optional[bool] = None, period_max: Optional[int] = None,
                  round_timeout: Optional[float] = None,
-                 time_limit: Optional[float] = None,
+                 outer_optimizer=None, sync_every: Optional[int] = None,
+                 on_alone: str = "defer", time_limit: Optional[float] = None,
                  stats_every_n_steps: Optional[int] = None,
                  process_group_backend: Optional[str] = STRATEGY_NAME,
                  timeout: Optional[Union[timedelta, float]] = None,
@@ -169,7 +172,12 @@ class RipplesStrategy(DDPStrategy):
         if post_warmup not in POST_WARMUP_MODES:
             raise ValueError(f"RipplesStrategy: post_warmup must be one of "
                              f"{POST_WARMUP_MODES}, got {post_warmup!r}")
-        levels = parse_levels(levels)
+        # partial DiLoCo: validated with levels; levels=None stays None for wrap (sync_every
+        # then sets them)
+        resolved, _ = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
+                                          "RipplesStrategy")
+        check_on_alone(on_alone, "RipplesStrategy")
+        levels = parse_levels(levels) if levels is not None or sync_every is None else None
         for name, value, minimum in (("warmup_steps", warmup_steps, 0),
                                      ("group_size", group_size, 1),
                                      ("stats_every_n_steps", stats_every_n_steps, 0)):
@@ -192,7 +200,7 @@ class RipplesStrategy(DDPStrategy):
                                  "(random, smart, adpsgd): the static schedule pairs every "
                                  "rank's k-th round, so all ranks must stop at the same step "
                                  "(use max_steps)")
-            exact = [f"{p}: {k!r}" for p, k in levels.items() if k != "partial"]
+            exact = [f"{p}: {k!r}" for p, k in resolved.items() if k != "partial"]
             if exact:
                 raise ValueError(f"RipplesStrategy: time_limit cannot be combined with exact "
                                  f"levels ({', '.join(exact)}): they pair every rank's k-th "
@@ -216,7 +224,8 @@ class RipplesStrategy(DDPStrategy):
                                  warmup_straggler=warmup_straggler, levels=levels,
                                  post_warmup=post_warmup,
                                  average_optimizer_state=average_optimizer_state,
-                                 overlap=overlap)
+                                 overlap=overlap, outer_optimizer=outer_optimizer,
+                                 sync_every=sync_every, on_alone=on_alone)
         self.time_limit = float(time_limit) if time_limit is not None else None
         self.stats_every_n_steps = stats_every_n_steps
         self._ropt: Optional[RipplesOptimizer] = None

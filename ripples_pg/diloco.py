@@ -1,0 +1,356 @@
+"""Partial DiLoCo: an outer optimizer over partial rounds (issue 28; docs/diloco.md).
+
+DiLoCo (Douillard et al., 2023) trains ``H`` inner steps locally, then averages the
+*pseudo-gradient* ``anchor - model`` over all workers and steps the shared anchor with an outer
+optimizer (Nesterov SGD, lr 0.7, momentum 0.9); every worker restarts from the new anchor. That
+average is a global barrier at the slowest worker's pace.
+
+:class:`DiLoCoAverager` replaces it with one Partial All-Reduce round (``AVG``, within the Group
+Generator's group ``G``) of the *model* every ``H`` steps, then each worker ``i`` steps its own
+anchor with its own outer optimizer on
+
+    g_i = anchor_i - mean_G(theta)
+
+and sets ``model = anchor_i``. When the anchors in ``G`` are equal this is DiLoCo's averaged
+pseudo-gradient exactly; when they differ, ``g_i`` also holds ``anchor_i - mean_G(anchor)``,
+which contracts the anchors towards each other (for Nesterov lr 0.7, momentum 0.9 by a factor
+``sqrt(0.9 * 0.3) ~= 0.52`` per common outer step; the algebra is in docs/diloco.md). A group of
+one, a skipped or failed round and a round the adaptive period passed averaged with nobody:
+by default (``on_alone="defer"``) there is no outer step -- anchor and outer state stay as they
+are, the model keeps its local progress, and the next round that averages with someone covers
+every local step since the last outer step. ``on_alone="local_step"`` takes an outer step on the
+worker's own pseudo-gradient instead (local DiLoCo; measured against in docs/diloco.md).
+
+Anchors and outer state are float32, one flat buffer per parameter dtype, in the averager's
+parameter order; the outer optimizer sees per-parameter views of them (shaped like the
+parameters), so any ``torch.optim`` optimizer applies its usual per-tensor semantics.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from collections import OrderedDict
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .averager import RipplesAverager, _params_of, parse_levels
+
+__all__ = ["DiLoCoAverager", "OUTER_NESTEROV", "ON_ALONE", "resolve_sync_levels",
+           "make_outer_optimizer"]
+
+logger = logging.getLogger(__name__)
+
+# The DiLoCo paper's outer optimizer (and torchft's examples): Nesterov SGD, lr 0.7, mu 0.9.
+OUTER_NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+# What an outer step does after a round that averaged with nobody (docs/diloco.md).
+ON_ALONE = ("defer", "local_step")
+
+OuterSpec = Union[None, str, Callable[[List[torch.Tensor]], torch.optim.Optimizer]]
+
+
+def check_outer_optimizer(outer_optimizer: OuterSpec, who: str) -> None:
+    """Raises a clear error for anything but None, ``"nesterov"`` or a callable."""
+    if outer_optimizer is None or callable(outer_optimizer) and \
+            not isinstance(outer_optimizer, torch.optim.Optimizer):
+        return
+    if isinstance(outer_optimizer, str):
+        if outer_optimizer == "nesterov":
+            return
+        raise ValueError(f"{who}: outer_optimizer must be None, 'nesterov' or a callable "
+                         f"params -> torch.optim.Optimizer, got the string {outer_optimizer!r}")
+    if isinstance(outer_optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{who}: outer_optimizer must be a callable params -> "
+                        f"torch.optim.Optimizer (e.g. lambda ps: torch.optim.SGD(ps, lr=0.7, "
+                        f"momentum=0.9, nesterov=True)), not an optimizer instance: the outer "
+                        f"optimizer steps the float32 anchors, which wrap() creates")
+    raise TypeError(f"{who}: outer_optimizer must be None, 'nesterov' or a callable params -> "
+                    f"torch.optim.Optimizer, got {type(outer_optimizer).__name__}")
+
+
+def check_on_alone(on_alone, who: str) -> None:
+    if on_alone not in ON_ALONE:
+        raise ValueError(f"{who}: on_alone must be one of {ON_ALONE} (what a round that "
+                         f"averaged with nobody does), got {on_alone!r}")
+
+
+def resolve_sync_levels(outer_optimizer: OuterSpec, sync_every: Optional[int], levels,
+                        overlap: bool, who: str) -> Tuple["OrderedDict[int, str]", Optional[int]]:
+    """Validates ``outer_optimizer``, ``sync_every`` and ``levels`` together and returns the
+    levels and ``H`` (None: plain Ripples, ``levels`` as given).
+
+    Rules: ``sync_every=H`` alone means ``levels={H: "partial"}``; with ``levels`` as well,
+    the smallest period must be ``H`` and every period a multiple of it (each averaging step is
+    an outer step, and the outer steps come every ``H`` steps). ``outer_optimizer`` without
+    ``sync_every`` takes ``H`` from ``levels`` (same rule) and needs one of them.
+    """
+    check_outer_optimizer(outer_optimizer, who)
+    if sync_every is not None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+            raise TypeError(f"{who}: sync_every must be an int >= 1 (inner steps per outer "
+                            f"step), got {sync_every!r}")
+        if sync_every < 1:
+            raise ValueError(f"{who}: sync_every must be >= 1 (inner steps per outer step), "
+                             f"got {sync_every}")
+    if outer_optimizer is not None and overlap:
+        raise ValueError(f"{who}: overlap=True cannot be combined with an outer_optimizer (an "
+                         f"overlapped round is applied one step late, after the outer step "
+                         f"would have used it); use overlap=False")
+    if sync_every is None and outer_optimizer is None:
+        return parse_levels(levels), None
+    if sync_every is None and levels is None:
+        raise ValueError(f"{who}: outer_optimizer needs sync_every=H, the number of inner "
+                         f"steps per outer step (DiLoCo uses tens to hundreds)")
+    if levels is None:
+        return parse_levels({sync_every: "partial"}), sync_every
+    parsed = parse_levels(levels)
+    smallest = next(iter(parsed))
+    if sync_every is None:
+        sync_every = smallest
+    bad = [p for p in parsed if p % sync_every != 0]
+    if smallest != sync_every or bad:
+        raise ValueError(f"{who}: levels {dict(parsed)} do not fit sync_every={sync_every}: "
+                         f"the smallest period must be sync_every and every period a multiple "
+                         f"of it (e.g. {{{sync_every}: 'partial', {4 * sync_every}: 'world'}})")
+    return parsed, sync_every
+
+
+def make_outer_optimizer(spec: OuterSpec, params: List[torch.Tensor]) -> torch.optim.Optimizer:
+    if spec == "nesterov":
+        return torch.optim.SGD(params, **OUTER_NESTEROV)
+    opt = spec(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"ripples_pg: outer_optimizer(params) must return a "
+                        f"torch.optim.Optimizer, got {type(opt).__name__}")
+    return opt
+
+
+class DiLoCoAverager(RipplesAverager):
+    """A :class:`ripples_pg.RipplesAverager` whose averaging steps are DiLoCo outer steps.
+
+    Args (besides :class:`RipplesAverager`'s):
+        outer_optimizer: ``"nesterov"`` (``torch.optim.SGD(lr=0.7, momentum=0.9,
+            nesterov=True)``), a callable ``params -> torch.optim.Optimizer`` (it gets the
+            float32 anchors, one tensor shaped like each parameter), or ``None``: no outer
+            step -- plain model averaging every ``sync_every`` steps.
+        sync_every: ``H``, inner steps per outer step; ``levels`` default ``{H: "partial"}``.
+        on_alone: a round that averaged with nobody (a group of one, a skipped/failed or passed
+            round, a host level alone on its host): ``"defer"`` (default) -- no outer step,
+            anchor and outer state untouched, the model keeps its local progress;
+            ``"local_step"`` -- an outer step on the worker's own pseudo-gradient.
+
+    Steps are counted from the end of warm-up: the level of period ``p`` runs after every
+    ``p``-th local step (the first outer step after ``H`` local steps), not at every step index
+    divisible by ``p`` as in :class:`RipplesAverager`. The anchor is the model at the end of
+    warm-up (identical on every worker then); with ``warmup_steps=0`` it is taken from
+    ``optimizer``'s parameters at construction, so ``optimizer=`` is then required.
+
+    ``outer_steps`` counts the outer steps taken, ``alone_rounds`` the rounds that averaged with
+    nobody; with ``on_alone="defer"`` those are ``deferred_outer_steps`` (no outer step), with
+    ``"local_step"`` they are among ``outer_steps``.
+    """
+
+    def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
+                 outer_optimizer: OuterSpec = "nesterov", sync_every: Optional[int] = None,
+                 on_alone: str = "defer", **kwargs):
+        who = "ripples_pg.DiLoCoAverager"
+        check_on_alone(on_alone, who)
+        levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels,
+                                                 kwargs.get("overlap", False), who)
+        if sync_every is None:
+            raise ValueError(f"{who}: needs sync_every=H or levels")
+        super().__init__(process_group, levels, warmup_steps, **kwargs)
+        self.sync_every = sync_every
+        self.outer_spec = outer_optimizer
+        self.on_alone = on_alone
+        self.outer_steps = 0
+        self.alone_rounds = 0
+        self.deferred_outer_steps = 0
+        # float32 anchors: dtype -> flat buffer over that dtype's parameters (in order)
+        self._anchor: Optional["OrderedDict[torch.dtype, torch.Tensor]"] = None
+        self._anchor_views: List[torch.Tensor] = []
+        self._anchor_sig: Optional[list] = None
+        self.outer: Optional[torch.optim.Optimizer] = None
+        self._pending: Optional[Mapping] = None  # a loaded state, applied at the next step
+        if outer_optimizer is not None and warmup_steps == 0:
+            if self.optimizer is None:
+                raise ValueError(f"{who}: with warmup_steps=0 the first anchor is the model at "
+                                 f"construction: pass optimizer= (the inner optimizer)")
+            self._take_anchor(self.optimizer.param_groups)
+
+    # -- schedule: periods count local steps since warm-up
+    def level_at(self, step: int) -> Optional[str]:
+        if self.detached or step < self.warmup_steps:
+            return None
+        n = step + 1 - self.warmup_steps  # local steps done after this one
+        for period in reversed(self._periods):
+            if n % period == 0:
+                return self.levels[period]
+        return None
+
+    # -- anchor
+    @staticmethod
+    def _float_params(params) -> List[torch.Tensor]:
+        return [p for p in _params_of(params)
+                if p.is_floating_point() and p.layout == torch.strided]
+
+    @staticmethod
+    def _signature(plist) -> list:
+        return [(tuple(p.shape), p.dtype, p.device) for p in plist]
+
+    def _take_anchor(self, params, from_state: Optional[Mapping] = None) -> None:
+        """Anchors = the current parameters (or a checkpoint's anchors), a fresh outer
+        optimizer on them (with the checkpoint's state, if any)."""
+        plist = self._float_params(params)
+        if not plist:
+            raise ValueError("ripples_pg.DiLoCoAverager: no floating-point parameters")
+        by_dtype: "OrderedDict[torch.dtype, List[torch.Tensor]]" = OrderedDict()
+        for p in plist:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        anchor: "OrderedDict[torch.dtype, torch.Tensor]" = OrderedDict()
+        views: Dict[int, torch.Tensor] = {}
+        for dtype, ps in by_dtype.items():
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=torch.float32,
+                               device=ps[0].device)
+            off = 0
+            for p in ps:
+                v = flat[off:off + p.numel()].view(p.shape)
+                v.copy_(p.detach())
+                views[id(p)] = v
+                off += p.numel()
+            anchor[dtype] = flat
+        if from_state is not None:
+            saved = list(from_state["anchors"])
+            if [t.numel() for t in saved] != [t.numel() for t in anchor.values()]:
+                raise ValueError("ripples_pg.DiLoCoAverager: the checkpoint's anchors do not "
+                                 "match this model's parameters")
+            for flat, t in zip(anchor.values(), saved):
+                flat.copy_(t)
+        self._anchor = anchor
+        self._anchor_views = [views[id(p)] for p in plist]  # parameter order
+        self._anchor_sig = self._signature(plist)
+        self.outer = make_outer_optimizer(self.outer_spec, self._anchor_views)
+        if from_state is not None and from_state.get("outer") is not None:
+            self.outer.load_state_dict(from_state["outer"])
+
+    # -- averaging
+    def _local_round(self, level: str):
+        """A probe telling whether the round about to run averaged with anyone."""
+        if level == "partial":
+            from ._api import _ripples_backend
+
+            be = _ripples_backend(self.process_group)
+            before = be.partial_stats()["reduced"]
+            return lambda: be.partial_stats()["reduced"] == before
+        group = self.host_group if level == "host" else self.world_group
+        alone = group is None or dist._rank_not_in_group(group) or \
+            dist.get_world_size(group) < 2
+        return lambda: alone
+
+    def average_parameters(self, params) -> None:
+        params = _params_of(params)
+        if self.outer_spec is not None and self._pending is not None and not self.detached:
+            pending, self._pending = self._pending, None
+            self._take_anchor(params, from_state=pending)
+        super().average_parameters(params)
+        if self.outer_spec is not None and self._anchor is None and not self.detached and \
+                self.step == self.warmup_steps:
+            self._take_anchor(params)  # the end of warm-up: replicas identical
+
+    def _average(self, params, level: str, packed=None) -> None:
+        if self.outer_spec is None:
+            super()._average(params, level, packed)
+            return
+        probe = self._local_round(level)
+        super()._average(params, level, packed)  # flats: mean_G(theta), buffers averaged
+        local = probe()
+        plist = self._float_params(params)
+        if self._anchor is None:
+            # e.g. a checkpoint without anchors restored after warm-up: start from here
+            warnings.warn("ripples_pg.DiLoCoAverager: no anchor at an outer step (restored "
+                          "from a checkpoint without one?); the averaged model becomes the "
+                          "anchor and this outer step is skipped", stacklevel=3)
+            self._take_anchor(plist)
+            return
+        if self._signature(plist) != self._anchor_sig:
+            raise RuntimeError("ripples_pg.DiLoCoAverager: the model's parameters changed "
+                               "(number, shape, dtype or device) since the anchor was taken")
+        if local:
+            self.alone_rounds += 1
+            if self.on_alone == "defer":
+                # no outer step: anchor and outer state untouched, the model keeps its local
+                # progress; the next real round's a_i - mean_G(theta) covers all of it
+                self.deferred_outer_steps += 1
+                return
+        self._outer_step(plist)
+        self.outer_steps += 1
+
+    @torch.no_grad()
+    def _outer_step(self, plist: List[torch.Tensor]) -> None:
+        # g_i = anchor_i - mean_G(theta): one fp32 flat per dtype, viewed per parameter
+        for anchor_v, p in zip(self._anchor_views, plist):
+            anchor_v.grad = anchor_v - p.detach().to(torch.float32)
+        self.outer.step()
+        for anchor_v, p in zip(self._anchor_views, plist):
+            p.detach().copy_(anchor_v)  # every worker restarts from its new anchor
+            anchor_v.grad = None  # the pseudo-gradient is transient (no extra resident copy)
+
+    def detach(self) -> None:
+        super().detach()
+        self._anchor = None
+        self._anchor_views = []
+        self.outer = None
+
+    # -- stats and checkpoints
+    @property
+    def diloco_stats(self) -> dict:
+        return {"sync_every": self.sync_every, "outer_steps": self.outer_steps,
+                "alone_rounds": self.alone_rounds,
+                "deferred_outer_steps": self.deferred_outer_steps, "on_alone": self.on_alone,
+                "outer_optimizer": None if self.outer_spec is None else
+                (self.outer_spec if isinstance(self.outer_spec, str) else "callable")}
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        d = {"sync_every": self.sync_every, "outer_steps": self.outer_steps,
+             "alone_rounds": self.alone_rounds,
+             "deferred_outer_steps": self.deferred_outer_steps}
+        if self._anchor is not None:
+            d["anchors"] = [t.detach().clone() for t in self._anchor.values()]
+            d["outer"] = self.outer.state_dict()
+        elif self._pending is not None and "anchors" in self._pending:
+            d["anchors"] = self._pending["anchors"]
+            d["outer"] = self._pending.get("outer")
+        sd["diloco"] = d
+        return sd
+
+    def load_state_dict(self, sd: Mapping) -> None:
+        super().load_state_dict(sd)
+        d = sd.get("diloco")
+        if d is None:
+            if self.outer_spec is not None:
+                warnings.warn("ripples_pg.DiLoCoAverager: the state has no DiLoCo part (saved "
+                              "without an outer optimizer); the anchor is taken anew",
+                              stacklevel=2)
+            self._anchor, self._pending = None, None
+            return
+        if int(d.get("sync_every", self.sync_every)) != self.sync_every:
+            warnings.warn(f"ripples_pg.DiLoCoAverager: restoring a state saved with "
+                          f"sync_every={d['sync_every']} into one with "
+                          f"sync_every={self.sync_every}", stacklevel=2)
+        self.outer_steps = int(d.get("outer_steps", 0))
+        self.alone_rounds = int(d.get("alone_rounds", 0))
+        self.deferred_outer_steps = int(d.get("deferred_outer_steps", 0))
+        # the anchors are rebuilt on the parameters at the next step (they may not be laid out
+        # yet); a state inside warm-up has none: the anchor is taken when warm-up ends
+        self._anchor = None
+        self._anchor_views = []
+        self._pending = d if "anchors" in d else None
+
+    def __repr__(self) -> str:
+        base = super().__repr__()[len("RipplesAverager("):-1]
+        outer = self.diloco_stats["outer_optimizer"]
+        return (f"DiLoCoAverager({base}, sync_every={self.sync_every}, outer={outer!r}, "
+                f"on_alone={self.on_alone!r})")
