@@ -537,8 +537,9 @@ def parse_args(argv=None):
                    help="simulate this many hosts (sets RIPPLES_HOST_ID per rank; 0: off)")
     p.add_argument("--inter-intra", action="store_true",
                    help="ripples smart schedule: use the inter-intra rule (with --sim-hosts)")
-    p.add_argument("--levels", default="1:partial",
-                   help="ripples averager levels, e.g. '1:partial,8:host,64:world'")
+    p.add_argument("--levels", default=None,
+                   help="ripples averager levels, e.g. '1:partial,8:host,64:world' (default: "
+                        "wrap()'s, one partial round per step, or per --outer-every steps)")
     p.add_argument("--post-warmup", choices=["local", "host"], default="local")
     p.add_argument("--average-optimizer-state", action="store_true")
     p.add_argument("--overlap", action="store_true",
