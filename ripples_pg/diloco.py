@@ -27,6 +27,7 @@ parameters), so any ``torch.optim`` optimizer applies its usual per-tensor seman
 """
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections import OrderedDict
@@ -174,11 +175,34 @@ class DiLoCoAverager(RipplesAverager):
         self._anchor_sig: Optional[list] = None
         self.outer: Optional[torch.optim.Optimizer] = None
         self._pending: Optional[Mapping] = None  # a loaded state, applied at the next step
+        if callable(outer_optimizer):
+            # fail at wrap(), not at the end of warm-up: build it once on a stand-in anchor
+            make_outer_optimizer(outer_optimizer, [torch.zeros(1)])
+        self._anchor_hook = None
         if outer_optimizer is not None and warmup_steps == 0:
             if self.optimizer is None:
-                raise ValueError(f"{who}: with warmup_steps=0 the first anchor is the model at "
-                                 f"construction: pass optimizer= (the inner optimizer)")
+                raise ValueError(f"{who}: with warmup_steps=0 the first anchor is the model "
+                                 f"before the first optimizer step: pass optimizer= (the inner "
+                                 f"optimizer)")
+            # Taken just before the first inner step, not here: weights loaded after wrap()
+            # (pretrained, or a checkpoint without our state) must be what the anchor holds.
+            self._anchor_hook = self.optimizer.register_step_pre_hook(self._first_step_anchor)
+
+    def _first_step_anchor(self, *_args) -> None:
+        if self._anchor is None and self._pending is None and not self.detached and \
+                self.step == 0 and self.warmup_steps == 0:
             self._take_anchor(self.optimizer.param_groups)
+        if self._anchor is not None or self.step > 0 or self.detached:
+            self._anchor_hook.remove()
+
+    def reset_anchor(self) -> None:
+        """Forgets the anchor (and outer state): it is taken anew from the model -- at the end
+        of warm-up, before the first step, or (after warm-up) from the next averaged model,
+        whose outer step is then skipped. ``RipplesOptimizer.load_state_dict`` calls it for a
+        state saved without Ripples' part, so an anchor of the model before the load is never
+        used."""
+        self._anchor, self._anchor_views, self._anchor_sig = None, [], None
+        self.outer, self._pending = None, None
 
     # -- schedule: periods count local steps since warm-up
     def level_at(self, step: int) -> Optional[str]:
@@ -200,6 +224,11 @@ class DiLoCoAverager(RipplesAverager):
     def _signature(plist) -> list:
         return [(tuple(p.shape), p.dtype, p.device) for p in plist]
 
+    @staticmethod
+    def _shapes(plist) -> list:
+        """What a checkpoint's anchors must match: each parameter's shape and dtype, in order."""
+        return [[list(p.shape), str(p.dtype)] for p in plist]
+
     def _take_anchor(self, params, from_state: Optional[Mapping] = None) -> None:
         """Anchors = the current parameters (or a checkpoint's anchors), a fresh outer
         optimizer on them (with the checkpoint's state, if any)."""
@@ -212,7 +241,9 @@ class DiLoCoAverager(RipplesAverager):
         anchor: "OrderedDict[torch.dtype, torch.Tensor]" = OrderedDict()
         views: Dict[int, torch.Tensor] = {}
         for dtype, ps in by_dtype.items():
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=torch.float32,
+            # float32, or the parameters' own dtype where that is wider (float64)
+            flat = torch.empty(sum(p.numel() for p in ps),
+                               dtype=torch.promote_types(dtype, torch.float32),
                                device=ps[0].device)
             off = 0
             for p in ps:
@@ -222,11 +253,8 @@ class DiLoCoAverager(RipplesAverager):
                 off += p.numel()
             anchor[dtype] = flat
         if from_state is not None:
-            saved = list(from_state["anchors"])
-            if [t.numel() for t in saved] != [t.numel() for t in anchor.values()]:
-                raise ValueError("ripples_pg.DiLoCoAverager: the checkpoint's anchors do not "
-                                 "match this model's parameters")
-            for flat, t in zip(anchor.values(), saved):
+            self._check_saved(from_state, plist)
+            for flat, t in zip(anchor.values(), from_state["anchors"]):
                 flat.copy_(t)
         self._anchor = anchor
         self._anchor_views = [views[id(p)] for p in plist]  # parameter order
@@ -234,6 +262,33 @@ class DiLoCoAverager(RipplesAverager):
         self.outer = make_outer_optimizer(self.outer_spec, self._anchor_views)
         if from_state is not None and from_state.get("outer") is not None:
             self.outer.load_state_dict(from_state["outer"])
+
+    def _check_saved(self, d: Mapping, plist) -> None:
+        """Refuses a checkpoint's anchors that do not fit ``plist``, naming the difference."""
+        who = "ripples_pg.DiLoCoAverager.load_state_dict"
+        saved = d.get("anchors")
+        if not isinstance(saved, (list, tuple)) or \
+                not all(isinstance(t, torch.Tensor) for t in saved):
+            raise ValueError(f"{who}: the state's 'anchors' must be a list of tensors")
+        shapes = d.get("shapes")
+        if shapes is not None:
+            shapes = [[list(x[0]), str(x[1])] for x in shapes]
+        mine = self._shapes(plist)
+        if shapes is not None and shapes != mine:
+            diff = next((i for i, (a, b) in enumerate(zip(shapes, mine)) if a != b),
+                        min(len(shapes), len(mine)))
+            raise ValueError(f"{who}: the checkpoint's anchors are for another model: "
+                             f"{len(shapes)} floating-point parameters saved, {len(mine)} here; "
+                             f"the first difference is parameter {diff} (saved "
+                             f"{shapes[diff] if diff < len(shapes) else 'none'}, here "
+                             f"{mine[diff] if diff < len(mine) else 'none'})")
+        by_dtype: "OrderedDict[torch.dtype, int]" = OrderedDict()
+        for p in plist:
+            by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+        if [t.numel() for t in saved] != list(by_dtype.values()):
+            raise ValueError(f"{who}: the checkpoint's anchors ({[t.numel() for t in saved]} "
+                             f"elements per dtype) do not match this model's floating-point "
+                             f"parameters ({list(by_dtype.values())})")
 
     # -- averaging
     def _local_round(self, level: str):
@@ -254,6 +309,9 @@ class DiLoCoAverager(RipplesAverager):
         if self.outer_spec is not None and self._pending is not None and not self.detached:
             pending, self._pending = self._pending, None
             self._take_anchor(params, from_state=pending)
+        elif self.outer_spec is not None and self._anchor is None and not self.detached and \
+                self.step == 0 and self.warmup_steps == 0:
+            self._take_anchor(params)  # the step pre-hook did not run (optimizer not stepped)
         super().average_parameters(params)
         if self.outer_spec is not None and self._anchor is None and not self.detached and \
                 self.step == self.warmup_steps:
@@ -291,7 +349,7 @@ class DiLoCoAverager(RipplesAverager):
     def _outer_step(self, plist: List[torch.Tensor]) -> None:
         # g_i = anchor_i - mean_G(theta): one fp32 flat per dtype, viewed per parameter
         for anchor_v, p in zip(self._anchor_views, plist):
-            anchor_v.grad = anchor_v - p.detach().to(torch.float32)
+            anchor_v.grad = anchor_v - p.detach().to(anchor_v.dtype)
         self.outer.step()
         for anchor_v, p in zip(self._anchor_views, plist):
             p.detach().copy_(anchor_v)  # every worker restarts from its new anchor
@@ -299,9 +357,7 @@ class DiLoCoAverager(RipplesAverager):
 
     def detach(self) -> None:
         super().detach()
-        self._anchor = None
-        self._anchor_views = []
-        self.outer = None
+        self.reset_anchor()
 
     # -- stats and checkpoints
     @property
@@ -319,9 +375,13 @@ class DiLoCoAverager(RipplesAverager):
              "deferred_outer_steps": self.deferred_outer_steps}
         if self._anchor is not None:
             d["anchors"] = [t.detach().clone() for t in self._anchor.values()]
-            d["outer"] = self.outer.state_dict()
+            d["shapes"] = [[list(s), str(t)] for s, t, _ in self._anchor_sig]
+            # a snapshot: the live state_dict() shares the momentum buffers, which the next
+            # outer step changes in place
+            d["outer"] = copy.deepcopy(self.outer.state_dict())
         elif self._pending is not None and "anchors" in self._pending:
             d["anchors"] = self._pending["anchors"]
+            d["shapes"] = self._pending.get("shapes")
             d["outer"] = self._pending.get("outer")
         sd["diloco"] = d
         return sd
@@ -334,7 +394,7 @@ class DiLoCoAverager(RipplesAverager):
                 warnings.warn("ripples_pg.DiLoCoAverager: the state has no DiLoCo part (saved "
                               "without an outer optimizer); the anchor is taken anew",
                               stacklevel=2)
-            self._anchor, self._pending = None, None
+            self.reset_anchor()
             return
         if int(d.get("sync_every", self.sync_every)) != self.sync_every:
             warnings.warn(f"ripples_pg.DiLoCoAverager: restoring a state saved with "
@@ -345,9 +405,12 @@ class DiLoCoAverager(RipplesAverager):
         self.deferred_outer_steps = int(d.get("deferred_outer_steps", 0))
         # the anchors are rebuilt on the parameters at the next step (they may not be laid out
         # yet); a state inside warm-up has none: the anchor is taken when warm-up ends
-        self._anchor = None
-        self._anchor_views = []
-        self._pending = d if "anchors" in d else None
+        self.reset_anchor()
+        if "anchors" in d and self.optimizer is not None and self.step >= self.warmup_steps:
+            self._check_saved(d, self._float_params(self.optimizer.param_groups))  # early
+        # a state from inside warm-up (or restored into it) has no anchor: it is taken when
+        # warm-up ends
+        self._pending = d if "anchors" in d and self.step >= self.warmup_steps else None
 
     def __repr__(self) -> str:
         base = super().__repr__()[len("RipplesAverager("):-1]

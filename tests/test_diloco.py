@@ -97,12 +97,12 @@ def task_group_of_one(ctx, on_alone):
     model = DDP(C.make_model())
     ropt = _wrap(model, on_alone=on_alone)
     av = ropt.averager
-    anchor0 = [t.clone() for t in av._anchor.values()]
+    anchor0 = C.flat_params(model.module).clone()  # taken before the first step
     got = _train(ctx, ropt, model, H * ROUNDS, record_every=H, parity=ALONE)
     st = dict(ropt.diloco_stats)
     st["singletons"] = ripples_pg.stats(ropt.group)["singletons"]
     out = {"params": got, "stats": st,
-           "anchor_kept": all(torch.equal(a, b) for a, b in zip(anchor0, av._anchor.values())),
+           "anchor_kept": torch.equal(anchor0, torch.cat(list(av._anchor.values()))),
            "outer_state": len(av.outer.state_dict()["state"])}
     if on_alone == "defer":  # a real round now: its pseudo-gradient covers all 4 rounds' steps
         out["after_world"] = _train(ctx, ropt, model, H * (ROUNDS + 1), start=H * ROUNDS,
@@ -111,6 +111,22 @@ def task_group_of_one(ctx, on_alone):
     ropt.unwrap(average=False)
     dist.barrier()  # a ripples collective: fences the end of the partial rounds
     return out
+
+
+def task_anchor_after_load(ctx):
+    """warmup_steps=0: weights loaded after wrap() (pretrained, a plain checkpoint) are the
+    anchor, not the model wrap() saw."""
+    model = DDP(C.make_model())
+    ropt = _wrap(model)
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.mul_(0.5)
+    loaded = C.flat_params(model.module).clone()
+    _train(ctx, ropt, model, H, parity=ALONE)  # a round alone: the anchor stays as taken
+    anchor = torch.cat(list(ropt.averager._anchor.values()))
+    ropt.unwrap(average=False)
+    dist.barrier()
+    return {"kept": torch.equal(anchor, loaded)}
 
 
 def task_resume(ctx, warmup, save_after, total, parity=WORLD):
@@ -164,6 +180,13 @@ def task_errors(ctx):
                                                     levels={4: "partial", 6: "world"}))
     expect("on_alone", ValueError, lambda: w(m, o, outer_optimizer="nesterov", sync_every=4,
                                              on_alone="skip"))
+    # int8 rounds would quantise BatchNorm statistics / optimizer moments with an absolute
+    # error (a variance near zero could come back negative): refused, naming the tensors
+    mb = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
+    expect("int8_buffers", ValueError, lambda: w(mb, C.make_inner(mb.parameters()),
+                                                 compression="int8"))
+    expect("int8_state", ValueError, lambda: w(m, o, compression="int8",
+                                               average_optimizer_state=True))
     # consistent levels are accepted: every 2nd outer step is exact (global DiLoCo)
     ropt = w(m, o, outer_optimizer="nesterov", sync_every=4,
              levels={4: "partial", 8: "world"}, schedule="static")
@@ -332,6 +355,10 @@ def test_group_of_one_defers_the_outer_step(pool):
     assert torch.equal(res[0]["after_world"], res[1]["after_world"])
 
 
+def test_anchor_is_taken_at_the_first_step(pool):
+    assert all(r["kept"] for r in pool.run(task_anchor_after_load))
+
+
 def test_group_of_one_local_step_option(pool):
     res = pool.run(task_group_of_one, "local_step")
     for rank, r in enumerate(res):
@@ -376,6 +403,9 @@ def test_bad_arguments(pool):
     assert "levels" in e["levels"] and "sync_every=4" in e["levels"]
     assert "multiple" in e["levels_multiple"]
     assert "on_alone" in e["on_alone"] and "'defer'" in e["on_alone"]
+    assert "int8" in e["int8_buffers"] and "running_mean" in e["int8_buffers"]
+    assert "bf16" in e["int8_buffers"]
+    assert "average_optimizer_state" in e["int8_state"]
     assert res["ok"]
     assert res["bad_return"] and "torch.optim.Optimizer" in res["bad_return"]
 
