@@ -138,6 +138,10 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         super().load_state_dict(state_dict)
         if extra is not None:
             self.averager.load_state_dict(extra)
+        elif hasattr(self.averager, "reset_anchor"):
+            # saved without Ripples' part (plain DDP, torch's PostLocalSGDOptimizer): an anchor
+            # of the model before this load must not drive the next outer step
+            self.averager.reset_anchor()
 
     @property
     def diloco_stats(self) -> Optional[dict]:
@@ -167,6 +171,24 @@ def _check_int(name, value, minimum):
         raise TypeError(f"ripples_pg.wrap: {name} must be an int >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"ripples_pg.wrap: {name} must be >= {minimum}, got {value}")
+
+
+def _check_int8_extras(mode, ddp_model, average_optimizer_state) -> None:
+    """int8 rounds quantise with an absolute error per block (docs/compression.md): averaged
+    with the parameters, a BatchNorm running variance or an Adam second moment near zero could
+    come back negative -- NaN later, silently. Refused until such tensors can travel exactly in
+    a compressed round; bf16/fp16 errors are relative to each value and keep them positive."""
+    if mode != "int8":
+        return
+    bufs = [n for n, b in ddp_model.module.named_buffers() if b.is_floating_point()]
+    if bufs or average_optimizer_state:
+        more = ", ..." if len(bufs) > 3 else ""
+        what = f"floating-point buffers ({', '.join(bufs[:3])}{more})" if bufs else \
+            "optimizer state (average_optimizer_state)"
+        raise ValueError(f"ripples_pg.wrap: compression='int8' would quantise the model's {what} "
+                         f"together with the parameters, with an absolute error that can turn "
+                         f"a variance near zero negative; use compression='bf16' (or 'fp16'), "
+                         f"whose error is relative to each value (docs/compression.md)")
 
 
 def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
@@ -202,7 +224,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             environment, else the default). ``wrap``'s defaults: the straggler-aware
             ``"smart"`` schedule, groups of 3, ``period_max=2`` (while no worker falls
             behind, the coordinator lets the workers average every 2nd step only; at every
-            step again as soon as one does; ``1`` = every step, as in the paper),
+            step again as soon as one does; ``1`` = every step, as in the paper; with
+            ``sync_every`` the default is ``1``: every H-th step's round runs),
             ``on_failure="skip"`` (a partial round that fails because a partner died is a
             missed averaging step, counted in ``ripples_pg.stats()``, not the end of
             training; exact collectives still raise) and the DDP group's timeout
@@ -312,7 +335,12 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         fields = set(ripples_pg.Options.fields())
         kw = {k: v for k, v in given.items() if v is not None}
         env = ripples_pg.Options.from_env()
-        for k, v in WRAP_DEFAULTS.items():  # wrap's defaults yield to RIPPLES_* variables
+        defaults = dict(WRAP_DEFAULTS)
+        if sync_every is not None:
+            # A round every H steps is already rare: the adaptive period's passes would skip
+            # every 2nd one (an outer step deferred, H silently doubled), so none by default.
+            defaults["period_max"] = 1
+        for k, v in defaults.items():  # wrap's defaults yield to RIPPLES_* variables
             if k not in kw and k in fields and getattr(env, k) is None:
                 kw[k] = v
         if "timeout" not in kw and "timeout" in fields and env.timeout is None:
@@ -326,6 +354,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             raise RuntimeError(f"ripples_pg.wrap: this build's ripples_pg.Options has no "
                                f"field(s) {missing}")
         opts = ripples_pg.Options(**kw)  # validates the values (clear ValueErrors)
+        _check_int8_extras(opts.compression or env.compression, ddp_model,
+                           average_optimizer_state)
         ranks = dist.get_process_group_ranks(ddp_group)
         group = dist.new_group(ranks=ranks, backend="ripples", pg_options=opts)
 
