@@ -310,7 +310,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
                          f"got {post_warmup!r}")
     levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
                                              "ripples_pg.wrap")
-    check_on_alone(on_alone, "ripples_pg.wrap")
+    check_on_alone(on_alone, "ripples_pg.wrap", outer_optimizer)
     if group_size is not None:
         _check_int("group_size", group_size, 1)
     if not isinstance(overlap, bool):

@@ -71,10 +71,14 @@ def check_outer_optimizer(outer_optimizer: OuterSpec, who: str) -> None:
                     f"torch.optim.Optimizer, got {type(outer_optimizer).__name__}")
 
 
-def check_on_alone(on_alone, who: str) -> None:
+def check_on_alone(on_alone, who: str,
+                   outer_optimizer: OuterSpec = "nesterov") -> None:
     if on_alone not in ON_ALONE:
         raise ValueError(f"{who}: on_alone must be one of {ON_ALONE} (what a round that "
                          f"averaged with nobody does), got {on_alone!r}")
+    if on_alone != "defer" and outer_optimizer is None:
+        raise ValueError(f"{who}: on_alone={on_alone!r} needs an outer_optimizer (without one "
+                         f"there is no outer step to take or defer)")
 
 
 def resolve_sync_levels(outer_optimizer: OuterSpec, sync_every: Optional[int], levels,
@@ -157,7 +161,7 @@ class DiLoCoAverager(RipplesAverager):
                  outer_optimizer: OuterSpec = "nesterov", sync_every: Optional[int] = None,
                  on_alone: str = "defer", **kwargs):
         who = "ripples_pg.DiLoCoAverager"
-        check_on_alone(on_alone, who)
+        check_on_alone(on_alone, who, outer_optimizer)
         levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels,
                                                  kwargs.get("overlap", False), who)
         if sync_every is None:

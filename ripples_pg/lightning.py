@@ -176,7 +176,7 @@ class RipplesStrategy(DDPStrategy):
         # then sets them)
         resolved, _ = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
                                           "RipplesStrategy")
-        check_on_alone(on_alone, "RipplesStrategy")
+        check_on_alone(on_alone, "RipplesStrategy", outer_optimizer)
         levels = parse_levels(levels) if levels is not None or sync_every is None else None
         for name, value, minimum in (("warmup_steps", warmup_steps, 0),
                                      ("group_size", group_size, 1),

@@ -180,6 +180,7 @@ def task_errors(ctx):
                                                     levels={4: "partial", 6: "world"}))
     expect("on_alone", ValueError, lambda: w(m, o, outer_optimizer="nesterov", sync_every=4,
                                              on_alone="skip"))
+    expect("on_alone_plain", ValueError, lambda: w(m, o, sync_every=4, on_alone="local_step"))
     # int8 rounds would quantise BatchNorm statistics / optimizer moments with an absolute
     # error (a variance near zero could come back negative): refused, naming the tensors
     mb = DDP(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)))
@@ -403,6 +404,7 @@ def test_bad_arguments(pool):
     assert "levels" in e["levels"] and "sync_every=4" in e["levels"]
     assert "multiple" in e["levels_multiple"]
     assert "on_alone" in e["on_alone"] and "'defer'" in e["on_alone"]
+    assert "outer_optimizer" in e["on_alone_plain"]
     assert "int8" in e["int8_buffers"] and "running_mean" in e["int8_buffers"]
     assert "bf16" in e["int8_buffers"]
     assert "average_optimizer_state" in e["int8_state"]
