@@ -441,6 +441,19 @@ def test_bench_train_quick(tmp_path):
         assert glob.glob(str(tmp_path / f"{wl}_slow5.png")), wl
 
 
+def _run_bench(cmd, env, out_dir):
+    """Runs benchmarks/train.py (``cmd``) to completion and returns its results.json."""
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=280)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"did not finish in 280 s; stderr tail:\n{(e.stderr or b'')[-3000:]!r}")
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
+                                  f"\nstderr:\n{proc.stderr[-3000:]}")
+    with open(out_dir / "results.json") as f:
+        return json.load(f)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_train_slow3_and_short_steps_run(tmp_path):
@@ -453,15 +466,7 @@ def test_bench_train_slow3_and_short_steps_run(tmp_path):
            "--scenarios", "slow3,short5", "--pause-ms", "2", "--strategies", "smart",
            "--workers", "2", "--repeats", "1", "--time-limit", "1", "--warmup-steps", "5",
            "--no-progress", "--out", str(tmp_path)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=280)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"did not finish in 280 s; stderr tail:\n{(e.stderr or b'')[-3000:]!r}")
-    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
-                                  f"\nstderr:\n{proc.stderr[-3000:]}")
-    with open(tmp_path / "results.json") as f:
-        res = json.load(f)
+    res = _run_bench(cmd, env, tmp_path)
     runs = {r["scenario"]: r for r in res["results"]}
     assert set(runs) == {"slow3", "short5-2ms"}
     for sc, r in runs.items():
@@ -497,15 +502,7 @@ def test_bench_train_torchft_diloco_beside_smart(tmp_path):
            "digits", "--scenarios", "slow3", "--strategies", "torchft_diloco,smart",
            "--workers", "2", "--time-limit", "1.5", "--warmup-steps", "5", "--outer-every",
            "4", "--delay-unit", "compute", "--no-progress", "--out", str(tmp_path)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=280)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"did not finish in 280 s; stderr tail:\n{(e.stderr or b'')[-3000:]!r}")
-    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}"
-                                  f"\nstderr:\n{proc.stderr[-3000:]}")
-    with open(tmp_path / "results.json") as f:
-        res = json.load(f)
+    res = _run_bench(cmd, env, tmp_path)
     runs = {r["strategy"]: r for r in res["results"]}
     assert set(runs) == {"torchft_diloco", "smart"}
     compute = res["workloads"]["digits"]["compute_s"]
