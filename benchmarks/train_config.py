@@ -40,6 +40,9 @@ STRATEGIES = {
                         "--outer-every", "{OUTER}"]),
     "diloco": ("Ripples partial DiLoCo (smart)",
                ["--strategy", "ripples", "--schedule", "smart", "--outer-every", "{OUTER}"]),
+    "diloco_ii": ("Ripples partial DiLoCo (smart + inter-intra, {H} sim. hosts)",
+                  ["--strategy", "ripples", "--schedule", "smart", "--inter-intra",
+                   "--sim-hosts", "{H}", "--outer-every", "{OUTER}"]),
     "diloco_bf16": ("Ripples partial DiLoCo (smart), bf16 rounds",
                     ["--strategy", "ripples", "--schedule", "smart", "--outer-every",
                      "{OUTER}", "--compression", "bf16"]),
@@ -54,12 +57,13 @@ STRATEGIES = {
 # The default plan (and --quick's digits): the strategies before issue 28. The DiLoCo and
 # compression ones need torchft (a benchmark-only extra) or ripples_pg features that a build
 # may lack, so a default run never depends on them.
-DILOCO_STRATEGIES = ("torchft_diloco", "diloco", "diloco_bf16", "diloco_int8", "smart_bf16",
+DILOCO_STRATEGIES = ("torchft_diloco", "diloco", "diloco_ii", "diloco_bf16", "diloco_int8", "smart_bf16",
                      "smart_int8")
 DEFAULT_STRATEGIES = [s for s in STRATEGIES if s not in DILOCO_STRATEGIES]
 # what each needs beyond the core: torchft, or these keywords of ripples_pg.wrap()
 NEEDS = {"torchft_diloco": "torchft",
          "diloco": ("outer_optimizer", "sync_every"),
+         "diloco_ii": ("outer_optimizer", "sync_every"),
          "diloco_bf16": ("outer_optimizer", "sync_every", "compression"),
          "diloco_int8": ("outer_optimizer", "sync_every", "compression"),
          "smart_bf16": ("compression",), "smart_int8": ("compression",)}
