@@ -8,6 +8,7 @@ process writes what it saw to DIR/rank{r}.pt; the test compares them.
 """
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -157,6 +158,23 @@ def _worker(scenario, out_dir):
         result.update(seen, global_step=trainer.global_step, end_step=strategy.averager.step,
                       exact_buckets=hs.exact_buckets, local_buckets=hs.local_buckets,
                       snapshot=_snapshot(trainer.lightning_module))
+
+    elif scenario == "diloco":
+        # partial DiLoCo under Lightning: an outer Nesterov step every 4 local steps
+        pl.seed_everything(0)
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"),
+                                            save_last=True)
+        strategy = rl.RipplesStrategy(warmup_steps=4, warmup_straggler=None, schedule="smart",
+                                      outer_optimizer="nesterov", sync_every=4, timeout=60)
+        trainer = pl.Trainer(strategy=strategy, max_steps=40, callbacks=[ckpt], logger=False,
+                             **common)
+        model = Net()
+        trainer.fit(model, loader())
+        ropt = strategy.ripples_optimizer
+        result.update(global_step=trainer.global_step, stats=dict(ropt.diloco_stats),
+                      snapshot=_snapshot(model), acc=_accuracy(model, ds),
+                      last=ckpt.last_model_path,
+                      param_shapes=[tuple(p.shape) for p in model.parameters()])
 
     elif scenario == "byname":
         trainer = pl.Trainer(strategy="ripples", max_steps=3, logger=False,
@@ -312,6 +330,35 @@ def test_straggler_fast_ranks_run_more_steps_and_end_averaged(tmp_path):
     assert 0 < res[0]["consensus"] < 0.5, res[0]["consensus"]
     for r in range(len(res)):
         assert res[r]["rounds"] > 0 and res[r]["singletons"] <= res[r]["rounds"] // 2, res[r]
+
+
+@pytest.mark.slow
+def test_fit_with_an_outer_optimizer(tmp_path):
+    """RipplesStrategy(outer_optimizer=..., sync_every=...): outer steps happen during fit, fit
+    ends with the replicas averaged, and the checkpoint carries the DiLoCo state (anchors)."""
+    import torch
+
+    ws = 2
+    res = run_job("diloco", ws, str(tmp_path))
+    for r in range(ws):
+        st = res[r]["stats"]
+        assert res[r]["global_step"] == 40
+        assert st["sync_every"] == 4 and st["outer_optimizer"] == "nesterov", st
+        # 9 rounds after the 4 warm-up steps: each either stepped the outer optimizer or was
+        # a group of one, whose outer step is deferred (on_alone="defer")
+        assert st["outer_steps"] >= 1, st
+        assert st["outer_steps"] + st["alone_rounds"] == 9, st
+        _assert_same(res[r]["snapshot"], res[0]["snapshot"], f"rank {r} vs rank 0 after fit")
+    assert res[0]["acc"] >= 0.6, res[0]["acc"]
+    ck = torch.load(res[0]["last"], map_location="cpu", weights_only=False)
+    d = ck["optimizer_states"][0]["ripples"]["diloco"]
+    assert d["sync_every"] == 4 and d["outer_steps"] == res[0]["stats"]["outer_steps"], d
+    # one flat anchor per dtype over the parameters (BatchNorm's buffers are averaged, not
+    # outer-stepped), their shapes beside it for validation at load
+    shapes = res[0]["param_shapes"]
+    assert sum(a.numel() for a in d["anchors"]) == sum(math.prod(s) for s in shapes)
+    assert [tuple(s) for s, _ in d["shapes"]] == shapes, d["shapes"]
+    assert all(torch.isfinite(a).all() for a in d["anchors"])
 
 
 @pytest.mark.slow
