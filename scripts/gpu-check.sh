@@ -234,13 +234,13 @@ step_deps() {
       || { FAIL_HINT="the unpacked .debs hold no usr/include/zmq.h or libzmq.so: run scripts/gpu-prepare.sh again"; return 1; }
     # Only what the machine lacks goes on the loader's path (libzmq always): the image's own
     # libssl and friends stay in use for everything else.
-    local have; have=$(ldconfig -p 2>/dev/null)
+    local have; have=" $(ldconfig -p 2>/dev/null | awk 'NR > 1 {print $1}' | tr '\n' ' ') "
     local linked=()
     for f in "$PREFIX"/root/usr/lib/x86_64-linux-gnu/lib*.so.* "$PREFIX"/root/lib/x86_64-linux-gnu/lib*.so.*; do
       [ -e "$f" ] || continue
       local b; b=$(basename "$f")
       [[ "$b" =~ ^lib.*\.so\.[0-9]+$ ]] || continue   # the soname links (libX.so.N)
-      if [[ "$b" != libzmq.so.* ]] && grep -q " $b " <<<"$have"; then continue; fi
+      if [[ "$b" != libzmq.so.* ]] && [[ "$have" == *" $b "* ]]; then continue; fi
       ln -sf "$(readlink -f "$f")" "$PREFIX/lib/$b"; linked+=("$b")
     done
     echo "on the loader's path from the .debs: ${linked[*]}"
@@ -260,7 +260,15 @@ step_deps() {
     FAIL_HINT="no $GPU_DIR/debs: run scripts/gpu-prepare.sh on the CPU machine and carry [\"$GPU_DIR\"]"
     return 1
   fi
-  if [ -e "${whls[0]}" ]; then
+  local pyv; pyv=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ -e "${whls[0]}" ] && [ "$pyv" != 3.12 ]; then
+    # gpu-prepare.sh fetches wheels for the GPU image's Python 3.12
+    if [ "$MODE" = gpu ]; then
+      FAIL_HINT="this python is $pyv; the carried wheels are for 3.12 (the image's): set PYTHON"
+      return 1
+    fi
+    STEP_NOTE="$STEP_NOTE; wheels not installed (they are for Python 3.12, this is $pyv)"
+  elif [ -e "${whls[0]}" ]; then
     tmo "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target "$PREFIX/site" "${whls[@]}" \
       || { FAIL_HINT="pip install --target of $GPU_DIR/wheels failed (a wheel for another Python?)"; return 1; }
