@@ -208,7 +208,7 @@ if torch.cuda.is_available():
 json.dump(env, open(out, "w"), indent=1)
 print(json.dumps(env, indent=1))
 if mode == "gpu" and not torch.cuda.is_available():
-    sys.exit(f"gpu-check: torch {torch.__version__} sees no CUDA GPU (torch.version.cuda="
+    sys.exit(f"torch {torch.__version__} sees no CUDA GPU (torch.version.cuda="
              f"{torch.version.cuda}, nvidia-smi: {gpu or 'not found'}); on a CPU machine use "
              "--cpu-dry-run")
 PY
