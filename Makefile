@@ -7,6 +7,8 @@
 #   make wheel  - the binary wheel, libzmq bundled: wheelhouse/ripples_pg-*.whl
 #   make wheel-check - that wheel installed into a fresh venv holding only torch: smoke test
 #   make bench, make bench-train - collectives vs gloo; training under stragglers (~1 h)
+#   make gpu-prepare - fetch what the bare GPU machine lacks into .gpu/ (scripts/gpu-prepare.sh)
+#   make gpu-check-dry - the GPU check's CPU dry run (scripts/gpu-check.sh --cpu-dry-run)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -15,7 +17,8 @@ PIP := $(VENV)/bin/pip
 JOBS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: all sysdeps venv build ctest asan pytest test wheel wheel-check demo bench bench-train clean
+.PHONY: all sysdeps venv build ctest asan pytest test wheel wheel-check demo bench bench-train clean \
+	gpu-prepare gpu-check-dry
 
 all: build
 
@@ -63,6 +66,12 @@ bench: build
 
 bench-train: build
 	$(PY) benchmarks/train.py --out benchmarks/results/train
+
+gpu-prepare:
+	PYTHON=$(PYTHON) bash scripts/gpu-prepare.sh
+
+gpu-check-dry: build
+	PYTHON=$(abspath $(PY)) bash scripts/gpu-check.sh --cpu-dry-run
 
 clean:
 	rm -rf build dist wheelhouse $(VENV) *.egg-info ripples_pg/*.so ripples_pg/_build_info.py

@@ -19,6 +19,12 @@ Per (op, size):
 The memcpy column is the reference measured in the same run: one thread on rank 0 copying
 the same size between two buffers while the other ranks wait.
 
+With --device cuda every tensor lives on the GPU (rank r on GPU r % device count: ranks share
+one GPU where there is one): ripples stages it through pinned host memory (docs/cuda.md), gloo
+takes its own CUDA path. Each timed batch ends with torch.cuda.synchronize(), since both
+return before the device has the result; the memcpy column is then a device-to-pinned-host
+copy (what staging pays each way). --device cpu (the default) is the CPU benchmark.
+
 Bus bandwidth follows nccl-tests (size in bytes / time = algbw):
   allreduce busbw = algbw * 2(n-1)/n,  allgather busbw = algbw * (n-1)/n,  broadcast = algbw.
 For allgather "size" is the total output size (as in nccl-tests); each rank sends size/n.
@@ -123,9 +129,9 @@ def elements_for(op, nbytes, world):
 # worker
 # --------------------------------------------------------------------------------------------
 
-def _pattern(torch, n):
+def _pattern(torch, n, dev="cpu"):
     # small integers, so float32 sums are exact whatever the reduction order
-    return (torch.arange(n, dtype=torch.int64) % 13 + 1).to(torch.float32)
+    return (torch.arange(n, dtype=torch.int64) % 13 + 1).to(dev, torch.float32)
 
 
 def _allgather_tensor(dist):
@@ -159,6 +165,14 @@ class _Bench:
         self.torch, self.dist = torch, dist
         self.rank, self.world = rank, world
         self.groups, self.ctrl, self.cfg, self.send = groups, ctrl, cfg, send
+        self.cuda = cfg.get("device") == "cuda"
+        self.dev = torch.device("cuda", rank % torch.cuda.device_count()) if self.cuda \
+            else torch.device("cpu")
+
+    def sync(self):
+        # collectives on CUDA tensors return before the device holds the result
+        if self.cuda:
+            self.torch.cuda.synchronize(self.dev)
 
     # one call of the op on group g; buffers in self.buf
     def call(self, op, g):
@@ -175,14 +189,15 @@ class _Bench:
     def alloc(self, op, n):
         torch = self.torch
         # timed buffers: zeros keep repeated in-place SUMs bounded (no overflow, no denormals)
-        self.buf = {"x": torch.zeros(n, dtype=torch.float32)}
+        self.buf = {"x": torch.zeros(n, dtype=torch.float32, device=self.dev)}
         if op == "allgather":
-            self.buf["out"] = torch.zeros(n * self.world, dtype=torch.float32)
+            self.buf["out"] = torch.zeros(n * self.world, dtype=torch.float32, device=self.dev)
 
     def check(self, op, n):
         """Run op once per backend on known data; return {backend: problem or None}."""
         torch, dist, r, w = self.torch, self.dist, self.rank, self.world
-        pat = _pattern(torch, n)
+        dev = self.dev
+        pat = _pattern(torch, n, dev)
         outs, problems = {}, {}
         for name, g in self.groups.items():
             try:
@@ -191,12 +206,12 @@ class _Bench:
                     dist.all_reduce(x, group=g)
                     out, exp = x, pat * (w * (w + 1) // 2)
                 elif op == "broadcast":
-                    x = pat.clone() if r == 0 else torch.full((n,), -7.0)
+                    x = pat.clone() if r == 0 else torch.full((n,), -7.0, device=dev)
                     dist.broadcast(x, src=0, group=g)
                     out, exp = x, pat
                 else:
                     x = pat + 100 * r
-                    out = torch.full((n * w,), -7.0)
+                    out = torch.full((n * w,), -7.0, device=dev)
                     _allgather_tensor(dist)(out, x, group=g)
                     exp = torch.cat([pat + 100 * k for k in range(w)])
                 if name == next(iter(self.groups)) and _inject(self.cfg, r, op, n * ELEM *
@@ -227,6 +242,7 @@ class _Bench:
         t0 = time.perf_counter()
         for _ in range(iters):
             call(op, g)
+        self.sync()
         return time.perf_counter() - t0
 
     def max_over_ranks(self, values):
@@ -272,19 +288,21 @@ class _Bench:
 
     def memcpy(self, nbytes, reps):
         """The reference: one thread copying ``nbytes`` between two buffers (rank 0, while
-        the others wait), timed like the collectives; per-copy seconds, one per repetition."""
+        the others wait), timed like the collectives; per-copy seconds, one per repetition.
+        On CUDA: a copy from the device into pinned host memory."""
         torch = self.torch
         samples = []
         if self.rank == 0:
             n = max(1, nbytes // ELEM)
-            src = torch.ones(n, dtype=torch.float32)
-            dst = torch.empty_like(src)
+            src = torch.ones(n, dtype=torch.float32, device=self.dev)
+            dst = torch.empty(n, dtype=torch.float32, pin_memory=self.cuda)
             dst.copy_(src)  # first touch
             k = 1
             while True:
                 t0 = time.perf_counter()
                 for _ in range(k):
-                    dst.copy_(src)
+                    dst.copy_(src, non_blocking=self.cuda)
+                self.sync()
                 dt = time.perf_counter() - t0
                 if dt >= 0.005 or k >= self.cfg["max_iters"]:
                     break
@@ -292,7 +310,8 @@ class _Bench:
             for _ in range(reps):
                 t0 = time.perf_counter()
                 for _ in range(k):
-                    dst.copy_(src)
+                    dst.copy_(src, non_blocking=self.cuda)
+                self.sync()
                 samples.append((time.perf_counter() - t0) / k)
         self.dist.barrier(group=self.ctrl)
         return samples
@@ -309,6 +328,10 @@ def worker(rank, world, port, cfg, conn):
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
+        if cfg.get("device") == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("--device cuda: torch sees no CUDA GPU")
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         if any(nm in RIPPLES_VARIANTS for nm in cfg["backends"]):
             import ripples_pg  # registers backend "ripples"
         timeout = _dt.timedelta(seconds=cfg["timeout"])
@@ -362,7 +385,7 @@ def worker(rank, world, port, cfg, conn):
 # parent
 # --------------------------------------------------------------------------------------------
 
-def machine_info(backends=()):
+def machine_info(backends=(), device="cpu"):
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -380,9 +403,14 @@ def machine_info(backends=()):
         "platform": platform.platform(),
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
+    info["device"] = device
     try:
         import torch
         info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda
+        if device == "cuda" and torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
     except Exception as e:  # noqa: BLE001
         info["torch"] = f"unavailable: {e!r}"
     if "ripples" in backends:
@@ -547,6 +575,11 @@ def render_markdown(result):
     L.append(f"- date: {info['date']}")
     L.append(f"- cpu: {info['cpu_model']}, nproc {info['nproc']} "
              f"(usable {info.get('usable_cpus')})")
+    if info.get("device") == "cuda":
+        L.append(f"- device: CUDA, {info.get('gpu', '?')} x{info.get('gpu_count', '?')} "
+                 f"(ranks share GPU rank % count), torch CUDA {info.get('torch_cuda')}; "
+                 f"ripples stages through pinned host memory, gloo uses its CUDA path; "
+                 f"memcpy = device-to-pinned-host copy")
     L.append(f"- torch {info['torch']}, python {info['python']}, {info['platform']}"
              + (f"; ripples_pg {info['ripples_pg']}" if info.get("ripples_pg") else ""))
     L.append(f"- backends: {', '.join(backends)} (measured alternately in the same run); "
@@ -638,6 +671,9 @@ def main(argv=None):
     ap.add_argument("--stall-timeout", type=float, default=None,
                     help="kill workers if no size completes for this long (default "
                          "timeout + 60 s)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the tensors live (default cpu); cuda: rank r on GPU "
+                         "r %% device count, ripples staged vs gloo's CUDA path")
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: sizes 8 B, 4 KiB, 1 MiB; 5 reps; 0.05 s per size")
     ap.add_argument("--out", default=None,
@@ -666,7 +702,7 @@ def main(argv=None):
     budget = args.budget or (0.05 if args.quick else 0.3)
     cfg = {"ops": ops, "worlds": worlds, "backends": backends, "sizes": sizes, "reps": reps,
            "budget": budget, "warmup": args.warmup, "max_iters": 100000,
-           "timeout": args.timeout,
+           "timeout": args.timeout, "device": args.device,
            "stall_timeout": args.stall_timeout or args.timeout + 60.0, "quick": args.quick,
            "inject": os.environ.get("RIPPLES_BENCH_INJECT")}
 
@@ -678,7 +714,13 @@ def main(argv=None):
                   f"or install the package", file=sys.stderr)
             return 2
 
-    info = machine_info(backends)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print(f"error: --device cuda but torch {torch.__version__} sees no CUDA GPU",
+                  file=sys.stderr)
+            return 2
+    info = machine_info(backends, args.device)
 
     def log(s):
         print(s, flush=True)

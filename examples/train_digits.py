@@ -79,6 +79,11 @@ Simulated hosts (--sim-hosts H): rank r gets RIPPLES_HOST_ID=host<r // (W/H)>, s
 backend treats each block of W/H ranks as one host (TCP between blocks, shared memory inside)
 and the smart schedule's --inter-intra rule sees H hosts.
 
+Device (--device): cpu (default), or cuda: each worker's model and data on GPU
+LOCAL_RANK % device count (workers share a GPU where there is one); ripples stages the CUDA
+tensors through pinned host memory (docs/cuda.md), gloo takes its CUDA path. The torchft
+baseline runs on the CPU only.
+
 Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.jsonl:
   {"event": "eval", "rank", "step", "time", "loss", "acc", "batch_loss", "test_loss",
    "consensus"}
@@ -116,6 +121,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -252,6 +258,13 @@ class Straggler:
             self.slept += d
 
 
+def _sync(t: torch.Tensor) -> None:
+    """Wait for the GPU's queued work when timing steps on CUDA tensors (kernels return
+    before they are done)."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def calibrate_compute(model: nn.Module, x, y, args, reps=30) -> float:
     """Median time of forward + backward + update of a private copy of the model (with a
     tiny learning rate: only the time matters)."""
@@ -263,6 +276,7 @@ def calibrate_compute(model: nn.Module, x, y, args, reps=30) -> float:
         opt.zero_grad()
         loss_fn(m(x), y).backward()
         opt.step()
+        _sync(x)
         times.append(time.perf_counter() - t)
     return float(np.median(times[5:]))
 
@@ -280,6 +294,7 @@ def calibrate_step(model, optimizer, xs, ys, bs: int, world: int, steps: int = 6
         optimizer.zero_grad()
         loss_fn(model(xs[idx]), ys[idx]).backward()
         optimizer.step()
+        _sync(xs)
         times.append(time.perf_counter() - t)
     med = torch.tensor([float(np.median(times[steps // 3:]))], dtype=torch.float64)
     dist.all_reduce(med)
@@ -622,6 +637,8 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default=None)
     p.add_argument("--quiet", action="store_true", help="rank 0 prints only the final line")
     p.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where model and data live (cuda: GPU LOCAL_RANK %% device count)")
     args = p.parse_args(argv)
     if args.pause_s < 0:
         p.error("--pause-s must be >= 0")
@@ -638,6 +655,8 @@ def parse_args(argv=None):
                 "torchft_diloco only")
     if args.compression is not None and args.strategy != "ripples":
         p.error("--compression applies to --strategy ripples only")
+    if args.device == "cuda" and args.strategy == "torchft_diloco":
+        p.error("--strategy torchft_diloco runs on --device cpu only")
     if args.outer_lr <= 0 or not 0 <= args.outer_momentum < 1:
         p.error("--outer-lr must be > 0 and --outer-momentum in [0, 1)")
     return args
@@ -657,6 +676,10 @@ def main(argv=None):
         if args.sim_hosts < 1 or world % args.sim_hosts:
             raise SystemExit(f"--sim-hosts {args.sim_hosts} must divide the world size {world}")
         os.environ["RIPPLES_HOST_ID"] = f"host{rank // (world // args.sim_hosts)}"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device cuda: torch {torch.__version__} sees no CUDA GPU")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
         run(args)
@@ -690,14 +713,20 @@ def run(args):
             print(line, flush=True)
 
     data = workloads.load(args)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        data = dataclasses.replace(data, **{f.name: getattr(data, f.name).to(device)
+                                            for f in dataclasses.fields(data)
+                                            if isinstance(getattr(data, f.name), torch.Tensor)})
     perm = torch.randperm(len(data.xtr), generator=torch.Generator().manual_seed(args.seed))
     shard = perm[rank::world]
     xs, ys = data.xtr[shard], data.ytr[shard]
 
     torch.manual_seed(args.seed)  # same initial model everywhere (DDP broadcasts it anyway)
-    module = data.make_model()
+    module = data.make_model().to(device)
     tft = None  # torchft's DiLoCo (--strategy torchft_diloco)
-    model = DDP(module)
+    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
     base_opt = make_optimizer(model.parameters(), args)
     if args.strategy == "ripples":
         import ripples_pg

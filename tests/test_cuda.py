@@ -6,7 +6,14 @@ collective is cross-checked against gloo on CPU copies of the same inputs (gloo'
 support covers only a few collectives); partial rounds against the same rounds on CPU tensors.
 Without a GPU the whole module skips with that reason; tests/test_staging.py covers the
 host side of the same path on CPU.
+
+The collective and partial-round tests run with 2 and 4 processes sharing the one GPU.
+``RIPPLES_TEST_DEVICE=cpu`` (with ``RIPPLES_DEBUG_STAGE_CPU=1``: scripts/gpu-check.sh
+--cpu-dry-run) runs them on CPU tensors through the staging thread instead, so the GPU check's
+plumbing is rehearsed without a GPU; the tests that need CUDA streams then skip.
 """
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,14 +21,24 @@ import torch.distributed as dist
 import _dist
 from _dist import Checker, run_spawn
 
+ON_CPU = os.environ.get("RIPPLES_TEST_DEVICE", "cuda") == "cpu"
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not ON_CPU and not torch.cuda.is_available(),
+                       reason="needs a CUDA GPU (RIPPLES_TEST_DEVICE=cpu: the CPU dry run)"),
 ]
+needs_cuda = pytest.mark.skipif(ON_CPU or not torch.cuda.is_available(),
+                                reason="needs CUDA streams (not in the CPU dry run)")
 
 
 def _device(ctx):
-    return torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    """This rank's device, made current: GPU rank % count (ranks share one GPU where there is
+    only one), or the CPU in the dry run."""
+    if os.environ.get("RIPPLES_TEST_DEVICE", "cuda") == "cpu":
+        return torch.device("cpu")
+    dev = torch.device("cuda", ctx.rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def _inputs(ctx, n, dtype, salt):
@@ -34,7 +51,6 @@ def _inputs(ctx, n, dtype, salt):
 def _t_collectives(ctx):
     ck = Checker(ctx)
     dev = _device(ctx)
-    torch.cuda.set_device(dev)
     ws, rank = ctx.ws, ctx.rank
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
         for n in (0, 1, 1023, 1 << 18):
@@ -132,10 +148,11 @@ def _t_collectives(ctx):
             ck.equal(t.cpu(), torch.arange(7.0), "recv")
 
     # a call mixing devices is a clear error on every rank, and the group stays usable
-    ck.raises("all_gather(cuda input, cpu outputs)",
-              lambda: dist.all_gather([torch.empty(3) for _ in range(ws)],
-                                      torch.ones(3, device=dev)),
-              (ValueError, RuntimeError), r"different devices")
+    if dev.type == "cuda":
+        ck.raises("all_gather(cuda input, cpu outputs)",
+                  lambda: dist.all_gather([torch.empty(3) for _ in range(ws)],
+                                          torch.ones(3, device=dev)),
+                  (ValueError, RuntimeError), r"different devices")
     ok = torch.ones(4, device=dev)
     dist.all_reduce(ok)
     ck.equal(ok.cpu(), torch.full((4,), float(ws)), "all_reduce after the rejected call")
@@ -143,7 +160,7 @@ def _t_collectives(ctx):
     return ck.finish()
 
 
-@pytest.mark.parametrize("ws", [1, 2, 3])
+@pytest.mark.parametrize("ws", [1, 2, 3, 4])
 def test_collectives_on_cuda_match_gloo(ws):
     run_spawn(_t_collectives, ws, timeout=300)
 
@@ -154,7 +171,6 @@ def _t_streams(ctx):
     the stream waits for the copies back."""
     ck = Checker(ctx)
     dev = _device(ctx)
-    torch.cuda.set_device(dev)
     side = torch.cuda.Stream()
     n = 1 << 20
     expected = float(sum(range(1, ctx.ws + 1)))
@@ -179,8 +195,10 @@ def _t_streams(ctx):
     return ck.finish()
 
 
-def test_stream_semantics_without_synchronize():
-    run_spawn(_t_streams, 2, timeout=300)
+@needs_cuda
+@pytest.mark.parametrize("ws", [2, 4])
+def test_stream_semantics_without_synchronize(ws):
+    run_spawn(_t_streams, ws, timeout=300)
 
 
 def _t_partial(ctx, schedule):
@@ -189,7 +207,6 @@ def _t_partial(ctx, schedule):
 
     ck = Checker(ctx)
     dev = _device(ctx)
-    torch.cuda.set_device(dev)
     g_cpu = _dist.ripples_group(ctx, 0, schedule=schedule, partial=True, seed=7)
     g_gpu = _dist.ripples_group(ctx, 0, schedule=schedule, partial=True, seed=7)
     for step in range(6):
@@ -202,9 +219,10 @@ def _t_partial(ctx, schedule):
     return ck.finish()
 
 
+@pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("schedule", ["static"])
-def test_partial_rounds_on_cuda_match_cpu(schedule):
-    run_spawn(_t_partial, 4, schedule, timeout=300)
+def test_partial_rounds_on_cuda_match_cpu(schedule, ws):
+    run_spawn(_t_partial, ws, schedule, timeout=300)
 
 
 def _t_train(ctx):
@@ -217,7 +235,6 @@ def _t_train(ctx):
 
     ck = Checker(ctx)
     dev = _device(ctx)
-    torch.cuda.set_device(dev)
     X, y = load_digits(return_X_y=True)
     X = torch.tensor(X / 16.0, dtype=torch.float32)
     y = torch.tensor(y)
@@ -244,5 +261,6 @@ def _t_train(ctx):
     return ck.finish()
 
 
+@needs_cuda
 def test_ddp_wrap_trains_on_cuda_like_on_cpu():
     run_spawn(_t_train, 2, timeout=600)
