@@ -92,6 +92,8 @@ def _chunks_of(sizes_bytes, chunk):
     """The number of chunks Call::cutIntoChunks makes of tensors of these byte sizes (element
     sizes given as (count, esz) pairs), for a check that the cut is the documented one."""
     total = sum(n * e for n, e in sizes_bytes)
+    if chunk == 0:
+        return 0
     chunk = max(chunk, -(-total // 1024))
     if total <= chunk:
         return 0
@@ -144,7 +146,10 @@ def _t_pipelined_matches_gloo(ctx, chunks):
               torch.randint(-9, 9, (3,), dtype=torch.int32, generator=gen),
               torch.randint(0, 9, (9,), dtype=torch.uint8, generator=gen)]
         ys = [t.clone() for t in xs]
-        dist.all_reduce_coalesced(xs, group=g)
+        # torch's all_reduce_coalesced refuses mixed dtypes; the backend takes them.
+        opts = dist.AllreduceCoalescedOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        g._get_backend(torch.device("cpu")).allreduce_coalesced(xs, opts).wait()
         for t in ys:
             dist.all_reduce(t, group=ctx.ref)
         for i, (a, b) in enumerate(zip(xs, ys)):
@@ -153,7 +158,7 @@ def _t_pipelined_matches_gloo(ctx, chunks):
 
         # Broadcast from the last rank, two dtypes; a non-contiguous tensor (copied whole but
         # cut like the rest); async calls back to back, completed in issue order.
-        for dt, n in ((torch.int16, 51), (torch.float16, 19)):
+        for dt, n in ((torch.int32, 51), (torch.float16, 19)):
             x = (torch.arange(n) * (rank + 3)).to(dt)
             y = x.clone()
             dist.broadcast(x, src=ws - 1, group=g)
