@@ -251,7 +251,7 @@ void StagedSubmitter::loop() {
     bool stopping = false;
     const auto deadline = std::chrono::steady_clock::now() +
         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(timeout_s_));
+            std::chrono::duration<double>(timeout_s_));
     DeviceStage* st = item->stage;
     size_t from = 0;  // the first part not yet handed to the core
     bool ok = true;
