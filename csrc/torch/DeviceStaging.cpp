@@ -249,9 +249,10 @@ void StagedSubmitter::loop() {
       continue;
     }
     bool stopping = false;
+    // Capped so that the cast to the clock's integer nanoseconds cannot overflow.
     const auto deadline = std::chrono::steady_clock::now() +
         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-            std::chrono::duration<double>(timeout_s_));
+            std::chrono::duration<double>(std::min(timeout_s_, 1e9)));
     DeviceStage* st = item->stage;
     size_t from = 0;  // the first part not yet handed to the core
     bool ok = true;
