@@ -77,7 +77,8 @@ def stats(group: Any = None) -> dict:
     ``bytes_sent``, ``bytes_received`` (``single_copy_bytes`` of them read straight from local
     peers' buffers), ``connections`` (``ucx_connections`` of them UCX
     endpoints), ``ops_staged`` (calls on CUDA tensors,
-    staged through pinned host memory).
+    staged through pinned host memory; ``ops_staged_pipelined`` of them staged in chunks,
+    ``stage_chunks`` the chunks, one core operation each: ``Options.stage_chunk_bytes``).
 
     Straggler attribution (dynamic schedules; as the coordinator measures it, refreshed in the
     background at most once a second, so calling this at every step costs nothing and never

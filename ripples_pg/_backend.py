@@ -183,6 +183,7 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
         partial_by_default=bool(opts.partial),
         job_secret=opts.job_secret or "",
         compression=opts.compression,
+        stage_chunk_bytes=int(opts.stage_chunk_bytes),
     )
 
 

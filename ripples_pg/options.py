@@ -143,6 +143,24 @@ _GG_MAX_WORKERS = 65536         # RPL_SCHED_MAX_WORKERS in csrc/sched/rpl_sched.
 _SEED_MAX = 2**63 - 1           # a standby's seed is seed + rank, a uint64 in C
 
 
+STAGE_CHUNK_MIN = 8          # one element of the widest dtype
+STAGE_CHUNK_MAX = 1 << 30    # larger chunks would not overlap anything
+STAGE_CHUNK_DEFAULT = 4 << 20
+
+
+def _parse_stage_chunk(name: str, value: Any, from_env: bool) -> int:
+    accepted = f"0 (copy whole tensors, no pipelining) or a byte count from " \
+               f"{STAGE_CHUNK_MIN} to {STAGE_CHUNK_MAX} (int, or a string such as '4M'), " \
+               f"the same on every rank"
+    try:
+        n = _parse_bytes(name, value, from_env)
+    except ValueError:
+        _fail(name, value, accepted, from_env)
+    if n != 0 and not STAGE_CHUNK_MIN <= n <= STAGE_CHUNK_MAX:
+        _fail(name, value, accepted, from_env)
+    return n
+
+
 def _int_at_least(low: int, what: str, high: int = _INT_MAX) -> Callable[[str, Any, bool], int]:
     def parse(name: str, value: Any, from_env: bool) -> int:
         accepted = f"an integer from {low} to {high} ({what})"
@@ -287,6 +305,10 @@ _FIELDS: dict[str, _Field] = {
                "Partial rounds over float32 buffers whose group spans several hosts send "
                "their data quantised, with error feedback (docs/compression.md): 'bf16', "
                "'fp16', 'int8' (blockwise absmax), or 'none'. Same on every rank."),
+        _Field("stage_chunk_bytes", _parse_stage_chunk, STAGE_CHUNK_DEFAULT,
+               "Exact all-reduces and broadcasts of CUDA tensors larger than this are "
+               "staged through host memory in chunks of this size, the copies overlapping "
+               "the transfer; 0 = whole tensors. Same on every rank."),
     )
 }
 
@@ -382,6 +404,13 @@ class Options:
             exact collectives are never compressed. About 2x (bf16, fp16) or 3.9x (int8)
             fewer bytes per round; worth it on slow links only (docs/compression.md). Every
             rank must set the same value (a round with mixed settings fails naming them).
+        stage_chunk_bytes: CUDA tensors are staged through pinned host memory; an exact
+            all-reduce or broadcast of more than this many bytes is staged in chunks of this
+            size, one core operation each, so that copying the next chunk off the device
+            and the previous one back onto it overlap the transfer of the current one
+            (docs/cuda.md). 4 MiB by default; ``0``: whole tensors (the unpipelined path).
+            Partial rounds and the other collectives are never cut. Every rank must set the
+            same value (a call whose ranks cut differently fails with a size mismatch).
 
     Every field may also come from ``RIPPLES_<FIELD>`` in the environment (e.g.
     ``RIPPLES_TIMEOUT=120``, ``RIPPLES_CHUNK_BYTES=1M``); a value set here wins over the
@@ -416,6 +445,7 @@ class Options:
         seed: Optional[int] = None,
         trace: Optional[bool] = None,
         compression: Optional[str] = None,
+        stage_chunk_bytes: Optional[int] = None,
     ) -> None:
         args = locals()  # every field is a parameter of the same name
         for name in _FIELDS:

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -55,15 +56,19 @@ at::Tensor DeviceStage::toHost(const at::Tensor& t, bool copy) {
   }
   at::Tensor host = at::empty(t.sizes(), opts);
   if (copy) {
-    if (side_) {
-      c10::StreamGuard guard(*side_);
-      host.copy_(t, /*non_blocking=*/true);
-      recordUse(t);
-    } else {
-      host.copy_(t);
-    }
+    copyIn(host, t);
   }
   return host;
+}
+
+void DeviceStage::copyIn(const at::Tensor& host, const at::Tensor& dev) {
+  if (!side_) {
+    host.copy_(dev);
+    return;
+  }
+  c10::StreamGuard guard(*side_);
+  host.copy_(dev, /*non_blocking=*/true);
+  recordUse(dev);
 }
 
 void DeviceStage::markStaged() {
@@ -72,29 +77,20 @@ void DeviceStage::markStaged() {
   }
 }
 
-bool DeviceStage::waitStaged(double timeout_s, const std::function<bool()>& abandon) {
-  if (!side_) {
-    return !abandon();
+void DeviceStage::markChunkStaged() {
+  if (side_) {
+    chunkStaged_.emplace_back(device_.type());
+    chunkStaged_.back().record(*side_);
   }
-  // Poll rather than synchronize(): a wedged device or a shutdown must not hold this thread
-  // (and every later operation of the group) forever. Short spins first: copies of small
-  // tensors finish within microseconds.
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-  auto pause = std::chrono::microseconds(0);
-  while (!staged_->query()) {
-    if (abandon() || std::chrono::steady_clock::now() > deadline) {
-      return false;
-    }
-    if (pause.count() == 0) {
-      std::this_thread::yield();
-      pause = std::chrono::microseconds(1);
-    } else {
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(500));
-    }
-  }
-  return true;
+}
+
+bool DeviceStage::staged() const {
+  return !side_ || staged_->query();
+}
+
+bool DeviceStage::chunkStaged(size_t k) const {
+  // Without streams the copies ran on the caller's thread, before the call was queued.
+  return !side_ || (k < chunkStaged_.size() && chunkStaged_[k].query());
 }
 
 void DeviceStage::copyBack(const at::Tensor& host, const at::Tensor& dst) {
@@ -150,7 +146,7 @@ StagedSubmitter::~StagedSubmitter() {
 void StagedSubmitter::enqueue(Item item) {
   std::lock_guard<std::mutex> g(mu_);
   if (stopping_) {
-    item.fail(Failure::kStopped, stopWhy_);
+    item.fail(Failure::kStopped, stopWhy_, 0);
     return;
   }
   if (!thread_.joinable()) {
@@ -159,6 +155,17 @@ void StagedSubmitter::enqueue(Item item) {
   queue_.push_back(std::move(item));
   queued_.fetch_add(1, std::memory_order_release);
   cv_.notify_one();
+}
+
+bool StagedSubmitter::post(std::function<void()> task) {
+  std::lock_guard<std::mutex> g(mu_);
+  // The thread exits only once stopping with nothing queued, so a task accepted here runs.
+  if (stopping_ || !thread_.joinable()) {
+    return false;
+  }
+  tasks_.push_back(std::move(task));
+  cv_.notify_one();
+  return true;
 }
 
 void StagedSubmitter::stop(const std::string& why, bool join) {
@@ -175,34 +182,105 @@ void StagedSubmitter::stop(const std::string& why, bool join) {
   }
 }
 
+void StagedSubmitter::runTasks() {
+  std::deque<std::function<void()>> tasks;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    tasks.swap(tasks_);
+  }
+  for (auto& t : tasks) {
+    t();  // never throws (post()'s contract)
+  }
+}
+
+bool StagedSubmitter::waitUntil(
+    const std::function<bool()>& ready,
+    std::chrono::steady_clock::time_point deadline,
+    bool* stopping) {
+  // Poll rather than synchronize(): a wedged device or a shutdown must not hold this thread
+  // (and every later operation of the group) forever. Short waits first: copies of small
+  // tensors finish within microseconds. A posted task (a pipelined chunk's copy back) ends
+  // the wait early, so that it is issued at once rather than after the pause.
+  auto pause = std::chrono::microseconds(0);
+  for (;;) {
+    if (ready()) {
+      return true;
+    }
+    runTasks();
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      if (stopping_) {
+        *stopping = true;
+        return false;
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return false;
+      }
+      if (pause.count() > 0) {
+        cv_.wait_for(lk, pause, [&] { return !tasks_.empty() || stopping_; });
+      }
+    }
+    if (pause.count() == 0) {
+      std::this_thread::yield();
+      pause = std::chrono::microseconds(1);
+    } else {
+      pause = std::min(pause * 2, std::chrono::microseconds(500));
+    }
+  }
+}
+
 void StagedSubmitter::loop() {
   pthread_setname_np(pthread_self(), "rpl-stage");
   for (;;) {
     Item* item = nullptr;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return !queue_.empty() || stopping_; });
-      if (queue_.empty()) {
-        return;  // stopping, nothing left
+      cv_.wait(lk, [&] { return !queue_.empty() || !tasks_.empty() || stopping_; });
+      if (queue_.empty() && tasks_.empty()) {
+        return;  // stopping, nothing left (post() refuses from now on)
       }
-      // Stays at the front until it is submitted, so that callers keep queueing behind it.
-      item = &queue_.front();
+      if (!queue_.empty()) {
+        // Stays at the front until it is submitted, so that callers keep queueing behind it.
+        item = &queue_.front();
+      }
+    }
+    runTasks();
+    if (item == nullptr) {
+      continue;
     }
     bool stopping = false;
-    auto abandon = [&] {
-      std::lock_guard<std::mutex> g(mu_);
-      stopping = stopping_;
-      return stopping;
-    };
-    if (item->stage == nullptr || item->stage->waitStaged(timeout_s_, abandon)) {
+    // Capped so that the cast to the clock's integer nanoseconds cannot overflow.
+    const auto deadline = std::chrono::steady_clock::now() +
+        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+            std::chrono::duration<double>(std::min(timeout_s_, 1e9)));
+    DeviceStage* st = item->stage;
+    size_t from = 0;  // the first part not yet handed to the core
+    bool ok = true;
+    if (item->parts == 0) {
+      ok = st == nullptr || waitUntil([st] { return st->staged(); }, deadline, &stopping);
+    } else {
+      // Chunk by chunk: chunk k runs in the core while the copies of k+1 finish.
+      for (; from < item->parts; ++from) {
+        const size_t k = from;
+        if (!waitUntil([st, k] { return st->chunkStaged(k); }, deadline, &stopping)) {
+          ok = false;
+          break;
+        }
+        if (!item->submitPart(k)) {
+          break;  // refused: submitPart dropped the rest; submit() still ends the call
+        }
+      }
+    }
+    if (ok) {
       item->submit();
     } else if (stopping) {
-      item->fail(Failure::kStopped, stopWhy_);
+      item->fail(Failure::kStopped, stopWhy_, from);
     } else {
       item->fail(
           Failure::kTimeout,
           "the copies of its device tensors into host memory did not finish within the "
-          "group's timeout of " + std::to_string(timeout_s_) + " s (is the device stuck?)");
+          "group's timeout of " + std::to_string(timeout_s_) + " s (is the device stuck?)",
+          from);
     }
     std::lock_guard<std::mutex> g(mu_);
     queue_.pop_front();  // deque: `item` stayed valid while others were pushed behind it

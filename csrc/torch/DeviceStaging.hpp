@@ -18,6 +18,17 @@
 // tensors through the same path (plain host copies, no streams), so that everything but the
 // stream calls is exercised: "1" every call, "alternate" every other call of a group (staged
 // and direct calls then interleave, as CPU and CUDA calls do on one group).
+//
+// Pipelined staging (Config::stage_chunk_bytes > 0; Submission.cpp cuts the call): an exact
+// all-reduce or broadcast larger than one chunk becomes one core operation per chunk (a
+// non-contiguous tensor in it is copied whole, before the first chunk and after the last).
+// Step 1 then copies chunk by chunk, recording one event per chunk; the
+// staging thread submits chunk k as soon as its event fired (the copies of k+1 overlap the
+// transfer of k); each chunk's completion hands its copy back to the staging thread (post()),
+// which issues it on the side stream at once (overlapping the transfer of the chunks after
+// it) and only then counts the chunk as finished, so "done" is recorded after every copy.
+// The chunks are ordinary core operations: every rank must cut them the same way (the core's
+// per-operation size check fails a call whose ranks differ).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,6 +37,7 @@
 #include <c10/core/Stream.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -42,8 +54,18 @@ namespace ripples __attribute__((visibility("hidden"))) {
 // group's calls.
 bool debugStageCpu(uint64_t n);
 
+// A piece of a pipelined call: `host` and `dev` are flat views of the same elements of a host
+// staging tensor and the user's (contiguous) tensor.
+struct ChunkCopy {
+  at::Tensor host;
+  at::Tensor dev;
+  bool read = true;   // copied into host memory before the chunk runs
+  bool write = true;  // copied back once it completed
+};
+
 // The staging of one call. Created on the caller's thread by begin(); afterwards used by the
-// staging thread (waitStaged) and the completion executor (copyBack, markDone), one at a time.
+// staging thread (staged, chunkStaged, and copyBack of pipelined chunks) and the completion
+// executor (copyBack, markDone), one at a time.
 class DeviceStage {
  public:
   // `side` is the group's side stream for `device`; ignored (may be nullopt) for CPU.
@@ -62,11 +84,16 @@ class DeviceStage {
   // A contiguous host tensor (pinned for devices) shaped like `t`; with `copy`, filled from `t`
   // on the side stream.
   at::Tensor toHost(const at::Tensor& t, bool copy);
+  // Fills `host` from `dev` (same shape; `host` from toHost) on the side stream.
+  void copyIn(const at::Tensor& host, const at::Tensor& dev);
   // Records "staged" on the side stream: after the last toHost of the call.
   void markStaged();
-  // Blocks (not on the caller's thread) until the staging copies are done, at most
-  // `timeout_s`, or until `abandon()` returns true. Returns false on timeout/abandon.
-  bool waitStaged(double timeout_s, const std::function<bool()>& abandon);
+  // Pipelined calls: records the event of the next chunk, after its copyIn()s.
+  void markChunkStaged();
+  // Whether the staging copies (of the whole call / of chunk k) are done. Never blocks: the
+  // staging thread polls, so that a wedged device or a shutdown cannot hold it.
+  bool staged() const;
+  bool chunkStaged(size_t k) const;
   // Copies a host result back into the user's device tensor on the side stream.
   void copyBack(const at::Tensor& host, const at::Tensor& dst);
   // Records "done" on the side stream: after the last copyBack.
@@ -81,6 +108,7 @@ class DeviceStage {
   std::optional<c10::Stream> side_;
   std::optional<c10::Event> staged_;
   std::optional<c10::Event> done_;
+  std::vector<c10::Event> chunkStaged_;  // filled before the call reaches the staging thread
 };
 
 // One side stream per device index, created on first use (the group's, so that its calls are
@@ -102,9 +130,16 @@ class StagedSubmitter {
   enum class Failure { kStopped, kTimeout };
   struct Item {
     DeviceStage* stage = nullptr;    // nullptr: nothing to wait for
+    // Pipelined calls: the number of chunks. Chunk k goes to the core through submitPart(k)
+    // once stage->chunkStaged(k); submit() follows the last. 0: the whole call at once.
+    size_t parts = 0;
+    // Hands chunk k to the core; false if the core refused it (the rest are then dropped,
+    // their failure recorded by submitPart itself). Never throws.
+    std::function<bool(size_t)> submitPart;
     std::function<void()> submit;    // hands the operation to the core; never throws
-    // Completes it with an error instead; never throws.
-    std::function<void(Failure, const std::string&)> fail;
+    // Completes it with an error instead: the parts from `from` on never reach the core (0
+    // for a whole call). Never throws.
+    std::function<void(Failure, const std::string&, size_t from)> fail;
   };
 
   explicit StagedSubmitter(double timeout_s);
@@ -120,17 +155,29 @@ class StagedSubmitter {
     return queued_.load(std::memory_order_acquire) == 0;
   }
   void enqueue(Item item);
+  // Runs `task` on the staging thread soon (between waits; not ordered with the queue). For
+  // the chunks of pipelined calls, whose copies back it issues; called from the core's
+  // progress thread, so it only queues. False once stopping: the caller deals with it.
+  bool post(std::function<void()> task);
   // Stops the thread: queued operations not yet submitted fail (kStopped, `why`). With join,
   // waits for it.
   void stop(const std::string& why, bool join);
 
  private:
   void loop();
+  // Waits until ready() or the deadline, running posted tasks meanwhile. False on timeout
+  // or once stopping (*stopping says which).
+  bool waitUntil(
+      const std::function<bool()>& ready,
+      std::chrono::steady_clock::time_point deadline,
+      bool* stopping);
+  void runTasks();
 
   double timeout_s_;
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;  // an item or a task arrived, or stopping
   std::deque<Item> queue_;
+  std::deque<std::function<void()>> tasks_;
   std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_
   bool stopping_ = false;
   std::string stopWhy_;

@@ -71,6 +71,9 @@ struct Config {
   bool trace = false;
   bool partial_by_default = false;  // Options(partial=True): no context manager needed
   int compression = 0;        // rpl_compress of partial rounds (Options.compression)
+  // Staged exact all-reduces and broadcasts larger than this are pipelined in chunks of this
+  // many bytes (DeviceStaging.hpp); 0 = whole tensors. The same on every rank.
+  size_t stage_chunk_bytes = 0;
 };
 
 // How allreduce calls issued by the current thread treat partial mode: follow the group's
@@ -205,6 +208,12 @@ class ProcessGroupRipples : public c10d::Backend {
   uint64_t stagedCalls() const {
     return staged_.load();
   }
+  uint64_t pipelinedCalls() const {
+    return pipelined_.load();
+  }
+  uint64_t stageChunks() const {
+    return stageChunks_.load();
+  }
   rpl_partial_stats partialStats() const;
   std::vector<rpl_trace_entry> trace(uint64_t from) const;
   const Config& config() const {
@@ -245,8 +254,12 @@ class ProcessGroupRipples : public c10d::Backend {
       std::chrono::milliseconds opTimeout,
       c10::Device device,
       std::optional<std::vector<at::Tensor>> profiled);
+  // The chunk size `call` (begun, its descriptors set) is pipelined with; 0: not pipelined.
+  size_t pipelineChunkBytes(const Call& call) const;
   // Submits the core operations of `call` (its context's descriptors) and returns its Work.
   c10::intrusive_ptr<c10d::Work> submit(Call& call);
+  // The staging thread's item for a pipelined call: its chunks to the core one by one.
+  StagedSubmitter::Item pipelinedItem(OpContext* ctx);
   // The latency path: runs the single core op of `ctx` on this thread if the core is idle and
   // every earlier future has completed; false if it was not run (or *st says why it failed).
   // Called with submitMu_ held.
@@ -272,6 +285,8 @@ class ProcessGroupRipples : public c10d::Backend {
   SideStreams sideStreams_;
   std::atomic<uint64_t> calls_{0};   // for RIPPLES_DEBUG_STAGE_CPU=alternate
   std::atomic<uint64_t> staged_{0};  // calls staged through host memory
+  std::atomic<uint64_t> pipelined_{0};    // of those, pipelined in chunks
+  std::atomic<uint64_t> stageChunks_{0};  // the core operations (chunks) of those
   std::unique_ptr<StagedSubmitter> stager_;  // joined before comm_ is destroyed
 };
 

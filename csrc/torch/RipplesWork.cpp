@@ -43,6 +43,11 @@ void OpContext::recordError(rpl_status st, const std::string& msg) {
   }
 }
 
+bool OpContext::failed() {
+  std::lock_guard<std::mutex> g(errMu);
+  return status != RPL_OK;
+}
+
 void OpContext::finishParts(int n) {
   if (pending.fetch_sub(n) == n) {
     executor->push(this);

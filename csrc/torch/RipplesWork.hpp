@@ -139,6 +139,18 @@ struct OpContext {
   std::string errMsg;
   uint64_t seq = 0;
   int source = -1;  // recvAnysource: the sender, written by the core before on_done
+  // Pipelined staging (DeviceStaging.hpp): descs[k] is chunk k, whose copies are chunks[k];
+  // chunkDone[k] is its on_done argument. Empty otherwise.
+  struct ChunkDone {
+    OpContext* ctx;
+    size_t k;
+  };
+  std::vector<std::vector<ChunkCopy>> chunks;
+  std::vector<ChunkDone> chunkDone;
+  size_t chunkBytes = 0;  // the chunk size the call was cut with (for messages)
+  StagedSubmitter* stager = nullptr;  // issues the chunks' copies back; outlives the core
+
+  bool failed();
 
   void recordError(rpl_status st, const std::string& msg);
   // `n` outstanding parts are over (finished, or will never run): the last one hands the call

@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "Errors.hpp"
@@ -32,6 +33,23 @@ at::Tensor Call::hostTensor(
   } else {
     if (write) {
       checkWritable(t, opName, what);
+    }
+    if (stage() && pipelineBytes > 0) {
+      // Pipelined: contiguous tensors are copied chunk by chunk once submit() has cut the
+      // call. Others are copied whole now and back at the end, but still cut like the rest
+      // (the cut must not depend on a rank's local layout: every rank cuts the same way).
+      if (t.is_contiguous()) {
+        c = stage()->toHost(t, false);
+        deferred_.push_back(ChunkCopy{c, t, read, write});
+      } else {
+        c = stage()->toHost(t, read);
+        if (write) {
+          ctx->copyBack.emplace_back(c, t);
+        }
+        deferred_.push_back(ChunkCopy{c, at::Tensor(), false, false});
+      }
+      ctx->keepAlive.push_back(c);
+      return c;
     }
     if (stage()) {
       c = stage()->toHost(t, read);
@@ -92,6 +110,101 @@ void Call::copyTo(const at::Tensor& from, const at::Tensor& dest, const std::str
   ctx->copyBack.emplace_back(from, dest);
 }
 
+bool Call::cutIntoChunks() {
+  OpContext& c = *ctx;
+  if (pipelineBytes == 0 || c.descs.size() != 1 || !c.out.empty() ||
+      deferred_.size() != c.in.size()) {
+    return false;  // not the one in-place operation pipelining was planned for
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < c.in.size(); ++i) {
+    const rpl_buf& b = c.in[i];
+    const at::Tensor& h = deferred_[i].host;
+    if (b.count != static_cast<size_t>(h.numel()) || (b.count > 0 && b.ptr != h.data_ptr())) {
+      return false;
+    }
+    total += b.count * rpl_dtype_size(b.dtype);
+  }
+  // From the sizes and the setting only, so every rank cuts the same chunks. A huge call gets
+  // larger chunks rather than an unbounded number of core operations.
+  const size_t chunk = std::max(pipelineBytes, (total + kMaxChunks - 1) / kMaxChunks);
+  if (total <= chunk) {
+    return false;
+  }
+  std::vector<rpl_buf> bufs;
+  std::vector<size_t> first{0};  // each chunk's first buffer in `bufs`
+  std::vector<std::vector<ChunkCopy>> copies(1);
+  size_t room = chunk;
+  for (size_t i = 0; i < c.in.size(); ++i) {
+    const rpl_buf& b = c.in[i];
+    if (b.count == 0) {
+      bufs.push_back(b);  // still passed (every rank's buffer count must agree)
+      continue;
+    }
+    const size_t esz = rpl_dtype_size(b.dtype);
+    const ChunkCopy& whole = deferred_[i];
+    const at::Tensor hflat = whole.host.view({-1});
+    const at::Tensor dflat = whole.dev.defined() ? whole.dev.view({-1}) : at::Tensor();
+    size_t off = 0;
+    while (off < b.count) {
+      if (room < esz) {  // the chunk is full: start the next (pipelineBytes >= 8 >= esz)
+        first.push_back(bufs.size());
+        copies.emplace_back();
+        room = chunk;
+      }
+      const size_t n = std::min(room / esz, b.count - off);
+      bufs.push_back(rpl_buf{static_cast<char*>(b.ptr) + off * esz, n, b.dtype});
+      if (dflat.defined()) {
+        const auto o = static_cast<int64_t>(off), len = static_cast<int64_t>(n);
+        copies.back().push_back(
+            ChunkCopy{hflat.narrow(0, o, len), dflat.narrow(0, o, len), whole.read, whole.write});
+      }
+      off += n;
+      room -= n * esz;
+    }
+  }
+  const rpl_op_desc proto = c.descs[0];
+  const size_t n = first.size();
+  c.in = std::move(bufs);
+  c.descs.assign(n, proto);
+  c.chunkDone.resize(n);
+  for (size_t k = 0; k < n; ++k) {
+    const size_t end = k + 1 < n ? first[k + 1] : c.in.size();
+    c.descs[k].in = &c.in[first[k]];
+    c.descs[k].nin = static_cast<int>(end - first[k]);
+    c.chunkDone[k] = OpContext::ChunkDone{&c, k};
+  }
+  c.chunks = std::move(copies);
+  c.chunkBytes = chunk;
+  // The copies in, chunk by chunk, each followed by its event: the staging thread submits
+  // chunk k once its event fired, while the copies of k+1 still run.
+  for (const auto& ch : c.chunks) {
+    for (const ChunkCopy& cc : ch) {
+      if (cc.read) {
+        stage()->copyIn(cc.host, cc.dev);
+      }
+    }
+    stage()->markChunkStaged();
+  }
+  deferred_.clear();
+  return true;
+}
+
+void Call::stageWhole() {
+  for (const ChunkCopy& d : deferred_) {
+    if (!d.dev.defined()) {
+      continue;  // copied already (non-contiguous)
+    }
+    if (d.read) {
+      stage()->copyIn(d.host, d.dev);
+    }
+    if (d.write) {
+      ctx->copyBack.emplace_back(d.host, d.dev);
+    }
+  }
+  deferred_.clear();
+}
+
 void Call::setSource(int rank) {
   ctx->work->setSourceRank(rank);
 }
@@ -103,6 +216,101 @@ void Call::reportSource() {
 }
 
 // ---- the submission path -----------------------------------------------------------------------
+
+namespace {
+// Issues chunk k's copies back (on the staging thread), unless the call failed already: a
+// failed call copies nothing more (chunks before the failure may have been written back).
+void copyChunkBack(OpContext* ctx, size_t k) {
+  if (ctx->failed()) {
+    return;
+  }
+  try {
+    for (const ChunkCopy& cc : ctx->chunks[k]) {
+      if (cc.write) {
+        ctx->stage->copyBack(cc.host, cc.dev);
+      }
+    }
+  } catch (const std::exception& e) {
+    ctx->recordError(
+        RPL_ERR_SYSTEM, std::string("copying its results back to the device failed: ") + e.what());
+  }
+}
+
+// on_done of a pipelined call's chunk (core progress thread): records, hands the copy back to
+// the staging thread, returns. The chunk counts as finished only once its copy is issued, so
+// the executor's "done" event follows every copy. Never throws.
+void onChunkDone(void* arg, rpl_status status, const rpl_error* err) {
+  auto* cd = static_cast<OpContext::ChunkDone*>(arg);
+  OpContext* ctx = cd->ctx;
+  const size_t k = cd->k;
+  ctx->group->last_done_ns.store(nowNs());
+  try {
+    if (status != RPL_OK) {
+      std::string msg = err != nullptr ? err->msg : rpl_status_name(status);
+      if (status == RPL_ERR_MISMATCH) {
+        // The likeliest cause where it is pipelining's: ranks that cut differently.
+        msg += " (this call was pipelined in chunks of " + std::to_string(ctx->chunkBytes) +
+            " bytes: every rank must set the same stage_chunk_bytes and pass tensors on the "
+            "same kind of device, or set stage_chunk_bytes=0)";
+      }
+      ctx->recordError(status, msg);
+    }
+    if (ctx->stager->post([ctx, k] {
+          copyChunkBack(ctx, k);
+          ctx->finishParts(1);
+        })) {
+      return;
+    }
+    ctx->recordError(
+        RPL_ERR_CLOSED,
+        "the process group shut down before its results were copied back to the device");
+  } catch (...) {
+    ctx->recordError(RPL_ERR_NOMEM, "out of memory completing a pipelined chunk");
+  }
+  ctx->finishParts(1);  // never as if the copy had been made: the error is recorded
+}
+}  // namespace
+
+size_t ProcessGroupRipples::pipelineChunkBytes(const Call& call) const {
+  const OpContext& c = *call.ctx;
+  if (cfg_.stage_chunk_bytes == 0 || !c.stage || c.descs.size() != 1) {
+    return 0;
+  }
+  // Only where a chunk can be a core operation of its own with the same result: an exact
+  // all-reduce (elementwise) or broadcast. A partial round must stay one round (its chunks
+  // could be placed in different groups); the other collectives are left whole.
+  const rpl_op_kind k = c.descs[0].kind;
+  return k == RPL_OP_ALLREDUCE || k == RPL_OP_BROADCAST ? cfg_.stage_chunk_bytes : 0;
+}
+
+StagedSubmitter::Item ProcessGroupRipples::pipelinedItem(OpContext* ctx) {
+  const size_t n = ctx->descs.size();
+  StagedSubmitter::Item item;
+  item.stage = ctx->stage.get();
+  item.parts = n;
+  item.submitPart = [this, ctx, n](size_t k) {
+    rpl_error err;
+    std::memset(&err, 0, sizeof(err));
+    rpl_status st;
+    {
+      std::lock_guard<std::mutex> g(submitMu_);
+      st = rpl_submit(comm_, &ctx->descs[k], &err);
+    }
+    if (st == RPL_OK) {
+      return true;
+    }
+    ctx->recordError(st, err.msg);
+    ctx->finishParts(static_cast<int>(n - k));  // chunks k.. never reach the core
+    return false;
+  };
+  item.submit = [ctx] { ctx->finishParts(1); };  // the submitting thread's part
+  item.fail = [ctx, n](StagedSubmitter::Failure why, const std::string& msg, size_t from) {
+    ctx->recordError(
+        why == StagedSubmitter::Failure::kTimeout ? RPL_ERR_TIMEOUT : RPL_ERR_CLOSED, msg);
+    ctx->finishParts(static_cast<int>(n - from) + 1);
+  };
+  return item;
+}
 
 void ProcessGroupRipples::checkOpen(const char* opName) const {
   TORCH_CHECK(!shutdown_.load(), closedMessage(group_->name, opName));
@@ -147,6 +355,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::post(
   const c10::Device device = callDevice(entry.name, tensors);
   Call call = begin(entry, std::move(outputs), timeout, device, std::move(profiled));
   call.ctx->descs = std::move(descs);
+  call.pipelineBytes = pipelineChunkBytes(call);
   stage(call);
   return submit(call);
 }
@@ -165,20 +374,37 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::completedWork(
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(Call& call) {
   OpContext* ctx = call.ctx.get();
   c10::intrusive_ptr<WorkRipples> work = ctx->work;
+  if (call.pipelineBytes > 0 && !call.cutIntoChunks()) {
+    call.stageWhole();
+  }
+  const bool pipelined = !ctx->chunks.empty();
   const int n = static_cast<int>(ctx->descs.size());
-  // Operation i of n gets the i-th of n equal shares of the staged inputs and outputs.
-  const size_t nin = n > 0 ? ctx->in.size() / n : 0;
-  const size_t nout = n > 0 ? ctx->out.size() / n : 0;
-  TORCH_INTERNAL_ASSERT(nin * n == ctx->in.size() && nout * n == ctx->out.size());
-  for (int i = 0; i < n; ++i) {
-    rpl_op_desc& d = ctx->descs[i];
-    d.in = nin > 0 ? &ctx->in[i * nin] : nullptr;
-    d.nin = static_cast<int>(nin);
-    d.out = nout > 0 ? &ctx->out[i * nout] : nullptr;
-    d.nout = static_cast<int>(nout);
-    d.on_done = &onDone;
-    d.done_arg = ctx;
-    d.timeout_s = call.timeoutS;
+  if (pipelined) {
+    // Chunk k (its buffers set by cutIntoChunks) completes through onChunkDone.
+    for (int i = 0; i < n; ++i) {
+      rpl_op_desc& d = ctx->descs[i];
+      d.on_done = &onChunkDone;
+      d.done_arg = &ctx->chunkDone[i];
+      d.timeout_s = call.timeoutS;
+    }
+    ctx->stager = stager_.get();
+    ++pipelined_;
+    stageChunks_ += static_cast<uint64_t>(n);
+  } else {
+    // Operation i of n gets the i-th of n equal shares of the staged inputs and outputs.
+    const size_t nin = n > 0 ? ctx->in.size() / n : 0;
+    const size_t nout = n > 0 ? ctx->out.size() / n : 0;
+    TORCH_INTERNAL_ASSERT(nin * n == ctx->in.size() && nout * n == ctx->out.size());
+    for (int i = 0; i < n; ++i) {
+      rpl_op_desc& d = ctx->descs[i];
+      d.in = nin > 0 ? &ctx->in[i * nin] : nullptr;
+      d.nin = static_cast<int>(nin);
+      d.out = nout > 0 ? &ctx->out[i * nout] : nullptr;
+      d.nout = static_cast<int>(nout);
+      d.on_done = &onDone;
+      d.done_arg = ctx;
+      d.timeout_s = call.timeoutS;
+    }
   }
   if (ctx->stage) {
     ctx->stage->markStaged();  // after the last toHost() of this call
@@ -212,7 +438,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(Call& call) {
     // Staged operations (and any issued behind one) reach the core from the staging thread
     // once their device copies are done; from here on they complete like any other.
     deferred = ctx->stage != nullptr || !stager_->idle();
-    if (deferred) {
+    if (deferred && pipelined) {
+      stager_->enqueue(pipelinedItem(ctx));
+      ++nextSeq_;  // it always completes, with an error if it never reaches the core
+    } else if (deferred) {
       StagedSubmitter::Item item;
       item.stage = ctx->stage.get();
       item.submit = [this, ctx] {
@@ -227,7 +456,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(Call& call) {
         }
         ctx->finishParts(1);
       };
-      item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg) {
+      item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg, size_t) {
         failUnsubmitted(
             ctx, why == StagedSubmitter::Failure::kTimeout ? RPL_ERR_TIMEOUT : RPL_ERR_CLOSED,
             msg);

@@ -42,7 +42,9 @@ rpl_op_desc makeDesc(rpl_op_kind kind);
 // in a staged call: device tensors, RIPPLES_DEBUG_STAGE_CPU) goes through a contiguous host
 // tensor, copied back on completion when results land in it. Inputs and outputs are appended
 // in order; a call of n core operations gives operation i the i-th of n equal shares of each
-// (coalesced calls stage one share per operation).
+// (coalesced calls stage one share per operation). A pipelined call (pipelineBytes > 0, set
+// by post() before staging) defers the copies of its in-place tensors: submit() cuts its one
+// operation into chunks and copies chunk by chunk (DeviceStaging.hpp).
 class Call {
  public:
   // Read-only input.
@@ -70,6 +72,15 @@ class Call {
   std::unique_ptr<OpContext> ctx;
   const char* opName = nullptr;
   double timeoutS = 0;  // per-call timeout (opts.timeout); 0 = the group's
+  size_t pipelineBytes = 0;  // the chunk size; 0 = copy whole tensors
+
+  // Cuts the staged buffers into core operations of at most pipelineBytes (larger for a huge
+  // call, so that it makes about kMaxChunks at most), their copies into ctx->chunks. False, with nothing changed,
+  // where the call does not split (one chunk, or buffers other than in-place ones).
+  bool cutIntoChunks();
+  // The whole-tensor path for the deferred copies (a call that did not split).
+  void stageWhole();
+  static constexpr size_t kMaxChunks = 1024;
 
  private:
   DeviceStage* stage() const {
@@ -78,6 +89,7 @@ class Call {
   // The tensor the core uses for `t` (kept alive by the context). `read`: it must hold t's
   // contents; `write`: results land in it, so a copy is copied back into `t`.
   at::Tensor hostTensor(const at::Tensor& t, bool read, bool write, const std::string& what);
+  std::vector<ChunkCopy> deferred_;  // pipelined: one per buffer of ctx->in, in order
   void slices(
       const at::Tensor& c,
       rpl_dtype d,

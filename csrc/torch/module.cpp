@@ -86,6 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"replacements_refused", py::cast(c.replacements_refused)},
                 {"stash_holds", py::cast(c.stash_holds)},
                 {"ops_staged", py::cast(pg.stagedCalls())},
+                {"ops_staged_pipelined", py::cast(pg.pipelinedCalls())},
+                {"stage_chunks", py::cast(pg.stageChunks())},
             });
           },
           "Counters of the core communicator (operations, bytes, connections) and of the "
@@ -211,7 +213,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          bool trace,
          bool partial_by_default,
          const std::string& job_secret,
-         const std::string& compression) {
+         const std::string& compression,
+         size_t stage_chunk_bytes) {
         ripples::Config cfg;
         cfg.timeout_s = timeout_s;
         cfg.bind_addr = bind_addr;
@@ -238,6 +241,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           if (compression == kModes[i]) cfg.compression = i;
         TORCH_CHECK_VALUE(cfg.compression >= 0, "ripples: unknown compression '", compression,
                           "' (none, bf16, fp16 or int8)");
+        // Options validates it; the bounds keep a chunk at least one element of any dtype.
+        TORCH_CHECK_VALUE(
+            stage_chunk_bytes == 0 || (stage_chunk_bytes >= 8 && stage_chunk_bytes <= (1ull << 30)),
+            "ripples: stage_chunk_bytes=", stage_chunk_bytes, " is out of range (0, or 8 to 1 GiB)");
+        cfg.stage_chunk_bytes = stage_chunk_bytes;
         return ripples::createProcessGroupRipples(store, rank, size, cfg);
       },
       py::arg("store"),
@@ -262,6 +270,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("partial_by_default") = false,
       py::arg("job_secret") = std::string(),
       py::arg("compression") = std::string("none"),
+      py::arg("stage_chunk_bytes") = 0,  // Options.stage_chunk_bytes decides the default
       // Blocks until every rank of the group has joined (through the store).
       py::call_guard<py::gil_scoped_release>(),
       "Creates the backend; every rank of the group must call it.");
