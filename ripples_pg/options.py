@@ -145,7 +145,9 @@ _SEED_MAX = 2**63 - 1           # a standby's seed is seed + rank, a uint64 in C
 
 STAGE_CHUNK_MIN = 8          # one element of the widest dtype
 STAGE_CHUNK_MAX = 1 << 30    # larger chunks would not overlap anything
-STAGE_CHUNK_DEFAULT = 4 << 20
+# Off until measured on a GPU: on, a job whose ranks pass CPU tensors on some and CUDA tensors
+# on others would cut calls differently and fail (docs/cuda.md); 4 MiB is the setting to try.
+STAGE_CHUNK_DEFAULT = 0
 
 
 def _parse_stage_chunk(name: str, value: Any, from_env: bool) -> int:
@@ -408,7 +410,8 @@ class Options:
             all-reduce or broadcast of more than this many bytes is staged in chunks of this
             size, one core operation each, so that copying the next chunk off the device
             and the previous one back onto it overlap the transfer of the current one
-            (docs/cuda.md). 4 MiB by default; ``0``: whole tensors (the unpipelined path).
+            (docs/cuda.md). ``0`` (the default): whole tensors, the unpipelined path; try
+            ``"4M"``. Off by default until measured on a GPU.
             Partial rounds and the other collectives are never cut. Every rank must set the
             same value (a call whose ranks cut differently fails with a size mismatch).
 

@@ -14,8 +14,8 @@
 #   tests  pytest -m cuda: every collective against gloo, stream semantics, the staged path and
 #          partial rounds with 2 and 4 processes sharing the GPU, DDP + wrap()
 #   bench  benchmarks/collectives.py on CUDA tensors, ripples (staged) vs gloo's CUDA path,
-#          8 B..256 MiB; a second run with RIPPLES_STAGE_CHUNK_BYTES=0 (unpipelined staging)
-#          where the sources know that variable
+#          8 B..256 MiB, pipelined (RIPPLES_STAGE_CHUNK_BYTES=4M) and not (=0) where the
+#          sources know that variable
 #   train  examples/train_digits.py on the GPU, 4 workers, worker 3 five times slower:
 #          ripples (smart schedule, coordinator over libzmq) and DDP all-reduce on gloo
 # The report (report.md, summary.json), the benchmark's JSON and logs.tar.gz go to $OUT (at
@@ -354,8 +354,12 @@ step_bench() {
     args+=(--ops allreduce,broadcast --worlds 2,4 --min-bytes 8 --max-bytes 256M --factor 4 --reps 5 --budget 0.1)
   fi
   local runs=("staged::")
-  if grep -rqs RIPPLES_STAGE_CHUNK_BYTES csrc ripples_pg; then
-    runs=("pipelined::" "unpipelined:RIPPLES_STAGE_CHUNK_BYTES=0:")
+  # the env var is derived from the Options field's name, so look for the field
+  if grep -qs '"stage_chunk_bytes"' ripples_pg/options.py; then
+    # pipelining is off by default: name both settings (1K in the quick rehearsal, so its
+    # small sizes are cut too)
+    runs=("pipelined:RIPPLES_STAGE_CHUNK_BYTES=$([ $QUICK = 1 ] && echo 1K || echo 4M):"
+          "unpipelined:RIPPLES_STAGE_CHUNK_BYTES=0:")
   fi
   local half=$(( STEP_T / ${#runs[@]} ))
   local r name envset
