@@ -150,6 +150,9 @@ bool WorkRipples::wait(std::chrono::milliseconds timeout) {
     }
   }
   if (exception_) {
+    if (stage_) {
+      stage_->blockCurrentStream();  // copies issued before the failure come first
+    }
     std::rethrow_exception(exception_);
   }
   lock.unlock();
@@ -158,7 +161,8 @@ bool WorkRipples::wait(std::chrono::milliseconds timeout) {
 }
 
 void WorkRipples::synchronize() {
-  if (stage_ && isCompleted() && exception() == nullptr) {
+  // Also after an error: "done" then follows whatever copies back were issued (see process()).
+  if (stage_ && isCompleted()) {
     stage_->blockCurrentStream();
   }
 }
@@ -319,6 +323,15 @@ void CompletionExecutor::process(OpContext* raw) {
       }
     } catch (...) {
       eptr = std::current_exception();
+    }
+  }
+  if (eptr && ctx->stage) {
+    // A pipelined call that failed midway may have issued copies of its first chunks back on
+    // the side stream: "done" follows them, and wait() makes the caller's stream wait for it
+    // even on error, so they never land under the caller's later work (a recovery, a retry).
+    try {
+      ctx->stage->markDone();
+    } catch (...) {
     }
   }
   ctx->copyBack.clear();

@@ -233,6 +233,8 @@ void copyChunkBack(OpContext* ctx, size_t k) {
   } catch (const std::exception& e) {
     ctx->recordError(
         RPL_ERR_SYSTEM, std::string("copying its results back to the device failed: ") + e.what());
+  } catch (...) {  // a task must not throw (StagedSubmitter::post): the call would never end
+    ctx->recordError(RPL_ERR_SYSTEM, "copying its results back to the device failed");
   }
 }
 
