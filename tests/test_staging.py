@@ -286,3 +286,38 @@ def test_stage_chunk_bytes_option():
             ripples_pg.Options(stage_chunk_bytes=bad)
     with pytest.raises(ValueError, match="RIPPLES_STAGE_CHUNK_BYTES"):
         ripples_pg.Options.from_env({"RIPPLES_STAGE_CHUNK_BYTES": "7"})
+
+
+def _t_grad_leaves_and_inference_tensors(ctx):
+    """Results are copied into the caller's tensors on the backend's own threads (the staging
+    thread, the completion thread), whose grad and inference modes are not the caller's: a
+    parameter (a leaf that requires grad), a view of one, and tensors made under
+    torch.inference_mode() (Lightning's validation-time sync_dist) must still be written."""
+    rank, ws = ctx.rank, ctx.ws
+    out = {}
+    with torch.no_grad():
+        p = torch.nn.Parameter(torch.full((4, 6), float(rank + 1)))
+        dist.broadcast(p, src=ws - 1)
+        out["parameter broadcast"] = torch.equal(p, torch.full((4, 6), float(ws)))
+        q = torch.nn.Parameter(torch.full((6, 4), float(rank + 1)))
+        dist.all_reduce(q.t())  # a non-contiguous view of a leaf: copied back
+        out["parameter view all_reduce"] = torch.equal(q, torch.full((6, 4), ws * (ws + 1) / 2))
+    with torch.inference_mode():
+        a = torch.full((40,), float(rank + 1))
+        b = torch.full((5, 7), float(rank + 1)).t()
+        dist.all_reduce(a)
+        dist.all_reduce(b, async_op=True).wait()
+        s = ws * (ws + 1) / 2
+        out["inference all_reduce"] = torch.equal(a, torch.full((40,), s))
+        out["inference view all_reduce"] = torch.equal(b, torch.full((7, 5), s))
+    return out
+
+
+@pytest.mark.parametrize("stage,chunk", [("0", "0"), ("1", "0"), ("1", "16")],
+                         ids=["direct", "staged", "pipelined"])
+def test_parameters_and_inference_tensors_are_written(stage, chunk):
+    res = _dist.run_spawn(_t_grad_leaves_and_inference_tensors, 2,
+                          env={"RIPPLES_DEBUG_STAGE_CPU": stage,
+                               "RIPPLES_STAGE_CHUNK_BYTES": chunk})
+    for rank, rep in enumerate(res):
+        assert all(rep.values()), (rank, rep)

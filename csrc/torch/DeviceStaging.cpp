@@ -94,6 +94,10 @@ bool DeviceStage::chunkStaged(size_t k) const {
 }
 
 void DeviceStage::copyBack(const at::Tensor& host, const at::Tensor& dst) {
+  // Runs on the backend's threads, whose grad and inference modes are not the caller's: a
+  // parameter, a view of one, or a tensor made under torch.inference_mode() must be written
+  // as the caller could (gloo's copies back fail there: pytorch/pytorch#86830).
+  c10::InferenceMode writeAnyTensor;
   if (!side_) {
     dst.copy_(host);
     return;
@@ -196,15 +200,24 @@ void StagedSubmitter::runTasks() {
 bool StagedSubmitter::waitUntil(
     const std::function<bool()>& ready,
     std::chrono::steady_clock::time_point deadline,
-    bool* stopping) {
+    bool* stopping,
+    std::string* error) {
   // Poll rather than synchronize(): a wedged device or a shutdown must not hold this thread
   // (and every later operation of the group) forever. Short waits first: copies of small
   // tensors finish within microseconds. A posted task (a pipelined chunk's copy back) ends
   // the wait early, so that it is issued at once rather than after the pause.
   auto pause = std::chrono::microseconds(0);
   for (;;) {
-    if (ready()) {
-      return true;
+    try {
+      if (ready()) {
+        return true;
+      }
+    } catch (const c10::Error& e) {
+      *error = e.what_without_backtrace();
+      return false;
+    } catch (const std::exception& e) {
+      *error = e.what();
+      return false;
     }
     runTasks();
     {
@@ -249,6 +262,7 @@ void StagedSubmitter::loop() {
       continue;
     }
     bool stopping = false;
+    std::string deviceError;
     // Capped so that the cast to the clock's integer nanoseconds cannot overflow.
     const auto deadline = std::chrono::steady_clock::now() +
         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -257,12 +271,14 @@ void StagedSubmitter::loop() {
     size_t from = 0;  // the first part not yet handed to the core
     bool ok = true;
     if (item->parts == 0) {
-      ok = st == nullptr || waitUntil([st] { return st->staged(); }, deadline, &stopping);
+      ok = st == nullptr ||
+          waitUntil([st] { return st->staged(); }, deadline, &stopping, &deviceError);
     } else {
       // Chunk by chunk: chunk k runs in the core while the copies of k+1 finish.
       for (; from < item->parts; ++from) {
         const size_t k = from;
-        if (!waitUntil([st, k] { return st->chunkStaged(k); }, deadline, &stopping)) {
+        if (!waitUntil(
+                [st, k] { return st->chunkStaged(k); }, deadline, &stopping, &deviceError)) {
           ok = false;
           break;
         }
@@ -275,6 +291,12 @@ void StagedSubmitter::loop() {
       item->submit();
     } else if (stopping) {
       item->fail(Failure::kStopped, stopWhy_, from);
+    } else if (!deviceError.empty()) {
+      item->fail(
+          Failure::kDevice,
+          "the device reported an error while its tensors were copied into host memory: " +
+              deviceError,
+          from);
     } else {
       item->fail(
           Failure::kTimeout,

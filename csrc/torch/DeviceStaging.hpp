@@ -34,6 +34,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/Stream.h>
 
 #include <atomic>
@@ -47,6 +48,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "ripples.h"
 
 namespace ripples __attribute__((visibility("hidden"))) {
 
@@ -127,7 +130,14 @@ class SideStreams {
 // is queued (the core must see them in order); otherwise they are submitted directly.
 class StagedSubmitter {
  public:
-  enum class Failure { kStopped, kTimeout };
+  // kDevice: the device reported an error while its copies were polled (a fault of an
+  // earlier kernel, say); the message says which.
+  enum class Failure { kStopped, kTimeout, kDevice };
+  static rpl_status statusOf(Failure why) {
+    return why == Failure::kTimeout ? RPL_ERR_TIMEOUT
+        : why == Failure::kDevice   ? RPL_ERR_SYSTEM
+                                    : RPL_ERR_CLOSED;
+  }
   struct Item {
     DeviceStage* stage = nullptr;    // nullptr: nothing to wait for
     // Pipelined calls: the number of chunks. Chunk k goes to the core through submitPart(k)
@@ -165,12 +175,14 @@ class StagedSubmitter {
 
  private:
   void loop();
-  // Waits until ready() or the deadline, running posted tasks meanwhile. False on timeout
-  // or once stopping (*stopping says which).
+  // Waits until ready() or the deadline, running posted tasks meanwhile. False on timeout,
+  // once stopping (*stopping says so) or if ready() threw (*error holds its message: an
+  // exception must not end this thread, and the process with it).
   bool waitUntil(
       const std::function<bool()>& ready,
       std::chrono::steady_clock::time_point deadline,
-      bool* stopping);
+      bool* stopping,
+      std::string* error);
   void runTasks();
 
   double timeout_s_;

@@ -315,6 +315,7 @@ void CompletionExecutor::process(OpContext* raw) {
         if (ctx->stage) {
           ctx->stage->copyBack(cb.first, cb.second);
         } else {
+          c10::InferenceMode writeAnyTensor;  // as DeviceStage::copyBack: not the caller's thread
           cb.second.copy_(cb.first);
         }
       }

@@ -307,8 +307,7 @@ StagedSubmitter::Item ProcessGroupRipples::pipelinedItem(OpContext* ctx) {
   };
   item.submit = [ctx] { ctx->finishParts(1); };  // the submitting thread's part
   item.fail = [ctx, n](StagedSubmitter::Failure why, const std::string& msg, size_t from) {
-    ctx->recordError(
-        why == StagedSubmitter::Failure::kTimeout ? RPL_ERR_TIMEOUT : RPL_ERR_CLOSED, msg);
+    ctx->recordError(StagedSubmitter::statusOf(why), msg);
     ctx->finishParts(static_cast<int>(n - from) + 1);
   };
   return item;
@@ -459,9 +458,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(Call& call) {
         ctx->finishParts(1);
       };
       item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg, size_t) {
-        failUnsubmitted(
-            ctx, why == StagedSubmitter::Failure::kTimeout ? RPL_ERR_TIMEOUT : RPL_ERR_CLOSED,
-            msg);
+        failUnsubmitted(ctx, StagedSubmitter::statusOf(why), msg);
       };
       stager_->enqueue(std::move(item));
       ++nextSeq_;  // it always completes, with an error if it never reaches the core
