@@ -84,6 +84,42 @@ def test_compressed_average_and_sum_within_the_bound(mode):
     _dist.run_spawn(task_mean_and_sum, 3, mode, timeout=180)
 
 
+def task_tiny_and_uneven(ctx, mode):
+    """Buffers smaller than the group (members whose chunk is empty), sizes that do not divide
+    by the group, and int8 blocks cut by a chunk's end: the mean stays within the bound."""
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    g = _group(ctx, ctx.ws, compression=mode)
+    gen = torch.Generator().manual_seed(ctx.rank + 11)
+    with_empty = 0
+    for rnd in range(12):
+        for sizes in ([1], [2], [1, 1], [3, 129], [257]):
+            ts = [torch.randn(s, generator=gen) * (ctx.rank + 1) for s in sizes]
+            pres = [_gather(ctx, t) for t in ts]
+            ripples_pg.partial_all_reduce(ts, group=g)
+            members = ripples_pg.trace(g)[-1]["members"]
+            if len(members) < 2:
+                continue
+            with_empty += sum(sizes) < len(members)
+            amax = max(float(p[m].abs().max()) for p in pres for m in members)
+            for t, pre in zip(ts, pres):
+                want = torch.stack([pre[m] for m in members]).double().mean(0)
+                err = float((t.double() - want).abs().max())
+                chk.true(err <= 3 * STEP[mode] * amax, f"{mode} sizes {sizes} round {rnd}: "
+                         f"error {err:.3g} within {3 * STEP[mode] * amax:.3g}", "")
+    chk.true(with_empty > 0, "some round had members with an empty chunk", str(with_empty))
+    s = ripples_pg.stats(g)
+    chk.true(s["compressed"] == s["reduced"] >= 1, "every round that moved data compressed",
+             str(s))
+    return chk.finish()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "int8"])
+def test_tiny_and_uneven_buffers(mode):
+    _dist.run_spawn(task_tiny_and_uneven, 3, mode, timeout=180)
+
+
 def task_error_feedback(ctx, rounds):
     import ripples_pg
 
