@@ -5,7 +5,10 @@
 #   bash scripts/gpu-check.sh                 # on the GPU machine; report under $OUT
 #   bash scripts/gpu-check.sh --cpu-dry-run   # here/CI: the same steps with CPU tensors
 #
-# Steps (each with a time limit; the first failure stops the run, exit 1, with a message):
+# Steps, each with a time limit that keeps time back for the steps after it. A failure of a
+# prerequisite (env, deps, build) stops the run at once; a failure of tests, bench or train is
+# recorded and the later of these still run (a lent GPU is rare: one call should say all it
+# can). Either way the run exits 1 with 'FAILED at step <first failed step>: <cause>':
 #   env    GPU name, driver, torch, CUDA and compiler versions (the GPU must be visible)
 #   deps   unpacks .gpu/debs with dpkg -x into a private prefix (never into /), puts the
 #          libraries the machine lacks on the loader's path, installs .gpu/wheels with --target
@@ -112,8 +115,8 @@ if env:
                  f"driver {env.get('driver', '?')}; compute capability {env.get('capability', '?')}")
     L.append(f"- torch {env.get('torch', '?')} (CUDA {env.get('torch_cuda', 'none')}); "
              f"nvcc {env.get('nvcc', 'none')}; python {env.get('python', '?')}")
-    L.append(f"- {env.get('os', '?')}; {env.get('nproc', '?')} CPUs; {env.get('cxx', '?')}; "
-             f"{env.get('cmake', '?')}")
+    L.append(f"- {env.get('os', '?')} (glibc {env.get('glibc', '?')}); {env.get('nproc', '?')} "
+             f"CPUs; {env.get('cxx', '?')}; {env.get('cmake', '?')}; ninja {env.get('ninja', '?')}")
 L += ["", "## Steps", "", "| step | result | seconds | note |", "|---|---|---:|---|"]
 for s in steps:
     L.append(f"| {s['step']} | {s['result']} | {s['seconds']:.0f} | {s['note']} |")
@@ -135,21 +138,41 @@ STEP_T=60
 tmo() {  # a command under the step's time limit
   timeout -k 10 "$STEP_T" "$@"
   local rc=$?
-  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "gpu-check: TIMED OUT after $STEP_T s: $*"
+  # to stderr: a step may send the command's stdout to a file of its own
+  [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "gpu-check: TIMED OUT after $STEP_T s: $*" >&2
   return $rc
 }
 FAIL_HINT=""
+FIRST_FAIL=""   # the message of the first failed step (tests, bench and train go on after it)
+PREREQS=" env deps build "
+# Seconds kept back for each later step, so that a slow build or a hung test cannot leave the
+# measurements no time (the GPU budget is 560 s; a dry run has 1500).
+declare -A RESERVE=([tests]=120 [bench]=90 [train]=70)
+selected() {  # is step $1 to run? (env and deps always run)
+  [ -z "$ONLY" ] || [ "$1" = env ] || [ "$1" = deps ] || [[ ",$ONLY," == *",$1,"* ]]
+}
+reserved_after() {  # the reserves of the selected steps after $1
+  local s after=0 sum=0
+  for s in $ALL_STEPS; do
+    if [ $after = 1 ] && selected "$s"; then sum=$((sum + ${RESERVE[$s]:-0})); fi
+    [ "$s" = "$1" ] && after=1
+  done
+  echo $sum
+}
 run_step() {  # name, default time limit (s), function
   local name=$1 limit=$2 fn=$3
-  if [ -n "$ONLY" ] && [ "$name" != env ] && [ "$name" != deps ] && [[ ",$ONLY," != *",$name,"* ]]; then
-    return 0
-  fi
+  selected "$name" || return 0
   local left=$((BUDGET - (SECONDS - START) - 15))
+  # what the later steps keep back, but at least this step's own share (if there is that much)
+  local room=$((left - $(reserved_after "$name"))) own=${RESERVE[$name]:-20}
+  [ $own -gt $left ] && own=$left
+  [ $room -lt $own ] && room=$own
   if [ $left -lt 20 ]; then
     FAIL_HINT="no time left for step $name within the budget of $BUDGET s (GPU_CHECK_BUDGET)"
     fail "$name" 0
+    return
   fi
-  STEP_T=$(( limit < left ? limit : left ))
+  STEP_T=$(( limit < room ? limit : room ))
   STEP_NOTE=""
   FAIL_HINT=""
   say "step $name (limit $STEP_T s) ..."
@@ -160,22 +183,37 @@ run_step() {  # name, default time limit (s), function
   if [ $rc -ne 0 ]; then
     grep -q "TIMED OUT" "$LOGDIR/$name.log" && FAIL_HINT="timed out after $STEP_T s. ${FAIL_HINT}"
     fail "$name" "$dt"
+    return
   fi
   printf '%s\tPASS\t%s\t%s\n' "$name" "$dt" "$STEP_NOTE" >> "$STATUS_FILE"
   say "step $name: PASS ($dt s) $STEP_NOTE"
-  write_report running ""
+  write_report running "$FIRST_FAIL"
 }
-fail() {  # name, seconds
+fail() {  # name, seconds: records the failure; a prerequisite's ends the run
   local msg="FAILED at step '$1': ${FAIL_HINT:-see $LOGDIR/$1.log}"
   printf '%s\tFAIL\t%s\t%s\n' "$1" "$2" "${FAIL_HINT//$'\n'/ }" >> "$STATUS_FILE"
-  write_report FAIL "$msg"
+  [ -n "$FIRST_FAIL" ] || FIRST_FAIL=$msg
   echo "gpu-check: $msg" >&2
   if [ -f "$LOGDIR/$1.log" ]; then
     echo "gpu-check: last lines of $LOGDIR/$1.log:" >&2
     tail -n 25 "$LOGDIR/$1.log" | sed 's/^/  | /' >&2
   fi
-  echo "gpu-check: report: $OUTDIR/report.md" >&2
-  exit 1
+  if [[ "$PREREQS" == *" $1 "* ]]; then
+    finish
+  fi
+  write_report running "$FIRST_FAIL"
+  say "going on with the steps that do not depend on '$1'"
+}
+finish() {  # the verdict: exit 1 naming the first failure, or PASS
+  if [ -n "$FIRST_FAIL" ]; then
+    write_report FAIL "$FIRST_FAIL"
+    echo "gpu-check: $FIRST_FAIL" >&2
+    echo "gpu-check: report: $OUTDIR/report.md" >&2
+    exit 1
+  fi
+  write_report PASS ""
+  say "PASS in $((SECONDS - START)) s; report: $OUTDIR/report.md"
+  exit 0
 }
 
 step_env() {
@@ -189,14 +227,18 @@ step_env() {
   local cm; cm=$( (cmake --version 2>/dev/null || echo "no cmake") | head -1)
   local commit; commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   local os; os=$(. /etc/os-release 2>/dev/null && echo "$PRETTY_NAME")
-  tmo "$PYTHON" - "$MODE" "$gpu" "${nvcc:-none}" "$cxx" "$cm" "$commit" "$os" "$LOGDIR/env.json" <<'PY'
+  local glibc; glibc=$(ldd --version 2>/dev/null | head -1 | awk '{print $NF}')
+  local ninja; ninja=$(ninja --version 2>/dev/null || echo none)
+  echo "PATH=$PATH"
+  tmo "$PYTHON" - "$MODE" "$gpu" "${nvcc:-none}" "$cxx" "$cm" "$commit" "$os" "$LOGDIR/env.json" \
+      "${glibc:-?}" "$ninja" <<'PY'
 import json, os, platform, sys
-mode, gpu, nvcc, cxx, cmake, commit, osname, out = sys.argv[1:9]
+mode, gpu, nvcc, cxx, cmake, commit, osname, out, glibc, ninja = sys.argv[1:11]
 import torch
-env = {"mode": mode, "python": platform.python_version(), "torch": torch.__version__,
-       "torch_cuda": torch.version.cuda, "nvcc": nvcc, "cxx": cxx, "cmake": cmake,
-       "commit": commit, "os": osname, "nproc": os.cpu_count(),
-       "cuda_available": torch.cuda.is_available()}
+env = {"mode": mode, "python": platform.python_version(), "python_path": sys.executable,
+       "torch": torch.__version__, "torch_cuda": torch.version.cuda, "nvcc": nvcc, "cxx": cxx,
+       "cmake": cmake, "ninja": ninja, "glibc": glibc, "commit": commit, "os": osname,
+       "nproc": os.cpu_count(), "cuda_available": torch.cuda.is_available()}
 if gpu:
     parts = [p.strip() for p in gpu.split(",")]
     if len(parts) == 3:
@@ -297,12 +339,26 @@ step_build() {
     fi
     STEP_NOTE="built against torch $torchv"
   fi
+  # its own log: the build's log holds compiler lines that mention 'error' (Errors.cpp)
   tmo "$PYTHON" -c '
 import torch, torch.distributed as dist, ripples_pg
 ripples_pg.load_extension() if hasattr(ripples_pg, "load_extension") else None
 from ripples_pg import _C
 print("ripples_pg", ripples_pg.__version__, "from", ripples_pg.__file__, "torch", torch.__version__)
-' || { FAIL_HINT="ripples_pg does not load: $(grep -m1 -E "Error|error" "$LOGDIR/build.log" | cut -c1-400)"; return 1; }
+print("extension", _C.__file__)
+' > "$LOGDIR/load.log" 2>&1
+  local lrc=$?
+  cat "$LOGDIR/load.log"
+  [ $lrc -eq 0 ] || { FAIL_HINT="ripples_pg does not load: $(grep -v '^\s*$' "$LOGDIR/load.log" | tail -n 1 | cut -c1-400)"; return 1; }
+  if [ -d "$PREFIX/lib" ] && [ -e "$PREFIX/lib/libzmq.so.5" ]; then
+    # the build must use the unpacked libzmq, not one the image may have somewhere
+    local so; so=$(sed -n 's/^extension //p' "$LOGDIR/load.log")
+    local zm; zm=$(ldd "$so" 2>/dev/null | awk '/libzmq/ {print $3}')
+    echo "libzmq of $so: ${zm:-none (linked statically or not at all)}"
+    if [ -n "$zm" ] && [[ "$zm" != "$PREFIX"/* ]]; then
+      FAIL_HINT="the extension loads libzmq from $zm, not from the unpacked $PREFIX/lib"; return 1
+    fi
+  fi
   return 0
 }
 
@@ -334,6 +390,9 @@ PY
 step_tests() {
   local sel=()
   [ $QUICK = 1 ] && sel=(-k partial)
+  # one hung test must not take the step's whole limit (and the junit XML with it)
+  "$PYTHON" -c 'import pytest_timeout' 2>/dev/null \
+    && sel+=(--timeout "$(( STEP_T / 3 < 120 ? (STEP_T / 3 > 30 ? STEP_T / 3 : 30) : 120 ))")
   tmo "$PYTHON" -m pytest -m cuda tests -q -p no:cacheprovider -o junit_family=xunit2 \
       --junitxml="$LOGDIR/pytest-cuda.xml" "${sel[@]}"
   local rc=$?
@@ -403,15 +462,15 @@ step_train() {
   : > "$LOGDIR/train.md"
   { echo "## Training on $DEV: digits MLP, $nproc workers, worker $((nproc - 1)) 5x slower, $steps steps"; echo;
     echo "| strategy | final acc | train time (s) | steps/s per rank |"; echo "|---|---:|---:|---|"; } >> "$LOGDIR/train.md"
-  local strat
+  local strat half=$(( STEP_T / 2 ))
   for strat in "ripples --schedule smart" "allreduce --backend gloo"; do
     local name=${strat%% *}
     echo "=== $name"
-    tmo "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=$nproc \
+    STEP_T=$half tmo "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=$nproc \
         examples/train_digits.py --device "$DEV" --strategy $strat --straggler "$strag" \
         --steps $steps --eval-every $every --quiet --log-dir "$LOGDIR/train-$name" \
         > "$LOGDIR/train-$name.jsonl" \
-      || { FAIL_HINT="training with --strategy $name on $DEV failed; see train.log and train-$name.jsonl"; return 1; }
+      || { FAIL_HINT="training with --strategy $name on $DEV failed or ran past $half s; see train.log and train-$name.jsonl"; return 1; }
     cat "$LOGDIR/train-$name.jsonl"
     "$PYTHON" - "$LOGDIR/train-$name.jsonl" "$name" "$MIN_ACC" >> "$LOGDIR/train.md" <<'PY' \
       || { FAIL_HINT="training with --strategy $name: $(tail -n 1 "$LOGDIR/train.log")"; return 1; }
@@ -430,6 +489,15 @@ PY
   return 0
 }
 
+# The interpreter's own folder first: ninja and cmake may be pip packages beside it (the GPU
+# image's /opt/torch/.venv), and torch builds one file at a time without ninja.
+PYBIN=$("$PYTHON" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null) \
+  && [ -n "$PYBIN" ] && export PATH=$PYBIN:$PATH
+# --only without build on a machine with no build: build anyway (bench and train need it)
+if [ -n "$ONLY" ] && ! selected build && ! "$PYTHON" -c 'import ripples_pg._C' 2>/dev/null; then
+  say "no importable build: adding the build step to --only $ONLY"
+  ONLY="$ONLY,build"
+fi
 say "mode $MODE$([ $QUICK = 1 ] && echo ' (quick)'), out $OUTDIR, logs $LOGDIR, budget $BUDGET s, python $PYTHON"
 run_step env 60 step_env
 run_step deps 120 step_deps
@@ -437,6 +505,4 @@ run_step build 300 step_build
 run_step tests 300 step_tests
 run_step bench 240 step_bench
 run_step train 150 step_train
-write_report PASS ""
-say "PASS in $((SECONDS - START)) s; report: $OUTDIR/report.md"
-exit 0
+finish
