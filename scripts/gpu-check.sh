@@ -161,7 +161,12 @@ reserved_after() {  # the reserves of the selected steps after $1
 }
 run_step() {  # name, default time limit (s), function
   local name=$1 limit=$2 fn=$3
-  selected "$name" || return 0
+  if ! selected "$name"; then
+    # --only without build where nothing imports (a fresh machine): bench and train need it.
+    # Asked here, after deps, so that the unpacked libzmq is on the loader's path.
+    [ "$name" = build ] && ! "$PYTHON" -c 'import ripples_pg._C' >/dev/null 2>&1 || return 0
+    say "no importable build: building first"
+  fi
   local left=$((BUDGET - (SECONDS - START) - 15))
   # what the later steps keep back, but at least this step's own share (if there is that much)
   local room=$((left - $(reserved_after "$name"))) own=${RESERVE[$name]:-20}
@@ -493,11 +498,6 @@ PY
 # image's /opt/torch/.venv), and torch builds one file at a time without ninja.
 PYBIN=$("$PYTHON" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null) \
   && [ -n "$PYBIN" ] && export PATH=$PYBIN:$PATH
-# --only without build on a machine with no build: build anyway (bench and train need it)
-if [ -n "$ONLY" ] && ! selected build && ! "$PYTHON" -c 'import ripples_pg._C' 2>/dev/null; then
-  say "no importable build: adding the build step to --only $ONLY"
-  ONLY="$ONLY,build"
-fi
 say "mode $MODE$([ $QUICK = 1 ] && echo ' (quick)'), out $OUTDIR, logs $LOGDIR, budget $BUDGET s, python $PYTHON"
 run_step env 60 step_env
 run_step deps 120 step_deps
