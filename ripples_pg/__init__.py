@@ -19,9 +19,10 @@ from .options import Options
 __version__ = "0.1.0"
 
 __all__ = [
-    "DiLoCoAverager", "Options", "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "has_ucx", "hooks",
-    "host_of", "is_registered", "partial", "partial_all_reduce", "pick_bind_addr", "register",
-    "stats", "trace", "wrap",
+    "DiLoCoAverager", "DistributedSampler", "JobClock", "JobLRScheduler", "Options",
+    "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "follow_job", "has_ucx",
+    "hooks", "host_of", "is_registered", "partial", "partial_all_reduce", "pick_bind_addr",
+    "register", "stats", "trace", "wrap",
 ]
 
 # The training integration imports torch's optimizers and averagers; load it on first use so
@@ -32,6 +33,10 @@ _LAZY = {
     "DiLoCoAverager": ("diloco", "DiLoCoAverager"),
     "RipplesOptimizer": ("_wrap", "RipplesOptimizer"),
     "wrap": ("_wrap", "wrap"),
+    "DistributedSampler": ("sampler", "DistributedSampler"),
+    "JobClock": ("progress", "JobClock"),
+    "JobLRScheduler": ("lr", "JobLRScheduler"),
+    "follow_job": ("lr", "follow_job"),
     "hooks": ("hooks", None),
 }
 

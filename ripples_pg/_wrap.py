@@ -38,6 +38,7 @@ from .averager import RipplesAverager
 from .diloco import DiLoCoAverager, check_on_alone, resolve_sync_levels
 from ._groups import host_group, is_ripples
 from .hooks import POST_WARMUP_MODES, RipplesHookState, ripples_hook
+from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
 
 __all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "DEFAULT_WARMUP_STRAGGLER",
            "WRAP_DEFAULTS"]
@@ -58,6 +59,9 @@ DEFAULT_WARMUP_STRAGGLER = 2.0
 WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip", "period_max": 2}
 
 # Options fields wrap() forwards to the partial group it creates.
+# Schedules whose workers run different numbers of steps (a coordinator forms the groups).
+DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
+
 _GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinator", "timeout",
                  "on_failure", "seed", "trace", "period_max", "compression")
 
@@ -76,19 +80,80 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
     """
 
     def __init__(self, optim: torch.optim.Optimizer, averager: RipplesAverager,
-                 hook_state: Optional[RipplesHookState] = None, group=None):
+                 hook_state: Optional[RipplesHookState] = None, group=None,
+                 job_clock: Optional[JobClock] = None, sampler=None):
         super().__init__(optim, averager)
         self.hook_state = hook_state
         self.group = group
         self.unwrapped = False
+        if job_clock is None:
+            world = dist.get_world_size(hook_state.process_group) if hook_state is not None \
+                else dist.get_world_size()
+            job_clock = JobClock(world, LOCKSTEP)
+        self.job_clock = job_clock
+        self.sampler = None
+        self._sampler_seen = 0
+        if sampler is not None:
+            self.attach_sampler(sampler)
 
     def step(self, closure=None):
-        """Steps the inner optimizer, then averages (at this step's level). ``closure`` is
-        passed on as ``torch.optim.Optimizer.step`` takes it (Lightning steps with one; torch's
-        ``PostLocalSGDOptimizer.step`` takes none); returns its loss."""
+        """Steps the inner optimizer, then averages (at this step's level) and counts the step
+        on the job clock. ``closure`` is passed on as ``torch.optim.Optimizer.step`` takes it
+        (Lightning steps with one; torch's ``PostLocalSGDOptimizer.step`` takes none); returns
+        its loss."""
+        av = self.averager
+        exact = self.unwrapped or av.detached or av.step < av.warmup_steps
         loss = self.optim.step() if closure is None else self.optim.step(closure)
         self.averager.average_parameters(params=self.param_groups)
+        samples = 0
+        if self.sampler is not None:
+            seen = self.sampler.samples_yielded
+            samples, self._sampler_seen = seen - self._sampler_seen, seen
+        self.job_clock.tick(samples=samples, exact=exact)
         return loss
+
+    # -- the job's progress (docs/progress.md)
+    @property
+    def job_step(self) -> int:
+        """The job step: the sum of every worker's optimizer steps divided by the world size
+        -- the step a synchronous DDP job would be at after the same work. Never decreases;
+        the same on every worker within a step. Use it where a loop uses its own iteration
+        count: the budget (``while optimizer.job_step < max_iters``), the learning rate,
+        evaluation and checkpoint intervals, logs. During warm-up (every worker steps
+        together) and with a schedule that pairs every worker's k-th step (static, exact
+        levels, ``post_warmup="host"``) it is this worker's own step count."""
+        return self.job_clock.job_step
+
+    @property
+    def job_samples(self) -> Optional[int]:
+        """Samples handed out to the job's workers so far (job-wide), counted through the
+        :class:`ripples_pg.DistributedSampler` given to ``wrap(sampler=...)``; None without
+        one."""
+        return self.job_clock.job_samples
+
+    def attach_sampler(self, sampler) -> None:
+        """Links a :class:`ripples_pg.DistributedSampler` to this optimizer (what
+        ``wrap(sampler=...)`` does): its epochs are then handed out job-wide while workers
+        average partially, and it reports samples to :attr:`job_samples`."""
+        from .sampler import DistributedSampler
+
+        if not isinstance(sampler, DistributedSampler):
+            raise TypeError(f"ripples_pg: sampler must be a ripples_pg.DistributedSampler, got "
+                            f"{type(sampler).__module__}.{type(sampler).__qualname__} (torch's "
+                            f"DistributedSampler gives every worker a fixed shard, so the job "
+                            f"would end when the slowest worker's shard does)")
+        sampler._link(self)
+        self.sampler = sampler
+        self._sampler_seen = sampler.samples_yielded
+        self.job_clock.samples_known = True
+
+    def in_free_phase(self) -> bool:
+        """Whether workers now run different numbers of steps: partial training under a
+        ``"shared"`` job clock, past warm-up and before ``unwrap()``. The sampler hands out
+        an epoch job-wide only then."""
+        av = self.averager
+        return self.job_clock.mode == SHARED and not self.unwrapped and not av.detached and \
+            av.step >= av.warmup_steps
 
     def flush(self) -> None:
         """With ``wrap(overlap=True)``: waits for the partial round in flight and applies it,
@@ -113,9 +178,13 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         """
         if self.unwrapped:
             return self.optim
+        group = self.hook_state.process_group if self.hook_state is not None else None
         if average:
-            group = self.hook_state.process_group if self.hook_state is not None else None
+            self.job_clock.agree(group)  # every worker continues from the same job step
             self.averager.synchronize(self.param_groups, group=group)
+        else:
+            self.job_clock.rebase(self.job_clock.job_step_float,
+                                  self.job_clock.job_samples or 0, lockstep=True)
         if self.hook_state is not None:
             self.averager.unlink_hook_state(self.hook_state)
             self.hook_state.set_synchronous()
@@ -130,6 +199,7 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
     def state_dict(self):
         sd = super().state_dict()
         sd["ripples"] = self.averager.state_dict()
+        sd["ripples"]["job_clock"] = self.job_clock.state_dict()
         return sd
 
     def load_state_dict(self, state_dict):
@@ -137,11 +207,20 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         extra = state_dict.pop("ripples", None)
         super().load_state_dict(state_dict)
         if extra is not None:
+            extra = dict(extra)
+            clock = extra.pop("job_clock", None)
             self.averager.load_state_dict(extra)
-        elif hasattr(self.averager, "reset_anchor"):
-            # saved without Ripples' part (plain DDP, torch's PostLocalSGDOptimizer): an anchor
-            # of the model before this load must not drive the next outer step
-            self.averager.reset_anchor()
+            if clock is not None:
+                self.job_clock.load_state_dict(clock)
+            else:  # saved before the job clock existed: the averager's step is the best guess
+                self.job_clock.rebase(float(self.averager.step))
+        else:
+            # saved without Ripples' part (plain DDP, torch's PostLocalSGDOptimizer): the
+            # step torch's PostLocalSGDOptimizer restored is the job's
+            self.job_clock.rebase(float(self.averager.step))
+            if hasattr(self.averager, "reset_anchor"):
+                # an anchor of the model before this load must not drive the next outer step
+                self.averager.reset_anchor()
 
     @property
     def diloco_stats(self) -> Optional[dict]:
@@ -212,7 +291,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
          outer_optimizer=None,
          sync_every: Optional[int] = None,
-         on_alone: str = "defer") -> RipplesOptimizer:
+         on_alone: str = "defer",
+         sampler=None) -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
@@ -268,11 +348,24 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             a skipped, failed or passed round): ``"defer"`` (default) takes no outer step (the
             anchor and outer state stay, the model keeps its local progress, the next real
             round covers it); ``"local_step"`` takes one on the worker's own pseudo-gradient.
+        sampler: a :class:`ripples_pg.DistributedSampler` (the training loader's): linked to
+            this optimizer, it hands each epoch out job-wide during partial training, so fast
+            workers take more of it and every worker's epoch ends together
+            (docs/progress.md).
 
     Buffers: the averager averages the module's floating-point buffers (BatchNorm's running
     statistics) with the parameters; integer buffers (``num_batches_tracked``) stay each
     worker's own. DDP's ``broadcast_buffers`` is kept as given during warm-up and turned off
     after it (back on if a checkpoint inside warm-up is loaded).
+
+    Progress: ``optimizer.job_step`` is the job's step (all workers' steps / world size), the
+    count budgets, learning rates and intervals should follow so that a fixed-iteration or
+    fixed-epoch job ends sooner, not when its straggler has done its own share::
+
+        while optimizer.job_step < max_iters:           # not: for it in range(max_iters)
+            lr = get_lr(optimizer.job_step)             # not: get_lr(it)
+            ...
+        optimizer.unwrap()                              # every worker: the exact average
 
     Ending: ``optimizer.unwrap()`` (:meth:`RipplesOptimizer.unwrap`) returns the inner
     optimizer and makes the model plain synchronous DDP again (exact gradient all-reduce, the
@@ -315,6 +408,12 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         _check_int("group_size", group_size, 1)
     if not isinstance(overlap, bool):
         raise TypeError(f"ripples_pg.wrap: overlap must be True or False, got {overlap!r}")
+    if sampler is not None:
+        from .sampler import DistributedSampler
+
+        if not isinstance(sampler, DistributedSampler):
+            raise TypeError(f"ripples_pg.wrap: sampler must be a ripples_pg.DistributedSampler, "
+                            f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
 
     import ripples_pg
 
@@ -381,4 +480,22 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
         raise RuntimeError(f"ripples_pg.wrap: could not register the comm hook ({e}); a DDP "
                            f"model takes one comm hook, so wrap() it only once and do not "
                            f"register another hook") from e
-    return RipplesOptimizer(optimizer, averager, hook_state=state, group=group)
+    clock = _make_clock(ddp_group, group, levels, post_warmup)
+    return RipplesOptimizer(optimizer, averager, hook_state=state, group=group,
+                            job_clock=clock, sampler=sampler)
+
+
+def _make_clock(ddp_group, group, levels, post_warmup) -> JobClock:
+    """The job clock of a wrap(): ``"shared"`` where workers run different numbers of steps (a
+    dynamic schedule, only partial levels, local gradients), else ``"lockstep"``
+    (ripples_pg.progress). Every rank decides the same from the same arguments."""
+    from ._api import _ripples_backend
+
+    world = dist.get_world_size(ddp_group)
+    schedule = str(_ripples_backend(group).schedule)
+    free = schedule in DYNAMIC_SCHEDULES and post_warmup == "local" and \
+        all(kind == "partial" for kind in levels.values())
+    if not free or world < 2:
+        return JobClock(world, LOCKSTEP)
+    key = _namespace(ddp_group) + "steps"  # a collective on the DDP group (all ranks)
+    return JobClock(world, SHARED, store=_job_store(), key=key)

@@ -1,0 +1,290 @@
+"""``ripples_pg.DistributedSampler``: epochs of the job, not of each worker.
+
+torch's ``DistributedSampler`` gives every worker a fixed shard (1/world of the epoch), so an
+epoch ends when the slowest worker has finished its shard, and a partially averaged job that
+counts epochs ends when its straggler does. This sampler is a drop-in for it (same arguments,
+``set_epoch``, ``shuffle``/``seed``/``drop_last``, the same order of indices) that, linked to a
+:class:`ripples_pg.RipplesOptimizer` (``wrap(..., sampler=sampler)``), hands the epoch out from
+job-wide counters while the workers average partially: every sample is used once per epoch,
+fast workers take more, and the epoch ends on every worker within a claim or two of the
+others. During exact phases (warm-up, after ``unwrap()``, schedules that pair every worker's
+k-th step) every worker takes exactly its torch shard, as DDP's collectives need.
+
+How an epoch is handed out. The epoch's (shuffled, padded) indices are laid out as torch lays
+them out: worker ``r``'s shard is column ``r`` (``indices[r::world]``), ``len(self)`` rows long.
+Each column has one counter in the job's c10d store holding two numbers: rows taken from its
+front and rows taken from its back. A worker takes its own column from the front,
+``claim_size`` rows per request; once its column is used up, and only during partial training,
+it takes rows from the back of the other columns (a straggler's, typically). A request is one
+``add`` on the column's counter, whose answer carries both numbers as they stand after it, so
+the front and the back never hand out the same row (each side stops where the other has got
+to). A worker that dies leaves its column to the others; only the rows it had claimed and not
+used are lost. No request waits on another worker.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from typing import Iterator, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler as _TorchDistributedSampler
+
+__all__ = ["DistributedSampler", "DEFAULT_CLAIM_SIZE"]
+
+logger = logging.getLogger(__name__)
+
+# Rows per store request: a request costs ~0.1 ms on one host, so 16 keeps it to a few
+# microseconds per sample, while an epoch's end stays within a batch or two across workers.
+DEFAULT_CLAIM_SIZE = 16
+_HALF = 32
+_MASK = (1 << _HALF) - 1
+
+
+class DistributedSampler(_TorchDistributedSampler):
+    """A drop-in for ``torch.utils.data.DistributedSampler`` whose epochs are the job's.
+
+    Args:
+        dataset, num_replicas, rank, shuffle, seed, drop_last: as torch's
+            ``DistributedSampler`` (same defaults, same order of indices, same padding).
+        claim_size: rows of the epoch taken per request to the job's store during partial
+            training (default 16). Larger: fewer requests; smaller: epochs that end closer
+            together on every worker.
+
+    Link it to the optimizer with ``ripples_pg.wrap(..., sampler=sampler)``; call
+    ``set_epoch(epoch)`` before each epoch as with torch's. Unlinked, or under a schedule that
+    pairs every worker's k-th step, it is exactly torch's sampler.
+
+    ``len(sampler)`` is the shard's length, as torch's: exact during exact phases; during
+    partial training an estimate (a fast worker takes more, a straggler fewer). Every worker
+    must iterate the sampler the same number of times per epoch value (as DDP requires);
+    samples a loader has already taken (its prefetch queue) count as used.
+    """
+
+    def __init__(self, dataset, num_replicas: Optional[int] = None, rank: Optional[int] = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False, *,
+                 claim_size: int = DEFAULT_CLAIM_SIZE) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                         seed=seed, drop_last=drop_last)
+        if isinstance(claim_size, bool) or not isinstance(claim_size, int) or claim_size < 1:
+            raise ValueError(f"ripples_pg.DistributedSampler: claim_size must be an int >= 1, "
+                             f"got {claim_size!r}")
+        self.claim_size = claim_size
+        self._opt = None  # weak reference to the linked RipplesOptimizer
+        self._prefix: Optional[str] = None
+        self._store = None
+        self._passes: dict = {}  # epoch -> iterations begun with it (keys per pass)
+        self._resume: Optional[dict] = None
+        self._live: Optional[dict] = None  # the epoch being iterated: its key and counters
+        self.samples_yielded = 0  # indices handed to the loader, all epochs
+        self.stolen = 0  # of which rows taken from other workers' columns
+        self.epoch_samples = 0  # handed out by this worker in the current epoch
+
+    # -- linking
+    def _link(self, optimizer) -> None:
+        """Called by ``RipplesOptimizer.attach_sampler`` (``wrap(sampler=...)``)."""
+        clock = optimizer.job_clock
+        world = clock.world_size
+        if self.num_replicas != world:
+            raise ValueError(f"ripples_pg.DistributedSampler: num_replicas={self.num_replicas} "
+                             f"but the job has {world} workers; create the sampler with the "
+                             f"DDP group's size (the default)")
+        group = optimizer.hook_state.process_group if optimizer.hook_state is not None \
+            else None
+        if dist.is_initialized():
+            me = dist.get_rank(group)
+            if me != self.rank:
+                raise ValueError(f"ripples_pg.DistributedSampler: rank={self.rank} but this "
+                                 f"worker is rank {me} of the DDP group; create the sampler "
+                                 f"with the default rank")
+        if self._opt is not None and self._opt() is not None and self._opt() is not optimizer:
+            raise ValueError("ripples_pg.DistributedSampler: already linked to another "
+                             "RipplesOptimizer")
+        self._opt = weakref.ref(optimizer)
+        # the k-th sampler linked to a clock: every worker links its samplers in one order
+        index = getattr(clock, "_samplers", 0)
+        clock._samplers = index + 1
+        self._store = clock.store
+        self._prefix = None if self._store is None else f"{clock.namespace}sampler{index}/"
+
+    def _job_wide(self) -> bool:
+        """Whether this epoch goes through the job's counters (a shared job clock)."""
+        opt = self._opt() if self._opt is not None else None
+        return opt is not None and self._prefix is not None and \
+            opt.job_clock.mode == "shared" and opt.job_clock.failed is None
+
+    def _free(self) -> bool:
+        """Whether workers now run different numbers of steps (rows may be taken from other
+        workers' columns)."""
+        opt = self._opt() if self._opt is not None else None
+        return opt is not None and opt.in_free_phase() and opt.job_clock.failed is None
+
+    # -- the epoch's order (torch's)
+    def _order(self) -> List[int]:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g).tolist()
+        else:
+            indices = list(range(n))
+        if not self.drop_last:
+            pad = self.total_size - len(indices)
+            if pad > 0:
+                indices += (indices * math.ceil(pad / len(indices)))[:pad]
+        else:
+            indices = indices[:self.total_size]
+        return indices
+
+    def _column(self, indices: List[int], col: int) -> List[int]:
+        return indices[col:self.total_size:self.num_replicas]
+
+    # -- iteration
+    def __iter__(self) -> Iterator[int]:
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[int]:
+        # A generator: nothing below runs (no pass is counted, no request made) until the
+        # loader asks for the first index.
+        epoch = self.epoch
+        npass = self._passes.get(epoch, 0)
+        self._passes[epoch] = npass + 1
+        resume = self._resume if self._resume is not None and \
+            self._resume.get("epoch") == epoch else None
+        self._resume = None
+        self.epoch_samples = 0
+        indices = self._order()
+        rows = self.num_samples
+        if not self._job_wide():
+            start, end = 0, rows
+            if resume is not None:
+                f, b = resume["columns"][self.rank]
+                start, end = min(f, rows), max(0, rows - b)
+            self._live = None
+            for i in self._column(indices, self.rank)[start:end]:
+                self.samples_yielded += 1
+                self.epoch_samples += 1
+                yield i
+            return
+        key = f"{self._prefix}e{epoch}.{npass}/c"
+        self._live = {"key": key, "epoch": epoch, "pass": npass}
+        try:
+            if resume is not None:
+                # Every worker writes every column's saved counters unless one already did
+                # (the first writer wins; all load the same checkpoint), before its first
+                # request.
+                for c, (f, b) in enumerate(resume["columns"]):
+                    try:
+                        self._store.compare_set(f"{key}{c}", "", str(f | (b << _HALF)))
+                    except Exception as exc:  # noqa: BLE001
+                        raise _StoreFailed(exc, resume["columns"][self.rank][0]) from exc
+            yield from self._own_column(indices, key, rows)
+            if self._free():
+                yield from self._steal(indices, key, rows)
+        except _StoreFailed as exc:
+            # Never leave the loop hanging on a dead store: finish on this worker's own
+            # column alone (a remote worker may have taken some of it: rows may be used
+            # twice, none lost).
+            logger.warning("ripples_pg.DistributedSampler: the job's store failed (%s); this "
+                           "epoch goes on with this worker's own shard", exc)
+            for i in self._column(indices, self.rank)[exc.front:]:
+                self.samples_yielded += 1
+                self.epoch_samples += 1
+                yield i
+
+    def _add(self, key: str, value: int, front: int) -> tuple:
+        try:
+            v = int(self._store.add(key, value))
+        except Exception as exc:  # noqa: BLE001
+            raise _StoreFailed(exc, front) from exc
+        return v & _MASK, v >> _HALF
+
+    def _own_column(self, indices, key, rows) -> Iterator[int]:
+        col = self._column(indices, self.rank)
+        k = self.claim_size
+        front = 0  # rows of the own column handed out so far (for the store-failure path)
+        while True:
+            f, b = self._add(f"{key}{self.rank}", k, front)
+            lo, hi = max(f - k, 0), min(f, rows - b)
+            for i in col[lo:max(hi, lo)]:
+                self.samples_yielded += 1
+                self.epoch_samples += 1
+                yield i
+            front = max(front, hi)
+            if hi < f:
+                return  # met the back (or the end): this column is used up
+
+    def _steal(self, indices, key, rows) -> Iterator[int]:
+        k = self.claim_size
+        others = [(self.rank + j) % self.num_replicas for j in range(1, self.num_replicas)]
+        while others:
+            for c in list(others):
+                if not self._free():
+                    return  # an exact phase again (unwrap()): no more rows of others
+                f, b = self._add(f"{key}{c}", k << _HALF, rows)
+                lo, hi = max(rows - b, f, 0), rows - b + k
+                if hi <= lo:
+                    others.remove(c)  # used up
+                    continue
+                col = self._column(indices, c)
+                for i in col[lo:hi]:
+                    self.samples_yielded += 1
+                    self.epoch_samples += 1
+                    self.stolen += 1
+                    yield i
+
+    # -- checkpoints
+    def state_dict(self) -> dict:
+        """Where the current epoch stands, for a mid-epoch resume: the epoch and, for each
+        worker's column, the rows taken from its front and its back (job-wide, read from the
+        store; without one every column is taken to be where this worker's is, as in exact
+        phases all are). Samples already handed to a loader count as used."""
+        cols = None
+        live = self._live
+        if live is not None and live["epoch"] == self.epoch and self._store is not None:
+            try:
+                cols = []
+                for c in range(self.num_replicas):
+                    v = int(self._store.add(f"{live['key']}{c}", 0))
+                    f, b = v & _MASK, v >> _HALF
+                    f = min(f, self.num_samples)
+                    cols.append([f, min(b, self.num_samples - f)])
+            except Exception as exc:  # noqa: BLE001 - fall back to this worker's own count
+                logger.warning("ripples_pg.DistributedSampler: could not read the job's "
+                               "counters (%s); saving this worker's position only", exc)
+                cols = None
+        if cols is None:
+            pos = min(self.epoch_samples, self.num_samples)
+            cols = [[pos, 0] for _ in range(self.num_replicas)]
+        return {"epoch": self.epoch, "num_replicas": self.num_replicas,
+                "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
+                "drop_last": self.drop_last, "columns": cols}
+
+    def load_state_dict(self, sd: Mapping) -> None:
+        """Resumes mid-epoch: sets the epoch; its next iteration uses only the rows no worker
+        had taken when the state was saved, each once. Every worker should load the same
+        state (the others' columns are in it)."""
+        for name in ("num_replicas", "num_samples", "seed", "shuffle", "drop_last"):
+            if name in sd and sd[name] != getattr(self, name):
+                raise ValueError(f"ripples_pg.DistributedSampler: the state was saved with "
+                                 f"{name}={sd[name]!r}, this sampler has "
+                                 f"{getattr(self, name)!r} (the dataset or the job changed)")
+        cols = [[int(f), int(b)] for f, b in sd["columns"]]
+        if len(cols) != self.num_replicas or any(f < 0 or b < 0 or f + b > self.num_samples
+                                                 for f, b in cols):
+            raise ValueError("ripples_pg.DistributedSampler: malformed state (columns)")
+        self.epoch = int(sd["epoch"])
+        self._resume = {"epoch": self.epoch, "columns": cols}
+
+    def __repr__(self) -> str:
+        linked = "linked" if self._opt is not None and self._opt() is not None else "unlinked"
+        return (f"ripples_pg.DistributedSampler(num_replicas={self.num_replicas}, "
+                f"rank={self.rank}, epoch={self.epoch}, shuffle={self.shuffle}, {linked})")
+
+
+class _StoreFailed(RuntimeError):
+    def __init__(self, exc: BaseException, front: int):
+        super().__init__(f"{type(exc).__name__}: {exc}")
+        self.front = front

@@ -1,0 +1,309 @@
+"""The job's progress (docs/progress.md): the job step every worker reads, budgets that end
+every worker together, and epochs handed out job-wide by ripples_pg.DistributedSampler.
+
+Every worker runs real steps in its own process; one is a straggler (it sleeps longer per
+step). The assertions are about counts, never times: a budget of N job steps ends with the
+job's total work between N*world and N*world + world - 1 worker-steps (each worker does at
+most one step past the point where the job's work reached N); an epoch uses every index of
+torch's padded order exactly once across the workers.
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import _dist
+
+WS = 4
+
+
+@pytest.fixture(scope="module")
+def ws():
+    return WS
+
+
+class _Indexed(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+
+def _setup(ctx, warmup=3, schedule="smart", levels=None, sampler=None, **kw):
+    import ripples_pg
+
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    wkw = dict(warmup_steps=warmup, schedule=schedule, warmup_straggler=None, **kw)
+    if levels is not None:
+        wkw["levels"] = levels
+    ropt = ripples_pg.wrap(model, opt, sampler=sampler, **wkw)
+    return model, ropt
+
+
+def _train_step(model, ropt, g, pause):
+    x = torch.randn(4, 8, generator=g)
+    ropt.zero_grad()
+    model(x).square().mean().backward()
+    ropt.step()
+    if pause:
+        time.sleep(pause)
+
+
+def _all_gather_obj(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- job step
+
+
+def task_budget(ctx, schedule, budget, slow_rank, levels=None):
+    model, ropt = _setup(ctx, schedule=schedule, levels=levels)
+    g = torch.Generator().manual_seed(ctx.rank)
+    steps, reads = 0, []
+    pause = 0.02 if ctx.rank == slow_rank else 0.004
+    while ropt.job_step < budget:
+        before = ropt.job_step
+        _train_step(model, ropt, g, pause)
+        steps += 1
+        reads.append((before, ropt.job_step))
+    mode = ropt.job_clock.mode
+    at_stop = ropt.job_step
+    ropt.unwrap()
+    after = ropt.job_step
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    sd = ropt.state_dict()["ripples"]["job_clock"]
+    return {"steps": steps, "reads": reads, "mode": mode, "at_stop": at_stop, "after": after,
+            "params": params, "saved": sd}
+
+
+@pytest.mark.parametrize("slow_rank", [3, 0])
+def test_budget_ends_every_worker_within_one_step(pool, slow_rank):
+    budget = 40
+    res = pool.run(task_budget, "smart", budget, slow_rank)
+    steps = [r["steps"] for r in res]
+    total = sum(steps)
+    assert all(r["mode"] == "shared" for r in res), res
+    # the job's work reached the budget, and nobody went more than one step past it
+    assert budget * WS <= total <= budget * WS + WS - 1, steps
+    # the straggler did fewer steps than every fast worker: the budget is the job's
+    fast = [s for r, s in enumerate(steps) if r != slow_rank]
+    assert steps[slow_rank] < min(fast), steps
+    for r in res:
+        assert r["at_stop"] >= budget, r["at_stop"]
+        # reads never go back, and never run ahead of the work done
+        seq = [b for b, _ in r["reads"]] + [r["reads"][-1][1]]
+        assert seq == sorted(seq), seq
+        assert r["at_stop"] <= total // WS
+    # unwrap(): every worker continues from the same job step, the job's exact total
+    assert {r["after"] for r in res} == {total // WS}, [r["after"] for r in res]
+    for r in res[1:]:
+        assert torch.equal(r["params"], res[0]["params"])  # the exact average
+        assert r["saved"]["job_step"] == res[0]["saved"]["job_step"]
+
+
+def test_lockstep_schedules_count_their_own_steps(pool):
+    budget = 12
+    for schedule, levels in (("static", None), ("smart", {1: "partial", 4: "world"})):
+        res = pool.run(task_budget, schedule, budget, 3, levels)
+        assert [r["mode"] for r in res] == ["lockstep"] * WS, (schedule, levels)
+        # every worker's k-th step is paired with the others': all stop after the same step
+        assert [r["steps"] for r in res] == [budget] * WS, (schedule, levels)
+        for r in res:
+            assert [b for b, _ in r["reads"]] == list(range(budget))
+
+
+def task_clock_resume(ctx, saved):
+    model, ropt = _setup(ctx)
+    g = torch.Generator().manual_seed(ctx.rank)
+    if saved is None:
+        for _ in range(8):
+            _train_step(model, ropt, g, 0)
+        ropt.unwrap()
+        return ropt.state_dict()
+    ropt.load_state_dict(saved)
+    first = ropt.job_step
+    for _ in range(6):
+        _train_step(model, ropt, g, 0.004 if ctx.rank else 0.02)
+    mid = ropt.job_step
+    ropt.unwrap()
+    return {"first": first, "mid": mid, "after": ropt.job_step,
+            "warmup": ropt.averager.warmup_steps}
+
+
+def test_job_step_survives_a_checkpoint(pool):
+    saved = pool.run(task_clock_resume, None)
+    assert {s["ripples"]["job_clock"]["job_step"] for s in saved} == {8.0}
+    res = pool.run(task_clock_resume, saved[0])
+    for r in res:
+        assert r["first"] == 8, r
+        assert r["mid"] >= 8
+    # 6 steps each past the restored 8: the job's total after the exact end
+    assert {r["after"] for r in res} == {14}, res
+
+
+def test_store_failure_never_raises_into_training():
+    from ripples_pg.progress import JobClock
+
+    class _Dead:
+        def add(self, key, value):
+            raise RuntimeError("Connection reset by peer")
+
+    clock = JobClock(4, "shared", store=_Dead(), key="ripples/job/x/steps")
+    for _ in range(3):
+        clock.tick(exact=True)
+    assert clock.failed and "Connection reset" in clock.failed
+    assert clock.job_step == 3  # lockstep steps count as the job's own
+    clock.tick()
+    assert clock.job_step == 4
+
+
+def test_clock_arguments():
+    from ripples_pg.progress import JobClock
+
+    with pytest.raises(ValueError, match="mode"):
+        JobClock(2, "global")
+    with pytest.raises(ValueError, match="world_size"):
+        JobClock(0, "lockstep")
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+def task_epochs(ctx, n, epochs, warmup, schedule, slow_rank, claim, drop_last):
+    import ripples_pg
+
+    sampler = ripples_pg.DistributedSampler(_Indexed(n), shuffle=True, seed=5,
+                                            drop_last=drop_last, claim_size=claim)
+    model, ropt = _setup(ctx, warmup=warmup, schedule=schedule, sampler=sampler)
+    g = torch.Generator().manual_seed(ctx.rank)
+    loader = torch.utils.data.DataLoader(_Indexed(n), batch_size=4, sampler=sampler)
+    per_epoch = []
+    pause = 0.02 if ctx.rank == slow_rank else 0.003
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        seen = []
+        for batch in loader:
+            seen.extend(batch.tolist())
+            _train_step(model, ropt, g, pause)
+        per_epoch.append(seen)
+    steps = ropt.averager.step
+    samples = ropt.job_samples
+    ropt.unwrap()
+    return {"epochs": per_epoch, "steps": steps, "len": len(sampler), "samples": samples,
+            "stolen": sampler.stolen}
+
+
+def _torch_epoch(n, epoch, drop_last, rank):
+    s = torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=WS, rank=rank,
+                                            shuffle=True, seed=5, drop_last=drop_last)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_epochs_use_every_sample_once_and_fast_workers_take_more(pool, drop_last):
+    n, epochs = 203, 3
+    res = pool.run(task_epochs, n, epochs, 3, "smart", 2, 4, drop_last)
+    for e in range(epochs):
+        used = sorted(i for r in res for i in r["epochs"][e])
+        expected = sorted(i for rank in range(WS) for i in _torch_epoch(n, e, drop_last, rank))
+        assert used == expected, f"epoch {e}: {len(used)} used, {len(expected)} expected"
+    taken = [sum(len(ep) for ep in r["epochs"]) for r in res]
+    assert taken[2] < min(t for r, t in enumerate(taken) if r != 2), taken
+    assert sum(r["stolen"] for r in res) > 0
+    assert res[0]["samples"] == sum(taken)
+
+
+def test_exact_phases_give_torchs_shards(pool):
+    # warm-up longer than the run: every step is exact, so every worker must get exactly
+    # torch's shard, in torch's order (DDP pairs every worker's k-th step)
+    n, epochs = 101, 2
+    res = pool.run(task_epochs, n, epochs, 10_000, "smart", 2, 4, False)
+    for rank, r in enumerate(res):
+        for e in range(epochs):
+            assert r["epochs"][e] == _torch_epoch(n, e, False, rank)
+        assert r["stolen"] == 0
+    # under the static schedule the sampler is torch's too, whatever the phase
+    res = pool.run(task_epochs, n, epochs, 2, "static", 2, 4, False)
+    for rank, r in enumerate(res):
+        for e in range(epochs):
+            assert r["epochs"][e] == _torch_epoch(n, e, False, rank)
+
+
+def task_resume_epoch(ctx, n, state):
+    """Takes part of epoch 0 (claims of one row, so that nothing claimed goes unused), then the
+    rest after a resume from the saved state."""
+    import ripples_pg
+
+    sampler = ripples_pg.DistributedSampler(_Indexed(n), seed=1, claim_size=1)
+    model, ropt = _setup(ctx, warmup=2, sampler=sampler)
+    g = torch.Generator().manual_seed(ctx.rank)
+    seen = []
+    if state is None:
+        sampler.set_epoch(0)
+        it = iter(sampler)
+        limit = 30 if ctx.rank else 6
+        for i in it:
+            seen.append(i)
+            _train_step(model, ropt, g, 0.003)
+            if len(seen) >= limit:
+                break
+        it.close()
+        dist.barrier()
+        st = sampler.state_dict() if ctx.rank == 0 else None
+        ropt.unwrap()
+        return {"seen": seen, "state": st}
+    sampler.load_state_dict(state)
+    for i in sampler:
+        seen.append(i)
+        _train_step(model, ropt, g, 0.003 if ctx.rank else 0.01)
+    ropt.unwrap()
+    return {"seen": seen, "epoch": sampler.epoch}
+
+
+def test_mid_epoch_resume_uses_each_remaining_sample_once(pool):
+    n = 180
+    first = pool.run(task_resume_epoch, n, None)
+    state = first[0]["state"]
+    assert state["epoch"] == 0
+    second = pool.run(task_resume_epoch, n, state)
+    before = [i for r in first for i in r["seen"]]
+    after = [i for r in second for i in r["seen"]]
+    assert len(set(before)) == len(before)
+    assert sorted(before + after) == sorted(i for rank in range(WS)
+                                            for i in _torch_epoch_seed(n, rank))
+
+
+def _torch_epoch_seed(n, rank):
+    s = torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=WS, rank=rank, seed=1)
+    return list(s)
+
+
+def test_sampler_arguments():
+    import ripples_pg
+
+    with pytest.raises(ValueError, match="claim_size"):
+        ripples_pg.DistributedSampler(_Indexed(10), num_replicas=2, rank=0, claim_size=0)
+    s = ripples_pg.DistributedSampler(_Indexed(10), num_replicas=2, rank=1, seed=3)
+    t = torch.utils.data.DistributedSampler(_Indexed(10), num_replicas=2, rank=1, seed=3)
+    assert isinstance(s, torch.utils.data.DistributedSampler)
+    for e in range(3):
+        s.set_epoch(e)
+        t.set_epoch(e)
+        assert list(s) == list(t)  # unlinked: exactly torch's sampler
+    assert len(s) == len(t)
+    with pytest.raises(ValueError, match="num_replicas"):
+        s.load_state_dict({"epoch": 0, "num_replicas": 3, "columns": [[0, 0]] * 3})
+    with pytest.raises(ValueError, match="malformed"):
+        s.load_state_dict({"epoch": 0, "columns": [[9, 9], [0, 0]]})
