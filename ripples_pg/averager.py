@@ -15,11 +15,19 @@ Nothing is averaged during the first ``warmup_steps`` steps: the comm hook
 Exact averaging runs at the slowest worker's pace, so with ``warmup_straggler`` (``wrap()``'s
 default: 2.0) warm-up ends early once one worker persistently computes that many times slower
 than the median: every ``WARMUP_CHECK_EVERY`` warm-up steps the workers exchange their mean
-compute time per step (one tiny exact all-gather; compute = from the end of a step to the
-first gradient bucket of the next, so waiting in the exact all-reduce does not count), and
-when two checks in a row (``WARMUP_CHECKS_IN_A_ROW``) find the same worker at
-``warmup_straggler`` times the median and at least ``WARMUP_MIN_EXCESS_S`` (5 ms) above it,
-every worker ends warm-up after the same step (they all see the same numbers).
+compute time per step (one tiny exact all-gather), and when two checks in a row
+(``WARMUP_CHECKS_IN_A_ROW``) find the same worker at ``warmup_straggler`` times the median and
+at least ``WARMUP_MIN_EXCESS_S`` (5 ms) above it, every worker ends warm-up after the same step
+(they all see the same numbers). A step's compute is its *whole* time, from the end of one
+optimizer step to the end of the next (all micro-steps of gradient accumulation included), less
+the time spent waiting for the others: in the exact gradient all-reduce, from the first bucket
+a backward pass posts to the completion of its last (``note_gradient_bucket``; the comm hook
+times each bucket), and in DDP's pre-forward, where it broadcasts the buffers from rank 0
+(``note_forward``; forward pre-hooks the comm hook's state puts on the DDP model and on its
+module during warm-up). So slowness anywhere in a step counts -- a data fetch, a slow gradient
+clip or optimizer step, logging -- except backward compute after a pass's first gradient
+bucket, which lies inside the all-reduce window. Waiting in the user's own collectives (a loss
+all-reduce for logging) counts as compute: it can hide a straggler, never make one up.
 
 The parameters are flattened once: on the first averaging they are copied into one flat buffer
 per dtype and re-pointed (``p.data``) at views of it, exactly like torch's own
@@ -66,7 +74,7 @@ import math
 import time
 import warnings
 from collections import OrderedDict
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -164,6 +172,17 @@ def _params_of(params) -> List[torch.Tensor]:
                 seen.add(id(p))
                 out.append(p)
     return out
+
+
+def _covered(windows: List[List[float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] covered by the union of ``windows`` ([start, end] pairs)."""
+    total, reach = 0.0, lo
+    for a, b in sorted(windows):
+        a, b = max(a, reach), min(b, hi)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
 
 
 class _Layout:
@@ -281,10 +300,15 @@ class RipplesAverager(ModelAverager):
                                  f"number > 1 (or 0/None: warm-up always runs its "
                                  f"warmup_steps), got {warmup_straggler!r}")
         self.warmup_straggler = float(warmup_straggler or 0)
-        # Warm-up exit: this step's first gradient bucket, the end of the last step, and the
+        # Warm-up exit: the end of the last step (where this step's clock starts), this step's
+        # waiting windows ([start, end] lists: each backward pass's gradient all-reduce, each
+        # DDP pre-forward), the pass being timed, a DDP forward not yet in the module's; the
         # compute times of the current check window; the step warm-up ended at, if early.
-        self._warm_first: Optional[float] = None
         self._warm_end: Optional[float] = None
+        self._warm_wins: List[List[float]] = []
+        self._warm_win: Optional[List[float]] = None
+        self._warm_win_closed = False
+        self._warm_fwd: Optional[float] = None
         self._warm_sum = 0.0
         self._warm_n = 0
         self._warm_hits = 0
@@ -451,21 +475,62 @@ class RipplesAverager(ModelAverager):
             self._average(params, level, packed)
             self.counts[level] += 1
         self.step += 1
-        self._warm_end = time.perf_counter()
-        self._warm_first = None
+        self._warm_restart()
 
     # -- warm-up exit (warmup_straggler)
-    def note_gradient_bucket(self) -> None:
-        """Called by the comm hook for each gradient bucket: the first of a step ends its
-        compute (forward and the backward up to the first bucket), before any wait for an
-        exact all-reduce."""
-        if self._warm_first is None:
-            self._warm_first = time.perf_counter()
+    def _warm_timing(self) -> bool:
+        """Whether this step is timed for the warm-up exit."""
+        return bool(self.warmup_straggler) and self.step < self.warmup_steps and \
+            not self.detached
+
+    def _warm_restart(self) -> None:
+        """A step has ended: the next one's clock starts now, with no waiting yet."""
+        self._warm_end = time.perf_counter()
+        self._warm_wins = []
+        self._warm_win = None
+        self._warm_win_closed = False
+        self._warm_fwd = None
+
+    def note_gradient_bucket(self, last: bool = True) -> Optional[Callable[[], None]]:
+        """Called by the comm hook when it posts a gradient bucket's exact all-reduce during
+        warm-up (``last``: ``bucket.is_last()``, the pass's last bucket). Returns None if this
+        step is not timed, else a function to call when the bucket's all-reduce completes: the
+        waiting window of a backward pass runs from its first bucket's post to its last
+        completion (which also covers an all-reduce the backend runs inline, in the post)."""
+        if not self._warm_timing():
+            return None
+        t = time.perf_counter()
+        win = self._warm_win
+        if win is None or self._warm_win_closed:  # the first bucket of a backward pass
+            win = self._warm_win = [t, t]
+            self._warm_wins.append(win)
+        self._warm_win_closed = bool(last)
+
+        def done() -> None:  # may run on the backend's thread
+            now = time.perf_counter()
+            if now > win[1]:
+                win[1] = now
+        return done
+
+    def note_forward(self, inner: bool) -> None:
+        """Called by forward pre-hooks during warm-up: on the DDP model (``inner=False``, before
+        DDP's pre-forward and its buffer broadcast) and on its module (``inner=True``, after
+        it). The time between is waiting."""
+        if not self._warm_timing():
+            self._warm_fwd = None
+            return
+        t = time.perf_counter()
+        if not inner:
+            self._warm_fwd = t
+        elif self._warm_fwd is not None:
+            self._warm_wins.append([self._warm_fwd, t])
+            self._warm_fwd = None
 
     def _warmup_check(self) -> None:
-        if self._warm_first is not None and self._warm_end is not None and \
-                self._warm_first > self._warm_end:
-            self._warm_sum += self._warm_first - self._warm_end
+        now = time.perf_counter()
+        if self._warm_end is not None and now > self._warm_end:
+            wait = _covered(self._warm_wins, self._warm_end, now)
+            self._warm_sum += max(0.0, now - self._warm_end - wait)
             self._warm_n += 1
         if (self.step + 1) % WARMUP_CHECK_EVERY != 0 or self.step + 1 >= self.warmup_steps:
             return

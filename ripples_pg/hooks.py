@@ -25,6 +25,14 @@ rank 0's pace and a fence at the Group Generator. Given the DDP model (``ddp_mod
 off afterwards, when the averager averages the buffers together with the parameters. It follows
 the step, so restoring a step inside warm-up turns it back on.
 
+Warm-up clock. While the linked averager times warm-up steps for its early exit
+(``warmup_straggler``, see :mod:`ripples_pg.averager`), the hook reports each gradient bucket's
+exact all-reduce to it (``note_gradient_bucket``: when posted, and when complete), and, given
+the DDP model, the state puts two forward pre-hooks on it: one on the DDP model (before DDP's
+pre-forward, where it broadcasts the buffers from rank 0) and one on its module (after it), so
+that waiting in that broadcast is not taken for compute (``note_forward``). They are removed
+once the steps are no longer timed (after warm-up, or at :meth:`RipplesHookState.set_synchronous`).
+
 Ending. :meth:`RipplesHookState.set_synchronous` makes the hook average gradients exactly over
 the process group from then on (plain synchronous DDP; a DDP model takes only one comm hook, so
 it cannot be swapped for the default one) and restores the user's ``broadcast_buffers``.
@@ -40,7 +48,7 @@ optimizer steps taken so far. That stays right with gradient accumulation and is
 """
 import logging
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,6 +113,7 @@ class RipplesHookState:
         self.host_group = host_group
         self._announced = False
         self.synchronous = False
+        self._fwd_handles: list = []  # the warm-up clock's forward pre-hooks, while installed
         # The DDP model holds this state through its C++ reducer, which the garbage collector
         # cannot see through: a strong reference back would keep the model alive forever.
         self._ddp = None
@@ -160,6 +169,38 @@ class RipplesHookState:
         ``RipplesOptimizer.unwrap()``."""
         self.synchronous = True
         self._sync_buffer_broadcast()
+        self._remove_forward_clock()
+
+    # -- the averager's warm-up clock
+    def _clock_bucket(self, bucket) -> Optional[Callable[[], None]]:
+        """Reports a bucket posted during warm-up to the averager; returns what to call when
+        its all-reduce completes (None if the averager does not time this step)."""
+        note = getattr(self.averager, "note_gradient_bucket", None)
+        done = note(bucket.is_last()) if note is not None else None
+        if done is not None:
+            self._install_forward_clock()
+        elif self._fwd_handles:
+            self._remove_forward_clock()
+        return done
+
+    def _install_forward_clock(self) -> None:
+        if self._fwd_handles:
+            return
+        ddp = self.ddp_model
+        inner = getattr(ddp, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return
+        # Appended on the DDP model (a user's pre-hooks there run before: compute), prepended
+        # on the module (a user's pre-hooks there run after: compute too).
+        self._fwd_handles = [
+            ddp.register_forward_pre_hook(_ForwardClock(self, False)),
+            inner.register_forward_pre_hook(_ForwardClock(self, True), prepend=True),
+        ]
+
+    def _remove_forward_clock(self) -> None:
+        handles, self._fwd_handles = self._fwd_handles, []
+        for h in handles:
+            h.remove()
 
     def _count(self, bucket) -> None:
         if bucket.is_last():
@@ -181,12 +222,14 @@ class RipplesHookState:
         d["host_group"] = None
         d["averager"] = None
         d["_ddp"] = None
+        d["_fwd_handles"] = []
         return d
 
     def __setstate__(self, d):
         d.setdefault("synchronous", False)
         d.setdefault("_ddp", None)
         d.setdefault("user_broadcast_buffers", None)
+        d.setdefault("_fwd_handles", [])
         self.__dict__.update(d)
 
     def __repr__(self) -> str:
@@ -195,15 +238,48 @@ class RipplesHookState:
                 f"post_warmup={self.post_warmup!r}, step={self.step}{sync})")
 
 
+class _ForwardClock:
+    """A forward pre-hook of the warm-up clock: tells the state's averager that a forward of
+    the DDP model (``inner=False``) or of its module (``inner=True``) starts. It holds the state
+    weakly, and pickles (with the model) as a no-op."""
+
+    def __init__(self, state: RipplesHookState, inner: bool):
+        self._state = weakref.ref(state)
+        self.inner = inner
+
+    def __call__(self, module, args) -> None:
+        st = self._state() if self._state is not None else None
+        if st is None or st.synchronous:
+            return None
+        note = getattr(st.averager, "note_forward", None)
+        if note is not None:
+            note(self.inner)
+        return None
+
+    def __getstate__(self):
+        return {"inner": self.inner}
+
+    def __setstate__(self, d):
+        self._state = None
+        self.inner = d["inner"]
+
+
 # ----------------------------------------------------------------------------- the hook
 
 
-def _allreduce_mean_fut(group, tensor: torch.Tensor) -> torch.futures.Future:
+def _allreduce_mean_fut(group, tensor: torch.Tensor,
+                        done: Optional[Callable[[], None]] = None) -> torch.futures.Future:
     n = dist.get_world_size(group)
     tensor.div_(n)
     with exact():
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    if done is None:
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def value(fut):
+        done()  # the warm-up clock: this bucket's all-reduce is complete
+        return fut.value()[0]
+    return work.get_future().then(value)
 
 
 def _done(tensor: torch.Tensor) -> torch.futures.Future:
@@ -221,11 +297,14 @@ def ripples_hook(state: RipplesHookState,
     if state.averager is None:
         state._count(bucket)
     if warm:
+        done = None
         if state.averager is not None and not state.synchronous:
-            state.averager.note_gradient_bucket()  # the warm-up exit's compute clock
+            done = state._clock_bucket(bucket)  # the warm-up exit's clock
         state.exact_buckets += 1
         group = state.process_group if state.process_group is not None else dist.group.WORLD
-        return _allreduce_mean_fut(group, buf)
+        return _allreduce_mean_fut(group, buf, done)
+    if state._fwd_handles:
+        state._remove_forward_clock()
     if not state._announced:
         state._announced = True
         logger.info("ripples_pg: warm-up over after %d steps; gradients are now %s",
