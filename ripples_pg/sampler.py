@@ -18,8 +18,10 @@ front and rows taken from its back. A worker takes its own column from the front
 it takes rows from the back of the other columns (a straggler's, typically). A request is one
 ``add`` on the column's counter, whose answer carries both numbers as they stand after it, so
 the front and the back never hand out the same row (each side stops where the other has got
-to). A worker that dies leaves its column to the others; only the rows it had claimed and not
-used are lost. No request waits on another worker.
+to). The first claim of each column is left to its owner, so every worker gets at least one
+claim of every epoch. A worker that dies leaves its column to the others; only the rows it had
+claimed and not used (and its first claim, if it died before taking it) are lost. No request
+waits on another worker.
 """
 from __future__ import annotations
 
@@ -205,9 +207,10 @@ class DistributedSampler(_TorchDistributedSampler):
         col = self._column(indices, self.rank)
         k = self.claim_size
         front = 0  # rows of the own column handed out so far (for the store-failure path)
+        reserved = min(k, rows)  # never taken from the back (_steal)
         while True:
             f, b = self._add(f"{key}{self.rank}", k, front)
-            lo, hi = max(f - k, 0), min(f, rows - b)
+            lo, hi = max(f - k, 0), min(f, max(rows - b, reserved))
             for i in col[lo:max(hi, lo)]:
                 self.samples_yielded += 1
                 self.epoch_samples += 1
@@ -218,13 +221,17 @@ class DistributedSampler(_TorchDistributedSampler):
 
     def _steal(self, indices, key, rows) -> Iterator[int]:
         k = self.claim_size
+        # The first claim of every column stays its owner's: each worker gets at least one
+        # claim of every epoch, however slow, so per-epoch work (a trainer's validation at
+        # its epoch's last batch) runs on every worker.
+        reserved = min(k, rows)
         others = [(self.rank + j) % self.num_replicas for j in range(1, self.num_replicas)]
         while others:
             for c in list(others):
                 if not self._free():
                     return  # an exact phase again (unwrap()): no more rows of others
                 f, b = self._add(f"{key}{c}", k << _HALF, rows)
-                lo, hi = max(rows - b, f, 0), rows - b + k
+                lo, hi = max(rows - b, f, reserved), rows - b + k
                 if hi <= lo:
                     others.remove(c)  # used up
                     continue
