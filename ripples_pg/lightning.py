@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 
 STRATEGY_NAME = "ripples"
 DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
+PROGRESS_MODES = ("job", "worker")
 
 
 class _Endless:
@@ -103,6 +104,34 @@ class _Endless:
                                    "this rank; time_limit cannot train on it")
 
 
+class _JobEpochs:
+    """The training dataloader under ``progress="job"``: the same loader, whose sampler hands
+    each epoch out job-wide. Sized (its shard's batches, as DDP's) while Lightning sets the fit
+    up, so ``trainer.estimated_stepping_batches`` is what a DDP job would estimate; unsized
+    once training starts (:meth:`RipplesStrategy._unbound_epoch`), so that Lightning ends each
+    epoch when the loader does (a fast rank takes more batches than its shard, a straggler
+    fewer) and validates at its last batch. Attributes are the loader's (``sampler``:
+    Lightning calls its ``set_epoch``)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.sized = True
+
+    def __iter__(self):
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        if self.sized:
+            return len(self.loader)
+        raise TypeError("ripples_pg.lightning: a job-wide epoch has no fixed length per rank")
+
+    def __getattr__(self, name: str):
+        loader = self.__dict__.get("loader")
+        if loader is None:
+            raise AttributeError(name)
+        return getattr(loader, name)
+
+
 class RipplesStrategy(DDPStrategy):
     """DDP on the ``ripples`` backend with Ripples training (``ripples_pg.wrap``).
 
@@ -116,6 +145,16 @@ class RipplesStrategy(DDPStrategy):
     (partial DiLoCo, docs/diloco.md).
 
     Strategy arguments:
+        progress: what the Trainer's budgets count (docs/lightning.md, "Stopping").
+            ``"job"`` (default): the job's work, where workers run different numbers of
+            steps (a dynamic schedule with partial levels): ``max_steps`` counts job steps
+            (``RipplesOptimizer.job_step``), ``max_epochs`` job epochs (the training
+            loader's ``DistributedSampler`` becomes a :class:`ripples_pg.DistributedSampler`
+            that hands each epoch out job-wide) and ``max_time`` ends every rank on its own
+            clock after warm-up, without a per-step broadcast; so fast ranks do more of the
+            work and the job ends sooner. ``"worker"``: every rank runs ``max_steps`` steps
+            and ``max_epochs`` epochs of its own shard (the job ends when the slowest rank
+            has done its share; allows step-triggered checkpoints).
         time_limit: seconds of training per rank, each on its own clock (no global
             agreement): with a dynamic schedule fast ranks run more steps than a straggler in
             the same time. The training dataloader is then one endless pass per rank and
@@ -145,7 +184,8 @@ class RipplesStrategy(DDPStrategy):
                  trace: Optional[bool] = None, period_max: Optional[int] = None,
                  round_timeout: Optional[float] = None,
                  outer_optimizer=None, sync_every: Optional[int] = None,
-                 on_alone: str = "defer", time_limit: Optional[float] = None,
+                 on_alone: str = "defer", progress: str = "job",
+                 time_limit: Optional[float] = None,
                  stats_every_n_steps: Optional[int] = None,
                  process_group_backend: Optional[str] = STRATEGY_NAME,
                  timeout: Optional[Union[timedelta, float]] = None,
@@ -187,6 +227,9 @@ class RipplesStrategy(DDPStrategy):
                                  f"{value!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"RipplesStrategy: overlap must be True or False, got {overlap!r}")
+        if progress not in PROGRESS_MODES:
+            raise ValueError(f"RipplesStrategy: progress must be one of {PROGRESS_MODES}, got "
+                             f"{progress!r}")
         if time_limit is not None:
             if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or \
                     not math.isfinite(time_limit) or time_limit <= 0:
@@ -226,7 +269,14 @@ class RipplesStrategy(DDPStrategy):
                                  average_optimizer_state=average_optimizer_state,
                                  overlap=overlap, outer_optimizer=outer_optimizer,
                                  sync_every=sync_every, on_alone=on_alone)
+        self.progress = progress
         self.time_limit = float(time_limit) if time_limit is not None else None
+        # progress="job" in effect (decided when fit sets up: the job clock is shared)
+        self._job_mode = False
+        self._job_max_steps: Optional[int] = None  # the Trainer's max_steps, in job steps
+        self._lightning_max_steps: Optional[int] = None  # restored at the end of fit
+        self._samplers: list = []  # job-wide samplers made for the training loader
+        self._epoch_agreement = False  # agree on stopping at each epoch end
         self.stats_every_n_steps = stats_every_n_steps
         self._ropt: Optional[RipplesOptimizer] = None
         self._dirty = False  # this rank stepped since the replicas were last averaged exactly
@@ -273,40 +323,54 @@ class RipplesStrategy(DDPStrategy):
                 "RipplesStrategy: manual optimization (automatic_optimization = False) is not "
                 "supported: the averager must see exactly one optimizer step per training "
                 "step of one optimizer. Use automatic optimization.")
-        if self.time_limit is None:
-            return
+        if self.time_limit is not None:
+            self._check_free(trainer, job=False)
+
+    def _check_free(self, trainer, job: bool) -> None:
+        """Refuses what would pair every rank's k-th step (or k-th batch of an epoch) when the
+        ranks run different numbers of steps: under ``time_limit`` (``job=False``) or
+        ``progress="job"`` with a shared job clock (``job=True``)."""
+        mode = 'progress="job"' if job else "time_limit=..."
+        alt = ('pass progress="worker" (every rank runs the same steps)' if job else
+               "use max_steps instead of time_limit")
         _callbacks = _sub("callbacks")
         ModelCheckpoint, Timer = _callbacks.ModelCheckpoint, _callbacks.Timer
-        if any(isinstance(cb, Timer) for cb in trainer.callbacks):
+        if not job and any(isinstance(cb, Timer) for cb in trainer.callbacks):
             raise ValueError(
                 "RipplesStrategy(time_limit=...) and Trainer(max_time=...)/Timer cannot be "
                 "combined: the Timer broadcasts rank 0's decision at every step (a global "
-                "barrier at the straggler's pace); time_limit stops each rank on its own clock")
+                "barrier at the straggler's pace); time_limit stops each rank on its own "
+                "clock. Trainer(max_time=...) alone (without time_limit) ends every rank on "
+                "time.")
         for cb in trainer.callbacks:
             if isinstance(cb, ModelCheckpoint) and (
                     getattr(cb, "_every_n_train_steps", 0) or
                     getattr(cb, "_train_time_interval", None) is not None):
                 raise ValueError(
-                    "RipplesStrategy(time_limit=...): ModelCheckpoint(every_n_train_steps=... "
-                    "or train_time_interval=...) cannot be used: ranks reach a given step at "
-                    "different times and stop at different steps, so step- or time-triggered "
-                    "checkpoints (collectives) would not match across ranks. Epoch-end and "
-                    "last checkpoints are written once, at the stop; or use max_steps instead "
-                    "of time_limit.")
+                    f"RipplesStrategy({mode}): ModelCheckpoint(every_n_train_steps=... or "
+                    f"train_time_interval=...) cannot be used: ranks run different numbers of "
+                    f"steps, so step- or time-triggered checkpoints (collectives) would not "
+                    f"match across ranks. Checkpoint at epoch ends (every_n_epochs) and at the "
+                    f"end (save_last), or {alt}.")
         if trainer.limit_train_batches != 1.0 or trainer.overfit_batches:
             raise ValueError(
-                "RipplesStrategy(time_limit=...): limit_train_batches/overfit_batches would "
-                "end epochs after a number of batches, and ranks finish different numbers of "
-                "epochs; with time_limit each rank makes one endless pass over its shard")
+                f"RipplesStrategy({mode}): limit_train_batches/overfit_batches would end "
+                f"epochs after a number of each rank's own batches, and ranks take different "
+                f"numbers of batches; {alt}")
+        if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) and job:
+            raise ValueError(
+                f"RipplesStrategy({mode}): reload_dataloaders_every_n_epochs is not supported "
+                f"(the job-wide sampler is linked once per fit); {alt}")
         val_int = trainer.val_check_interval
         if trainer.limit_val_batches != 0 and (
                 getattr(trainer, "_val_check_time_interval", None) is not None or
                 isinstance(val_int, int) or val_int != 1.0):
+            where = "at each epoch's end" if job else "once, at the stop"
             raise ValueError(
-                "RipplesStrategy(time_limit=...): validation during training "
-                "(val_check_interval) would run a different number of times on each rank; "
-                "with time_limit validation runs once, at the stop (keep val_check_interval="
-                "1.0), or set limit_val_batches=0")
+                f"RipplesStrategy({mode}): validation during an epoch (val_check_interval) "
+                f"would run after a different number of batches on each rank; validation "
+                f"runs {where} (keep val_check_interval=1.0), or set limit_val_batches=0, or "
+                f"{alt}")
 
     def setup(self, trainer) -> None:
         fitting = trainer.state.fn == _FITTING
@@ -330,10 +394,34 @@ class RipplesStrategy(DDPStrategy):
             raise ValueError("RipplesStrategy: time_limit needs a dynamic schedule (random, "
                              "smart, adpsgd); the schedule in effect (RIPPLES_SCHEDULE?) is "
                              "static, which pairs every rank's k-th round")
+        self._job_mode = self.time_limit is None and self.progress == "job" and \
+            ropt.job_clock.mode == "shared"
+        if self._job_mode:
+            try:
+                self._check_free(trainer, job=True)
+            except ValueError:
+                ropt.unwrap(average=False)
+                raise
+            for sampler in self._samplers:  # made before wrap() (estimated_stepping_batches)
+                ropt.attach_sampler(sampler)
+            self._follow_job_schedulers(trainer, ropt)
         self._ropt = ropt
         self._dirty = False
         # Lightning's optimizer_step passes a closure, which RipplesOptimizer.step takes.
         self.optimizers = [ropt]
+
+    def _follow_job_schedulers(self, trainer, ropt) -> None:
+        """Per-step LR schedulers follow the job step (ripples_pg.follow_job): a fast rank
+        must not decay its learning rate ahead of the job. Epoch schedulers need nothing: the
+        epochs are the job's."""
+        from .lr import JobLRScheduler
+
+        for config in getattr(trainer, "lr_scheduler_configs", None) or []:
+            sched = config.scheduler
+            if config.interval == "step" and not isinstance(sched, JobLRScheduler) and \
+                    hasattr(sched, "last_epoch") and \
+                    type(sched).__name__ != "ReduceLROnPlateau":
+                config.scheduler = JobLRScheduler(sched, ropt)
 
     # -- training
     def on_train_start(self) -> None:
@@ -347,7 +435,116 @@ class RipplesStrategy(DDPStrategy):
             ropt.averager.step = trainer.global_step
         self._silence_sigterm_broadcast(trainer)
         self._t0 = time.monotonic()
-        self._free_running = self.time_limit is not None
+        self._free_running = self.time_limit is not None or self._job_mode
+        if self._job_mode:
+            self._start_job_progress(trainer)
+
+    # -- progress="job": the Trainer's budgets count the job's work
+    def _start_job_progress(self, trainer) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        self._lightning_max_steps = loop.max_steps
+        self._job_max_steps = loop.max_steps if loop.max_steps not in (None, -1) else None
+        # Lightning's own check counts this rank's steps (a fast rank would stop early): the
+        # strategy stops on the job step instead (optimizer_step)
+        loop.max_steps = -1
+        self._unbound_epoch(trainer)
+        timer = self._localize_timer(trainer)
+        # A rank that stops inside an epoch (a step or time budget) must not start another
+        # epoch's collectives (validation, checkpoints) that a rank already stopped would never
+        # join: the ranks agree on stopping at every epoch's end (one tiny all-reduce).
+        self._epoch_agreement = self._job_max_steps is not None or timer
+        trainer.callbacks.append(_job_epoch_callback(self))
+
+    @staticmethod
+    def _unbound_epoch(trainer) -> None:
+        """A rank's epoch ends when the job-wide sampler has no more rows for it, not after
+        its shard's number of batches (a fast rank takes more): the loader loses its length,
+        Lightning its batch limit, validation runs at the epoch's last batch, and the first
+        epoch's iterator is made again (Lightning made it while the loader had a length, so
+        it would not look ahead for the last batch)."""
+        loop = trainer.fit_loop
+        combined = getattr(loop, "_combined_loader", None)
+        if combined is None:
+            return
+        flipped = False
+        for dl in combined.flattened:
+            if isinstance(dl, _JobEpochs) and dl.sized:
+                dl.sized = False
+                flipped = True
+        if not flipped:
+            return
+        inf = float("inf")
+        combined.limits = [inf] * len(combined.flattened)
+        loop.max_batches = inf
+        if trainer.val_check_batch is not None:
+            trainer.val_check_batch = inf
+        fetcher = getattr(loop, "_data_fetcher", None)
+        if fetcher is not None:
+            iter(fetcher)  # looks ahead one batch now: the epoch's last batch is known
+
+    def _localize_timer(self, trainer) -> bool:
+        """``Trainer(max_time=...)``: Lightning's Timer broadcasts rank 0's decision at every
+        step. Past warm-up each rank decides on its own clock instead (they started training
+        together); during warm-up, where every step is exact anyway, the broadcast stays, so
+        that no rank stops between two exact steps of the others. True if there is one."""
+        Timer = _sub("callbacks").Timer
+        timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
+        strategy = self
+
+        for timer in timers:
+            original = timer._check_time_remaining
+
+            def check(trainer_, _timer=timer, _original=original):
+                ropt = strategy._ropt
+                if ropt is None or not ropt.in_free_phase():
+                    strategy._allowed = True  # every rank steps together here: broadcast
+                    try:
+                        return _original(trainer_)
+                    finally:
+                        strategy._allowed = False
+                if _timer._duration is not None and _timer.time_elapsed() >= _timer._duration:
+                    trainer_.should_stop = True
+                    strategy.stopped_at = ropt.averager.step
+
+            timer._check_time_remaining = check
+        return bool(timers)
+
+    @property
+    def job_step(self) -> Optional[int]:
+        """The job step of the current or last ``fit`` (``RipplesOptimizer.job_step``: every
+        rank's optimizer steps / world size); None before one. ``trainer.global_step`` stays
+        this rank's own optimizer steps."""
+        return self._ropt.job_step if self._ropt is not None else None
+
+    def _in_batch(self) -> bool:
+        """Whether this rank is inside a training batch (between Lightning's batch start and
+        its on_train_batch_end hooks), where ranks are at different steps."""
+        lm = self.lightning_module
+        trainer = lm.trainer if lm is not None else None
+        if trainer is None or not trainer.training:
+            return False
+        cur = trainer.fit_loop.epoch_loop.batch_progress.current
+        return cur.ready > cur.completed
+
+    def _agree_to_stop(self, trainer) -> None:
+        """At an epoch's end: every rank stops if any does (a step or time budget reached
+        inside the epoch on one rank), so no rank starts an epoch the others never join."""
+        if not self._epoch_agreement or self._ropt is None or self._ropt.unwrapped:
+            return
+        group = self._ropt.hook_state.process_group
+        flag = torch.tensor([1 if trainer.should_stop else 0], dtype=torch.int32)
+        with exact_if_ripples(group):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()) and not trainer.should_stop:
+            trainer.should_stop = True
+            self.stopped_at = self._ropt.averager.step
+
+    def _end_job_progress(self, trainer) -> None:
+        if self._lightning_max_steps is not None:
+            trainer.fit_loop.epoch_loop.max_steps = self._lightning_max_steps
+            self._lightning_max_steps = None
+        trainer.callbacks[:] = [cb for cb in trainer.callbacks
+                                if not getattr(cb, "_ripples_internal", False)]
 
     def _silence_sigterm_broadcast(self, trainer) -> None:
         """Lightning (2.5+) broadcasts rank 0's SIGTERM flag at every training step: an exact
@@ -368,10 +565,46 @@ class RipplesStrategy(DDPStrategy):
         dataloader = super().process_dataloader(dataloader)
         lm = self.lightning_module
         trainer = lm.trainer if lm is not None else None
-        if self.time_limit is not None and trainer is not None and \
-                trainer.state.fn == _FITTING and trainer.training:
+        training = trainer is not None and trainer.state.fn == _FITTING and trainer.training
+        if self.time_limit is not None and training:
             return _Endless(dataloader)
+        if self.progress == "job" and self.time_limit is None and training:
+            return self._job_wide_loader(dataloader)
         return dataloader
+
+    def _job_wide_loader(self, dataloader):
+        """The training loader with torch's ``DistributedSampler`` (the one Lightning put in)
+        replaced by a :class:`ripples_pg.DistributedSampler` of the same arguments, linked to
+        the optimizer: its epochs are the job's. Under a schedule that pairs every rank's
+        k-th step it hands out torch's shards, exactly as before."""
+        from torch.utils.data import DataLoader, DistributedSampler as TorchSampler
+
+        from .sampler import DistributedSampler
+
+        if not isinstance(dataloader, DataLoader):
+            return dataloader
+        sampler = getattr(dataloader, "sampler", None)
+        if isinstance(sampler, DistributedSampler):
+            new = sampler  # the user's own
+        elif type(sampler) is TorchSampler:
+            new = DistributedSampler(sampler.dataset, num_replicas=sampler.num_replicas,
+                                     rank=sampler.rank, shuffle=sampler.shuffle,
+                                     seed=sampler.seed, drop_last=sampler.drop_last)
+            new.set_epoch(sampler.epoch)
+            update = _sub("utilities.data")._update_dataloader
+            stage = _sub("trainer.states").RunningStage.TRAINING
+            dataloader = update(dataloader, new, mode=stage)
+        else:
+            log.warning("ripples_pg.lightning: the training loader's sampler is a %s, not "
+                        "torch's DistributedSampler: its epochs stay each rank's own shard "
+                        "(use a ripples_pg.DistributedSampler in the loader for job-wide "
+                        "epochs)", type(sampler).__name__)
+            return dataloader
+        if new not in self._samplers:
+            self._samplers.append(new)
+            if self._ropt is not None and self._job_mode:
+                self._ropt.attach_sampler(new)
+        return _JobEpochs(dataloader)
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None,
                        **kwargs: Any) -> Any:
@@ -387,7 +620,14 @@ class RipplesStrategy(DDPStrategy):
             every = trainer.log_every_n_steps
         if every and step % every == 0 and self.is_global_zero and trainer.loggers:
             self._log_stats(trainer, step)
-        if self._free_running:
+        if self._free_running and self._job_mode:
+            budget = self._job_max_steps
+            if budget is not None and ropt.job_step >= budget and not trainer.should_stop:
+                # The job's work reached max_steps: this rank stops after this step (the
+                # others at their next one; the epoch-end agreement keeps them together).
+                trainer.should_stop = True
+                self.stopped_at = step
+        elif self._free_running:
             in_warmup = step < ropt.averager.warmup_steps
             done = trainer.max_steps is not None and 0 <= trainer.max_steps <= \
                 trainer.global_step + 1
@@ -416,7 +656,8 @@ class RipplesStrategy(DDPStrategy):
             return
         self.last_stats = st
         av = self._ropt.averager
-        m = {"ripples/step": float(step), "ripples/in_warmup": float(step < av.warmup_steps)}
+        m = {"ripples/step": float(step), "ripples/in_warmup": float(step < av.warmup_steps),
+             "ripples/job_step": float(self._ropt.job_step)}
         for k in ("rounds", "singletons", "skipped", "failed", "passed", "period",
                   "singleton_share", "slowdown", "rounds_since_group"):
             v = st.get(k)
@@ -477,7 +718,7 @@ class RipplesStrategy(DDPStrategy):
         # Called on every rank by Trainer.save_checkpoint (before its barrier): the checkpoint
         # holds the average of the replicas, not rank 0's own.
         if self._ropt is not None and not self._ropt.unwrapped:
-            if self._free_running:
+            if self._free_running and (not self._job_mode or self._in_batch()):
                 raise RuntimeError(
                     "RipplesStrategy(time_limit=...): a checkpoint was requested while this "
                     "rank is still training on its own clock; the ranks would not meet at the "
@@ -488,7 +729,18 @@ class RipplesStrategy(DDPStrategy):
 
     # -- Lightning's collectives while ranks train on their own clocks (time_limit)
     def _refuse_collective(self, what: str) -> None:
-        if self._free_running:
+        if getattr(self, "_allowed", False):
+            return
+        if self._free_running and self._job_mode and self._in_batch():
+            raise RuntimeError(
+                f"RipplesStrategy(progress=\"job\"): {what} was called inside a training "
+                f"step (e.g. self.log(..., sync_dist=True) or self.all_gather in "
+                f"training_step, or a callback's on_train_batch_end). The ranks run "
+                f"different numbers of steps, so it cannot match across ranks (and it would "
+                f"make every rank wait for the straggler). Log with sync_dist=False in "
+                f"training_step (epoch-end reductions are fine), or pass "
+                f"progress=\"worker\"")
+        if self._free_running and not self._job_mode:
             raise RuntimeError(
                 f"RipplesStrategy(time_limit=...): {what} was called during training (e.g. "
                 f"self.log(..., sync_dist=True) or self.all_gather in training_step, or a "
@@ -499,6 +751,13 @@ class RipplesStrategy(DDPStrategy):
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op="mean"):
         if isinstance(tensor, torch.Tensor):
             self._refuse_collective("a reduce")
+            if not tensor.is_floating_point() and isinstance(reduce_op, str) and \
+                    reduce_op.lower() in ("mean", "avg"):
+                # Lightning averages the integer batch sizes of a sync_dist mean with
+                # ReduceOp.AVG on every backend but gloo; like gloo, ripples averages only
+                # floating tensors: sum, then divide (as Lightning does for gloo)
+                total = super().reduce(tensor, group=group, reduce_op="sum")
+                return total / dist.get_world_size(group)
         return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def all_gather(self, tensor, group: Optional[Any] = None, sync_grads: bool = False):
@@ -520,9 +779,30 @@ class RipplesStrategy(DDPStrategy):
         super().on_train_end()
         ropt = self._ropt
         self._free_running = False
+        lm = self.lightning_module
+        if self._job_mode and lm is not None and lm.trainer is not None:
+            self._end_job_progress(lm.trainer)
         if ropt is not None and not ropt.unwrapped:
             self._average_replicas()
             ropt.unwrap(average=False)  # replicas identical: plain synchronous DDP from here
+
+
+def _job_epoch_callback(strategy: RipplesStrategy):
+    """The strategy's own callback under ``progress="job"``: at each epoch's end the ranks
+    agree on stopping, and the progress bar shows the job step."""
+    Callback = _sub("callbacks").Callback
+
+    class _JobEpoch(Callback):
+        _ripples_internal = True
+
+        def on_train_batch_end(self, trainer, pl_module, *args, **kwargs) -> None:
+            if strategy.job_step is not None:
+                trainer.progress_bar_metrics["job_step"] = strategy.job_step
+
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            strategy._agree_to_stop(trainer)
+
+    return _JobEpoch()
 
 
 # Lightning has no entry-point discovery for external strategies: registering on import is the
