@@ -120,15 +120,16 @@ class JobClock:
         self._base_samples = 0
         self._own = 0  # this worker's steps counted by this clock
         self._own_samples = 0
-        self._total = 0  # worker-steps of the job, as the store last answered
+        self._total = 0  # the counter's steps, as the store last answered
         self._total_samples = 0
-        self._own_at_total = 0  # of which this worker's
+        self._origin = 0  # ... and as it stood at the last rebase (a load)
+        self._origin_samples = 0
+        self._own_at_total = 0  # this worker's steps sent to the counter
         self._own_samples_at_total = 0
         self._lockstep_run = True  # every step so far was exact (all workers step together)
         self._floor = 0  # the last job step returned (reads never go back)
         self._failed: Optional[str] = None
         self._samples_ok = True
-        self._generation = 0
         self.samples_known = False  # a sampler reports samples
 
     # -- counting
@@ -146,7 +147,7 @@ class JobClock:
         dn = self._own_samples - self._own_samples_at_total
         if not self._samples_ok:
             dn = 0
-        if self._total_samples + dn > _MAX_SAMPLES:
+        elif self._total_samples + dn > _MAX_SAMPLES:
             self._samples_ok = False
             logger.warning("ripples_pg: the job clock counts at most %d samples; job_samples "
                            "is no longer counted", _MAX_SAMPLES)
@@ -159,9 +160,7 @@ class JobClock:
         self._total = value & _STEP_MASK
         self._total_samples = value >> _STEP_BITS
         self._own_at_total = self._own
-        self._own_samples_at_total += dn if self._samples_ok else 0
-        if not self._samples_ok:
-            self._own_samples_at_total = self._own_samples
+        self._own_samples_at_total = self._own_samples
 
     def _fail(self, exc: BaseException) -> None:
         self._failed = f"{type(exc).__name__}: {exc}"
@@ -171,12 +170,13 @@ class JobClock:
 
     # -- reading
     def _worker_steps(self) -> float:
-        """The job's worker-steps since this clock started, as this worker knows them."""
+        """The job's worker-steps since the last rebase, as this worker knows them."""
         own_new = self._own - self._own_at_total
+        done = self._total - self._origin
         if self._failed is not None and self._own_at_total > 0:
             # the job's worker-steps per step of this worker, over the run so far
-            return self._total + own_new * (self._total / self._own_at_total)
-        return self._total + own_new
+            return done + own_new * (done / self._own_at_total)
+        return done + own_new
 
     @property
     def job_step_float(self) -> float:
@@ -206,7 +206,7 @@ class JobClock:
             # every worker takes as many samples as the others (exact phases' shards)
             return self._base_samples + self._own_samples * self.world_size
         own_new = self._own_samples - self._own_samples_at_total
-        return self._base_samples + self._total_samples + own_new
+        return self._base_samples + self._total_samples - self._origin_samples + own_new
 
     @property
     def store(self) -> Optional[Any]:
@@ -242,21 +242,28 @@ class JobClock:
     def rebase(self, job_step: float, job_samples: int = 0, lockstep: bool = False) -> None:
         """From now on count from ``job_step`` (and ``job_samples``): what a resumed
         checkpoint or :meth:`agree` leaves. ``lockstep``: the workers step together from here
-        on for good (after ``unwrap()``), so the store is no longer needed."""
+        on for good (after ``unwrap()``), so the store is no longer needed.
+
+        Otherwise the shared counter's current value becomes the origin: steps already in it
+        belong to the base now. Every worker loads the checkpoint before any of them steps
+        again (a resume), so all read the same origin -- however many times each loads."""
         self._base = float(job_step)
         self._base_samples = int(job_samples)
         self._own = self._own_at_total = 0
         self._own_samples = self._own_samples_at_total = 0
-        self._total = self._total_samples = 0
         self._lockstep_run = True
         self._floor = int(math.floor(self._base + 1e-9))
         if lockstep:
             self.mode = LOCKSTEP
-        elif self.mode == SHARED:
-            # A fresh counter: the steps in the old one belong to the base now. Every worker
-            # rebases the same number of times (each loads the checkpoint), so the keys agree.
-            self._generation += 1
-            self._key = f"{self._key.rsplit('#', 1)[0]}#{self._generation}"
+        if self.mode == SHARED and self._failed is None:
+            try:
+                value = int(self._store.add(self._key, 0))
+            except Exception as exc:  # noqa: BLE001 - never raise into training
+                self._fail(exc)
+                value = 0
+            self._total = value & _STEP_MASK
+            self._total_samples = value >> _STEP_BITS
+        self._origin, self._origin_samples = self._total, self._total_samples
 
     # -- checkpoints
     def state_dict(self) -> dict:

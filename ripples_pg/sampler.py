@@ -171,7 +171,8 @@ class DistributedSampler(_TorchDistributedSampler):
                 yield i
             return
         key = f"{self._prefix}e{epoch}.{npass}/c"
-        self._live = {"key": key, "epoch": epoch, "pass": npass}
+        # "free": a claim of this epoch was made during partial training (state_dict)
+        self._live = {"key": key, "epoch": epoch, "pass": npass, "free": False}
         try:
             if resume is not None:
                 # Every worker writes every column's saved counters unless one already did
@@ -197,6 +198,8 @@ class DistributedSampler(_TorchDistributedSampler):
                 yield i
 
     def _add(self, key: str, value: int, front: int) -> tuple:
+        if self._live is not None and not self._live["free"] and self._free():
+            self._live["free"] = True
         try:
             v = int(self._store.add(key, value))
         except Exception as exc:  # noqa: BLE001
@@ -245,9 +248,11 @@ class DistributedSampler(_TorchDistributedSampler):
     # -- checkpoints
     def state_dict(self) -> dict:
         """Where the current epoch stands, for a mid-epoch resume: the epoch and, for each
-        worker's column, the rows taken from its front and its back (job-wide, read from the
-        store; without one every column is taken to be where this worker's is, as in exact
-        phases all are). Samples already handed to a loader count as used."""
+        worker's column, the rows taken from its front and its back, read from the job's
+        counters -- except in an epoch whose claims were all made in an exact phase (warm-up:
+        every worker at the same batch, nobody taking others' rows), where every column is
+        where this worker's is, since the counters may already hold the others' next claims.
+        Samples already handed to a loader count as used."""
         cols = None
         live = self._live
         if live is not None and live["epoch"] == self.epoch and self._store is not None:
@@ -262,6 +267,8 @@ class DistributedSampler(_TorchDistributedSampler):
                 logger.warning("ripples_pg.DistributedSampler: could not read the job's "
                                "counters (%s); saving this worker's position only", exc)
                 cols = None
+            if cols is not None and not live["free"] and not self._free():
+                cols = None  # every claim of this epoch so far was in an exact phase
         if cols is None:
             pos = min(self.epoch_samples, self.num_samples)
             cols = [[pos, 0] for _ in range(self.num_replicas)]

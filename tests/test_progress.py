@@ -468,3 +468,68 @@ def test_follow_job_steps_the_scheduler_per_job_step():
         ripples_pg.follow_job(torch.optim.lr_scheduler.StepLR(opt, 3), opt)
     with pytest.raises(TypeError, match="ReduceLROnPlateau"):
         ripples_pg.follow_job(torch.optim.lr_scheduler.ReduceLROnPlateau(opt), job)
+
+
+class _MemStore:
+    """A store's add(), in memory: several clocks on one counter, as workers on the job's."""
+
+    def __init__(self):
+        self.values = {}
+
+    def add(self, key, value):
+        self.values[key] = self.values.get(key, 0) + value
+        return self.values[key]
+
+
+def test_loading_the_clock_any_number_of_times_keeps_one_counter():
+    from ripples_pg.progress import JobClock
+
+    store = _MemStore()
+    clocks = [JobClock(3, "shared", store=store, key="k") for _ in range(3)]
+    saved = {"job_step": 100.0, "job_samples": 0}
+    clocks[0].load_state_dict(saved)  # rank 0 loads twice (say, a retry), the others once
+    for c in clocks:
+        c.load_state_dict(saved)
+    for _ in range(30):
+        for c in clocks:
+            c.tick()
+    # the last to tick read the whole job's 90 steps; the others missed only the later ticks
+    assert [c.job_step for c in clocks] == [129, 129, 130]
+
+
+def task_resume_in_warmup(ctx, n):
+    """A state taken during warm-up while the other workers already hold their next batch:
+    every worker resumes to the same number of batches (warm-up steps are exact)."""
+    import ripples_pg
+
+    sampler = ripples_pg.DistributedSampler(_Indexed(n), seed=3, claim_size=4)
+    model, ropt = _setup(ctx, warmup=1000, sampler=sampler)
+    g = torch.Generator().manual_seed(ctx.rank)
+    loader = torch.utils.data.DataLoader(_Indexed(n), batch_size=4, sampler=sampler)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+        _train_step(model, ropt, g)
+    if ctx.rank:
+        next(it)  # the others' next claim is already in their column's counter
+    dist.barrier()
+    state = [sampler.state_dict() if ctx.rank == 0 else None]
+    dist.broadcast_object_list(state, src=0)
+    sampler2 = ripples_pg.DistributedSampler(_Indexed(n), seed=3, claim_size=4)
+    ropt.attach_sampler(sampler2)
+    sampler2.load_state_dict(state[0])
+    batches = [b.tolist() for b in torch.utils.data.DataLoader(_Indexed(n), batch_size=4,
+                                                               sampler=sampler2)]
+    for _ in batches:
+        _train_step(model, ropt, g)
+    ropt.unwrap()
+    return {"batches": batches, "state": state[0]}
+
+
+def test_resume_inside_warmup_keeps_equal_shards(pool):
+    n = 160  # 40 rows per worker
+    res = pool.run(task_resume_in_warmup, n)
+    assert res[0]["state"]["columns"] == [[12, 0]] * WS, res[0]["state"]
+    assert len({len(r["batches"]) for r in res}) == 1, [len(r["batches"]) for r in res]
+    for rank, r in enumerate(res):
+        assert [i for b in r["batches"] for i in b] == _torch_epoch_n(n, 0, rank, 3)[12:]
