@@ -3,15 +3,23 @@
 A small CNN with BatchNorm on scikit-learn's 8x8 digits (no download), trained with DDP on the
 "ripples" backend and ``ripples_pg.wrap()``: after a short synchronous warm-up, every worker
 averages its model with a small group of peers, so the fast workers keep going while a slow
-one lags. At the end ``optimizer.unwrap()`` averages every worker's model exactly; rank 0
-evaluates that model on a held-out test split and saves it.
+one lags. The loop counts the JOB's progress, not each worker's own: ``--epochs E`` are the
+job's epochs (``ripples_pg.DistributedSampler``, linked by ``wrap(sampler=...)``, hands each
+epoch out job-wide: every sample once, fast workers take more of it, every worker's epoch ends
+together) and ``--steps N`` the job's steps (``optimizer.job_step``: all workers' steps / world
+size, the step a DDP job would be at after the same work). So the job ends when its work is
+done, not when the straggler has done as many steps as the others. At the end
+``optimizer.unwrap()`` averages every worker's model exactly; rank 0 evaluates that model on a
+held-out test split and saves it.
 
     torchrun --standalone --nproc_per_node=4 examples/train_ripples.py \\
-        --straggler 3:5 --time-limit 20 --ckpt-dir /tmp/ripples-ckpt
+        --straggler 3:10 --epochs 40 --ckpt-dir /tmp/ripples-ckpt
 
-Run it again with ``--resume`` to continue from the checkpoints, or with ``--strategy ddp``
-for plain synchronous DDP (every worker then runs at the straggler's pace). ``--json``: rank 0
-prints one JSON line instead of the text summary.
+Run it again with ``--resume`` and more epochs (or ``--steps``) to continue from the
+checkpoints, mid-epoch if it stopped there; with ``--strategy ddp`` for plain synchronous DDP
+(every worker then runs at the straggler's pace, and ``--epochs``/``--steps`` are DDP's usual
+counts, which are the job's there). ``--time-limit S``: each rank trains S seconds on its own
+clock. ``--json``: rank 0 prints one JSON line instead of the text summary.
 """
 import argparse
 import copy
@@ -35,8 +43,9 @@ import ripples_pg  # registers the "ripples" backend
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=None,
-                   help="epochs per rank (default 20 if neither --steps nor --time-limit)")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps per rank")
+                   help="the job's epochs (default 20 if neither --steps nor --time-limit)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the job's steps: stop when all workers' steps / world size reach it")
     p.add_argument("--time-limit", type=float, default=None,
                    help="seconds of training per rank, each on its own clock")
     p.add_argument("--batch-size", type=int, default=32)
@@ -52,7 +61,7 @@ def parse_args():
                    help="DEMO ONLY: simulate a slow worker: RANK sleeps in every step so that "
                         "its compute takes FACTOR times as long")
     p.add_argument("--ckpt-dir", default=None, help="per-rank checkpoints and the final model")
-    p.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    p.add_argument("--ckpt-every", type=int, default=100, help="job steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from --ckpt-dir's checkpoints")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="rank 0 prints one JSON line at the end")
@@ -103,15 +112,31 @@ def ckpt_path(a, rank):
     return os.path.join(a.ckpt_dir, f"rank{rank}.pt")
 
 
-def save_checkpoint(a, rank, model, optimizer, step, epoch, batch):
+def save_checkpoint(a, rank, model, optimizer, sampler, step, epoch, batch):
     # Each rank saves its own state: under Ripples the replicas differ until the final average.
     # RipplesOptimizer.state_dict() holds the inner optimizer, the averager's step and its
-    # warm-up state, so a resumed run neither repeats warm-up nor restarts the step count.
+    # warm-up state, and the job clock (the job step), so a resumed run neither repeats warm-up
+    # nor restarts the step count. ripples_pg.DistributedSampler.state_dict() is where the job
+    # stands in the epoch: the rows every worker has taken, read from the job's store.
     tmp = ckpt_path(a, rank) + ".tmp"
     torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+                "sampler": sampler.state_dict() if a.strategy == "ripples" else None,
                 "step": step, "epoch": epoch, "batch": batch, "strategy": a.strategy,
                 "world": dist.get_world_size()}, tmp)
     os.replace(tmp, ckpt_path(a, rank))  # never a half-written checkpoint
+
+
+def load_checkpoint(a, rank, world):
+    if not os.path.exists(ckpt_path(a, rank)):
+        raise FileNotFoundError(f"--resume: no checkpoint {ckpt_path(a, rank)} (resume "
+                                f"with the world size of the run that wrote them)")
+    ck = torch.load(ckpt_path(a, rank))
+    if ck["strategy"] != a.strategy:
+        raise ValueError(f"--resume: the checkpoint is from --strategy {ck['strategy']}")
+    if ck["world"] != world:  # the shards, the schedule and the states are per rank
+        raise ValueError(f"--resume: the checkpoints were written by {ck['world']} "
+                         f"workers, this run has {world}")
+    return ck
 
 
 def main():
@@ -126,34 +151,44 @@ def main():
     torch.manual_seed(a.seed)
 
     train_set, test_set = datasets(a.seed)
-    # Each rank iterates its own 1/world shard at its own pace. Under Ripples fast ranks run
-    # more steps, so more epochs, than a slow one; set_epoch() re-shuffles per epoch, so a fast
-    # rank sees a different shard each epoch and, over its epochs, the whole training set.
-    sampler = DistributedSampler(train_set, shuffle=True, seed=a.seed)
+    # Under Ripples the sampler hands each epoch out job-wide (once wrap(sampler=...) links it):
+    # fast ranks take more of it, every sample is used once, and every rank's epoch ends
+    # together. torch's gives every rank a fixed 1/world shard, as synchronous DDP needs.
+    if a.strategy == "ripples":
+        sampler = ripples_pg.DistributedSampler(train_set, shuffle=True, seed=a.seed)
+    else:
+        sampler = DistributedSampler(train_set, shuffle=True, seed=a.seed)
     loader = DataLoader(train_set, batch_size=a.batch_size, sampler=sampler)
 
     model = DDP(Net())  # the default group is "ripples"; DDP broadcasts rank 0's weights
     optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
     if a.strategy == "ripples":
-        optimizer = ripples_pg.wrap(model, optimizer, schedule=a.schedule,
+        optimizer = ripples_pg.wrap(model, optimizer, schedule=a.schedule, sampler=sampler,
                                     group_size=a.group_size, warmup_steps=a.warmup_steps)
 
-    step = epoch = batch = 0  # batch: the next batch of the current epoch
+    step = epoch = batch = 0  # step: this rank's own; batch: DDP's next batch of the epoch
     if a.resume:
-        if not os.path.exists(ckpt_path(a, rank)):
-            raise FileNotFoundError(f"--resume: no checkpoint {ckpt_path(a, rank)} (resume "
-                                    f"with the world size of the run that wrote them)")
-        ck = torch.load(ckpt_path(a, rank))
-        if ck["strategy"] != a.strategy:
-            raise ValueError(f"--resume: the checkpoint is from --strategy {ck['strategy']}")
-        if ck["world"] != world:  # the shards, the schedule and the states are per rank
-            raise ValueError(f"--resume: the checkpoints were written by {ck['world']} "
-                             f"workers, this run has {world}")
+        ck = load_checkpoint(a, rank, world)
         model.module.load_state_dict(ck["model"])
         optimizer.load_state_dict(ck["optimizer"])
-        step, epoch, batch = ck["step"], ck["epoch"], ck["batch"]
+        step = ck["step"]
+        # The job's position -- the epoch, the sampler's rows in it and (Ripples) the job step
+        # -- must be the same on every rank, but during training each rank wrote its file at
+        # its own moment (when IT crossed a multiple of --ckpt-every): every rank takes the
+        # job's position from rank 0's file. Rows other ranks took after rank 0 saved are then
+        # used again, as in any checkpoint taken without a barrier; the final checkpoints are
+        # written after unwrap(), where all ranks agree: a resume from them continues where
+        # the job stopped.
+        job = ck if rank == 0 else load_checkpoint(a, 0, world)
+        epoch, batch = job["epoch"], job["batch"]
+        if a.strategy == "ripples":
+            sampler.load_state_dict(job["sampler"])  # it skips the rows already used itself
+            # (rank 0 too: every rank must reset its job clock the same number of times)
+            optimizer.job_clock.load_state_dict(job["optimizer"]["ripples"]["job_clock"])
+            batch = 0
     start_step = step
     averager_step = optimizer.averager.step if a.strategy == "ripples" else None
+    job_step_at_start = optimizer.job_step if a.strategy == "ripples" else step
     warmup_at_start = optimizer.averager.warmup_steps if a.strategy == "ripples" else None
     # Warm-up is synchronous: every rank must be at the same step while inside it.
     steps = [None] * world
@@ -167,19 +202,23 @@ def main():
     if a.straggler is not None and a.straggler[0] == rank:
         # DEMO: this rank's compute (forward + backward, timed on a copy of the model: no
         # communication) is to take FACTOR times as long, so it sleeps the difference each step.
-        probe, (xb, yb), times = copy.deepcopy(model.module), next(iter(loader)), []
+        # (A batch from the dataset, not the loader: every rank must iterate the sampler alike.)
+        probe, (xb, yb), times = copy.deepcopy(model.module), train_set[:a.batch_size], []
         for _ in range(10):
             t = time.monotonic()
             F.cross_entropy(probe(xb), yb).backward()
             times.append(time.monotonic() - t)
         delay = (a.straggler[1] - 1) * statistics.median(times)
     t0 = time.monotonic()
-    done = a.steps is not None and step >= a.steps
+    # The job's step: under Ripples all workers' steps / world size, read after each step (no
+    # barrier); under DDP every rank's own step is the job's.
+    job_step = optimizer.job_step if a.strategy == "ripples" else step
+    done = a.steps is not None and job_step >= a.steps
     while not done and (a.epochs is None or epoch < a.epochs):
-        sampler.set_epoch(epoch)  # this rank's own epoch count
+        sampler.set_epoch(epoch)  # the job's epoch
         model.train()
         for i, (x, y) in enumerate(loader):
-            if i < batch:  # resuming inside an epoch: the batches already seen
+            if i < batch:  # DDP resuming inside an epoch: the batches already seen
                 continue
             if delay:
                 time.sleep(delay)  # DEMO: a slow worker (before the forward: it is compute)
@@ -187,12 +226,16 @@ def main():
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()  # with Ripples: a local step, then a partial average
-            step, batch = step + 1, i + 1
-            if a.ckpt_dir and step % a.ckpt_every == 0:
-                save_checkpoint(a, rank, model, optimizer, step, epoch, batch)
-            done = (a.steps is not None and step >= a.steps) or \
+            last, step, batch = job_step, step + 1, i + 1
+            job_step = optimizer.job_step if a.strategy == "ripples" else step
+            # A fast rank may read the same job step twice, a straggler skips some: intervals
+            # test for crossing a multiple, not for job_step % every == 0.
+            if a.ckpt_dir and job_step // a.ckpt_every > last // a.ckpt_every:
+                save_checkpoint(a, rank, model, optimizer, sampler, step, epoch, batch)
+            done = (a.steps is not None and job_step >= a.steps) or \
                 (a.time_limit is not None and time.monotonic() - t0 >= a.time_limit)
-            if a.strategy == "ddp":  # synchronous DDP: every rank must stop at the same step
+            if a.strategy == "ddp" and a.time_limit is not None:
+                # synchronous DDP: every rank must stop at the same step, and clocks differ
                 flag = torch.tensor([float(done)])
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
                 done = bool(flag.item())
@@ -201,8 +244,6 @@ def main():
         else:
             epoch, batch = epoch + 1, 0
     train_s = time.monotonic() - t0
-    if a.ckpt_dir:  # the last state of this rank, before the final average: --resume from it
-        save_checkpoint(a, rank, model, optimizer, step, epoch, batch)
 
     # Ranks arrive here at different steps. The first thing after the loop must be an exact
     # collective on the "ripples" group (or unwrap()): it also ends this rank's partial rounds
@@ -213,17 +254,21 @@ def main():
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         consensus = torch.tensor([(x - mean).norm() / mean.norm()], dtype=torch.float64)
         dist.all_reduce(consensus, op=dist.ReduceOp.MAX)
-    warmup_run = None
+    warmup_run = job_samples = None
     if a.strategy == "ripples":
-        # Exact average of parameters, BatchNorm buffers and momentum; returns the inner
-        # optimizer, and the model is plain synchronous DDP from here on.
+        # Exact average of parameters, BatchNorm buffers and momentum, and one job step that
+        # every rank agrees on (all the job's steps); the model is plain synchronous DDP from
+        # here on.
         ripples_group = optimizer.group  # the partial rounds' group, for stats()
         warmup_run = optimizer.averager.warmup_steps  # fewer than asked if a straggler ended it
-        optimizer = optimizer.unwrap()
+        optimizer.unwrap()
+        job_step, job_samples = optimizer.job_step, optimizer.job_samples
     else:  # DDP: the weights agree, but each rank's last forward updated its own BatchNorm stats
         for b in model.module.buffers():
             if b.is_floating_point():
                 dist.all_reduce(b, op=dist.ReduceOp.AVG)
+    if a.ckpt_dir:  # the same model, job step and sampler position on every rank: the end
+        save_checkpoint(a, rank, model, optimizer, sampler, step, epoch, batch)
     # Every rank now holds the same model (integer buffers such as BatchNorm's
     # num_batches_tracked stay each rank's own); a digest of the floating-point tensors shows it.
     digest = hashlib.sha256()
@@ -231,9 +276,9 @@ def main():
         if t.is_floating_point():
             digest.update(t.detach().numpy().tobytes())
     mine = {"rank": rank, "steps": step, "start_step": start_step,
-            "averager_step_at_start": averager_step, "epochs": epoch,
-            "warmup_at_start": warmup_at_start, "warmup_steps": warmup_run,
-            "steps_per_s": round((step - start_step) / train_s, 2),
+            "averager_step_at_start": averager_step, "job_step_at_start": job_step_at_start,
+            "epochs": epoch, "warmup_at_start": warmup_at_start, "warmup_steps": warmup_run,
+            "train_s": round(train_s, 2), "steps_per_s": round((step - start_step) / train_s, 2),
             "digest": digest.hexdigest()[:16]}
     if a.strategy == "ripples":
         st = ripples_pg.stats(ripples_group)
@@ -249,20 +294,21 @@ def main():
             acc = (net(xs).argmax(1) == ys).float().mean().item()
         if a.ckpt_dir:
             torch.save(net.state_dict(), os.path.join(a.ckpt_dir, "final_model.pt"))
-        result = {"strategy": a.strategy, "world": world, "test_acc": round(acc, 4),
+        result = {"strategy": a.strategy, "world": world, "job_step": job_step,
+                  "job_samples": job_samples, "epochs": epoch, "test_acc": round(acc, 4),
                   "consensus_before_average": float(f"{consensus.item():.4g}"),
                   "ranks": everyone}
         if a.json:
             print(json.dumps(result), flush=True)
         else:
-            print(f"{a.strategy}: {world} workers, test accuracy of the averaged model "
-                  f"{acc:.3f}, consensus distance before the final average "
-                  f"{result['consensus_before_average']}")
-            for r in everyone:
+            print(f"{a.strategy}: {world} workers, job step {job_step}, epochs done: {epoch}, "
+                  f"test accuracy of the averaged model {acc:.3f}, consensus distance before "
+                  f"the final average {result['consensus_before_average']}")
+            for r in everyone:  # each rank's own steps: the fast ones did more
                 extra = (f", partial rounds: {r['rounds']}, groups of one: {r['singletons']}, "
                          f"skipped: {r['skipped']}" if "rounds" in r else "")
-                print(f"  rank {r['rank']}: {r['steps']} steps, {r['steps_per_s']} steps/s, "
-                      f"epochs done: {r['epochs']}{extra}")
+                print(f"  rank {r['rank']}: {r['steps']} steps, {r['train_s']} s of training, "
+                      f"{r['steps_per_s']} steps/s{extra}")
             if a.ckpt_dir:
                 print(f"  final model: {os.path.join(a.ckpt_dir, 'final_model.pt')}")
     dist.destroy_process_group()
