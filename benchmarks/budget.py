@@ -20,8 +20,8 @@ Workloads (one torchrun launch per run, one run at a time):
 Strategies: ``ddp`` (DDP on gloo, the script's own count) and ``ripples`` (DDP on the ripples
 backend + wrap() with its defaults, job_step / ripples_pg.DistributedSampler, unwrap());
 ``ddp_ripples`` (plain DDP on the ripples backend) only when named.
-Scenarios: ``slow5`` (the last rank computes 5x slower: it sleeps 4x the calibrated compute
-time of a micro-step after each micro-step's forward pass) and ``none``.
+Scenarios: ``slow5`` (the last rank is 5x slower: after each micro-step's forward pass it
+sleeps 4x the micro-step's share of a calibrated DDP step) and ``none``.
 
 Every run writes per-rank records; the report (results.md, results.json in --out, the exact
 command at the top) gives per cell the job time (from a common start after set-up, a barrier,
@@ -196,7 +196,7 @@ def workload_args(args, wl: str) -> list:
 
 
 def calibrate(args, wl: str) -> float:
-    """The compute time of one micro-step with every worker computing (DDP on gloo, its
+    """A micro-step's share of one DDP step on gloo, every worker computing (the workload's
     --calibrate-only): the unit of the straggler's sleep, the same for every run."""
     d = os.path.join(args.out, "logs", wl)
     os.makedirs(d, exist_ok=True)
@@ -429,11 +429,11 @@ def report(out: dict) -> list:
           "`unwrap()` under ripples), evaluated the same way in both modes. Cells: median "
           "[min..max] over the repeats. Speed-up: DDP's median job time / ripples' "
           "(paired: per repeat, the two runs made one after the other). The straggler "
-          "(`slow5`) is the last rank, sleeping 4x the calibrated compute time of a "
-          "micro-step after each micro-step's forward pass.", ""]
+          "(`slow5`) is the last rank, sleeping 4x a micro-step's share of a calibrated DDP "
+          "step after each micro-step's forward pass: its step takes about 5 DDP steps.", ""]
     cal = out.get("calibration") or {}
     if cal:
-        L += ["Calibrated compute time of a micro-step (every worker computing): " + ", ".join(
+        L += ["Calibrated DDP step per micro-step (DDP on gloo, every worker computing): " + ", ".join(
             f"{wl} {c * 1e3:.1f} ms" for wl, c in cal.items()) + ".", ""]
     if vd:
         L += ["## Against the issue's targets", "",
@@ -576,7 +576,7 @@ def main(argv=None) -> int:
     if not args.no_calibrate:
         for wl in args.workloads:
             out["calibration"][wl] = calibrate(args, wl)
-            log(f"{wl}: a micro-step computes in {out['calibration'][wl] * 1e3:.1f} ms "
+            log(f"{wl}: a DDP step takes {out['calibration'][wl] * 1e3:.1f} ms per micro-step "
                 f"(every worker computing)")
     done = 0
     for rep, wl, sc, st in run_order(args):

@@ -124,14 +124,18 @@ def run(args, rank: int, world: int):
     if args.compute_s is not None:
         straggler.compute_s = args.compute_s
     else:
-        twin = copy.deepcopy(raw)  # a private copy: no sync, the model's statistics untouched
+        # the unit: one DDP step (forward, backward with the gradient all-reduce, the
+        # optimizer), every rank at once, on a private DDP copy (the model stays untouched)
+        twin = DDP(copy.deepcopy(raw))
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.0)
         xb, yb = xtr[:args.batch_size], ytr[:args.batch_size]
 
         def micro():
+            twin_opt.zero_grad(set_to_none=True)
             F.cross_entropy(twin(xb), yb).backward()
-            twin.zero_grad(set_to_none=True)
+            twin_opt.step()
         straggler.compute_s = bc.calibrate(micro)
-        del twin
+        del twin, twin_opt
     if args.calibrate_only:
         if rank == 0:
             import json

@@ -101,7 +101,11 @@ def leave(code: int = 0) -> None:
 class Straggler:
     """``R:F``: rank R sleeps (F-1) x compute_s after each micro-step's forward pass, inside
     the compute of the step (before its backward pass, so before DDP's gradient all-reduce and
-    before a partial round)."""
+    before a partial round). ``compute_s`` is a micro-step's share of one DDP step on gloo
+    with every rank computing (the calibration): so the straggler's step takes about F DDP
+    steps -- F times slower than the others, also where the cores are shared (the compute of
+    a micro-step alone would make it far less, as a DDP step then costs more than its
+    compute)."""
 
     def __init__(self, spec, rank: int, world: int):
         self.factor = 1.0
@@ -126,9 +130,9 @@ class Straggler:
 
 
 def calibrate(micro_step, reps: int = 24) -> float:
-    """Compute time of one micro-step (``micro_step()``: forward + backward without gradient
-    sync), every rank at once (the cores are shared as in training): the median of the later
-    repetitions, averaged over ranks with one all-reduce."""
+    """Time of ``micro_step()`` (one DDP step of a private copy of the model), every rank at
+    once (the cores are shared as in training): the median of the later repetitions, averaged
+    over ranks with one all-reduce."""
     times = []
     dist.barrier()
     for _ in range(reps):

@@ -226,14 +226,20 @@ def run(args, rank: int, world: int):
     if args.compute_s is not None:
         straggler.compute_s = args.compute_s
     else:
-        twin = copy.deepcopy(raw)  # forward + backward of a private copy: no sync, no state
+        # the unit: one DDP iteration (its micro-steps, the gradient all-reduce, the
+        # optimizer) per micro-step, every rank at once, on a private DDP copy
+        twin = DDP(copy.deepcopy(raw))
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.0)
 
-        def micro():
-            _, loss = twin(*get_batch())
-            loss.backward()
-            twin.zero_grad(set_to_none=True)
-        straggler.compute_s = bc.calibrate(micro)
-        del twin
+        def iteration():
+            for micro_step in range(args.grad_accum):
+                twin.require_backward_grad_sync = micro_step == args.grad_accum - 1
+                _, loss = twin(*get_batch())
+                loss.backward()
+            twin_opt.step()
+            twin_opt.zero_grad(set_to_none=True)
+        straggler.compute_s = bc.calibrate(iteration) / args.grad_accum
+        del twin, twin_opt
         gen.manual_seed(args.seed + 1000 * rank)  # training batches as without calibrating
     if args.calibrate_only:
         if rank == 0:
