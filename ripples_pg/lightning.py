@@ -376,6 +376,7 @@ class RipplesStrategy(DDPStrategy):
         fitting = trainer.state.fn == _FITTING
         if fitting:
             self._check_fit(trainer)
+            self._samplers = []  # this fit's (a loader made while it sets up adds one)
         super().setup(trainer)
         if fitting:
             self._enable_ripples(trainer)
