@@ -131,6 +131,13 @@ class _JobEpochs:
             raise AttributeError(name)
         return getattr(loader, name)
 
+    def __setattr__(self, name: str, value) -> None:
+        # Lightning sets attributes of the loader (worker_init_fn when seeding workers)
+        if name in ("loader", "sized"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
 
 class RipplesStrategy(DDPStrategy):
     """DDP on the ``ripples`` backend with Ripples training (``ripples_pg.wrap``).
@@ -277,6 +284,8 @@ class RipplesStrategy(DDPStrategy):
         self._lightning_max_steps: Optional[int] = None  # restored at the end of fit
         self._samplers: list = []  # job-wide samplers made for the training loader
         self._epoch_agreement = False  # agree on stopping at each epoch end
+        self._job_trainer = None  # the Trainer whose budgets progress="job" took over
+        self._last_job_step: Optional[float] = None  # agreed at the end of the last fit
         self.stats_every_n_steps = stats_every_n_steps
         self._ropt: Optional[RipplesOptimizer] = None
         self._dirty = False  # this rank stepped since the replicas were last averaged exactly
@@ -352,11 +361,17 @@ class RipplesStrategy(DDPStrategy):
                     f"steps, so step- or time-triggered checkpoints (collectives) would not "
                     f"match across ranks. Checkpoint at epoch ends (every_n_epochs) and at the "
                     f"end (save_last), or {alt}.")
-        if trainer.limit_train_batches != 1.0 or trainer.overfit_batches:
+        limit = trainer.limit_train_batches
+        if isinstance(limit, int) or limit != 1.0 or trainer.overfit_batches:
             raise ValueError(
                 f"RipplesStrategy({mode}): limit_train_batches/overfit_batches would end "
                 f"epochs after a number of each rank's own batches, and ranks take different "
                 f"numbers of batches; {alt}")
+        if job and trainer.fit_loop.min_steps:
+            raise ValueError(
+                f"RipplesStrategy({mode}): min_steps counts each rank's own steps, which "
+                f"differ: a rank past it would stop while one short of it went on into "
+                f"collectives nobody else joins. Use min_epochs (the job's epochs), or {alt}")
         if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) and job:
             raise ValueError(
                 f"RipplesStrategy({mode}): reload_dataloaders_every_n_epochs is not supported "
@@ -376,7 +391,8 @@ class RipplesStrategy(DDPStrategy):
         fitting = trainer.state.fn == _FITTING
         if fitting:
             self._check_fit(trainer)
-            self._samplers = []  # this fit's (a loader made while it sets up adds one)
+            # this fit's: a loader made while it sets up adds a sampler, wrap() an optimizer
+            self._samplers, self._ropt, self._job_mode = [], None, False
         super().setup(trainer)
         if fitting:
             self._enable_ripples(trainer)
@@ -405,7 +421,6 @@ class RipplesStrategy(DDPStrategy):
                 raise
             for sampler in self._samplers:  # made before wrap() (estimated_stepping_batches)
                 ropt.attach_sampler(sampler)
-            self._follow_job_schedulers(trainer, ropt)
         self._ropt = ropt
         self._dirty = False
         # Lightning's optimizer_step passes a closure, which RipplesOptimizer.step takes.
@@ -419,10 +434,16 @@ class RipplesStrategy(DDPStrategy):
 
         for config in getattr(trainer, "lr_scheduler_configs", None) or []:
             sched = config.scheduler
-            if config.interval == "step" and not isinstance(sched, JobLRScheduler) and \
-                    hasattr(sched, "last_epoch") and \
-                    type(sched).__name__ != "ReduceLROnPlateau":
-                config.scheduler = JobLRScheduler(sched, ropt)
+            if config.interval != "step" or isinstance(sched, JobLRScheduler) or \
+                    type(sched).__name__ == "ReduceLROnPlateau":
+                continue
+            if not hasattr(sched, "last_epoch"):
+                log.warning("ripples_pg.lightning: the step-interval scheduler %s has no "
+                            "last_epoch; it is stepped per rank's own steps, not the job's",
+                            type(sched).__name__)
+                continue
+            # stepped every `frequency` batches by Lightning: once per `frequency` job steps
+            config.scheduler = JobLRScheduler(sched, ropt, every=max(1, config.frequency))
 
     # -- training
     def on_train_start(self) -> None:
@@ -434,6 +455,11 @@ class RipplesStrategy(DDPStrategy):
             log.info("ripples_pg.lightning: no Ripples state in the checkpoint; the averager "
                      "continues at global step %d", trainer.global_step)
             ropt.averager.step = trainer.global_step
+            # The job step: where this strategy's last fit ended (a second fit on the same
+            # Trainer: every rank agreed on it), else the checkpoint's step (plain DDP: every
+            # rank's the same).
+            last = self._last_job_step if self._job_mode else None
+            ropt.job_clock.rebase(last if last is not None else float(trainer.global_step))
         self._silence_sigterm_broadcast(trainer)
         self._t0 = time.monotonic()
         self._free_running = self.time_limit is not None or self._job_mode
@@ -449,11 +475,16 @@ class RipplesStrategy(DDPStrategy):
         # strategy stops on the job step instead (optimizer_step)
         loop.max_steps = -1
         self._unbound_epoch(trainer)
-        timer = self._localize_timer(trainer)
+        self._localize_timer(trainer)
+        # now that a checkpoint's scheduler and job step are restored: from here on per-step
+        # schedulers take one step per job step
+        self._follow_job_schedulers(trainer, self._ropt)
         # A rank that stops inside an epoch (a step or time budget) must not start another
         # epoch's collectives (validation, checkpoints) that a rank already stopped would never
-        # join: the ranks agree on stopping at every epoch's end (one tiny all-reduce).
-        self._epoch_agreement = self._job_max_steps is not None or timer
+        # join: the ranks agree on stopping at every epoch's end (one tiny all-reduce). Also
+        # without a step or time budget: a callback may set should_stop on one rank only.
+        self._epoch_agreement = True
+        self._job_trainer = trainer
         trainer.callbacks.append(_job_epoch_callback(self))
 
     @staticmethod
@@ -481,13 +512,21 @@ class RipplesStrategy(DDPStrategy):
             trainer.val_check_batch = inf
         fetcher = getattr(loop, "_data_fetcher", None)
         if fetcher is not None:
-            iter(fetcher)  # looks ahead one batch now: the epoch's last batch is known
+            # the loader looks ahead one batch from here (the epoch's last batch is then
+            # known): its sampler must be at this epoch first (a resumed fit's, say), which
+            # Lightning would set only afterwards, at the epoch's start
+            epoch = loop.epoch_progress.current.processed
+            for dl in combined.flattened:
+                set_epoch = getattr(getattr(dl, "sampler", None), "set_epoch", None)
+                if callable(set_epoch):
+                    set_epoch(epoch)
+            iter(fetcher)
 
-    def _localize_timer(self, trainer) -> bool:
+    def _localize_timer(self, trainer) -> None:
         """``Trainer(max_time=...)``: Lightning's Timer broadcasts rank 0's decision at every
         step. Past warm-up each rank decides on its own clock instead (they started training
         together); during warm-up, where every step is exact anyway, the broadcast stays, so
-        that no rank stops between two exact steps of the others. True if there is one."""
+        that no rank stops between two exact steps of the others."""
         Timer = _sub("callbacks").Timer
         timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]
         strategy = self
@@ -508,7 +547,6 @@ class RipplesStrategy(DDPStrategy):
                     strategy.stopped_at = ropt.averager.step
 
             timer._check_time_remaining = check
-        return bool(timers)
 
     @property
     def job_step(self) -> Optional[int]:
@@ -540,7 +578,12 @@ class RipplesStrategy(DDPStrategy):
             trainer.should_stop = True
             self.stopped_at = self._ropt.averager.step
 
-    def _end_job_progress(self, trainer) -> None:
+    def _end_job_progress(self) -> None:
+        """Gives the Trainer back its own max_steps and callbacks (the end of fit, or its
+        teardown after an exception)."""
+        trainer, self._job_trainer = getattr(self, "_job_trainer", None), None
+        if trainer is None:
+            return
         if self._lightning_max_steps is not None:
             trainer.fit_loop.epoch_loop.max_steps = self._lightning_max_steps
             self._lightning_max_steps = None
@@ -580,7 +623,7 @@ class RipplesStrategy(DDPStrategy):
         k-th step it hands out torch's shards, exactly as before."""
         from torch.utils.data import DataLoader, DistributedSampler as TorchSampler
 
-        from .sampler import DistributedSampler
+        from .sampler import DEFAULT_CLAIM_SIZE, DistributedSampler
 
         if not isinstance(dataloader, DataLoader):
             return dataloader
@@ -588,9 +631,13 @@ class RipplesStrategy(DDPStrategy):
         if isinstance(sampler, DistributedSampler):
             new = sampler  # the user's own
         elif type(sampler) is TorchSampler:
+            bs = getattr(dataloader, "batch_size", None)
+            claim = bs if isinstance(bs, int) and bs > 0 else DEFAULT_CLAIM_SIZE
+            # claims of whole batches: every rank gets at least one full batch of every epoch
             new = DistributedSampler(sampler.dataset, num_replicas=sampler.num_replicas,
                                      rank=sampler.rank, shuffle=sampler.shuffle,
-                                     seed=sampler.seed, drop_last=sampler.drop_last)
+                                     seed=sampler.seed, drop_last=sampler.drop_last,
+                                     claim_size=claim)
             new.set_epoch(sampler.epoch)
             update = _sub("utilities.data")._update_dataloader
             stage = _sub("trainer.states").RunningStage.TRAINING
@@ -719,7 +766,13 @@ class RipplesStrategy(DDPStrategy):
         # Called on every rank by Trainer.save_checkpoint (before its barrier): the checkpoint
         # holds the average of the replicas, not rank 0's own.
         if self._ropt is not None and not self._ropt.unwrapped:
-            if self._free_running and (not self._job_mode or self._in_batch()):
+            if self._free_running and self._job_mode and self._in_batch():
+                raise RuntimeError(
+                    "RipplesStrategy(progress=\"job\"): a checkpoint was requested inside a "
+                    "training step; the ranks run different numbers of steps and would not "
+                    "meet at the same point. Save at epoch ends (ModelCheckpoint's default) "
+                    "and at the end of fit (save_last), or pass progress=\"worker\"")
+            if self._free_running and not self._job_mode:
                 raise RuntimeError(
                     "RipplesStrategy(time_limit=...): a checkpoint was requested while this "
                     "rank is still training on its own clock; the ranks would not meet at the "
@@ -773,6 +826,10 @@ class RipplesStrategy(DDPStrategy):
         self._refuse_collective("a broadcast")
         return super().broadcast(obj, src)
 
+    def teardown(self) -> None:
+        self._end_job_progress()  # also after an exception in fit
+        super().teardown()
+
     def on_train_end(self) -> None:
         # After the callbacks' on_train_end (ModelCheckpoint's last checkpoint): that
         # checkpoint was averaged as it was written, so this is a no-op unless a rank stepped
@@ -780,11 +837,12 @@ class RipplesStrategy(DDPStrategy):
         super().on_train_end()
         ropt = self._ropt
         self._free_running = False
-        lm = self.lightning_module
-        if self._job_mode and lm is not None and lm.trainer is not None:
-            self._end_job_progress(lm.trainer)
+        self._end_job_progress()
         if ropt is not None and not ropt.unwrapped:
             self._average_replicas()
+            if self._job_mode:  # every rank: the same job step from here on
+                ropt.job_clock.agree(ropt.hook_state.process_group)
+                self._last_job_step = ropt.job_clock.job_step_float
             ropt.unwrap(average=False)  # replicas identical: plain synchronous DDP from here
 
 

@@ -23,13 +23,16 @@ __all__ = ["JobLRScheduler", "follow_job"]
 class JobLRScheduler:
     """A torch LR scheduler stepped to the job step (see :func:`follow_job`).
 
-    ``step()`` steps the wrapped scheduler until its ``last_epoch`` equals the optimizer's
-    ``job_step`` (at most ``max_steps``); everything else (``get_last_lr``, ``state_dict``,
+    ``step()`` steps the wrapped scheduler until its ``last_epoch`` has advanced by the job
+    steps taken since the wrapper was made (``// every``; at most ``max_steps``) -- so
+    ``last_epoch`` is the job step for a scheduler made with the optimizer, or restored with
+    it from one checkpoint; everything else (``get_last_lr``, ``state_dict``,
     ``load_state_dict``, ``optimizer``, ...) is the wrapped scheduler's, so a checkpoint holds
     the scheduler's own state and a resumed job continues from it.
     """
 
-    def __init__(self, scheduler: Any, optimizer: Any, max_steps: Optional[int] = None):
+    def __init__(self, scheduler: Any, optimizer: Any, max_steps: Optional[int] = None,
+                 every: int = 1):
         if not hasattr(scheduler, "step") or not hasattr(scheduler, "last_epoch"):
             raise TypeError(f"ripples_pg.follow_job: expected a torch LRScheduler (stepped "
                             f"per step), got {type(scheduler).__name__}")
@@ -47,18 +50,33 @@ class JobLRScheduler:
                                       not isinstance(max_steps, int) or max_steps < 0):
             raise ValueError(f"ripples_pg.follow_job: max_steps must be an int >= 0, got "
                              f"{max_steps!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"ripples_pg.follow_job: every must be an int >= 1, got "
+                             f"{every!r}")
         self.scheduler = scheduler
         self.job_optimizer = optimizer
         self.max_steps = max_steps
+        self.every = every
+        # From here the scheduler takes one step per job step (per `every`), as it would take
+        # one per optimizer step: a scheduler made now starts now, one restored later (with
+        # the job step) continues where both were saved.
+        self._job_base = int(optimizer.job_step)
+        self._sched_base = int(scheduler.last_epoch)
 
     def step(self) -> None:
         """Steps the scheduler once per job step taken since the last call (none if the job
         step has not advanced)."""
-        target = self.job_optimizer.job_step
+        target = self._sched_base + \
+            (self.job_optimizer.job_step - self._job_base) // self.every
         if self.max_steps is not None:
             target = min(target, self.max_steps)
         while self.scheduler.last_epoch < target:
+            before = self.scheduler.last_epoch
             self.scheduler.step()
+            if self.scheduler.last_epoch <= before:
+                raise RuntimeError(f"ripples_pg.follow_job: {type(self.scheduler).__name__}."
+                                   f"step() did not advance last_epoch ({before}); it cannot "
+                                   f"be stepped to the job step")
 
     def __getattr__(self, name: str) -> Any:
         # only called for attributes not found on this object: the scheduler's
@@ -71,8 +89,8 @@ class JobLRScheduler:
         return f"ripples_pg.JobLRScheduler({self.scheduler!r})"
 
 
-def follow_job(scheduler: Any, optimizer: Any,
-               max_steps: Optional[int] = None) -> JobLRScheduler:
+def follow_job(scheduler: Any, optimizer: Any, max_steps: Optional[int] = None,
+               every: int = 1) -> JobLRScheduler:
     """Makes a per-step torch LR scheduler follow the job step of ``optimizer`` (what
     ``ripples_pg.wrap()`` returned)::
 
@@ -81,5 +99,6 @@ def follow_job(scheduler: Any, optimizer: Any,
         ropt.step(); sched.step()
 
     ``max_steps``: never step the scheduler past this many steps (default: a ``OneCycleLR``'s
-    ``total_steps``, which it refuses to pass)."""
-    return JobLRScheduler(scheduler, optimizer, max_steps)
+    ``total_steps``, which it refuses to pass). ``every``: the scheduler steps once per that
+    many job steps (one stepped every k iterations)."""
+    return JobLRScheduler(scheduler, optimizer, max_steps, every)

@@ -130,6 +130,7 @@ class JobClock:
         self._floor = 0  # the last job step returned (reads never go back)
         self._failed: Optional[str] = None
         self._samples_ok = True
+        self._counted = False  # tick() was called since this clock was made
         self.samples_known = False  # a sampler reports samples
 
     # -- counting
@@ -138,6 +139,7 @@ class JobClock:
         ``exact``: the step was an exact collective step (warm-up, or after ``unwrap()``),
         which every worker took together."""
         self._own += 1
+        self._counted = True
         self._own_samples += int(samples)
         if not exact:
             self._lockstep_run = False
@@ -244,9 +246,12 @@ class JobClock:
         checkpoint or :meth:`agree` leaves. ``lockstep``: the workers step together from here
         on for good (after ``unwrap()``), so the store is no longer needed.
 
-        Otherwise the shared counter's current value becomes the origin: steps already in it
-        belong to the base now. Every worker loads the checkpoint before any of them steps
-        again (a resume), so all read the same origin -- however many times each loads."""
+        Otherwise the shared counter's value becomes the origin: steps already in it belong to
+        the base now. A clock that has counted nothing yet (a resume right after ``wrap()``)
+        takes the origin as it stands at its start, 0, without reading the store: a worker that
+        loads late must not count in the steps of one that loaded early and already trained,
+        and a worker may load any number of times. A clock that has counted (a load in the
+        middle of a run) reads the counter."""
         self._base = float(job_step)
         self._base_samples = int(job_samples)
         self._own = self._own_at_total = 0
@@ -255,7 +260,7 @@ class JobClock:
         self._floor = int(math.floor(self._base + 1e-9))
         if lockstep:
             self.mode = LOCKSTEP
-        if self.mode == SHARED and self._failed is None:
+        if self.mode == SHARED and self._failed is None and self._counted:
             try:
                 value = int(self._store.add(self._key, 0))
             except Exception as exc:  # noqa: BLE001 - never raise into training
@@ -267,6 +272,17 @@ class JobClock:
 
     # -- checkpoints
     def state_dict(self) -> dict:
+        """The job step (and samples) as of now: in ``"shared"`` mode one read of the counter
+        first, so a checkpoint holds the other workers' steps since this one's last step."""
+        if self.mode == SHARED and self._failed is None and self._counted:
+            try:
+                value = int(self._store.add(self._key, 0))
+            except Exception as exc:  # noqa: BLE001 - never raise into training
+                self._fail(exc)
+            else:
+                # the counter as it stands, with every step of this worker already in it
+                self._total = value & _STEP_MASK
+                self._total_samples = value >> _STEP_BITS
         return {"job_step": self.job_step_float, "job_samples": self.job_samples,
                 "world_size": self.world_size, "mode": self.mode}
 

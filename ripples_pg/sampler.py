@@ -51,9 +51,12 @@ class DistributedSampler(_TorchDistributedSampler):
     Args:
         dataset, num_replicas, rank, shuffle, seed, drop_last: as torch's
             ``DistributedSampler`` (same defaults, same order of indices, same padding).
-        claim_size: rows of the epoch taken per request to the job's store during partial
-            training (default 16). Larger: fewer requests; smaller: epochs that end closer
-            together on every worker.
+        claim_size: rows of the epoch taken per request to the job's store (default 16).
+            Larger: fewer requests; smaller: epochs that end closer together on every worker.
+            Set to the loader's batch size, each claim is a whole batch: every worker gets
+            at least one full batch of every epoch (also with ``DataLoader(drop_last=True)``,
+            which a model with BatchNorm may need: a worker's last batch of an epoch can be
+            as small as one sample).
 
     Link it to the optimizer with ``ripples_pg.wrap(..., sampler=sampler)``; call
     ``set_epoch(epoch)`` before each epoch as with torch's. Unlinked, or under a schedule that
@@ -92,7 +95,7 @@ class DistributedSampler(_TorchDistributedSampler):
         if self.num_replicas != world:
             raise ValueError(f"ripples_pg.DistributedSampler: num_replicas={self.num_replicas} "
                              f"but the job has {world} workers; create the sampler with the "
-                             f"DDP group's size (the default)")
+                             f"DDP group's size (dist.get_world_size(group))")
         group = optimizer.hook_state.process_group if optimizer.hook_state is not None \
             else None
         if dist.is_initialized():
@@ -100,7 +103,7 @@ class DistributedSampler(_TorchDistributedSampler):
             if me != self.rank:
                 raise ValueError(f"ripples_pg.DistributedSampler: rank={self.rank} but this "
                                  f"worker is rank {me} of the DDP group; create the sampler "
-                                 f"with the default rank")
+                                 f"with that rank (dist.get_rank(group) for a subgroup)")
         if self._opt is not None and self._opt() is not None and self._opt() is not optimizer:
             raise ValueError("ripples_pg.DistributedSampler: already linked to another "
                              "RipplesOptimizer")
@@ -159,6 +162,18 @@ class DistributedSampler(_TorchDistributedSampler):
         self.epoch_samples = 0
         indices = self._order()
         rows = self.num_samples
+        if resume is not None and not self._free():
+            left = {rows - f - b for f, b in resume["columns"]}
+            if len(left) > 1:
+                # An exact phase (every worker's k-th step paired with the others') resuming
+                # an epoch that partial training had shared unevenly: deal what is left out
+                # so that every worker gets as many rows as the others.
+                self._live = None
+                for i in self._deal(indices, resume["columns"]):
+                    self.samples_yielded += 1
+                    self.epoch_samples += 1
+                    yield i
+                return
         if not self._job_wide():
             start, end = 0, rows
             if resume is not None:
@@ -196,6 +211,23 @@ class DistributedSampler(_TorchDistributedSampler):
                 self.samples_yielded += 1
                 self.epoch_samples += 1
                 yield i
+
+    def _deal(self, indices, columns) -> List[int]:
+        """This worker's share of the rows no worker has taken (``columns``: front and back
+        counts per column), dealt round-robin in column order, padded (or, with
+        ``drop_last``, cut) to a multiple of the world size as torch pads an epoch."""
+        rows, world = self.num_samples, self.num_replicas
+        left = []
+        for c, (f, b) in enumerate(columns):
+            left += self._column(indices, c)[f:rows - b]
+        if not left:
+            return []
+        if self.drop_last:
+            left = left[:len(left) - len(left) % world]
+        elif len(left) % world:
+            pad = world - len(left) % world
+            left += (left * math.ceil(pad / len(left)))[:pad]
+        return left[self.rank::world]
 
     def _add(self, key: str, value: int, front: int) -> tuple:
         if self._live is not None and not self._live["free"] and self._free():
@@ -258,11 +290,16 @@ class DistributedSampler(_TorchDistributedSampler):
         if live is not None and live["epoch"] == self.epoch and self._store is not None:
             try:
                 cols = []
+                rows = self.num_samples
+                reserved = min(self.claim_size, rows)
                 for c in range(self.num_replicas):
                     v = int(self._store.add(f"{live['key']}{c}", 0))
                     f, b = v & _MASK, v >> _HALF
-                    f = min(f, self.num_samples)
-                    cols.append([f, min(b, self.num_samples - f)])
+                    # the rows really handed out: the counters also count claims that came
+                    # back empty (past the meeting point, or into the owner's reserved rows)
+                    front = min(f, max(rows - b, reserved))
+                    back = max(0, rows - max(rows - b, reserved, front))
+                    cols.append([front, back])
             except Exception as exc:  # noqa: BLE001 - fall back to this worker's own count
                 logger.warning("ripples_pg.DistributedSampler: could not read the job's "
                                "counters (%s); saving this worker's position only", exc)

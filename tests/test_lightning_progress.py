@@ -51,9 +51,10 @@ def _worker(scenario, out_dir):
         training it starts its k-th batch only once the others have done 3x as many each
         (5 s at most, which only a barrier would use up)."""
 
-        def __init__(self):
+        def __init__(self, tag="pace"):
             self.k = 0
             self.at_end = False  # a fast rank at its epoch's end, waiting for the others
+            self.fast, self.done, self.end = f"{tag}/fast", f"{tag}/done", f"{tag}/at_end"
 
         @property
         def store(self):  # the job's store, once the process group exists
@@ -68,19 +69,19 @@ def _worker(scenario, out_dir):
             self.k += 1
             deadline = time.monotonic() + 5.0
             while time.monotonic() < deadline and \
-                    self.store.add("pace/fast", 0) < 3 * (ws - 1) * self.k and \
-                    self.store.add("pace/done", 0) == 0 and \
-                    self.store.add("pace/at_end", 0) == 0:
+                    self.store.add(self.fast, 0) < 3 * (ws - 1) * self.k and \
+                    self.store.add(self.done, 0) == 0 and \
+                    self.store.add(self.end, 0) == 0:
                 time.sleep(0.002)
 
         def on_train_batch_end(self, trainer, *args):
             if rank != ws - 1:
-                self.store.add("pace/fast", 1)
+                self.store.add(self.fast, 1)
 
         def _end(self, value):
             if rank != ws - 1 and self.at_end != value:
                 self.at_end = value
-                self.store.add("pace/at_end", 1 if value else -1)
+                self.store.add(self.end, 1 if value else -1)
 
         # the epoch's end is a meeting point (validation, the stop agreement): a straggler
         # waiting for the others' steps then would wait for ranks that wait for it
@@ -95,7 +96,7 @@ def _worker(scenario, out_dir):
 
         def on_train_end(self, trainer, module):
             if rank != ws - 1:
-                self.store.add("pace/done", 1)
+                self.store.add(self.done, 1)
 
     class Indexed(torch.utils.data.Dataset):
         def __len__(self):
@@ -147,6 +148,36 @@ def _worker(scenario, out_dir):
                              callbacks=[Probe()], enable_checkpointing=False, **common)
         model = IndexedNet(slow_rank=ws - 1, sleep_s=0.02)
         trainer.fit(model, loader)
+    elif scenario == "refit":
+        # one Trainer, two fits (a new module each); the module's OneCycleLR is sized by
+        # estimated_stepping_batches (DDP's estimate) and stepped per step: it follows the
+        # job step
+        class OneCycleNet(IndexedNet):
+            def configure_optimizers(self):
+                opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+                total = self.estimated = self.trainer.estimated_stepping_batches
+                sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1,
+                                                            total_steps=int(total))
+                return {"optimizer": opt,
+                        "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        strategy = rl.RipplesStrategy(**strategy_kw)
+        trainer = pl.Trainer(strategy=strategy, max_epochs=2, callbacks=[Pace("fit0")],
+                             enable_checkpointing=False, **common)
+        fits = []
+        for k in range(2):
+            if k:  # the same Trainer again, two more epochs
+                trainer.fit_loop.max_epochs = 4
+                trainer.callbacks[:] = [cb for cb in trainer.callbacks
+                                        if not isinstance(cb, Pace)] + [Pace(f"fit{k}")]
+            model = OneCycleNet()
+            trainer.fit(model, loader)
+            cfg = trainer.lr_scheduler_configs[0]
+            fits.append({"estimated": model.estimated,
+                         "sched_last_epoch": cfg.scheduler.last_epoch,
+                         "job_step": strategy.job_step, "global_step": trainer.global_step,
+                         "total_steps": cfg.scheduler.total_steps})
+        result["fits"] = fits
     elif scenario == "misuse":
         errors = {}
         cases = {
@@ -156,6 +187,7 @@ def _worker(scenario, out_dir):
             "limit_batches": (dict(limit_train_batches=5, enable_checkpointing=False), {}),
             "sync_dist": (dict(max_steps=20, enable_checkpointing=False),
                           dict(sync_dist=True)),
+            "min_steps": (dict(max_epochs=1, min_steps=5, enable_checkpointing=False), {}),
         }
         for name, (tkw, mkw) in cases.items():
             kw = dict(common)
@@ -171,6 +203,9 @@ def _worker(scenario, out_dir):
         return
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
+    if scenario == "refit":
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        return
     result.update(global_step=trainer.global_step, job_step=strategy.job_step,
                   epochs=seen["epochs"], max_steps=trainer.max_steps,
                   snapshot=tl._snapshot(model), stopped_at=strategy.stopped_at,
@@ -242,6 +277,32 @@ def test_what_would_pair_steps_is_refused(tmp_path):
         assert e["limit_batches"] and "limit_train_batches" in e["limit_batches"], e
         assert e["sync_dist"] and e["sync_dist"].startswith("RuntimeError") and \
             "inside a training step" in e["sync_dist"], e
+        assert e["min_steps"] and "min_steps" in e["min_steps"], e
+
+
+@pytest.mark.slow
+def test_refit_and_a_step_scheduler_sized_by_the_estimate(tmp_path):
+    res = _run("refit", tmp_path)
+    for r in res:
+        start = 0  # the job step where the fit began: the last fit's, agreed by every rank
+        for k, fit in enumerate(r["fits"]):
+            # DDP's estimate: the shard's 13 batches (600 / 3 / 16) per epoch, 2 then 4 epochs
+            total = 26 * (k + 1)
+            assert fit["estimated"] == fit["total_steps"] == total, fit
+            # the fit's new scheduler took one step per job step of that fit (capped at its
+            # total; read at this rank's last step, the others may have stepped once more)
+            assert 0 <= min(fit["job_step"] - start, total) - fit["sched_last_epoch"] <= 1, fit
+            start = fit["job_step"]
+        assert r["fits"][1]["job_step"] > r["fits"][0]["job_step"], r  # it went on
+    def own(r, k):  # this rank's steps in fit k (global_step goes on across fits)
+        return r["fits"][k]["global_step"] - (r["fits"][k - 1]["global_step"] if k else 0)
+
+    for k in range(2):
+        fast = [own(r, k) for r in res[:-1]]
+        slow = own(res[-1], k)
+        assert slow < sum(fast) / len(fast), (fast, slow)
+        # the straggler's scheduler followed the job's steps, more than its own
+        assert res[-1]["fits"][k]["sched_last_epoch"] > slow, res[-1]["fits"]
 
 
 if __name__ == "__main__":

@@ -457,10 +457,11 @@ def test_follow_job_steps_the_scheduler_per_job_step():
     assert sched.last_epoch == 13
     sd = sched.state_dict()
     assert sd["last_epoch"] == 13  # the scheduler's own state, for checkpoints
-    # OneCycleLR refuses to step past total_steps: the follower stops there
+    # OneCycleLR refuses to step past total_steps: the follower stops there. (Made at job
+    # step 13, a scheduler takes its steps from there: one made later in a run starts later.)
     one = ripples_pg.follow_job(torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0,
                                                                    total_steps=10), job)
-    job.job_step = 12
+    job.job_step = 13 + 12
     opt.step()
     one.step()
     assert one.last_epoch == 10
@@ -533,3 +534,49 @@ def test_resume_inside_warmup_keeps_equal_shards(pool):
     assert len({len(r["batches"]) for r in res}) == 1, [len(r["batches"]) for r in res]
     for rank, r in enumerate(res):
         assert [i for b in r["batches"] for i in b] == _torch_epoch_n(n, 0, rank, 3)[12:]
+
+
+def test_exact_phase_resume_of_an_uneven_epoch_deals_equal_shares():
+    """A state saved during partial training (columns taken unevenly, a straggler's barely
+    started) resumed where every step is exact: every worker gets as many rows as the others,
+    and every row left is used (torch's padding aside)."""
+    import ripples_pg
+
+    n, world = 120, 3  # 40 rows per column
+    state = {"epoch": 0, "num_replicas": world, "num_samples": 40, "seed": 0, "shuffle": True,
+             "drop_last": False, "columns": [[40, 0], [16, 24], [8, 4]]}
+    shares = []
+    for rank in range(world):
+        s = ripples_pg.DistributedSampler(_Indexed(n), num_replicas=world, rank=rank)
+        s.load_state_dict(state)  # unlinked: an exact phase
+        shares.append(list(s))
+    assert len({len(x) for x in shares}) == 1, [len(x) for x in shares]
+    t = [list(torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=world, rank=c))
+         for c in range(world)]
+    left = t[2][8:36]  # nothing of column 0 or 1 was left
+    assert sorted(set(i for x in shares for i in x)) == sorted(left)
+
+
+def test_follow_job_every_and_a_scheduler_that_does_not_advance():
+    import ripples_pg
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    job = _FakeJob()
+    sched = ripples_pg.follow_job(torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5), job,
+                                  every=10)
+    job.job_step = 35
+    opt.step()
+    sched.step()
+    assert sched.last_epoch == 3 and sched.get_last_lr()[0] == pytest.approx(0.125)
+
+    class Stuck(torch.optim.lr_scheduler.LRScheduler):
+        def step(self, epoch=None):
+            pass  # never advances last_epoch
+
+    stuck = ripples_pg.follow_job(Stuck(opt), job)
+    job.job_step += 1
+    with pytest.raises(RuntimeError, match="did not advance"):
+        stuck.step()
+    with pytest.raises(ValueError, match="every"):
+        ripples_pg.follow_job(torch.optim.lr_scheduler.StepLR(opt, 1), job, every=0)
