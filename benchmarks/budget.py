@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)  # train.py beside this file, also when loaded by path (the tests)
+from train import end_session  # noqa: E402
 
 # workload -> script, the budget's arguments, the quick (smoke) arguments, the quality metric
 WORKLOADS = {
@@ -167,16 +168,7 @@ def launch(cmd: list, out_path: str, err_path: str, timeout: float):
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             rc = None
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=10)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            end_session(proc)
     return rc, time.perf_counter() - t0
 
 

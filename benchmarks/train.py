@@ -256,6 +256,21 @@ def tail(path: str, n: int = 60) -> str:
         return ""
 
 
+def end_session(proc) -> None:
+    """Ends a launch started with ``start_new_session=True``: SIGTERM to its whole process
+    group (torchrun and its workers), SIGKILL if it is still there 10 s later."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def launch(args, train_args: list, out_path: str, err_path: str, timeout: float):
     """Runs train_digits.py with ``train_args`` under torchrun, in its own session (so that a
     timeout kills torchrun and its workers together); returns (exit status or None if killed, wall seconds). With test hosts,
@@ -291,16 +306,7 @@ def launch(args, train_args: list, out_path: str, err_path: str, timeout: float)
                 codes.append(None)
         for proc, rc in zip(procs, codes):
             if rc is None:
-                for sig in (signal.SIGTERM, signal.SIGKILL):
-                    try:
-                        os.killpg(proc.pid, sig)
-                    except ProcessLookupError:
-                        break
-                    try:
-                        proc.wait(timeout=10)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
+                end_session(proc)
     finally:
         for f in files:
             f.close()

@@ -93,6 +93,14 @@ def _all_gather_obj(obj):
     return out
 
 
+def _torch_epoch(n, epoch, rank, seed, drop_last=False):
+    """Rank ``rank``'s shard of epoch ``epoch`` under torch's own DistributedSampler."""
+    s = torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=WS, rank=rank, seed=seed,
+                                            drop_last=drop_last)
+    s.set_epoch(epoch)
+    return list(s)
+
+
 # ----------------------------------------------------------------------------- job step
 
 
@@ -235,20 +243,14 @@ def task_epochs(ctx, n, epochs, warmup, schedule, slow_rank, claim, drop_last):
             "stolen": sampler.stolen}
 
 
-def _torch_epoch(n, epoch, drop_last, rank):
-    s = torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=WS, rank=rank,
-                                            shuffle=True, seed=5, drop_last=drop_last)
-    s.set_epoch(epoch)
-    return list(s)
-
-
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_epochs_use_every_sample_once_and_fast_workers_take_more(pool, drop_last):
     n, epochs = 203, 3
     res = pool.run(task_epochs, n, epochs, 3, "smart", 2, 4, drop_last)
     for e in range(epochs):
         used = sorted(i for r in res for i in r["epochs"][e])
-        expected = sorted(i for rank in range(WS) for i in _torch_epoch(n, e, drop_last, rank))
+        expected = sorted(i for rank in range(WS)
+                          for i in _torch_epoch(n, e, rank, 5, drop_last))
         assert used == expected, f"epoch {e}: {len(used)} used, {len(expected)} expected"
     taken = [sum(len(ep) for ep in r["epochs"]) for r in res]
     assert taken[2] < sum(t for r, t in enumerate(taken) if r != 2) / (WS - 1), taken
@@ -263,13 +265,13 @@ def test_exact_phases_give_torchs_shards(pool):
     res = pool.run(task_epochs, n, epochs, 10_000, "smart", 2, 4, False)
     for rank, r in enumerate(res):
         for e in range(epochs):
-            assert r["epochs"][e] == _torch_epoch(n, e, False, rank)
+            assert r["epochs"][e] == _torch_epoch(n, e, rank, 5)
         assert r["stolen"] == 0
     # under the static schedule the sampler is torch's too, whatever the phase
     res = pool.run(task_epochs, n, epochs, 2, "static", 2, 4, False)
     for rank, r in enumerate(res):
         for e in range(epochs):
-            assert r["epochs"][e] == _torch_epoch(n, e, False, rank)
+            assert r["epochs"][e] == _torch_epoch(n, e, rank, 5)
 
 
 def task_resume_epoch(ctx, n, state):
@@ -313,12 +315,7 @@ def test_mid_epoch_resume_uses_each_remaining_sample_once(pool):
     after = [i for r in second for i in r["seen"]]
     assert len(set(before)) == len(before)
     assert sorted(before + after) == sorted(i for rank in range(WS)
-                                            for i in _torch_epoch_seed(n, rank))
-
-
-def _torch_epoch_seed(n, rank):
-    s = torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=WS, rank=rank, seed=1)
-    return list(s)
+                                            for i in _torch_epoch(n, 0, rank, 1))
 
 
 def test_sampler_arguments():
@@ -374,13 +371,7 @@ def test_loader_with_worker_processes(pool):
     res = pool.run(task_loader_workers, n)
     for e in range(2):
         used = sorted(i for r in res for i in r[e])
-        assert used == sorted(i for rank in range(WS) for i in _torch_epoch_seed2(n, e, rank))
-
-
-def _torch_epoch_seed2(n, epoch, rank):
-    s = torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=WS, rank=rank, seed=2)
-    s.set_epoch(epoch)
-    return list(s)
+        assert used == sorted(i for rank in range(WS) for i in _torch_epoch(n, e, rank, 2))
 
 
 def task_dead_worker(ctx, n, dead_rank):
@@ -413,15 +404,9 @@ def test_dead_worker_does_not_stall_the_epoch():
     assert len(alive) == WS - 1
     used = [i for r in res if r is not None for i in r["seen"]]
     assert len(used) == len(set(used))  # nothing twice
-    expected = {i for rank in range(WS) for i in _torch_epoch_n(n, 1, rank, 4)}
+    expected = {i for rank in range(WS) for i in _torch_epoch(n, 1, rank, 4)}
     # only rows the dead worker had claimed and not used are missing (one claim of 2)
     assert len(expected - set(used)) <= 2, sorted(expected - set(used))
-
-
-def _torch_epoch_n(n, epoch, rank, seed):
-    s = torch.utils.data.DistributedSampler(_Indexed(n), num_replicas=WS, rank=rank, seed=seed)
-    s.set_epoch(epoch)
-    return list(s)
 
 
 # ----------------------------------------------------------------------------- LR
@@ -533,7 +518,7 @@ def test_resume_inside_warmup_keeps_equal_shards(pool):
     assert res[0]["state"]["columns"] == [[12, 0]] * WS, res[0]["state"]
     assert len({len(r["batches"]) for r in res}) == 1, [len(r["batches"]) for r in res]
     for rank, r in enumerate(res):
-        assert [i for b in r["batches"] for i in b] == _torch_epoch_n(n, 0, rank, 3)[12:]
+        assert [i for b in r["batches"] for i in b] == _torch_epoch(n, 0, rank, 3)[12:]
 
 
 def test_exact_phase_resume_of_an_uneven_epoch_deals_equal_shares():
