@@ -39,9 +39,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_config import (BASELINES, DEFAULT_PAUSES_MS, DEFAULT_STRATEGIES,  # noqa: E402
                           DILOCO_STRATEGIES, PAUSED, QUICK, QUICK_TIME_LIMIT, REPO,
-                          SCENARIOS, STRATEGIES, TRAIN, WORKLOADS, expand_scenarios, log,
-                          missing_features, scenario_description, scenario_parts, settings,
-                          straggler_spec)
+                          SCENARIOS, STRATEGIES, TRACE_PAUSE_MS, TRAIN, WORKLOADS,
+                          expand_scenarios,
+                          file_part, log, missing_features, scenario_description,
+                          scenario_parts, settings, straggler_spec)
+import trace_replay  # noqa: E402
 from train_report import (cells_json, cells_of, fmt, fmt_spread, metrics,  # noqa: E402,F401
                           report, slowest_rank, speedup, spread, summary, table,
                           time_to_target)
@@ -58,12 +60,14 @@ def parse_args(argv=None):
                    help=f"comma list of {', '.join(SCENARIOS)} (default per workload: all "
                         "for digits, none,slow5 for wide, cnn and transformer, slow5,slow3 "
                         "for transformer-l, short5 for tiny); a short-step scenario "
-                        f"({', '.join(PAUSED)}) runs once per --pause-ms value, or name one "
-                        "instance, e.g. short5-5ms")
+                        "(short5 and the trace:<name> replays of benchmarks/traces) runs "
+                        "once per --pause-ms value, or name one instance, e.g. short5-5ms, "
+                        "trace:bytedance-se-20ms")
     p.add_argument("--pause-ms", default=None,
                    help="comma list of the pauses P (ms) after every step of the short-step "
                         "scenarios: the step lengths they sweep (default "
-                        f"{','.join(f'{x:g}' for x in DEFAULT_PAUSES_MS)})")
+                        f"{','.join(f'{x:g}' for x in DEFAULT_PAUSES_MS)}; the traces "
+                        f"{','.join(f'{x:g}' for x in TRACE_PAUSE_MS)})")
     p.add_argument("--strategies", default=None,
                    help=f"comma list of {', '.join(STRATEGIES)} (default: all but issue 28's "
                         f"{', '.join(DILOCO_STRATEGIES)}; gloo,exact,smart for transformer-l; "
@@ -164,7 +168,7 @@ def split(names: str | None, known, what: str, p, base=lambda n: n) -> list | No
 def parse_pauses(p, text: str | None) -> list:
     """--pause-ms: positive numbers of milliseconds."""
     if text is None:
-        return list(DEFAULT_PAUSES_MS)
+        return None  # each scenario's own default (expand_scenarios)
     out = []
     for part in (x.strip() for x in text.split(",")):
         try:
@@ -207,7 +211,13 @@ def make_plan(p, a) -> dict:
 # ----------------------------------------------------------------------------- running
 
 
-def sync_every(cfg: dict, calib: dict, scenario: str) -> int:
+def trace_slowest(path: str, workers: int) -> float:
+    """A trace's mean over steps of the slowest worker's factor (all-reduce's step)."""
+    f = trace_replay.factors(os.path.join(REPO, path), workers)
+    return sum(max(r) for r in f) / len(f)
+
+
+def sync_every(cfg: dict, calib: dict, scenario: str, workers: int) -> int:
     """Steps between the time-limit agreements of all-reduce and static: the workload's,
     or in a short-step scenario about 0.3 s of the straggler's steps (its pause sets the
     step length: a fixed count would overshoot the time limit at long pauses and meet
@@ -215,7 +225,9 @@ def sync_every(cfg: dict, calib: dict, scenario: str) -> int:
     base, pause_ms = scenario_parts(scenario)
     if pause_ms is None:
         return cfg["sync_every"]
-    factor = float(SCENARIOS[base][1].split(":")[1])
+    spec = SCENARIOS[base][1]
+    factor = (trace_slowest(spec[len("trace:"):], workers) if spec.startswith("trace:")
+              else float(spec.split(":")[1]))
     slow_step = calib["step_s"] + factor * pause_ms / 1e3
     return max(2, round(0.3 / slow_step))
 
@@ -361,7 +373,8 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
             calib: dict) -> dict:
     """One torchrun launch; returns a raw result dict (with "error" on failure)."""
     cfg = settings(args, workload)
-    rank_dir = os.path.join(args.out, "logs", workload, scenario, f"{strategy}-{repeat}")
+    rank_dir = os.path.join(args.out, "logs", workload, file_part(scenario),
+                            f"{strategy}-{repeat}")
     os.makedirs(rank_dir, exist_ok=True)
     out_path, err_path = rank_dir + ".out", rank_dir + ".err"
     for r in range(args.workers):
@@ -382,7 +395,7 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         "--momentum", "0.9",
         "--steps", "1000000", "--time-limit", str(cfg["time_limit"]), "--eval-every", "0",
         "--snapshot-every", str(cfg["snapshot_every"]),
-        "--sync-every", str(sync_every(cfg, calib, scenario)),
+        "--sync-every", str(sync_every(cfg, calib, scenario, args.workers)),
         "--target-acc", str(cfg["target_acc"] or 1.0), "--seed", str(args.seed),
         "--group-size", str(args.group_size), "--compute-s", f"{calib['compute_s']:.6g}",
         "--step-s", f"{unit:.6g}",

@@ -7,6 +7,8 @@ import re
 import sys
 import time
 
+from trace_replay import TRACES
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "train_digits.py")
@@ -112,12 +114,24 @@ SCENARIOS = {
     "short5": ("short steps: every worker pauses P ms after each step, the last rank 5 P",
                "LAST:5"),
 }
+# Real stragglers (issue 39): trace:<name> replays a recorded trace's per-worker, per-step
+# slowdowns (benchmarks/traces/, trace_replay.py; the path is relative to the repository,
+# where the runs start). They are short-step scenarios: every worker's step is a pause of P ms
+# stretched to f x P (f its trace factor at that step), on top of a model that computes in a
+# fraction of P. On 2 cores that is what keeps a replay faithful: 4-8 workers computing would
+# saturate the cores, and the time a slowed worker sleeps would go to the others' compute, so
+# all-reduce would hardly lose to the slowdowns it replays.
+SCENARIOS.update({f"trace:{name}": (f"trace {name}: {text}",
+                                    f"trace:benchmarks/traces/{name}.csv")
+                  for name, (text, _) in TRACES.items()})
+TRACE_SCENARIOS = tuple(s for s in SCENARIOS if s.startswith("trace:"))
 # Short-step scenarios: after each step every worker pauses P ms (--pause-ms; a stand-in for
 # a step that takes P ms: the tiny workload computes in a fraction of that) and the straggler
 # F x P. This is where averaging in lockstep shows: a partial round that waits for the slow
 # worker costs a whole slow step. One scenario instance per P, named <scenario>-<P>ms.
-PAUSED = ("short5",)
+PAUSED = ("short5", *TRACE_SCENARIOS)
 DEFAULT_PAUSES_MS = (2.0, 5.0, 10.0, 20.0, 50.0)
+TRACE_PAUSE_MS = (20.0,)  # the traces' default P
 
 # name -> how it is trained and judged. "loss_key": the loss the target applies to ("loss":
 # on the training set, "test_loss": on held-out data); "target_acc" None: no accuracy target;
@@ -146,7 +160,7 @@ WORKLOADS = {
         "comparable)",
         "--workload digits --model mlp --hidden 512 --batch-size 64 --lr 0.05",
         target_loss=0.03, target_acc=0.96, time_limit=30.0, sync_every=20,
-        scenarios=SCENARIOS, repeats=1),
+        scenarios=[s for s in SCENARIOS if s not in TRACE_SCENARIOS], repeats=1),
     "wide": _workload(
         "digits wide MLP, hidden 1024, batch 16 (1.1M parameters, 4.4 MB; "
         "communication-bound)",
@@ -200,8 +214,9 @@ def log(msg: str) -> None:
 
 
 def scenario_parts(sc: str):
-    """'short5-5ms' -> ('short5', 5.0); any other name -> (name, None)."""
-    m = re.fullmatch(r"([a-z0-9_]+)-([0-9.]+)ms", sc)
+    """'short5-5ms' -> ('short5', 5.0), 'trace:x-20ms' -> ('trace:x', 20.0); any other
+    name -> (name, None)."""
+    m = re.fullmatch(r"(.+)-([0-9.]+)ms", sc)
     if m and m.group(1) in PAUSED:
         try:
             return m.group(1), float(m.group(2))
@@ -210,16 +225,23 @@ def scenario_parts(sc: str):
     return sc, None
 
 
+def file_part(sc: str) -> str:
+    """A scenario's name as part of a file or folder name ("trace:x" -> "trace-x")."""
+    return sc.replace(":", "-")
+
+
 def scenario_name(base: str, pause_ms: float) -> str:
     return f"{base}-{pause_ms:g}ms"
 
 
-def expand_scenarios(names: list, pauses: list) -> list:
-    """A short-step scenario named without its pause becomes one instance per pause."""
+def expand_scenarios(names: list, pauses) -> list:
+    """A short-step scenario named without its pause becomes one instance per pause (None:
+    the default pauses, DEFAULT_PAUSES_MS for short5, TRACE_PAUSE_MS for a trace)."""
     out = []
     for sc in names:
         if sc in PAUSED:
-            out += [scenario_name(sc, ms) for ms in pauses]
+            default = TRACE_PAUSE_MS if sc in TRACE_SCENARIOS else DEFAULT_PAUSES_MS
+            out += [scenario_name(sc, ms) for ms in (pauses or default)]
         else:
             out.append(sc)
     return list(dict.fromkeys(out))

@@ -6,8 +6,9 @@ import math
 import os
 import statistics
 
-from train_config import (BASELINES, log, loss_name, scenario_description, scenario_parts,
-                          settings, straggler_spec)
+import trace_replay
+from train_config import (BASELINES, REPO, SCENARIOS, file_part, log, loss_name,
+                          scenario_description, scenario_parts, settings, straggler_spec)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -202,6 +203,7 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
                             else max(per_rank))
     m["steps_per_s"] = fin.get("steps_per_s")
     m["steps"] = fin.get("steps")
+    m["steps_max"] = max(m["steps"]) if m["steps"] else None
     m["final_acc"] = fin.get("acc")
     m["final_loss"] = fin.get("loss")  # the averaged model's test (validation) loss
     m["train_time"] = fin.get("train_time")
@@ -241,7 +243,7 @@ VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consens
               "passed_share_mean", "steps_per_s_fast", "steps_per_s_slow", "rate_ratio",
               "steps_per_s_fast_post", "steps_per_s_slow_post", "rate_ratio_post",
               "singleton_share_fast_max", "singleton_share_slow", "warmup_steps",
-              "bytes_per_round", "round_s", "outer_every")
+              "bytes_per_round", "round_s", "outer_every", "steps_to_loss_r0", "steps_max")
 
 
 def spread(values, missing_is_late: bool):
@@ -501,7 +503,7 @@ def short_steps(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
     body = []
     for sc in plan["scenarios"]:
         base, pause = scenario_parts(sc)
-        if pause is None:
+        if pause is None or base.startswith("trace:"):  # traces: trace_table()
             continue
         for st in plan["strategies"]:
             c = cells.get((wl, sc, st))
@@ -533,6 +535,81 @@ def short_steps(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
              "them. Last column: the fast workers ran at >= 3x the straggler's rate after the "
              "warm-up and were in groups of one in < 5 % of their rounds (medians; `-`: no "
              "partial rounds).", ""] + md_table(head, body) + [""])
+
+
+# issue 39's goal on a replayed trace: at least this share of the trace's ideal gain over the
+# faster DDP, and never later than it
+GAIN_GOAL = 0.8
+
+
+def trace_ideal(sc: str, workers: int, ddp) -> tuple:
+    """(ideal speed-up, steps it is computed over) of a trace scenario for the faster DDP's
+    run: over the steps DDP took to the target (its rank 0 model is the average), else over
+    all the steps it ran; (None, None) without a finished DDP cell."""
+    steps = median(ddp, "steps_to_loss_r0") or median(ddp, "steps_max")
+    if not steps:
+        return None, None
+    path = os.path.join(REPO, SCENARIOS[sc][1][len("trace:"):])
+    f = trace_replay.factors(path, workers)
+    return trace_replay.ideal_speedup(f, int(steps)), int(steps)
+
+
+def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> list[str]:
+    """The replayed production traces (issue 39): per trace and strategy, the averaged
+    model's speed-up to the target over the faster DDP beside the trace's ideal speed-up,
+    the share of the ideal gain it reached, and whether the workers averaged and the model is
+    as good as DDP's."""
+    bases = baselines(plan)
+    head = ["trace", "P (ms)", "strategy", "ideal", "faster DDP", "DDP time (s)",
+            "time (s)", "speed-up", "share of ideal gain", ">= 80 % and >= 1.0x",
+            "final acc (DDP)", "final test loss (DDP)", "groups of one % (worst)",
+            "consensus end (max over time)"]
+    body = []
+    for sc in plan["scenarios"]:
+        base, pause = scenario_parts(sc)
+        if not base.startswith("trace:"):
+            continue
+        done = [b for b in bases if finished(cells.get((wl, sc, b)))
+                and median(cells[(wl, sc, b)], "time_to_loss_avg") is not None]
+        if not done:
+            continue
+        best = min(done, key=lambda b: median(cells[(wl, sc, b)], "time_to_loss_avg"))
+        ddp = cells[(wl, sc, best)]
+        tb = median(ddp, "time_to_loss_avg")
+        ideal, _ = trace_ideal(base, workers, ddp)
+        for st in plan["strategies"]:
+            c = cells.get((wl, sc, st))
+            if st in bases or c is None:
+                continue
+            name = base[len("trace:"):]
+            if not finished(c):
+                body.append([name, fmt(pause, "g"), st, f"FAILED: {c['errors'][0]}"]
+                            + [""] * (len(head) - 4))
+                continue
+            t = median(c, "time_to_loss_avg")
+            up = None if not t else tb / t
+            share = (None if up is None or ideal is None or ideal <= 1.0
+                     else (up - 1.0) / (ideal - 1.0))
+            met = ("-" if up is None or share is None
+                   else "yes" if share >= GAIN_GOAL and up >= 1.0 else "no")
+            body.append([name, fmt(pause, "g"), st, fmt(ideal, ".2f"), best, fmt(tb, ".2f"),
+                         fmt_time(c["time_to_loss_avg"]), fmt(up, ".2f"),
+                         "-" if share is None else f"{100 * share:.0f} %", met,
+                         f"{fmt_spread(c['final_acc'], '.3f')} "
+                         f"({fmt(median(ddp, 'final_acc'), '.3f')})",
+                         f"{fmt_spread(c['final_loss'], '.3f')} "
+                         f"({fmt(median(ddp, 'final_loss'), '.3f')})",
+                         fmt_pct(c, "singleton_share_max"), fmt_consensus(c)])
+    if not body:
+        return []
+    return ([f"Replayed production traces ({workers} workers): every worker's step is a "
+             "pause of P ms stretched to f x P, f its factor in the trace at that step "
+             "(benchmarks/traces/README.md says where the traces come from). `ideal` = the "
+             "speed-up over all-reduce of workers that never wait, over the steps the faster "
+             "DDP took to the target (benchmarks/trace_replay.py); `speed-up` = the faster "
+             "DDP's median time to the target over this strategy's; share of ideal gain = "
+             "(speed-up - 1) / (ideal - 1). Groups of one: the worst worker's share of its "
+             "partial rounds.", ""] + md_table(head, body) + [""])
 
 
 def plot(wl: str, sc: str, runs: list, cfg: dict, workers: int, path: str) -> None:
@@ -648,13 +725,14 @@ def report(args, out: dict) -> list[str]:
                    "column.)", ""]
         md += summary(wl, plan, cells, cfg)
         md += short_steps(wl, plan, cells, cfg)
+        md += trace_table(wl, plan, cells, cfg, args.workers)
         for sc in plan["scenarios"]:
             pause = scenario_parts(sc)[1]
             md += [f"### {wl} / {sc}: {scenario_description(sc)} (--straggler "
                    f"{straggler_spec(sc, args.workers) or 'none'}"
                    f"{'' if pause is None else f', --pause-s {pause / 1e3:g}'})", ""]
             md += table(wl, sc, plan, cells, cfg)
-            png = f"{wl}_{sc}.png"
+            png = f"{wl}_{file_part(sc)}.png"
             runs = [r for r in results if r["workload"] == wl and r["scenario"] == sc]
             try:
                 plot(wl, sc, runs, cfg, args.workers, os.path.join(args.out, png))

@@ -36,6 +36,10 @@ Stragglers (--straggler):
   R:F        worker R is F times slower: after each step it sleeps (F-1) x the delay unit
   p:F        each step one worker, drawn at random (the same draw on every worker), is slowed
   pX:F       each step each worker is slowed independently with probability X (e.g. p0.1:5)
+  trace:FILE a recorded straggler trace (benchmarks/traces/*.csv: one row per step, one
+             column per traced worker): worker w follows column w (w mod columns), its step t
+             row t mod rows, each row divided by its minimum over the columns used; worker w
+             is f x slower at step t: it sleeps (f-1) x the delay unit after it
 The blog's rare long stalls (1 s on a ~55 ms step at 1-2 % of steps) are pX:F with a large F,
 e.g. p0.02:19. The delay unit is --step-s if given (benchmarks/train.py passes the step time of
 synchronous DDP, so "5x slower" means what it means in the paper), else the compute time,
@@ -209,11 +213,37 @@ def round_stats(optimizer, strategy: str, tft=None) -> dict:
 # ----------------------------------------------------------------------------- stragglers
 
 
+def load_trace(path: str, world: int) -> list:
+    """Per step, this job's factors of a trace table (see --straggler trace:FILE): the first
+    ``world`` columns (column w mod columns), each row divided by its minimum over them."""
+    try:
+        with open(path) as f:
+            lines = [ln for ln in f if ln.strip() and not ln.startswith("#")]
+    except OSError as e:
+        raise SystemExit(f"--straggler trace:{path}: {e.strerror}")
+    rows = []
+    for i, ln in enumerate(lines[1:], start=2):
+        try:
+            row = [float(v) for v in ln.split(",")]
+        except ValueError:
+            raise SystemExit(f"--straggler trace:{path}: row {i} is not a list of numbers")
+        if len(row) != len(lines[0].split(",")) or min(row) <= 0:
+            raise SystemExit(f"--straggler trace:{path}: row {i} needs one positive factor "
+                             "per worker")
+        use = [row[w % len(row)] for w in range(world)]
+        rows.append([v / min(use) for v in use])
+    if not rows:
+        raise SystemExit(f"--straggler trace:{path}: no rows")
+    return rows
+
+
 def parse_straggler(spec: str | None, world: int):
-    """Returns a function step -> bool telling whether *this* worker is slowed at ``step``,
-    and the factor."""
+    """Returns who is slowed (a rank, "p", "pX" or "trace") and the factor (for a trace, its
+    per-step factors of every worker)."""
     if not spec or spec.lower() in ("none", "0", "off"):
         return None, 1.0
+    if spec.startswith("trace:"):
+        return "trace", load_trace(spec[len("trace:"):], world)
     try:
         who, factor = spec.split(":")
         factor = float(factor)
@@ -233,7 +263,11 @@ class Straggler:
         self.pause_s = 0.0  # every worker's pause after each step (--pause-s)
         self.slept = 0.0
         self.slowed_steps = 0
-        if self.who is not None and self.who not in ("p",) and not self.who.startswith("p"):
+        self.factor_sum = 0.0  # a trace replay: the sum of the factors applied
+        self.trace = None
+        if self.who == "trace":
+            self.trace, self.factor = self.factor, 1.0
+        elif self.who is not None and self.who != "p" and not self.who.startswith("p"):
             r = int(self.who)
             if not 0 <= r < world:
                 raise SystemExit(f"--straggler: rank {r} is not in 0..{world - 1}")
@@ -248,9 +282,19 @@ class Straggler:
             return random.Random((self.seed * 1_000_003 + step) * 131 + self.rank).random() < prob
         return int(self.who) == self.rank
 
+    def trace_factor(self, step: int) -> float:
+        """This worker's factor at its ``step`` (0-based) in a trace replay."""
+        return self.trace[step % len(self.trace)][self.rank]
+
     def after_step(self, step: int) -> None:
         d = self.pause_s
-        if self.slowed(step):
+        if self.trace is not None:
+            f = self.trace_factor(step)
+            if f > 1.0:
+                d += (f - 1.0) * (self.step_s or self.compute_s)
+                self.slowed_steps += 1
+            self.factor_sum += f
+        elif self.slowed(step):
             d += (self.factor - 1.0) * (self.step_s or self.compute_s)
             self.slowed_steps += 1
         if d > 0:  # one sleep: two would overshoot twice
@@ -635,6 +679,9 @@ def parse_args(argv=None):
     p.add_argument("--target-acc", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default=None)
+    p.add_argument("--log-steps", action="store_true",
+                   help="write every step's wall time (and a trace replay's factor) to "
+                        "--log-dir/rank<R>.jsonl as {\"event\": \"step\", ...}")
     p.add_argument("--quiet", action="store_true", help="rank 0 prints only the final line")
     p.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -857,6 +904,10 @@ def run(args):
         # (all-reduce) pass here at about the same time, so their snapshots mostly match
         eval_s += snaps.take(module, clock(), step + 1)
         straggler.after_step(step)
+        if args.log_steps:  # one record per step: the replay's factor and the step's wall time
+            emit({"event": "step", "rank": rank, "step": step,
+                  "factor": straggler.trace_factor(step) if straggler.trace else None,
+                  "seconds": round(time.perf_counter() - t_step, 6)}, stdout=False)
         loss_n += 1
         stop = False
         met = False  # all workers have just met in an exact collective on the clock
@@ -919,6 +970,8 @@ def run(args):
                "comm_wait_s": round(max(0.0, busy - step * straggler.compute_s), 4),
                "straggler_sleep_s": round(straggler.slept, 4),
                "slowed_steps": straggler.slowed_steps,
+               "trace_factor_mean": (round(straggler.factor_sum / step, 4)
+                                     if straggler.trace is not None and step else None),
                "consensus": float(f"{consensus:.6g}")}
     try:
         summary.update(round_stats(optimizer, args.strategy, tft))

@@ -173,9 +173,9 @@ def test_scenarios_slow3_and_short_steps_parse():
     assert h.plan["transformer-l"]["scenarios"] == ["slow5", "slow3"]
     assert h.warmup_steps == "wrap"  # wrap()'s own default unless told
     # about 0.3 s of the straggler's steps between time-limit agreements
-    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-10ms") == 6
-    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-100ms") == 2
-    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "slow3") == 20
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-10ms", 4) == 6
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "short5-100ms", 4) == 2
+    assert b.sync_every({"sync_every": 20}, {"step_s": 0.001}, "slow3", 4) == 20
 
 
 @pytest.mark.parametrize("argv, message", [
