@@ -23,7 +23,10 @@
  *     (rpl_gg_next_deadline), so waits for partners, the isolation bound's holds and the
  *     arrival filter act as in the coordinator.
  * Scenarios: homog; slow2 / slow5 (worker 0 always 2x / 5x slower); random (every worker is
- * 5x slower in a step with probability 1/n); --slow-factor F replaces the 5 of both.
+ * 5x slower in a step with probability 1/n); --slow-factor F replaces the 5 of both; trace
+ * (--trace FILE, a table from benchmarks/traces: worker w computes f[t][w] in its step t, as
+ * benchmarks/trace_replay.py reads it -- column w mod columns, row t mod rows, each row divided
+ * by its minimum over the columns used; no other noise).
  * "allreduce" is the global-barrier baseline.
  * Reported per run: rounds per worker per unit of simulated time, mean time a round waits for
  * its members (request -> group handed), conflicts per 1000 groups, singletons (share of
@@ -34,7 +37,7 @@
  * Rounds count passed ones: rounds/worker/t is then steps per unit of time.
  *
  *   gg_sim [--workers N] [--per-host L] [--policy P|all] [--scenario S|all] [--rounds R]
- *          [--jitter J] [--slow-factor F]
+ *          [--jitter J] [--slow-factor F] [--trace FILE]
  *          [--group-size G] [--c-thres C] [--inter-intra] [--seed S] [--json]
  *          [--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS]
  *          [--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1]
@@ -125,6 +128,8 @@ typedef struct {
   int partner_wait_ms, max_isolated, arrival_filter; /* rpl_gg_config; 0 = default */
   int speed_aware;            /* rpl_gg_config; 0 = on (default), negative = the previous rules */
   int period_max;             /* rpl_gg_config; 0 = default, 1 or negative = every request */
+  const double *trace;        /* --trace: rows x workers factors (row-major), NULL if none */
+  int trace_rows;
 } params;
 
 typedef struct {
@@ -137,15 +142,98 @@ typedef struct {
   rpl_gg_stats gg;                   /* the GG's counters (--gg-stats) */
 } result;
 
-enum { SC_HOMOG, SC_SLOW2, SC_SLOW5, SC_RANDOM, SC_COUNT };
-static const char *sc_names[] = {"homog", "slow2", "slow5", "random"};
+enum { SC_HOMOG, SC_SLOW2, SC_SLOW5, SC_RANDOM, SC_TRACE, SC_COUNT };
+static const char *sc_names[] = {"homog", "slow2", "slow5", "random", "trace"};
 
-static double compute_time(const params *p, int sc, int w) {
+/* Worker w's compute in its step k (0-based). */
+static double compute_time(const params *p, int sc, int w, uint64_t k) {
+  if (sc == SC_TRACE) return p->trace[(k % (uint64_t)p->trace_rows) * (uint64_t)p->workers + w];
   double t = 0.95 + 0.1 * urand();
   if ((sc == SC_SLOW2 && w == 0)) t *= 2;
   if ((sc == SC_SLOW5 && w == 0)) t *= p->slow_factor;
   if (sc == SC_RANDOM && urand() < 1.0 / p->workers) t *= p->slow_factor;
   return t;
+}
+
+/* Reads a factor table (a table of benchmarks/traces: '#' lines, a header, then one row of
+ * positive numbers per step) into p->trace for p->workers workers: column w mod columns, each
+ * row divided by its minimum over them. Returns 0, or -1 with a message on stderr. */
+static int load_trace(params *p, const char *path) {
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    fprintf(stderr, "gg_sim: --trace %s: cannot open it\n", path);
+    return -1;
+  }
+  char line[1 << 14];
+  int cols = 0, rows = 0, cap = 0, rc = 0;
+  double *tab = NULL, row[1024];
+  while (rc == 0 && fgets(line, sizeof line, f)) {
+    if (line[0] == '#' || line[0] == '\n') continue;
+    if (cols == 0) { /* the header: count the columns */
+      cols = 1;
+      for (const char *c = line; *c; c++) cols += *c == ',';
+      if (cols > (int)(sizeof row / sizeof *row)) rc = -1;
+      continue;
+    }
+    int k = 0;
+    char *c = line, *end;
+    double lo = 0;
+    while (k < cols) {
+      row[k] = strtod(c, &end);
+      if (end == c || !(row[k] > 0)) break;
+      k++;
+      c = end + (*end == ',');
+    }
+    if (k != cols) {
+      fprintf(stderr, "gg_sim: --trace %s: row %d needs %d positive numbers\n", path,
+              rows + 1, cols);
+      rc = -1;
+      break;
+    }
+    if (rows == cap) {
+      cap = cap ? 2 * cap : 256;
+      tab = realloc(tab, sizeof *tab * (size_t)cap * (size_t)p->workers);
+    }
+    for (int w = 0; w < p->workers; w++)
+      if (w == 0 || row[w % cols] < lo) lo = row[w % cols];
+    for (int w = 0; w < p->workers; w++)
+      tab[(size_t)rows * (size_t)p->workers + (size_t)w] = row[w % cols] / lo;
+    rows++;
+  }
+  fclose(f);
+  if (rc == 0 && rows == 0) {
+    fprintf(stderr, "gg_sim: --trace %s: no rows (or more than %zu columns)\n", path,
+            sizeof row / sizeof *row);
+    rc = -1;
+  }
+  if (rc != 0) {
+    free(tab);
+    return -1;
+  }
+  p->trace = tab;
+  p->trace_rows = rows;
+  return 0;
+}
+
+/* The trace's ideal speed-up over all-reduce over the steps all-reduce runs (--rounds, the
+ * rows looped; trace_replay.py's ideal_speedup): the sum of every step's slowest worker over
+ * the harmonic mean of the workers' totals. */
+static double trace_ideal(const params *p) {
+  double ddp = 0, inv = 0;
+  for (int k = 0; k < p->rounds; k++) {
+    const double *row = p->trace + (size_t)(k % p->trace_rows) * (size_t)p->workers;
+    double mx = 0;
+    for (int w = 0; w < p->workers; w++)
+      if (row[w] > mx) mx = row[w];
+    ddp += mx;
+  }
+  for (int w = 0; w < p->workers; w++) {
+    double own = 0;
+    for (int k = 0; k < p->rounds; k++)
+      own += p->trace[(size_t)(k % p->trace_rows) * (size_t)p->workers + (size_t)w];
+    inv += 1.0 / own;
+  }
+  return ddp * inv / p->workers;
 }
 
 static double spread(double (*x)[DIM], int n) {
@@ -175,7 +263,7 @@ static int run_allreduce(const params *p, int sc, result *r) {
   for (int k = 0; k < p->rounds; k++) {
     double mx = 0, sum = 0;
     for (int w = 0; w < n; w++) {
-      double c = compute_time(p, sc, w);
+      double c = compute_time(p, sc, w, (uint64_t)k);
       sum += c;
       if (c > mx) mx = c;
     }
@@ -280,7 +368,7 @@ static void drain(sim *s) {
 static void after_round(sim *s, int w) {
   const params *p = s->p;
   if (p->exact_every <= 0 || s->round[w] % (uint64_t)p->exact_every != 0) {
-    push(s, s->now + compute_time(p, s->sc, w), w, EV_COMPUTE, 0);
+    push(s, s->now + compute_time(p, s->sc, w, s->round[w]), w, EV_COMPUTE, 0);
     return;
   }
   if (s->fences) send_msg(s, w, EV_FENCE);
@@ -324,7 +412,7 @@ static int step(sim *s, sim_ev e) {
       return 0;
     case EV_EXACT_END:
       if (s->fences && !p->late_unfence) send_msg(s, w, EV_UNFENCE);
-      push(s, s->now + compute_time(p, s->sc, w), w, EV_COMPUTE, 0);
+      push(s, s->now + compute_time(p, s->sc, w, s->round[w]), w, EV_COMPUTE, 0);
       return 0;
     case EV_DEADLINE:
       if (s->deadline_ev == e.t) s->deadline_ev = -1;
@@ -433,7 +521,7 @@ static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
   s.asked = calloc((size_t)n, sizeof *s.asked);
   s.sent = calloc((size_t)n, sizeof *s.sent);
   s.members = malloc(sizeof(int) * (size_t)n);
-  for (int w = 0; w < n; w++) push(&s, compute_time(p, sc, w), w, EV_COMPUTE, 0);
+  for (int w = 0; w < n; w++) push(&s, compute_time(p, sc, w, 0), w, EV_COMPUTE, 0);
   uint64_t target = (uint64_t)p->rounds * (uint64_t)n;
   int rc = 0;
   while (s.h.n > 0 && s.min_done < (uint64_t)p->rounds && s.done_rounds < 4 * target && rc == 0)
@@ -470,14 +558,15 @@ static void report(const params *p, const char *pol, int sc, const result *r, in
            "\"conflicts_per_1000_groups\":%.2f,\"singleton_fraction\":%.4f,"
            "\"singleton_share_rounds\":%.4f,\"singleton_share_worst\":%.4f,"
            "\"singleton_run_max\":%u,\"pass_share_rounds\":%.4f,"
-           "\"consensus_time_1e3\":%.3f,\"consensus_time_1e6\":%.3f,\"sim_time\":%.2f}",
+           "\"consensus_time_1e3\":%.3f,\"consensus_time_1e6\":%.3f,\"sim_time\":%.2f,"
+           "\"trace_ideal_speedup\":%.4f}",
            first ? "" : ",", pol, sc_names[sc], p->workers, p->per_host, p->group_size,
            p->c_thres, p->exact_every, p->late_unfence, p->partner_wait_ms, p->max_isolated,
            p->arrival_filter, p->period_max, p->speed_aware, p->jitter, p->slow_factor, p->step_ms,
            r->rounds_per_time, r->slowest_rounds_per_time, r->median_rounds_per_time,
            r->mean_wait, r->conflicts_per_k,
            r->singleton_frac, r->single_share, r->single_worst, r->run_max, r->pass_share,
-           r->t_1e3, r->t_1e6, r->sim_time);
+           r->t_1e3, r->t_1e6, r->sim_time, sc == SC_TRACE ? trace_ideal(p) : 0.0);
   else
     printf("%-9s %-7s %6d %10.4f %10.4f %6.2f %9.4f %9.2f %8.4f %7.4f %7.4f %4u %6.4f %9.2f "
            "%9.2f\n",
@@ -505,7 +594,7 @@ static void usage(void) {
           "usage: gg_sim [--workers N] [--per-host L] [--policy P|all|allreduce] "
           "[--scenario homog|slow2|slow5|random|all] [--rounds R] [--group-size G] "
           "[--c-thres C] [--inter-intra] [--seed S] [--gg-lat T] [--alpha A] [--beta B] "
-          "[--jitter J] [--slow-factor F] "
+          "[--jitter J] [--slow-factor F] [--trace FILE] "
           "[--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS] "
           "[--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] "
           "[--speed-aware 0|-1] [--period-max P] [--old-policy] [--json] [--gg-stats]\n"
@@ -559,7 +648,7 @@ static void set_num_opt(params *p, const num_opt *o, const char *v) {
 int main(int argc, char **argv) {
   params p = {.workers = 16, .per_host = 4, .rounds = 200, .seed = 1, .gg_lat = 0.002,
               .alpha = 0.02, .beta = 0.1, .exact_cost = -1, .step_ms = 100, .slow_factor = 5};
-  const char *policy = "all", *scenario = "all";
+  const char *policy = "all", *scenario = "all", *trace = NULL;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     const num_opt *o = find_num_opt(a);
@@ -568,6 +657,7 @@ int main(int argc, char **argv) {
       i++;
     } else if (!strcmp(a, "--policy")) policy = v, i++;
     else if (!strcmp(a, "--scenario")) scenario = v, i++;
+    else if (!strcmp(a, "--trace")) trace = v, i++;
     else if (!strcmp(a, "--late-unfence")) p.late_unfence = 1;
     else if (!strcmp(a, "--old-policy")) {
       p.partner_wait_ms = p.max_isolated = p.arrival_filter = -1;
@@ -586,6 +676,17 @@ int main(int argc, char **argv) {
                     "--exact-every >= 0, --step-ms > 0\n");
     return 2;
   }
+  if (trace) {
+    if (p.workers > 4096) {
+      fprintf(stderr, "gg_sim: --trace needs --workers <= 4096\n");
+      return 2;
+    }
+    if (load_trace(&p, trace) != 0) return 2;
+    if (!strcmp(scenario, "all")) scenario = "trace";
+  } else if (!strcmp(scenario, "trace")) {
+    fprintf(stderr, "gg_sim: --scenario trace needs --trace FILE\n");
+    return 2;
+  }
   const char *pols[] = {"allreduce", "static", "random", "smart", "smart+ii", "adpsgd"};
   int first = 1;
   if (p.json) printf("[");
@@ -597,6 +698,7 @@ int main(int argc, char **argv) {
     if (strcmp(policy, "all") && strcmp(policy, pols[pi])) continue;
     for (int sc = 0; sc < SC_COUNT; sc++) {
       if (strcmp(scenario, "all") && strcmp(scenario, sc_names[sc])) continue;
+      if (sc == SC_TRACE && !p.trace) continue; /* "all": the synthetic scenarios */
       rs = p.seed * 0x9e3779b97f4a7c15ull + (uint64_t)sc * 7919 + 1;
       result r;
       params q = p;
@@ -616,5 +718,6 @@ int main(int argc, char **argv) {
     }
   }
   if (p.json) printf("\n]\n");
+  free((void *)p.trace);
   return 0;
 }
