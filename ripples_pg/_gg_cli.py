@@ -40,9 +40,10 @@ def add_policy_args(p: argparse.ArgumentParser, default_policy: str) -> None:
                    help="groups of one in a row a worker may get while others live; "
                         "0 = default (2), -1 = no bound")
     p.add_argument("--period-max", type=_period_max, default=0, metavar="P",
-                   help="adaptive period (random, smart, adpsgd): while no worker falls "
-                        "behind, a worker averages only every P-th request and the "
-                        "coordinator passes the others; 0 = default (1), 1 or -1 = every "
+                   help="adaptive period (random, smart, adpsgd): while the job keeps its "
+                        "pace, a worker averages only every P-th request and the "
+                        "coordinator passes the others (a straggler, its step over 2x the "
+                        "median, averages with whoever is due); 0 = default (1), 1 or -1 = every "
                         "request (the paper)")
     p.add_argument("--seed", type=int, default=0)
 

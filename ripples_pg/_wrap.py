@@ -51,8 +51,8 @@ DEFAULT_WARMUP_STRAGGLER = 2.0
 # on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
 # missed averaging step -- the buffers are left as they were, atomically -- while raising would
 # end the training of every survivor. Exact collectives still raise.
-# period_max=2: with no straggler the coordinator lets the workers average every 2nd step only
-# (back to every step as soon as one falls behind). Chosen with benchmarks/train.py
+# period_max=2: the coordinator lets the workers average every 2nd step only (a straggler with
+# whoever is due; everyone at every step for a while when one slows down just now). Chosen with benchmarks/train.py
 # (docs/benchmarks.md, "No straggler"): level with exact DDP on all three workloads, where 4
 # won on the wide MLP but lost on the ResNet and the Transformer (the replicas drift further
 # apart between averages).
@@ -302,9 +302,9 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             trace, period_max, compression: ``ripples_pg.Options`` of the partial group that
             ``wrap`` creates over the DDP group's ranks (``None``: the ``RIPPLES_*``
             environment, else the default). ``wrap``'s defaults: the straggler-aware
-            ``"smart"`` schedule, groups of 3, ``period_max=2`` (while no worker falls
-            behind, the coordinator lets the workers average every 2nd step only; at every
-            step again as soon as one does; ``1`` = every step, as in the paper; with
+            ``"smart"`` schedule, groups of 3, ``period_max=2`` (the coordinator lets the
+            workers average every 2nd step only, a straggler with whoever is due; ``1`` = every
+            step, as in the paper; with
             ``sync_every`` the default is ``1``: every H-th step's round runs),
             ``on_failure="skip"`` (a partial round that fails because a partner died is a
             missed averaging step, counted in ``ripples_pg.stats()``, not the end of

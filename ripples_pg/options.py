@@ -279,8 +279,9 @@ _FIELDS: dict[str, _Field] = {
                "Groups of one in a row a worker may get while others live; None = the "
                "coordinator's default (2), -1 = no bound."),
         _Field("period_max", _int_at_least(-1, "1 or less = average at every step", _GG_MAX_PERIOD), None,
-               "Dynamic schedules: while no worker falls behind, average only every "
-               "period_max-th step (the coordinator passes the others); None/0 = the "
+               "Dynamic schedules: while the job keeps its pace, average only every "
+               "period_max-th step (the coordinator passes the others; a straggler "
+               "averages at least every other step); None/0 = the "
                "coordinator's default (1: every step, as in the paper; wrap() uses 2), "
                "1 or -1 = every step."),
         _Field("coordinator", _parse_coordinator, "embedded",
@@ -364,12 +365,13 @@ class Options:
         max_isolated: dynamic schedules: after this many groups of one in a row a worker
             waits (bounded) until it is placed in a group of two or more (``None``: 2,
             ``-1``: no bound).
-        period_max: dynamic schedules, the coordinator's adaptive period: while every
-            worker keeps the bulk's pace, a worker averages only every ``period_max``-th
-            partial round (the coordinator passes the others: ``stats()["passed"]``), and at
-            every round again as soon as one falls behind (``None``, ``0``, ``1``, ``-1``:
-            every round, as in the paper; ``ripples_pg.wrap()`` uses 2). Not for
-            ``"static"``.
+        period_max: dynamic schedules, the coordinator's adaptive period: while the job
+            keeps its pace, a worker averages only every ``period_max``-th partial round
+            (the coordinator passes the others: ``stats()["passed"]``); a straggler (its
+            step over 2x the median) averages at least every other round, and one that slows
+            down just now makes every round average until it is known slow (``None``, ``0``,
+            ``1``, ``-1``: every round, as in the paper; ``ripples_pg.wrap()`` uses 2). Not
+            for ``"static"``.
         coordinator: ``"embedded"`` (the default: the group's rank 0 runs it, ranks 1 and 2
             run standbys) or the ``tcp://HOST:PORT`` endpoint of a standalone
             ``ripples-coordinator``, optionally followed by those of standby ones

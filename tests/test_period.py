@@ -44,7 +44,10 @@ def task_period(ctx, calm_rounds, slow_rounds):
     chk.true(s["passed"] >= calm_rounds // 4, "equal speeds: the period passes rounds", str(s))
     chk.true(s["passed"] == sum(1 for e in tr if e["group_id"] == 0), "passes = traced passes",
              f"{s['passed']} vs trace")
-    chk.true(_pass_runs(tr) <= 3, "at most period_max - 1 passes in a row", str(_pass_runs(tr)))
+    # period_max - 1 passes in a row, then a due group the worker may be late for (it passes
+    # it and is due again with that group; never twice in a row): at most 2 period_max - 1
+    chk.true(_pass_runs(tr) <= 7, "at most 2 period_max - 1 passes in a row",
+             str(_pass_runs(tr)))
     chk.true(s["reduced"] + s["singletons"] + s["passed"] == s["rounds"] == calm_rounds,
              "every round reduced, alone or passed", str(s))
     chk.true(s["period"] in (1, 4), "the period reported is 1 or period_max", str(s))
@@ -53,7 +56,9 @@ def task_period(ctx, calm_rounds, slow_rounds):
     chk.close(after, total, "the sum over workers is kept (passes included)", atol=1e-6,
               rtol=1e-9)
 
-    # The last rank slows down 8x: the period falls back to 1, and nobody passes while it is slow.
+    # The last rank slows down 8x: once it is known slow it averages at every other request at
+    # least (it passes only where nobody is due to average with it; the others may keep their
+    # period: the bulk is calm at its own pace).
     dist.barrier()
     n0 = len(ripples_pg.trace(g))
     slow = ctx.rank == ctx.ws - 1
@@ -63,16 +68,21 @@ def task_period(ctx, calm_rounds, slow_rounds):
     tr = ripples_pg.trace(g)[n0:]
     st = ripples_pg.stats(g)
     dist.barrier()  # fences: a worker done with its rounds is in nobody's group any more
-    if not slow:
+    if slow:
         late = tr[len(tr) // 2:]
-        chk.true(all(e["group_id"] != 0 for e in late),
-                 "no passes once a worker is 8x slow", str([e["group_id"] for e in tr]))
-        chk.true(st["period"] == 1, "the period is back to 1", str(st))
+        chk.true(_pass_runs(late) <= 1, "the 8x slow worker is never passed twice in a row",
+                 str([e["group_id"] for e in tr]))
+    chk.true(st["reduced"] + st["singletons"] + st["passed"] == st["rounds"],
+             "every round reduced, alone or passed", str(st))
+    after = x.clone()
+    dist.all_reduce(after)
+    chk.close(after, total, "the sum over workers is kept with a straggler", atol=1e-6,
+              rtol=1e-9)
     chk.finish()
     return True
 
 
-def test_period_passes_at_equal_speeds_and_falls_with_a_straggler():
+def test_period_passes_at_equal_speeds_and_serves_a_straggler():
     _dist.run_spawn(task_period, 4, 40, 16, timeout=180)
 
 

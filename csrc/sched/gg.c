@@ -42,12 +42,15 @@
  *             the counters c never drift apart for the slowdown filter to see it.
  *   static  - the static schedule's group for the request's round (for simulation).
  * The adaptive period (not static) sits in front of all this: while the job is calm -- every
- * live worker's compute step measured and within GG_BEHIND of the bulk's, none computing for
- * GG_OVERDUE bulk steps -- a worker with nothing generated for it and nobody waiting
- * for partners is answered PASS at once, period_max - 1 times out of period_max. The first
- * worker due starts a group or division as above; the others' next requests take their
- * groups from their buffers, so the job averages together every period_max steps. A request
- * that finds the job not calm sets the period to 1 before it is served.
+ * live worker's compute step measured, none computing for GG_OVERDUE of its expected steps --
+ * a worker with nothing generated for it and nobody waiting for partners is answered PASS at
+ * once, period_max - 1 times out of period_max, unless it is a straggler (its step over
+ * GG_BEHIND of the bulk's: passed only when nobody is due to average with it, never twice in
+ * a row; with speed_aware off a straggler makes the job not calm). The first worker due starts a group or division as above; the
+ * others' next requests take their groups from their buffers, so the job averages together
+ * every period_max steps; a member late for such a group by half an arrival window
+ * passes it instead (gg_speed.c). A request that finds the job not calm sets the period to 1
+ * before it is served.
  *
  * Files: this one holds the state machine (buffers, the pending list, creating, handing and
  * cancelling groups, the workers' events, introspection); gg_generate.c what each policy
@@ -362,6 +365,7 @@ rpl_status gg_try_hand(rpl_gg *gg, gg_group *g, rpl_error *err) {
     } else {
       w->lonely = 0;
       w->since = 0;
+      w->missed_last = 0;
     }
     if (ev_push(gg, RPL_EV_GROUP, g->members[i], g, w->waiting_round, -1, RPL_REASON_NONE) != 0)
       return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
@@ -474,7 +478,6 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
     return gg_request_static(gg, w, round, err);
   }
   if (gg_period_pass(gg, me)) {
-    me->since++;
     me->passes++;
     me->handed_at = me->free_at = gg->now; /* its steps are measured from this answer */
     gg->st.passes++;

@@ -45,12 +45,14 @@ static int draw_others(rpl_gg *gg, int w, int k, int *out) {
 }
 
 /* Splits a[0..n) (already shuffled) into max(1, round(n/g)) groups whose sizes differ by at
- * most one, and creates them. */
+ * most one -- but never a group of one beside others (3 workers in pairs: one group of 3, not
+ * a pair and a no-op round) -- and creates them. */
 static rpl_status partition_create(rpl_gg *gg, int *a, int n, rpl_phase phase, int heads,
                                    int initiator, uint64_t division, rpl_error *err) {
   if (n <= 0) return RPL_OK;
   int g = gg->group_size;
   int k = (n + g / 2) / g;
+  if (k > n / 2) k = n / 2;
   if (k < 1) k = 1;
   for (int i = 0; i < k; i++) {
     int lo = (int)((int64_t)i * n / k), hi = (int)((int64_t)(i + 1) * n / k);

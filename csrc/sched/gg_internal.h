@@ -14,9 +14,10 @@ enum { G_PENDING = 0, G_HANDED = 1, G_CANCELLED = 2 };
 /* The slowdown filter takes a worker behind for a straggler only if its measured step is this
  * many times the bulk's (chance drift is a few percent; a straggler is slower by its factor). */
 #define GG_SLOWER 1.5
-/* The adaptive period counts a worker as falling behind once its compute step is GG_BEHIND
- * times the bulk's, or it has computed GG_OVERDUE of the bulk's steps without asking (a 5x
- * straggler is seen four steps into its slow one). Looser than the slowdown filter: steps of a
+/* The adaptive period counts a worker as a straggler once its compute step is GG_BEHIND times
+ * the bulk's (speed-aware: passed only when nobody is due for it, the bulk keeps its period), and the job as not calm
+ * while a worker has computed GG_OVERDUE of its expected steps without asking (a 5x straggler
+ * is seen four steps into its slow one). Looser than the slowdown filter: steps of a
  * few milliseconds on loaded cores vary by 2x from step to step (measured: 4 workers on 2
  * cores, 5 ms steps), and every false alarm costs period_max steps of averaging. */
 #define GG_BEHIND 2.0
@@ -33,6 +34,15 @@ enum { G_PENDING = 0, G_HANDED = 1, G_CANCELLED = 2 };
  * members are waiting: an arrival predicted wrongly (a worker slowed just now) costs the fast
  * members a bounded wait, not the straggler's step. */
 #define GG_EVICT_WINDOWS 2.0
+/* ... but while the job is calm (the adaptive period above 1), after this many arrival windows:
+ * nobody but a known straggler is slow then, a member late for a due group was slowed in this
+ * step only, and it is cheaper for it to average at the next due step than for the group to
+ * wait for it (it passes once; a worker that missed its last due group is kept and waited for
+ * as before, so a mildly slow worker still averages at least every 2 x period_max
+ * requests). Chosen with gg_sim on the production traces (benchmarks/gg_sim_traces.py). */
+#ifndef GG_CALM_EVICT_WINDOWS
+#define GG_CALM_EVICT_WINDOWS 0.5
+#endif
 
 typedef struct gg_group {
   uint64_t id;
@@ -44,6 +54,7 @@ typedef struct gg_group {
   uint8_t phase;
   uint8_t heads;
   uint8_t evictable;           /* smart, speed_aware, 3+ members: late members may be dropped */
+  uint8_t calm;                /* its deadline was armed in a calm job (GG_CALM_EVICT_WINDOWS) */
   double deadline;             /* ... after this, armed when its first member is ready (< 0) */
   struct gg_group *prev, *next; /* pending list, generation order */
   int members[];               /* sorted */
@@ -74,6 +85,9 @@ typedef struct gg_worker {
   double comp;                 /* EWMA of free_at -> next request: its compute alone, 0 = unknown */
   uint8_t late;                /* dropped from a group for lateness: admitted again only once
                                   it asks (speed_aware) */
+  uint8_t missed;              /* ... while the job was calm: its next request passes */
+  uint8_t missed_last;         /* it missed a due group and has not averaged since: the next
+                                  due group waits for it (never dropped twice in a row) */
   uint64_t passes;
   gg_group **buf;
   int blen, bcap;
@@ -98,6 +112,7 @@ struct rpl_gg {
   double partner_wait;         /* seconds; 0 = adaptive, negative = never wait */
   int max_isolated;            /* negative = no bound */
   int arrival_filter;
+  double calm_med;             /* the median compute step at the last test of calm */
   int speed_aware;             /* smart: the arrival window and late members dropped (below) */
   int period_max;              /* 1 = no adaptive period */
   int period;                  /* the adaptive period now */

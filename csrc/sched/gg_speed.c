@@ -110,14 +110,23 @@ int gg_arrives_within(rpl_gg *gg, const gg_worker *x, double wait) {
   return eta >= 0 && eta - gg->now <= wait;
 }
 
-/* The first member ready for g starts its clock: the others get two arrival windows (or the
- * partner wait, if longer) to come. Measured from the first arrival, not from generation: a
+/* How long the members of a group are waited for after its first one is ready: two arrival
+ * windows, or the partner wait if longer; negative while no compute step is measured. */
+static double evict_after(rpl_gg *gg) {
+  double window = arrival_window(gg), wait = gg_partner_wait(gg);
+  if (window <= 0) return -1.0;
+  return GG_EVICT_WINDOWS * window > wait ? GG_EVICT_WINDOWS * window : wait;
+}
+
+/* The first member ready for g starts its clock (see evict_after; half a window in a
+ * calm job, GG_CALM_EVICT_WINDOWS). Measured from the first arrival, not from generation: a
  * division's second group (inter_intra's Intra) waits for its members' first ones. */
 void gg_arm_deadline(rpl_gg *gg, gg_group *g) {
   if (!g || !g->evictable || g->deadline >= 0 || g->state != G_PENDING) return;
-  double window = arrival_window(gg), wait = gg_partner_wait(gg);
-  if (window <= 0) return; /* no compute step measured yet: no prediction to have failed */
-  g->deadline = gg->now + (GG_EVICT_WINDOWS * window > wait ? GG_EVICT_WINDOWS * window : wait);
+  double after = evict_after(gg);
+  if (after < 0) return; /* no compute step measured yet: no prediction to have failed */
+  g->calm = gg->period > 1;
+  g->deadline = gg->now + (g->calm ? GG_CALM_EVICT_WINDOWS * arrival_window(gg) : after);
 }
 
 /* Smart groups past their deadline drop the members that have not asked, if two or more have:
@@ -135,20 +144,29 @@ rpl_status gg_evict_late(rpl_gg *gg, rpl_error *err) {
       int arrived = 0;
       for (int i = 0; i < g->n; i++) arrived += arrived_for(&gg->w[g->members[i]], g);
       if (arrived >= 2 && arrived < g->n) {
-        int k = 0;
+        /* A calm job's late member that missed its last due group already is kept: the group
+         * waits for it, bounded as outside calm, so that it averages at least every
+         * 2 x period_max requests. */
+        int k = 0, kept = 0;
         for (int i = 0; i < g->n; i++) {
           int m = g->members[i];
           if (arrived_for(&gg->w[m], g)) {
             g->members[k++] = m;
+          } else if (g->calm && gg->w[m].missed_last) {
+            g->members[k++] = m;
+            kept++;
           } else {
             gg_buf_remove(&gg->w[m], g);
             gg->w[m].late = 1;
+            gg->w[m].missed = gg->w[m].missed_last = g->calm;
             gg->st.late_dropped++;
           }
         }
+        int dropped = g->n - k;
         g->n = k; /* still sorted */
-        g->deadline = -1.0;
-        gg_trace_group(gg, RPL_TRACE_DROPPED, g, -1, 0);
+        g->calm = 0;
+        g->deadline = kept ? gg->now + evict_after(gg) : -1.0;
+        if (dropped) gg_trace_group(gg, RPL_TRACE_DROPPED, g, -1, 0);
         st = gg_try_hand(gg, g, err); /* every member left is waiting: handed now */
       }
     }
@@ -159,11 +177,15 @@ rpl_status gg_evict_late(rpl_gg *gg, rpl_error *err) {
 
 /* ---- the adaptive period (see the top of gg.c) ----------------------------------------------- */
 
-/* Whether every live worker keeps up: its compute step (from leaving the GG to asking again,
- * so neither reductions nor waits for groups count) is known and within GG_BEHIND of the
- * bulk's, and none has been computing for GG_OVERDUE bulk steps (a worker slowed just now is
- * seen before its slow step ends). Fenced workers are inside an exact collective with everyone:
- * they do not count. Needs the clock. O(n). */
+/* Whether the job keeps its pace: every live worker's compute step (from leaving the GG to
+ * asking again, so neither reductions nor waits for groups count) is known, and none has been
+ * computing for GG_OVERDUE of its expected steps (a worker slowed just now is seen before its
+ * slow step ends). A worker whose step is over GG_BEHIND of the bulk's is a straggler: with the
+ * previous rules (speed_aware off) it makes the job not calm; speed-aware, it is expected at its
+ * own pace, passed only where nobody is due (gg_period_pass), and the bulk keeps its period --
+ * the fast workers of a job with a persistent straggler (production traces: one worker 2.35x,
+ * or two speed classes) need not average at every step because one worker is slow. Fenced workers are
+ * inside an exact collective with everyone: they do not count. Needs the clock. O(n). */
 static int job_calm(rpl_gg *gg) {
   if (gg->now <= 0) return 0;
   double *a = gg->scratch_c;
@@ -176,19 +198,24 @@ static int job_calm(rpl_gg *gg) {
   }
   if (k == 0) return 0;
   double med = rpl_lower_median(a, k);
+  gg->calm_med = med;
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (x->state != RPL_WORKER_LIVE) continue;
-    if (x->comp > GG_BEHIND * med) return 0;
+    int straggler = x->comp > GG_BEHIND * med;
+    if (straggler && !gg->speed_aware) return 0;
     int computing = !x->waiting && !x->locked && x->free_at >= 0;
-    if (computing && gg->now - x->free_at > GG_OVERDUE * med) return 0;
+    if (computing && gg->now - x->free_at > GG_OVERDUE * (straggler ? x->comp : med)) return 0;
   }
   return 1;
 }
 
-/* Updates the period for a request of `me` and says whether to pass it. The period rises to
- * period_max only after a calm request from each worker in a row, so that one noisy step does
- * not flip it, and falls to 1 at the first request that finds a worker behind. */
+/* Updates the period for a request of `me` and says whether to pass it (then counts the pass
+ * in me->since). The period rises to period_max only after a calm request from each worker in
+ * a row, so that one noisy step does not flip it, and falls to 1 at the first request that
+ * finds the job not calm (a worker overdue). A known straggler is passed only when nobody is
+ * due to average with it (idle and expected within the arrival window, as a division would
+ * take them in), never twice in a row. */
 int gg_period_pass(rpl_gg *gg, gg_worker *me) {
   if (gg->period_max <= 1) return 0;
   if (!job_calm(gg)) {
@@ -199,7 +226,25 @@ int gg_period_pass(rpl_gg *gg, gg_worker *me) {
     gg->period = gg->period_max;
   }
   gg->st.period = (uint32_t)gg->period;
+  int missed = me->missed;
+  me->missed = 0;
   /* Never pass a worker others wait for: its group is generated (buffer), or partners wait. */
-  return gg->period > 1 && me->blen == 0 && gg->dq_len == 0 && !is_isolated(gg, me) &&
-         me->since + 1 < (uint32_t)gg->period;
+  if (gg->period <= 1 || me->blen != 0 || gg->dq_len != 0 || is_isolated(gg, me)) return 0;
+  if (me->comp > GG_BEHIND * gg->calm_med) {
+    /* A straggler averages at every other request at least: with nobody due to average with
+     * now (the bulk computing, all faster) it would wait up to a bulk step for them; it passes
+     * instead, once. */
+    if (me->since != 0 || gg_division_participants(gg, (int)(me - gg->w), 0, NULL, NULL) >= 2)
+      return 0;
+    me->since++;
+    return 1;
+  }
+  if (missed) { /* late for its due group: counted as if it had been in it, so that it is due
+                 * again with the rest of that group, at the next due step */
+    me->since = 0;
+    return 1;
+  }
+  if (me->since + 1 >= (uint32_t)gg->period) return 0;
+  me->since++;
+  return 1;
 }

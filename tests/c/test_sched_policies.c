@@ -727,6 +727,20 @@ static void test_waits_for_busy_partners(void) {
   rpl_gg_destroy(gg);
 }
 
+/* Pairs (group size 2) over a division of three idle workers: one group of three, not a pair
+ * and a no-op round of one. */
+static void test_division_of_three_in_pairs(void) {
+  rpl_gg *gg = make_smart(3, 2, 50);
+  int ev = 0;
+  for (int w = 0; w < 3; w++) OK(rpl_gg_request(gg, w, 0, &e_));
+  REQUIRE(group_of(gg, 0, NULL, 0, NULL, &ev) == 3, "one group of three");
+  rpl_gg_stats st;
+  rpl_gg_get_stats(gg, &st);
+  REQUIRE(st.singletons_handed == 0 && st.groups_handed == 1, "no group of one: %llu of %llu",
+          (unsigned long long)st.singletons_handed, (unsigned long long)st.groups_handed);
+  rpl_gg_destroy(gg);
+}
+
 /* After an exact collective every worker is fenced; the first to come back must not find
  * everyone still fenced and take a group of one: it waits for the others to unfence. */
 static void test_unfence_reentry(void) {
@@ -1109,6 +1123,7 @@ int main(void) {
   filter_behind_case(0.01, 1);
   filter_behind_case(0.05, 0);
   test_waits_for_busy_partners();
+  test_division_of_three_in_pairs();
   test_unfence_reentry();
   test_isolation_bound();
   test_isolated_joins_pending();
