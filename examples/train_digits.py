@@ -103,8 +103,12 @@ Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.j
       time k*S, taken at "time" >= k*S, after "step" steps): this worker's model's numbers
       as above, the consensus distance of the k-th snapshots, and the "avg_" numbers of
       the exact average of all workers' k-th snapshots, whose time is the latest of theirs
+  {"event": "step", "rank", "step", "factor", "seconds"}
+      with --log-steps, in --log-dir only, one per step: a trace replay's factor at that step
+      (null otherwise) and the step's wall time, its straggler sleep included
   {"event": "summary", "rank", "steps", "train_time", "steps_per_s", "comm_wait_s",
-   "consensus", "rounds", "singletons", "singleton_share", "singleton_run_max", ...}
+   "consensus", "rounds", "singletons", "singleton_share", "singleton_run_max",
+   "trace_factor_mean" (a trace replay's mean factor over this worker's steps), ...}
   "comm_wait_s" estimates the time not spent computing: the sum over steps of (forward +
   backward + optimizer step) wall time minus the calibrated compute time of one step, so it
   holds communication, waiting for slower peers, and contention for cores. "consensus" is the
