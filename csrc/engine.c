@@ -640,6 +640,12 @@ void rpl_comm_get_counters(const rpl_comm *c, rpl_comm_counters *out) {
   out->handshakes_dropped = t.handshakes_dropped;
   out->replacements_refused = t.replacements_refused;
   out->stash_holds = t.stash_holds;
+  out->shm_rebuilt = t.shm_rebuilt;
+}
+
+const char *rpl_comm_peer_path(const rpl_comm *c, int peer) {
+  if (!c || peer < 0 || peer >= c->size) return NULL;
+  return rpl_tr_peer_path(c->tr, peer);
 }
 
 void rpl_comm_listen_address(const rpl_comm *c, char *buf, size_t cap) {

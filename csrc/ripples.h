@@ -225,9 +225,17 @@ typedef struct rpl_comm_counters {
   uint64_t handshakes_dropped;   /* connections dropped before authenticating */
   uint64_t replacements_refused; /* authenticated newcomers refused: the link was healthy */
   uint64_t stash_holds;          /* a peer's link held back for want of stash room */
+  uint64_t shm_rebuilt; /* shared-memory ring pairs rebuilt after a failed exchange broke them */
 } rpl_comm_counters;
 
 void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
+
+/* What carries this rank's traffic with group rank `peer` now: "self", "shm",
+ * "shm+single-copy", "shm-resuming" (a ring pair broken by a failed exchange, rebuilt on its
+ * next use), "closed" (a same-host peer that left), "tcp" or "ucx" (connected on first use);
+ * NULL for a rank outside the group. A static string; read without stopping the progress
+ * thread. */
+const char *rpl_comm_peer_path(const rpl_comm *comm, int peer);
 
 /* "ADDR:PORT" of this rank's listener, the one peers connect to (for firewall rules and
  * tests). */

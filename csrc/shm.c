@@ -42,14 +42,25 @@
 #define cpu_relax() ((void)0)
 #endif
 
-#define SEG_MAGIC 0x34474553504c52ull /* "RLPSEG4" */
+#define SEG_MAGIC 0x35474553504c52ull /* "RLPSEG5" */
 #define SEG_MODE 0600
 #define PAGE 4096u
 #define SPIN_LONG 2000 /* about 50 us of pause instructions */
 #define SPIN_SHORT 200
 #define CAUSE_LEN 320 /* bytes of a rank's cause kept in its segment */
-/* Who broke a pair, as the owner of the segment holding the flag sees it. */
-enum { BROKE_BY_PEER = 1, BROKE_BY_OWNER = 2 };
+/* A pair's state after failures, one slot per local peer in each side's segment, each slot
+ * written only by the segment's owner (so a peer can never undo what this rank says):
+ *   brk      how many times the owner broke the pair (gave up on its streams mid-message);
+ *   quiet    the pair epoch at which the owner's link to the peer is closed: it writes no
+ *            byte of an older epoch's streams again;
+ *   drained  the pair epoch at which the owner discarded what its ring from the peer held.
+ * The pair epoch is the sum of both sides' brk. A side drains once the other is quiet at the
+ * epoch, and writes again only once both have drained it: every byte left over from a failed
+ * exchange is thrown away, none written afterwards is. The pair is usable when quiet, drained
+ * and the peer's drained all equal the epoch (initially all 0). See rpl_shm_rearm. */
+typedef struct pair_slot {
+  uint32_t brk, quiet, drained, pad;
+} pair_slot;
 
 /* The first page of a segment. Fields written by other processes are accessed with atomics. */
 typedef struct seg_header {
@@ -69,7 +80,7 @@ typedef struct seg_header {
   uint32_t size;
   uint32_t pad;
   char cause[CAUSE_LEN]; /* why the owner last gave up on its links, "" if never */
-  uint32_t broken[];     /* per local peer: the pair fell back to TCP (BROKE_*) */
+  pair_slot pair[];      /* per local peer (see pair_slot) */
 } seg_header;
 
 /* Control block in front of every ring; head and tail on their own cache lines. */
@@ -87,6 +98,7 @@ typedef struct ring_pos {
   uint64_t tx_head, tx_tail; /* the ring we write into (in the peer's segment) */
   int bad;                   /* 0, or which ring failed its check (BAD_RX / BAD_TX) */
   uint64_t bad_head, bad_tail;
+  uint32_t my_brk, peer_brk; /* both sides' brk when the pair was last armed (error messages) */
 } ring_pos;
 enum { BAD_RX = 1, BAD_TX = 2 };
 
@@ -182,7 +194,7 @@ __attribute__((cold, noinline)) static size_t ring_corrupt(rpl_shm *s, int peer,
                                                            uint64_t head, uint64_t tail) {
   ring_pos *q = &s->pos[peer];
   if (!q->bad) {
-    q->bad = which;
+    __atomic_store_n(&q->bad, which, __ATOMIC_RELAXED); /* rpl_shm_path reads it */
     q->bad_head = head;
     q->bad_tail = tail;
   }
@@ -239,7 +251,7 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   s->spins = cpus >= s->nlocal ? SPIN_LONG : SPIN_SHORT;
   s->ring_bytes = ring_bytes;
   s->ring_stride = round_up(sizeof(ring_ctl) + ring_bytes, PAGE);
-  s->header_bytes = round_up(sizeof(seg_header) + sizeof(uint32_t) * (size_t)s->nlocal, PAGE);
+  s->header_bytes = round_up(sizeof(seg_header) + sizeof(pair_slot) * (size_t)s->nlocal, PAGE);
   s->seg_bytes = s->header_bytes + s->ring_stride * (size_t)s->nlocal;
   snprintf(s->name, sizeof s->name, "/ripples-%d-%016" PRIx64 "-%d", (int)getpid(), nonce,
            rank);
@@ -421,9 +433,75 @@ void rpl_shm_destroy(rpl_shm *s) {
   free(s);
 }
 
+static pair_slot *my_slot(const rpl_shm *s, int peer) {
+  return &hdr(s->mine)->pair[s->local_of[peer]];
+}
+
+static pair_slot *peer_slot(const rpl_shm *s, int peer) {
+  return &hdr(s->peer[peer])->pair[s->me];
+}
+
+static uint32_t ld(const uint32_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* The pair epoch (see pair_slot). */
+static uint32_t pair_epoch(const rpl_shm *s, int peer) {
+  return ld(&my_slot(s, peer)->brk) + ld(&peer_slot(s, peer)->brk);
+}
+
+/* Armed at the current epoch: both sides drained it and this side is quiet at it. */
+static int pair_armed(const rpl_shm *s, int peer) {
+  const pair_slot *m = my_slot(s, peer), *o = peer_slot(s, peer);
+  uint32_t od = ld(&o->drained), e = pair_epoch(s, peer);
+  return ld(&m->quiet) == e && ld(&m->drained) == e && od == e;
+}
+
 int rpl_shm_usable(const rpl_shm *s, int peer) {
-  if (!s || !s->peer[peer] || s->pos[peer].bad) return 0;
-  return !__atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);
+  if (!s || !s->peer[peer] || __atomic_load_n(&s->pos[peer].bad, __ATOMIC_RELAXED)) return 0;
+  return pair_armed(s, peer);
+}
+
+rpl_shm_pair rpl_shm_rearm(rpl_shm *s, int peer) {
+  if (!s || !s->peer[peer] || s->pos[peer].bad) return RPL_SHM_NONE;
+  pair_slot *m = my_slot(s, peer);
+  const pair_slot *o = peer_slot(s, peer);
+  /* The peer's slot first: an epoch computed after it covers every break it had seen. */
+  uint32_t oq = ld(&o->quiet), od = ld(&o->drained), e = pair_epoch(s, peer);
+  if (ld(&m->quiet) != e) { /* our caller's link is closed: nothing older leaves this side */
+    __atomic_store_n(&m->quiet, e, __ATOMIC_RELEASE);
+    ring_bell(s->peer[peer]);
+  }
+  if (oq == e && ld(&m->drained) != e) {
+    /* The peer writes nothing of an older epoch any more, and nothing new until we say we
+     * drained: everything in the ring now is left over. */
+    ring_ctl *r = ring_at(s, s->mine, s->local_of[peer]);
+    ring_pos *q = &s->pos[peer];
+    uint64_t head = __atomic_load_n(&r->head, __ATOMIC_ACQUIRE);
+    if (!ring_ok(head, q->rx_head, q->rx_tail + s->ring_bytes)) {
+      ring_corrupt(s, peer, BAD_RX, head, q->rx_tail);
+      return RPL_SHM_NONE;
+    }
+    q->rx_head = q->rx_tail = head;
+    __atomic_store_n(&r->tail, head, __ATOMIC_RELEASE);
+    __atomic_store_n(&m->drained, e, __ATOMIC_RELEASE);
+    ring_bell(s->peer[peer]);
+  }
+  if (!pair_armed(s, peer) || od != e) return RPL_SHM_REARMING;
+  s->pos[peer].my_brk = ld(&m->brk);
+  s->pos[peer].peer_brk = ld(&o->brk);
+  return RPL_SHM_READY;
+}
+
+int rpl_shm_has_ring(const rpl_shm *s, int peer) {
+  return s && peer >= 0 && peer < s->size && s->peer[peer] &&
+         !__atomic_load_n(&s->pos[peer].bad, __ATOMIC_RELAXED);
+}
+
+const char *rpl_shm_path(const rpl_shm *s, int peer) {
+  if (!s || peer < 0 || peer >= s->size || !s->peer[peer]) return NULL;
+  if (__atomic_load_n(&s->pos[peer].bad, __ATOMIC_RELAXED)) return "tcp";
+  if (__atomic_load_n(&hdr(s->peer[peer])->closed, __ATOMIC_ACQUIRE)) return "closed";
+  if (!pair_armed(s, peer)) return "shm-resuming";
+  return s->peer_pid[peer] > 0 ? "shm+single-copy" : "shm";
 }
 
 size_t rpl_shm_write(rpl_shm *s, int peer, const struct iovec *iov, int niov) {
@@ -522,7 +600,7 @@ void rpl_shm_ring_self(rpl_shm *s) { ring_bell(s->mine); }
 
 int rpl_shm_peer_flagged(const rpl_shm *s, int peer) {
   return s->pos[peer].bad || __atomic_load_n(&hdr(s->peer[peer])->closed, __ATOMIC_ACQUIRE) ||
-         __atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);
+         !pair_armed(s, peer);
 }
 
 int rpl_shm_peer_dead(const rpl_shm *s, int peer) {
@@ -571,8 +649,8 @@ void rpl_shm_set_cause(rpl_shm *s, const char *cause) {
   __atomic_store_n(&h->cause_seq, seq + 2, __ATOMIC_RELEASE);
 }
 
-rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause, size_t cap,
-                              rpl_error *err) {
+rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, int resuming, char *cause,
+                              size_t cap, rpl_error *err) {
   seg_header *h = hdr(s->peer[peer]);
   char why[CAUSE_LEN];
   if (cap) cause[0] = '\0';
@@ -584,11 +662,14 @@ rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause
                     "changed it)", peer, q->bad_head, q->bad_tail, s->ring_bytes,
                     q->bad == BAD_RX ? "it writes into this rank" : "this rank writes into it");
   int closed = __atomic_load_n(&h->closed, __ATOMIC_ACQUIRE);
-  uint32_t broken =
-      __atomic_load_n(&hdr(s->mine)->broken[s->local_of[peer]], __ATOMIC_ACQUIRE);
+  /* Broken since the pair was last armed (only a link in use can be: a resuming pair is
+   * checked with `resuming`), by whom. */
+  int by_peer = !resuming && ld(&peer_slot(s, peer)->brk) != q->peer_brk;
+  int by_me = !resuming && ld(&my_slot(s, peer)->brk) != q->my_brk;
+  int broken = by_peer || by_me;
   int dead = !closed && !broken && probe && rpl_shm_peer_dead(s, peer);
   if (!closed && !broken && !dead) return RPL_OK;
-  if (!closed && broken == BROKE_BY_OWNER)
+  if (!closed && by_me && !by_peer)
     return rpl_fail(err, RPL_ERR_PEER,
                     "this rank gave up on its shared-memory link with rank %d after an earlier "
                     "error, while a message was under way on it", peer);
@@ -620,8 +701,7 @@ rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause
 
 void rpl_shm_break(rpl_shm *s, int peer) {
   if (!s || !s->peer[peer]) return;
-  __atomic_store_n(&hdr(s->mine)->broken[s->local_of[peer]], BROKE_BY_OWNER, __ATOMIC_RELEASE);
-  __atomic_store_n(&hdr(s->peer[peer])->broken[s->me], BROKE_BY_PEER, __ATOMIC_RELEASE);
+  __atomic_fetch_add(&my_slot(s, peer)->brk, 1u, __ATOMIC_RELEASE);
   ring_bell(s->peer[peer]);
 }
 
@@ -633,7 +713,9 @@ void rpl_shm_close(rpl_shm *s) {
 }
 
 int rpl_shm_can_read(const rpl_shm *s, int peer) {
-  return rpl_shm_usable(s, peer) && s->peer_pid[peer] > 0;
+  /* A pair being rebuilt still counts: the handshake that precedes every read rebuilds it. */
+  return s && s->peer[peer] && !__atomic_load_n(&s->pos[peer].bad, __ATOMIC_RELAXED) &&
+         s->peer_pid[peer] > 0;
 }
 
 rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *local,

@@ -17,7 +17,9 @@
  * so the peers that fail because of it can say what went wrong first (which rank died).
  *
  * A pair can be "broken" by either side after a failed exchange (its stream state is
- * unknown); from then on both sides use TCP for that pair.
+ * unknown). It is not given up: once both sides have closed their links to each other, each
+ * throws away what its ring from the other still holds, and the pair is usable again
+ * (rpl_shm_rearm; the protocol is in shm.c). Only a ring found corrupt is left for TCP.
  */
 #ifndef RPL_SHM_H
 #define RPL_SHM_H
@@ -53,6 +55,24 @@ void rpl_shm_destroy(rpl_shm *s);
 /* 1 if `peer` is reachable through shared memory and the pair is not broken. */
 int rpl_shm_usable(const rpl_shm *s, int peer);
 
+typedef enum rpl_shm_pair {
+  RPL_SHM_NONE = 0, /* no ring with this peer (another host, or the ring is corrupt): TCP */
+  RPL_SHM_READY,    /* usable */
+  RPL_SHM_REARMING, /* broken, and waiting for the peer's part of rebuilding it */
+} rpl_shm_pair;
+/* Takes this side's next steps in rebuilding a broken pair and says where it stands. Call it
+ * only while this rank's link to `peer` is closed (no message of ours half-written, none of
+ * the peer's half-read), from the thread that runs the transport; it never blocks, and rings
+ * the peer's doorbell when it moved. A pair that was never broken is READY at once. */
+rpl_shm_pair rpl_shm_rearm(rpl_shm *s, int peer);
+/* 1 if `peer` has a ring pair with us that was not found corrupt (usable, or to be rebuilt):
+ * its traffic never goes anywhere else. Any thread. */
+int rpl_shm_has_ring(const rpl_shm *s, int peer);
+/* What carries this rank's traffic with local `peer` now, for stats: "shm", "shm+single-copy",
+ * "shm-resuming" (broken, rebuilding), "tcp" (the ring was found corrupt), "closed" (the peer
+ * left), or NULL when `peer` has no ring with us. Any thread. */
+const char *rpl_shm_path(const rpl_shm *s, int peer);
+
 /* Non-blocking stream I/O with a local peer: bytes moved (0 = ring full/empty). A ring
  * position the peer wrote that is impossible (more than the ring holds, or going backwards)
  * moves nothing and is recorded: from then on the pair is not usable, rpl_shm_peer_flagged
@@ -77,25 +97,27 @@ void rpl_shm_ring_self(rpl_shm *s);
 /* 1 if `peer` closed its segment or broke the pair with us: memory reads only, so it may run
  * on every wait. */
 int rpl_shm_peer_flagged(const rpl_shm *s, int peer);
-/* 0 if the peer has not closed, broken the pair, nor (with `probe`) died; otherwise fills err
+/* 0 if the peer has not closed, broken the pair since it was last armed (not checked with
+ * `resuming`: for a pair being rebuilt), nor (with `probe`) died; otherwise fills err
  * (RPL_ERR_PEER, naming the peer). When the peer gave up after an error of its own, its cause
  * is copied into cause[cap] (else cause[0] = 0), so that a failure can be passed on naming the
  * first one. The probe costs one system call: call it with `probe` at a bounded interval. */
-rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, char *cause, size_t cap,
-                              rpl_error *err);
+rpl_status rpl_shm_check_peer(const rpl_shm *s, int peer, int probe, int resuming, char *cause,
+                              size_t cap, rpl_error *err);
 /* 1 if the probe finds the peer's process gone (0 also when it cannot tell: a peer in this
  * process, or one that could not take its lock). */
 int rpl_shm_peer_dead(const rpl_shm *s, int peer);
 /* Records why this rank gives up on its links (truncated), for peers' error messages; call it
  * before rpl_shm_break / rpl_shm_close. Any thread. */
 void rpl_shm_set_cause(rpl_shm *s, const char *cause);
-/* Marks the pair broken on both sides and wakes the peer. */
+/* Breaks the pair (both sides see it on their next look) and wakes the peer; the caller closes
+ * its link to the peer next, then rebuilds the pair with rpl_shm_rearm when it needs it. */
 void rpl_shm_break(rpl_shm *s, int peer);
 /* Announces that this rank aborted (peers blocked on it fail) and wakes every local peer. */
 void rpl_shm_close(rpl_shm *s);
 
 /* Single copy (cross-memory attach): 1 if this rank may read `peer`'s memory directly, as
- * probed when its segment was attached (see shm.c), and the pair is not broken. */
+ * probed when its segment was attached (see shm.c), and the ring was not found corrupt. */
 int rpl_shm_can_read(const rpl_shm *s, int peer);
 /* Copies `len` bytes at `remote` (an address in the peer's process) into `local`. Fails with
  * RPL_ERR_PEER naming the peer when it is gone or its memory cannot be read. */

@@ -69,6 +69,13 @@ void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
   out->replacements_refused =
       __atomic_load_n(&tr->counters.replacements_refused, __ATOMIC_RELAXED);
   out->stash_holds = __atomic_load_n(&tr->counters.stash_holds, __ATOMIC_RELAXED);
+  out->shm_rebuilt = __atomic_load_n(&tr->counters.shm_rebuilt, __ATOMIC_RELAXED);
+}
+
+const char *rpl_tr_peer_path(const rpl_tr *tr, int peer) {
+  if (peer == tr->rank) return "self";
+  const char *p = rpl_shm_path(tr->shm, peer);
+  return p ? p : tr->ucx ? "ucx" : "tcp";
 }
 
 /* ---- sending --------------------------------------------------------------------------- */
@@ -419,7 +426,10 @@ static void begin_sends(rpl_tr *tr, rpl_xfer *xs, int n) {
     conn *c = &tr->conns[p];
     int idle = c->rx_mode != RX_XFER &&
                (tr->act_send[p] < 0 || xs[tr->act_send[p]].off == 0);
-    if (c->state == CONN_SHM && !rpl_shm_usable(tr->shm, p) && idle) rpl_tr_close_conn(c);
+    if (c->state == CONN_SHM && !rpl_shm_usable(tr->shm, p) && idle) {
+      rpl_tr_close_conn(c); /* shm_pass rebuilds the pair */
+      c->rebuilt = 1;
+    }
   }
 }
 
@@ -474,8 +484,14 @@ static rpl_status watch_shm_peers(rpl_tr *tr, rpl_xfer *xs, int n, double now, i
   int probe = now >= tr->next_probe;
   if (probe) tr->next_probe = now + LIVENESS_S;
   for (int p = 0; p < tr->size; p++) {
-    if (tr->conns[p].state != CONN_SHM) continue;
     if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
+    if (tr->conns[p].resuming) { /* only a peer that left or died fails a rebuild */
+      rpl_status st = rpl_shm_check_peer(tr->shm, p, probe, 1, tr->peer_cause,
+                                         sizeof tr->peer_cause, err);
+      if (st != RPL_OK) return st;
+      continue;
+    }
+    if (tr->conns[p].state != CONN_SHM) continue;
     if (!probe && !rpl_shm_peer_flagged(tr->shm, p)) continue;
     if (tr->act_send[p] < 0 && rpl_shm_usable(tr->shm, p)) {
       uint64_t before = tr->counters.bytes_received;
@@ -486,7 +502,7 @@ static rpl_status watch_shm_peers(rpl_tr *tr, rpl_xfer *xs, int n, double now, i
         continue;
       }
     }
-    rpl_status st = rpl_shm_check_peer(tr->shm, p, probe, tr->peer_cause,
+    rpl_status st = rpl_shm_check_peer(tr->shm, p, probe, 0, tr->peer_cause,
                                        sizeof tr->peer_cause, err);
     if (st != RPL_OK) return st;
   }
@@ -521,12 +537,35 @@ static rpl_status shm_pass(rpl_tr *tr, rpl_xfer *xs, int n, pass *ps, rpl_error 
   ps->bell = rpl_shm_doorbell(tr->shm);
   uint64_t before = moved(tr);
   for (int p = 0; p < tr->size; p++) {
-    if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
     conn *c = &tr->conns[p];
-    if (c->state == CONN_NONE && rpl_shm_usable(tr->shm, p)) c->state = CONN_SHM;
+    c->resuming = 0;
+    if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) {
+      /* Not in this run: its part of rebuilding a pair the peer broke, which the peer may be
+       * waiting for (what the link held belonged to a run that failed already). */
+      if (p == tr->rank || rpl_shm_usable(tr->shm, p)) continue;
+      if (c->state == CONN_SHM) {
+        rpl_tr_close_conn(c);
+        c->rebuilt = 1;
+      }
+      if (c->state == CONN_NONE) rpl_shm_rearm(tr->shm, p);
+      continue;
+    }
+    if (c->state == CONN_NONE) {
+      rpl_shm_pair pair = rpl_shm_rearm(tr->shm, p);
+      if (pair == RPL_SHM_REARMING) { /* wait for the peer's part; never TCP meanwhile */
+        c->resuming = 1;
+        ps->shm_pending = 1;
+        continue;
+      }
+      if (pair == RPL_SHM_READY) {
+        c->state = CONN_SHM;
+        if (c->rebuilt) count_add(&tr->counters.shm_rebuilt, 1);
+        c->rebuilt = 0;
+      }
+    }
     if (c->state != CONN_SHM) continue;
     if (!rpl_shm_usable(tr->shm, p))
-      return rpl_shm_check_peer(tr->shm, p, 0, tr->peer_cause, sizeof tr->peer_cause, err);
+      return rpl_shm_check_peer(tr->shm, p, 0, 0, tr->peer_cause, sizeof tr->peer_cause, err);
     rpl_status st = link_io(tr, xs, n, p, 1, 1, err);
     if (st != RPL_OK) return st;
     if (tr->act_send[p] >= 0 || tr->act_recv[p] >= 0) ps->shm_pending = 1;
@@ -597,7 +636,7 @@ static rpl_status links_pass(rpl_tr *tr, rpl_xfer *xs, int n, double now, pass *
   for (int p = 0; p < tr->size; p++) {
     if (tr->act_send[p] < 0 && tr->act_recv[p] < 0) continue;
     ps->pending = 1;
-    if (tr->conns[p].state == CONN_SHM) continue;
+    if (tr->conns[p].state == CONN_SHM || tr->conns[p].resuming) continue;
     ps->tcp_pending = 1;
     rpl_status st = link_pass(tr, xs, n, p, listen_probe, ps, err);
     if (st != RPL_OK) return st;

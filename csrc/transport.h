@@ -86,6 +86,7 @@ typedef struct rpl_tr_counters {
   uint64_t handshakes_dropped;   /* connections dropped before authenticating: deadline, full */
   uint64_t replacements_refused; /* authenticated newcomers refused: the link was healthy */
   uint64_t stash_holds;          /* times a peer's link was held for want of stash room */
+  uint64_t shm_rebuilt;          /* ring pairs rebuilt after a failed exchange broke them */
 } rpl_tr_counters;
 
 /* Binds a listening socket on bind_addr (an IPv4 address) with an ephemeral port. With
@@ -138,7 +139,8 @@ void rpl_tr_poke(rpl_tr *tr);
 void rpl_tr_interrupt(rpl_tr *tr);
 
 /* Closes the connection to one peer (its stream state is unknown after a failed exchange);
- * the next transfer with that peer connects afresh. The peer learns the last failure's cause. */
+ * the next transfer with that peer connects afresh, or rebuilds the ring pair (shm.h) once the
+ * peer has closed its side too. The peer learns the last failure's cause. */
 void rpl_tr_reset_peer(rpl_tr *tr, int peer);
 
 /* Closes every connection and the listener, so peers blocked on us fail fast, passing the last
@@ -146,6 +148,10 @@ void rpl_tr_reset_peer(rpl_tr *tr, int peer);
 void rpl_tr_abort(rpl_tr *tr);
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out);
+/* What carries this rank's traffic with `peer` now, for stats: "self", "shm",
+ * "shm+single-copy", "shm-resuming", "closed" (a local peer that left), "tcp" or "ucx" (made
+ * or to be made on first use). Any thread. */
+const char *rpl_tr_peer_path(const rpl_tr *tr, int peer);
 
 /* If the link from `peer` (RPL_TR_ANY: any peer) is held back because its unexpected
  * point-to-point messages fill the stash, says so in buf (for a time-out's message);

@@ -68,8 +68,12 @@ static void say_goodbye(rpl_tr *tr, conn *c) {
 void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
   if (!tr || peer < 0 || peer >= tr->size || peer == tr->rank) return;
   if (tr->shm) rpl_shm_set_cause(tr->shm, tr->cause); /* before the flag the peer reacts to */
-  if (rpl_shm_usable(tr->shm, peer)) rpl_shm_break(tr->shm, peer); /* both sides move to TCP */
-  else say_goodbye(tr, &tr->conns[peer]);
+  if (rpl_shm_usable(tr->shm, peer)) { /* the next run with the peer rebuilds the pair */
+    rpl_shm_break(tr->shm, peer);
+    tr->conns[peer].rebuilt = 1;
+  } else {
+    say_goodbye(tr, &tr->conns[peer]);
+  }
   rpl_tr_close_conn(&tr->conns[peer]);
 }
 

@@ -400,7 +400,9 @@ static int pend_write_hs2(pend *w) {
 static void pend_promote(rpl_tr *tr, int i) {
   pend *w = &tr->pend[i];
   int peer = w->peer;
-  if (!w->ep && link_healthy(tr, peer)) {
+  /* A same-host peer with a ring never needs another link (a broken pair is rebuilt, never
+   * replaced): whoever offers one is not that peer, whatever key it holds. */
+  if (rpl_shm_has_ring(tr->shm, peer) || (!w->ep && link_healthy(tr, peer))) {
     count_add(&tr->counters.replacements_refused, 1);
     pend_drop(tr, i);
     return;

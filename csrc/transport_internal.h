@@ -76,6 +76,8 @@ typedef struct conn {
   int probe_fd; /* a connection attempt to the peer's listener (transport_conn.c), or -1 */
   rpl_ucx_ep *ux; /* the link is a UCX endpoint (state CONN_READY, fd -1), or NULL */
   int ux_linger;  /* a goodbye was written on ux: closing lets UCX deliver it */
+  int resuming;   /* this pass: the ring pair with the peer is being rebuilt (shm.h) */
+  int rebuilt;    /* the link was closed on a broken ring pair: count it when rebuilt */
 } conn;
 
 /* An accepted connection (a socket, or a UCX endpoint) until it has authenticated. */

@@ -450,6 +450,23 @@ def run_spawn(fn, world_size, *args, backend=BACKEND, init=True, pg_timeout=PG_T
 # dies, torchrun would end the job): these two helpers are what they share.
 
 
+def start_direct(target, world_size, *args):
+    """Spawns ``target(rank, port, *args, send_end)`` for every rank, outside any pool or
+    launcher (fault tests: torchrun would end the job at the first death). Returns the
+    processes and the read ends of their report pipes; a dead worker's pipe reads EOF."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs, conns = [], []
+    for r in range(world_size):
+        recv_end, send_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, args=(r, port, *args, send_end), daemon=True)
+        p.start()
+        send_end.close()
+        procs.append(p)
+        conns.append(recv_end)
+    return procs, conns
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT or an endpoint)."""
     import socket

@@ -11,7 +11,6 @@ reaped (no join, is_alive or exitcode) until every survivor has reported: meanwh
 rank is a zombie, which kill(pid, 0) still finds. After reporting, a survivor destroys its
 process group (as a script that fails does, in its `finally`) and exits: a zombie too.
 """
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import re
@@ -31,7 +30,7 @@ BOUND_S = 15.0  # a behaviour bound, generous for two loaded cores; detection ta
 START_S = 120.0
 
 
-def _worker(rank, port, hosts, kill_at, out, transport, big):
+def _worker(rank, port, hosts, kill_at, transport, big, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if hosts > 1:  # simulated hosts: TCP between ranks with different labels
         os.environ["RIPPLES_HOST_ID"] = f"h{rank * hosts // WS}"
@@ -70,17 +69,7 @@ def _worker(rank, port, hosts, kill_at, out, transport, big):
 
 
 def _run(hosts, kill_at, transport, big):
-    ctx = mp.get_context("spawn")
-    port = _dist.free_port()
-    procs, conns = [], []
-    for r in range(WS):
-        recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(r, port, hosts, kill_at, send_end, transport, big),
-                        daemon=True)
-        p.start()
-        send_end.close()  # so a dead worker's pipe reads EOF here
-        procs.append(p)
-        conns.append(recv_end)
+    procs, conns = _dist.start_direct(_worker, WS, hosts, kill_at, transport, big)
     reports = {}
     try:
         deadline = time.monotonic() + START_S

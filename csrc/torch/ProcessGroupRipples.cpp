@@ -195,6 +195,16 @@ rpl_comm_counters ProcessGroupRipples::counters() const {
   return c;
 }
 
+std::vector<std::string> ProcessGroupRipples::peerPaths() const {
+  std::vector<std::string> out;
+  if (comm_ == nullptr) return out;
+  for (int p = 0; p < getSize(); p++) {
+    const char* path = rpl_comm_peer_path(comm_, p);
+    out.emplace_back(path != nullptr ? path : "");
+  }
+  return out;
+}
+
 rpl_partial_stats ProcessGroupRipples::partialStats() const {
   rpl_partial_stats s;
   std::memset(&s, 0, sizeof(s));

@@ -204,6 +204,8 @@ class ProcessGroupRipples : public c10d::Backend {
     return shutdown_.load();
   }
   rpl_comm_counters counters() const;
+  // Per group rank: what carries this rank's traffic with it now (rpl_comm_peer_path).
+  std::vector<std::string> peerPaths() const;
   std::string listenAddress() const;
   uint64_t stagedCalls() const {
     return staged_.load();

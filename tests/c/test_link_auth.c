@@ -3,7 +3,8 @@
  * fresh values (wire.h), and nothing a stranger sends can stall, take over or feed a link:
  *   - a handshake recorded on the wire (through a relay in this test) and replayed is refused,
  *     and the data recorded after it never reaches a receive;
- *   - a connector holding the key is refused while the link it would replace is healthy;
+ *   - a connector holding the key is refused while the link it would replace is healthy, and
+ *     always for a same-host peer served by a shared-memory ring;
  *   - a connector with another key fails with an error naming the job secret;
  *   - silent, garbage and half-finished connections cost a run no wait.
  * Two transports in this process, each driven by its own thread (as the engine does).
@@ -22,6 +23,7 @@
 
 #include "crypto.h"
 #include "harness.h"
+#include "shm.h"
 #include "loopback.h"
 #include "transport.h"
 #include "wire.h"
@@ -187,6 +189,22 @@ static void expect_refused(int fd, bg *g, rpl_tr *t0, uint64_t seq, unsigned cha
   CHECK(st == RPL_OK, "%s: the link keeps working: %s", what, err.msg);
 }
 
+/* A newcomer holding the key connects to rank 1 at `addr` claiming to be rank 0 and completes
+ * the handshake; returns its socket. */
+static int newcomer(const char *addr, const unsigned char *key, const char *what) {
+  rpl_error err;
+  int fd = dial(addr);
+  unsigned char hs1[RPL_HS1_SIZE], hs2[RPL_HS2_SIZE], hs3[RPL_HS3_SIZE], n[16];
+  rpl_random_bytes(n, sizeof n, &err);
+  rpl_hs1_make(hs1, 0, 1, 2, id_of(addr), n);
+  send(fd, hs1, sizeof hs1, MSG_NOSIGNAL);
+  CHECK(read_n(fd, hs2, sizeof hs2, 5.0) == RPL_HS2_SIZE, "%s: challenge", what);
+  CHECK(rpl_hs2_check(hs2, key, hs1, 1), "%s: the acceptor proves the key", what);
+  rpl_hs3_make(hs3, key, hs1, hs2);
+  send(fd, hs3, sizeof hs3, MSG_NOSIGNAL);
+  return fd;
+}
+
 int main(void) {
   rpl_error err;
   unsigned char key[RPL_TR_KEY_LEN], other[RPL_TR_KEY_LEN];
@@ -238,15 +256,7 @@ int main(void) {
   {
     bg g;
     bg_start(&g, t1, 3);
-    int fd = dial(a1);
-    unsigned char hs1[RPL_HS1_SIZE], hs2[RPL_HS2_SIZE], hs3[RPL_HS3_SIZE], n[16];
-    rpl_random_bytes(n, sizeof n, &err);
-    rpl_hs1_make(hs1, 0, 1, 2, id_of(a1), n);
-    send(fd, hs1, sizeof hs1, MSG_NOSIGNAL);
-    CHECK(read_n(fd, hs2, sizeof hs2, 5.0) == RPL_HS2_SIZE, "challenge");
-    CHECK(rpl_hs2_check(hs2, key, hs1, 1), "the acceptor proves the key");
-    rpl_hs3_make(hs3, key, hs1, hs2);
-    send(fd, hs3, sizeof hs3, MSG_NOSIGNAL);
+    int fd = newcomer(a1, key, "a newcomer while the link is healthy");
     expect_refused(fd, &g, t0, 3, 0x44, "a newcomer while the link is healthy");
     rpl_tr_get_counters(t1, &c);
     CHECK(c.replacements_refused == 1, "one replacement refused (%llu)",
@@ -295,6 +305,42 @@ int main(void) {
   relay_stop(&rl);
   rpl_tr_destroy(t0);
   rpl_tr_destroy(t1);
+
+  /* 6. A same-host peer on a ring: a newcomer holding the key and claiming to be it is
+   * refused, though no socket link exists to call healthy, and the ring carries on. */
+  {
+    rpl_tr *s0, *s1;
+    CHECK(rpl_tr_create(0, 2, "127.0.0.1", 0, &s0, &err) == RPL_OK, "%s", err.msg);
+    CHECK(rpl_tr_create(1, 2, "127.0.0.1", 0, &s1, &err) == RPL_OK, "%s", err.msg);
+    rpl_tr_set_key(s0, key);
+    rpl_tr_set_key(s1, key);
+    int local_of[2] = {0, 1};
+    rpl_shm *m0 = NULL, *m1 = NULL;
+    char n0[64], n1[64], b0[128], b1[128];
+    CHECK(rpl_shm_create(0, 2, local_of, 5, 1 << 16, &m0, n0, sizeof n0, &err) == RPL_OK, "%s",
+          err.msg);
+    CHECK(rpl_shm_create(1, 2, local_of, 5, 1 << 16, &m1, n1, sizeof n1, &err) == RPL_OK, "%s",
+          err.msg);
+    CHECK(rpl_shm_attach(m0, 1, n1, &err) == RPL_OK && rpl_shm_attach(m1, 0, n0, &err) == RPL_OK,
+          "%s", err.msg);
+    rpl_tr_set_shm(s0, m0);
+    rpl_tr_set_shm(s1, m1);
+    rpl_tr_address(s0, b0, sizeof b0);
+    rpl_tr_address(s1, b1, sizeof b1);
+    rpl_tr_set_peer(s0, 1, b1, &err);
+    rpl_tr_set_peer(s1, 0, b0, &err);
+    bg g;
+    bg_start(&g, s1, 7);
+    int fd = newcomer(b1, key, "a newcomer for a ring peer");
+    expect_refused(fd, &g, s0, 7, 0x55, "a newcomer for a ring peer");
+    rpl_tr_get_counters(s1, &c);
+    CHECK(c.replacements_refused == 1 && c.connections == 0,
+          "the ring peer's slot was not handed over (refused %llu, connections %llu)",
+          (unsigned long long)c.replacements_refused, (unsigned long long)c.connections);
+    CHECK(strncmp(rpl_tr_peer_path(s1, 0), "shm", 3) == 0, "path %s", rpl_tr_peer_path(s1, 0));
+    rpl_tr_destroy(s0);
+    rpl_tr_destroy(s1);
+  }
 
   /* 5. Another key: the connector fails naming the job secret; no link is made. */
   {

@@ -219,7 +219,7 @@ static void zombie_is_dead(int victim) {
   if (!came_up(up, &child, 1, "zombie")) return;
   rpl_error err;
   char cause[64];
-  CHECK(rpl_shm_check_peer(nd.shm, victim, 1, cause, sizeof cause, &err) == RPL_OK,
+  CHECK(rpl_shm_check_peer(nd.shm, victim, 1, 0, cause, sizeof cause, &err) == RPL_OK,
         "zombie: a live peer must pass the check: %s", err.msg);
   CHECK(!rpl_shm_peer_dead(nd.shm, victim), "zombie: a live peer reads as dead");
 
@@ -228,11 +228,11 @@ static void zombie_is_dead(int victim) {
   /* The reason for the lock: the unreaped child still answers kill(pid, 0). */
   CHECK(kill(child, 0) == 0, "zombie: expected kill(pid, 0) to succeed on a zombie");
   CHECK(rpl_shm_peer_dead(nd.shm, victim), "zombie: a killed, unreaped peer reads as alive");
-  rpl_status st = rpl_shm_check_peer(nd.shm, victim, 1, cause, sizeof cause, &err);
+  rpl_status st = rpl_shm_check_peer(nd.shm, victim, 1, 0, cause, sizeof cause, &err);
   CHECK(st == RPL_ERR_PEER && names_rank(err.msg, victim),
         "zombie: check_peer gave %s '%s'", rpl_status_name(st), err.msg);
   /* Without the probe only the flags count: nothing announced. */
-  CHECK(rpl_shm_check_peer(nd.shm, victim, 0, cause, sizeof cause, &err) == RPL_OK,
+  CHECK(rpl_shm_check_peer(nd.shm, victim, 0, 0, cause, sizeof cause, &err) == RPL_OK,
         "zombie: the flags-only check should not probe");
   rpl_tr_destroy(nd.tr);
   kill_all(&child, 1);
@@ -261,10 +261,67 @@ static void test_same_process_never_dead(void) {
   rpl_shm_set_cause(b, "rank 3 (pid 99) exited or was killed");
   rpl_shm_break(b, 0);
   char cause[128];
-  rpl_status st = rpl_shm_check_peer(a, 1, 1, cause, sizeof cause, &err);
+  rpl_status st = rpl_shm_check_peer(a, 1, 1, 0, cause, sizeof cause, &err);
   CHECK(st == RPL_ERR_PEER && names_rank(err.msg, 1) && names_rank(err.msg, 3) &&
             strcmp(cause, "rank 3 (pid 99) exited or was killed") == 0,
         "break with a cause: %s '%s' cause '%s'", rpl_status_name(st), err.msg, cause);
+  rpl_shm_destroy(a);
+  rpl_shm_destroy(b);
+}
+
+/* A broken pair is rebuilt, not given up: once both sides have closed their links, what a
+ * failed exchange left in the rings is thrown away and the next bytes arrive intact. */
+static void test_broken_pair_is_rebuilt(void) {
+  int local_of[2] = {0, 1};
+  rpl_shm *a = NULL, *b = NULL;
+  char na[64], nb[64];
+  rpl_error err;
+  CHECK(rpl_shm_create(0, 2, local_of, 9, 4096, &a, na, sizeof na, &err) == RPL_OK, "%s",
+        err.msg);
+  CHECK(rpl_shm_create(1, 2, local_of, 9, 4096, &b, nb, sizeof nb, &err) == RPL_OK, "%s",
+        err.msg);
+  if (!a || !b) return;
+  CHECK(rpl_shm_attach(a, 1, nb, &err) == RPL_OK, "%s", err.msg);
+  CHECK(rpl_shm_attach(b, 0, na, &err) == RPL_OK, "%s", err.msg);
+  CHECK(rpl_shm_rearm(a, 1) == RPL_SHM_READY && rpl_shm_usable(b, 0),
+        "a pair never broken is ready");
+  for (int round = 0; round < 3; round++) {
+    /* Half a message each way, then b gives up on the exchange (round 1: a does). */
+    char stale[100];
+    memset(stale, 'x', sizeof stale);
+    struct iovec iv = {stale, sizeof stale};
+    CHECK(rpl_shm_write(a, 1, &iv, 1) == sizeof stale && rpl_shm_write(b, 0, &iv, 1) == sizeof stale,
+          "round %d: stale writes", round);
+    rpl_shm_break(round == 1 ? a : b, round == 1 ? 1 : 0);
+    char cause[64];
+    CHECK(!rpl_shm_usable(a, 1) && !rpl_shm_usable(b, 0) &&
+              strcmp(rpl_shm_path(a, 1), "shm-resuming") == 0,
+          "round %d: a broken pair is not usable on either side", round);
+    CHECK(rpl_shm_check_peer(a, 1, 0, 0, cause, sizeof cause, &err) == RPL_ERR_PEER,
+          "round %d: a link in use fails on a broken pair", round);
+    CHECK(rpl_shm_check_peer(a, 1, 0, 1, cause, sizeof cause, &err) == RPL_OK,
+          "round %d: a pair being rebuilt is not an error: %s", round, err.msg);
+    /* Each side's steps in turn; neither is ready before both have drained. */
+    int ra = rpl_shm_rearm(a, 1); /* a is quiet */
+    int rb = rpl_shm_rearm(b, 0); /* b is quiet and drains a's stale bytes */
+    CHECK(ra == RPL_SHM_REARMING && rb == RPL_SHM_REARMING, "round %d: ready early: %d %d",
+          round, ra, rb);
+    ra = rpl_shm_rearm(a, 1); /* a drains b's stale bytes: both drained */
+    rb = rpl_shm_rearm(b, 0);
+    CHECK(ra == RPL_SHM_READY && rb == RPL_SHM_READY && rpl_shm_usable(a, 1) &&
+              rpl_shm_usable(b, 0) && strncmp(rpl_shm_path(b, 0), "shm", 3) == 0 &&
+              strcmp(rpl_shm_path(b, 0), "shm-resuming") != 0,
+          "round %d: not rebuilt: %d %d", round, ra, rb);
+    char got[16];
+    CHECK(rpl_shm_read(b, 0, got, sizeof got) == 0 && rpl_shm_read(a, 1, got, sizeof got) == 0,
+          "round %d: stale bytes survived the rebuild", round);
+    struct iovec fresh = {"fresh", 5};
+    CHECK(rpl_shm_write(a, 1, &fresh, 1) == 5 && rpl_shm_read(b, 0, got, sizeof got) == 5 &&
+              memcmp(got, "fresh", 5) == 0,
+          "round %d: the first bytes after the rebuild are not what was written", round);
+    CHECK(rpl_shm_check_peer(b, 0, 0, 0, cause, sizeof cause, &err) == RPL_OK,
+          "round %d: rebuilt pair still flagged: %s", round, err.msg);
+  }
   rpl_shm_destroy(a);
   rpl_shm_destroy(b);
 }
@@ -298,14 +355,14 @@ static void test_other_pid_namespace(void) {
   rpl_error err;
   char cause[64];
   sleep_s(0.05);
-  CHECK(rpl_shm_check_peer(nd.shm, 1, 1, cause, sizeof cause, &err) == RPL_OK,
+  CHECK(rpl_shm_check_peer(nd.shm, 1, 1, 0, cause, sizeof cause, &err) == RPL_OK,
         "pidns: a live peer in another pid namespace reads as dead: %s", err.msg);
   pid_t inner = g_board->pid[1];
   kill(inner, SIGKILL);
   double t0 = now_s();
   rpl_status st = RPL_OK;
   while (st == RPL_OK && now_s() - t0 < DETECT_S) {
-    st = rpl_shm_check_peer(nd.shm, 1, 1, cause, sizeof cause, &err);
+    st = rpl_shm_check_peer(nd.shm, 1, 1, 0, cause, sizeof cause, &err);
     if (st == RPL_OK) sleep_s(0.01);
   }
   CHECK(st == RPL_ERR_PEER && names_rank(err.msg, 1),
@@ -479,6 +536,7 @@ int main(void) {
       {"a killed, unreaped peer (zombie) is dead", test_zombie_is_dead},
       {"the same, when it held the shared lock file", test_dead_anchor},
       {"ranks of one process are never dead", test_same_process_never_dead},
+      {"a broken ring pair is rebuilt", test_broken_pair_is_rebuilt},
       {"a peer in another pid namespace", test_other_pid_namespace},
       {"chain over shared memory", test_chain_shm},
       {"chain over TCP", test_chain_tcp},

@@ -99,7 +99,7 @@ static void check_corrupt(rpl_shm *s, int peer, const char *what) {
   char cause[64];
   CHECK(!rpl_shm_usable(s, peer), "%s: the pair is still usable", what);
   CHECK(rpl_shm_peer_flagged(s, peer), "%s: the pair is not flagged", what);
-  rpl_status st = rpl_shm_check_peer(s, peer, 1, cause, sizeof cause, &err);
+  rpl_status st = rpl_shm_check_peer(s, peer, 1, 0, cause, sizeof cause, &err);
   char want[64];
   snprintf(want, sizeof want, "rank %d's shared-memory ring is corrupt: head ", peer);
   CHECK(st == RPL_ERR_PEER && strstr(err.msg, want) && strstr(err.msg, "ring 65536 bytes"),

@@ -1,0 +1,107 @@
+"""Failed partial rounds cost nothing beyond themselves: survivors keep their rings.
+
+Four workers on one host, the static schedule (no coordinator), ``on_failure="skip"``; rank 1
+SIGKILLs itself before round 1. Every round that includes it then fails on the survivors (and
+is skipped), and each failure breaks the shared-memory ring pairs between the survivors that
+were in it (their streams may be mid-message). The static schedule on one host of four pairs
+{0, 3} in phase 2 and {2, 3} in phase 0, so between the failures the survivors average in
+pairs. Those rounds must succeed over the rings, rebuilt: no TCP connection is ever opened,
+``stats()["paths"]`` says ``shm`` for the survivors' pairs, and the rebuilds are counted.
+
+Workers are spawned directly (torchrun would end the job at the first death). The survivors
+meet at a gloo barrier after every round, so that a failed round's members leave it together.
+"""
+import multiprocessing.connection as mpc
+import os
+import signal
+import time
+from datetime import timedelta
+
+import _dist
+
+WS = 4
+VICTIM = 1
+ROUNDS = 11  # phases 0..3 twice and more: pairs {0, 3} in rounds 2, 6, 10; {2, 3} in 4, 8
+START_S = 240.0
+
+
+def _worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+    import torch.distributed as dist
+
+    import ripples_pg
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("ripples", rank=rank, world_size=WS,
+                                timeout=timedelta(seconds=60),
+                                pg_options=ripples_pg.Options(schedule="static",
+                                                              on_failure="skip", timeout=3,
+                                                              trace=True))
+        survivors = dist.new_group([r for r in range(WS) if r != VICTIM], backend="gloo")
+        x = torch.full((50_000,), float(rank))
+        dist.barrier()
+        for r in range(ROUNDS):
+            if rank == VICTIM and r == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            ripples_pg.partial_all_reduce([x])
+            if rank != VICTIM and r >= 1:
+                dist.barrier(group=survivors)
+        s = ripples_pg.stats()
+        rounds = [(e["round"], e["members"], e["status"]) for e in ripples_pg.trace()]
+        out.send(("ok", {k: s.get(k) for k in ("connections", "paths", "shm_rebuilt", "skipped",
+                                            "reduced", "failed")}, rounds, x[:3].tolist()))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which judges it
+        out.send(("raised", f"{type(e).__name__}: {e}", None, None))
+    out.close()
+    os._exit(0)  # no teardown with a dead member: the test judges the rounds, not the exit
+
+
+def _run():
+    procs, conns = _dist.start_direct(_worker, WS)
+    reports = {}
+    try:
+        deadline = time.monotonic() + START_S
+        waiting = {c: r for r, c in enumerate(conns) if r != VICTIM}
+        while waiting and time.monotonic() < deadline:
+            for c in mpc.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                r = waiting.pop(c)
+                try:
+                    reports[r] = c.recv()
+                except EOFError:
+                    reports[r] = ("exited", "without a report", None, None)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
+    return reports
+
+
+def test_survivors_keep_their_rings_after_failed_rounds():
+    reports = _run()
+    survivors = [r for r in range(WS) if r != VICTIM]
+    assert sorted(reports) == survivors, f"survivors did not all report: {reports}"
+    for r in survivors:
+        kind, s, rounds, _ = reports[r]
+        assert kind == "ok", f"rank {r}: {s}"
+        assert s["skipped"] >= 2 and s["failed"] == 0, f"rank {r}: failures not skipped: {s}"
+        # The fast path survives: no TCP fallback between same-host survivors, ever.
+        assert s["connections"] == 0, f"rank {r} fell back to TCP after failed rounds: {s}"
+        for p in survivors:
+            if p != r:
+                # "shm-resuming": broken by the last failure, rebuilt on its next use
+                assert s["paths"][p] in ("shm", "shm+single-copy", "shm-resuming"), \
+                    f"rank {r} reaches rank {p} over {s['paths'][p]}: {s}"
+        assert s["paths"][r] == "self" and s["paths"][VICTIM] in ("closed", "shm-resuming",
+                                                                  "shm", "shm+single-copy"), s
+        # The pair rounds after a failure ran, over rebuilt rings.
+        pairs = [(n, m, st) for n, m, st in rounds if len(m) == 2 and VICTIM not in m]
+        assert pairs and all(st == 0 for _, _, st in pairs), f"rank {r}: pair rounds {pairs}"
+        assert s["shm_rebuilt"] >= 1, f"rank {r}: no ring was rebuilt: {s}"
+        failed = [n for n, m, st in rounds if VICTIM in m and len(m) > 1]
+        assert failed and all(st != 0 for n, m, st in rounds if n in failed), rounds
