@@ -101,7 +101,7 @@ static const int_flag k_int_flags[] = {
     {"--partner-wait-ms", -1, 1 << 30, CLI_FIELD(cfg.gg.partner_wait_ms)},
     {"--max-isolated", -1, 1 << 30, CLI_FIELD(cfg.gg.max_isolated)},
     {"--period-max", -1, RPL_GG_MAX_PERIOD, CLI_FIELD(cfg.gg.period_max)},
-    {"--heartbeat-ms", 1, 1 << 30, CLI_FIELD(cfg.heartbeat_ms)},
+    {"--heartbeat-ms", RPL_HEARTBEAT_MIN_MS, RPL_HEARTBEAT_MAX_MS, CLI_FIELD(cfg.heartbeat_ms)},
     {"--dead-ms", 1, 1 << 30, CLI_FIELD(cfg.dead_ms)},
     {"--join-ms", -1, 1 << 30, CLI_FIELD(cfg.join_ms)},
     {"--timeout-ms", 1, 1 << 30, CLI_FIELD(timeout_ms)},

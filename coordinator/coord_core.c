@@ -18,6 +18,19 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
   else st = rpl_token_generate(core->token, err);
   if (st != RPL_OK) return st;
   rpl_token_to_hex(core->token, core->token_hex);
+  if (cfg->heartbeat_ms < 0 || (cfg->heartbeat_ms > 0 &&
+                                (cfg->heartbeat_ms < RPL_HEARTBEAT_MIN_MS ||
+                                 cfg->heartbeat_ms > RPL_HEARTBEAT_MAX_MS)))
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "coordinator: heartbeat interval %d ms is outside [%d, %d] ms", cfg->heartbeat_ms,
+                    RPL_HEARTBEAT_MIN_MS, RPL_HEARTBEAT_MAX_MS);
+  int hb = cfg->heartbeat_ms > 0 ? cfg->heartbeat_ms : 1000;
+  if (cfg->dead_ms < 0 || (cfg->dead_ms > 0 && ((long)cfg->dead_ms < (long)RPL_DEAD_MIN_BEATS * hb ||
+                                                cfg->dead_ms > RPL_DEAD_MAX_MS)))
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "coordinator: dead_ms %d must lie in [%d, %d] ms: at least %d heartbeat "
+                    "intervals of %d ms, or one late heartbeat declares a live worker dead",
+                    cfg->dead_ms, RPL_DEAD_MIN_BEATS * hb, RPL_DEAD_MAX_MS, RPL_DEAD_MIN_BEATS, hb);
   rpl_gg_config g = cfg->gg;
   g.trace = NULL;
   g.trace_ctx = NULL;

@@ -19,8 +19,10 @@ typedef struct rpl_coord_config {
                               address the job advertises, not every interface (PROTOCOL.md) */
   const char *token_hex;   /* the job token; NULL = generate one (rpl_coord_token) */
   rpl_gg_config gg;        /* policy and its knobs (the trace hook is ignored) */
-  int heartbeat_ms;        /* period asked of clients; 0 = 1000 */
-  int dead_ms;             /* a worker silent this long is dead; 0 = 10 * heartbeat_ms */
+  int heartbeat_ms;        /* period asked of clients; 0 = 1000; else within
+                            * [RPL_HEARTBEAT_MIN_MS, RPL_HEARTBEAT_MAX_MS] (rpl_sched_proto.h) */
+  int dead_ms;             /* a worker silent this long is dead; 0 = 10 * heartbeat_ms; else at
+                            * least RPL_DEAD_MIN_BEATS heartbeat intervals */
   int join_ms;             /* a worker never heard from within this is dead; 0 = 120000,
                               negative = wait for ever */
   int standby;             /* a failover coordinator: every worker starts out dead (in no

@@ -312,3 +312,24 @@ def test_job_secret_keeps_the_token_out_of_the_store(with_secret):
         assert res[r]["secret_env"] == with_secret
     # Rank 0 (primary) and rank 1 (standby) serve the same token, derived alike.
     assert res[0]["tokens"] == res[1]["tokens"] and len(res[0]["tokens"]) == 1
+
+
+def test_heartbeat_settings_are_bounded_and_followed():
+    # A dead_ms under three heartbeats declares a live worker dead after one late beat, and a
+    # tiny interval lets a token holder take a registration over between two beats: refused.
+    for hb, dead, word in ((100, 250, "dead_ms"), (10, 0, "heartbeat")):
+        with pytest.raises(Exception) as e:
+            coordinator.start(2, "random", bind="tcp://127.0.0.1:*", token=TOKEN,
+                              heartbeat_ms=hb, dead_ms=dead)
+        assert word in str(e.value), e.value
+    c = coordinator.start(2, "random", bind="tcp://127.0.0.1:*", token=TOKEN, group_size=2,
+                          heartbeat_ms=150, dead_ms=4000, join_ms=-1)
+    try:
+        # The worker's own default is 1000 ms: it beats as often as the coordinator asks,
+        # since the coordinator may rebind a rank silent for two of its intervals.
+        w = _gg.Client(c.endpoint, TOKEN, 0, 2, timeout_ms=5000, request_timeout_ms=20000)
+        s = w.stats()
+        assert s["heartbeat_ms"] == 150 and s["dead_ms"] == 4000, s
+        w.close()
+    finally:
+        c.close()

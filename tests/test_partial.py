@@ -234,3 +234,35 @@ def task_unreachable_coordinator(ctx):
 def test_unreachable_coordinator_is_a_clear_error_at_init():
     res = _dist.run_spawn(task_unreachable_coordinator, 2, check_exit=False)
     assert all(r in ("DistBackendError", "RuntimeError", "ValueError") for r in res), res
+
+
+def task_stats_while_a_round_waits(ctx):
+    import threading
+
+    import ripples_pg
+
+    g = _dist.ripples_group(ctx, 0, schedule="random", group_size=2, timeout=60)
+    x = torch.ones(8)
+    if ctx.rank == 1:  # joins the round only once rank 0 has read its stats, or after 30 s
+        try:
+            ctx.store.wait(["stats_read"], timedelta(seconds=30))
+        except Exception:  # noqa: BLE001 - rank 0's assertion says what went wrong
+            pass
+        ctx.store.set("joining", "1")
+        ripples_pg.partial_all_reduce([x], group=g)
+        return "joined"
+    t = threading.Thread(target=ripples_pg.partial_all_reduce, args=([x],), kwargs={"group": g})
+    t.start()
+    time.sleep(1.0)  # the round asks the coordinator, and waits there for rank 1
+    s = ripples_pg.stats(g)  # must not wait for the round (nor hold every Python thread)
+    waiting = not ctx.store.check(["joining"])
+    ctx.store.set("stats_read", "1")
+    t.join(60)
+    assert waiting, "stats() returned only after the round ended: it waited for the round"
+    assert s["rounds"] == 0, s
+    return "ok"
+
+
+def test_stats_never_wait_for_a_round():
+    res = _dist.run_spawn(task_stats_while_a_round_waits, 2, timeout=150)
+    assert res == ["ok", "joined"]

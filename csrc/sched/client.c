@@ -35,7 +35,10 @@ struct rpl_gg_client {
   uint8_t token[RPL_TOKEN_LEN];
   int rank, nworkers, host_label;
   int timeout_ms, request_timeout_ms, heartbeat_ms;
-  uint32_t dead_ms;            /* from the coordinator's HELLO_ACK */
+  /* Atomics, like every field stats read: stats never take `lock`, which a request holds
+   * while it waits for its group (up to the round timeout). */
+  atomic_uint dead_ms;         /* from the coordinator's HELLO_ACK, bounded */
+  atomic_uint beat_ms;         /* the period in use: the coordinator's, or ours if shorter */
   void *ctx;
   int own_ctx;
   void *sock;
@@ -51,7 +54,7 @@ struct rpl_gg_client {
   atomic_int lost;             /* heartbeats unanswered for longer than dead_ms */
   atomic_ullong hb_sent, hb_acked, requests, cancels, failovers, passes;
   atomic_uint period;              /* in the last GROUP or PASS; 0 before */
-  double wait_s;
+  atomic_ullong wait_ns;       /* total time blocked in rpl_gg_client_request */
 };
 
 static double now_s(void) {
@@ -230,7 +233,7 @@ static void *beat_main(void *arg) {
       fill_header(c, &m, RPL_MSG_HEARTBEAT, next_seq(c));
       rpl_error e;
       if (send_msg(s, &m, NULL, &e, c->endpoint) == RPL_OK) atomic_fetch_add(&c->hb_sent, 1);
-      next_send = t + c->heartbeat_ms / 1000.0;
+      next_send = t + atomic_load(&c->beat_ms) / 1000.0;
     }
     zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
     if (zmq_poll(&it, 1, 50) > 0) {
@@ -246,7 +249,7 @@ static void *beat_main(void *arg) {
         }
       }
     }
-    if (now_s() - last_ack > c->dead_ms / 1000.0) atomic_store(&c->lost, 1);
+    if (now_s() - last_ack > atomic_load(&c->dead_ms) / 1000.0) atomic_store(&c->lost, 1);
   }
   free(buf);
   zmq_close(s);
@@ -305,7 +308,17 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
                     c->endpoint, rpl_msg_type_name(m.type));
   }
   if (st == RPL_OK) {
-    c->dead_ms = m.dead_ms ? m.dead_ms : 10000;
+    /* Beat at least as often as the coordinator asks (it may take a binding silent for two of
+     * its intervals over), bounded: a coordinator's numbers are never trusted blindly. */
+    uint32_t hb = m.heartbeat_ms ? m.heartbeat_ms : 1000;
+    hb = hb < RPL_HEARTBEAT_MIN_MS ? RPL_HEARTBEAT_MIN_MS
+                                   : hb > RPL_HEARTBEAT_MAX_MS ? RPL_HEARTBEAT_MAX_MS : hb;
+    atomic_store(&c->beat_ms, c->heartbeat_ms > 0 && (uint32_t)c->heartbeat_ms < hb
+                                  ? (uint32_t)c->heartbeat_ms
+                                  : hb);
+    uint32_t dead = m.dead_ms ? m.dead_ms : 10 * hb, dead_min = RPL_DEAD_MIN_BEATS * hb;
+    atomic_store(&c->dead_ms,
+                 dead < dead_min ? dead_min : dead > RPL_DEAD_MAX_MS ? RPL_DEAD_MAX_MS : dead);
     atomic_store(&c->lost, 0);
     if (c->heartbeat_ms > 0) {
       if (pthread_create(&c->beat, NULL, beat_main, c) != 0)
@@ -521,7 +534,7 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
     atomic_store(&c->period, m.period); /* the adaptive period: PASS = no averaging */
     break;
   }
-  c->wait_s += now_s() - t0;
+  atomic_fetch_add(&c->wait_ns, (unsigned long long)((now_s() - t0) * 1e9));
   pthread_mutex_unlock(&c->lock);
   return st;
 }
@@ -591,12 +604,12 @@ void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out) {
   out->cancels = atomic_load(&c->cancels);
   out->heartbeats_sent = atomic_load(&c->hb_sent);
   out->heartbeats_acked = atomic_load(&c->hb_acked);
+  out->heartbeat_ms = atomic_load(&c->beat_ms);
+  out->dead_ms = atomic_load(&c->dead_ms);
   out->failovers = atomic_load(&c->failovers);
   out->passes = atomic_load(&c->passes);
   out->period = atomic_load(&c->period);
-  pthread_mutex_lock(&c->lock);
-  out->wait_s = c->wait_s;
-  pthread_mutex_unlock(&c->lock);
+  out->wait_s = (double)atomic_load(&c->wait_ns) / 1e9;
 }
 
 /* One STATUS query (rank -1: the whole document; else that rank's summary) to one endpoint

@@ -355,6 +355,9 @@ typedef struct rpl_gg_client_stats {
   uint64_t cancels;         /* requests cancelled by the coordinator and re-sent */
   uint64_t heartbeats_sent;
   uint64_t heartbeats_acked;
+  uint32_t heartbeat_ms;    /* the heartbeat period in use (the coordinator's, bounded, or the
+                               client's own if shorter); 0 before registering */
+  uint32_t dead_ms;         /* heartbeats unanswered this long lose the coordinator (bounded) */
   double wait_s;            /* total time blocked in rpl_gg_client_request */
   uint64_t passes;          /* rounds the coordinator passed (the adaptive period) */
   uint32_t period;          /* the adaptive period in the coordinator's last answer (0 before
@@ -363,6 +366,7 @@ typedef struct rpl_gg_client_stats {
                                coordinator (with the next endpoint of its list, or the same
                                one restarted) */
 } rpl_gg_client_stats;
+/* Never blocks: atomics only (safe while another thread waits in rpl_gg_client_request). */
 void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out);
 
 /* One-shot STATUS query (no client needed): fills *json (malloc'd, NUL-terminated, caller

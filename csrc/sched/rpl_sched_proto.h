@@ -31,6 +31,14 @@ extern "C" {
 #define RPL_ROUTE_HEARTBEAT 'H'
 #define RPL_PROTO_MAX_TEXT 4096                 /* ERROR text */
 #define RPL_PROTO_MAX_BODY (1u << 24)           /* STATUS_REPLY json; everything else smaller */
+/* Heartbeats: the coordinator's interval (HELLO_ACK.heartbeat_ms) lies in
+ * [RPL_HEARTBEAT_MIN_MS, RPL_HEARTBEAT_MAX_MS] and its dead_ms spans at least
+ * RPL_DEAD_MIN_BEATS intervals (at most RPL_DEAD_MAX_MS): a coordinator refuses other settings,
+ * and a client bounds what a HELLO_ACK says to these (what a peer sends is never trusted). */
+#define RPL_HEARTBEAT_MIN_MS 50
+#define RPL_HEARTBEAT_MAX_MS 60000
+#define RPL_DEAD_MIN_BEATS 3
+#define RPL_DEAD_MAX_MS 3600000
 
 typedef enum {
   RPL_MSG_HELLO = 1,

@@ -363,6 +363,7 @@ class Client {
     rpl_gg_client_get_stats(ready(), &s);
     py::dict d;
     PUT(requests); PUT(cancels); PUT(heartbeats_sent); PUT(heartbeats_acked); PUT(wait_s);
+    PUT(heartbeat_ms); PUT(dead_ms);
     PUT(passes); PUT(period);
     return d;
   }

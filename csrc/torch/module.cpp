@@ -72,7 +72,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "counters",
           [](const ripples::ProcessGroupRipples& pg) {
-            rpl_comm_counters c = pg.counters();
+            rpl_comm_counters c;
+            {
+              py::gil_scoped_release nogil; // never holds other Python threads up
+              c = pg.counters();
+            }
             return dictOf({
                 {"ops_completed", py::cast(c.ops_completed)},
                 {"ops_failed", py::cast(c.ops_failed)},
@@ -85,6 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"handshakes_dropped", py::cast(c.handshakes_dropped)},
                 {"replacements_refused", py::cast(c.replacements_refused)},
                 {"stash_holds", py::cast(c.stash_holds)},
+                {"shm_rebuilt", py::cast(c.shm_rebuilt)},
+                {"paths", py::cast(pg.peerPaths())},
                 {"ops_staged", py::cast(pg.stagedCalls())},
                 {"ops_staged_pipelined", py::cast(pg.pipelinedCalls())},
                 {"stage_chunks", py::cast(pg.stageChunks())},
@@ -106,7 +112,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "partial_stats",
           [](const ripples::ProcessGroupRipples& pg) {
-            rpl_partial_stats s = pg.partialStats();
+            rpl_partial_stats s;
+            {
+              py::gil_scoped_release nogil; // never holds other Python threads up
+              s = pg.partialStats();
+            }
             return dictOf({
                 {"rounds", py::cast(s.rounds)},
                 {"reduced", py::cast(s.reduced)},
