@@ -208,5 +208,6 @@ void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out) {
   out->wrong_route = atomic_load(&k->wrong_route);
   out->replayed = atomic_load(&k->replayed);
   out->rebinds = atomic_load(&k->rebinds);
+  out->probes_withheld = atomic_load(&k->probes_withheld);
   out->bad_token_quiet = atomic_load(&k->bad_token_quiet);
 }

@@ -184,11 +184,16 @@ static int may_rebind(coord_core *core, coord_worker *w, const rpl_gg_worker_inf
    * coordinator that only stalled). If ZeroMQ already knows that connection is gone, a
    * probe to it fails at once; a live one receives a HEARTBEAT_ACK with seq 0, which no
    * request of a client waits for (its seqs start at 1), and ignores it. */
+  if (w->probes >= COORD_MAX_PROBES) { /* it proved alive since it last spoke: no more */
+    atomic_fetch_add(&core->probes_withheld, 1);
+    return 0;
+  }
   rpl_msg probe;
   memset(&probe, 0, sizeof probe);
   probe.type = RPL_MSG_HEARTBEAT_ACK;
   probe.rank = (int32_t)(w - core->w);
   reply_worker(core, w, &probe, NULL);
+  w->probes++;
   return w->unreachable;
 }
 
@@ -296,6 +301,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
     memcpy(w->route, route, route_len);
     w->route_len = (uint8_t)route_len;
     w->unreachable = 0;
+    w->probes = 0;
     w->seq_valid[0] = w->seq_valid[1] = 0; /* a new connection: its own history */
     slot = 0;
   } else if (w->route_len == 0) {
@@ -319,6 +325,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   }
   w->last_seq[slot] = m.seq;
   w->seq_valid[slot] = 1;
+  if (slot == 0) w->probes = 0; /* it reads that connection again before it waits */
   rpl_msg r;
   memset(&r, 0, sizeof r);
   r.rank = m.rank;
@@ -535,7 +542,7 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
                "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
                "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
                "\"period_drops\":%llu,\"wrong_route\":%llu,\"replayed\":%llu,\"rebinds\":%llu,"
-               "\"bad_token_quiet\":%llu,\"late_dropped\":%llu},",
+               "\"bad_token_quiet\":%llu,\"late_dropped\":%llu,\"probes_withheld\":%llu},",
                (unsigned long long)atomic_load(&core->messages),
                (unsigned long long)atomic_load(&core->malformed),
                (unsigned long long)atomic_load(&core->bad_token),
@@ -555,7 +562,8 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
                (unsigned long long)atomic_load(&core->replayed),
                (unsigned long long)atomic_load(&core->rebinds),
                (unsigned long long)atomic_load(&core->bad_token_quiet),
-               (unsigned long long)st.late_dropped);
+               (unsigned long long)st.late_dropped,
+               (unsigned long long)atomic_load(&core->probes_withheld));
   attribution_json(core, &b, now);
   coord_printf(&b, ",\"workers\":[");
   int listed = 0;

@@ -26,6 +26,10 @@ typedef int (*coord_send_fn)(void *ctx, const uint8_t *route, size_t route_len,
  * from; only that route (and, for HEARTBEAT, its heartbeat sibling) speaks for r until the
  * binding is given up (dead, left, or silent for COORD_REBIND_BEATS heartbeat intervals). */
 #define COORD_REBIND_BEATS 2
+/* Probes (see may_rebind in coord_core.c) a worker's bound connection may hold unread: a
+ * client reads that connection only while it waits for a reply, so each foreign HELLO's probe
+ * would otherwise queue there until the queue is full and the worker's next GROUP is lost. */
+#define COORD_MAX_PROBES 4
 
 typedef struct coord_worker {
   uint8_t route[RPL_ROUTE_MAX]; /* the bound route: where its replies go */
@@ -34,6 +38,7 @@ typedef struct coord_worker {
   uint32_t last_seq[2];         /* last accepted seq: [0] bound route, [1] heartbeat sibling */
   uint8_t seq_valid[2];
   uint8_t unreachable;          /* a reply to the bound route failed: that peer is gone */
+  uint8_t probes;               /* probes sent to the bound route since it last spoke */
   int32_t host_label;
   int seen;                     /* has sent anything valid */
   int hello;                    /* has registered (HELLO) with this instance */
@@ -56,7 +61,7 @@ typedef struct coord_core {
   coord_send_fn send;
   void *send_ctx;
   atomic_ullong messages, malformed, bad_token, errors_sent, dead_declared, send_failures;
-  atomic_ullong wrong_route, replayed, rebinds, bad_token_quiet;
+  atomic_ullong wrong_route, replayed, rebinds, bad_token_quiet, probes_withheld;
   double bad_token_window;      /* start of the second bad_token_replies counts in */
   int bad_token_replies;
   atomic_uchar *gone;           /* [nworkers]: left or dead, readable from other threads */

@@ -71,6 +71,8 @@ typedef struct rpl_coord_counters {
   uint64_t wrong_route;    /* refused: a rank's message from a connection it is not bound to */
   uint64_t replayed;       /* dropped: seq not above the last accepted one of that connection */
   uint64_t rebinds;        /* a rank bound to a new connection (failover, restart) */
+  uint64_t probes_withheld; /* foreign HELLOs refused without probing the live connection
+                              (COORD_MAX_PROBES unread probes there already) */
   uint64_t bad_token_quiet;/* wrong-token messages left unanswered (reply rate limit) */
 } rpl_coord_counters;
 

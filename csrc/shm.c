@@ -110,6 +110,7 @@ struct rpl_shm {
   char name[64];
   int linked;
   int lock_fd;           /* the anchor's segment, where every local rank holds its lock */
+  int own_fd;            /* our segment, locked (byte 0) while we live; -1 for the anchor */
   unsigned char *mine;   /* our segment */
   unsigned char **peer;  /* peers' segments by rank, NULL if not mapped */
   pid_t *peer_pid;       /* by rank: a pid that reads that peer's memory, 0 if none does */
@@ -220,6 +221,7 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   s->rank = rank;
   s->size = size;
   s->lock_fd = -1;
+  s->own_fd = -1;
   s->local_of = malloc(sizeof(int) * (size_t)size);
   s->peer = calloc((size_t)size, sizeof *s->peer);
   s->peer_pid = calloc((size_t)size, sizeof *s->peer_pid);
@@ -288,8 +290,15 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   h->self_addr = (uint64_t)(uintptr_t)p;
   h->rank = (uint32_t)rank;
   h->size = (uint32_t)size;
-  if (s->me == 0) take_lock(s, fd);
-  else close(fd);
+  if (s->me == 0) {
+    take_lock(s, fd); /* byte 0 of our own segment: the anchor's liveness byte is ours */
+  } else {
+    /* Byte 0 of our own segment says we live to whoever finds the segment left behind (the
+     * sweep of ripples_pg/_incarnation.py), whatever pid namespace it is in. */
+    struct flock fl = lock_byte(F_WRLCK, 0);
+    s->own_fd = fd;
+    (void)fcntl(fd, F_SETLK, &fl); /* without record locks, the sweep goes by pid alone */
+  }
   __atomic_store_n(&h->magic, SEG_MAGIC, __ATOMIC_RELEASE);
   snprintf(name, cap, "%s", s->name);
   *out = s;
@@ -426,6 +435,7 @@ void rpl_shm_destroy(rpl_shm *s) {
       if (s->peer[r]) munmap(s->peer[r], s->seg_bytes);
   if (s->mine) munmap(s->mine, s->seg_bytes);
   if (s->lock_fd >= 0) close(s->lock_fd); /* drops our lock: peers still waiting see us gone */
+  if (s->own_fd >= 0) close(s->own_fd);
   free(s->peer);
   free(s->peer_pid);
   free(s->pos);

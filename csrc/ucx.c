@@ -75,6 +75,7 @@ struct rpl_ucx {
   int efd;
   unsigned port;
   rpl_ucx_ep *eps;
+  rpl_ucx_ep *orphans; /* closed, but UCX may still call back with them: freed at destroy */
   ucp_conn_request_h requests[MAX_REQUESTS]; /* from the listener, oldest first */
   int nrequests;
 };
@@ -157,7 +158,12 @@ void rpl_ucx_destroy(rpl_ucx *u) {
     u->nrequests = 0;
     ucp_listener_destroy(u->listener);
   }
-  if (u->worker) ucp_worker_destroy(u->worker);
+  if (u->worker) ucp_worker_destroy(u->worker); /* no callback after this */
+  while (u->orphans) {
+    rpl_ucx_ep *next = u->orphans->next;
+    free(u->orphans);
+    u->orphans = next;
+  }
   if (u->ctx) ucp_cleanup(u->ctx);
   free(u);
 }
@@ -368,21 +374,36 @@ void rpl_ucx_close(rpl_ucx_ep *e, double linger_s) {
   ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
                            .flags = forced ? UCP_EP_CLOSE_FLAG_FORCE : 0};
   ucs_status_ptr_t r = ucp_ep_close_nbx(e->ep, &p);
+  int closed = 1;
   if (r && !UCS_PTR_IS_ERR(r)) {
     if (!wait_request(u, r, forced ? rpl_now() + 5.0 : until)) {
       /* A graceful close the peer does not answer: cancel it by force (bounded). */
       ucp_request_cancel(u->worker, r);
-      wait_request(u, r, rpl_now() + 5.0);
+      closed = wait_request(u, r, rpl_now() + 5.0);
     }
-    ucp_request_free(r);
+    ucp_request_free(r); /* released by UCX once complete, if it is not yet */
   }
-  /* A write still under way was cancelled by the close: its callback ran above. */
-  if (e->tx_req) ucp_request_free(e->tx_req);
+  /* A write still under way was cancelled by the close: its callback ran above, unless the
+   * close itself did not complete. */
+  if (e->tx_req) {
+    closed &= ucp_request_check_status(e->tx_req) != UCS_INPROGRESS;
+    ucp_request_free(e->tx_req);
+  }
   if (e->hello_req) ucp_request_free(e->hello_req);
+  e->tx_req = e->hello_req = NULL;
   if (e->prev) e->prev->next = e->next;
   else u->eps = e->next;
   if (e->next) e->next->prev = e->prev;
-  free(e);
+  if (closed) {
+    free(e);
+    return;
+  }
+  /* UCX still holds e as the argument of its error handler or of a send's completion: keep
+   * it (failed, unreachable from the transport) until the worker is destroyed. */
+  e->failed = 1;
+  e->prev = NULL;
+  e->next = u->orphans;
+  u->orphans = e;
 }
 
 #endif /* RPL_HAVE_UCX */

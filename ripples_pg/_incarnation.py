@@ -180,9 +180,10 @@ def sweep_dead_segments(shm_dir: str = SHM_DIR, min_age_s: float = SHM_MIN_AGE_S
     A segment is unlinked as soon as every local peer has mapped it, so one is left in
     ``/dev/shm`` only by a process killed during its group's set-up -- typically the
     incarnation a launcher is now restarting. A segment is removed only if its name is ours,
-    it belongs to this user, its creator's pid is not alive, and it is older than
-    ``min_age_s`` (a creator in another pid namespace sharing ``/dev/shm`` is mid-set-up for
-    far less). Returns the names removed; never raises."""
+    it belongs to this user, it is older than ``min_age_s``, its creator's pid is not alive
+    here, and no process holds a record lock on it: every creator locks its own segment for
+    as long as it lives (csrc/shm.c), and the kernel's locks, unlike pids, mean the same in
+    every pid namespace sharing ``/dev/shm``. Returns the names removed; never raises."""
     removed = []
     try:
         names = os.listdir(shm_dir)
@@ -204,9 +205,28 @@ def sweep_dead_segments(shm_dir: str = SHM_DIR, min_age_s: float = SHM_MIN_AGE_S
             pass
         except (OSError, OverflowError, ValueError):
             continue
+        if _locked(path):
+            continue  # its creator lives, in another pid namespace
         try:
             os.unlink(path)
             removed.append(name)
         except OSError:
             pass
     return removed
+
+
+def _locked(path: str) -> bool:
+    """Whether another process holds a record lock on the file (True when it cannot tell)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return True
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the whole file; released by close
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)

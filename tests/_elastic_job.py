@@ -65,7 +65,7 @@ def main(argv=None):
     t_wrap = time.monotonic()
     start = 0
     if a.ckpt and os.path.exists(a.ckpt):
-        ck = torch.load(a.ckpt, weights_only=False)
+        ck = torch.load(a.ckpt, weights_only=True)
         model.module.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         start = ck["step"]

@@ -115,10 +115,24 @@ def test_sweep_removes_only_dead_creators_old_segments(tmp_path):
         os.utime(tmp_path / n, (time.time() - 120, time.time() - 120))
     young = f"ripples-{dead.pid}-{'0' * 15}3-2"
     (tmp_path / young).write_bytes(b"x")  # dead creator but just made: kept
-    removed = inc.sweep_dead_segments(str(tmp_path), min_age_s=60)
+    # A creator in another pid namespace: its pid means nothing here, but it holds the lock
+    # every creator holds on its own segment (csrc/shm.c) while it lives: kept.
+    other_ns = f"ripples-{dead.pid}-{'0' * 15}4-3"
+    (tmp_path / other_ns).write_bytes(b"x")
+    os.utime(tmp_path / other_ns, (time.time() - 120, time.time() - 120))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); "
+         "fcntl.lockf(fd, fcntl.LOCK_EX, 1, 0); print('held', flush=True); time.sleep(60)",
+         str(tmp_path / other_ns)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        removed = inc.sweep_dead_segments(str(tmp_path), min_age_s=60)
+    finally:
+        holder.kill()
+        holder.wait()
     assert removed == [n for n, gone in names.items() if gone]
     left = set(os.listdir(tmp_path))
-    assert left == {n for n, gone in names.items() if not gone} | {young}
+    assert left == {n for n, gone in names.items() if not gone} | {young, other_ns}
 
 
 # ----------------------------------------------------------------------------- restarts

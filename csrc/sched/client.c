@@ -209,6 +209,14 @@ static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_T
   }
 }
 
+/* libzmq allocates a whole inbound message before zmq_recv sees it: a (fake) coordinator's
+ * frame larger than any reply of the protocol disconnects it instead. */
+_Static_assert(MAX_MSG >= RPL_PROTO_HEADER + 8 + RPL_PROTO_MAX_TEXT, "an ERROR reply fits");
+static void limit_inbound(void *s) {
+  int64_t maxmsg = (int64_t)MAX_MSG;
+  zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
+}
+
 static void *beat_main(void *arg) {
   rpl_gg_client *c = arg;
   pthread_setname_np(pthread_self(), "rpl-gg-beat");
@@ -220,6 +228,7 @@ static void *beat_main(void *arg) {
   rid[0] = RPL_ROUTE_HEARTBEAT; /* the sibling of the registered route (PROTOCOL.md) */
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(s, ZMQ_ROUTING_ID, rid, sizeof rid);
+  limit_inbound(s);
   if (zmq_connect(s, c->endpoint) != 0) {
     zmq_close(s);
     return NULL;
@@ -264,6 +273,7 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
   if (!c->sock) return zfail(err, "socket", c->endpoint);
   int linger = 1000; /* let a final DONE/LEAVE go out on close */
   zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
+  limit_inbound(c->sock);
   /* A fresh routing id for each registration: the coordinator binds our rank to it. Fresh,
    * because the coordinator may not have noticed the previous connection close yet, and
    * ZeroMQ refuses a second connection with a routing id in use. */

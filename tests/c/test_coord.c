@@ -201,6 +201,8 @@ static const char *SEC_TOKEN = "5ec0de5ec0de5ec0de5ec0de5ec0de5e";
 typedef struct {
   int count;
   const uint8_t *gone;            /* a route with no connected peer (sends to it fail) */
+  const uint8_t *watch;           /* sends to this route are counted in watched */
+  int watched;
   uint8_t route[RPL_ROUTE_MAX];
   size_t route_len;
   uint8_t msg[8192];
@@ -212,6 +214,8 @@ static int record_send(void *ctx, const uint8_t *route, size_t route_len, const 
   sent_log *l = ctx;
   if (l->gone && route_len == RPL_ROUTE_ID_LEN && !memcmp(route, l->gone, route_len))
     return COORD_SEND_GONE;
+  if (l->watch && route_len == RPL_ROUTE_ID_LEN && !memcmp(route, l->watch, route_len))
+    l->watched++;
   l->count++;
   memcpy(l->route, route, route_len);
   l->route_len = route_len;
@@ -406,6 +410,26 @@ static void test_security_core(void) {
   REQUIRE(feed(&core, &log, E, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK,
           "D disconnected: E takes rank 0 at once");
   log.gone = NULL;
+  /* A token holder repeating HELLOs for live rank 0 (from F) gets a probe sent to rank 0's
+   * connection only COORD_MAX_PROBES times until rank 0 speaks there again: the probes would
+   * otherwise fill the connection a computing worker does not read, and its next GROUP be
+   * dropped. */
+  uint8_t F[RPL_ROUTE_ID_LEN];
+  make_route(F, 'R', 0xf6);
+  log.watch = E;
+  for (uint32_t k = 0; k < 50; k++) {
+    m = worker_msg(RPL_MSG_HELLO, 0, 100 + k);
+    feed(&core, &log, F, &m, NULL, t + 0.5, &r);
+  }
+  REQUIRE(log.watched == COORD_MAX_PROBES, "%d probes to the live connection", log.watched);
+  REQUIRE(atomic_load(&core.probes_withheld) == 50 - COORD_MAX_PROBES, "withheld counted");
+  m = worker_msg(RPL_MSG_FENCE, 0, 4);
+  feed(&core, &log, E, &m, NULL, t + 0.5, &r);
+  m = worker_msg(RPL_MSG_HELLO, 0, 200);
+  feed(&core, &log, F, &m, NULL, t + 0.5, &r);
+  REQUIRE(log.watched == COORD_MAX_PROBES + 1, "a probe again once rank 0 spoke (%d)",
+          log.watched);
+  log.watch = NULL;
   /* A dead worker's binding is free at once. */
   m = worker_msg(RPL_MSG_HELLO, 2, 1);
   REQUIRE(feed(&core, &log, B, &m, NULL, t + 0.5, &r) == RPL_MSG_HELLO_ACK, "rank 2 from B");

@@ -9,6 +9,7 @@
  * board. Every wait in the scenarios has a 30 s deadline, far above the bounds checked.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdio.h>
@@ -326,6 +327,36 @@ static void test_broken_pair_is_rebuilt(void) {
   rpl_shm_destroy(b);
 }
 
+/* Every creator locks its own segment while it lives, so a segment left behind (a rank killed
+ * during set-up) is told from a live one by its lock, not by a pid that may belong to another
+ * namespace (the sweep in ripples_pg/_incarnation.py). Another process must see the lock. */
+static void test_own_segment_locked(void) {
+  int local_of[2] = {0, 1};
+  rpl_shm *a = NULL, *b = NULL;
+  char na[64], nb[64];
+  rpl_error err;
+  CHECK(rpl_shm_create(0, 2, local_of, 11, 4096, &a, na, sizeof na, &err) == RPL_OK, "%s",
+        err.msg);
+  CHECK(rpl_shm_create(1, 2, local_of, 11, 4096, &b, nb, sizeof nb, &err) == RPL_OK, "%s",
+        err.msg);
+  if (!a || !b) return;
+  const char *names[2] = {na, nb};
+  for (int i = 0; i < 2; i++) {
+    pid_t child = fork();
+    if (child == 0) { /* locks are per process: only another one sees ours */
+      int fd = shm_open(names[i], O_RDWR, 0);
+      struct flock fl = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
+      _exit(fd >= 0 && fcntl(fd, F_SETLK, &fl) != 0 ? 0 : 1);
+    }
+    int status = 0;
+    waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "rank %d's own segment is not locked while it lives", i);
+  }
+  rpl_shm_destroy(a);
+  rpl_shm_destroy(b);
+}
+
 /* A peer in another pid namespace (a container sharing /dev/shm): the pid in its segment
  * means nothing here, and must never make it look dead; its death is still seen. Needs the
  * right to create a pid namespace (skipped without it). */
@@ -537,6 +568,7 @@ int main(void) {
       {"the same, when it held the shared lock file", test_dead_anchor},
       {"ranks of one process are never dead", test_same_process_never_dead},
       {"a broken ring pair is rebuilt", test_broken_pair_is_rebuilt},
+      {"a creator locks its own segment", test_own_segment_locked},
       {"a peer in another pid namespace", test_other_pid_namespace},
       {"chain over shared memory", test_chain_shm},
       {"chain over TCP", test_chain_tcp},
