@@ -48,6 +48,10 @@ typedef struct rpl_run {
   size_t single_copy_bytes;     /* single-copy algorithms at or above this; 0 = never */
   const unsigned char *same_host; /* by communicator rank: 1 if on this host (NULL = none) */
   rpl_error *err;
+  /* Fault injection (tests only, partial.c): called before the run's k-th exchange. */
+  void (*before_exchange)(void *arg, int k);
+  void *hook_arg;
+  int exchanges; /* exchanges so far */
 } rpl_run;
 
 /* Scratch slot `slot` with at least `bytes` bytes, valid until the op ends (NULL, with the

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "algorithms/algorithms.h"
 #include "bytes.h"
@@ -15,6 +17,7 @@
 #include "sched/rpl_sched.h"
 
 #define SIG_BYTES 32 /* nin, elements, hash of (dtype, count), compression mode, flags */
+#define STEP_COMMIT 0xfffe /* the step of confirm_whole's messages (signatures: 0xffff) */
 #define SIG_SAME 28  /* the part every member must agree on; the flags are OR-ed */
 #define SIG_FLAG_OUT_OF_RANGE 1u /* a value this member would compress is not finite or too big */
 #define TRACE_SLOTS 8192
@@ -49,6 +52,11 @@ struct rpl_partial {
   float *resid, *next;
   size_t resid_n;
   uint64_t resid_sig;
+
+  /* RIPPLES_TEST_FAULT (tests only): in round fault_round, before exchange fault_at of the
+   * round (0: the signatures), this rank exits (1) or stalls past the deadline (2). */
+  int fault_action, fault_at;
+  uint64_t fault_round;
 
   pthread_mutex_t mu;       /* guards stats and the trace */
   rpl_partial_stats stats;
@@ -130,6 +138,28 @@ int rpl_partial_eligible(const rpl_op_desc *d) {
   return 1;
 }
 
+/* RIPPLES_TEST_FAULT="exit|stall:ROUND:EXCHANGE", for the fault-injection tests
+ * (tests/test_round_faults.py): a process that sets it dies or stalls at that point of that
+ * round. Anything else in it is ignored (no fault). */
+static void parse_fault(rpl_partial *p) {
+  const char *f = getenv("RIPPLES_TEST_FAULT");
+  char what[8];
+  unsigned long long round;
+  int at;
+  if (!f || sscanf(f, "%7[a-z]:%llu:%d", what, &round, &at) != 3 || at < 0) return;
+  p->fault_action = strcmp(what, "exit") == 0 ? 1 : strcmp(what, "stall") == 0 ? 2 : 0;
+  p->fault_round = round;
+  p->fault_at = at;
+}
+
+static void fire_fault(void *arg, int k) {
+  rpl_partial *p = arg;
+  if (k != p->fault_at) return;
+  if (p->fault_action == 1) _exit(17); /* as a kill: no goodbye, no flush */
+  struct timespec ts = {(time_t)(p->timeout_s + 1.0), 0};
+  nanosleep(&ts, NULL); /* past every member's deadline */
+}
+
 rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
                               double timeout_s, rpl_partial **out, rpl_error *err) {
   *out = NULL;
@@ -148,6 +178,7 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
   p->timeout_s = timeout_s;
   p->on_failure = cfg->on_failure;
   p->compression = cfg->compression;
+  parse_fault(p);
   p->members = calloc((size_t)size, sizeof(int));
   if (!p->members) {
     st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
@@ -329,6 +360,30 @@ static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t 
                   "and dtypes", (unsigned long long)group_id, list);
 }
 
+/* A round's commit point. The reduction leaves each member's result in a working copy, and
+ * members finish its last step at different moments; a member that failed there (its
+ * partner died, stalled past the deadline, or a link was cut) would leave the others
+ * committed. So every member first tells every other that it holds the whole result (an
+ * empty message each way), and writes back only once all have said so. A member that dies
+ * after confirming changes nothing for the others (they commit; it is gone); the window left
+ * is a member stalling between its confirmations and the others' for longer than the round's
+ * deadline, or dying in the middle of sending its confirmations (docs/fault-tolerance.md). */
+static rpl_status confirm_whole(rpl_run *run) {
+  int n = run->size, k = 0;
+  rpl_xfer *xs = malloc(sizeof(rpl_xfer) * 2 * (size_t)n);
+  if (!xs) return rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory in a partial round");
+  for (int v = 0; v < n; v++) {
+    if (v == run->rank) continue;
+    xs[k++] = rpl_send(run, v, NULL, 0, RPL_UINT8, 0, STEP_COMMIT);
+    xs[k++] = rpl_recv(run, v, NULL, 0, RPL_UINT8, 0, STEP_COMMIT);
+  }
+  rpl_status st = rpl_exchange(run, xs, k);
+  free(xs);
+  /* The test hook's last point: every member confirmed, nothing written back yet. */
+  if (st == RPL_OK && run->before_exchange) run->before_exchange(run->hook_arg, run->exchanges);
+  return st;
+}
+
 /* Whether this round compresses: a mode is set, every buffer is float32 (the same answer on
  * every member once the signatures agree), and the group spans more than one host (host_of
  * is the same on every member). */
@@ -404,6 +459,10 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
     run->rank = me;
     run->size = n;
     run->seq = gid;
+    if (p->fault_action && round == p->fault_round) {
+      run->before_exchange = fire_fault;
+      run->hook_arg = p;
+    }
     size_t total = 0;
     for (int i = 0; i < d->nin; i++) {
       total += d->in[i].count;
@@ -432,6 +491,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
       float *out = rpl_scratch(run, 2, total * sizeof(float));
       st = out ? rpl_compressed_average(run, p->next, total, p->compression, out)
                : RPL_ERR_NOMEM;
+      if (st == RPL_OK) st = confirm_whole(run);
       if (st == RPL_OK) {
         /* Commit: the buffers and the residual change together, only now. */
         if (d->redop == RPL_SUM) rpl_scale(out, total, RPL_FLOAT32, (double)p->size);
@@ -461,6 +521,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
         st = rpl_allreduce_buf(run, &wb, RPL_SUM, (unsigned)i);
         off += b;
       }
+      if (st == RPL_OK) st = confirm_whole(run);
       if (st == RPL_OK) {
         off = 0;
         for (int i = 0; i < d->nin; i++) {

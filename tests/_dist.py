@@ -467,6 +467,34 @@ def start_direct(target, world_size, *args):
     return procs, conns
 
 
+def collect_direct(procs, conns, timeout_s, skip=()):
+    """Reads one report from each worker of ``start_direct`` (but those in ``skip``) within
+    ``timeout_s``; a worker that exits without one reports ``("dead",)``. Then joins them all,
+    killing any still running. Returns {rank: report}."""
+    import multiprocessing.connection as mpc
+
+    reports = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        waiting = {c: r for r, c in enumerate(conns) if r not in skip}
+        while waiting and time.monotonic() < deadline:
+            for c in mpc.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                r = waiting.pop(c)
+                try:
+                    reports[r] = c.recv()
+                except EOFError:
+                    reports[r] = ("dead",)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
+    return reports
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT or an endpoint)."""
     import socket

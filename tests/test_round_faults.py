@@ -11,11 +11,11 @@ pairs. Those rounds must succeed over the rings, rebuilt: no TCP connection is e
 Workers are spawned directly (torchrun would end the job at the first death). The survivors
 meet at a gloo barrier after every round, so that a failed round's members leave it together.
 """
-import multiprocessing.connection as mpc
 import os
 import signal
-import time
 from datetime import timedelta
+
+import pytest
 
 import _dist
 
@@ -60,26 +60,7 @@ def _worker(rank, port, out):
 
 def _run():
     procs, conns = _dist.start_direct(_worker, WS)
-    reports = {}
-    try:
-        deadline = time.monotonic() + START_S
-        waiting = {c: r for r, c in enumerate(conns) if r != VICTIM}
-        while waiting and time.monotonic() < deadline:
-            for c in mpc.wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
-                r = waiting.pop(c)
-                try:
-                    reports[r] = c.recv()
-                except EOFError:
-                    reports[r] = ("exited", "without a report", None, None)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-        for c in conns:
-            c.close()
-    return reports
+    return _dist.collect_direct(procs, conns, START_S, skip=(VICTIM,))
 
 
 def test_survivors_keep_their_rings_after_failed_rounds():
@@ -87,8 +68,8 @@ def test_survivors_keep_their_rings_after_failed_rounds():
     survivors = [r for r in range(WS) if r != VICTIM]
     assert sorted(reports) == survivors, f"survivors did not all report: {reports}"
     for r in survivors:
-        kind, s, rounds, _ = reports[r]
-        assert kind == "ok", f"rank {r}: {s}"
+        assert reports[r][0] == "ok", f"rank {r}: {reports[r]}"
+        _, s, rounds, _ = reports[r]
         assert s["skipped"] >= 2 and s["failed"] == 0, f"rank {r}: failures not skipped: {s}"
         # The fast path survives: no TCP fallback between same-host survivors, ever.
         assert s["connections"] == 0, f"rank {r} fell back to TCP after failed rounds: {s}"
@@ -105,3 +86,30 @@ def test_survivors_keep_their_rings_after_failed_rounds():
         assert s["shm_rebuilt"] >= 1, f"rank {r}: no ring was rebuilt: {s}"
         failed = [n for n, m, st in rounds if VICTIM in m and len(m) > 1]
         assert failed and all(st != 0 for n, m, st in rounds if n in failed), rounds
+
+
+# ---------------------------------------------------------------------------------------
+# A round commits on every live member or on none (benchmarks/round_faults.py injects the
+# fault; its table in docs/fault-tolerance.md covers every point of every algorithm).
+
+def _round_faults():
+    import importlib
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    return importlib.import_module("round_faults")
+
+
+@pytest.mark.parametrize("algo,action,k", [
+    ("ring", "exit", k) for k in range(7)] + [
+    ("ring", "stall", 4), ("ring", "stall", 5), ("direct", "stall", 3),
+    ("compressed", "exit", 2)])
+def test_a_round_commits_on_all_live_members_or_none(algo, action, k):
+    row = _round_faults().run_case(algo, action, k)
+    assert row["committed"] in ("all", "none"), row
+    # Before the confirmations nobody commits; after them (the commit point) everyone live.
+    points = row["point"]
+    want = "all" if points == "commit" else "none"
+    assert row["committed"] == want, row
