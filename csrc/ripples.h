@@ -232,7 +232,8 @@ void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
 
 /* What carries this rank's traffic with group rank `peer` now: "self", "shm",
  * "shm+single-copy", "shm-resuming" (a ring pair broken by a failed exchange, rebuilt on its
- * next use), "closed" (a same-host peer that left), "tcp" or "ucx" (connected on first use);
+ * next use), "closed" (a same-host peer that left), "dead" (a same-host peer whose process is
+ * gone), "tcp" or "ucx" (connected on first use);
  * NULL for a rank outside the group. A static string; read without stopping the progress
  * thread. */
 const char *rpl_comm_peer_path(const rpl_comm *comm, int peer);

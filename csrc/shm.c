@@ -510,6 +510,7 @@ const char *rpl_shm_path(const rpl_shm *s, int peer) {
   if (!s || peer < 0 || peer >= s->size || !s->peer[peer]) return NULL;
   if (__atomic_load_n(&s->pos[peer].bad, __ATOMIC_RELAXED)) return "tcp";
   if (__atomic_load_n(&hdr(s->peer[peer])->closed, __ATOMIC_ACQUIRE)) return "closed";
+  if (rpl_shm_peer_dead(s, peer)) return "dead"; /* one fcntl: stats only */
   if (!pair_armed(s, peer)) return "shm-resuming";
   return s->peer_pid[peer] > 0 ? "shm+single-copy" : "shm";
 }

@@ -70,7 +70,7 @@ rpl_shm_pair rpl_shm_rearm(rpl_shm *s, int peer);
 int rpl_shm_has_ring(const rpl_shm *s, int peer);
 /* What carries this rank's traffic with local `peer` now, for stats: "shm", "shm+single-copy",
  * "shm-resuming" (broken, rebuilding), "tcp" (the ring was found corrupt), "closed" (the peer
- * left), or NULL when `peer` has no ring with us. Any thread. */
+ * left), "dead" (its process is gone), or NULL when `peer` has no ring with us. Any thread. */
 const char *rpl_shm_path(const rpl_shm *s, int peer);
 
 /* Non-blocking stream I/O with a local peer: bytes moved (0 = ring full/empty). A ring

@@ -149,8 +149,8 @@ void rpl_tr_abort(rpl_tr *tr);
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out);
 /* What carries this rank's traffic with `peer` now, for stats: "self", "shm",
- * "shm+single-copy", "shm-resuming", "closed" (a local peer that left), "tcp" or "ucx" (made
- * or to be made on first use). Any thread. */
+ * "shm+single-copy", "shm-resuming", "closed" (a local peer that left), "dead" (a local peer
+ * whose process is gone), "tcp" or "ucx" (made or to be made on first use). Any thread. */
 const char *rpl_tr_peer_path(const rpl_tr *tr, int peer);
 
 /* If the link from `peer` (RPL_TR_ANY: any peer) is held back because its unexpected

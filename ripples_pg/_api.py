@@ -78,8 +78,9 @@ def stats(group: Any = None) -> dict:
     peers' buffers), ``connections`` (``ucx_connections`` of them UCX
     endpoints), ``paths`` (per group rank, what carries this rank's traffic with it now:
     ``"self"``, ``"shm"``, ``"shm+single-copy"``, ``"shm-resuming"`` (a ring pair a failed
-    round broke, rebuilt on its next use), ``"closed"`` (a same-host peer that left), ``"tcp"``
-    or ``"ucx"``), ``shm_rebuilt`` (ring pairs rebuilt after failed rounds),
+    round broke, rebuilt on its next use), ``"closed"`` (a same-host peer that left),
+    ``"dead"`` (a same-host peer whose process is gone), ``"tcp"`` or ``"ucx"``),
+    ``shm_rebuilt`` (ring pairs rebuilt after failed rounds),
     ``ops_staged`` (calls on CUDA tensors,
     staged through pinned host memory; ``ops_staged_pipelined`` of them staged in chunks,
     ``stage_chunks`` the chunks, one core operation each: ``Options.stage_chunk_bytes``).

@@ -78,8 +78,7 @@ def test_survivors_keep_their_rings_after_failed_rounds():
                 # "shm-resuming": broken by the last failure, rebuilt on its next use
                 assert s["paths"][p] in ("shm", "shm+single-copy", "shm-resuming"), \
                     f"rank {r} reaches rank {p} over {s['paths'][p]}: {s}"
-        assert s["paths"][r] == "self" and s["paths"][VICTIM] in ("closed", "shm-resuming",
-                                                                  "shm", "shm+single-copy"), s
+        assert s["paths"][r] == "self" and s["paths"][VICTIM] == "dead", s
         # The pair rounds after a failure ran, over rebuilt rings.
         pairs = [(n, m, st) for n, m, st in rounds if len(m) == 2 and VICTIM not in m]
         assert pairs and all(st == 0 for _, _, st in pairs), f"rank {r}: pair rounds {pairs}"
