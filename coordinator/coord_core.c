@@ -64,7 +64,14 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
   return RPL_OK;
 }
 
+static void drop_unsent(coord_worker *w) {
+  free(w->unsent);
+  w->unsent = NULL;
+  w->unsent_len = 0;
+}
+
 void coord_core_free(coord_core *core) {
+  for (int i = 0; core->w && i < core->nworkers; i++) drop_unsent(&core->w[i]);
   rpl_gg_destroy(core->gg);
   coord_attr_free(&core->attr);
   free(core->w);
@@ -114,10 +121,31 @@ static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
 }
 
 /* A reply to worker w's bound route; a peer that is no longer connected (ZeroMQ knows) frees
- * the binding for a new registration at once. */
+ * the binding for a new registration at once. The answer to a request (GROUP, PASS, CANCEL)
+ * that the worker's full queue refused is kept and sent again at each tick (resend_unsent):
+ * dropped, it would leave the worker waiting out its whole request timeout. Its partners do
+ * not wait that long: a GROUP that arrives late fails on every member alike. */
 static void reply_worker(coord_core *core, coord_worker *w, rpl_msg *m, const int *members) {
-  if (reply(core, w->route, w->route_len, m, members, core->token) == COORD_SEND_GONE)
-    w->unreachable = 1;
+  int rc = reply(core, w->route, w->route_len, m, members, core->token);
+  int answer = m->type == RPL_MSG_GROUP || m->type == RPL_MSG_PASS || m->type == RPL_MSG_CANCEL;
+  if (rc == COORD_SEND_GONE) w->unreachable = 1;
+  if (rc != 0 && answer) {
+    size_t len = rpl_msg_encode(m, members, core->out, core->out_cap);
+    uint8_t *copy = len ? malloc(len) : NULL;
+    if (copy) memcpy(copy, core->out, len);
+    drop_unsent(w); /* only the latest answer matters: one request at a time */
+    w->unsent = copy;
+    w->unsent_len = copy ? len : 0;
+  } else if (answer) {
+    drop_unsent(w);
+  }
+}
+
+static void resend_unsent(coord_core *core, coord_worker *w) {
+  if (!w->unsent || !w->route_len) return;
+  int rc = core->send(core->send_ctx, w->route, w->route_len, w->unsent, w->unsent_len);
+  if (rc == 0 || rc == COORD_SEND_GONE) drop_unsent(w);
+  if (rc == COORD_SEND_GONE) w->unreachable = 1;
 }
 
 /* Sends what the policy decided: groups to their members, cancellations to waiting ones. */
@@ -302,6 +330,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
     w->route_len = (uint8_t)route_len;
     w->unreachable = 0;
     w->probes = 0;
+    drop_unsent(w); /* it answered a request of the old connection */
     w->seq_valid[0] = w->seq_valid[1] = 0; /* a new connection: its own history */
     slot = 0;
   } else if (w->route_len == 0) {
@@ -407,7 +436,11 @@ void coord_core_tick(coord_core *core, double now) {
     rpl_gg_worker_info info;
     rpl_error err;
     rpl_gg_worker(core->gg, i, &info, &err);
-    if (info.state == RPL_WORKER_LEFT || info.state == RPL_WORKER_DEAD) continue;
+    if (info.state == RPL_WORKER_LEFT || info.state == RPL_WORKER_DEAD) {
+      drop_unsent(w);
+      continue;
+    }
+    resend_unsent(core, w);
     int dead = w->seen ? (now - w->last_seen) * 1000.0 > core->dead_ms
                        : core->join_ms > 0 && (now - core->start) * 1000.0 > core->join_ms;
     if (dead) {

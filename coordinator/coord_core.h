@@ -39,6 +39,9 @@ typedef struct coord_worker {
   uint8_t seq_valid[2];
   uint8_t unreachable;          /* a reply to the bound route failed: that peer is gone */
   uint8_t probes;               /* probes sent to the bound route since it last spoke */
+  uint8_t *unsent;              /* the answer to its request that its queue refused (malloc'd,
+                                   sent again at each tick until it goes), or NULL */
+  size_t unsent_len;
   int32_t host_label;
   int seen;                     /* has sent anything valid */
   int hello;                    /* has registered (HELLO) with this instance */

@@ -201,6 +201,7 @@ static const char *SEC_TOKEN = "5ec0de5ec0de5ec0de5ec0de5ec0de5e";
 typedef struct {
   int count;
   const uint8_t *gone;            /* a route with no connected peer (sends to it fail) */
+  const uint8_t *full;            /* a route whose queue is full (sends to it fail, -1) */
   const uint8_t *watch;           /* sends to this route are counted in watched */
   int watched;
   uint8_t route[RPL_ROUTE_MAX];
@@ -214,6 +215,7 @@ static int record_send(void *ctx, const uint8_t *route, size_t route_len, const 
   sent_log *l = ctx;
   if (l->gone && route_len == RPL_ROUTE_ID_LEN && !memcmp(route, l->gone, route_len))
     return COORD_SEND_GONE;
+  if (l->full && route_len == RPL_ROUTE_ID_LEN && !memcmp(route, l->full, route_len)) return -1;
   if (l->watch && route_len == RPL_ROUTE_ID_LEN && !memcmp(route, l->watch, route_len))
     l->watched++;
   l->count++;
@@ -751,6 +753,58 @@ static void test_unreachable(void) {
   printf("  unreachable, stopped coordinator and request timeout reported: ok\n");
 }
 
+/* A GROUP the worker's full queue refuses is sent again at the next tick, not dropped (the
+ * worker would wait out its whole request timeout). */
+static void test_unsent_group_resent(void) {
+  rpl_coord_config cfg;
+  memset(&cfg, 0, sizeof cfg);
+  cfg.token_hex = SEC_TOKEN;
+  cfg.gg.policy = RPL_POLICY_RANDOM;
+  cfg.gg.nworkers = 2;
+  cfg.gg.group_size = 2;
+  cfg.heartbeat_ms = 100;
+  cfg.dead_ms = 5000;
+  cfg.join_ms = -1;
+  coord_core core;
+  rpl_error err;
+  REQUIRE(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
+  sent_log log;
+  memset(&log, 0, sizeof log);
+  core.send = record_send;
+  core.send_ctx = &log;
+  core.start = 0;
+  uint8_t A[RPL_ROUTE_ID_LEN], B[RPL_ROUTE_ID_LEN];
+  make_route(A, 'R', 0x1a);
+  make_route(B, 'R', 0x2b);
+  rpl_msg m, r;
+  double t = 1.0;
+  m = worker_msg(RPL_MSG_HELLO, 0, 1);
+  m.nworkers = 2;
+  REQUIRE(feed(&core, &log, A, &m, NULL, t, &r) == RPL_MSG_HELLO_ACK, "rank 0");
+  m = worker_msg(RPL_MSG_HELLO, 1, 1);
+  m.nworkers = 2;
+  REQUIRE(feed(&core, &log, B, &m, NULL, t, &r) == RPL_MSG_HELLO_ACK, "rank 1");
+  log.full = A;
+  log.watch = A;
+  m = worker_msg(RPL_MSG_REQUEST, 0, 2);
+  feed(&core, &log, A, &m, NULL, t, &r);
+  m = worker_msg(RPL_MSG_REQUEST, 1, 2);
+  feed(&core, &log, B, &m, NULL, t, &r);
+  REQUIRE(r.type == RPL_MSG_GROUP, "rank 1 got its GROUP (%d)", r.type);
+  REQUIRE(log.watched == 0 && core.w[0].unsent != NULL, "rank 0's GROUP was refused and kept");
+  coord_core_tick(&core, t + 0.1);
+  REQUIRE(log.watched == 0, "still full: not sent");
+  log.full = NULL;
+  coord_core_tick(&core, t + 0.2);
+  REQUIRE(log.watched == 1 && core.w[0].unsent == NULL, "sent at the next tick");
+  rpl_msg g;
+  REQUIRE(rpl_msg_parse(log.msg, log.len, 2, &g, &err) == RPL_OK && g.type == RPL_MSG_GROUP &&
+              g.seq == 2 && g.nmembers == 2,
+          "the GROUP itself, answering rank 0's request");
+  coord_core_free(&core);
+  printf("  a GROUP a full queue refused is sent again: ok\n");
+}
+
 int main(void) {
   test_groups_formed(RPL_POLICY_SMART);
   test_groups_formed(RPL_POLICY_RANDOM);
@@ -760,5 +814,6 @@ int main(void) {
   test_client_routes_and_seq();
   test_rejections();
   test_unreachable();
+  test_unsent_group_resent();
   return report("test_coord");
 }
