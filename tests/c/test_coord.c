@@ -268,24 +268,30 @@ static rpl_msg worker_msg(int type, int rank, uint32_t seq) {
   return m;
 }
 
-static void test_security_core(void) {
+/* A coordinator core (random policy, groups of 2) whose sends go to `log`. */
+static void sec_core(coord_core *core, sent_log *log, int nworkers) {
   rpl_coord_config cfg;
   memset(&cfg, 0, sizeof cfg);
   cfg.token_hex = SEC_TOKEN;
   cfg.gg.policy = RPL_POLICY_RANDOM;
-  cfg.gg.nworkers = 3;
+  cfg.gg.nworkers = nworkers;
   cfg.gg.group_size = 2;
   cfg.heartbeat_ms = 100; /* a binding silent for > 200 ms may be taken over */
   cfg.dead_ms = 5000;
   cfg.join_ms = -1;
+  rpl_error err;
+  REQUIRE(coord_core_init(core, &cfg, &err) == RPL_OK, "%s", err.msg);
+  memset(log, 0, sizeof *log);
+  core->send = record_send;
+  core->send_ctx = log;
+  core->start = 0;
+}
+
+static void test_security_core(void) {
   coord_core core;
   rpl_error err;
-  REQUIRE(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
   sent_log log;
-  memset(&log, 0, sizeof log);
-  core.send = record_send;
-  core.send_ctx = &log;
-  core.start = 0;
+  sec_core(&core, &log, 3);
   uint8_t A[RPL_ROUTE_ID_LEN], AH[RPL_ROUTE_ID_LEN], B[RPL_ROUTE_ID_LEN], BH[RPL_ROUTE_ID_LEN],
       C[RPL_ROUTE_ID_LEN], S[RPL_ROUTE_ID_LEN];
   make_route(A, 'R', 0xa1);
@@ -756,23 +762,10 @@ static void test_unreachable(void) {
 /* A GROUP the worker's full queue refuses is sent again at the next tick, not dropped (the
  * worker would wait out its whole request timeout). */
 static void test_unsent_group_resent(void) {
-  rpl_coord_config cfg;
-  memset(&cfg, 0, sizeof cfg);
-  cfg.token_hex = SEC_TOKEN;
-  cfg.gg.policy = RPL_POLICY_RANDOM;
-  cfg.gg.nworkers = 2;
-  cfg.gg.group_size = 2;
-  cfg.heartbeat_ms = 100;
-  cfg.dead_ms = 5000;
-  cfg.join_ms = -1;
   coord_core core;
   rpl_error err;
-  REQUIRE(coord_core_init(&core, &cfg, &err) == RPL_OK, "%s", err.msg);
   sent_log log;
-  memset(&log, 0, sizeof log);
-  core.send = record_send;
-  core.send_ctx = &log;
-  core.start = 0;
+  sec_core(&core, &log, 2);
   uint8_t A[RPL_ROUTE_ID_LEN], B[RPL_ROUTE_ID_LEN];
   make_route(A, 'R', 0x1a);
   make_route(B, 'R', 0x2b);
