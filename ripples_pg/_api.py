@@ -51,8 +51,27 @@ def _ripples_backend(group: Any = None):
     return be
 
 
+def _default_group() -> Any:
+    """The group stats() and trace() read when given none: the world group, unless a
+    ``wrap()`` in this process runs its rounds on a group of its own and the world group has
+    run no partial round (then that group: what a user of wrap() means)."""
+    from . import _wrap
+
+    wrapped = _wrap.last_group()
+    if wrapped is None:
+        return None
+    try:
+        if _ripples_backend(None).partial_stats()["rounds"]:
+            return None  # the world group has partial rounds of its own
+    except Exception:  # noqa: BLE001 - the world group is not a ripples group
+        pass
+    return wrapped
+
+
 def stats(group: Any = None) -> dict:
-    """This rank's counters for a ``ripples`` group (default: the world group).
+    """This rank's counters for a ``ripples`` group (default: the world group, or, after
+    ``ripples_pg.wrap()``, the group its rounds run on, unless the world group has run partial
+    rounds of its own).
 
     Partial rounds: ``rounds``, ``reduced`` (rounds that moved data), ``singletons`` (groups
     of one), ``passed`` (rounds the coordinator's adaptive period passed: no averaging meant,
@@ -98,7 +117,7 @@ def stats(group: Any = None) -> dict:
     """
     from .attribution import attribution
 
-    be = _ripples_backend(group)
+    be = _ripples_backend(group if group is not None else _default_group())
     out = dict(be.partial_stats())
     meant = out["rounds"] - out["passed"]
     out["singleton_share"] = out["singletons"] / meant if meant else None
@@ -111,8 +130,9 @@ def stats(group: Any = None) -> dict:
 def trace(group: Any = None, start: int = 0) -> List[dict]:
     """Per-round trace of a group created with ``Options(trace=True)``: one dict per partial
     round of this rank with ``round``, ``group_id`` (the same on every member), ``members``
-    (group ranks, sorted) and ``status`` (0 = done). Empty if tracing is off."""
-    return list(_ripples_backend(group).trace(start))
+    (group ranks, sorted) and ``status`` (0 = done). Empty if tracing is off. The default
+    group is stats()'s."""
+    return list(_ripples_backend(group if group is not None else _default_group()).trace(start))
 
 
 def host_of(group: Any = None) -> List[int]:

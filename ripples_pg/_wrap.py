@@ -27,6 +27,7 @@ one at the end of training.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -270,6 +271,19 @@ def _check_int8_extras(mode, ddp_model, average_optimizer_state) -> None:
                          f"whose error is relative to each value (docs/compression.md)")
 
 
+# The optimizer of the most recent wrap() in this process (a weak reference): stats() and
+# trace() with no group read its group rather than the world group, which wrap()'s rounds do
+# not run on.
+_last_wrapped = None
+
+
+def last_group():
+    """The ripples group the most recent ``wrap()`` runs its rounds on, while its optimizer
+    lives and is not unwrapped; else None."""
+    opt = _last_wrapped() if _last_wrapped is not None else None
+    return None if opt is None or opt.unwrapped else opt.group
+
+
 def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
          schedule: Optional[str] = None,
          group_size: Optional[int] = None,
@@ -481,8 +495,11 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
                            f"model takes one comm hook, so wrap() it only once and do not "
                            f"register another hook") from e
     clock = _make_clock(ddp_group, group, levels, post_warmup)
-    return RipplesOptimizer(optimizer, averager, hook_state=state, group=group,
-                            job_clock=clock, sampler=sampler)
+    opt = RipplesOptimizer(optimizer, averager, hook_state=state, group=group,
+                           job_clock=clock, sampler=sampler)
+    global _last_wrapped
+    _last_wrapped = weakref.ref(opt)  # stats() and trace() read its group by default
+    return opt
 
 
 def _make_clock(ddp_group, group, levels, post_warmup) -> JobClock:

@@ -193,6 +193,8 @@ def task_unwrap(ctx, average):
     chk.true(not _same_everywhere(ctx, _flat_params(module)), "replicas differ before unwrap")
     chk.true(ddp.broadcast_buffers is False, "broadcast off before unwrap")
     rounds = ripples_pg.stats(opt.group)["rounds"]
+    chk.true(ripples_pg.stats()["rounds"] == rounds and rounds > 0,
+             "stats() with no group reads the group wrap()'s rounds run on")
     nbt = int(module.bn.num_batches_tracked)
 
     got = opt.unwrap(average=average)

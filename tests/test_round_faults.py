@@ -50,6 +50,7 @@ def _worker(rank, port, out):
                 dist.barrier(group=survivors)
         s = ripples_pg.stats()
         rounds = [(e["round"], e["members"], e["status"]) for e in ripples_pg.trace()]
+        dist.barrier(group=survivors)  # nobody exits before every survivor read its paths
         out.send(("ok", {k: s.get(k) for k in ("connections", "paths", "shm_rebuilt", "skipped",
                                             "reduced", "failed")}, rounds, x[:3].tolist()))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which judges it
