@@ -242,20 +242,30 @@ static void zombie_is_dead(int victim) {
 static void test_zombie_is_dead(void) { zombie_is_dead(1); }
 static void test_dead_anchor(void) { zombie_is_dead(0); }
 
+/* Two ranks of one host as shm objects in this process (segments named in na/nb), attached
+ * to each other when `attach`; 0 if creating them failed (already reported). */
+static int shm_pair(uint64_t nonce, rpl_shm **a, rpl_shm **b, char na[64], char nb[64],
+                    int attach) {
+  int local_of[2] = {0, 1};
+  rpl_error err;
+  *a = *b = NULL;
+  CHECK(rpl_shm_create(0, 2, local_of, nonce, 4096, a, na, 64, &err) == RPL_OK, "%s", err.msg);
+  CHECK(rpl_shm_create(1, 2, local_of, nonce, 4096, b, nb, 64, &err) == RPL_OK, "%s", err.msg);
+  if (!*a || !*b) return 0;
+  if (attach) {
+    CHECK(rpl_shm_attach(*a, 1, nb, &err) == RPL_OK, "%s", err.msg);
+    CHECK(rpl_shm_attach(*b, 0, na, &err) == RPL_OK, "%s", err.msg);
+  }
+  return 1;
+}
+
 /* Ranks as threads of one process (the other C tests) must never read as dead: F_GETLK does
  * not see the caller's own locks. */
 static void test_same_process_never_dead(void) {
-  int local_of[2] = {0, 1};
-  rpl_shm *a = NULL, *b = NULL;
+  rpl_shm *a, *b;
   char na[64], nb[64];
   rpl_error err;
-  CHECK(rpl_shm_create(0, 2, local_of, 7, 4096, &a, na, sizeof na, &err) == RPL_OK, "%s",
-        err.msg);
-  CHECK(rpl_shm_create(1, 2, local_of, 7, 4096, &b, nb, sizeof nb, &err) == RPL_OK, "%s",
-        err.msg);
-  if (!a || !b) return;
-  CHECK(rpl_shm_attach(a, 1, nb, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_shm_attach(b, 0, na, &err) == RPL_OK, "%s", err.msg);
+  if (!shm_pair(7, &a, &b, na, nb, 1)) return;
   CHECK(!rpl_shm_peer_dead(a, 1) && !rpl_shm_peer_dead(b, 0),
         "same process: a peer in this process reads as dead");
   /* A cause travels with a break. */
@@ -273,17 +283,10 @@ static void test_same_process_never_dead(void) {
 /* A broken pair is rebuilt, not given up: once both sides have closed their links, what a
  * failed exchange left in the rings is thrown away and the next bytes arrive intact. */
 static void test_broken_pair_is_rebuilt(void) {
-  int local_of[2] = {0, 1};
-  rpl_shm *a = NULL, *b = NULL;
+  rpl_shm *a, *b;
   char na[64], nb[64];
   rpl_error err;
-  CHECK(rpl_shm_create(0, 2, local_of, 9, 4096, &a, na, sizeof na, &err) == RPL_OK, "%s",
-        err.msg);
-  CHECK(rpl_shm_create(1, 2, local_of, 9, 4096, &b, nb, sizeof nb, &err) == RPL_OK, "%s",
-        err.msg);
-  if (!a || !b) return;
-  CHECK(rpl_shm_attach(a, 1, nb, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_shm_attach(b, 0, na, &err) == RPL_OK, "%s", err.msg);
+  if (!shm_pair(9, &a, &b, na, nb, 1)) return;
   CHECK(rpl_shm_rearm(a, 1) == RPL_SHM_READY && rpl_shm_usable(b, 0),
         "a pair never broken is ready");
   for (int round = 0; round < 3; round++) {
@@ -331,15 +334,9 @@ static void test_broken_pair_is_rebuilt(void) {
  * during set-up) is told from a live one by its lock, not by a pid that may belong to another
  * namespace (the sweep in ripples_pg/_incarnation.py). Another process must see the lock. */
 static void test_own_segment_locked(void) {
-  int local_of[2] = {0, 1};
-  rpl_shm *a = NULL, *b = NULL;
+  rpl_shm *a, *b;
   char na[64], nb[64];
-  rpl_error err;
-  CHECK(rpl_shm_create(0, 2, local_of, 11, 4096, &a, na, sizeof na, &err) == RPL_OK, "%s",
-        err.msg);
-  CHECK(rpl_shm_create(1, 2, local_of, 11, 4096, &b, nb, sizeof nb, &err) == RPL_OK, "%s",
-        err.msg);
-  if (!a || !b) return;
+  if (!shm_pair(11, &a, &b, na, nb, 0)) return;
   const char *names[2] = {na, nb};
   for (int i = 0; i < 2; i++) {
     pid_t child = fork();
