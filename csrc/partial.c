@@ -107,8 +107,9 @@ static void fence_one(rpl_partial *p) {
   if (!p->dynamic || p->left) return;
   if (__atomic_exchange_n(&p->fenced, 1, __ATOMIC_ACQ_REL)) return; /* already fenced */
   rpl_error err;
-  /* The client serialises its socket: if this schedule's own progress thread is inside a
-   * request right now, the fence goes out when that request returns. */
+  /* If this schedule's progress thread is inside a request right now, the client skips the
+   * fence rather than wait for the group (see rpl_gg_client_fence): that thread is available
+   * for a round, and an exact collective must never wait for the coordinator. */
   if (rpl_gg_client_fence(p->client, &err) == RPL_OK) {
     pthread_mutex_lock(&p->mu);
     p->stats.fences++;
@@ -129,6 +130,21 @@ static void unfence_one(rpl_partial *p) {
     p->stats.unfences++;
     pthread_mutex_unlock(&p->mu);
   }
+}
+
+/* The coordinator counts a request as an unfence. With overlapped rounds an exact collective
+ * of this process may have fenced while the request was being sent or waited (its fence was
+ * then sent before the request, or skipped): once the group is here, this worker would look
+ * idle to the coordinator for the rest of that collective, and a partner could be grouped with
+ * it and wait -- possibly inside the partner's step, which that very collective waits for.
+ * Fence again while an exact collective runs (under the domain lock, so that its end cannot
+ * slip between the check and the fence). */
+static void refence_after_request(rpl_partial *p) {
+  if (!p->domain) return;
+  pthread_mutex_lock(&p->domain->mu);
+  __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE); /* as the coordinator has it now */
+  if (p->domain->in_exact > 0) fence_one(p);
+  pthread_mutex_unlock(&p->domain->mu);
 }
 
 int rpl_partial_eligible(const rpl_op_desc *d) {
@@ -439,6 +455,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
   if (p->dynamic) {
     __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE); /* a request unfences */
     st = rpl_gg_client_request(p->client, round, p->members, p->size, &n, &gid, err);
+    refence_after_request(p);
   } else {
     st = rpl_static_group(p->layout, p->rank, round, p->members, p->size, &n, &gid, err);
   }

@@ -48,6 +48,8 @@ struct rpl_gg_client {
                                   heartbeat socket uses it with RPL_ROUTE_HEARTBEAT first */
   uint8_t *buf;                /* receive buffer, MAX_MSG bytes */
   pthread_mutex_t lock;        /* serialises use of sock */
+  atomic_int asking;           /* a request holds `lock` (it may wait for its group until the
+                                  round timeout): fences and unfences do not wait for it */
   pthread_t beat;
   int beat_started;
   atomic_int stop;
@@ -480,6 +482,7 @@ static rpl_status send_simple(rpl_gg_client *c, int type, uint32_t *seq, rpl_err
 
 rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members, int cap,
                                  int *n, uint64_t *group_id, rpl_error *err) {
+  atomic_store(&c->asking, 1); /* before the lock: a fence never queues behind a request */
   pthread_mutex_lock(&c->lock);
   double t0 = now_s(), deadline = t0 + c->request_timeout_ms / 1000.0;
   rpl_status st;
@@ -546,6 +549,7 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
   }
   atomic_fetch_add(&c->wait_ns, (unsigned long long)((now_s() - t0) * 1e9));
   pthread_mutex_unlock(&c->lock);
+  atomic_store(&c->asking, 0);
   return st;
 }
 
@@ -561,18 +565,31 @@ rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t stat
   return st;
 }
 
-rpl_status rpl_gg_client_fence(rpl_gg_client *c, rpl_error *err) {
-  pthread_mutex_lock(&c->lock);
-  rpl_status st = send_simple(c, RPL_MSG_FENCE, NULL, err);
+/* FENCE or UNFENCE, unless a request of this client is waiting for its group. Waiting for it
+ * would tie an exact collective to the coordinator: with overlapped rounds the request's group
+ * may need a partner that is itself inside that collective, waiting for this worker -- a cycle
+ * that only the request's timeout broke. Skipping is also what the coordinator should see: a
+ * worker whose round thread is asking is available for a group now (its request unfenced it),
+ * and any FENCE went out before that request. Other holders of the lock (DONE, a fence, LEAVE)
+ * hold it briefly. */
+static rpl_status send_fence(rpl_gg_client *c, int type, rpl_error *err) {
+  for (;;) {
+    if (atomic_load(&c->asking)) return RPL_OK;
+    if (pthread_mutex_trylock(&c->lock) == 0) break;
+    struct timespec ts = {0, 200000}; /* 0.2 ms */
+    nanosleep(&ts, NULL);
+  }
+  rpl_status st = send_simple(c, type, NULL, err);
   pthread_mutex_unlock(&c->lock);
   return st;
 }
 
+rpl_status rpl_gg_client_fence(rpl_gg_client *c, rpl_error *err) {
+  return send_fence(c, RPL_MSG_FENCE, err);
+}
+
 rpl_status rpl_gg_client_unfence(rpl_gg_client *c, rpl_error *err) {
-  pthread_mutex_lock(&c->lock);
-  rpl_status st = send_simple(c, RPL_MSG_UNFENCE, NULL, err);
-  pthread_mutex_unlock(&c->lock);
-  return st;
+  return send_fence(c, RPL_MSG_UNFENCE, err);
 }
 
 rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {

@@ -342,7 +342,9 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
 rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t status,
                               rpl_error *err);
 /* Fire-and-forget: messages from one client are processed in order, so a fence is in effect
- * for everything this worker asks afterwards. */
+ * for everything this worker asks afterwards. Neither waits for a request of this client that
+ * is waiting for its group (another thread's): it is then skipped, since the coordinator counts
+ * a worker that asks as available (the request unfenced it). */
 rpl_status rpl_gg_client_fence(rpl_gg_client *c, rpl_error *err);
 rpl_status rpl_gg_client_unfence(rpl_gg_client *c, rpl_error *err);
 /* Tells the coordinator this worker is gone for good and waits for its ACK. */

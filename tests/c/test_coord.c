@@ -798,6 +798,61 @@ static void test_unsent_group_resent(void) {
   printf("  a GROUP a full queue refused is sent again: ok\n");
 }
 
+/* ---- a fence never waits for a request ------------------------------------------------- */
+
+typedef struct {
+  rpl_gg_client *cl;
+  int members[2], n;
+  rpl_status st;
+  atomic_int returned;
+} waiter;
+
+static void *wait_for_group(void *arg) {
+  waiter *w = arg;
+  rpl_error err;
+  uint64_t gid;
+  w->st = rpl_gg_client_request(w->cl, 0, w->members, 2, &w->n, &gid, &err);
+  if (w->st == RPL_OK) rpl_gg_client_done(w->cl, gid, 0, &err);
+  atomic_store(&w->returned, 1);
+  return NULL;
+}
+
+/* Rank 0's round thread waits for a group that needs rank 1; rank 0's exact collective then
+ * fences and unfences from another thread. Neither may wait for the request: with overlapped
+ * rounds, rank 1 may be inside its own step, which that collective waits for. */
+static void test_fence_skips_waiting_request(void) {
+  rpl_coord *c = start_coord(RPL_POLICY_RANDOM, 2, 2, 50, 5000);
+  rpl_gg_client *c0 = connect_client(c, 0, 2, 50), *c1 = connect_client(c, 1, 2, 50);
+  waiter w = {.cl = c0};
+  atomic_init(&w.returned, 0);
+  pthread_t th;
+  REQUIRE(pthread_create(&th, NULL, wait_for_group, &w) == 0, "thread");
+  rpl_error err;
+  int in = 0;
+  for (int i = 0; i < 500 && !in; i++) { /* until rank 0's request is in (bounded: 5 s) */
+    char *json = NULL;
+    REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json,
+                                &err) == RPL_OK, "%s", err.msg);
+    in = strstr(json, "\"requests\":1,") != NULL;
+    free(json);
+    if (!in) usleep(10000);
+  }
+  REQUIRE(in, "rank 0's request reached the coordinator");
+  REQUIRE(rpl_gg_client_fence(c0, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(rpl_gg_client_unfence(c0, &err) == RPL_OK, "%s", err.msg);
+  REQUIRE(atomic_load(&w.returned) == 0, "the fence waited for the request to return");
+  int m1[2], n1 = 0;
+  uint64_t g1;
+  REQUIRE(rpl_gg_client_request(c1, 0, m1, 2, &n1, &g1, &err) == RPL_OK, "%s", err.msg);
+  rpl_gg_client_done(c1, g1, 0, &err);
+  pthread_join(th, NULL);
+  REQUIRE(w.st == RPL_OK && w.n == 2 && n1 == 2, "rank 0's request still got its group of 2");
+  rpl_gg_client_destroy(c0);
+  rpl_gg_client_destroy(c1);
+  rpl_coord_destroy(c);
+  printf("  a fence does not wait for a request waiting for its group: ok\n");
+}
+
 int main(void) {
   test_groups_formed(RPL_POLICY_SMART);
   test_groups_formed(RPL_POLICY_RANDOM);
@@ -808,5 +863,6 @@ int main(void) {
   test_rejections();
   test_unreachable();
   test_unsent_group_resent();
+  test_fence_skips_waiting_request();
   return report("test_coord");
 }
