@@ -28,6 +28,7 @@ one at the end of training.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from typing import Optional, Sequence, Union
 
 import torch
@@ -63,6 +64,11 @@ WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip", "pe
 # Schedules whose workers run different numbers of steps (a coordinator forms the groups).
 DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
 
+# The per-instance hook registries of torch.optim.Optimizer (created by its __init__).
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
 _GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinator", "timeout",
                  "on_failure", "seed", "trace", "period_max", "compression")
 
@@ -84,6 +90,14 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
                  hook_state: Optional[RipplesHookState] = None, group=None,
                  job_clock: Optional[JobClock] = None, sampler=None):
         super().__init__(optim, averager)
+        # torch's PostLocalSGDOptimizer never runs Optimizer.__init__, which creates the
+        # dictionaries behind register_step_pre_hook() and the state-dict hooks: without them
+        # those calls raised AttributeError. This class runs them itself (step, state_dict,
+        # load_state_dict). Global hooks (register_optimizer_step_pre_hook) are left to the
+        # inner optimizer's step, which calls them once per step.
+        for name in _HOOK_DICTS:
+            if name not in self.__dict__:
+                setattr(self, name, OrderedDict())
         self.hook_state = hook_state
         self.group = group
         self.unwrapped = False
@@ -101,7 +115,24 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         """Steps the inner optimizer, then averages (at this step's level) and counts the step
         on the job clock. ``closure`` is passed on as ``torch.optim.Optimizer.step`` takes it
         (Lightning steps with one; torch's ``PostLocalSGDOptimizer.step`` takes none); returns
-        its loss."""
+        its loss. Step hooks registered on this optimizer (``register_step_pre_hook``,
+        ``register_step_post_hook``) run around all of it: a post-hook sees the averaged
+        parameters. Hooks registered on the inner optimizer run around its own step only,
+        before the averaging."""
+        args, kwargs = (self,), ({} if closure is None else {"closure": closure})
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            res = hook(self, args, kwargs)
+            if res is not None:
+                if not (isinstance(res, tuple) and len(res) == 2):
+                    raise RuntimeError(f"ripples_pg: an optimizer step pre-hook must return None "
+                                       f"or a tuple (new_args, new_kwargs), got {res!r}")
+                args, kwargs = res
+        loss = self._step(args[1] if len(args) > 1 else kwargs.get("closure"))
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, args, kwargs)
+        return loss
+
+    def _step(self, closure):
         av = self.averager
         exact = self.unwrapped or av.detached or av.step < av.warmup_steps
         loss = self.optim.step() if closure is None else self.optim.step(closure)
@@ -198,15 +229,39 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         return self.optim.defaults
 
     def state_dict(self):
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
         sd = super().state_dict()
         sd["ripples"] = self.averager.state_dict()
         sd["ripples"]["job_clock"] = self.job_clock.state_dict()
+        for hook in list(self._optimizer_state_dict_post_hooks.values()):
+            res = hook(self, sd)
+            if res is not None:
+                sd = res
         return sd
 
     def load_state_dict(self, state_dict):
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            res = hook(self, state_dict)
+            if res is not None:
+                state_dict = res
+        self._load_state_dict(state_dict)
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
+
+    def _load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         extra = state_dict.pop("ripples", None)
-        super().load_state_dict(state_dict)
+        if extra is not None and not set(state_dict) - {"step"}:
+            # Ripples' part alone: torch.distributed.checkpoint's get_optimizer_state_dict keeps
+            # only "state" and "param_groups", so a DCP script saves state_dict()["ripples"]
+            # beside it and loads it back with load_state_dict({"ripples": ...}) after
+            # set_optimizer_state_dict (docs/fault-tolerance.md). The inner optimizer is left
+            # as it is.
+            if "step" in state_dict:
+                self.averager.step = state_dict["step"]
+        else:
+            super().load_state_dict(state_dict)
         if extra is not None:
             extra = dict(extra)
             clock = extra.pop("job_clock", None)
