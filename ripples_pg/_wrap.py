@@ -27,6 +27,7 @@ one at the end of training.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Optional, Sequence, Union
@@ -73,6 +74,69 @@ _GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinato
                  "on_failure", "seed", "trace", "period_max", "compression")
 
 
+class _ExactWatch:
+    """Warns once when, after warm-up, exact collectives keep running on the DDP model's
+    ripples group at about one per step or more: each is a meeting point at the slowest
+    worker's pace, which partial averaging exists to avoid, and nothing else would tell the
+    user (``find_unused_parameters=True`` all-reduces DDP's used-parameter map every step; a
+    ``dist.all_reduce`` of the loss for logging; DDP's buffer broadcast turned back on).
+    Reads the group's operation count every WINDOW steps."""
+
+    WINDOW = 20
+
+    def __init__(self, hook_state: RipplesHookState):
+        self._state = hook_state
+        self._steps = 0
+        self._ops: Optional[int] = None
+        self.warned = False
+
+    def _ops_now(self) -> Optional[int]:
+        from ._api import stats
+
+        group = self._state.process_group or dist.group.WORLD
+        try:
+            return int(stats(group)["ops_completed"])
+        except Exception:  # a group gone or not ripples: nothing to watch
+            return None
+
+    def step(self) -> None:
+        if self.warned or self._state.synchronous:
+            return
+        self._steps += 1
+        if self._ops is None:
+            self._ops = self._ops_now()
+            self._steps = 0
+            return
+        if self._steps < self.WINDOW:
+            return
+        ops = self._ops_now()
+        if ops is None:
+            self.warned = True  # stop watching
+            return
+        per_step = (ops - self._ops) / self._steps
+        self._ops, self._steps = ops, 0
+        if per_step < 0.9:
+            return
+        self.warned = True
+        ddp = self._state.ddp_model
+        causes = []
+        if ddp is not None and getattr(ddp, "find_unused_parameters", False):
+            causes.append("find_unused_parameters=True (DDP all-reduces its map of used "
+                          "parameters every step: build the model so that every parameter "
+                          "gets a gradient, or set it False)")
+        if ddp is not None and getattr(ddp, "broadcast_buffers", False):
+            causes.append("DDP's broadcast_buffers, turned back on after wrap()")
+        causes.append("a collective of your own on this group every step, e.g. "
+                      "dist.all_reduce(loss) for logging (log every N steps instead, or "
+                      "log rank 0's own value)")
+        warnings.warn(
+            f"ripples_pg: {per_step:.1f} exact collectives per step run on the DDP model's "
+            f"ripples group after warm-up. Each one waits for the slowest worker, so the "
+            f"workers step at its pace again as under plain DDP. Likely: "
+            f"{'; or '.join(causes)}. (The partial rounds themselves are not counted.)",
+            RuntimeWarning, stacklevel=4)
+
+
 class RipplesOptimizer(PostLocalSGDOptimizer):
     """What :func:`wrap` returns: ``PostLocalSGDOptimizer(optimizer, averager)`` that also knows
     its hook state and partial group.
@@ -100,6 +164,11 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
                 setattr(self, name, OrderedDict())
         self.hook_state = hook_state
         self.group = group
+        # Exact averaging chosen for every step (levels {1: "world"}) is no accident to warn of.
+        exact_every_step = any(p == 1 and lvl != "partial"
+                               for p, lvl in getattr(averager, "levels", {}).items())
+        self._exact_watch = _ExactWatch(hook_state) \
+            if hook_state is not None and not exact_every_step else None
         self.unwrapped = False
         if job_clock is None:
             world = dist.get_world_size(hook_state.process_group) if hook_state is not None \
@@ -142,6 +211,8 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
             seen = self.sampler.samples_yielded
             samples, self._sampler_seen = seen - self._sampler_seen, seen
         self.job_clock.tick(samples=samples, exact=exact)
+        if not exact and self._exact_watch is not None:
+            self._exact_watch.step()
         return loss
 
     # -- the job's progress (docs/progress.md)
@@ -192,6 +263,23 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         so that the parameters hold its average (call it before evaluating or saving the model
         at the end of training; ``unwrap()`` does it too). A no-op otherwise."""
         self.averager.flush(self.param_groups)
+
+    def stats(self) -> dict:
+        """``ripples_pg.stats()`` of the group this optimizer runs its partial rounds on
+        (rounds, groups of one, bytes, paths...; see ``ripples_pg.stats``)."""
+        from ._api import stats
+
+        return stats(self.group)
+
+    def average_replicas(self) -> None:
+        """Makes every replica the same model: an exact average, over the DDP group, of the
+        parameters, the floating-point buffers and every optimizer state tensor shaped like its
+        parameter (the round in flight with ``overlap=True`` is applied first). For a
+        consensus model in the middle of training -- to evaluate it or save it -- after which
+        partial training simply goes on. Every rank of the DDP group must call it at the same
+        point: it is an exact collective, so it waits for the slowest worker."""
+        group = self.hook_state.process_group if self.hook_state is not None else None
+        self.averager.synchronize(self.param_groups, group=group)
 
     def unwrap(self, average: bool = True) -> torch.optim.Optimizer:
         """Ends Ripples training and returns the inner optimizer: from now on the model is
@@ -339,6 +427,16 @@ def last_group():
     return None if opt is None or opt.unwrapped else opt.group
 
 
+def _ddp_of(model):
+    """The DistributedDataParallel inside ``torch.compile(ddp_model)`` (an OptimizedModule
+    keeps the module it compiled as ``_orig_mod``; its hooks and process group are that
+    DDP's), else ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, DistributedDataParallel) and isinstance(model, torch.nn.Module):
+        return inner
+    return model
+
+
 def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
          schedule: Optional[str] = None,
          group_size: Optional[int] = None,
@@ -365,7 +463,8 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
-        ddp_model: a ``DistributedDataParallel`` model on a ``ripples`` process group.
+        ddp_model: a ``DistributedDataParallel`` model on a ``ripples`` process group, or
+            ``torch.compile`` of one (``DDP(torch.compile(model))`` works as well).
         optimizer: its (local) optimizer.
         schedule, group_size, c_thres, inter_intra, coordinator, timeout, on_failure, seed,
             trace, period_max, compression: ``ripples_pg.Options`` of the partial group that
@@ -440,6 +539,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     optimizer and makes the model plain synchronous DDP again (exact gradient all-reduce, the
     original ``broadcast_buffers``), after an exact average of the replicas by default.
     """
+    ddp_model = _ddp_of(ddp_model)
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             f"ripples_pg.wrap: the model must be a torch.nn.parallel.DistributedDataParallel, "

@@ -248,6 +248,11 @@ class _ForwardClock:
         self.inner = inner
 
     def __call__(self, module, args) -> None:
+        if torch.compiler.is_compiling():
+            # Inside torch.compile(ddp_model): reading the clock would break the graph (and
+            # Dynamo then ran the whole DDP forward eagerly). The warm-up exit then counts a
+            # compiled forward's wait in DDP's buffer broadcast as compute.
+            return None
         st = self._state() if self._state is not None else None
         if st is None or st.synchronous:
             return None

@@ -139,6 +139,22 @@ class _JobEpochs:
             setattr(self.loader, name, value)
 
 
+def _check_ddp_kwargs(kwargs: dict) -> None:
+    """DDPStrategy hands every keyword it does not take itself to DistributedDataParallel, so a
+    typo only failed inside fit(); refuse it at construction instead."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    taken = set(inspect.signature(DDPStrategy.__init__).parameters)
+    taken |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+    taken -= {"self", "kwargs", "module", "process_group"}
+    unknown = sorted(k for k in kwargs if k not in taken)
+    if unknown:
+        raise TypeError(f"RipplesStrategy: unknown keyword argument(s) {unknown}: neither "
+                        f"RipplesStrategy, DDPStrategy nor DistributedDataParallel takes them")
+
+
 class RipplesStrategy(DDPStrategy):
     """DDP on the ``ripples`` backend with Ripples training (``ripples_pg.wrap``).
 
@@ -147,9 +163,10 @@ class RipplesStrategy(DDPStrategy):
     ``warmup_steps`` (50), ``warmup_straggler`` (2.0), ``levels`` (``{1: "partial"}``),
     ``post_warmup`` (``"local"``), ``average_optimizer_state``, ``overlap``, ``c_thres``,
     ``inter_intra``, ``coordinator``, ``on_failure`` (``"skip"``), ``seed``, ``trace``,
-    ``period_max`` (2), ``round_timeout`` (seconds; wrap's ``timeout``: default the
-    process group's ``timeout``), and ``outer_optimizer`` / ``sync_every`` / ``on_alone``
-    (partial DiLoCo, docs/diloco.md).
+    ``period_max`` (2), ``compression``, ``round_timeout`` (seconds; wrap's ``timeout``:
+    default the process group's ``timeout``), and ``outer_optimizer`` / ``sync_every`` /
+    ``on_alone`` (partial DiLoCo, docs/diloco.md). Other keywords go to ``DDPStrategy`` and
+    on to ``DistributedDataParallel``; one that neither takes is refused here.
 
     Strategy arguments:
         progress: what the Trainer's budgets count (docs/lightning.md, "Stopping").
@@ -189,6 +206,7 @@ class RipplesStrategy(DDPStrategy):
                  inter_intra: Optional[bool] = None, coordinator: Optional[str] = None,
                  on_failure: Optional[str] = None, seed: Optional[int] = None,
                  trace: Optional[bool] = None, period_max: Optional[int] = None,
+                 compression: Optional[str] = None,
                  round_timeout: Optional[float] = None,
                  outer_optimizer=None, sync_every: Optional[int] = None,
                  on_alone: str = "defer", progress: str = "job",
@@ -262,13 +280,14 @@ class RipplesStrategy(DDPStrategy):
         given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
                  "inter_intra": inter_intra, "coordinator": coordinator,
                  "timeout": round_timeout, "on_failure": on_failure, "seed": seed,
-                 "trace": trace, "period_max": period_max}
+                 "trace": trace, "period_max": period_max, "compression": compression}
         fields = set(ripples_pg.Options.fields())
         unknown = sorted(k for k, v in given.items() if v is not None and k not in fields)
         if unknown:
             raise ValueError(f"RipplesStrategy: this build's ripples_pg.Options has no "
                              f"field(s) {unknown}")
         ripples_pg.Options(**{k: v for k, v in given.items() if v is not None})  # validates
+        _check_ddp_kwargs(kwargs)
         super().__init__(process_group_backend=STRATEGY_NAME, **kwargs)
         self._wrap_kwargs = dict(given, warmup_steps=warmup_steps,
                                  warmup_straggler=warmup_straggler, levels=levels,

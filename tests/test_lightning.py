@@ -558,6 +558,15 @@ def test_misuse_raises_at_construction():
         rl.RipplesStrategy(group_size=0)
     with pytest.raises(ValueError):
         rl.RipplesStrategy(on_failure="explode")  # validated by ripples_pg.Options
+    # DDPStrategy hands unknown keywords to DistributedDataParallel: a typo failed in fit()
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['find_unused_params'\]"):
+        rl.RipplesStrategy(find_unused_params=True)
+    with pytest.raises(ValueError, match="compression"):
+        rl.RipplesStrategy(compression="zip")
+    # what DDPStrategy or DDP take is still passed on
+    s = rl.RipplesStrategy(find_unused_parameters=True, static_graph=False, compression="bf16")
+    assert s._ddp_kwargs.get("find_unused_parameters") is True
+    assert s._wrap_kwargs["compression"] == "bf16"
 
 
 def test_registered_by_name_on_import():

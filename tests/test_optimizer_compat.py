@@ -139,3 +139,153 @@ def test_state_dict_hooks(pool):
 
 def test_dcp_recipe_keeps_ripples_state(pool):
     pool.run(task_dcp_keeps_ripples_state)
+
+
+def task_compile(ctx, order):
+    """torch.compile in both orders (aot_eager: AOTAutograd's tracing and functionalisation
+    without a C++ build): wrap() accepts the model, training runs through warm-up and past it
+    (where the parameters become views into the averager's flat buffer), and unwrap() leaves
+    identical replicas that went on learning."""
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+    if order == "compile(DDP)":
+        ddp = DDP(net)
+        model = torch.compile(ddp, backend="aot_eager")
+    else:
+        ddp = model = DDP(torch.compile(net, backend="aot_eager"))
+    opt = ripples_pg.wrap(model, torch.optim.SGD(ddp.parameters(), lr=0.05),
+                          schedule="static", group_size=2, warmup_steps=2,
+                          timeout=ctx.pg_timeout)
+    w = torch.randn(6, 1, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for s in range(12):
+        gen = torch.Generator().manual_seed(_dist.seed_of(ctx.rank, s))
+        x = torch.randn(32, 6, generator=gen)
+        opt.zero_grad()
+        loss = (model(x) - x @ w).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    chk.true(opt.averager.step == 12 and ripples_pg.stats()["rounds"] > 0,
+             "rounds ran past warm-up", str(ripples_pg.stats()["rounds"]))
+    chk.true(losses[-1] < losses[0], "it learns", str(losses))
+    from torch._dynamo.utils import counters
+
+    if order == "DDP(compile)":  # torch 2.13 breaks compile(DDP)'s graph in DDP's own forward
+        chk.true(counters["stats"]["unique_graphs"] >= 1, "the model really ran compiled",
+                 str(dict(counters["stats"])))
+    opt.unwrap()
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    parts = [torch.empty_like(flat) for _ in range(ctx.ws)]
+    dist.all_gather(parts, flat)
+    chk.true(all(torch.equal(parts[0], p) for p in parts), "identical replicas after unwrap()")
+    chk.finish()
+    return "ok"
+
+
+@pytest.mark.parametrize("order", ["compile(DDP)", "DDP(compile)"])
+def test_torch_compile_both_orders(pool, order):
+    pool.run(task_compile, order, timeout=300)
+
+
+def task_average_replicas(ctx):
+    """average_replicas() mid-run: replicas that differ (here by a rank-dependent nudge after a
+    step) become their exact mean, Adam's moments too, and partial training goes on;
+    optimizer.stats() reads wrap()'s own group."""
+    chk = _dist.Checker(ctx)
+    model, opt = _setup(ctx)
+    _train(ctx, model, opt, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.25 * (ctx.rank + 1))
+    flat = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    parts = [torch.empty_like(flat) for _ in range(ctx.ws)]
+    dist.all_gather(parts, flat, group=ctx.ref)
+    want = torch.stack(parts).mean(0)
+    opt.average_replicas()
+    got = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    chk.true(torch.allclose(got, want, atol=1e-6), "the replicas hold their exact mean",
+             str((got - want).abs().max()))
+    moments = torch.cat([opt.optim.state[p]["exp_avg"].reshape(-1)
+                         for p in model.parameters()])
+    mparts = [torch.empty_like(moments) for _ in range(ctx.ws)]
+    dist.all_gather(mparts, moments, group=ctx.ref)
+    chk.true(all(torch.equal(mparts[0], m) for m in mparts), "optimizer state averaged too")
+    rounds = opt.stats()["rounds"]
+    _train(ctx, model, opt, 2, start=4)
+    chk.true(opt.stats()["rounds"] == rounds + 2 and rounds > 0,
+             "partial rounds go on, counted on wrap()'s group", f"{rounds} -> "
+             f"{opt.stats()['rounds']}")
+    chk.finish()
+    return "ok"
+
+
+def test_average_replicas_mid_run(pool):
+    pool.run(task_average_replicas)
+
+
+def task_exact_collective_warning(ctx, case):
+    """After warm-up, an exact collective on the DDP group at every step brings the straggler's
+    pace back: wrap() warns once, naming the likely cause; the default loop stays silent."""
+    import warnings
+
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = DDP(net, find_unused_parameters=(case == "find_unused"))
+    opt = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                          schedule="static", group_size=2, warmup_steps=2,
+                          timeout=ctx.pg_timeout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(2 + 3 * 20):
+            gen = torch.Generator().manual_seed(_dist.seed_of(ctx.rank, s))
+            opt.zero_grad()
+            loss = model(torch.randn(4, 6, generator=gen)).square().mean()
+            loss.backward()
+            opt.step()
+            if case == "metric":
+                dist.all_reduce(loss.detach().clone())  # logging the mean loss every step
+    ours = [str(w.message) for w in caught if "exact collectives per step" in str(w.message)]
+    if case == "default":
+        chk.true(ours == [], "no warning without a per-step collective", str(ours))
+    else:
+        chk.true(len(ours) == 1, "warned once", str(ours))
+        want = "find_unused_parameters=True" if case == "find_unused" else "dist.all_reduce(loss)"
+        chk.true(bool(ours) and want in ours[0], "names the cause", str(ours))
+    chk.finish()
+    return "ok"
+
+
+@pytest.mark.parametrize("case", ["default", "find_unused", "metric"])
+def test_per_step_exact_collective_warns_once(pool, case):
+    pool.run(task_exact_collective_warning, case)
+
+
+def task_scheduler_on_wrapped(ctx):
+    """An LR scheduler built on the wrapped optimizer sets the inner optimizer's rates (they
+    share param_groups), and one built on the inner optimizer is seen through the wrapper."""
+    chk = _dist.Checker(ctx)
+    model, opt = _setup(ctx)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    for s in range(4):
+        _train(ctx, model, opt, 1, start=s)
+        sched.step()
+    chk.true(abs(opt.optim.param_groups[0]["lr"] - 1e-2 * 0.5 ** 4) < 1e-12,
+             "the wrapped scheduler drives the inner rate", str(opt.optim.param_groups[0]))
+    inner = torch.optim.lr_scheduler.StepLR(opt.optim, step_size=1, gamma=0.1)
+    _train(ctx, model, opt, 1, start=4)
+    inner.step()
+    chk.true(abs(opt.param_groups[0]["lr"] - 1e-2 * 0.5 ** 4 * 0.1) < 1e-12,
+             "an inner scheduler is seen through the wrapper", str(opt.param_groups[0]["lr"]))
+    chk.finish()
+    return "ok"
+
+
+def test_lr_scheduler_on_wrapped_or_inner(pool):
+    pool.run(task_scheduler_on_wrapped)
