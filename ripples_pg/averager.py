@@ -241,6 +241,45 @@ class _Layout:
             e.detach().copy_(view)
 
 
+class _OwnStorage:
+    """A state-dict hook of the averaged module: while the parameters are views into the
+    averager's flat buffers (after its first round), the state dict gets a copy of each of them
+    instead. Shared storage made ``torch.save`` write the whole flat buffers (optimizer state
+    included with ``average_optimizer_state``) and safetensors keep one tensor of the storage
+    and drop the others (Hugging Face Accelerate's ``save_state`` then could not load its own
+    checkpoint). Holds the averager weakly; pickles (with the module) as a no-op."""
+
+    def __init__(self, averager: "RipplesAverager"):
+        import weakref
+
+        self._av = weakref.ref(averager)
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        av = self._av() if self._av is not None else None
+        layout = getattr(av, "_layout", None) if av is not None else None
+        if layout is None:
+            return None
+        flats = {f.untyped_storage().data_ptr() for f in layout.flats}
+        for k, v in list(state_dict.items()):
+            if k.startswith(prefix) and isinstance(v, torch.Tensor) and \
+                    v.untyped_storage().data_ptr() in flats:
+                state_dict[k] = v.clone()
+        return None
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, d):
+        self._av = None
+
+
+def _hook_state_dict(module: torch.nn.Module, averager: "RipplesAverager") -> None:
+    register = getattr(module, "register_state_dict_post_hook", None)
+    if register is None:  # torch < 2.5
+        register = module._register_state_dict_hook
+    register(_OwnStorage(averager))
+
+
 class RipplesAverager(ModelAverager):
     """Hierarchical model averager with Partial All-Reduce rounds.
 
@@ -338,6 +377,8 @@ class RipplesAverager(ModelAverager):
         if isinstance(average_optimizer_state, str):
             average_optimizer_state = [average_optimizer_state]
         self.module = module
+        if module is not None:
+            _hook_state_dict(module, self)
         self.detached = False
         self.optimizer = optimizer
         self.average_optimizer_state = average_optimizer_state
@@ -394,7 +435,14 @@ class RipplesAverager(ModelAverager):
             for st in list(self._hook_states):
                 self.unlink_hook_state(st)
             self.detached = True
-            self._layout = None  # the parameters keep their storage (views of the flat buffers)
+            if self._layout is not None:
+                # Each parameter gets its own storage back: as views of one flat buffer they
+                # made the model's state_dict() one shared storage, which safetensors saves
+                # as a single tensor (the others dropped) and torch.save as the whole buffer.
+                for p, view in self._layout.param_views:
+                    if p.data_ptr() == view.data_ptr():
+                        p.data = view.clone()
+            self._layout = None
             if self._round is not None:
                 self._round.release()
 

@@ -289,3 +289,46 @@ def task_scheduler_on_wrapped(ctx):
 
 def test_lr_scheduler_on_wrapped_or_inner(pool):
     pool.run(task_scheduler_on_wrapped)
+
+
+def task_state_dict_own_storage(ctx):
+    """After warm-up the parameters are views into the averager's flat buffer: the module's
+    state dict still gets a tensor of its own per parameter (torch.save writes the model's size,
+    safetensors keeps every tensor), and unwrap() gives the parameters their own storage."""
+    import io
+
+    chk = _dist.Checker(ctx)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+    model = DDP(net)
+    import ripples_pg
+
+    opt = ripples_pg.wrap(model, torch.optim.Adam(model.parameters(), lr=1e-3),
+                          schedule="static", group_size=2, warmup_steps=1,
+                          average_optimizer_state=True, timeout=ctx.pg_timeout)
+    for s in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 32)).square().mean().backward()
+        opt.step()
+    storages = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    chk.true(len(storages) == 1, "the parameters share the flat buffer mid-run (the premise)")
+    for name, sd in (("module", net.state_dict()), ("ddp", model.state_dict())):
+        ptrs = [t.untyped_storage().data_ptr() for t in sd.values()]
+        chk.true(len(set(ptrs)) == len(ptrs) and not set(ptrs) & storages,
+                 f"{name}.state_dict(): a storage of its own per tensor")
+    ref = io.BytesIO()
+    torch.save({k: v.clone() for k, v in net.state_dict().items()}, ref)
+    got = io.BytesIO()
+    torch.save(net.state_dict(), got)
+    chk.true(len(got.getvalue()) <= len(ref.getvalue()) + 1024,  # + the metadata
+             "torch.save writes the model's size, not the flat buffer's",
+             f"{len(got.getvalue())} vs {len(ref.getvalue())}")
+    opt.unwrap()
+    ptrs = [p.untyped_storage().data_ptr() for p in net.parameters()]
+    chk.true(len(set(ptrs)) == len(ptrs), "unwrap(): every parameter owns its storage")
+    chk.finish()
+    return "ok"
+
+
+def test_state_dict_tensors_own_their_storage(pool):
+    pool.run(task_state_dict_own_storage)
