@@ -332,3 +332,45 @@ def task_state_dict_own_storage(ctx):
 
 def test_state_dict_tensors_own_their_storage(pool):
     pool.run(task_state_dict_own_storage)
+
+
+def task_grad_scaler_skipped_step(ctx):
+    """torch.amp.GradScaler around the wrapped optimizer, under a dynamic schedule: a step whose
+    gradients hold an inf is skipped on that rank alone (after warm-up the gradients are each
+    worker's own), the others go on, nobody waits for the missing round, and the replicas end
+    identical after unwrap()."""
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    model = DDP(net)
+    opt = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                          schedule="smart", group_size=2, warmup_steps=2,
+                          timeout=ctx.pg_timeout)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    bad_step = 5
+    for s in range(10):
+        gen = torch.Generator().manual_seed(_dist.seed_of(ctx.rank, s))
+        opt.zero_grad()
+        loss = model(torch.randn(8, 6, generator=gen)).square().mean()
+        scaler.scale(loss).backward()
+        if ctx.rank == 1 and s == bad_step:
+            next(net.parameters()).grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    want = 9 if ctx.rank == 1 else 10
+    chk.true(opt.averager.step == want, "the inf step was skipped on its rank only",
+             f"averager step {opt.averager.step}, want {want}")
+    chk.true(ripples_pg.stats()["failed"] == 0, "no round failed", str(ripples_pg.stats()))
+    opt.unwrap()
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    parts = [torch.empty_like(flat) for _ in range(ctx.ws)]
+    dist.all_gather(parts, flat)
+    chk.true(all(torch.equal(parts[0], p) for p in parts), "identical replicas after unwrap()")
+    chk.finish()
+    return "ok"
+
+
+def test_grad_scaler_skips_a_step_on_one_rank(pool):
+    pool.run(task_grad_scaler_skipped_step, timeout=180)
