@@ -48,8 +48,8 @@ struct rpl_gg_client {
                                   heartbeat socket uses it with RPL_ROUTE_HEARTBEAT first */
   uint8_t *buf;                /* receive buffer, MAX_MSG bytes */
   pthread_mutex_t lock;        /* serialises use of sock */
-  atomic_int asking;           /* a request holds `lock` (it may wait for its group until the
-                                  round timeout): fences and unfences do not wait for it */
+  atomic_int asking;           /* requests holding or queued for `lock` (one may wait for its
+                                  group until the round timeout): fences do not wait for them */
   pthread_t beat;
   int beat_started;
   atomic_int stop;
@@ -482,7 +482,7 @@ static rpl_status send_simple(rpl_gg_client *c, int type, uint32_t *seq, rpl_err
 
 rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members, int cap,
                                  int *n, uint64_t *group_id, rpl_error *err) {
-  atomic_store(&c->asking, 1); /* before the lock: a fence never queues behind a request */
+  atomic_fetch_add(&c->asking, 1); /* before the lock: a fence never queues behind a request */
   pthread_mutex_lock(&c->lock);
   double t0 = now_s(), deadline = t0 + c->request_timeout_ms / 1000.0;
   rpl_status st;
@@ -549,7 +549,7 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
   }
   atomic_fetch_add(&c->wait_ns, (unsigned long long)((now_s() - t0) * 1e9));
   pthread_mutex_unlock(&c->lock);
-  atomic_store(&c->asking, 0);
+  atomic_fetch_sub(&c->asking, 1);
   return st;
 }
 
