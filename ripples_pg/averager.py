@@ -73,6 +73,7 @@ import logging
 import math
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -250,8 +251,6 @@ class _OwnStorage:
     checkpoint). Holds the averager weakly; pickles (with the module) as a no-op."""
 
     def __init__(self, averager: "RipplesAverager"):
-        import weakref
-
         self._av = weakref.ref(averager)
 
     def __call__(self, module, state_dict, prefix, local_metadata):

@@ -39,6 +39,13 @@ def _train(ctx, model, opt, steps, start=0):
         opt.step()
 
 
+def _check_identical(ctx, chk, net):
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    parts = [torch.empty_like(flat) for _ in range(ctx.ws)]
+    dist.all_gather(parts, flat)
+    chk.true(all(torch.equal(parts[0], p) for p in parts), "identical replicas after unwrap()")
+
+
 def task_step_hooks(ctx):
     chk = _dist.Checker(ctx)
     model, opt = _setup(ctx)
@@ -178,10 +185,7 @@ def task_compile(ctx, order):
         chk.true(counters["stats"]["unique_graphs"] >= 1, "the model really ran compiled",
                  str(dict(counters["stats"])))
     opt.unwrap()
-    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    parts = [torch.empty_like(flat) for _ in range(ctx.ws)]
-    dist.all_gather(parts, flat)
-    chk.true(all(torch.equal(parts[0], p) for p in parts), "identical replicas after unwrap()")
+    _check_identical(ctx, chk, net)
     chk.finish()
     return "ok"
 
@@ -364,10 +368,7 @@ def task_grad_scaler_skipped_step(ctx):
              f"averager step {opt.averager.step}, want {want}")
     chk.true(ripples_pg.stats()["failed"] == 0, "no round failed", str(ripples_pg.stats()))
     opt.unwrap()
-    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    parts = [torch.empty_like(flat) for _ in range(ctx.ws)]
-    dist.all_gather(parts, flat)
-    chk.true(all(torch.equal(parts[0], p) for p in parts), "identical replicas after unwrap()")
+    _check_identical(ctx, chk, net)
     chk.finish()
     return "ok"
 
