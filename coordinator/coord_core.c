@@ -85,19 +85,22 @@ void coord_core_free(coord_core *core) {
   core->out = NULL;
 }
 
-/* The only place replies are encoded. `token` is what the header carries: the job token
- * only for replies to messages that carried it (checked by the caller) or to bound workers;
- * a wrong-token message gets its own token back, never ours. Returns the send result. */
+/* The only place replies are encoded: MACed with the job token, except the refusal of a
+ * message that failed its MAC (`echo` non-NULL: that message's MAC field, sent back as is in
+ * an unauthenticated ERROR(BAD_TOKEN); we cannot MAC for a token we do not know, and a MAC of
+ * ours over a stranger's chosen text would hand it a MAC oracle). Returns the send result. */
 static int reply(coord_core *core, const uint8_t *route, size_t route_len, rpl_msg *m,
-                 const int *members, const uint8_t token[RPL_TOKEN_LEN]) {
-  memcpy(m->token, token, RPL_TOKEN_LEN);
+                 const int *members, const uint8_t *echo) {
+  m->echo = echo != NULL;
+  if (echo) memcpy(m->mac, echo, RPL_MAC_LEN);
+  else memcpy(m->token, core->token, RPL_TOKEN_LEN);
   size_t len = rpl_msg_encode(m, members, core->out, core->out_cap);
   int rc = len == 0 ? -1 : core->send(core->send_ctx, route, route_len, core->out, len);
   if (rc != 0) atomic_fetch_add(&core->send_failures, 1);
   return rc;
 }
 
-/* Answers `req` with ERROR(code); the header echoes req's own token (see reply). */
+/* Answers `req` with ERROR(code): MACed, but for BAD_TOKEN, which echoes req's MAC (reply). */
 static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
                                          size_t route_len, const rpl_msg *req, uint32_t code,
                                          const char *fmt, ...) {
@@ -117,7 +120,7 @@ static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
   m.text = text;
   m.text_len = (uint32_t)n;
   atomic_fetch_add(&core->errors_sent, 1);
-  reply(core, route, route_len, &m, NULL, req->token);
+  reply(core, route, route_len, &m, NULL, code == RPL_PERR_BAD_TOKEN ? req->mac : NULL);
 }
 
 /* A reply to worker w's bound route; a peer that is no longer connected (ZeroMQ knows) frees
@@ -126,7 +129,7 @@ static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
  * dropped, it would leave the worker waiting out its whole request timeout. Its partners do
  * not wait that long: a GROUP that arrives late fails on every member alike. */
 static void reply_worker(coord_core *core, coord_worker *w, rpl_msg *m, const int *members) {
-  int rc = reply(core, w->route, w->route_len, m, members, core->token);
+  int rc = reply(core, w->route, w->route_len, m, members, NULL);
   int answer = m->type == RPL_MSG_GROUP || m->type == RPL_MSG_PASS || m->type == RPL_MSG_CANCEL;
   if (rc == COORD_SEND_GONE) w->unreachable = 1;
   if (rc != 0 && answer) {
@@ -225,7 +228,7 @@ static int may_rebind(coord_core *core, coord_worker *w, const rpl_gg_worker_inf
   return w->unreachable;
 }
 
-/* Wrong token: counted, and answered (echoing the sender's token) at most
+/* Wrong MAC (another token): counted, and answered (echoing the sender's MAC) at most
  * COORD_BAD_TOKEN_REPLIES_PER_S times a second so an honest misconfigured client learns why,
  * while a flood costs us nothing but the count. */
 static void refuse_token(coord_core *core, const uint8_t *route, size_t route_len,
@@ -261,7 +264,7 @@ static void reply_status(coord_core *core, const uint8_t *route, size_t route_le
   r.seq = m->seq;
   r.text = json;
   r.text_len = (uint32_t)jlen;
-  memcpy(r.token, m->token, RPL_TOKEN_LEN); /* == ours: checked by the caller */
+  memcpy(r.token, core->token, RPL_TOKEN_LEN); /* the MAC's key; the sender proved it */
   size_t need = rpl_msg_encoded_size(&r);
   uint8_t *b = malloc(need);
   size_t n = b ? rpl_msg_encode(&r, NULL, b, need) : 0;
@@ -282,7 +285,11 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
     atomic_fetch_add(&core->malformed, 1);
     return;
   }
-  if (!rpl_token_equal(m.token, core->token)) {
+  if (m.echo) { /* a reply type: never sent to us */
+    atomic_fetch_add(&core->malformed, 1);
+    return;
+  }
+  if (!rpl_msg_authentic(msg, len, core->token)) {
     refuse_token(core, route, route_len, &m, now);
     return;
   }
@@ -386,7 +393,7 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
       break;
     case RPL_MSG_HEARTBEAT:
       r.type = RPL_MSG_HEARTBEAT_ACK;
-      reply(core, route, route_len, &r, NULL, core->token); /* to whichever sibling sent it */
+      reply(core, route, route_len, &r, NULL, NULL); /* to whichever sibling sent it */
       break;
     case RPL_MSG_FENCE:
       st = rpl_gg_fence(core->gg, m.rank, &err);

@@ -1,7 +1,11 @@
 """The coordinator's security rules (coordinator/PROTOCOL.md, "Connections" and "Threat
 model") with real processes and sockets; pyzmq plays the stranger on the network.
 
-- a wrong-token message is never answered with the job token (raw reply bytes checked);
+- the token never travels (version 5: every message carries an HMAC keyed by it); a
+  wrong-token message is answered only by an unauthenticated echo of its own MAC (raw reply
+  bytes checked), and a token holder's replies are MACed;
+- a coordinator that cannot MAC (another job's, or a fake an attacker named in the store)
+  gets no usable answer from a worker: the worker refuses its replies and says why;
 - a rank is tied to the connection it registered from: another connection cannot speak for
   it, while the real worker keeps being served;
 - a one-host job's embedded coordinator and standby listen on loopback, not every interface;
@@ -9,6 +13,8 @@ model") with real processes and sockets; pyzmq plays the stranger on the network
 - with a job secret the token is derived on every rank, absent from the c10d store, and
   training still averages.
 Every wait is bounded; nothing here depends on timing beyond those bounds."""
+import hashlib
+import hmac
 import json
 import os
 import stat
@@ -26,22 +32,32 @@ import _dist  # noqa: E402
 from ripples_pg import Options, coordinator  # noqa: E402
 
 TOKEN = "0123456789abcdef0123456789abcdef"
-MAGIC, VERSION = 0x47504C52, 4
-HELLO, FENCE, LEAVE, STATUS, ERROR, HEARTBEAT = 1, 9, 11, 13, 15, 7
+MAGIC, VERSION = 0x47504C52, 5
+HELLO, HELLO_ACK, FENCE, LEAVE, STATUS, STATUS_REPLY, ERROR, HEARTBEAT = 1, 2, 9, 11, 13, 14, 15, 7
 BAD_TOKEN, BAD_RANK = 1, 2
+FLAG_ECHO = 1
+
+
+def mac(token, head20, body):
+    """PROTOCOL.md: the first 16 bytes of HMAC-SHA256(token, header[0:20] || body)."""
+    return hmac.new(token, head20 + body, hashlib.sha256).digest()[:16]
 
 
 def encode(mtype, rank, seq, token, body=b""):
-    """A protocol message (PROTOCOL.md, header of 36 bytes)."""
-    return struct.pack("<IBBHIiI16s", MAGIC, VERSION, mtype, 0, len(body), rank, seq,
-                       token) + body
+    """A protocol message (PROTOCOL.md, header of 36 bytes), MACed with `token`."""
+    head = struct.pack("<IBBHIiI", MAGIC, VERSION, mtype, 0, len(body), rank, seq)
+    return head + mac(token, head, body) + body
 
 
 def decode(raw):
-    magic, version, mtype, _flags, blen, rank, seq, token = struct.unpack_from("<IBBHIiI16s",
-                                                                            raw)
+    """(type, rank, seq, flags, MAC field, body) of a raw message."""
+    magic, version, mtype, flags, blen, rank, seq, tag = struct.unpack_from("<IBBHIiI16s", raw)
     assert magic == MAGIC and version == VERSION and blen == len(raw) - 36, raw
-    return mtype, rank, seq, token, raw[36:]
+    return mtype, rank, seq, flags, tag, raw[36:]
+
+
+def authentic(raw, token):
+    return hmac.compare_digest(raw[20:36], mac(token, raw[:20], raw[36:]))
 
 
 class Stranger:
@@ -78,12 +94,22 @@ def test_wrong_token_reply_never_carries_the_job_token(coord):
     try:
         for mtype, rank, body in ((STATUS, -1, b""), (HELLO, 0, struct.pack("<ii", 2, 0)),
                                   (LEAVE, 1, b"")):
-            raw = st.ask(encode(mtype, rank, 1, bytes(16), body))
+            sent = encode(mtype, rank, 1, bytes(16), body)
+            raw = st.ask(sent)
             assert raw is not None, "an honest misconfigured client is told why"
             assert bytes.fromhex(TOKEN) not in raw and TOKEN.encode() not in raw, raw
-            rtype, _, _, rtoken, rbody = decode(raw)
+            rtype, _, _, flags, tag, rbody = decode(raw)
             assert rtype == ERROR and struct.unpack_from("<I", rbody)[0] == BAD_TOKEN
-            assert rtoken == bytes(16), "the reply echoes the sender's own token"
+            # Unauthenticated, echoing the MAC the stranger sent: no MAC of ours over a
+            # stranger's choice of text (which would be a MAC oracle).
+            assert flags == FLAG_ECHO and tag == sent[20:36]
+            assert not authentic(raw, bytes.fromhex(TOKEN))
+        # A token holder's message: the reply is MACed, and still carries no token.
+        sent = encode(STATUS, -1, 2, bytes.fromhex(TOKEN))
+        raw = st.ask(sent)
+        assert raw is not None and bytes.fromhex(TOKEN) not in sent + raw
+        rtype, _, seq, flags, _, _ = decode(raw)
+        assert (rtype, seq, flags) == (STATUS_REPLY, 2, 0) and authentic(raw, bytes.fromhex(TOKEN))
     finally:
         st.close()
     counters = coord.counters()
@@ -104,7 +130,7 @@ def test_rank_is_tied_to_its_connection(coord):
                             (HELLO, struct.pack("<ii", 2, 0))):
             raw = st.ask(encode(mtype, 0, 1 << 30, bytes.fromhex(TOKEN), body))
             assert raw is not None
-            rtype, _, _, _, rbody = decode(raw)
+            rtype, _, _, _, _, rbody = decode(raw)
             assert rtype == ERROR and struct.unpack_from("<I", rbody)[0] == BAD_RANK, rbody
         assert coord.counters()["wrong_route"] == 4
         doc = json.loads(coordinator.status(coord.endpoint, TOKEN))
@@ -333,3 +359,40 @@ def test_heartbeat_settings_are_bounded_and_followed():
         w.close()
     finally:
         c.close()
+
+
+def test_a_fake_coordinator_learns_no_token_and_is_refused():
+    """What a store writer gets by naming its own endpoint as the coordinator (PROTOCOL.md,
+    "Threat model" (c)): the worker's HELLO carries a MAC, never the token, so the fake
+    cannot answer in the job's name; the worker refuses what it sends and says why."""
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    seen, stop = [], threading.Event()
+
+    def serve(answer):
+        while not stop.is_set():
+            if not fake.poll(50):
+                continue
+            route, raw = fake.recv_multipart()
+            seen.append(raw)
+            mtype, rank, seq, _flags, tag, _body = decode(raw)
+            fake.send_multipart([route, answer(rank, seq, tag)])
+
+    forged = lambda rank, seq, tag: encode(HELLO_ACK, rank, seq, bytes(16),  # noqa: E731
+                                           struct.pack("<BxxxiII", 1, 2, 100, 1000))
+    th = threading.Thread(target=serve, args=(forged,), daemon=True)
+    th.start()
+    try:
+        with pytest.raises(Exception, match="without this job's token"):
+            _gg.Client(f"tcp://127.0.0.1:{port}", TOKEN, 0, 2, timeout_ms=1500, heartbeat_ms=100)
+        assert seen, "the worker said HELLO"
+        for raw in seen:
+            assert bytes.fromhex(TOKEN) not in raw and TOKEN.encode() not in raw
+            assert decode(raw)[0] == HELLO and authentic(raw, bytes.fromhex(TOKEN))
+    finally:
+        stop.set()
+        th.join(10)
+        fake.close(0)
+        ctx.term()

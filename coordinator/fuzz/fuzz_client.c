@@ -1,10 +1,12 @@
 /* Fuzz target for the worker-side client's handling of coordinator replies: the exact
  * functions csrc/sched/client.c runs on what its sockets receive (rpl_client_accept,
  * rpl_client_request_reply, rpl_client_beat_reply), without sockets. Input: messages, each
- * prefixed by a 2-byte little-endian length, as they would arrive on the request socket
- * (waiting for REQUEST(round 2) under seq 7) and on the heartbeat socket. Oracles: nothing
- * is accepted without the client's token and seq; a group handed to the caller fits its
- * buffer, holds the caller, and has sorted, unique members in [0, nworkers).
+ * prefixed by a 2-byte little-endian length (bit 15: the harness MACs the message with the
+ * client's token after any mutation, as the coordinator would have), as they would arrive on
+ * the request socket (waiting for REQUEST(round 2) under seq 7) and on the heartbeat socket.
+ * Oracles: nothing is accepted but messages MACed with the client's token under its seq, or
+ * an echoed ERROR(BAD_TOKEN) under its seq; a group handed to the caller fits its buffer,
+ * holds the caller, and has sorted, unique members in [0, nworkers).
  *
  * libFuzzer (clang):   coordinator/fuzz/run_libfuzzer.sh [seconds] [workdir] client
  * Standalone (any cc): fuzz_client_smoke [iterations] | --write-corpus DIR | FILE...
@@ -34,19 +36,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (rpl_token_from_hex(FUZZ_TOKEN, tok, &err) != RPL_OK) abort();
   size_t pos = 0;
   while (pos + 2 <= size) {
-    size_t len = (size_t)data[pos] | (size_t)data[pos + 1] << 8;
+    size_t len = ((size_t)data[pos] | (size_t)data[pos + 1] << 8) & 0x7fff;
+    int sign = data[pos + 1] & 0x80;
     pos += 2;
     if (len > size - pos) len = size - pos;
     uint8_t *buf = malloc(len ? len : 1); /* exact size: ASan catches reads past it */
     memcpy(buf, data + pos, len);
     pos += len;
+    if (sign) rpl_msg_sign(buf, len, tok);
     rpl_client_beat_reply(buf, len, tok, FUZZ_WORKERS);
     rpl_msg m;
     if (!rpl_client_accept(buf, len, tok, FUZZ_WORKERS, FUZZ_SEQ, &m)) {
       free(buf);
       continue;
     }
-    if (!rpl_token_equal(m.token, tok) || m.seq != FUZZ_SEQ) fail("accepted a foreign reply");
+    if (m.seq != FUZZ_SEQ) fail("accepted a reply to another seq");
+    if (m.echo ? !(m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN)
+               : !rpl_msg_authentic(buf, len, tok))
+      fail("accepted a foreign reply");
     for (int cap = 1; cap <= FUZZ_WORKERS; cap += 2) {
       int members[FUZZ_WORKERS];
       int n = -1;
@@ -77,14 +84,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 #ifdef FUZZ_STANDALONE
 #include "fuzz_standalone.h"
 
-static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const int *members) {
+static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const int *members,
+                      int sign) {
   uint8_t b[512];
   size_t n = rpl_msg_encode(m, members, b, sizeof b);
-  return fuzz_frame(out, pos, cap, NULL, 0, b, n);
+  size_t end = fuzz_frame(out, pos, cap, NULL, 0, b, n);
+  if (sign && end != pos) out[pos + 1] |= 0x80;
+  return end;
 }
 
-/* Seeds: every reply type a coordinator sends, with the client's token and seq (and some
- * with a stale seq, a wrong token, another round). */
+/* Seeds: every reply type a coordinator sends, MACed with the client's token under its seq
+ * (and some with a stale seq, a wrong token, another round, an echoed refusal). */
 static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
   static const int types[] = {RPL_MSG_GROUP, RPL_MSG_GROUP,         RPL_MSG_PASS,
                               RPL_MSG_CANCEL, RPL_MSG_ERROR,        RPL_MSG_HELLO_ACK,
@@ -95,7 +105,11 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
     s = fuzz_next(s);
     rpl_msg m = fuzz_msg(types[(s >> 33) % 8], FUZZ_RANK,
                          (s >> 40) % 5 ? FUZZ_SEQ : FUZZ_SEQ - 1, FUZZ_TOKEN);
-    if ((s >> 45) % 7 == 0) m.token[0] ^= 0x80;
+    int sign = 1;
+    if ((s >> 45) % 7 == 0) {
+      m.token[0] ^= 0x80; /* another job's coordinator */
+      sign = 0;
+    }
     m.round = (s >> 48) % 4 ? FUZZ_ROUND : FUZZ_ROUND + 1;
     m.group_id = 1 + (s >> 20) % 9;
     m.period = 2;
@@ -112,7 +126,13 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
     m.nworkers = FUZZ_WORKERS;
     m.heartbeat_ms = 100;
     m.dead_ms = 1000;
-    pos = put_msg(out, pos, cap, &m, members);
+    if (m.type == RPL_MSG_ERROR && (s >> 58) % 3 == 0) { /* the refusal of our token */
+      m.code = RPL_PERR_BAD_TOKEN;
+      m.echo = 1;
+      memset(m.mac, 0x5a, RPL_MAC_LEN);
+      sign = 0;
+    }
+    pos = put_msg(out, pos, cap, &m, members, sign);
   }
   return pos;
 }

@@ -20,7 +20,7 @@
 #define FUZZ_WORKERS 6
 static const char *FUZZ_TOKEN = "f00dfeedc0ffee11deadbeef42a5c3e7";
 static uint8_t g_token[RPL_TOKEN_LEN];
-static int g_stranger; /* the message being handled lacks the job token */
+static int g_stranger; /* the message being handled fails its MAC */
 static const uint8_t *g_msg; /* ... and its bytes */
 static size_t g_msg_len;
 
@@ -41,16 +41,20 @@ static int check_reply(void *ctx, const uint8_t *route, size_t route_len, const 
     fprintf(stderr, "coordinator produced an unparsable reply: %s\n", err.msg);
     abort();
   }
-  /* A reply to a stranger echoes its token, and holds the job token's bytes only where the
-   * stranger sent them itself (e.g. spread over the rank, seq and token it chose). */
-  if (g_stranger && g_msg_len >= RPL_PROTO_HEADER &&
-      memcmp((const uint8_t *)msg + 20, g_msg + 20, RPL_TOKEN_LEN) != 0) {
-    fprintf(stderr, "coordinator's reply to a stranger does not echo the stranger's token\n");
+  /* A reply to a stranger is the echo of its MAC field, unauthenticated. */
+  if (g_stranger) {
+    if (!m.echo || m.type != RPL_MSG_ERROR || m.code != RPL_PERR_BAD_TOKEN ||
+        g_msg_len < RPL_PROTO_HEADER || memcmp(m.mac, g_msg + 20, RPL_MAC_LEN) != 0) {
+      fprintf(stderr, "coordinator's reply to a stranger is not the echo of its MAC\n");
+      abort();
+    }
+  } else if (m.echo || !rpl_msg_authentic(msg, len, g_token)) {
+    fprintf(stderr, "coordinator sent a %s without a valid MAC\n", rpl_msg_type_name(m.type));
     abort();
   }
-  if (g_stranger && contains(msg, len, g_token, RPL_TOKEN_LEN) &&
-      !contains(g_msg, g_msg_len, g_token, RPL_TOKEN_LEN)) {
-    fprintf(stderr, "coordinator sent its job token in reply to a message without it\n");
+  if (contains(msg, len, g_token, RPL_TOKEN_LEN) &&
+      !(g_msg && contains(g_msg, g_msg_len, g_token, RPL_TOKEN_LEN))) {
+    fprintf(stderr, "coordinator sent its job token\n");
     abort();
   }
   return 0;
@@ -122,24 +126,27 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   double now = 0;
   size_t pos = 1;
   while (pos + 3 <= size) {
-    size_t len = (size_t)data[pos] | (size_t)data[pos + 1] << 8;
+    size_t len = ((size_t)data[pos] | (size_t)data[pos + 1] << 8) & 0x7fff;
+    int sign = data[pos + 1] & 0x80;
     uint8_t sel = data[pos + 2];
     pos += 3;
     if (len > size - pos) len = size - pos;
     /* Copy so reads past the message are caught by ASan. */
     uint8_t *msg = malloc(len ? len : 1);
     memcpy(msg, data + pos, len);
+    if (sign) rpl_msg_sign(msg, len, g_token);
     uint8_t route[RPL_ROUTE_ID_LEN];
     size_t rl = make_route(sel, route);
     now += 0.05 * (sel >> 4);
     /* Whatever the clock alone decides goes out first (to bound workers, with the token);
      * then only the message's own replies are sent while it is handled. */
     coord_core_advance(&core, now);
-    g_stranger = len < RPL_PROTO_HEADER || memcmp(msg + 20, g_token, RPL_TOKEN_LEN) != 0;
+    g_stranger = !rpl_msg_authentic(msg, len, g_token);
     g_msg = msg;
     g_msg_len = len;
     coord_core_handle(&core, route, rl, msg, len, now);
     g_stranger = 0;
+    g_msg = NULL;
     free(msg);
     pos += len;
     coord_core_tick(&core, now);
@@ -161,15 +168,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 #ifdef FUZZ_STANDALONE
 #include "fuzz_standalone.h"
 
-static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, uint8_t sel) {
+/* `sign`: the harness re-MACs the message after mutations (length bit 15). */
+static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, uint8_t sel, int sign) {
   uint8_t b[256];
   size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
-  return fuzz_frame(out, pos, cap, &sel, 1, b, n);
+  size_t end = fuzz_frame(out, pos, cap, &sel, 1, b, n);
+  if (sign && end != pos) out[pos + 1] |= 0x80;
+  return end;
 }
 
 /* Seeds: every rank registers from its own route with the real token, then a mix of what
  * workers send (heartbeats from the sibling socket), rising seqs; now and then a message
- * with a wrong token, a replayed seq or from another rank's route. */
+ * with a wrong token (not re-MACed), a replayed seq or from another rank's route. */
 static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
   static const int types[] = {RPL_MSG_REQUEST, RPL_MSG_REQUEST, RPL_MSG_DONE,
                               RPL_MSG_HEARTBEAT, RPL_MSG_FENCE, RPL_MSG_UNFENCE,
@@ -180,7 +190,7 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
   for (int r = 0; r < FUZZ_WORKERS; r++) {
     rpl_msg m = fuzz_msg(RPL_MSG_HELLO, r, ++seq[r], FUZZ_TOKEN);
     m.nworkers = FUZZ_WORKERS;
-    pos = put_msg(out, pos, cap, &m, (uint8_t)(r | 0x10));
+    pos = put_msg(out, pos, cap, &m, (uint8_t)(r | 0x10), 1);
   }
   uint64_t s = pick | 1;
   for (int i = 0; i < 24; i++) {
@@ -192,14 +202,16 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
     m.group_id = 1 + (s >> 24) % 6;
     uint8_t sel = (uint8_t)(r | ((s >> 50) % 3) << 4);
     if (m.type == RPL_MSG_HEARTBEAT) sel |= 8;
+    int sign = 1;
     switch ((s >> 56) % 16) {
-      case 0: m.token[(s >> 10) % RPL_TOKEN_LEN] ^= 1; break; /* a stranger's guess */
+      case 0: m.token[(s >> 10) % RPL_TOKEN_LEN] ^= 1; sign = 0; break; /* a stranger's guess */
+      case 4: sign = 0; break; /* a token holder's message, mutated on the way: MAC fails */
       case 1: m.seq = 1; break;                              /* a replay */
       case 2: sel = (uint8_t)((sel & ~7) | ((r + 1) % FUZZ_WORKERS)); break; /* another route */
       case 3: sel |= 0xf0; break;                            /* a long silence */
       default: break;
     }
-    pos = put_msg(out, pos, cap, &m, sel);
+    pos = put_msg(out, pos, cap, &m, sel, sign);
   }
   return pos;
 }

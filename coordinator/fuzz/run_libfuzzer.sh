@@ -16,10 +16,11 @@ WHICH=${3:-all}
 CC=${FUZZ_CC:-$(command -v clang-14 || command -v clang || true)}
 if [ -z "$CC" ]; then echo "run_libfuzzer: clang not found" >&2; exit 77; fi
 INC=(-I"$ROOT/coordinator" -I"$ROOT/csrc/sched" -I"$ROOT/csrc")
-# ripples_sched's sources and ripples_base (csrc/common.c, the error formatter they use).
+# ripples_sched's sources and ripples_base (csrc/common.c and csrc/crypto.c: the error
+# formatter and the HMAC they use).
 SCHED=("$ROOT/csrc/sched/layout.c" "$ROOT/csrc/sched/gg.c" "$ROOT/csrc/sched/gg_generate.c"
        "$ROOT/csrc/sched/gg_speed.c" "$ROOT/csrc/sched/gg_partners.c" "$ROOT/csrc/sched/proto.c"
-       "$ROOT/csrc/common.c")
+       "$ROOT/csrc/common.c" "$ROOT/csrc/crypto.c")
 
 run() { # name, sources..., -- link flags...
   local name=$1; shift

@@ -110,9 +110,12 @@ int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_L
                       int nworkers, uint32_t seq, rpl_msg *m) {
   rpl_error perr;
   if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, m, &perr) != RPL_OK) return 0;
-  /* Every reply carries our token, errors included (a v4 coordinator echoes it). */
-  if (!rpl_token_equal(m->token, token)) return 0;
-  return m->seq == seq;
+  if (m->seq != seq) return 0;
+  /* Every reply is MACed with our token, but the refusal of a token the coordinator does
+   * not share (it cannot MAC that): anyone on the path could forge one, which costs us no
+   * more than a dropped reply would. */
+  if (m->echo) return 1; /* the parser allows the echo on ERROR(BAD_TOKEN) only */
+  return rpl_msg_authentic(buf, n, token);
 }
 
 rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int rank,
@@ -174,7 +177,7 @@ int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOK
   rpl_msg m;
   rpl_error e;
   if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, &m, &e) != RPL_OK ||
-      !rpl_token_equal(m.token, token))
+      !rpl_msg_authentic(buf, n, token))
     return RPL_BEAT_IGNORE;
   if (m.type == RPL_MSG_HEARTBEAT_ACK) return RPL_BEAT_ACK;
   /* A new instance: what we wait for died with the old one. */
@@ -183,13 +186,20 @@ int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOK
 }
 
 /* Waits until `deadline` for a reply on sock answering `seq`; drops stale or foreign ones.
- * Returns RPL_OK with *m filled, RPL_ERR_TIMEOUT, or another error. `lost` may be NULL. */
+ * Returns RPL_OK with *m filled, RPL_ERR_TIMEOUT, or another error. `lost` may be NULL. A
+ * timeout says whether replies to `seq` came that failed their MAC: an endpoint that does
+ * not hold the job's token (another job's coordinator, or one the store was made to name). */
 static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_TOKEN_LEN],
                              int nworkers, uint32_t seq, double deadline, atomic_int *lost,
                              const char *endpoint, rpl_msg *m, rpl_error *err) {
+  int forged = 0;
   for (;;) {
     double left = deadline - now_s();
-    if (left <= 0) return rpl_fail(err, RPL_ERR_TIMEOUT, "timed out");
+    if (left <= 0)
+      return forged ? rpl_fail(err, RPL_ERR_TIMEOUT, "timed out: %d answers from %s failed "
+                               "their MAC (that endpoint does not hold this job's coordinator "
+                               "token)", forged, endpoint)
+                    : rpl_fail(err, RPL_ERR_TIMEOUT, "timed out");
     if (lost && atomic_load(lost))
       return rpl_fail(err, RPL_ERR_PEER,
                       "group generator at %s stopped answering heartbeats", endpoint);
@@ -208,6 +218,8 @@ static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_T
       return zfail(err, "recv", endpoint);
     }
     if (rpl_client_accept(buf, (size_t)n, token, nworkers, seq, m)) return RPL_OK;
+    rpl_error perr; /* well-formed and answering seq, but not MACed with our token? */
+    forged += rpl_msg_parse(buf, (size_t)n, nworkers, m, &perr) == RPL_OK && m->seq == seq;
   }
 }
 
@@ -309,7 +321,12 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
       struct timespec pause = {0, 100 * 1000 * 1000};
       nanosleep(&pause, NULL);
     }
-    if (st == RPL_ERR_TIMEOUT)
+    if (st == RPL_ERR_TIMEOUT && strstr(err->msg, "MAC"))
+      st = rpl_fail(err, RPL_ERR_PEER,
+                    "group generator at %s answered without this job's token (its replies "
+                    "fail their MAC): another job's coordinator, or an endpoint that is not "
+                    "the job's", c->endpoint);
+    else if (st == RPL_ERR_TIMEOUT)
       st = rpl_fail(err, RPL_ERR_PEER,
                     "group generator at %s did not answer within %d ms (not running, wrong "
                     "endpoint, or unreachable)", c->endpoint, hello_ms);
@@ -682,7 +699,9 @@ static rpl_status query_one(const char *endpoint, const uint8_t token[RPL_TOKEN_
     if (n < 0) continue;
     rpl_error perr;
     if (rpl_msg_parse(zmq_msg_data(&in), zmq_msg_size(&in), 0, &m, &perr) != RPL_OK) continue;
-    if (!rpl_token_equal(m.token, token)) continue; /* errors echo our token too */
+    if (m.seq != 1) continue;
+    if (!m.echo && !rpl_msg_authentic(zmq_msg_data(&in), zmq_msg_size(&in), token))
+      continue; /* a refusal of our token is echoed, not MACed */
     if (m.type == RPL_MSG_ERROR) {
       st = from_error_reply(&m, endpoint, err);
       goto out;

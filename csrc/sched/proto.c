@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "bytes.h"
+#include "crypto.h"
 #include "sched_internal.h"
 
 const char *rpl_msg_type_name(int t) {
@@ -60,8 +61,9 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
   int type = p[5];
   if (type < 1 || type > RPL_MSG_TYPE_MAX)
     return rpl_fail(err, RPL_ERR_INVALID, "unknown message type %d", type);
-  if (rpl_get16(p + 6) != 0)
-    return rpl_fail(err, RPL_ERR_INVALID, "non-zero flags 0x%04x", rpl_get16(p + 6));
+  uint16_t flags = rpl_get16(p + 6);
+  if (flags != 0 && !(flags == RPL_PROTO_FLAG_ECHO && type == RPL_MSG_ERROR))
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: flags 0x%04x", rpl_msg_type_name(type), flags);
   uint32_t body = rpl_get32(p + 8);
   if (body > RPL_PROTO_MAX_BODY || (size_t)body != len - RPL_PROTO_HEADER)
     return rpl_fail(err, RPL_ERR_INVALID, "%s: body length %u, message carries %zu",
@@ -69,7 +71,8 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
   m->type = (uint8_t)type;
   m->rank = (int32_t)rpl_get32(p + 12);
   m->seq = rpl_get32(p + 16);
-  memcpy(m->token, p + 20, RPL_TOKEN_LEN);
+  memcpy(m->mac, p + 20, RPL_MAC_LEN);
+  m->echo = flags == RPL_PROTO_FLAG_ECHO;
   if (m->rank < -1 || m->rank >= maxw || (from_worker(type) && m->rank < 0))
     return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d out of range [0, %d)",
                     rpl_msg_type_name(type), (int)m->rank, maxw);
@@ -159,11 +162,35 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
       m->code = rpl_get32(b);
       m->text = (const char *)b + 4;
       m->text_len = body - 4;
+      if (m->echo && m->code != RPL_PERR_BAD_TOKEN)
+        return rpl_fail(err, RPL_ERR_INVALID, "ERROR %u: only BAD_TOKEN may be echoed", m->code);
       break;
     default:
       break;
   }
   return RPL_OK;
+}
+
+/* The MAC covers everything but itself: the header's first 20 bytes and the body. */
+static void compute_mac(const uint8_t *p, size_t len, const uint8_t token[RPL_TOKEN_LEN],
+                        uint8_t mac[RPL_MAC_LEN]) {
+  const void *parts[2] = {p, p + RPL_PROTO_HEADER};
+  size_t lens[2] = {20, len - RPL_PROTO_HEADER};
+  unsigned char full[RPL_SHA256_LEN];
+  rpl_hmac_sha256(token, RPL_TOKEN_LEN, parts, lens, 2, full);
+  memcpy(mac, full, RPL_MAC_LEN);
+}
+
+void rpl_msg_sign(void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]) {
+  if (buf && len >= RPL_PROTO_HEADER) compute_mac(buf, len, token, (uint8_t *)buf + 20);
+}
+
+int rpl_msg_authentic(const void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]) {
+  const uint8_t *p = buf;
+  if (!buf || len < RPL_PROTO_HEADER || rpl_get16(p + 6) != 0) return 0;
+  uint8_t mac[RPL_MAC_LEN];
+  compute_mac(p, len, token, mac);
+  return rpl_ct_equal(mac, p + 20, RPL_MAC_LEN);
 }
 
 int32_t rpl_msg_member(const rpl_msg *m, uint32_t i) {
@@ -188,16 +215,16 @@ size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *out, size_t ca
   size_t need = rpl_msg_encoded_size(m);
   if (need == 0 || need > cap || need - RPL_PROTO_HEADER > RPL_PROTO_MAX_BODY) return 0;
   if (m->type == RPL_MSG_GROUP && (m->nmembers == 0 || !members)) return 0;
+  if (m->echo && !(m->type == RPL_MSG_ERROR && m->code == RPL_PERR_BAD_TOKEN)) return 0;
   uint8_t *p = out;
   memset(p, 0, need);
   rpl_put32(p, RPL_PROTO_MAGIC);
   p[4] = RPL_PROTO_VERSION;
   p[5] = m->type;
-  rpl_put16(p + 6, 0);
+  rpl_put16(p + 6, m->echo ? RPL_PROTO_FLAG_ECHO : 0);
   rpl_put32(p + 8, (uint32_t)(need - RPL_PROTO_HEADER));
   rpl_put32(p + 12, (uint32_t)m->rank);
   rpl_put32(p + 16, m->seq);
-  memcpy(p + 20, m->token, RPL_TOKEN_LEN);
   uint8_t *b = p + RPL_PROTO_HEADER;
   switch (m->type) {
     case RPL_MSG_HELLO:
@@ -242,6 +269,8 @@ size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *out, size_t ca
       break;
     default: break;
   }
+  if (m->echo) memcpy(p + 20, m->mac, RPL_MAC_LEN);
+  else rpl_msg_sign(p, need, m->token);
   return need;
 }
 

@@ -20,9 +20,16 @@ extern "C" {
 #endif
 
 #define RPL_PROTO_MAGIC 0x47504c52u /* "RPLG" little-endian */
-#define RPL_PROTO_VERSION 4
+#define RPL_PROTO_VERSION 5
 #define RPL_PROTO_HEADER 36
 #define RPL_TOKEN_LEN 16
+/* Header bytes 20..36: the message's MAC, the first RPL_MAC_LEN bytes of
+ * HMAC-SHA256(job token, header[0..20) || body). The token itself never travels. */
+#define RPL_MAC_LEN 16
+/* The one header flag: an unauthenticated ERROR(BAD_TOKEN) whose MAC field echoes the MAC of
+ * the message it refuses (the coordinator cannot MAC an answer for a sender whose token it
+ * does not know). Any other flag, or this one on any other message, is malformed. */
+#define RPL_PROTO_FLAG_ECHO 1u
 /* A client's two sockets set their routing ids to 'R' (requests) or 'H' (heartbeats) followed
  * by the same 16 random bytes, fresh for each registration: HELLO binds the rank to the 'R'
  * route, and its heartbeats are accepted from the 'H' sibling (PROTOCOL.md, "Connections"). */
@@ -77,7 +84,13 @@ typedef enum {
 /* A decoded message. Variable parts point into the parsed buffer (valid while it is). */
 typedef struct rpl_msg {
   uint8_t type;
+  /* Encoding: the key of the message's MAC (the job token; never written to the wire).
+   * Parsing leaves it zero: the MAC is checked with rpl_msg_authentic. */
   uint8_t token[RPL_TOKEN_LEN];
+  /* Parsing: the header's MAC field. Encoding with `echo` set: written as is (see
+   * RPL_PROTO_FLAG_ECHO), and the message is an unauthenticated ERROR(BAD_TOKEN). */
+  uint8_t mac[RPL_MAC_LEN];
+  uint8_t echo;
   int32_t rank;             /* sender (worker messages) or addressee (replies); -1 = tool */
   uint32_t seq;             /* replies echo the sequence number of what they answer */
   /* HELLO */
@@ -108,16 +121,25 @@ typedef struct rpl_msg {
 
 /* Parses and bounds-checks one message. RPL_ERR_INVALID with a reason for anything
  * malformed: short, wrong magic/version/type, lengths that disagree, member counts or ranks
- * out of range (ranks must be in [0, max_workers) when max_workers > 0). Never reads past
- * buf[len). */
+ * out of range (ranks must be in [0, max_workers) when max_workers > 0), a flag other than
+ * RPL_PROTO_FLAG_ECHO on ERROR(BAD_TOKEN). Never reads past buf[len). Does not check the MAC:
+ * rpl_msg_authentic does. */
 rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *out,
                          rpl_error *err);
 int32_t rpl_msg_member(const rpl_msg *m, uint32_t i);
 
+/* 1 if buf[0..len) is a message MACed with `token` (constant-time comparison). An echo
+ * (RPL_PROTO_FLAG_ECHO) is never authentic. */
+int rpl_msg_authentic(const void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]);
+/* (Re)writes the MAC of the message in buf[0..len) (len >= RPL_PROTO_HEADER) for `token`,
+ * whatever its content: what rpl_msg_encode does last (and the fuzzers after mutating). */
+void rpl_msg_sign(void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]);
+
 /* Bytes rpl_msg_encode needs for m. */
 size_t rpl_msg_encoded_size(const rpl_msg *m);
-/* Encodes m into buf; for GROUP the members come from `members` (host ints), not
- * m->members_le. Returns bytes written, 0 if cap is too small or m is invalid. */
+/* Encodes m into buf, MACed with m->token (or, with m->echo, carrying m->mac: ERROR of code
+ * BAD_TOKEN only); for GROUP the members come from `members` (host ints), not m->members_le.
+ * Returns bytes written, 0 if cap is too small or m is invalid. */
 size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *buf, size_t cap);
 
 /* 32 lowercase hex digits <-> 16 bytes. */
@@ -132,8 +154,9 @@ int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LE
  * Pure functions, so the fuzzer (coordinator/fuzz/fuzz_client.c) drives exactly what the
  * client runs. */
 
-/* 1 if buf[0..n) is the reply awaited under `seq`: it parses (ranks < nworkers), carries
- * the client's token (errors too) and echoes seq; *m is then filled. */
+/* 1 if buf[0..n) is the reply awaited under `seq`: it parses (ranks < nworkers), echoes seq,
+ * and is MACed with the client's token, or is the coordinator's unauthenticated refusal of
+ * that token (an echoed ERROR(BAD_TOKEN)); *m is then filled. */
 int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
                       int nworkers, uint32_t seq, rpl_msg *m);
 

@@ -238,8 +238,9 @@ static void make_route(uint8_t out[RPL_ROUTE_ID_LEN], char kind, uint8_t id) {
   memset(out + 1, id, RPL_ROUTE_ID_LEN - 1);
 }
 
-/* Hands `m` (token: the job's unless `tok` is given) to the core from `route` at `now`;
- * returns the reply's type (0: no reply) and leaves the reply in *r. */
+/* Hands `m` (MACed with the job's token unless `tok` is given; its MAC left in m->mac) to the
+ * core from `route` at `now`; returns the reply's type (0: no reply) and leaves the reply in
+ * *r. Every reply but an echoed refusal is MACed with the job's token. */
 static int feed(coord_core *core, sent_log *l, const uint8_t *route, rpl_msg *m,
                 const uint8_t *tok, double now, rpl_msg *r) {
   uint8_t b[256];
@@ -247,11 +248,14 @@ static int feed(coord_core *core, sent_log *l, const uint8_t *route, rpl_msg *m,
   else memcpy(m->token, core->token, RPL_TOKEN_LEN);
   size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
   REQUIRE(n > 0, "encode");
+  memcpy(m->mac, b + 20, RPL_MAC_LEN);
   int before = l->count;
   coord_core_handle(core, route, RPL_ROUTE_ID_LEN, b, n, now);
   if (l->count == before) return 0;
   rpl_error err;
   REQUIRE(rpl_msg_parse(l->msg, l->len, core->nworkers, r, &err) == RPL_OK, "reply: %s", err.msg);
+  REQUIRE(r->echo || rpl_msg_authentic(l->msg, l->len, core->token), "%s reply not MACed",
+          rpl_msg_type_name(r->type));
   REQUIRE(l->route_len == RPL_ROUTE_ID_LEN && memcmp(l->route, route, RPL_ROUTE_ID_LEN) == 0,
           "a reply goes back to its sender");
   return r->type;
@@ -303,13 +307,15 @@ static void test_security_core(void) {
   rpl_msg m, r;
   double t = 1.0;
 
-  /* 1. A wrong-token STATUS (all zeros) is told BAD_TOKEN, echoing its own token: the reply
-   * holds no byte sequence of ours. Same for a wrong-token HELLO. */
+  /* 1. A wrong-token STATUS (all zeros) is told BAD_TOKEN in an unauthenticated reply that
+   * echoes its own MAC: the reply holds no byte sequence of ours, and no MAC of ours over a
+   * stranger's text. Same for a wrong-token HELLO. */
   uint8_t zero[RPL_TOKEN_LEN] = {0};
   m = worker_msg(RPL_MSG_STATUS, -1, 1);
   REQUIRE(feed(&core, &log, S, &m, zero, t, &r) == RPL_MSG_ERROR && r.code == RPL_PERR_BAD_TOKEN,
           "wrong-token STATUS answered BAD_TOKEN");
-  REQUIRE(memcmp(r.token, zero, RPL_TOKEN_LEN) == 0, "BAD_TOKEN echoes the sender's token");
+  REQUIRE(r.echo && memcmp(r.mac, m.mac, RPL_MAC_LEN) == 0, "BAD_TOKEN echoes the sender's MAC");
+  REQUIRE(!rpl_msg_authentic(log.msg, log.len, core.token), "a MAC of ours for a stranger");
   REQUIRE(!contains(log.msg, log.len, core.token, RPL_TOKEN_LEN), "job token leaked to a stranger");
   REQUIRE(!contains(log.msg, log.len, (const uint8_t *)SEC_TOKEN, 32), "hex token leaked");
   uint8_t guess[RPL_TOKEN_LEN];
@@ -660,6 +666,7 @@ static void test_rejections(void) {
   memcpy(bad, good, glen); bad[8] = 4; zmq_send(s, bad, glen, 0), sent++;    /* body length */
   memcpy(bad, good, glen); bad[12] = 7; zmq_send(s, bad, glen, 0), sent++;   /* rank >= n */
   memcpy(bad, good, glen); bad[5] = RPL_MSG_GROUP; zmq_send(s, bad, glen, 0), sent++; /* reply type */
+  memcpy(bad, good, glen); bad[6] = RPL_PROTO_FLAG_ECHO; zmq_send(s, bad, glen, 0), sent++; /* flag */
   zmq_send(s, good, glen, ZMQ_SNDMORE); zmq_send(s, good, glen, 0), sent++; /* two frames */
   zmq_send(s, good, glen, 0); /* valid: answered */
   zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};

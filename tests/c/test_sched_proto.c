@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bytes.h"
 #include "rpl_sched.h"
 
 #include "check.h"
@@ -48,8 +49,24 @@ int main(void) {
     lens[t] = n;
     REQUIRE(rpl_msg_parse(bufs[t], n, 16, &p, &err) == RPL_OK, "%s: %s", rpl_msg_type_name(t),
             err.msg);
-    REQUIRE(p.type == t && p.rank == m.rank && p.seq == m.seq &&
-                memcmp(p.token, m.token, RPL_TOKEN_LEN) == 0, "header round trip %d", t);
+    REQUIRE(p.type == t && p.rank == m.rank && p.seq == m.seq && !p.echo,
+            "header round trip %d", t);
+    /* Version 5: the frame is MACed with the token and never carries the token itself; a
+     * change of any bit, or another token, fails the MAC. */
+    REQUIRE(rpl_msg_authentic(bufs[t], n, m.token), "%s authentic", rpl_msg_type_name(t));
+    for (size_t k = 0; k + RPL_TOKEN_LEN <= n; k++)
+      REQUIRE(memcmp(bufs[t] + k, m.token, RPL_TOKEN_LEN) != 0, "token on the wire at %zu", k);
+    for (size_t k = 0; k < n; k++)
+      for (int bit = 0; bit < 8; bit += 3) {
+        bufs[t][k] ^= (uint8_t)(1u << bit);
+        REQUIRE(!rpl_msg_authentic(bufs[t], n, m.token), "%s: bit %d of byte %zu unchecked",
+                rpl_msg_type_name(t), bit, k);
+        bufs[t][k] ^= (uint8_t)(1u << bit);
+      }
+    uint8_t other[RPL_TOKEN_LEN];
+    memcpy(other, m.token, RPL_TOKEN_LEN);
+    other[3] ^= 0x40;
+    REQUIRE(!rpl_msg_authentic(bufs[t], n, other), "another token");
     switch (t) {
       case RPL_MSG_HELLO: REQUIRE(p.nworkers == 16 && p.host_label == -5, "hello"); break;
       case RPL_MSG_HELLO_ACK:
@@ -84,15 +101,37 @@ int main(void) {
     buf[n] = 0;
     REQUIRE(rpl_msg_parse(buf, n + 1, 16, &p, &err) == RPL_ERR_INVALID, "trailing byte");
   }
-  /* Version 4 only: a peer of an earlier version (no connection binding, no token echo) is
-   * refused, whatever the message. */
-  REQUIRE(RPL_PROTO_VERSION == 4 && bufs[RPL_MSG_HELLO][4] == 4, "version byte 4");
-  for (uint8_t v = 1; v < 4; v++) {
+  /* Version 5 only: a peer of an earlier version (the token in clear, no binding) is refused,
+   * whatever the message. */
+  REQUIRE(RPL_PROTO_VERSION == 5 && bufs[RPL_MSG_HELLO][4] == 5, "version byte 5");
+  size_t n;
+  for (uint8_t v = 1; v < 5; v++) {
     memcpy(buf, bufs[RPL_MSG_HELLO], lens[RPL_MSG_HELLO]);
     buf[4] = v;
     REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_HELLO], 16, &p, &err) == RPL_ERR_INVALID &&
                 strstr(err.msg, "version"), "version %u refused", v);
   }
+  /* The echo flag: only on ERROR(BAD_TOKEN), which then carries the given MAC field as is
+   * and is never authentic; on anything else it is malformed, and cannot be encoded. */
+  memset(&m, 0, sizeof m);
+  m.type = RPL_MSG_ERROR;
+  m.code = RPL_PERR_BAD_TOKEN;
+  m.seq = 5;
+  m.echo = 1;
+  memset(m.mac, 0xab, RPL_MAC_LEN);
+  n = rpl_msg_encode(&m, NULL, buf, sizeof buf);
+  REQUIRE(n == RPL_PROTO_HEADER + 4 && rpl_msg_parse(buf, n, 16, &p, &err) == RPL_OK && p.echo &&
+              p.code == RPL_PERR_BAD_TOKEN && memcmp(p.mac, m.mac, RPL_MAC_LEN) == 0,
+          "echoed BAD_TOKEN");
+  REQUIRE(!rpl_msg_authentic(buf, n, m.token), "an echo is never authentic");
+  m.code = RPL_PERR_BAD_RANK;
+  REQUIRE(rpl_msg_encode(&m, NULL, buf, sizeof buf) == 0, "echo of another error refused");
+  rpl_put32(buf + RPL_PROTO_HEADER, RPL_PERR_BAD_RANK);
+  REQUIRE(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID, "echoed BAD_RANK malformed");
+  memcpy(buf, bufs[RPL_MSG_GROUP], lens[RPL_MSG_GROUP]);
+  buf[6] = RPL_PROTO_FLAG_ECHO;
+  REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_GROUP], 16, &p, &err) == RPL_ERR_INVALID,
+          "echo flag on a GROUP");
   /* Ranks and members out of range for the job. */
   REQUIRE(rpl_msg_parse(bufs[RPL_MSG_REQUEST], lens[RPL_MSG_REQUEST], 7, &p, &err) ==
               RPL_ERR_INVALID, "rank 7 with 7 workers");
@@ -103,7 +142,7 @@ int main(void) {
   m.type = RPL_MSG_GROUP;
   m.group_id = 1;
   m.nmembers = 3;
-  size_t n = enc(&m, unsorted, buf, sizeof buf);
+  n = enc(&m, unsorted, buf, sizeof buf);
   REQUIRE(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID && strstr(err.msg, "sorted"),
           "unsorted members: %s", err.msg);
   int dup[3] = {2, 2, 9};
