@@ -16,7 +16,7 @@ import time
 import warnings
 from typing import Any, Optional
 
-from . import _incarnation
+from . import _incarnation, _records
 from .options import Options
 
 logger = logging.getLogger(__name__)
@@ -156,10 +156,13 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     _C = load_extension()  # the extension is loaded only when a group is created
 
     host_label = opts.host_id if opts.host_id is not None else socket.gethostname()
-    host_of, host_names = _exchange_hosts(store, rank, size, host_label)
-    endpoint, token = _find_coordinator(store, rank, size, opts, host_of, timeout_s, bind_addr,
-                                        job_id=_job_id(dist_backend_opts, size, incarnation),
-                                        host_names=host_names)
+    job_id = _job_id(dist_backend_opts, size, incarnation)
+    # What this layer publishes (host labels, coordinator endpoints) is sealed with the job
+    # secret when there is one; the core seals its own records (docs/security.md).
+    records = _records.SealedStore(store, opts.job_secret, job_id)
+    host_of, host_names = _exchange_hosts(records, rank, size, host_label)
+    endpoint, token = _find_coordinator(records, rank, size, opts, host_of, timeout_s, bind_addr,
+                                        job_id=job_id, host_names=host_names)
     return _C._create_backend(
         store,
         rank,

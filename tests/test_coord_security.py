@@ -321,9 +321,13 @@ def _train_with_secret(ctx, secret):
     from ripples_pg import _backend
 
     tokens = [c.token for c, _t, _r in _backend._embedded_coordinators]
+    raw = getattr(store, "_store", store)  # what a store reader sees
+    endpoint = raw.get(f"{coordinator.STORE_PREFIX}/endpoint").decode()
+    host = raw.get(f"ripples/host/{ctx.rank}").decode()
     dist.destroy_process_group(g)
     return {"has_token": has_token, "has_endpoint": has_endpoint, "reduced": reduced,
-            "tokens": tokens, "secret_env": os.environ.get("RIPPLES_JOB_SECRET") == secret}
+            "tokens": tokens, "secret_env": os.environ.get("RIPPLES_JOB_SECRET") == secret,
+            "sealed": [v.rpartition("|")[2] for v in (endpoint, host)]}
 
 
 @pytest.mark.parametrize("with_secret", [True, False])
@@ -336,8 +340,56 @@ def test_job_secret_keeps_the_token_out_of_the_store(with_secret):
         assert res[r]["has_token"] == (not with_secret), res[r]
         assert res[r]["reduced"] >= 1, res[r]  # averaging still happens
         assert res[r]["secret_env"] == with_secret
+        # With a secret, what the store holds is sealed (a writer cannot change it unseen).
+        assert all((len(t) == 32) == with_secret for t in res[r]["sealed"]), res[r]
     # Rank 0 (primary) and rank 1 (standby) serve the same token, derived alike.
     assert res[0]["tokens"] == res[1]["tokens"] and len(res[0]["tokens"]) == 1
+
+
+class _DictStore:
+    """The c10d store's set/get, over a dict a test can write behind the ranks' backs."""
+
+    def __init__(self):
+        self.d = {}
+
+    def set(self, k, v):
+        self.d[k] = v.encode() if isinstance(v, str) else bytes(v)
+
+    def get(self, k):
+        return self.d[k]
+
+
+def test_store_records_are_sealed_with_the_job_secret():
+    """ripples_pg/_records.py: what a store writer can no longer do unseen with a secret."""
+    from ripples_pg._records import SealedStore
+
+    secret, job = "a-job-secret-of-some-length", "0/4//0"
+    raw = _DictStore()
+    s = SealedStore(raw, secret, job)
+    s.set("ripples/gg/endpoint", "tcp://10.0.0.1:5555")
+    s.set("ripples/gg/standby/1", "tcp://10.0.0.2:5556")
+    assert s.get("ripples/gg/endpoint") == "tcp://10.0.0.1:5555"
+    assert raw.d["ripples/gg/endpoint"].startswith(b"tcp://10.0.0.1:5555|")
+    sealed = raw.d["ripples/gg/endpoint"]
+    # A writer's own endpoint, with or without a copied seal; a record moved to another key;
+    # the same record read by another job (run, group size or restart) of the same secret.
+    for key, value in (("ripples/gg/endpoint", b"tcp://6.6.6.6:1"),
+                       ("ripples/gg/endpoint", b"tcp://6.6.6.6:1|" + sealed[-32:]),
+                       ("ripples/gg/standby/1", sealed)):
+        raw.d[key] = value
+        with pytest.raises(RuntimeError, match=f"'{key}' (carries no MAC|fails its MAC)"):
+            s.get(key)
+    raw.d["ripples/gg/endpoint"] = sealed
+    with pytest.raises(RuntimeError, match="fails its MAC"):
+        SealedStore(raw, secret, "0/4//1").get("ripples/gg/endpoint")
+    with pytest.raises(RuntimeError, match="fails its MAC"):
+        SealedStore(raw, "another-secret-of-length", job).get("ripples/gg/endpoint")
+    # Ranks that disagree about having a secret are told what to set.
+    with pytest.raises(RuntimeError, match="RIPPLES_JOB_SECRET"):
+        SealedStore(raw, None, job).get("ripples/gg/endpoint")
+    plain = SealedStore(raw, None, job)
+    plain.set("k", "v|not-a-seal")
+    assert plain.get("k") == "v|not-a-seal" and raw.d["k"] == b"v|not-a-seal"
 
 
 def test_heartbeat_settings_are_bounded_and_followed():
