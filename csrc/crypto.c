@@ -28,6 +28,7 @@ typedef struct {
   uint64_t bytes;
   unsigned char block[64];
   size_t used;
+  int sw; /* the portable compression only (rpl_sha256_sw) */
 } sha256_ctx;
 
 static const uint32_t K[64] = {
@@ -77,30 +78,105 @@ static void compress(uint32_t h[8], const unsigned char *b) {
   h[7] += hh;
 }
 
+static void blocks_sw(uint32_t h[8], const unsigned char *p, size_t n) {
+  for (; n > 0; n--, p += 64) compress(h, p);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <immintrin.h>
+
+/* The SHA extensions (SHA-NI): the same compression, 5-10x faster. The state is kept as the
+ * instructions want it (ABEF, CDGH); each group of four rounds adds its four constants and
+ * message words, and the schedule is extended four words at a time. */
+__attribute__((target("sha,sse4.1,ssse3"))) static void blocks_ni(uint32_t h[8],
+                                                                  const unsigned char *p,
+                                                                  size_t n) {
+  const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+  __m128i t = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[0]), 0xB1); /* CDAB */
+  __m128i s1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[4]), 0x1B); /* EFGH */
+  __m128i s0 = _mm_alignr_epi8(t, s1, 8);                                         /* ABEF */
+  s1 = _mm_blend_epi16(s1, t, 0xF0);                                             /* CDGH */
+  for (; n > 0; n--, p += 64) {
+    __m128i save0 = s0, save1 = s1, w[4];
+    for (int g = 0; g < 16; g++) {
+      __m128i m;
+      if (g < 4) {
+        m = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * g)), bswap);
+      } else {
+        __m128i x = _mm_sha256msg1_epu32(w[g & 3], w[(g + 1) & 3]);
+        x = _mm_add_epi32(x, _mm_alignr_epi8(w[(g + 3) & 3], w[(g + 2) & 3], 4));
+        m = _mm_sha256msg2_epu32(x, w[(g + 3) & 3]);
+      }
+      w[g & 3] = m;
+      __m128i k = _mm_add_epi32(m, _mm_loadu_si128((const __m128i *)&K[4 * g]));
+      s1 = _mm_sha256rnds2_epu32(s1, s0, k);
+      s0 = _mm_sha256rnds2_epu32(s0, s1, _mm_shuffle_epi32(k, 0x0E));
+    }
+    s0 = _mm_add_epi32(s0, save0);
+    s1 = _mm_add_epi32(s1, save1);
+  }
+  t = _mm_shuffle_epi32(s0, 0x1B);   /* FEBA */
+  s1 = _mm_shuffle_epi32(s1, 0xB1);  /* DCHG */
+  _mm_storeu_si128((__m128i *)&h[0], _mm_blend_epi16(t, s1, 0xF0)); /* DCBA */
+  _mm_storeu_si128((__m128i *)&h[4], _mm_alignr_epi8(s1, t, 8));    /* HGFE */
+}
+
+/* 1 when this CPU has SHA-NI (and the SSE levels it needs): a fact about the machine, read
+ * once (cpuid is slow) and kept in a relaxed atomic; any thread may compute it first. */
+static int have_ni(void) {
+  static int known = -1;
+  int v = __atomic_load_n(&known, __ATOMIC_RELAXED);
+  if (v < 0) {
+    unsigned a, b, c, d;
+    int ssse3_sse41 = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 9)) && (c & (1u << 19));
+    v = ssse3_sse41 && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 29));
+    __atomic_store_n(&known, v, __ATOMIC_RELAXED);
+  }
+  return v;
+}
+#else
+static int have_ni(void) { return 0; }
+static void blocks_ni(uint32_t h[8], const unsigned char *p, size_t n) { blocks_sw(h, p, n); }
+#endif
+
+static void blocks(const sha256_ctx *s, uint32_t h[8], const unsigned char *p, size_t n) {
+  if (!s->sw && have_ni()) blocks_ni(h, p, n);
+  else blocks_sw(h, p, n);
+}
+
+int rpl_sha256_hw(void) { return have_ni(); }
+
 static void sha_init(sha256_ctx *s) {
   static const uint32_t iv[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                  0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
   memcpy(s->h, iv, sizeof iv);
   s->bytes = 0;
   s->used = 0;
+  s->sw = 0;
 }
 
 static void sha_update(sha256_ctx *s, const void *data, size_t n) {
   const unsigned char *p = data;
   s->bytes += n;
-  while (n > 0) {
+  if (s->used > 0) { /* fill the pending block first */
     size_t k = 64 - s->used < n ? 64 - s->used : n;
     memcpy(s->block + s->used, p, k);
     s->used += k;
     p += k;
     n -= k;
-    if (s->used == 64) {
-      compress(s->h, s->block);
-      s->used = 0;
-    }
+    if (s->used < 64) return;
+    blocks(s, s->h, s->block, 1);
+    s->used = 0;
   }
+  if (n >= 64) { /* whole blocks straight from the caller's memory */
+    blocks(s, s->h, p, n / 64);
+    p += n - n % 64;
+    n %= 64;
+  }
+  memcpy(s->block, p, n);
+  s->used = n;
 }
-
 static void sha_final(sha256_ctx *s, unsigned char out[RPL_SHA256_LEN]) {
   uint64_t bits = s->bytes * 8;
   unsigned char pad = 0x80, zero = 0, len[8];
@@ -123,6 +199,14 @@ void rpl_sha256(const void *data, size_t n, unsigned char out[RPL_SHA256_LEN]) {
   sha_final(&s, out);
 }
 
+void rpl_sha256_sw(const void *data, size_t n, unsigned char out[RPL_SHA256_LEN]) {
+  sha256_ctx s;
+  sha_init(&s);
+  s.sw = 1;
+  sha_update(&s, data, n);
+  sha_final(&s, out);
+}
+
 void rpl_hmac_sha256(const void *key, size_t key_len, const void *const *parts,
                      const size_t *lens, int nparts, unsigned char out[RPL_SHA256_LEN]) {
   unsigned char k[64] = {0}, pad[64], inner[RPL_SHA256_LEN];
@@ -137,6 +221,55 @@ void rpl_hmac_sha256(const void *key, size_t key_len, const void *const *parts,
   for (int i = 0; i < 64; i++) pad[i] = k[i] ^ 0x5c;
   sha_init(&s);
   sha_update(&s, pad, 64);
+  sha_update(&s, inner, sizeof inner);
+  sha_final(&s, out);
+}
+
+void rpl_hmac_init(rpl_hmac *m, const void *key, size_t key_len) {
+  unsigned char k[64] = {0}, pad[64];
+  if (key_len > 64) rpl_sha256(key, key_len, k);
+  else if (key_len) memcpy(k, key, key_len);
+  for (int i = 0; i < 64; i++) {
+    pad[i] = k[i] ^ 0x36;
+    m->opad[i] = k[i] ^ 0x5c;
+  }
+  sha256_ctx s;
+  sha_init(&s);
+  sha_update(&s, pad, 64);
+  memcpy(m->h, s.h, sizeof s.h);
+  m->bytes = s.bytes;
+  m->used = s.used;
+}
+
+static void hmac_load(const rpl_hmac *m, sha256_ctx *s) {
+  s->sw = 0;
+  memcpy(s->h, m->h, sizeof s->h);
+  s->bytes = m->bytes;
+  s->used = m->used;
+  memcpy(s->block, m->block, m->used);
+}
+
+static void hmac_store(rpl_hmac *m, const sha256_ctx *s) {
+  memcpy(m->h, s->h, sizeof s->h);
+  m->bytes = s->bytes;
+  m->used = s->used;
+  memcpy(m->block, s->block, s->used);
+}
+
+void rpl_hmac_update(rpl_hmac *m, const void *data, size_t n) {
+  sha256_ctx s;
+  hmac_load(m, &s);
+  sha_update(&s, data, n);
+  hmac_store(m, &s);
+}
+
+void rpl_hmac_final(rpl_hmac *m, unsigned char out[RPL_SHA256_LEN]) {
+  sha256_ctx s;
+  unsigned char inner[RPL_SHA256_LEN];
+  hmac_load(m, &s);
+  sha_final(&s, inner);
+  sha_init(&s);
+  sha_update(&s, m->opad, 64);
   sha_update(&s, inner, sizeof inner);
   sha_final(&s, out);
 }

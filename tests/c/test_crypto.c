@@ -48,9 +48,38 @@ static void check_hmac(const void *key, size_t klen, const void *msg, size_t n, 
   CHECK(memcmp(d, d3, sizeof d) == 0, "HMAC(%s) byte by byte differs", what);
   free(pb);
   free(lb);
+  /* Incremental (rpl_hmac_*): in pieces of every size from 1 to 70 bytes, the same MAC, and
+   * a context is reusable after final. */
+  for (size_t step = 1; step <= 70; step++) {
+    rpl_hmac h;
+    rpl_hmac_init(&h, key, klen);
+    for (size_t i = 0; i < n; i += step)
+      rpl_hmac_update(&h, (const char *)msg + i, n - i < step ? n - i : step);
+    rpl_hmac_final(&h, d3);
+    CHECK(memcmp(d, d3, sizeof d) == 0, "incremental HMAC(%s) in %zu-byte pieces", what, step);
+  }
 }
 
 int main(void) {
+  /* The hardware path (SHA-NI, where the CPU has it) agrees with the portable code on every
+   * length around block boundaries and on a few MiB of random bytes. */
+  {
+    size_t big = 3 << 20;
+    unsigned char *buf = malloc(big), d1[RPL_SHA256_LEN], d2[RPL_SHA256_LEN];
+    rpl_error e;
+    REQUIRE(rpl_random_bytes(buf, big, &e) == RPL_OK, "%s", e.msg);
+    for (size_t n = 0; n <= 300; n++) {
+      rpl_sha256(buf, n, d1);
+      rpl_sha256_sw(buf, n, d2);
+      CHECK(memcmp(d1, d2, sizeof d1) == 0, "SHA-256 of %zu bytes: hardware != portable", n);
+    }
+    rpl_sha256(buf + 1, big - 1, d1); /* unaligned */
+    rpl_sha256_sw(buf + 1, big - 1, d2);
+    CHECK(memcmp(d1, d2, sizeof d1) == 0, "SHA-256 of %zu bytes: hardware != portable", big);
+    printf("  SHA-256 %s\n", rpl_sha256_hw() ? "with SHA-NI (checked against the portable code)"
+                                              : "portable (no SHA-NI on this CPU)");
+    free(buf);
+  }
   /* FIPS 180-4 / NIST CSRC examples. */
   check_sha("", 0, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855", "\"\"");
   check_sha("abc", 3, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
