@@ -186,6 +186,7 @@ static rpl_status setup_link_key(rpl_tr *tr, const rpl_comm_config *cfg, sealer 
   rpl_link_key(secret, strlen(secret), salt, SALT, k);
   seal_key(seal, secret, salt, SALT);
   rpl_tr_set_key(tr, k);
+  rpl_tr_set_frame_macs(tr, cfg->frame_macs);
   explicit_bzero(k, sizeof k);
   return RPL_OK;
 }

@@ -476,6 +476,9 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
     return rpl_fail(err, RPL_ERR_INVALID, "timeout must be positive, got %g s", cfg->timeout_s);
   if (!store || !store->set || !store->get)
     return rpl_fail(err, RPL_ERR_INVALID, "a key-value store is required");
+  if (cfg->frame_macs && cfg->use_ucx)
+    return rpl_fail(err, RPL_ERR_INVALID, "authenticated frames cover TCP links only: use "
+                    "transport \"tcp\" (or \"auto\") with them, not UCX");
   rpl_comm *c = calloc(1, sizeof *c);
   if (!c) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a communicator");
   c->rank = cfg->rank;

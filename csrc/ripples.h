@@ -127,6 +127,11 @@ typedef struct rpl_comm_config {
                             * the store; NULL or "" = the salt alone, so that whoever can read
                             * the store can also authenticate (docs/security.md). Every rank
                             * of the communicator must pass the same one. */
+  int frame_macs;          /* authenticate every data frame on TCP links: a 16-byte MAC per
+                            * frame, keyed per connection from the link key, checked before
+                            * the operation completes (docs/security.md gives its cost).
+                            * Shared-memory rings need none (same user); refused with
+                            * use_ucx. Every rank must pass the same value. */
 } rpl_comm_config;
 
 typedef struct rpl_comm rpl_comm;

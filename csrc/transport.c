@@ -11,6 +11,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "bytes.h"
 #include "common.h"
 #include "kernels.h"
 #include "transport_internal.h"
@@ -86,14 +87,32 @@ static int next_active(const rpl_xfer *xs, int n, int from, int peer, int is_sen
   return -1;
 }
 
+/* Authenticated frames: the MAC follows the bytes of x that went out, from x->off = `from`
+ * on (`sent` of them); once the payload is whole it is final in c->tx_tag, the trailer. */
+static void mac_sent(rpl_tr *tr, conn *c, const rpl_xfer *x, const unsigned char *hdr,
+                     size_t from, size_t sent) {
+  size_t end = from + sent, pend = HDR_SIZE + x->len;
+  if (from >= pend) return; /* the trailer itself */
+  if (from == 0) rpl_tr_frame_mac_begin(&c->tx_mac, c, tr->rank, c->tx_frames++, hdr);
+  size_t a = from > HDR_SIZE ? from : HDR_SIZE, b = end < pend ? end : pend;
+  if (b > a) rpl_hmac_update(&c->tx_mac, (const unsigned char *)x->buf + (a - HDR_SIZE), b - a);
+  if (end >= pend) {
+    unsigned char full[RPL_SHA256_LEN];
+    rpl_hmac_final(&c->tx_mac, full);
+    memcpy(c->tx_tag, full, RPL_TR_FRAME_TAG);
+  }
+}
+
 /* Sends to `peer` while its active send lasts and its link takes data. */
 static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *err) {
   conn *c = &tr->conns[peer];
   while (tr->act_send[peer] >= 0) {
     rpl_xfer *x = &xs[tr->act_send[peer]];
     unsigned char hdr[HDR_SIZE];
-    struct iovec iov[2];
+    struct iovec iov[3];
     int niov = 0;
+    int fmac = rpl_tr_fmac(tr, c);
+    size_t total = HDR_SIZE + x->len + (fmac ? RPL_TR_FRAME_TAG : 0);
     if (x->off < HDR_SIZE) {
       rpl_tr_encode_header(hdr, &x->meta, x->len);
       iov[niov].iov_base = hdr + x->off;
@@ -105,7 +124,14 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       iov[niov].iov_base = (unsigned char *)x->buf + poff;
       iov[niov].iov_len = x->len - poff;
       niov++;
+    } else if (fmac && x->off >= HDR_SIZE + x->len) { /* the payload is out: its MAC follows
+                                                        (mac_sent made it final) */
+      size_t toff = x->off - HDR_SIZE - x->len;
+      iov[niov].iov_base = c->tx_tag + toff;
+      iov[niov].iov_len = RPL_TR_FRAME_TAG - toff;
+      niov++;
     }
+    if (fmac && x->off < HDR_SIZE) rpl_tr_encode_header(hdr, &x->meta, x->len);
     ssize_t r;
     if (c->ux) {
       /* UCX takes the whole message (the payload in place) and reports it once delivered. */
@@ -128,10 +154,12 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
         return rpl_tr_peer_closed(tr, peer, errno, "sending", err);
       }
     }
+    if (fmac) mac_sent(tr, c, x, hdr, x->off, (size_t)r);
     x->off += (size_t)r;
     count_add(&tr->counters.bytes_sent, (uint64_t)r);
-    c->tx_mid = x->off != HDR_SIZE + x->len;
-    if (x->off == HDR_SIZE + x->len) {
+    if (!fmac) total = HDR_SIZE + x->len; /* UCX, rings */
+    c->tx_mid = x->off != total;
+    if (x->off == total) {
       x->done = 1;
       tr->completions++;
       tr->act_send[peer] = next_active(xs, n, tr->act_send[peer] + 1, peer, 1);
@@ -182,6 +210,10 @@ static unsigned char *rx_dest(conn *c, rpl_xfer *xs, size_t *want) {
   if (c->rx_mode == RX_STASH) {
     *want = c->rx_stash->len - c->rx_stash_got;
     return c->rx_stash->data + c->rx_stash_got;
+  }
+  if (c->rx_mode == RX_TAG) {
+    *want = RPL_TR_FRAME_TAG - c->rx_tag_got;
+    return c->rx_tag + c->rx_tag_got;
   }
   rpl_xfer *t = &xs[c->rx_idx];
   size_t got = t->off - HDR_SIZE, at = t->window ? got % t->window : got;
@@ -302,12 +334,45 @@ static rpl_status rx_header(rpl_tr *tr, rpl_xfer *xs, int n, int peer, int *stop
   return RPL_OK;
 }
 
+/* Authenticated frames: a whole payload is followed by its MAC (RX_TAG), checked before the
+ * message completes. Returns RPL_OK with *wait set while the trailer is still to come. */
+static rpl_status rx_check_tag(rpl_tr *tr, conn *c, int peer, int *wait, rpl_error *err) {
+  *wait = 0;
+  if (!rpl_tr_fmac(tr, c) || c->rx_tag_ok) return RPL_OK;
+  if (c->rx_mode != RX_TAG) { /* the payload just completed */
+    c->rx_after = c->rx_mode;
+    c->rx_mode = RX_TAG;
+    c->rx_tag_got = 0;
+  }
+  if (c->rx_tag_got < RPL_TR_FRAME_TAG) {
+    *wait = 1;
+    return RPL_OK;
+  }
+  unsigned char full[RPL_SHA256_LEN];
+  rpl_hmac_final(&c->rx_mac, full);
+  c->rx_mode = c->rx_after;
+  if (!rpl_ct_equal(full, c->rx_tag, RPL_TR_FRAME_TAG)) {
+    count_add(&tr->counters.auth_failures, 1);
+    rpl_status st = rpl_fail(err, RPL_ERR_PEER,
+                             "a frame from rank %d failed its MAC (authenticated frames): it "
+                             "was changed, replayed or injected on the way", peer);
+    rpl_cause_make(tr->cause, sizeof tr->cause, st, tr->rank, err->msg);
+    return st;
+  }
+  c->rx_tag_ok = 1;
+  return RPL_OK;
+}
+
 /* After bytes arrived from `peer`: completes the message being received if it is whole. */
 static rpl_status rx_finish(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *err) {
   conn *c = &tr->conns[peer];
-  if (c->rx_mode == RX_XFER) {
+  int wait = 0;
+  int mode = c->rx_mode == RX_TAG ? c->rx_after : c->rx_mode;
+  if (mode == RX_XFER) {
     rpl_xfer *t = &xs[c->rx_idx];
     if (t->off - HDR_SIZE != t->len) return RPL_OK;
+    rpl_status ts = rx_check_tag(tr, c, peer, &wait, err);
+    if (ts != RPL_OK || wait) return ts;
     reduce_arrived(t, t->len, 1);
     t->done = 1;
     tr->completions++;
@@ -315,7 +380,9 @@ static rpl_status rx_finish(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error
     if (c->rx_idx != tr->act_recv[peer]) return RPL_OK;
     return rpl_tr_activate_recv(tr, xs, n, peer, tr->act_recv[peer] + 1, err);
   }
-  if (c->rx_mode != RX_STASH || c->rx_stash_got != c->rx_stash->len) return RPL_OK;
+  if (mode != RX_STASH || c->rx_stash_got != c->rx_stash->len) return RPL_OK;
+  rpl_status ts = rx_check_tag(tr, c, peer, &wait, err);
+  if (ts != RPL_OK || wait) return ts;
   stash_msg *s = c->rx_stash;
   c->rx_stash = NULL;
   c->rx_mode = RX_HEADER;
@@ -338,14 +405,24 @@ static rpl_status do_recv(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
     if (c->rx_mode == RX_HEADER) {
       c->rx_hdr_got += (size_t)r;
       if (c->rx_hdr_got < HDR_SIZE) continue;
+      if (r > 0 && rpl_tr_fmac(tr, c) && rpl_get32(c->rx_hdr) == DATA_MAGIC) {
+        /* Once per frame, as its header completes (a header kept back for a later run comes
+         * through here again with r == 0). */
+        rpl_tr_frame_mac_begin(&c->rx_mac, c, peer, c->rx_frames++, c->rx_hdr);
+        c->rx_tag_ok = 0;
+      }
       int stop = 0;
       st = rx_header(tr, xs, n, peer, &stop, err);
       if (st != RPL_OK || stop) return st;
     } else if (c->rx_mode == RX_XFER) {
+      if (rpl_tr_fmac(tr, c)) rpl_hmac_update(&c->rx_mac, dst, (size_t)r);
       t->off += (size_t)r;
       reduce_arrived(t, t->off - HDR_SIZE, c->state == CONN_SHM);
-    } else {
+    } else if (c->rx_mode == RX_STASH) {
+      if (rpl_tr_fmac(tr, c)) rpl_hmac_update(&c->rx_mac, dst, (size_t)r);
       c->rx_stash_got += (size_t)r;
+    } else {
+      c->rx_tag_got += (size_t)r;
     }
     st = rx_finish(tr, xs, n, peer, err);
     if (st != RPL_OK) return st;
@@ -813,6 +890,7 @@ void rpl_tr_idle(rpl_tr *tr) {
 void rpl_tr_p2p_remap(rpl_tr *tr, const int *new_index, int n) {
   for (int p = 0; p < tr->size; p++) {
     conn *c = &tr->conns[p];
-    if (c->rx_mode == RX_XFER && c->rx_idx >= 0 && c->rx_idx < n) c->rx_idx = new_index[c->rx_idx];
+    int to_xfer = c->rx_mode == RX_XFER || (c->rx_mode == RX_TAG && c->rx_after == RX_XFER);
+    if (to_xfer && c->rx_idx >= 0 && c->rx_idx < n) c->rx_idx = new_index[c->rx_idx];
   }
 }

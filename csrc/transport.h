@@ -110,6 +110,13 @@ void rpl_tr_set_shm(rpl_tr *tr, struct rpl_shm *shm);
  * before its first run; all-zero until then). */
 #define RPL_TR_KEY_LEN 32
 void rpl_tr_set_key(rpl_tr *tr, const unsigned char key[RPL_TR_KEY_LEN]);
+/* Authenticated frames on TCP links (rpl_comm_config.frame_macs): every data frame ends in
+ * RPL_TR_FRAME_TAG bytes of HMAC-SHA256 over the sender's rank, the frame's number on its
+ * connection, its header and payload, keyed per connection (link key and both handshake
+ * nonces). A frame that fails it fails the operation naming the peer. Set before the first
+ * run, the same on every rank. */
+#define RPL_TR_FRAME_TAG 16
+void rpl_tr_set_frame_macs(rpl_tr *tr, int on);
 
 /* Moves all transfers until done. Within one call, transfers to the same peer in the same
  * direction happen in array order. Zero-length transfers still exchange a header. Every

@@ -163,6 +163,8 @@ void rpl_tr_set_key(rpl_tr *tr, const unsigned char key[RPL_TR_KEY_LEN]) {
   memcpy(tr->key, key, RPL_TR_KEY_LEN);
 }
 
+void rpl_tr_set_frame_macs(rpl_tr *tr, int on) { tr->frame_macs = on != 0; }
+
 /* ---- connection establishment -------------------------------------------------------- */
 
 void rpl_tr_peer_desc(const rpl_tr *tr, int peer, char *buf, size_t cap) {
@@ -316,6 +318,7 @@ static rpl_status continue_handshake(rpl_tr *tr, int peer, rpl_error *err) {
                           peer);
   }
   c->state = CONN_READY;
+  rpl_tr_frame_key(tr, c, c->hs1, c->hs2);
   count_add(&tr->counters.connections, 1);
   return RPL_OK;
 }
@@ -411,6 +414,7 @@ static void pend_promote(rpl_tr *tr, int i) {
   replace_conn(tr, peer);
   conn *c = &tr->conns[peer];
   c->state = CONN_READY;
+  rpl_tr_frame_key(tr, c, w->hs1, w->hs2);
   if (w->ep) {
     c->ux = w->ep;
     count_add(&tr->counters.ucx_connections, 1);

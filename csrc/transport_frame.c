@@ -1,9 +1,32 @@
 /* transport_frame.c - the frame header every message on a link starts with (see transport.h):
  * its encoding, and the checks a receiver makes against what it expects, which turn ranks
  * that called different operations into a clear error. Pure functions. */
+#include <string.h>
+
 #include "bytes.h"
 #include "common.h"
 #include "transport_internal.h"
+
+void rpl_tr_frame_key(const rpl_tr *tr, conn *c, const unsigned char *hs1,
+                      const unsigned char *hs2) {
+  static const char label[] = "ripples-frames/1";
+  const void *parts[3] = {label, hs1, hs2};
+  size_t lens[3] = {sizeof label - 1, RPL_HS1_SIZE, RPL_HS2_SIZE};
+  rpl_hmac_sha256(tr->key, sizeof tr->key, parts, lens, 3, c->fkey);
+  c->tx_frames = c->rx_frames = 0;
+  c->rx_tag_got = 0;
+  c->rx_tag_ok = 0;
+}
+
+void rpl_tr_frame_mac_begin(rpl_hmac *m, const conn *c, int sender, uint64_t n,
+                            const unsigned char h[HDR_SIZE]) {
+  unsigned char pre[12];
+  rpl_put32(pre, (uint32_t)sender); /* a frame reflected back to its sender fails */
+  rpl_put64(pre + 4, n);            /* ... and one replayed, dropped or reordered */
+  rpl_hmac_init(m, c->fkey, sizeof c->fkey);
+  rpl_hmac_update(m, pre, sizeof pre);
+  rpl_hmac_update(m, h, HDR_SIZE);
+}
 
 void rpl_tr_encode_header(unsigned char h[HDR_SIZE], const rpl_meta *m, uint64_t len) {
   rpl_put32(h, DATA_MAGIC);

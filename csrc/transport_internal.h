@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "crypto.h"
 #include "shm.h"
 #include "transport.h"
 #include "ucx.h"
@@ -45,7 +46,7 @@
 /* CONN_HANDSHAKE: connected, HS1 sent, waiting for the acceptor's HS2 (see wire.h);
  * CONN_HS_SENDING (UCX only): HS3 under way. Data moves only on CONN_READY (and CONN_SHM). */
 enum { CONN_NONE = 0, CONN_CONNECTING, CONN_HANDSHAKE, CONN_HS_SENDING, CONN_READY, CONN_SHM };
-enum { RX_HEADER = 0, RX_XFER, RX_STASH };
+enum { RX_HEADER = 0, RX_XFER, RX_STASH, RX_TAG };
 
 typedef struct stash_msg {
   struct stash_msg *next;
@@ -78,6 +79,16 @@ typedef struct conn {
   int ux_linger;  /* a goodbye was written on ux: closing lets UCX deliver it */
   int resuming;   /* this pass: the ring pair with the peer is being rebuilt (shm.h) */
   int rebuilt;    /* the link was closed on a broken ring pair: count it when rebuilt */
+  /* Authenticated frames (rpl_tr_set_frame_macs; TCP links): this connection's frame key,
+   * the frames sent and received on it, the MAC of the frame under way each way, and the
+   * received trailer (RX_TAG: read after the payload; rx_after says where the payload went). */
+  unsigned char fkey[RPL_SHA256_LEN];
+  uint64_t tx_frames, rx_frames;
+  rpl_hmac tx_mac, rx_mac;
+  unsigned char tx_tag[RPL_TR_FRAME_TAG], rx_tag[RPL_TR_FRAME_TAG];
+  size_t rx_tag_got;
+  int rx_after;   /* RX_XFER or RX_STASH */
+  int rx_tag_ok;  /* the frame being received passed its MAC */
 } conn;
 
 /* An accepted connection (a socket, or a UCX endpoint) until it has authenticated. */
@@ -99,6 +110,7 @@ struct rpl_tr {
   int wake_fd; /* eventfd: rpl_tr_interrupt */
   uint64_t nonce; /* this transport's identity (acceptor_id of wire.h), published with its address */
   unsigned char key[RPL_LINK_KEY_LEN]; /* the link key (rpl_tr_set_key); zero by default */
+  int frame_macs; /* rpl_tr_set_frame_macs */
   struct sockaddr_in self;
   struct sockaddr_in *peer_addr;
   uint64_t *peer_nonce;
@@ -135,6 +147,18 @@ static inline void count_add(uint64_t *c, uint64_t v) {
 }
 
 /* ---- transport_frame.c: frame headers ------------------------------------------------- */
+
+/* 1 when frames on c carry a MAC: authenticated frames asked for, and c a TCP link. */
+static inline int rpl_tr_fmac(const rpl_tr *tr, const conn *c) {
+  return tr->frame_macs && c->fd >= 0 && !c->ux && c->state == CONN_READY;
+}
+/* A new connection's frame key, from the link key and its handshake (HS1, HS2); counters
+ * start at zero. */
+void rpl_tr_frame_key(const rpl_tr *tr, conn *c, const unsigned char *hs1,
+                      const unsigned char *hs2);
+/* Starts the MAC of a frame `sender` sends as its `n`-th on the connection (header h). */
+void rpl_tr_frame_mac_begin(rpl_hmac *m, const conn *c, int sender, uint64_t n,
+                            const unsigned char h[HDR_SIZE]);
 
 /* A frame header: magic DATA_MAGIC, then what `m` says and the payload's length. */
 void rpl_tr_encode_header(unsigned char h[HDR_SIZE], const rpl_meta *m, uint64_t len);

@@ -142,7 +142,9 @@ rpl_status rpl_tr_stash_serve(rpl_tr *tr, rpl_xfer *xs, int n, rpl_error *err) {
       st = any_from_stash(tr, x, err);
     } else {
       conn *c = &tr->conns[x->peer];
-      if (c->rx_mode == RX_XFER && c->rx_idx == i) continue;
+      if ((c->rx_mode == RX_XFER || (c->rx_mode == RX_TAG && c->rx_after == RX_XFER)) &&
+          c->rx_idx == i)
+        continue;
       int matched;
       st = rpl_tr_stash_take(tr, x, &matched, err);
     }

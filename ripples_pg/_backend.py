@@ -185,6 +185,7 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
         trace=bool(opts.trace),
         partial_by_default=bool(opts.partial),
         job_secret=opts.job_secret or "",
+        frame_macs=bool(opts.authenticated_frames),
         compression=opts.compression,
         stage_chunk_bytes=int(opts.stage_chunk_bytes),
     )

@@ -297,6 +297,9 @@ _FIELDS: dict[str, _Field] = {
                "Per-job secret (>= 16 characters, same on every rank); the embedded "
                "coordinator's token is derived from it instead of published in the c10d "
                "store. Redacted in repr."),
+        _Field("authenticated_frames", _parse_bool, False,
+               "Authenticate every data frame on TCP links (a MAC per frame; not with "
+               "transport='ucx'). Costs bandwidth on those links: docs/security.md."),
         _Field("on_failure", _choice("raise", "skip"), "raise",
                "A partial round that fails (timeout, dead member): raise, or leave the "
                "tensors unchanged and count a skipped round."),
@@ -394,8 +397,17 @@ class Options:
             it, rank 0 publishes a random token in the store, and anyone who can read the store
             (torch's TCPStore has no authentication) can read the token and act for any rank
             with the coordinator. It also keys the authentication of the data links (TCP and
-            UCX; docs/security.md), which otherwise rests on a salt read from the store.
-            Redacted in ``repr``.
+            UCX; docs/security.md), which otherwise rests on a salt read from the store, and
+            seals what the job publishes in the store (addresses, endpoints, the salt), so a
+            store writer cannot change them unnoticed. Redacted in ``repr``.
+        authenticated_frames: authenticate every data frame on TCP links
+            (``RIPPLES_AUTHENTICATED_FRAMES``): a 16-byte HMAC-SHA256 per frame, keyed per
+            connection, checked before the operation completes, so a frame changed, replayed
+            or injected on the network path fails the operation naming the peer instead of
+            changing a tensor. Off by default: it hashes every byte sent and received over
+            TCP (shared-memory rings need none); docs/security.md gives the measured cost.
+            Not with ``transport="ucx"``. Pair it with ``job_secret``: without one, whoever
+            reads the c10d store can compute the key.
         on_failure: ``"raise"`` (default) or ``"skip"``: a failed partial round leaves the
             tensors unchanged and is counted in ``ripples_pg.stats()``.
         seed: seed of the coordinator's random choices (``None``: random).
@@ -446,6 +458,7 @@ class Options:
         coordinator_token: Optional[str] = None,
         coordinator_bind: Optional[str] = None,
         job_secret: Optional[str] = None,
+        authenticated_frames: Optional[bool] = None,
         on_failure: Optional[str] = None,
         seed: Optional[int] = None,
         trace: Optional[bool] = None,

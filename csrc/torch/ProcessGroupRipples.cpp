@@ -88,6 +88,7 @@ ProcessGroupRipples::ProcessGroupRipples(
   cc.tcp_only = cfg_.tcp_only ? 1 : 0;
   cc.use_ucx = cfg_.use_ucx ? 1 : 0;
   cc.single_copy_bytes = cfg_.single_copy ? kSingleCopyBytes : 0;
+  cc.frame_macs = cfg_.frame_macs ? 1 : 0;
 
   StoreAdapter adapter(store);
   const rpl_store rs = adapter.view();

@@ -61,6 +61,7 @@ struct Config {
   bool single_copy = false;   // large all-reduces read local peers' memory directly
   bool inline_small = true;   // small collectives run on the caller's thread when idle
   std::string job_secret;     // keys link authentication (never printed); empty = store salt only
+  bool frame_macs = false;    // a MAC on every data frame of the TCP links
 
   // Partial all-reduce (DESIGN §3). An empty schedule leaves it off for this group.
   std::string schedule;       // "static", "random", "smart", "adpsgd"

@@ -223,6 +223,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
          bool trace,
          bool partial_by_default,
          const std::string& job_secret,
+         bool frame_macs,
          const std::string& compression,
          size_t stage_chunk_bytes) {
         ripples::Config cfg;
@@ -244,6 +245,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         cfg.trace = trace;
         cfg.partial_by_default = partial_by_default;
         cfg.job_secret = job_secret;
+        cfg.frame_macs = frame_macs;
         // The names of Options.compression, in rpl_compress order.
         static const char* const kModes[] = {"none", "bf16", "fp16", "int8"};
         cfg.compression = -1;
@@ -279,6 +281,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("trace") = false,
       py::arg("partial_by_default") = false,
       py::arg("job_secret") = std::string(),
+      py::arg("frame_macs") = false,
       py::arg("compression") = std::string("none"),
       py::arg("stage_chunk_bytes") = 0,  // Options.stage_chunk_bytes decides the default
       // Blocks until every rank of the group has joined (through the store).

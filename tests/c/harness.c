@@ -166,7 +166,8 @@ static void *rank_main(void *arg) {
                          .name = "test", .small_bytes = 256, .chunk_bytes = 1000,
                          .host_key = host, .tcp_only = g_layout.tcp_only, .use_ucx = g_layout.ucx,
                          .ring_bytes = 64 * 1024 /* small: wrap-around happens often */,
-                         .single_copy_bytes = g_layout.single_copy ? 1024 : 0};
+                         .single_copy_bytes = g_layout.single_copy ? 1024 : 0,
+                         .frame_macs = g_layout.frame_macs};
   rpl_error err;
   rpl_status s = rpl_comm_create(&cfg, &st, &j->comm, &err);
   CHECK(s == RPL_OK, "rank %d create: %s", j->rank, err.msg);

@@ -476,6 +476,12 @@ int main(void) {
     int finished = 0;
     run_world(2, 30, body_inline_shutdown, &finished);
   }
+  /* Authenticated frames: every collective over sockets only, and over rings and sockets in
+   * one operation (test_link_auth.c changes frames on the way). */
+  g_layout = (world_layout){.hosts = 1, .tcp_only = 1, .frame_macs = 1};
+  run_all();
+  g_layout = (world_layout){.hosts = 2, .frame_macs = 1};
+  run_all();
   if (rpl_has_ucx()) { /* UCX across the two hosts, and UCX only */
     g_layout = (world_layout){.hosts = 2, .ucx = 1};
     run_all();

@@ -6,7 +6,9 @@
  *   - a connector holding the key is refused while the link it would replace is healthy, and
  *     always for a same-host peer served by a shared-memory ring;
  *   - a connector with another key fails with an error naming the job secret;
- *   - silent, garbage and half-finished connections cost a run no wait.
+ *   - silent, garbage and half-finished connections cost a run no wait;
+ *   - a byte changed on the path after the handshake goes unnoticed on a plain link and
+ *     fails the run, naming the peer, with authenticated frames (rpl_tr_set_frame_macs).
  * Two transports in this process, each driven by its own thread (as the engine does).
  */
 #include <arpa/inet.h>
@@ -79,6 +81,8 @@ typedef struct relay {
   struct sockaddr_in to;
   unsigned char rec[8192];
   size_t nrec;
+  long flip_at; /* > 0: the connector's byte at this offset is changed on the way */
+  size_t nfwd;  /* the connector's bytes forwarded so far */
   volatile int stop;
   pthread_t th;
 } relay;
@@ -103,6 +107,10 @@ static void *relay_main(void *p) {
       size_t room = sizeof r->rec - r->nrec, k = (size_t)n < room ? (size_t)n : room;
       memcpy(r->rec + r->nrec, buf, k);
       r->nrec += k;
+      if (r->flip_at > 0 && (size_t)r->flip_at >= r->nfwd &&
+          (size_t)r->flip_at < r->nfwd + (size_t)n)
+        buf[(size_t)r->flip_at - r->nfwd] ^= 0x01;
+      r->nfwd += (size_t)n;
       if (send(b, buf, (size_t)n, MSG_NOSIGNAL) != n) break;
     }
     if (ps[1].revents) {
@@ -132,6 +140,22 @@ static void relay_start(relay *r, const char *target_addr) {
   getsockname(r->listen_fd, (struct sockaddr *)&sa, &sl);
   r->port = ntohs(sa.sin_port);
   pthread_create(&r->th, NULL, relay_main, r);
+}
+
+/* Two transports (ranks 0 and 1) on `key`, rank 0 reaching rank 1 through relay r. */
+static void relayed_pair(rpl_tr **t0, rpl_tr **t1, const unsigned char *key, relay *r) {
+  rpl_error err;
+  CHECK(rpl_tr_create(0, 2, "127.0.0.1", 0, t0, &err) == RPL_OK, "%s", err.msg);
+  CHECK(rpl_tr_create(1, 2, "127.0.0.1", 0, t1, &err) == RPL_OK, "%s", err.msg);
+  rpl_tr_set_key(*t0, key);
+  rpl_tr_set_key(*t1, key);
+  char a0[128], a1[128], via[128];
+  rpl_tr_address(*t0, a0, sizeof a0);
+  rpl_tr_address(*t1, a1, sizeof a1);
+  relay_start(r, a1);
+  snprintf(via, sizeof via, "127.0.0.1:%d:%s", r->port, strchr(strchr(a1, ':') + 1, ':') + 1);
+  CHECK(rpl_tr_set_peer(*t0, 1, via, &err) == RPL_OK, "%s", err.msg);
+  CHECK(rpl_tr_set_peer(*t1, 0, a0, &err) == RPL_OK, "%s", err.msg);
 }
 
 static void relay_stop(relay *r) {
@@ -210,21 +234,12 @@ int main(void) {
   unsigned char key[RPL_TR_KEY_LEN], other[RPL_TR_KEY_LEN];
   rpl_random_bytes(key, sizeof key, &err);
   rpl_random_bytes(other, sizeof other, &err);
-  rpl_tr *t0, *t1;
-  CHECK(rpl_tr_create(0, 2, "127.0.0.1", 0, &t0, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_tr_create(1, 2, "127.0.0.1", 0, &t1, &err) == RPL_OK, "%s", err.msg);
-  rpl_tr_set_key(t0, key);
-  rpl_tr_set_key(t1, key);
-  char a0[128], a1[128], via[128];
-  rpl_tr_address(t0, a0, sizeof a0);
-  rpl_tr_address(t1, a1, sizeof a1);
-
   /* Rank 0 reaches rank 1 through the recording relay. */
+  rpl_tr *t0, *t1;
   relay rl;
-  relay_start(&rl, a1);
-  snprintf(via, sizeof via, "127.0.0.1:%d:%s", rl.port, strchr(strchr(a1, ':') + 1, ':') + 1);
-  CHECK(rpl_tr_set_peer(t0, 1, via, &err) == RPL_OK, "%s", err.msg);
-  CHECK(rpl_tr_set_peer(t1, 0, a0, &err) == RPL_OK, "%s", err.msg);
+  relayed_pair(&t0, &t1, key, &rl);
+  char a1[128]; /* rank 1's own listener, for the strangers below */
+  rpl_tr_address(t1, a1, sizeof a1);
   rpl_status st = exchange(t0, t1, 1, 0x5a, 64, &err, NULL);
   CHECK(st == RPL_OK, "first exchange: %s", err.msg);
   rpl_tr_counters c;
@@ -372,6 +387,42 @@ int main(void) {
     CHECK(cu.connections == 0, "no link with a wrong key");
     rpl_tr_destroy(u0);
     rpl_tr_destroy(u1);
+  }
+
+  /* 8. On the path after the handshake: a relay changes one payload byte of the second
+   * frame. A plain link delivers it changed; with authenticated frames the run fails naming
+   * rank 0, and frames of every size before it pass. */
+  for (int macs = 0; macs <= 1; macs++) {
+    rpl_tr *f0, *f1;
+    relay fr;
+    relayed_pair(&f0, &f1, key, &fr);
+    rpl_tr_set_frame_macs(f0, macs);
+    rpl_tr_set_frame_macs(f1, macs);
+    size_t first = 3 << 20; /* several reads and writes, and a whole trailer after them */
+    size_t wire1 = RPL_HS1_SIZE + RPL_HS3_SIZE + 40 + first + (macs ? RPL_TR_FRAME_TAG : 0);
+    fr.flip_at = (long)(wire1 + 40 + 10); /* byte 10 of the second frame's payload */
+    st = exchange(f0, f1, 1, 0x33, first, &err, NULL);
+    CHECK(st == RPL_OK, "macs %d: a %zu-byte frame: %s", macs, first, err.msg);
+    for (uint64_t k = 0; k < 3 && macs; k++) { /* one more of each: empty, tiny, odd */
+      static const size_t lens[3] = {0, 1, 4099};
+      size_t before = fr.nfwd;
+      fr.flip_at = -1;
+      st = exchange(f0, f1, 2 + k, 0x44, lens[k], &err, NULL);
+      CHECK(st == RPL_OK, "macs: a %zu-byte frame: %s", lens[k], err.msg);
+      (void)before;
+    }
+    if (macs) fr.flip_at = (long)(fr.nfwd + 40 + 10);
+    st = exchange(f0, f1, 9, 0x55, 64, &err, NULL);
+    if (!macs)
+      CHECK(st == RPL_ERR_MISMATCH && strstr(err.msg, "byte 10"),
+            "a plain link delivers the changed byte: %s (%s)", rpl_status_name(st), err.msg);
+    else
+      CHECK(st == RPL_ERR_PEER && strstr(err.msg, "rank 0") && strstr(err.msg, "MAC"),
+            "authenticated frames refuse the changed frame: %s (%s)", rpl_status_name(st),
+            err.msg);
+    relay_stop(&fr);
+    rpl_tr_destroy(f0);
+    rpl_tr_destroy(f1);
   }
   return report("link_auth");
 }

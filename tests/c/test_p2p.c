@@ -547,6 +547,9 @@ static void run_all(void) {
 
 int main(void) {
   run_on_each_transport(run_all);
+  /* Authenticated frames, over sockets: stashed, early and any-source messages too. */
+  g_layout = (world_layout){.hosts = 2, .frame_macs = 1};
+  run_all();
   /* Not under AddressSanitizer: there, with 3-4 such runs in parallel, about 1 run in 5 saw
    * the n=2 world that follows the n=4 one fail its first connection (rank 1 read a complete
    * hello it judged not to be rank 0's and dropped the endpoint); not understood yet, never
