@@ -131,7 +131,6 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
       iov[niov].iov_len = RPL_TR_FRAME_TAG - toff;
       niov++;
     }
-    if (fmac && x->off < HDR_SIZE) rpl_tr_encode_header(hdr, &x->meta, x->len);
     ssize_t r;
     if (c->ux) {
       /* UCX takes the whole message (the payload in place) and reports it once delivered. */
@@ -157,7 +156,6 @@ static rpl_status do_send(rpl_tr *tr, rpl_xfer *xs, int n, int peer, rpl_error *
     if (fmac) mac_sent(tr, c, x, hdr, x->off, (size_t)r);
     x->off += (size_t)r;
     count_add(&tr->counters.bytes_sent, (uint64_t)r);
-    if (!fmac) total = HDR_SIZE + x->len; /* UCX, rings */
     c->tx_mid = x->off != total;
     if (x->off == total) {
       x->done = 1;
