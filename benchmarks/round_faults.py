@@ -1,8 +1,11 @@
 """Fault injection into partial rounds: does a round commit on all live members or on none?
 
 Three workers run the static schedule, on one host or on three simulated ones (TCP links, and
-compressed rounds), for the two rounds that hold one group of all three. Rank 1 sets
-RIPPLES_TEST_FAULT (csrc/partial.c) to exit, or stall past the round's deadline, before
+compressed rounds), for the two rounds that hold one group of all three; or ("mixed hosts")
+the random schedule in groups of three with ranks 0 and 1 on one simulated host and rank 2 on
+another, so that one ring runs over shared memory and TCP at once, for one round. Rank 1 sets
+RIPPLES_TEST_FAULT (csrc/partial.c) to exit, stall past the round's deadline, or have its TCP
+links cut (shut down both ways, as a network cut; where the round has TCP links) before
 exchange k of that round (0: the signatures; then the reduction's exchanges; then the members'
 confirmations; the last k is the commit point, after every confirmation, before any write
 back). Every live member then reports its tensor: unchanged (the round failed there) or the
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 WS = 3
@@ -38,16 +42,24 @@ ALGORITHMS = {
     "ring over tcp": (100_000, _RING),
     "compressed": (100_000, ["signatures", "reduce-scatter", "all-gather", "confirmations",
                              "commit"]),
+    "mixed hosts": (100_000, _RING),
 }
+# Where each algorithm's ranks live (simulated hosts), and so whether a link can be cut.
+HOSTS = {"ring over tcp": ("h0", "h1", "h2"), "compressed": ("h0", "h1", "h2"),
+         "mixed hosts": ("h0", "h0", "h1")}
+ACTIONS = ("exit", "stall", "cut")
+TIME_ROUNDS = 40
 
 
 def _worker(rank, port, algo, action, k, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # The static schedule's group of three: round 1 on one host (round 0: each alone), round
-    # 0 across three hosts (round 1: each alone).
-    hosts = algo in ("ring over tcp", "compressed")
+    # 0 across three hosts (round 1: each alone). Mixed hosts: the random schedule's first
+    # round, a group of all three.
+    hosts = HOSTS.get(algo)
     if hosts:
-        os.environ["RIPPLES_HOST_ID"] = f"h{rank}"
+        os.environ["RIPPLES_HOST_ID"] = hosts[rank]
+    mixed = algo == "mixed hosts"
     if rank == VICTIM and action:
         os.environ["RIPPLES_TEST_FAULT"] = f"{action}:{0 if hosts else 1}:{k}"
     import torch
@@ -59,18 +71,30 @@ def _worker(rank, port, algo, action, k, out):
     try:
         dist.init_process_group("ripples", rank=rank, world_size=WS,
                                 timeout=timedelta(seconds=60),
-                                pg_options=ripples_pg.Options(schedule="static",
+                                pg_options=ripples_pg.Options(schedule="random" if mixed
+                                                              else "static",
+                                                              group_size=3 if mixed else None,
                                                               on_failure="skip",
                                                               timeout=TIMEOUT_S,
                                                               single_copy=False,
                                                               compression="bf16" if
                                                               algo == "compressed" else
                                                               None))
+        # One exact all-reduce first: TCP links connect on first use, and a cut must find them.
+        dist.all_reduce(torch.ones(1))
+        if mixed:  # every worker unfenced (the all-reduce fenced it) before anyone asks
+            ref = dist.new_group(backend="gloo")
+            dist.barrier(group=ref)
+            time.sleep(0.5)
         x = torch.full((ALGORITHMS[algo][0],), START[rank])
-        for _ in range(2):
+        timing = action == "time"  # no fault: the confirmations' duration, over many rounds
+        for _ in range(TIME_ROUNDS if timing else 1 if mixed else 2):
             ripples_pg.partial_all_reduce([x])
         s = ripples_pg.stats()
-        out.send(("ok", float(x[0]), float(x.max() - x.min()), s["skipped"]))
+        if timing:
+            out.send(("ok", s["confirm_s"] / max(s["reduced"], 1), s["reduced"], 0))
+        else:
+            out.send(("ok", float(x[0]), float(x.max() - x.min()), s["skipped"]))
     except Exception as e:  # noqa: BLE001 - reported to the parent
         out.send(("raised", f"{type(e).__name__}: {e}", 0.0, 0))
     out.close()
@@ -109,9 +133,25 @@ def run_case(algo: str, action: str, k: int, start_s: float = 180.0) -> dict:
             "states": {str(r): s for r, s in sorted(states.items())}, "committed": verdict}
 
 
-def cases(actions=("exit", "stall")):
+def measure_window(algo: str, start_s: float = 180.0) -> dict:
+    """The confirmations' mean duration per committed round (stats()["confirm_s"]), with no
+    fault: how long the window in which a round is not atomic lasts, per member."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import _dist
+
+    procs, conns = _dist.start_direct(_worker, WS, algo, "time", 0)
+    reports = _dist.collect_direct(procs, conns, start_s)
+    per = [reports[r][1] for r in range(WS) if reports.get(r, ("",))[0] == "ok"]
+    rounds = [reports[r][2] for r in range(WS) if reports.get(r, ("",))[0] == "ok"]
+    return {"algorithm": algo, "confirm_us": [round(v * 1e6, 1) for v in per],
+            "rounds": rounds}
+
+
+def cases(actions=ACTIONS):
     for algo, (_, points) in ALGORITHMS.items():
         for action in actions:
+            if action == "cut" and algo not in HOSTS:
+                continue  # one host: rings only, no link to cut
             for k in range(len(points)):
                 yield algo, action, k
 
@@ -125,22 +165,39 @@ def main(argv=None) -> int:
         row = run_case(algo, action, k)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    windows = [measure_window(algo) for algo in ALGORITHMS]
+    for w in windows:
+        print(json.dumps(w), flush=True)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump({"workers": WS, "victim": VICTIM, "timeout_s": TIMEOUT_S, "rows": rows}, f,
-                  indent=1)
+        json.dump({"workers": WS, "victim": VICTIM, "timeout_s": TIMEOUT_S, "rows": rows,
+                   "windows": windows}, f, indent=1)
     lines = [f"# Faults injected into a partial round ({WS} workers)", "",
              f"Generated by `python benchmarks/round_faults.py --out {a.out}`. Rank {VICTIM} "
-             f"exits, or stalls past the round's deadline ({TIMEOUT_S:g} s), just before the "
+             f"exits, stalls past the round's deadline ({TIMEOUT_S:g} s), or has its TCP links "
+             "cut (`cut`: shut down both ways, where the round has TCP links) just before the "
              "named exchange of a round of all three; `committed` says where the round "
              "changed the tensors: on every live member (`all`), on none (`none`), or on some "
-             "only (`MIXED`: not atomic).", "",
+             "only (`MIXED`: not atomic). `mixed hosts`: ranks 0 and 1 share a host (a ring "
+             "over shared memory and TCP at once).", "",
              "| algorithm | fault | before | rank 0 | rank 1 | rank 2 | committed |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["states"]
         lines.append(f"| {r['algorithm']} | {r['action']} | {r['point']} | {s['0']} | {s['1']} "
                      f"| {s['2']} | {r['committed']} |")
+    lines += ["", "## The window", "",
+              "How long the members' confirmations take, per committed round and member "
+              f"(`stats()[\"confirm_s\"]`, no fault, {TIME_ROUNDS} rounds; on this machine, "
+              "with the other members' processes on the same cores): a member that stalls "
+              "or dies inside it, or a cut inside it, can leave the round committed on some "
+              "members only.", "",
+              "| algorithm | rank 0 | rank 1 | rank 2 | rounds averaged |", "|---|---|---|---|---|"]
+    for w in windows:
+        us = w["confirm_us"] + ["-"] * (WS - len(w["confirm_us"]))
+        lines.append(f"| {w['algorithm']} | " + " | ".join(f"{u} µs" if u != "-" else u
+                                                          for u in us[:WS]) +
+                     f" | {min(w['rounds']) if w['rounds'] else 0} |")
     with open(os.path.join(a.out, "results.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0 if all(r["committed"] in ("all", "none") for r in rows) else 1

@@ -54,9 +54,11 @@ struct rpl_partial {
   uint64_t resid_sig;
 
   /* RIPPLES_TEST_FAULT (tests only): in round fault_round, before exchange fault_at of the
-   * round (0: the signatures), this rank exits (1) or stalls past the deadline (2). */
+   * round (0: the signatures), this rank exits (1), stalls past the deadline (2), or cuts its
+   * TCP links (3: fault_tr, the round's transport). */
   int fault_action, fault_at;
   uint64_t fault_round;
+  rpl_tr *fault_tr;
 
   pthread_mutex_t mu;       /* guards stats and the trace */
   rpl_partial_stats stats;
@@ -154,16 +156,19 @@ int rpl_partial_eligible(const rpl_op_desc *d) {
   return 1;
 }
 
-/* RIPPLES_TEST_FAULT="exit|stall:ROUND:EXCHANGE", for the fault-injection tests
- * (tests/test_round_faults.py): a process that sets it dies or stalls at that point of that
- * round. Anything else in it is ignored (no fault). */
+/* RIPPLES_TEST_FAULT="exit|stall|cut:ROUND:EXCHANGE", for the fault-injection tests
+ * (tests/test_round_faults.py): a process that sets it dies, stalls or has its TCP links cut
+ * at that point of that round. Anything else in it is ignored (no fault). */
 static void parse_fault(rpl_partial *p) {
   const char *f = getenv("RIPPLES_TEST_FAULT");
   char what[8];
   unsigned long long round;
   int at;
   if (!f || sscanf(f, "%7[a-z]:%llu:%d", what, &round, &at) != 3 || at < 0) return;
-  p->fault_action = strcmp(what, "exit") == 0 ? 1 : strcmp(what, "stall") == 0 ? 2 : 0;
+  p->fault_action = strcmp(what, "exit") == 0    ? 1
+                    : strcmp(what, "stall") == 0 ? 2
+                    : strcmp(what, "cut") == 0   ? 3
+                                                 : 0;
   p->fault_round = round;
   p->fault_at = at;
 }
@@ -172,6 +177,10 @@ static void fire_fault(void *arg, int k) {
   rpl_partial *p = arg;
   if (k != p->fault_at) return;
   if (p->fault_action == 1) _exit(17); /* as a kill: no goodbye, no flush */
+  if (p->fault_action == 3) {
+    rpl_tr_cut_links(p->fault_tr);
+    return;
+  }
   struct timespec ts = {(time_t)(p->timeout_s + 1.0), 0};
   nanosleep(&ts, NULL); /* past every member's deadline */
 }
@@ -384,7 +393,8 @@ static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t 
  * after confirming changes nothing for the others (they commit; it is gone); the window left
  * is a member stalling between its confirmations and the others' for longer than the round's
  * deadline, or dying in the middle of sending its confirmations (docs/fault-tolerance.md). */
-static rpl_status confirm_whole(rpl_run *run) {
+static rpl_status confirm_whole(rpl_run *run, double *took) {
+  double t = rpl_now();
   int n = run->size, k = 0;
   rpl_xfer *xs = malloc(sizeof(rpl_xfer) * 2 * (size_t)n);
   if (!xs) return rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory in a partial round");
@@ -395,6 +405,7 @@ static rpl_status confirm_whole(rpl_run *run) {
   }
   rpl_status st = rpl_exchange(run, xs, k);
   free(xs);
+  *took += rpl_now() - t;
   /* The test hook's last point: every member confirmed, nothing written back yet. */
   if (st == RPL_OK && run->before_exchange) run->before_exchange(run->hook_arg, run->exchanges);
   return st;
@@ -471,6 +482,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
   uint64_t wire = 0;
   double t2 = t1, t3 = t1;
   int moved = 0, compressed = 0, fellback = 0;
+  double tconf = 0; /* in confirm_whole */
   if (st == RPL_OK && n > 1) {
     run->members = p->members;
     run->rank = me;
@@ -479,6 +491,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
     if (p->fault_action && round == p->fault_round) {
       run->before_exchange = fire_fault;
       run->hook_arg = p;
+      p->fault_tr = run->tr;
     }
     size_t total = 0;
     for (int i = 0; i < d->nin; i++) {
@@ -508,7 +521,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
       float *out = rpl_scratch(run, 2, total * sizeof(float));
       st = out ? rpl_compressed_average(run, p->next, total, p->compression, out)
                : RPL_ERR_NOMEM;
-      if (st == RPL_OK) st = confirm_whole(run);
+      if (st == RPL_OK) st = confirm_whole(run, &tconf);
       if (st == RPL_OK) {
         /* Commit: the buffers and the residual change together, only now. */
         if (d->redop == RPL_SUM) rpl_scale(out, total, RPL_FLOAT32, (double)p->size);
@@ -538,7 +551,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
         st = rpl_allreduce_buf(run, &wb, RPL_SUM, (unsigned)i);
         off += b;
       }
-      if (st == RPL_OK) st = confirm_whole(run);
+      if (st == RPL_OK) st = confirm_whole(run, &tconf);
       if (st == RPL_OK) {
         off = 0;
         for (int i = 0; i < d->nin; i++) {
@@ -596,6 +609,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
   s->group_s += t1 - t0;
   s->wait_s += t2 - t1;
   s->reduce_s += t3 - t2;
+  s->confirm_s += tconf;
   record(p, round, gid, p->members, st == RPL_OK || gid ? n : 0, st);
   pthread_mutex_unlock(&p->mu);
   return skip ? RPL_OK : st;

@@ -336,6 +336,9 @@ typedef struct rpl_partial_stats {
   double group_s;           /* time obtaining groups (the coordinator round trip) */
   double wait_s;            /* time waiting for the group's members (signature exchange) */
   double reduce_s;          /* time moving, reducing and writing back data */
+  double confirm_s;         /* of reduce_s: the members' confirmations that they hold the
+                               whole result, the window in which a round is not atomic
+                               (docs/fault-tolerance.md) */
 } rpl_partial_stats;
 
 void rpl_comm_partial_stats(const rpl_comm *comm, rpl_partial_stats *out);

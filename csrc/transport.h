@@ -150,6 +150,11 @@ void rpl_tr_interrupt(rpl_tr *tr);
  * peer has closed its side too. The peer learns the last failure's cause. */
 void rpl_tr_reset_peer(rpl_tr *tr, int peer);
 
+/* Fault injection (tests only): shuts down every TCP connection of this transport in both
+ * directions, as a network cut would, without telling anyone; peers and this rank then see
+ * the link fail on their next read or write. Rings and UCX endpoints are left alone. */
+void rpl_tr_cut_links(rpl_tr *tr);
+
 /* Closes every connection and the listener, so peers blocked on us fail fast, passing the last
  * failure's cause on (none if a run succeeded since). */
 void rpl_tr_abort(rpl_tr *tr);

@@ -65,6 +65,11 @@ static void say_goodbye(rpl_tr *tr, conn *c) {
   (void)r;
 }
 
+void rpl_tr_cut_links(rpl_tr *tr) {
+  for (int p = 0; p < tr->size; p++)
+    if (tr->conns[p].fd >= 0) shutdown(tr->conns[p].fd, SHUT_RDWR);
+}
+
 void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
   if (!tr || peer < 0 || peer >= tr->size || peer == tr->rank) return;
   if (tr->shm) rpl_shm_set_cause(tr->shm, tr->cause); /* before the flag the peer reacts to */

@@ -90,7 +90,9 @@ def stats(group: Any = None) -> dict:
     (rounds that would have been but ran exact: a member held a non-finite value or one beyond
     the mode's range; docs/compression.md), and
     seconds spent obtaining groups (``group_s``, the coordinator round trip, including any wait
-    for partners), waiting for the group's members (``wait_s``) and reducing (``reduce_s``),
+    for partners), waiting for the group's members (``wait_s``) and reducing (``reduce_s``;
+    ``confirm_s`` of it in the members' confirmations that they hold the whole result, the
+    window in which a failing round may commit on some members only),
     ``coordinator_failovers`` (times this worker registered with a standby or restarted
     coordinator after losing its own). All operations: ``ops_completed``, ``ops_failed``,
     ``bytes_sent``, ``bytes_received`` (``single_copy_bytes`` of them read straight from local

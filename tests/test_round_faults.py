@@ -105,7 +105,10 @@ def _round_faults():
 @pytest.mark.parametrize("algo,action,k", [
     ("ring", "exit", k) for k in range(7)] + [
     ("ring", "stall", 4), ("ring", "stall", 5), ("direct", "stall", 3),
-    ("compressed", "exit", 2)])
+    ("compressed", "exit", 2),
+    # A network cut (the victim lives on), and a ring over shared memory and TCP at once.
+    ("ring over tcp", "cut", 3), ("ring over tcp", "cut", 6), ("mixed hosts", "exit", 3),
+    ("mixed hosts", "cut", 5), ("mixed hosts", "stall", 6)])
 def test_a_round_commits_on_all_live_members_or_none(algo, action, k):
     row = _round_faults().run_case(algo, action, k)
     assert row["committed"] in ("all", "none"), row

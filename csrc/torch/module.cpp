@@ -139,6 +139,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                 {"group_s", py::cast(s.group_s)},
                 {"wait_s", py::cast(s.wait_s)},
                 {"reduce_s", py::cast(s.reduce_s)},
+                {"confirm_s", py::cast(s.confirm_s)},
             });
           },
           "Partial-round counters of this rank (see ripples_pg.stats).")
