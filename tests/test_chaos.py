@@ -11,8 +11,12 @@ is test_failover's). Every survivor must then:
 - still reach its same-host peers through shared memory (no TCP connection opened);
 - end with a model that learnt the task (its own loss, well below the starting one).
 
-Workers are spawned directly (torchrun would end the job at the first death). Link cuts are
-not injected here (see docs/limitations.md).
+With ``hosts=2`` the eight workers live on two simulated hosts (rings inside, TCP across) and
+two more workers have their TCP links cut (shut down both ways, as a network cut) at a random
+exchange of a random round; survivors must still agree, learn, and reach their same-host peers
+through shared memory.
+
+Workers are spawned directly (torchrun would end the job at the first death).
 """
 import os
 import random
@@ -30,16 +34,23 @@ WARMUP = 5
 ROUND_TIMEOUT_S = 2.0
 
 
-def _plan(seed):
+def _plan(seed, cuts=0):
     rng = random.Random(seed)
-    ranks = rng.sample(range(1, WS), 4)
-    steps = sorted(rng.sample(range(WARMUP + 10, STEPS - 40), 4))
-    return {ranks[0]: ("kill", steps[0]), ranks[1]: ("stall", steps[1]),
+    ranks = rng.sample(range(1, WS), 4 + cuts)
+    steps = sorted(rng.sample(range(WARMUP + 10, STEPS - 40), 4 + cuts))
+    plan = {ranks[0]: ("kill", steps[0]), ranks[1]: ("stall", steps[1]),
             ranks[2]: ("kill", steps[2]), ranks[3]: ("stall", steps[3])}
+    for i in range(cuts):  # a cut before exchange 0-2 of that round (what a small group has)
+        plan[ranks[4 + i]] = ("cut", steps[4 + i] - WARMUP, rng.randrange(3))
+    return plan
 
 
-def _worker(rank, port, plan, out):
+def _worker(rank, port, plan, hosts, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if hosts > 1:
+        os.environ["RIPPLES_HOST_ID"] = f"h{rank * hosts // WS}"
+    if plan.get(rank, ("",))[0] == "cut":  # csrc/partial.c: cut:ROUND:EXCHANGE
+        os.environ["RIPPLES_TEST_FAULT"] = f"cut:{plan[rank][1]}:{plan[rank][2]}"
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -60,7 +71,7 @@ def _worker(rank, port, plan, out):
         x = torch.randn(256, 8, generator=gen)
         y = x @ w
         loss0 = float(torch.nn.functional.mse_loss(model(x), y))
-        action, at = plan.get(rank, (None, -1))
+        action, at = plan.get(rank, (None, -1))[:2]
         for step in range(STEPS):
             if step == at and action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -87,11 +98,12 @@ def _worker(rank, port, plan, out):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2])
-def test_chaos_survivors_agree_keep_rings_and_learn(seed):
-    plan = _plan(seed)
-    killed = {r for r, (a, _) in plan.items() if a == "kill"}
-    procs, conns = _dist.start_direct(_worker, WS, plan)
+@pytest.mark.parametrize("seed,hosts", [(1, 1), (2, 1), (3, 2)])
+def test_chaos_survivors_agree_keep_rings_and_learn(seed, hosts):
+    plan = _plan(seed, cuts=2 if hosts > 1 else 0)
+    killed = {r for r, (a, *_) in plan.items() if a == "kill"}
+    host = [r * hosts // WS for r in range(WS)]
+    procs, conns = _dist.start_direct(_worker, WS, plan, hosts)
     reports = _dist.collect_direct(procs, conns, 420, skip=killed)
     survivors = [r for r in range(WS) if r not in killed]
     assert sorted(reports) == survivors, f"plan {plan}: reports from {sorted(reports)}"
@@ -100,13 +112,21 @@ def test_chaos_survivors_agree_keep_rings_and_learn(seed):
     rep = {r: reports[r][1] for r in survivors}
     for r, s in rep.items():
         assert s["failed"] == 0, f"rank {r} raised a round (wrap() skips them): {s}"
-        assert s["connections"] == 0, f"plan {plan}: rank {r} fell back to TCP: {s['paths']}"
+        if hosts == 1:
+            assert s["connections"] == 0, f"plan {plan}: rank {r} fell back to TCP: {s['paths']}"
         # (a survivor that finished first may have exited by the time another reads its stats)
         assert all(s["paths"][p].startswith("shm") or s["paths"][p] in ("dead", "closed")
-                   for p in survivors if p != r), s["paths"]
-        assert all(s["paths"][p] == "dead" for p in killed), s["paths"]
-        assert s["reduced"] > 20, f"rank {r} hardly averaged: {s['reduced']} rounds"
+                   for p in survivors if p != r and host[p] == host[r]), s["paths"]
+        assert all(s["paths"][p] == "dead" for p in killed if host[p] == host[r]), s["paths"]
+        if hosts == 1:
+            assert s["reduced"] > 20, f"rank {r} hardly averaged: {s['reduced']} rounds"
         assert s["loss"] < 0.5 * s["loss0"], f"rank {r} did not learn: {s['loss0']} -> {s['loss']}"
+    # Across two hosts with cuts, a survivor left behind (by a stall, a cut round's timeout,
+    # or its share of two cores) can stay out of groups until the others have finished
+    # their own steps (docs/limitations.md#straggler-policy); every survivor still learns
+    # (above), and the survivors as a whole average.
+    reduced = sorted(s["reduced"] for s in rep.values())
+    assert reduced[len(reduced) // 2] > 20, f"plan {plan}: the survivors hardly averaged: {reduced}"
     # Every round two survivors shared ended the same way on both (committed, or failed).
     seen = {}
     for r, s in rep.items():
