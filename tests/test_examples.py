@@ -6,36 +6,22 @@ compute time in every step) takes at most 2/3 of a fast rank's steps: a wide mar
 takes about 1/7 of them on the 2-core development machine, idle or with four busy loops
 beside the job. The budgets of the job's work (``--steps`` in job steps, ``--epochs`` in job
 epochs) hold exactly whatever the pace."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from _examples import launch, run_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "train_ripples.py")
 # the digits' training split (1797 - 359 held out), padded as torch's DistributedSampler pads
 # it to a multiple of the world size: the samples of one epoch
 EPOCH_3 = 1440
 
 
 def _launch(nproc, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", EXAMPLE, *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH"), ROOT] if p)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    return launch("train_ripples.py", nproc, *args)
 
 
 def _run(nproc, *args):
     """Runs the example under torchrun; returns rank 0's --json result."""
-    out = _launch(nproc, "--json", *args)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert len(lines) == 1, out.stdout[-3000:]  # rank 0 only
-    res = json.loads(lines[0])
+    res = run_json("train_ripples.py", nproc, *args)[0]
     assert [r["rank"] for r in res["ranks"]] == list(range(nproc)), res
     return res
 

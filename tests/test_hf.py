@@ -4,30 +4,16 @@ under torchrun, gradient accumulation 4, one straggler, save_state at the end an
 As in test_examples.py the only assertion about pace has a wide margin: the straggler (10x
 its compute in every micro-step) takes at most 2/3 of a fast rank's optimizer steps; it takes
 about 1/10 of them on the 2-core development machine."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from _examples import run_json
 
 pytest.importorskip("accelerate")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "accelerate_digits.py")
-
 
 def _run(nproc, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", EXAMPLE, "--json", *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [env.get("PYTHONPATH"), ROOT] if p)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert len(lines) == 1, out.stdout[-3000:]
+    res, out = run_json("accelerate_digits.py", nproc, *args)
     assert "Removed shared tensor" not in out.stdout + out.stderr  # safetensors dropped some
-    return json.loads(lines[0])
+    return res
 
 
 def test_accelerate_loop_with_accumulation_straggler_and_resume(tmp_path):

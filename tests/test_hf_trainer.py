@@ -1,0 +1,98 @@
+"""ripples_pg.hf.RipplesTrainer: transformers' Trainer counting the job's steps.
+
+examples/hf_trainer_gpt.py runs as its docstring says, under torchrun on 4 processes with one
+straggler, gradient accumulation, evaluation and checkpoints at job-step points, then resumes.
+As in test_hf.py the only assertion about pace has a wide margin (the straggler, 5x slow, takes
+at most 2/3 of a fast rank's optimizer steps; about 1/5 of them on the 2-core development
+machine). The construction checks run in this process, without a process group."""
+import os
+
+import pytest
+from _examples import run_json
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+
+def _run(nproc, *args):
+    return run_json("hf_trainer_gpt.py", nproc, *args, prefix='{"world"', timeout=300)[0]
+
+
+def test_trainer_straggler_job_budget_points_and_resume(tmp_path):
+    res = _run(4, "--steps", 60, "--grad-accum", 2, "--straggler", "3:5", "--logging-steps", 10,
+               "--save-steps", 25, "--eval-steps", 30, "--output-dir", tmp_path)
+    ranks = res["ranks"]
+    steps = [r["steps"] for r in ranks]
+    assert all(s >= 1.5 * steps[3] for s in steps[:3]) and steps[3] > 0, steps
+    # the budget is the job's: all ranks' steps add up to about 4 x 60, not 4 x the straggler's
+    assert 4 * 60 <= sum(steps) <= 4 * 60 + 4 * 4, steps
+    assert all(r["global_step"] == 60 and r["job_step"] >= 60 for r in ranks), ranks
+    assert len({r["digest"] for r in ranks}) == 1, ranks  # one averaged model at the end
+    assert all(r["rounds"] > 0 for r in ranks), ranks
+    assert res["log_steps"] == [10, 20, 30, 40, 50, 60], res["log_steps"]
+    # checkpoints at job-step points: every rank wrote its RNG state into the same folder
+    assert res["checkpoints"] == ["checkpoint-25", "checkpoint-50", "checkpoint-60"], res
+    for c in res["checkpoints"]:
+        files = set(os.listdir(tmp_path / c))
+        assert {f"rng_state_{r}.pth" for r in range(4)} <= files, (c, files)
+        assert {"optimizer.pt", "scheduler.pt", "trainer_state.json"} <= files, (c, files)
+    assert res["eval_loss"] < res["first_loss"], res  # it learned
+    end_averager_step = ranks[0]["averager_step"]
+
+    # Resume: the Trainer's step, Ripples' averager step (rank 0's, from optimizer.pt) and the
+    # job clock continue from checkpoint-60
+    res2 = _run(4, "--steps", 90, "--grad-accum", 2, "--logging-steps", 10, "--save-steps", 25,
+                "--output-dir", tmp_path, "--resume")
+    r2 = res2["ranks"]
+    assert all(r["global_step"] == 90 for r in r2) and len({r["digest"] for r in r2}) == 1, r2
+    assert 4 * 30 <= sum(r["steps"] for r in r2) <= 4 * 30 + 4 * 4, r2
+    assert min(r["averager_step"] for r in r2) >= end_averager_step + 20, (end_averager_step, r2)
+    assert res2["log_steps"] == [10, 20, 30, 40, 50, 60, 70, 80, 90], res2["log_steps"]
+    assert "checkpoint-75" in res2["checkpoints"] and "checkpoint-90" in res2["checkpoints"]
+
+
+def _trainer_kwargs(tmp_path, **targs):
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1,
+                                       n_head=1))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **targs)
+    return {"model": model, "args": args}
+
+
+def test_construction_refuses_what_would_break(tmp_path):
+    from ripples_pg.hf import RipplesTrainer
+
+    with pytest.raises(TypeError, match=r"unknown ripples= option\(s\) \['warmup'\]"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path), ripples={"warmup": 3})
+    with pytest.raises(ValueError, match="average_before takes"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path), average_before=("log",))
+    with pytest.raises(ValueError, match="ddp_find_unused_parameters=True"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path, ddp_find_unused_parameters=True))
+    with pytest.raises(ValueError, match="include_num_input_tokens_seen"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path, include_num_input_tokens_seen="all"))
+    with pytest.raises(TypeError, match="pass args="):
+        RipplesTrainer(model=_trainer_kwargs(tmp_path)["model"])
+    # everything else in order: no process group is the one thing left
+    with pytest.raises(RuntimeError, match=r"init_process_group\('ripples'\) before"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path))
+
+
+def test_points_are_the_same_sequence_from_any_step():
+    """The log/eval/save points every rank takes, in order: the budget is always one."""
+    from types import SimpleNamespace
+
+    from ripples_pg.hf import _Points
+
+    args = SimpleNamespace(logging_first_step=True, logging_strategy="steps",
+                           eval_strategy="epoch", eval_delay=0, save_strategy="steps")
+    state = SimpleNamespace(logging_steps=10, eval_steps=None, save_steps=25)
+    pts = _Points(args, state, steps_per_epoch=40, budget=95)
+    seq, p = [], 0
+    while (p := pts.next_after(p)) is not None:
+        seq.append((p, [k for k, v in pts.events(p).items() if v]))
+    assert seq == [(1, ["log"]), (10, ["log"]), (20, ["log"]), (25, ["save"]), (30, ["log"]),
+                   (40, ["log", "evaluate"]), (50, ["log", "save"]), (60, ["log"]),
+                   (70, ["log"]), (75, ["save"]), (80, ["log", "evaluate"]), (90, ["log"]),
+                   (95, ["save"])], seq
+    assert pts.next_after(95) is None
