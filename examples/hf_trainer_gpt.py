@@ -41,6 +41,9 @@ SEQ = 64
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=120, help="the job's optimizer steps")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="a budget of job epochs instead of --steps (evaluates every epoch)")
+    p.add_argument("--data-kib", type=int, default=600, help="bytes of source to learn, KiB")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -54,7 +57,9 @@ def parse_args():
     p.add_argument("--json", action="store_true")
     p.add_argument("--ddp", action="store_true", help="plain Trainer and DDP on gloo")
     a = p.parse_args()
-    if min(a.steps, a.grad_accum, a.batch_size, a.logging_steps, a.save_steps) < 1:
+    if a.epochs is not None and a.epochs <= 0:
+        p.error("--epochs must be > 0")
+    if min(a.steps, a.grad_accum, a.batch_size, a.logging_steps, a.save_steps, a.data_kib) < 1:
         p.error("--steps, --grad-accum, --batch-size, --logging-steps and --save-steps must "
                 "be >= 1")
     if a.straggler:
@@ -66,7 +71,7 @@ def parse_args():
     return a
 
 
-def python_source_blocks(n_bytes=600_000):
+def python_source_blocks(n_bytes):
     """Fixed-length byte blocks of the standard library's source, the same on every rank."""
     root = os.path.dirname(os.__file__)
     data = bytearray()
@@ -100,18 +105,20 @@ def main():
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if a.ddp else "ripples")  # Ripples (1): first
     rank, world = dist.get_rank(), dist.get_world_size()
-    blocks = python_source_blocks()
+    blocks = python_source_blocks(a.data_kib * 1024)
     n_eval = 64
     train, evald = blocks[n_eval:], blocks[:n_eval]
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2,
                                        n_head=4))
     args = TrainingArguments(
-        output_dir=a.output_dir, max_steps=a.steps, per_device_train_batch_size=a.batch_size,
+        output_dir=a.output_dir, max_steps=-1 if a.epochs else a.steps,
+        num_train_epochs=a.epochs or 1, per_device_train_batch_size=a.batch_size,
         per_device_eval_batch_size=16, gradient_accumulation_steps=a.grad_accum,
         learning_rate=a.lr, lr_scheduler_type="cosine", warmup_steps=5, weight_decay=0.01,
         logging_steps=a.logging_steps, save_steps=a.save_steps, save_strategy="steps",
-        eval_strategy="steps" if a.eval_steps else "no", eval_steps=a.eval_steps or None,
+        eval_strategy="epoch" if a.epochs else "steps" if a.eval_steps else "no",
+        eval_steps=a.eval_steps or None,
         use_cpu=True, report_to="none", disable_tqdm=True, seed=0,
         average_tokens_across_devices=False)
     slow = a.straggler is not None and a.straggler[0] == rank
@@ -145,6 +152,8 @@ def main():
         res = {"world": world, "eval_loss": metrics["eval_loss"], "ranks": ranks,
                "backend": "gloo (plain Trainer)" if a.ddp else "ripples",
                "log_steps": [h["step"] for h in logged],
+               "eval_steps": [h["step"] for h in trainer.state.log_history
+                              if "eval_loss" in h],
                "first_loss": logged[0]["loss"] if logged else None,
                "checkpoints": sorted(d for d in os.listdir(a.output_dir)
                                      if d.startswith("checkpoint-"))}

@@ -96,3 +96,19 @@ def test_points_are_the_same_sequence_from_any_step():
                    (70, ["log"]), (75, ["save"]), (80, ["log", "evaluate"]), (90, ["log"]),
                    (95, ["save"])], seq
     assert pts.next_after(95) is None
+
+
+def test_trainer_epoch_budget_and_epoch_evaluation(tmp_path):
+    """num_train_epochs is a budget of job epochs (epochs' worth of job steps: 18 here), and
+    eval_strategy="epoch" evaluates at every job epoch's end, on every rank together, though
+    the fast ranks run past their own third epoch and the straggler never finishes its
+    first."""
+    res = _run(4, "--epochs", 3, "--data-kib", 40, "--straggler", "3:5", "--logging-steps", 10,
+               "--save-steps", 25, "--output-dir", tmp_path)
+    ranks = res["ranks"]
+    assert all(r["global_step"] == 54 for r in ranks), ranks
+    assert max(r["steps"] for r in ranks[:3]) > 54 and ranks[3]["steps"] < 54, ranks
+    assert 4 * 54 <= sum(r["steps"] for r in ranks) <= 4 * 54 + 4 * 4, ranks
+    assert res["eval_steps"] == [18, 36, 54, 54], res  # + the example's evaluate() after train
+    assert res["checkpoints"] == ["checkpoint-25", "checkpoint-50", "checkpoint-54"], res
+    assert len({r["digest"] for r in ranks}) == 1, ranks
