@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional, Sequence
+
+if TYPE_CHECKING:  # torch is imported lazily: torch's backend autoload imports this package
+    import torch
+    import torch.distributed as dist
 
 _GROUP_DEFAULT, _PARTIAL, _EXACT = 0, 1, 2
 
@@ -25,7 +29,7 @@ def partial(enabled: bool = True) -> Iterator[None]:
         _C._set_partial_mode(prev)
 
 
-def exact() -> contextlib.AbstractContextManager:
+def exact() -> ContextManager[None]:
     """Inside the block, all-reduces issued by this thread are exact, even on a group created
     with ``Options(partial=True)`` or inside an enclosing :func:`partial` block."""
     return partial(False)
@@ -68,7 +72,7 @@ def _default_group() -> Any:
     return wrapped
 
 
-def stats(group: Any = None) -> dict:
+def stats(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
     """This rank's counters for a ``ripples`` group (default: the world group, or, after
     ``ripples_pg.wrap()``, the group its rounds run on, unless the world group has run partial
     rounds of its own).
@@ -129,7 +133,7 @@ def stats(group: Any = None) -> dict:
     return out
 
 
-def trace(group: Any = None, start: int = 0) -> List[dict]:
+def trace(group: Optional[dist.ProcessGroup] = None, start: int = 0) -> List[Dict[str, Any]]:
     """Per-round trace of a group created with ``Options(trace=True)``: one dict per partial
     round of this rank with ``round``, ``group_id`` (the same on every member), ``members``
     (group ranks, sorted) and ``status`` (0 = done). Empty if tracing is off. The default
@@ -137,18 +141,34 @@ def trace(group: Any = None, start: int = 0) -> List[dict]:
     return list(_ripples_backend(group if group is not None else _default_group()).trace(start))
 
 
-def host_of(group: Any = None) -> List[int]:
+def host_of(group: Optional[dist.ProcessGroup] = None) -> List[int]:
     """Dense host index of every rank of the group (hosts numbered by their lowest rank),
     from the host names (or ``RIPPLES_HOST_ID``) exchanged when the group was created."""
     return list(_ripples_backend(group).host_of)
 
 
-def partial_all_reduce(tensors: Sequence[Any], group: Any = None, op: Any = None,
-                       async_op: bool = False):
+# partial_all_reduce's positional order before it took torch's (tensors, *, op, group,
+# async_op): still accepted, with a DeprecationWarning, until callers have moved to keywords.
+_OLD_POSITIONAL = ("group", "op", "async_op")
+
+
+def partial_all_reduce(tensors: Sequence[torch.Tensor], *old_positional: Any,
+                       op: Optional[dist.ReduceOp] = None,
+                       group: Optional[dist.ProcessGroup] = None,
+                       async_op: bool = False) -> Optional[dist.Work]:
     """One partial round over several tensors (any floating dtypes): every tensor is averaged
-    (``op=AVG``, the default) or summed and rescaled (``op=SUM``) over the same group."""
+    (``op=ReduceOp.AVG``, the default: a partial round's meaning) or summed and rescaled
+    (``op=ReduceOp.SUM``) over the same group.
+
+    Arguments as ``torch.distributed.all_reduce(tensor, op, group, async_op)``, but ``op``,
+    ``group`` and ``async_op`` are keyword-only. ``group``: a ``ripples`` group (default: the
+    world). ``async_op=True`` returns the round's ``Work`` (wait on it); else None once done.
+    The old order ``partial_all_reduce(tensors, group, op)`` still works but warns.
+    """
     import torch.distributed as dist
 
+    if old_positional:
+        op, group, async_op = _old_positional(old_positional, op, group, async_op)
     _ripples_backend(group)  # a clear error for a non-ripples group
     pg = group if group is not None else dist.group.WORLD
     opts = dist.AllreduceCoalescedOptions()
@@ -159,3 +179,30 @@ def partial_all_reduce(tensors: Sequence[Any], group: Any = None, op: Any = None
         return work
     work.wait()
     return None
+
+
+def _old_positional(values: tuple, op: Any, group: Any, async_op: bool) -> tuple:
+    """(op, group, async_op) from arguments passed in the old positional order (group, op,
+    async_op), with a DeprecationWarning; a TypeError where that order cannot be meant."""
+    import warnings
+
+    import torch.distributed as dist
+
+    who = "ripples_pg.partial_all_reduce"
+    if len(values) > len(_OLD_POSITIONAL):
+        raise TypeError(f"{who}() takes 1 positional argument (tensors) but "
+                        f"{1 + len(values)} were given; pass op=, group=, async_op= by keyword")
+    if isinstance(values[0], (dist.ReduceOp, dist.ReduceOp.RedOpType)):
+        # torch's order (tensors, op): op is keyword-only here, and the old order read the
+        # second argument as the group
+        raise TypeError(f"{who}(): op is keyword-only; write {who}(tensors, op=...)")
+    given = dict(zip(_OLD_POSITIONAL, values))
+    keywords = {"group": group, "op": op, "async_op": async_op or None}
+    twice = [k for k in given if keywords[k] is not None]
+    if twice:
+        raise TypeError(f"{who}() got multiple values for argument {twice[0]!r}")
+    warnings.warn(f"{who}: passing {', '.join(given)} positionally is deprecated; torch's "
+                  f"order takes them by keyword: {who}(tensors, "
+                  f"{', '.join(f'{k}=...' for k in given)})", DeprecationWarning, stacklevel=3)
+    return (given.get("op", op), given.get("group", group),
+            bool(given.get("async_op", async_op)))

@@ -2,6 +2,9 @@
 coordinator's command line is the C one, ``coordinator/cli.c``, run by
 ``ripples_pg.coordinator.main``.)"""
 import argparse
+import sys
+
+from ._args import RENAMED_FLAGS
 
 
 def add_layout_args(p: argparse.ArgumentParser, workers_required: bool = True) -> None:
@@ -26,9 +29,25 @@ def _period_max(text: str) -> int:
     return v
 
 
-def add_policy_args(p: argparse.ArgumentParser, default_policy: str) -> None:
-    p.add_argument("--policy", default=default_policy,
-                   choices=["static", "random", "smart", "adpsgd"])
+class _RenamedFlag(argparse.Action):
+    """An old flag name (ripples_pg._args.RENAMED_FLAGS): stores as the new one, with a
+    warning on stderr naming it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        new = RENAMED_FLAGS[option_string]
+        print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed; "
+              f"use {new} (the ripples_pg.Options name)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+SCHEDULES = ("static", "random", "smart", "adpsgd")
+
+
+def add_policy_args(p: argparse.ArgumentParser, default_schedule: str) -> None:
+    p.add_argument("--schedule", default=default_schedule, choices=SCHEDULES,
+                   help=f"where partial groups come from (default: {default_schedule})")
+    p.add_argument("--policy", dest="schedule", choices=SCHEDULES, action=_RenamedFlag,
+                   help="deprecated name of --schedule")
     p.add_argument("--group-size", type=int, default=0, help="0 = default (3)")
     p.add_argument("--c-thres", type=int, default=0,
                    help="smart: slowdown filter threshold; 0 = default, -1 = off")

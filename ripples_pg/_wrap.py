@@ -30,38 +30,32 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Optional, Sequence, Union
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, WRAP_GROUP_DEFAULTS,
+                    check_group_options, check_training_args)
 from .averager import RipplesAverager
-from .diloco import DiLoCoAverager, check_on_alone, resolve_sync_levels
+from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
-from .hooks import POST_WARMUP_MODES, RipplesHookState, ripples_hook
+from .hooks import RipplesHookState, ripples_hook
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
+
+if TYPE_CHECKING:
+    from .sampler import DistributedSampler
 
 __all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "DEFAULT_WARMUP_STRAGGLER",
            "WRAP_DEFAULTS"]
 
-DEFAULT_WARMUP_STEPS = 50
-# Warm-up (exact, at the slowest worker's pace) ends early once a worker computes this many
-# times slower than the median in two checks in a row (ripples_pg.averager); None/0 = never.
-DEFAULT_WARMUP_STRAGGLER = 2.0
-# Defaults of the partial group wrap() creates (an argument or RIPPLES_* variable wins).
-# on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
-# missed averaging step -- the buffers are left as they were, atomically -- while raising would
-# end the training of every survivor. Exact collectives still raise.
-# period_max=2: the coordinator lets the workers average every 2nd step only (a straggler with
-# whoever is due; everyone at every step for a while when one slows down just now). Chosen with benchmarks/train.py
-# (docs/benchmarks.md, "No straggler"): level with exact DDP on all three workloads, where 4
-# won on the wide MLP but lost on the ResNet and the Transformer (the replicas drift further
-# apart between averages).
-WRAP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip", "period_max": 2}
+# Defaults of the partial group wrap() creates (an argument or RIPPLES_* variable wins); the
+# table and the reasons are in ripples_pg/_args.py. (The name predates that module.)
+WRAP_DEFAULTS = WRAP_GROUP_DEFAULTS
 
-# Options fields wrap() forwards to the partial group it creates.
 # Schedules whose workers run different numbers of steps (a coordinator forms the groups).
 DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
 
@@ -70,8 +64,6 @@ _HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
-_GROUP_FIELDS = ("schedule", "group_size", "c_thres", "inter_intra", "coordinator", "timeout",
-                 "on_failure", "seed", "trace", "period_max", "compression")
 
 
 class _ExactWatch:
@@ -389,13 +381,6 @@ def _group_timeout(group) -> Optional[float]:
     return t if t > 0 else None
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"ripples_pg.wrap: {name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"ripples_pg.wrap: {name} must be >= {minimum}, got {value}")
-
-
 def _check_int8_extras(mode, ddp_model, average_optimizer_state) -> None:
     """int8 rounds quantise with an absolute error per block (docs/compression.md): averaged
     with the parameters, a BatchNorm running variance or an Adam second moment near zero could
@@ -440,15 +425,15 @@ def _ddp_of(model):
 def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
          schedule: Optional[str] = None,
          group_size: Optional[int] = None,
-         warmup_steps: Optional[int] = None,
-         levels=None,
+         warmup_steps: Optional[int] = DEFAULT_WARMUP_STEPS,
+         levels: Optional[Union[Mapping[int, str], str]] = None,
          post_warmup: str = "local",
          average_optimizer_state: Union[bool, Sequence[str]] = False,
-         group=None,
+         group: Optional[dist.ProcessGroup] = None,
          c_thres: Optional[int] = None,
          inter_intra: Optional[bool] = None,
          coordinator: Optional[str] = None,
-         timeout: Optional[float] = None,
+         timeout: Optional[Union[float, timedelta]] = None,
          on_failure: Optional[str] = None,
          seed: Optional[int] = None,
          trace: Optional[bool] = None,
@@ -456,10 +441,10 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
          compression: Optional[str] = None,
          overlap: bool = False,
          warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
-         outer_optimizer=None,
+         outer_optimizer: Optional[Union[str, Callable[..., torch.optim.Optimizer]]] = None,
          sync_every: Optional[int] = None,
          on_alone: str = "defer",
-         sampler=None) -> RipplesOptimizer:
+         sampler: Optional["DistributedSampler"] = None) -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
@@ -564,19 +549,13 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             f"dist.init_process_group('ripples') (after 'import ripples_pg') or pass "
             f"process_group= a ripples group to DDP. (Exact collectives of other backends "
             f"cannot be fenced against partial rounds, so mixing them can deadlock.)")
-    if warmup_steps is None:
+    levels, sync_every = check_training_args(
+        "ripples_pg.wrap", warmup_steps=warmup_steps, warmup_straggler=warmup_straggler,
+        levels=levels, post_warmup=post_warmup, average_optimizer_state=average_optimizer_state,
+        overlap=overlap, outer_optimizer=outer_optimizer, sync_every=sync_every,
+        on_alone=on_alone)
+    if warmup_steps is None:  # accepted as "the default", as before it was the default
         warmup_steps = DEFAULT_WARMUP_STEPS
-    _check_int("warmup_steps", warmup_steps, 0)
-    if post_warmup not in POST_WARMUP_MODES:
-        raise ValueError(f"ripples_pg.wrap: post_warmup must be one of {POST_WARMUP_MODES}, "
-                         f"got {post_warmup!r}")
-    levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
-                                             "ripples_pg.wrap")
-    check_on_alone(on_alone, "ripples_pg.wrap", outer_optimizer)
-    if group_size is not None:
-        _check_int("group_size", group_size, 1)
-    if not isinstance(overlap, bool):
-        raise TypeError(f"ripples_pg.wrap: overlap must be True or False, got {overlap!r}")
     if sampler is not None:
         from .sampler import DistributedSampler
 
@@ -586,6 +565,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
 
     import ripples_pg
 
+    # the partial group's options (checked by Options below, or refused with group=)
     given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
              "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
              "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max,
@@ -617,11 +597,7 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             inherited = _group_timeout(ddp_group)
             if inherited is not None:
                 kw["timeout"] = inherited
-        missing = sorted(set(kw) - fields)
-        if missing:
-            raise RuntimeError(f"ripples_pg.wrap: this build's ripples_pg.Options has no "
-                               f"field(s) {missing}")
-        opts = ripples_pg.Options(**kw)  # validates the values (clear ValueErrors)
+        opts = check_group_options("ripples_pg.wrap", kw)
         _check_int8_extras(opts.compression or env.compression, ddp_model,
                            average_optimizer_state)
         ranks = dist.get_process_group_ranks(ddp_group)

@@ -70,7 +70,6 @@ The averager counts steps like torch's averagers (``step`` increases by one per 
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 import weakref
@@ -82,6 +81,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from ._api import partial_all_reduce
+from ._args import check_bool, check_int, check_state_keys, check_warmup_straggler
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
 from .overlap import OverlappedRound
 
@@ -312,32 +312,32 @@ class RipplesAverager(ModelAverager):
 
     ``step`` counts calls of :meth:`average_parameters` (one per optimizer step), as in torch's
     averagers. ``counts`` holds how many times each level ran.
+
+    Defaults: no warm-up and no early warm-up exit, where ``wrap()`` has 50 steps and 2.0: the
+    averager's warm-up means something only together with a comm hook's, which ``wrap()``
+    builds and links (the reasons and the one table: ``ripples_pg/_args.py``).
     """
 
-    def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
-                 host_group=None, world_group=None, optimizer: Optional[torch.optim.Optimizer]
-                 = None, average_optimizer_state: Union[bool, Sequence[str]] = False,
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
+                 levels: Optional[Union[Mapping[int, str], str]] = None,
+                 warmup_steps: int = 0, *,
+                 host_group: Optional[dist.ProcessGroup] = None,
+                 world_group: Optional[dist.ProcessGroup] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 average_optimizer_state: Union[bool, Sequence[str]] = False,
                  module: Optional[torch.nn.Module] = None, overlap: bool = False,
-                 warmup_straggler: Optional[float] = None):
+                 warmup_straggler: Optional[float] = None) -> None:
         self._hook_states: list = []
         self._round: Optional[OverlappedRound] = None
         super().__init__(process_group)
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
-            raise TypeError(f"ripples_pg.RipplesAverager: warmup_steps must be an int >= 0, "
-                            f"got {warmup_steps!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"ripples_pg.RipplesAverager: warmup_steps must be >= 0, got "
-                             f"{warmup_steps}")
-        self.warmup_steps = warmup_steps
-        if warmup_straggler is not None:
-            if isinstance(warmup_straggler, bool) or \
-                    not isinstance(warmup_straggler, (int, float)) or \
-                    not math.isfinite(warmup_straggler) or \
-                    (warmup_straggler != 0 and warmup_straggler <= 1):
-                raise ValueError(f"ripples_pg.RipplesAverager: warmup_straggler must be a "
-                                 f"number > 1 (or 0/None: warm-up always runs its "
-                                 f"warmup_steps), got {warmup_straggler!r}")
-        self.warmup_straggler = float(warmup_straggler or 0)
+        who = "ripples_pg.RipplesAverager"
+        # the checks wrap() and RipplesStrategy run too (ripples_pg/_args.py): a bad value
+        # gets the same error wherever it is given
+        self.warmup_steps = check_int(who, "warmup_steps", warmup_steps, 0)
+        self.warmup_straggler = float(
+            check_warmup_straggler(who, "warmup_straggler", warmup_straggler) or 0)
+        check_bool(who, "overlap", overlap)
+        check_state_keys(who, "average_optimizer_state", average_optimizer_state)
         # Warm-up exit: the end of the last step (where this step's clock starts), this step's
         # waiting windows ([start, end] lists: each backward pass's gradient all-reduce, each
         # DDP pre-forward), the pass being timed, a DDP forward not yet in the module's; the
@@ -370,9 +370,6 @@ class RipplesAverager(ModelAverager):
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"ripples_pg.RipplesAverager: module must be a torch.nn.Module "
                             f"(for DDP, ddp_model.module), got {type(module).__name__}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"ripples_pg.RipplesAverager: overlap must be True or False, got "
-                            f"{overlap!r}")
         if isinstance(average_optimizer_state, str):
             average_optimizer_state = [average_optimizer_state]
         self.module = module

@@ -36,6 +36,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from ._args import check_int
 from .averager import RipplesAverager, _params_of, parse_levels
 
 __all__ = ["DiLoCoAverager", "OUTER_NESTEROV", "ON_ALONE", "resolve_sync_levels",
@@ -93,12 +94,7 @@ def resolve_sync_levels(outer_optimizer: OuterSpec, sync_every: Optional[int], l
     """
     check_outer_optimizer(outer_optimizer, who)
     if sync_every is not None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int):
-            raise TypeError(f"{who}: sync_every must be an int >= 1 (inner steps per outer "
-                            f"step), got {sync_every!r}")
-        if sync_every < 1:
-            raise ValueError(f"{who}: sync_every must be >= 1 (inner steps per outer step), "
-                             f"got {sync_every}")
+        check_int(who, "sync_every", sync_every, 1)  # inner steps per outer step
     if outer_optimizer is not None and overlap:
         raise ValueError(f"{who}: overlap=True cannot be combined with an outer_optimizer (an "
                          f"overlapped round is applied one step late, after the outer step "

@@ -54,13 +54,12 @@ import torch
 import torch.distributed as dist
 
 from ._api import exact
+from ._args import POST_WARMUP_MODES, check_choice, check_int
 from ._groups import host_group  # public here: ripples_pg.hooks.host_group
 
 __all__ = ["RipplesHookState", "ripples_hook", "host_group", "POST_WARMUP_MODES"]
 
 logger = logging.getLogger(__name__)
-
-POST_WARMUP_MODES = ("local", "host")
 
 
 # ----------------------------------------------------------------------------- state
@@ -92,14 +91,8 @@ class RipplesHookState:
 
     def __init__(self, process_group=None, warmup_steps: int = 0, post_warmup: str = "local",
                  host_group=None, averager=None, ddp_model=None):
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int):
-            raise TypeError(f"ripples_pg.hooks: warmup_steps must be an int >= 0, got "
-                            f"{warmup_steps!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"ripples_pg.hooks: warmup_steps must be >= 0, got {warmup_steps}")
-        if post_warmup not in POST_WARMUP_MODES:
-            raise ValueError(f"ripples_pg.hooks: post_warmup must be one of "
-                             f"{POST_WARMUP_MODES}, got {post_warmup!r}")
+        check_int("ripples_pg.hooks", "warmup_steps", warmup_steps, 0)
+        check_choice("ripples_pg.hooks", "post_warmup", post_warmup, POST_WARMUP_MODES)
         self.process_group = process_group
         self.warmup_steps = warmup_steps
         self.post_warmup = post_warmup

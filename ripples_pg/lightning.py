@@ -62,11 +62,11 @@ StrategyRegistry = _sub("strategies").StrategyRegistry
 _FITTING = "fit"  # TrainerFn.FITTING (a str enum)
 
 import ripples_pg  # noqa: E402
+from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, STRATEGY_OWNS,  # noqa: E402
+                    check_choice, check_group_options, check_int, check_training_args)
 from ._groups import exact_if_ripples  # noqa: E402
-from ._wrap import DEFAULT_WARMUP_STRAGGLER, RipplesOptimizer, wrap  # noqa: E402
+from ._wrap import RipplesOptimizer, wrap  # noqa: E402
 from .averager import parse_levels  # noqa: E402
-from .diloco import check_on_alone, resolve_sync_levels  # noqa: E402
-from .hooks import POST_WARMUP_MODES  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
 
@@ -158,15 +158,18 @@ def _check_ddp_kwargs(kwargs: dict) -> None:
 class RipplesStrategy(DDPStrategy):
     """DDP on the ``ripples`` backend with Ripples training (``ripples_pg.wrap``).
 
-    Ripples arguments (as :func:`ripples_pg.wrap`; ``None`` = the ``RIPPLES_*`` environment,
-    else wrap's default): ``schedule`` (default ``"smart"``), ``group_size`` (3),
-    ``warmup_steps`` (50), ``warmup_straggler`` (2.0), ``levels`` (``{1: "partial"}``),
-    ``post_warmup`` (``"local"``), ``average_optimizer_state``, ``overlap``, ``c_thres``,
-    ``inter_intra``, ``coordinator``, ``on_failure`` (``"skip"``), ``seed``, ``trace``,
-    ``period_max`` (2), ``compression``, ``round_timeout`` (seconds; wrap's ``timeout``:
-    default the process group's ``timeout``), and ``outer_optimizer`` / ``sync_every`` /
-    ``on_alone`` (partial DiLoCo, docs/diloco.md). Other keywords go to ``DDPStrategy`` and
-    on to ``DistributedDataParallel``; one that neither takes is refused here.
+    Ripples arguments: every keyword option of :func:`ripples_pg.wrap`, with wrap's defaults
+    and checks (one table: ``ripples_pg/_args.py``, docs/options.md): ``schedule``
+    (``"smart"``), ``group_size`` (3), ``warmup_steps`` (50), ``warmup_straggler`` (2.0),
+    ``levels`` (``{1: "partial"}``), ``post_warmup`` (``"local"``),
+    ``average_optimizer_state``, ``overlap``, ``c_thres``, ``inter_intra``, ``coordinator``,
+    ``on_failure`` (``"skip"``), ``seed``, ``trace``, ``period_max`` (2), ``compression``,
+    ``timeout`` (below) and ``outer_optimizer`` / ``sync_every`` / ``on_alone`` (partial
+    DiLoCo, docs/diloco.md); ``None`` for an Options field = the ``RIPPLES_*`` environment,
+    else that default. Not ``group`` and ``sampler``: the strategy creates both itself, and
+    refuses them. A bad value raises here, as wrap() would, not in ``fit``. Other keywords go
+    to ``DDPStrategy`` and on to ``DistributedDataParallel``; one that neither takes is
+    refused here.
 
     Strategy arguments:
         progress: what the Trainer's budgets count (docs/lightning.md, "Stopping").
@@ -189,7 +192,10 @@ class RipplesStrategy(DDPStrategy):
             loggers every so many optimizer steps (default: the Trainer's
             ``log_every_n_steps``; 0 = never). Local counters only: no collective.
         process_group_backend: must be ``"ripples"`` (the default).
-        timeout: the process group's timeout (``timedelta`` or seconds), as ``DDPStrategy``.
+        timeout: the process group's timeout (``timedelta`` or seconds), as ``DDPStrategy``;
+            wrap() bounds the partial rounds by it too (its ``timeout`` default).
+        round_timeout: seconds per partial round where it must differ from ``timeout``
+            (``wrap(timeout=...)``; default: ``timeout``).
 
     Other keyword arguments go to ``DDPStrategy`` / ``DistributedDataParallel``; DDP comm
     hooks and ``model_averaging_period`` are refused (the strategy registers its own).
@@ -198,7 +204,7 @@ class RipplesStrategy(DDPStrategy):
     strategy_name = STRATEGY_NAME
 
     def __init__(self, *, schedule: Optional[str] = None, group_size: Optional[int] = None,
-                 warmup_steps: Optional[int] = None,
+                 warmup_steps: Optional[int] = DEFAULT_WARMUP_STEPS,
                  warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
                  levels=None, post_warmup: str = "local",
                  average_optimizer_state: Union[bool, Sequence[str]] = False,
@@ -223,38 +229,34 @@ class RipplesStrategy(DDPStrategy):
                 f"{process_group_backend!r}. Partial rounds cannot be fenced against another "
                 f"backend's collectives; for plain DDP on {process_group_backend!r} use "
                 f"DDPStrategy.")
+        for name, why in STRATEGY_OWNS.items():
+            if name in kwargs:
+                raise TypeError(f"RipplesStrategy: {name}= is a ripples_pg.wrap() argument the "
+                                f"strategy does not take: {why}")
         for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper",
                      "model_averaging_period"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"RipplesStrategy: {name}= is not supported: the strategy "
                                  f"registers Ripples' own comm hook and model averager")
             kwargs.pop(name, None)
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=float(timeout))
         if timeout is not None:
-            kwargs["timeout"] = timeout
-        # wrap()'s arguments, validated now so that a typo fails at construction, not in fit
-        if post_warmup not in POST_WARMUP_MODES:
-            raise ValueError(f"RipplesStrategy: post_warmup must be one of "
-                             f"{POST_WARMUP_MODES}, got {post_warmup!r}")
-        # partial DiLoCo: validated with levels; levels=None stays None for wrap (sync_every
-        # then sets them)
-        resolved, _ = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap,
-                                          "RipplesStrategy")
-        check_on_alone(on_alone, "RipplesStrategy", outer_optimizer)
+            # the process group's timeout, which wrap() gives the partial rounds too unless
+            # round_timeout is set: checked as wrap(timeout=...) is
+            seconds = check_group_options("RipplesStrategy", {"timeout": timeout}).timeout
+            kwargs["timeout"] = timeout if isinstance(timeout, timedelta) else \
+                timedelta(seconds=seconds)
+        # wrap()'s arguments, validated now (by wrap()'s own checks, ripples_pg/_args.py) so
+        # that a typo fails at construction, not in fit. levels=None stays None for wrap
+        # (sync_every then sets them).
+        resolved, _ = check_training_args(
+            "RipplesStrategy", warmup_steps=warmup_steps, warmup_straggler=warmup_straggler,
+            levels=levels, post_warmup=post_warmup,
+            average_optimizer_state=average_optimizer_state, overlap=overlap,
+            outer_optimizer=outer_optimizer, sync_every=sync_every, on_alone=on_alone)
         levels = parse_levels(levels) if levels is not None or sync_every is None else None
-        for name, value, minimum in (("warmup_steps", warmup_steps, 0),
-                                     ("group_size", group_size, 1),
-                                     ("stats_every_n_steps", stats_every_n_steps, 0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < minimum):
-                raise ValueError(f"RipplesStrategy: {name} must be an int >= {minimum}, got "
-                                 f"{value!r}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"RipplesStrategy: overlap must be True or False, got {overlap!r}")
-        if progress not in PROGRESS_MODES:
-            raise ValueError(f"RipplesStrategy: progress must be one of {PROGRESS_MODES}, got "
-                             f"{progress!r}")
+        if stats_every_n_steps is not None:
+            check_int("RipplesStrategy", "stats_every_n_steps", stats_every_n_steps, 0)
+        check_choice("RipplesStrategy", "progress", progress, PROGRESS_MODES)
         if time_limit is not None:
             if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or \
                     not math.isfinite(time_limit) or time_limit <= 0:
@@ -281,12 +283,7 @@ class RipplesStrategy(DDPStrategy):
                  "inter_intra": inter_intra, "coordinator": coordinator,
                  "timeout": round_timeout, "on_failure": on_failure, "seed": seed,
                  "trace": trace, "period_max": period_max, "compression": compression}
-        fields = set(ripples_pg.Options.fields())
-        unknown = sorted(k for k, v in given.items() if v is not None and k not in fields)
-        if unknown:
-            raise ValueError(f"RipplesStrategy: this build's ripples_pg.Options has no "
-                             f"field(s) {unknown}")
-        ripples_pg.Options(**{k: v for k, v in given.items() if v is not None})  # validates
+        check_group_options("RipplesStrategy", given)
         _check_ddp_kwargs(kwargs)
         super().__init__(process_group_backend=STRATEGY_NAME, **kwargs)
         self._wrap_kwargs = dict(given, warmup_steps=warmup_steps,

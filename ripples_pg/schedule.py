@@ -1,6 +1,6 @@
 """Print the groups a Group Generator policy forms for a worker layout.
 
-    python -m ripples_pg.schedule --policy static --workers 16 --per-host 4 --rounds 8 --json
+    python -m ripples_pg.schedule --schedule static --workers 16 --per-host 4 --rounds 8 --json
 
 Output with ``--json``: a JSON array with one element per round; each element is a list of
 groups, each group a sorted list of ranks (groups ordered by their lowest rank). Without it, a
@@ -101,9 +101,9 @@ def schedule_for(args: argparse.Namespace) -> Tuple[List[Round], List[List[int]]
     """The rounds the command line asks for, and the workers passed in each (none for
     static)."""
     host_of = host_labels(args)
-    if args.policy == "static":
+    if args.schedule == "static":
         return static_rounds(args.workers, host_of, args.rounds), [[] for _ in range(args.rounds)]
-    return dynamic_schedule(args.policy, args.workers, host_of, args.rounds, args.group_size,
+    return dynamic_schedule(args.schedule, args.workers, host_of, args.rounds, args.group_size,
                             args.c_thres, args.inter_intra, args.seed, args.arrival,
                             args.partner_wait_ms, args.max_isolated, args.period_max)
 

@@ -142,3 +142,17 @@ def test_build_records_the_torch_it_compiled_against():
 
     assert _build_info.TORCH_VERSION == RUNNING
     assert _build_info.TORCH_VERSION_FULL == torch.__version__
+
+
+def test_type_hints_marker_ships_in_wheel_and_sdist():
+    """PEP 561: the package has its py.typed marker, and the build configuration carries it
+    into the wheel (package-data) and the sdist (MANIFEST.in). tests/wheel/test_smoke.py checks
+    that an installed wheel has it."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    assert os.path.isfile(os.path.join(ROOT, "ripples_pg", "py.typed"))
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        package_data = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in package_data["ripples_pg"], package_data
+    with open(os.path.join(ROOT, "MANIFEST.in")) as f:
+        assert "include ripples_pg/py.typed" in f.read().splitlines()

@@ -39,14 +39,14 @@ FIG10_16 = [
 
 
 def test_static_json_is_figure_10():
-    p = run_cli("--policy", "static", "--workers", "16", "--per-host", "4", "--rounds", "8",
+    p = run_cli("--schedule", "static", "--workers", "16", "--per-host", "4", "--rounds", "8",
                 "--json")
     rounds = json.loads(p.stdout)
     assert rounds == FIG10_16 + FIG10_16
 
 
 def test_static_table_readable(capsys):
-    p = run_main(capsys, "--policy", "static", "--workers", "8", "--per-host", "4", "--rounds", "4")
+    p = run_main(capsys, "--schedule", "static", "--workers", "8", "--per-host", "4", "--rounds", "4")
     lines = p.stdout.splitlines()
     assert lines[0].startswith("round |") and "W7" in lines[0]
     assert len([ln for ln in lines if ln.strip()[:1].isdigit()]) == 4
@@ -86,7 +86,7 @@ def test_uneven_hosts(capsys):
 
 @pytest.mark.parametrize("policy", ["random", "smart", "adpsgd"])
 def test_dynamic_policies_are_conflict_free_and_seeded(capsys, policy):
-    args = ["--policy", policy, "--workers", "12", "--per-host", "4", "--rounds", "10",
+    args = ["--schedule", policy, "--workers", "12", "--per-host", "4", "--rounds", "10",
             "--seed", "5", "--json"]
     a = json.loads(run_main(capsys, *args).stdout)
     b = json.loads(run_main(capsys, *args).stdout)
@@ -117,7 +117,7 @@ def test_inter_intra_groups_respect_hosts():
 
 
 def test_bad_arguments_fail_cleanly():
-    p = run_cli("--policy", "bogus", "--workers", "4", check=False)
+    p = run_cli("--schedule", "bogus", "--workers", "4", check=False)
     assert p.returncode == 2
     p = run_cli("--workers", "4", "--hosts", "1,2", check=False)
     assert p.returncode != 0 and "labels" in p.stderr

@@ -101,6 +101,8 @@ def test_imported_from_the_venv_not_the_source_tree():
     assert pkg.startswith(os.path.realpath(sys.prefix) + os.sep), \
         f"ripples_pg imported from {pkg}, not from the venv {sys.prefix}"
     assert glob.glob(os.path.join(pkg, "_C*.so")), os.listdir(pkg)
+    # PEP 561: type checkers read the package's hints only with this marker beside it
+    assert os.path.isfile(os.path.join(pkg, "py.typed")), os.listdir(pkg)
 
 
 def _dynamic(path):

@@ -1,0 +1,212 @@
+"""The training options of ``wrap()``, ``RipplesStrategy`` and ``RipplesAverager``: one table of
+names, defaults and checks (docs/options.md, "One table of defaults").
+
+``ARGS`` holds every keyword option of :func:`ripples_pg.wrap` (not the model and optimizer it
+works on): its default and the check that validates it. ``RipplesStrategy`` takes the same
+keywords with the same defaults, and both run :func:`check_training_args` and
+:func:`check_group_options`; ``RipplesAverager`` and ``RipplesHookState`` run the same
+per-option checks for the options they share. So a bad value gets the same exception and
+message (after the caller's name) wherever it is given.
+
+The rule of every check: a value of the wrong type is an :class:`OptionTypeError`, a value of
+the right type out of range a ``ValueError``; the message names the option, what it accepts and
+the value given. ``OptionTypeError`` is a ``TypeError`` (torch's convention) and also a
+``ValueError``, because some of these places raised ``ValueError`` for a wrong type before
+(``RipplesStrategy(warmup_steps=1.5)``, ``RipplesAverager(warmup_straggler="2")``) and code that
+catches either must keep working. The ``ripples_pg.Options`` fields that ``wrap()`` forwards to the
+partial group it creates (``group_option``) are checked by ``Options`` itself, whose
+documented contract is a ``ValueError`` for any bad value (its values may come from the
+environment as strings).
+
+Defaults that differ on purpose (each documented here and nowhere else):
+
+* ``Options`` against ``wrap()``: a bare ``ripples`` group defaults to ``schedule="static"``
+  (no coordinator to run), ``on_failure="raise"`` and every round averaging
+  (``period_max`` unset = 1); ``wrap()`` trains with the straggler-aware ``"smart"``
+  schedule, skips a failed round instead of ending every survivor's training, and averages
+  every second step (``WRAP_GROUP_DEFAULTS``; an ``RIPPLES_*`` variable still wins).
+* ``RipplesAverager`` / ``RipplesHookState`` against ``wrap()``: the low-level pieces default
+  to no warm-up (``warmup_steps=0``) and no early warm-up exit (``warmup_straggler=None``),
+  because their warm-up only means something together: the hook averages gradients exactly
+  while the averager does not average, and the exit reads the hook's timings. ``wrap()``
+  builds and links both, so it can default to 50 steps and 2.0.
+* The command lines: ``python -m ripples_pg.schedule`` shows ``static`` rounds by default (the
+  schedule a bare group uses); ``ripples-coordinator`` serves ``smart`` by default (a
+  standalone coordinator exists for the dynamic schedules; ``static`` needs none).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+from .options import _FIELDS, Options
+
+__all__ = ["OptionTypeError", "ARGS", "STRATEGY_OWNS", "RENAMED_FLAGS", "DEFAULT_WARMUP_STEPS",
+           "DEFAULT_WARMUP_STRAGGLER", "WRAP_GROUP_DEFAULTS", "POST_WARMUP_MODES",
+           "check_int", "check_bool", "check_choice", "check_warmup_straggler",
+           "check_state_keys", "check_training_args", "check_group_options"]
+
+POST_WARMUP_MODES = ("local", "host")
+
+
+# ----------------------------------------------------------------------------- checks
+# Each takes (who, name, value), returns the value, or raises naming ``who`` (the API called).
+
+
+class OptionTypeError(TypeError, ValueError):
+    """An option given a value of the wrong type (both bases: see the module's docstring)."""
+
+
+def check_int(who: str, name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionTypeError(f"{who}: {name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{who}: {name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_bool(who: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise OptionTypeError(f"{who}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(who: str, name: str, value: Any, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{who}: {name} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_warmup_straggler(who: str, name: str, value: Any) -> Optional[float]:
+    accepted = (f"{name} must be a number > 1 (or 0/None: warm-up always runs its "
+                f"warmup_steps)")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise OptionTypeError(f"{who}: {accepted}, got {value!r}")
+    if not math.isfinite(value) or (value != 0 and value <= 1):
+        raise ValueError(f"{who}: {accepted}, got {value!r}")
+    return value
+
+
+def check_state_keys(who: str, name: str, value: Any):
+    """``average_optimizer_state``: a bool, one state key, or a sequence of state keys."""
+    if isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, Sequence) and all(isinstance(k, str) for k in value):
+        return value
+    raise OptionTypeError(f"{who}: {name} must be True, False or a list of optimizer state keys "
+                    f"(e.g. ['momentum_buffer']), got {value!r}")
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One keyword option of ``wrap()`` and ``RipplesStrategy``."""
+
+    name: str
+    default: Any  # what a call that does not set it gets (see group_option)
+    help: str
+    # An Options field of the partial group: None in a signature means "not given" (then
+    # RIPPLES_<NAME>, then ``default``); Options validates it.
+    group_option: bool = False
+
+
+DEFAULT_WARMUP_STEPS = 50
+# Warm-up (exact, at the slowest worker's pace) ends early once a worker computes this many
+# times slower than the median in two checks in a row (ripples_pg.averager); None/0 = never.
+DEFAULT_WARMUP_STRAGGLER = 2.0
+
+# wrap()'s defaults for the partial group where they differ from Options' (module docstring).
+# on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
+# missed averaging step -- the buffers are left as they were, atomically -- while raising would
+# end the training of every survivor. Exact collectives still raise.
+# period_max=2: the coordinator lets the workers average every 2nd step only (a straggler with
+# whoever is due). Chosen with benchmarks/train.py (docs/benchmarks.md, "No straggler"): level
+# with exact DDP on all three workloads, where 4 won on the wide MLP but lost on the ResNet and
+# the Transformer (the replicas drift further apart between averages). With sync_every it is 1
+# (wrap()): a round every H steps is already rare.
+WRAP_GROUP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip",
+                       "period_max": 2}
+
+
+def _group(name: str, help: str) -> Arg:
+    default = WRAP_GROUP_DEFAULTS.get(name, _FIELDS[name].default)
+    return Arg(name, default, help, group_option=True)
+
+
+ARGS: Dict[str, Arg] = {a.name: a for a in (
+    _group("schedule", "where partial groups come from"),
+    _group("group_size", "workers per partial group"),
+    _group("c_thres", "the smart schedule's slowdown filter (None: the coordinator's, 4)"),
+    _group("inter_intra", "smart: Inter and Intra groups"),
+    _group("coordinator", "'embedded' or standalone coordinators' endpoints"),
+    _group("timeout", "seconds per partial round (None: the DDP group's timeout)"),
+    _group("on_failure", "a failed partial round: 'skip' it or 'raise'"),
+    _group("seed", "the coordinator's random seed (None: random)"),
+    _group("trace", "keep a per-round trace"),
+    _group("period_max", "the coordinator's adaptive period (1 with sync_every)"),
+    _group("compression", "quantise partial rounds across hosts"),
+    Arg("warmup_steps", DEFAULT_WARMUP_STEPS, "at most this many exact steps first"),
+    Arg("warmup_straggler", DEFAULT_WARMUP_STRAGGLER,
+        "end warm-up early at a straggler this many times the median (None/0: never)"),
+    Arg("levels", None, "{period: level}; None: {1: 'partial'} ({H: 'partial'} with "
+                        "sync_every=H)"),
+    Arg("post_warmup", "local", "gradients after warm-up: 'local' or 'host'"),
+    Arg("average_optimizer_state", False, "also average optimizer state"),
+    Arg("overlap", False, "run each partial round behind the next step"),
+    Arg("outer_optimizer", None, "partial DiLoCo's outer optimizer"),
+    Arg("sync_every", None, "partial DiLoCo: steps between averaging steps"),
+    Arg("on_alone", "defer", "partial DiLoCo: a round with nobody: 'defer' or 'local_step'"),
+    Arg("group", None, "an existing ripples group for the rounds"),
+    Arg("sampler", None, "a ripples_pg.DistributedSampler linked to the optimizer"),
+)}
+
+# wrap() keywords the Lightning strategy does not take: they name objects the strategy creates
+# itself, so a value given would be ignored or contradicted. It refuses them, saying why.
+STRATEGY_OWNS = {
+    "group": "the strategy creates the partial group; set its schedule options instead",
+    "sampler": "the strategy makes the training loader's sampler job-wide itself "
+               "(progress='job')",
+}
+
+# Command-line flags renamed to the Options names; the old flag still works and warns on
+# stderr. ``python -m ripples_pg.schedule`` (ripples_pg/_gg_cli.py).
+RENAMED_FLAGS = {"--policy": "--schedule"}
+
+
+# ----------------------------------------------------------------------------- shared checks
+
+
+def check_training_args(who: str, *, warmup_steps: Optional[int], warmup_straggler: Any,
+                        levels: Any, post_warmup: str,
+                        average_optimizer_state: Any, overlap: bool, outer_optimizer: Any,
+                        sync_every: Optional[int], on_alone: str
+                        ) -> Tuple["Mapping[int, str]", Optional[int]]:
+    """Checks the training options ``wrap()`` and ``RipplesStrategy`` share (``None`` for
+    ``warmup_steps``: the default) and returns ``(levels, sync_every)`` resolved: the levels
+    to run and partial DiLoCo's ``H`` (None: plain Ripples)."""
+    from .diloco import check_on_alone, resolve_sync_levels
+
+    if warmup_steps is not None:
+        check_int(who, "warmup_steps", warmup_steps, 0)
+    check_warmup_straggler(who, "warmup_straggler", warmup_straggler)
+    check_choice(who, "post_warmup", post_warmup, POST_WARMUP_MODES)
+    check_state_keys(who, "average_optimizer_state", average_optimizer_state)
+    check_bool(who, "overlap", overlap)
+    levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap, who)
+    check_on_alone(on_alone, who, outer_optimizer)
+    return levels, sync_every
+
+
+def check_group_options(who: str, given: Mapping[str, Any]):
+    """Validates the partial group's options given to ``wrap()`` or ``RipplesStrategy`` (those
+    not None) as ``ripples_pg.Options`` does, and returns them as an ``Options``."""
+    kw = {k: v for k, v in given.items() if v is not None}
+    missing = sorted(set(kw) - set(Options.fields()))
+    if missing:  # a Python package newer than the Options it runs with
+        raise RuntimeError(f"{who}: this build's ripples_pg.Options has no field(s) {missing}")
+    return Options(**kw)  # a ValueError naming the field and what it accepts
