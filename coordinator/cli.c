@@ -21,7 +21,7 @@ static void on_signal(int sig) {
 
 void rpl_coord_cli_usage(FILE *f) {
   fprintf(f,
-          "usage: ripples-coordinator --workers N [--bind ENDPOINT] [--policy P]\n"
+          "usage: ripples-coordinator --workers N [--bind ENDPOINT] [--schedule S]\n"
           "                           [--per-host L | --hosts LABEL,LABEL,...]\n"
           "                           [--group-size G] [--c-thres C] [--inter-intra]\n"
           "                           [--partner-wait-ms MS] [--max-isolated K]\n"
@@ -34,8 +34,9 @@ void rpl_coord_cli_usage(FILE *f) {
           "                           [--timeout-ms MS] [--json]\n"
           "--bind defaults to " RPL_COORD_CLI_DEFAULT_BIND " (this host only): a multi-host job passes\n"
           "tcp://<interface-ip>:29600; every interface (tcp://0.0.0.0:29600) only if asked.\n"
-          "Policies: random, smart, adpsgd, static. The token comes from --token-file, else\n"
-          "$RIPPLES_GG_TOKEN, else a new one, which must be written (--write-token, created\n"
+          "Schedules: random, smart, adpsgd, static (--policy is the old name). The token comes\n"
+          "from --token-file, else $RIPPLES_COORDINATOR_TOKEN (the old $RIPPLES_GG_TOKEN\n"
+          "works), else a new one, which must be written (--write-token, created\n"
           "0600) or printed (--print-token). --token HEX works but argv is visible to other\n"
           "users (ps). --join-ms -1 waits for ever for workers to connect.\n"
           "--partner-wait-ms: longest wait for partners before a smaller group (0 = adaptive,\n"
@@ -119,7 +120,8 @@ static const str_flag k_str_flags[] = {
     {"--status", offsetof(rpl_coord_cli, status)},
     {"--token-file", offsetof(rpl_coord_cli, token_file)}, /* read after the loop */
     {"--write-token", offsetof(rpl_coord_cli, write_token)},
-    {"--policy", offsetof(rpl_coord_cli, policy)},
+    {"--schedule", offsetof(rpl_coord_cli, policy)},
+    {"--policy", offsetof(rpl_coord_cli, policy)}, /* the old name of --schedule */
     {"--hosts", offsetof(rpl_coord_cli, hosts)},
 };
 
@@ -128,8 +130,14 @@ int rpl_coord_cli_parse(int argc, char *const *argv, rpl_coord_cli *cli) {
   cli->cfg.bind = RPL_COORD_CLI_DEFAULT_BIND;
   cli->policy = "smart";
   cli->timeout_ms = 5000;
-  cli->token = getenv("RIPPLES_GG_TOKEN");
-  cli->token_from = cli->token ? "from $RIPPLES_GG_TOKEN" : NULL;
+  /* One name for the token on both sides: the workers read RIPPLES_COORDINATOR_TOKEN. */
+  cli->token = getenv("RIPPLES_COORDINATOR_TOKEN");
+  cli->token_from = cli->token ? "from $RIPPLES_COORDINATOR_TOKEN" : NULL;
+  if (!cli->token && (cli->token = getenv("RIPPLES_GG_TOKEN")) != NULL) {
+    cli->token_from = "from $RIPPLES_GG_TOKEN";
+    fprintf(stderr, "ripples-coordinator: warning: $RIPPLES_GG_TOKEN is deprecated; use "
+                    "$RIPPLES_COORDINATOR_TOKEN, as the workers do\n");
+  }
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -161,6 +169,9 @@ int rpl_coord_cli_parse(int argc, char *const *argv, rpl_coord_cli *cli) {
       if (parse_int(v, a, fi->lo, fi->hi, (int *)((char *)cli + fi->offset))) return 2;
     } else if (fs) {
       *(const char **)((char *)cli + fs->offset) = v;
+      if (!strcmp(a, "--policy"))
+        fprintf(stderr, "ripples-coordinator: warning: --policy is deprecated; use --schedule "
+                        "(the Options name)\n");
     } else if (!strcmp(a, "--seed")) {
       cli->cfg.gg.seed = strtoull(v, NULL, 0);
     } else { /* --token */
@@ -168,7 +179,7 @@ int rpl_coord_cli_parse(int argc, char *const *argv, rpl_coord_cli *cli) {
       cli->token_from = "from --token";
       fprintf(stderr, "ripples-coordinator: warning: --token puts the job token in the command "
                       "line, which other users of this host can read (ps); prefer "
-                      "--token-file FILE or $RIPPLES_GG_TOKEN\n");
+                      "--token-file FILE or $RIPPLES_COORDINATOR_TOKEN\n");
     }
   }
   if (cli->token_file) {
@@ -214,7 +225,7 @@ int rpl_coord_cli_config(rpl_coord_cli *cli, int **labels) {
   if (!cli->token && !cli->write_token && !cli->print_token) {
     fprintf(stderr, "ripples-coordinator: a new job token must reach the workers: pass "
                     "--write-token FILE (created 0600) or --print-token, or give one with "
-                    "--token-file / $RIPPLES_GG_TOKEN\n");
+                    "--token-file / $RIPPLES_COORDINATOR_TOKEN\n");
     return 2;
   }
   rpl_error err;
@@ -239,7 +250,7 @@ int rpl_coord_cli_config(rpl_coord_cli *cli, int **labels) {
 static int print_status(const rpl_coord_cli *cli) {
   if (!cli->token) {
     fprintf(stderr, "ripples-coordinator: --status needs the job token (--token, "
-                    "--token-file or $RIPPLES_GG_TOKEN)\n");
+                    "--token-file or $RIPPLES_COORDINATOR_TOKEN)\n");
     return 2;
   }
   rpl_error err;

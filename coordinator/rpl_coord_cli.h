@@ -5,7 +5,7 @@
  *
  *   ripples-coordinator --bind tcp://10.0.0.5:29600 --workers 16 --per-host 4 \
  *                       --write-token ~/.ripples-token
- *   RIPPLES_GG_TOKEN=$(cat ~/.ripples-token) ripples-coordinator --status tcp://10.0.0.5:29600
+ *   RIPPLES_COORDINATOR_TOKEN=$(cat ~/.ripples-token) ripples-coordinator --status tcp://10.0.0.5:29600
  *
  * Messages go to stderr, prefixed "ripples-coordinator: "; results (the serving line, the
  * status) to stdout. Exit status: 0 done, 1 the service or the query failed, 2 bad usage.
@@ -29,7 +29,8 @@ typedef struct rpl_coord_cli {
   const char *status;     /* --status ENDPOINT: query a running coordinator instead of serving */
   int as_json;            /* --json: the status document rather than the table */
   int timeout_ms;         /* --timeout-ms: the status query's reply timeout */
-  const char *token;      /* --token, --token-file, else $RIPPLES_GG_TOKEN; NULL = generate */
+  const char *token;      /* --token, --token-file, else $RIPPLES_COORDINATOR_TOKEN
+                             (or the old $RIPPLES_GG_TOKEN); NULL = generate */
   const char *token_from; /* where token came from, for the serving line */
   const char *token_file; /* --token-file PATH (read into token_buf) */
   const char *write_token;/* --write-token PATH */

@@ -5,13 +5,14 @@ this process)::
 
     python -m ripples_pg.coordinator --bind tcp://10.0.0.5:29600 --workers 16 --per-host 4 \
         --write-token ~/.ripples-token                      # created 0600
-    RIPPLES_GG_TOKEN=$(cat ~/.ripples-token) python -m ripples_pg.coordinator \
+    RIPPLES_COORDINATOR_TOKEN=$(cat ~/.ripples-token) python -m ripples_pg.coordinator \
         --status tcp://10.0.0.5:29600                       # a table; --json: the document
 
 The default bind is ``tcp://127.0.0.1:29600`` (this host only): a multi-host job binds the
 interface its workers reach (``--bind tcp://<interface-ip>:29600``); every interface
 (``tcp://0.0.0.0:29600``) only when asked. Tokens come from ``--token-file`` or
-``$RIPPLES_GG_TOKEN``; ``--token HEX`` still works but argv is visible to other users.
+``$RIPPLES_COORDINATOR_TOKEN`` (the old ``$RIPPLES_GG_TOKEN`` works, with a warning);
+``--token HEX`` still works but argv is visible to other users.
 
 Embedded (rank 0 of the default group; the backend's process-group creation calls this)::
 
@@ -41,7 +42,8 @@ DEFAULT_GROUP_SIZE = _gg.DEFAULT_GROUP_SIZE
 
 STORE_PREFIX = "ripples/gg"
 DEFAULT_BIND = "tcp://127.0.0.1:29600"
-TOKEN_ENV = "RIPPLES_GG_TOKEN"
+# the workers' name too; RIPPLES_GG_TOKEN is the old one (the CLI warns)
+TOKEN_ENV = "RIPPLES_COORDINATOR_TOKEN"
 
 
 def _advertised(endpoint: str, advertise_host: Optional[str]) -> str:

@@ -4,6 +4,7 @@ with each other; a bad value gets the same exception and message from each (afte
 caller's name); the strategy takes every ``wrap()`` option and refuses what it does not take
 at construction; old names still work and warn."""
 import inspect
+import os
 import math
 import warnings
 
@@ -236,3 +237,36 @@ def test_schedule_cli_old_flag_warns_and_works(capsys):
     assert old.out == new.out
     assert "--policy is deprecated" in old.err and "use --schedule" in old.err, old.err
 
+
+def test_coordinator_cli_old_names_warn_and_work():
+    """ripples-coordinator (the C parser, through python -m ripples_pg.coordinator and the
+    binary): --schedule is the Options name, --policy still parses and warns; the token
+    variable is the workers' RIPPLES_COORDINATOR_TOKEN, the old RIPPLES_GG_TOKEN still reads
+    and warns."""
+    import subprocess
+    import sys
+
+    from test_coordinator import coordinator_binary
+
+    clis = [[sys.executable, "-m", "ripples_pg.coordinator"]]
+    if coordinator_binary():
+        clis.append([coordinator_binary()])
+    token = "ab" * 32
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("RIPPLES_GG_TOKEN", "RIPPLES_COORDINATOR_TOKEN")}
+    for cli in clis:
+        # no --workers: refused after the flags are parsed (or refused as unknown)
+        new = subprocess.run(cli + ["--schedule", "static"], env=base,
+                             capture_output=True, text=True, timeout=60)
+        assert "--workers N is required" in new.stderr and "deprecated" not in new.stderr, new
+        old = subprocess.run(cli + ["--policy", "static"], env=base,
+                             capture_output=True, text=True, timeout=60)
+        assert "--policy is deprecated; use --schedule" in old.stderr, old
+        # --status against nothing: the token is read before the connection fails
+        status = cli + ["--status", "tcp://127.0.0.1:9", "--timeout-ms", "200"]
+        env_new = dict(base, RIPPLES_COORDINATOR_TOKEN=token)
+        res = subprocess.run(status, env=env_new, capture_output=True, text=True, timeout=60)
+        assert "needs the job token" not in res.stderr and "deprecated" not in res.stderr, res
+        env_old = dict(base, RIPPLES_GG_TOKEN=token)
+        res = subprocess.run(status, env=env_old, capture_output=True, text=True, timeout=60)
+        assert "RIPPLES_GG_TOKEN is deprecated" in res.stderr, res

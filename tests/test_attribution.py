@@ -33,7 +33,7 @@ def _cli_tables(endpoint, token):
     """Rank 0's view from outside: `--status` of each CLI (table and --json)."""
     from test_coordinator import coordinator_binary
 
-    env = dict(os.environ, RIPPLES_GG_TOKEN=token)
+    env = dict(os.environ, RIPPLES_COORDINATOR_TOKEN=token)
     clis = [[sys.executable, "-m", "ripples_pg.coordinator"]]
     if coordinator_binary():
         clis.append([coordinator_binary()])

@@ -275,7 +275,7 @@ def test_token_file_is_0600_and_token_not_printed(kind, tmp_path):
         assert stat.S_IMODE(os.stat(tok).st_mode) == 0o600
         token = tok.read_text().strip()
         assert len(token) == 32 and token not in line and str(tok) in line, line
-        env = dict(os.environ, RIPPLES_GG_TOKEN=token)
+        env = dict(os.environ, RIPPLES_COORDINATOR_TOKEN=token)
         q = subprocess.run(_cli(kind) + ["--status", f"tcp://127.0.0.1:{port}", "--json"],
                            env=env, capture_output=True, text=True, timeout=30)
         assert q.returncode == 0, q.stderr

@@ -130,7 +130,7 @@ def stop(p):
 def test_standalone_groups_formed(kind):
     port = free_port()
     n = 4
-    coord = start_standalone(kind, port, n, "--policy", "smart", "--per-host", "2")
+    coord = start_standalone(kind, port, n, "--schedule", "smart", "--per-host", "2")
     endpoint = f"tcp://127.0.0.1:{port}"
     try:
         logs = collect([spawn_worker(endpoint, TOKEN, r, n, 12) for r in range(n)])
@@ -148,7 +148,7 @@ def test_standalone_groups_formed(kind):
 def test_dead_worker_detected_and_removed():
     port = free_port()
     n = 3
-    coord = start_standalone("python", port, n, "--policy", "smart", "--group-size", "3")
+    coord = start_standalone("python", port, n, "--schedule", "smart", "--group-size", "3")
     endpoint = f"tcp://127.0.0.1:{port}"
     try:
         # Worker 2 does one round with the others, then hangs and is killed; 0 and 1 go on.
@@ -180,7 +180,7 @@ def test_dead_worker_detected_and_removed():
 def test_wrong_token_and_malformed_messages():
     zmq = pytest.importorskip("zmq")
     port = free_port()
-    coord = start_standalone("python", port, 2, "--policy", "random", "--group-size", "2")
+    coord = start_standalone("python", port, 2, "--schedule", "random", "--group-size", "2")
     endpoint = f"tcp://127.0.0.1:{port}"
     try:
         with pytest.raises(ValueError, match="wrong job token"):

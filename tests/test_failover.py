@@ -94,7 +94,7 @@ def test_rank0_killed_survivors_fail_over_and_keep_averaging():
 
 def _start_coordinator(port, n, standby=False):
     cmd = [sys.executable, "-m", "ripples_pg.coordinator", "--bind", f"tcp://127.0.0.1:{port}",
-           "--workers", str(n), "--token", TOKEN, "--policy", "smart", "--heartbeat-ms", "100",
+           "--workers", str(n), "--token", TOKEN, "--schedule", "smart", "--heartbeat-ms", "100",
            "--dead-ms", "1500"] + (["--standby"] if standby else [])
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = p.stdout.readline()
