@@ -422,7 +422,8 @@ def _ddp_of(model):
     return model
 
 
-def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *,
+def wrap(ddp_model: DistributedDataParallel,
+         optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], *,
          schedule: Optional[str] = None,
          group_size: Optional[int] = None,
          warmup_steps: Optional[int] = DEFAULT_WARMUP_STEPS,
@@ -450,7 +451,9 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
     Args:
         ddp_model: a ``DistributedDataParallel`` model on a ``ripples`` process group, or
             ``torch.compile`` of one (``DDP(torch.compile(model))`` works as well).
-        optimizer: its (local) optimizer.
+        optimizer: its (local) optimizer, or a list of optimizers that together train the
+            model (e.g. Muon for the matrices and AdamW for the rest): the wrapped optimizer
+            steps them all, then averages every parameter of all of them.
         schedule, group_size, c_thres, inter_intra, coordinator, timeout, on_failure, seed,
             trace, period_max, compression: ``ripples_pg.Options`` of the partial group that
             ``wrap`` creates over the DDP group's ranks (``None``: the ``RIPPLES_*``
@@ -530,17 +533,38 @@ def wrap(ddp_model: DistributedDataParallel, optimizer: torch.optim.Optimizer, *
             f"ripples_pg.wrap: the model must be a torch.nn.parallel.DistributedDataParallel, "
             f"got {type(ddp_model).__module__}.{type(ddp_model).__qualname__}; wrap it with "
             f"DDP(model) on a 'ripples' process group first")
+    if getattr(ddp_model, "_comm_hooks", None):
+        raise RuntimeError(
+            "ripples_pg.wrap: this DDP model already has a comm hook (an earlier wrap(), "
+            "unwrapped or not, or a hook of your own), and DDP takes only one. For two "
+            "optimizers on one model pass both to one call: wrap(ddp_model, [opt_a, opt_b]); "
+            "to wrap again after unwrap(), wrap a new DDP(model)")
+    if isinstance(optimizer, (list, tuple)):
+        from ._optimizers import OptimizerList
+
+        optimizer = OptimizerList(optimizer)  # checks each is an optimizer
     if isinstance(optimizer, PostLocalSGDOptimizer):
         raise TypeError("ripples_pg.wrap: the optimizer is already a PostLocalSGDOptimizer; "
                         "pass the inner (local) optimizer")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"ripples_pg.wrap: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(f"ripples_pg.wrap: optimizer must be a torch.optim.Optimizer (or a "
+                        f"list of them), got {type(optimizer).__name__}")
     model_params = {id(p) for p in ddp_model.parameters()}
-    opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not opt_params or not any(id(p) in model_params for p in opt_params):
+    opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not opt_params & model_params:
         raise ValueError("ripples_pg.wrap: the optimizer holds none of the model's parameters "
                          "(create it from ddp_model.parameters())")
+    left_out = [n for n, p in ddp_model.module.named_parameters()
+                if p.requires_grad and id(p) not in opt_params]
+    if left_out:
+        # After warm-up the hook no longer all-reduces gradients and the averager averages
+        # the optimizer's parameters only: these would drift apart if anything trains them.
+        warnings.warn(f"ripples_pg.wrap: {len(left_out)} trainable parameter(s) of the model "
+                      f"are not in the optimizer ({', '.join(left_out[:3])}"
+                      f"{', ...' if len(left_out) > 3 else ''}); after warm-up nobody averages "
+                      f"them. If another optimizer trains them, pass both: wrap(ddp_model, "
+                      f"[opt_a, opt_b]); if they are frozen, set requires_grad=False",
+                      stacklevel=2)
     ddp_group = ddp_model.process_group
     if not is_ripples(ddp_group):
         raise ValueError(

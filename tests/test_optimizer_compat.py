@@ -375,3 +375,118 @@ def task_grad_scaler_skipped_step(ctx):
 
 def test_grad_scaler_skips_a_step_on_one_rank(pool):
     pool.run(task_grad_scaler_skipped_step, timeout=180)
+
+
+def _replicas_identical(ctx, net):
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    parts = [torch.empty_like(flat) for _ in range(ctx.ws)]
+    dist.all_gather(parts, flat)
+    return all(torch.equal(parts[0], p) for p in parts)
+
+
+def task_static_graph(ctx):
+    """DDP(static_graph=True): warm-up (exact) and partial rounds both train; unwrap() leaves
+    identical replicas."""
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = DDP(net, static_graph=True)
+    opt = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                          schedule="smart", group_size=2, warmup_steps=2,
+                          timeout=ctx.pg_timeout)
+    _train(ctx, model, opt, 8)
+    chk.true(opt.averager.step == 8, "eight steps", str(opt.averager.step))
+    chk.true(opt.stats()["rounds"] > 0, "partial rounds ran", str(opt.stats()))
+    opt.unwrap()
+    _train(ctx, model, opt.optim, 2)  # plain DDP with a static graph afterwards
+    _check_identical(ctx, chk, net)
+    chk.finish()
+    return "ok"
+
+
+def test_static_graph(pool):
+    pool.run(task_static_graph)
+
+
+def task_param_groups_and_two_optimizers(ctx):
+    """Several param groups, and two optimizers on one model (wrap(model, [a, b])): partial
+    rounds run, and the averager covers every parameter (average_replicas(), which averages
+    what the wrapped optimizer's param_groups hold, leaves identical replicas), each group
+    keeps its hyperparameters, the state dict round-trips; a second wrap() of the DDP model
+    is refused and an optimizer leaving trainable parameters out is warned about."""
+    import warnings
+
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = DDP(net)
+    weights = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in net.named_parameters() if n.endswith("bias")]
+    groups = torch.optim.AdamW([{"params": weights, "lr": 1e-2, "weight_decay": 0.1},
+                                {"params": biases, "lr": 5e-3, "weight_decay": 0.0}])
+    opt = ripples_pg.wrap(model, groups, schedule="static", group_size=ctx.ws, warmup_steps=1,
+                          timeout=ctx.pg_timeout)
+    _train(ctx, model, opt, 4)
+    chk.true(opt.stats()["rounds"] > 0, "param groups: partial rounds ran", str(opt.stats()))
+    opt.average_replicas()
+    chk.true(_replicas_identical(ctx, net), "param groups: every group's parameters averaged")
+    chk.true([g["lr"] for g in opt.param_groups] == [1e-2, 5e-3] and
+             [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0],
+             "each group keeps its hyperparameters", str(opt.param_groups))
+    try:
+        ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        chk.true(False, "a second wrap() of the same DDP model is refused")
+    except RuntimeError as exc:
+        chk.true("already" in str(exc) and "wrap(ddp_model, [" in str(exc),
+                 "the refusal says what to do", str(exc))
+    opt.unwrap()
+
+    torch.manual_seed(1)
+    net2 = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model2 = DDP(net2)
+    w2 = [p for n, p in net2.named_parameters() if n.endswith("weight")]
+    b2 = [p for n, p in net2.named_parameters() if n.endswith("bias")]
+    sgd = torch.optim.SGD(w2, lr=0.05, momentum=0.9)
+    adam = torch.optim.Adam(b2, lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        partial_model = DDP(nn.Linear(3, 3))
+        part = ripples_pg.wrap(partial_model,
+                               torch.optim.SGD([partial_model.module.weight], lr=0.1),
+                               timeout=ctx.pg_timeout)
+    chk.true(any("not in the optimizer" in str(w.message) for w in caught),
+             "an optimizer leaving trainable parameters out is warned about",
+             str([str(w.message) for w in caught]))
+    part.unwrap()
+    opt2 = ripples_pg.wrap(model2, [sgd, adam], schedule="static", group_size=ctx.ws,
+                           warmup_steps=1, average_optimizer_state=True,
+                           timeout=ctx.pg_timeout)
+    _train(ctx, model2, opt2, 4)
+    chk.true(opt2.stats()["rounds"] > 0, "two optimizers: partial rounds ran", str(opt2.stats()))
+    opt2.average_replicas()
+    chk.true(_replicas_identical(ctx, net2), "two optimizers: both's parameters averaged")
+    chk.true(len(opt2.param_groups) == 2 and opt2.param_groups[0]["lr"] == 0.05 and
+             opt2.param_groups[1]["lr"] == 1e-2, "both optimizers' groups visible",
+             str(opt2.param_groups))
+    chk.true(all(p in opt2.state for p in w2 + b2), "both optimizers' state visible")
+    import copy
+
+    sd = copy.deepcopy(opt2.state_dict())  # state_dict() holds the live tensors
+    chk.true(len(sd["optimizers"]) == 2 and "ripples" in sd, "state_dict holds both",
+             str(list(sd)))
+    before = adam.state[b2[0]]["exp_avg"].clone()
+    adam.state[b2[0]]["exp_avg"].zero_()
+    opt2.load_state_dict(sd)
+    chk.true(torch.equal(adam.state[b2[0]]["exp_avg"], before), "load_state_dict restores both")
+    opt2.unwrap()
+    _check_identical(ctx, chk, net2)
+    chk.finish()
+    return "ok"
+
+
+def test_param_groups_and_two_optimizers(pool):
+    pool.run(task_param_groups_and_two_optimizers)
