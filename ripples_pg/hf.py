@@ -181,6 +181,8 @@ class _RipplesTrainerCallback(TrainerCallback):
             # never past a point not yet taken: the step stays monotone on every rank
             state.global_step = job if p is None else min(job, p - 1)
             state.global_step = max(state.global_step, self.done)
+            # no point left: resumed from a checkpoint at (or past) the budget
+            control.should_training_stop = p is None
         state.epoch = state.global_step / self.points.spe
         return control
 
@@ -204,7 +206,8 @@ class RipplesTrainerMixin:
     Keyword arguments, besides the trainer's own:
 
     ``ripples``: a dict of :func:`ripples_pg.wrap` keywords (``warmup_steps``, ``schedule``,
-    ``compression``...; not ``sampler``). Unknown keys are refused here.
+    ``compression``...; not ``group`` or ``sampler``), checked here as ``wrap()`` checks
+    them.
 
     ``average_before``: the points before which the replicas are averaged exactly
     (``"evaluate"``, ``"save"``; default both). Every rank takes part; it costs one exact
@@ -243,19 +246,30 @@ class RipplesTrainerMixin:
 
     @staticmethod
     def _check_ripples_options(ripples: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-        from ._wrap import wrap
+        """wrap()'s keywords, checked now by wrap()'s own checks (ripples_pg/_args.py), so that
+        a typo or a bad value fails at construction rather than when training begins."""
+        from ._args import ARGS, check_group_options, check_training_args
 
+        who = "RipplesTrainer"
+        owns = {"group": "wrap() creates the partial group; set its schedule options instead",
+                "sampler": "the Trainer builds its own sampler"}
         if ripples is None:
             return {}
         if not isinstance(ripples, dict):
-            raise TypeError(f"ripples_pg.hf: ripples= takes a dict of ripples_pg.wrap() "
-                            f"keywords, got {type(ripples).__name__}")
-        known = {n for n, p in inspect.signature(wrap).parameters.items()
-                 if p.kind == p.KEYWORD_ONLY} - {"sampler"}
-        unknown = sorted(set(ripples) - known)
+            raise TypeError(f"{who}: ripples= takes a dict of ripples_pg.wrap() keywords, got "
+                            f"{type(ripples).__name__}")
+        for name in sorted(set(ripples) & set(owns)):
+            raise TypeError(f"{who}: ripples={{{name!r}: ...}} is not taken: "
+                            f"{owns[name]}")
+        unknown = sorted(set(ripples) - set(ARGS))
         if unknown:
-            raise TypeError(f"ripples_pg.hf: unknown ripples= option(s) {unknown}; "
-                            f"ripples_pg.wrap() takes {sorted(known)}")
+            raise TypeError(f"{who}: unknown ripples= option(s) {unknown}; ripples_pg.wrap() "
+                            f"takes {sorted(set(ARGS) - set(owns))}")
+        training = ("warmup_steps", "warmup_straggler", "levels", "post_warmup",
+                    "average_optimizer_state", "overlap", "outer_optimizer", "sync_every",
+                    "on_alone")
+        check_training_args(who, **{n: ripples.get(n, ARGS[n].default) for n in training})
+        check_group_options(who, {n: v for n, v in ripples.items() if ARGS[n].group_option})
         return dict(ripples)
 
     @staticmethod

@@ -65,6 +65,12 @@ def test_construction_refuses_what_would_break(tmp_path):
 
     with pytest.raises(TypeError, match=r"unknown ripples= option\(s\) \['warmup'\]"):
         RipplesTrainer(**_trainer_kwargs(tmp_path), ripples={"warmup": 3})
+    with pytest.raises(ValueError, match="warmup_steps"):  # wrap()'s own check, at once
+        RipplesTrainer(**_trainer_kwargs(tmp_path), ripples={"warmup_steps": -1})
+    with pytest.raises(ValueError, match="schedule"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path), ripples={"schedule": "fastest"})
+    with pytest.raises(TypeError, match="the Trainer builds its own sampler"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path), ripples={"sampler": object()})
     with pytest.raises(ValueError, match="average_before takes"):
         RipplesTrainer(**_trainer_kwargs(tmp_path), average_before=("log",))
     with pytest.raises(ValueError, match="ddp_find_unused_parameters=True"):
