@@ -1,6 +1,6 @@
 /* shm.c - shared-memory rings between ranks of one host (see shm.h).
  *
- * What a peer controls is checked, never trusted (DESIGN.md section 8): a local process that can
+ * What a peer controls is checked, never trusted (docs/design.md §8): a local process that can
  * write a segment can write any of its bytes.
  * - Ring positions. The positions this rank advances (the head of the ring it writes, the tail
  *   of the ring it reads) live in its own struct and are only copied out to shared memory. The

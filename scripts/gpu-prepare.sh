@@ -9,7 +9,7 @@
 # then prints the `carry` list for the device tool. Idempotent: what is already there is kept.
 #
 # The GPU image has no network, no libzmq and no pyzmq, but has Python 3.12, torch, pytest,
-# numpy and scikit-learn (/work/.library/device/KINDS.md). Why each download:
+# numpy and scikit-learn (docs/cuda.md, "The GPU check"). Why each download:
 #   libzmq5 + libzmq3-dev  the build links -lzmq and includes zmq.h (csrc/sched/CMakeLists.txt)
 #   their dependencies     libzmq5's runtime closure as Debian lists it (libsodium, libpgm,
 #                          libnorm, libbsd/libmd, Kerberos' GSSAPI and libssl), minus the C and

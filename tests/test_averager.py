@@ -43,7 +43,7 @@ def _flats(module):
 
 def _gather_all(ctx, tensors):
     # on the ripples default group (exact): with dynamic schedules a blocking exact collective
-    # must be one the backend can fence against pending partial groups (DESIGN.md 3)
+    # must be one the backend can fence against pending partial groups (docs/design.md §3)
     res = []
     for t in tensors:
         out = [torch.empty_like(t) for _ in range(ctx.ws)]

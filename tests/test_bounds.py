@@ -1,5 +1,5 @@
-"""Bounds on what a caller or a peer controls (DESIGN.md section 8, "bound what a peer
-controls"), in real processes (2 ranks), cross-checked with gloo where gloo is defined.
+"""Bounds on what a caller or a peer controls (docs/design.md §8: every size a peer sends is
+bounded), in real processes (2 ranks), cross-checked with gloo where gloo is defined.
 
 * all_to_all_single split sizes: each entry in [0, rows], one entry per rank, a sum equal to
   the first dimension and no overflow. Violations raise ValueError naming the op, the argument

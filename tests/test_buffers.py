@@ -1,4 +1,4 @@
-"""Buffers under Ripples training (DESIGN.md §3, "Training with P-Reduce"): the averager
+"""Buffers under Ripples training (docs/design.md §3, "Training with P-Reduce"): the averager
 averages a module's floating-point buffers (BatchNorm statistics) in the same single call as
 the parameters, at every level, and leaves integer buffers (``num_batches_tracked``) alone;
 wrap() turns DDP's per-forward buffer broadcast off after warm-up (on again when a checkpoint

@@ -1,5 +1,5 @@
-"""CUDA tensors (DESIGN §7): every collective and partial rounds on a GPU, staged through pinned
-host memory, with torch's stream semantics.
+"""CUDA tensors (docs/design.md §7): every collective and partial rounds on a GPU, staged
+through pinned host memory, with torch's stream semantics.
 
 Runs when ``torch.cuda.is_available()``; the ranks share GPU 0 when there is only one. Every
 collective is cross-checked against gloo on CPU copies of the same inputs (gloo's own CUDA

@@ -1,4 +1,4 @@
-"""A lost coordinator (DESIGN §5): the survivors fail over and go on averaging.
+"""A lost coordinator (docs/design.md §5): the survivors fail over and go on averaging.
 
 Workers are spawned directly (torchrun would end the job on the first death) and really die
 (SIGKILL). With the embedded coordinator, ranks 1 and 2 run idle standby coordinators; when

@@ -1,4 +1,5 @@
-"""Groups must stay groups (DESIGN §3): the dynamic schedules keep averaging in ordinary loops.
+"""Groups must stay groups (docs/design.md §3): the dynamic schedules keep averaging in
+ordinary loops.
 
 A worker in a group of one averages with nobody. These tests run the loops that collapsed
 into groups of one before (an exact collective between partial rounds, one worker five times

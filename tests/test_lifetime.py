@@ -1,4 +1,5 @@
-"""The end of ordinary training (DESIGN §5): workers that finish first never fail the others.
+"""The end of ordinary training (docs/design.md §5): workers that finish first never fail the
+others.
 
 A loop of a fixed number of steps with one worker five times slower: the fast ranks finish,
 destroy their groups (even ranks) or simply exit (odd ranks), while the slow one still

@@ -1,4 +1,4 @@
-"""Partial all-reduce through torch.distributed (DESIGN §3): rounds, groups, atomicity.
+"""Partial all-reduce through torch.distributed (docs/design.md §3): rounds, groups, atomicity.
 
 Every round's result is checked against the inputs of exactly the members the round's trace
 names, gathered through an exact collective on the default ripples group (an exact call on

@@ -1,4 +1,4 @@
-"""A dead peer is noticed within about a second on every transport (DESIGN §8, issue 11).
+"""A dead peer is noticed within about a second on every transport (docs/design.md §8, issue 11).
 
 Four workers on the static schedule (no coordinator) run partial rounds, each followed by an
 exact all_reduce; rank 2 SIGKILLs itself at the start of one step. With a process-group

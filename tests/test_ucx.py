@@ -120,7 +120,7 @@ def test_ucx_that_cannot_reach_a_peer_fails_clearly():
 
 def task_partial_rounds(ctx, schedule):
     # The exact all-reduces run on the same group: they fence its dynamic schedule, so no rank
-    # waits in a partial round for one that already moved on (DESIGN §3).
+    # waits in a partial round for one that already moved on (docs/design.md §3).
     g = _dist.ripples_group(ctx, 2, transport="ucx", schedule=schedule, seed=3)
     x = torch.full((4096,), float(ctx.rank * 10), dtype=torch.float64)
     total0 = x.clone()

@@ -14,7 +14,7 @@
  *   - no deadlock: the oldest pending group is at the head of all its members' buffers, so it
  *     is handed as soon as they all ask;
  *   - cancelling a group that has not been handed is always safe: nobody has started it.
- * Groups must stay groups (DESIGN 3): a worker in a group of one averages with nobody, so
+ * Groups must stay groups (docs/design.md §3): a worker in a group of one averages with nobody, so
  * before generating for a requester whose buffer is empty the GG checks how many partners
  * it could get now. If fewer than group_size, and others are about to be available (busy in a
  * group, or still fenced in the exact collective the requester has just left -- not in one

@@ -137,8 +137,8 @@ typedef struct rpl_gg_config {
   int c_thres;            /* smart: admit w into i's division iff c_i - c_w < c_thres;
                              0 = RPL_GG_DEFAULT_C_THRES, negative = no filter */
   int inter_intra;        /* smart: two groups per worker per division (paper 5.2) */
-  /* Groups must stay groups (DESIGN 3). A requester for whom fewer than group_size members
-   * are available, while others are about to be (busy in a group, or fenced inside an exact
+  /* Groups must stay groups (docs/design.md §3). A requester for whom fewer than group_size
+   * members are available, while others are about to be (busy in a group, or fenced inside an exact
    * collective), waits for them at most this long before it gets a smaller group: 0 = the
    * adaptive default (RPL_GG_*_PARTNER_WAIT), > 0 = fixed milliseconds, < 0 = never waits.
    * Waiting needs the clock: the caller must call rpl_gg_advance. */

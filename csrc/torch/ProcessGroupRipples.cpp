@@ -233,7 +233,7 @@ std::vector<rpl_trace_entry> ProcessGroupRipples::trace(uint64_t from) const {
 
 rpl_domain* processFenceDomain() {
   // One per process, on purpose: an exact collective on any ripples group must fence the
-  // dynamic schedules of all of them (DESIGN §3). It lives as long as the process.
+  // dynamic schedules of all of them (docs/design.md §3). It lives as long as the process.
   static rpl_domain* domain = [] {
     rpl_domain* d = nullptr;
     rpl_error err;

@@ -9,13 +9,14 @@
 // place; the Work it returns is already complete. Tensors that differ between ranks (sizes,
 // dtype, sparse layout) make every rank raise the same error before any values move.
 //
-// Everything a peer sends is checked before it sizes a buffer or indexes memory (DESIGN.md
-// section 8, "bound what a peer controls"): each description must be well formed (dims within
-// kMaxDims and consistent, a dtype this backend reduces, sizes >= 0, nnz between 0 and the
-// number of sparse positions) and equal to rank 0's; the padded buffers' sizes are computed
-// with overflow checks; and every index received must lie inside the tensor's sizes, so that a
-// bad index cannot reach a later to_dense(). All ranks see the same descriptions and indices,
-// so they all raise the same ValueError, naming the rank, and stay in step.
+// Everything a peer sends is checked before it sizes a buffer or indexes memory
+// (docs/design.md §8: every size a peer sends is bounded): each description must be well
+// formed (dims within kMaxDims and consistent, a dtype this backend reduces, sizes >= 0, nnz
+// between 0 and the number of sparse positions) and equal to rank 0's; the padded buffers'
+// sizes are computed with overflow checks; and every index received must lie inside the
+// tensor's sizes, so that a bad index cannot reach a later to_dense(). All ranks see the same
+// descriptions and indices, so they all raise the same ValueError, naming the rank, and stay
+// in step.
 #include "ProcessGroupRipples.hpp"
 #include "TensorArgs.hpp"
 

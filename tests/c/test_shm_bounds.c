@@ -1,6 +1,6 @@
 /*
  * test_shm_bounds.c - shared memory that a local peer controls is checked, never trusted
- * (csrc/shm.c; DESIGN.md section 8).
+ * (csrc/shm.c; docs/design.md §8).
  *
  * Ring positions: a pair of real segments (rpl_shm_create + rpl_shm_attach, two ranks in this
  * process) whose head or tail is then overwritten as a process that can write the segment
