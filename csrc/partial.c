@@ -20,7 +20,7 @@
 #define STEP_COMMIT 0xfffe /* the step of confirm_whole's messages (signatures: 0xffff) */
 #define SIG_SAME 28  /* the part every member must agree on; the flags are OR-ed */
 #define SIG_FLAG_OUT_OF_RANGE 1u /* a value this member would compress is not finite or too big */
-#define TRACE_SLOTS 8192
+#define TRACE_SLOTS RPL_TRACE_CAPACITY
 
 /* A fence domain: the dynamic schedules of one process. */
 struct rpl_domain {

@@ -344,7 +344,7 @@ typedef struct rpl_partial_stats {
 void rpl_comm_partial_stats(const rpl_comm *comm, rpl_partial_stats *out);
 
 #define RPL_TRACE_MEMBERS 64 /* members recorded per trace entry (nmembers may be larger) */
-#define RPL_TRACE_CAPACITY 65536
+#define RPL_TRACE_CAPACITY 8192 /* entries kept per communicator (the newest) */
 
 typedef struct rpl_trace_entry {
   uint64_t round;           /* this rank's partial-round number, from 0 */

@@ -38,7 +38,7 @@ typedef struct rpl_shm rpl_shm;
 
 /* `local_of[r]` is r's index among the ranks of this host, or -1 for ranks elsewhere.
  * Writes the segment's name (to publish) into name[cap]: "/ripples-<pid>-<nonce>-<rank>", the
- * nonce being the caller's (random: see setup_shm in engine.c). The segment is created 0600. */
+ * nonce being the caller's (random: see setup_shm in bootstrap.c). The segment is created 0600. */
 rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonce,
                           size_t ring_bytes, rpl_shm **out, char *name, size_t cap,
                           rpl_error *err);

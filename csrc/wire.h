@@ -3,7 +3,7 @@
  * and check its three messages, no I/O, so they can be unit-tested and fuzzed.
  *
  * A data link is accepted only after a challenge-response in both directions, keyed by the
- * communicator's link key (engine.c derives it from the job secret and a per-communicator
+ * communicator's link key (bootstrap.c derives it from the job secret and a per-communicator
  * salt read from the store):
  *
  *   connector (lower rank) -> acceptor:  HS1 = magic, lo, hi, size, acceptor_id, nonce_lo
