@@ -3,7 +3,7 @@
 #   make demo   - the main job: torchrun training, 4 workers, one 5x straggler, gloo vs ripples
 #   make test   - everything CI runs: C unit tests, the same under ASan+UBSan, pytest, and the
 #                 wheel check
-#   make build  - (re)build the package into .venv
+#   make build  - (re)build the package into .venv (the extension when its sources changed)
 #   make wheel  - the binary wheel, libzmq bundled: wheelhouse/ripples_pg-*.whl
 #   make wheel-check - that wheel installed into a fresh venv holding only torch: smoke test
 #   make bench, make bench-train - collectives vs gloo; training under stragglers (~1 h)
@@ -33,8 +33,19 @@ $(VENV)/.deps: requirements-dev.txt
 
 venv: sysdeps $(VENV)/.deps
 
-build: venv
+# The extension is rebuilt only when what it is built from changed (the editable install
+# picks up Python files as they are): `make pytest` after a Python-only change starts at once.
+BUILD_INPUTS := $(shell find csrc coordinator -type f \( -name '*.c' -o -name '*.h' -o \
+	-name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \)) CMakeLists.txt setup.py \
+	pyproject.toml
+
+$(VENV)/.built: $(VENV)/.deps $(BUILD_INPUTS)
 	$(PIP) install -q --no-build-isolation -e .
+	touch $@
+
+build: venv
+	@ls ripples_pg/_C*.so >/dev/null 2>&1 || rm -f $(VENV)/.built
+	@$(MAKE) --no-print-directory $(VENV)/.built
 
 ctest: sysdeps
 	cmake -S . -B build/ctest -DCMAKE_BUILD_TYPE=RelWithDebInfo
