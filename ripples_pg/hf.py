@@ -43,7 +43,7 @@ averaging starts, so anything that counts "steps" has to count the *job's* steps
   refused.
 
 Tested with transformers 5.24 on CPU (tests/test_hf_trainer.py). It overrides public
-``Trainer`` methods meant for it (``create_scheduler``, ``log``, ``train``) and
+``Trainer`` methods meant for it (``log``, ``train``) and
 ``set_initial_training_values`` (to let a fast rank run past its own epoch count); the
 docs say which upstream hooks would make that unnecessary.
 """
