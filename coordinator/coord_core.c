@@ -45,8 +45,8 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
   core->gone = calloc((size_t)core->nworkers, sizeof *core->gone);
   core->out_cap = RPL_PROTO_HEADER + 20 + 4 * (size_t)core->nworkers + RPL_PROTO_MAX_TEXT + 4;
   core->out = malloc(core->out_cap);
-  int attr_oom = coord_attr_init(&core->attr, core->nworkers, cfg->host_names, cfg->log,
-                                 cfg->log_ctx) != 0;
+  int attr_oom = coord_straggler_init(&core->attr, core->nworkers, cfg->host_names, cfg->log,
+                                      cfg->log_ctx) != 0;
   if (!core->w || !core->members || !core->out || !core->gone || attr_oom) {
     coord_core_free(core);
     return rpl_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
@@ -73,7 +73,7 @@ static void drop_unsent(coord_worker *w) {
 void coord_core_free(coord_core *core) {
   for (int i = 0; core->w && i < core->nworkers; i++) drop_unsent(&core->w[i]);
   rpl_gg_destroy(core->gg);
-  coord_attr_free(&core->attr);
+  coord_straggler_free(&core->attr);
   free(core->w);
   free(core->members);
   free(core->out);
@@ -168,7 +168,7 @@ static void flush_events(coord_core *core, double now) {
       m.nmembers = (uint32_t)ev.nmembers;
     } else if (ev.kind == RPL_EV_PASS) {
       m.type = RPL_MSG_PASS;
-      coord_attr_computing(&core->attr, ev.worker, now); /* no group: back to its step */
+      coord_straggler_computing(&core->attr, ev.worker, now); /* no group: back to its step */
     } else {
       m.type = RPL_MSG_CANCEL;
       m.culprit = ev.culprit;
@@ -274,63 +274,69 @@ static void reply_status(coord_core *core, const uint8_t *route, size_t route_le
   free(json);
 }
 
-void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
-                       const void *msg, size_t len, double now) {
-  atomic_fetch_add(&core->messages, 1);
-  coord_core_advance(core, now); /* waits for partners are measured from arrival */
-  rpl_msg m;
+/* Parses msg and checks its MAC. Returns 1, *m filled, when the sender proved it holds the
+ * job token; anything else is counted (a wrong token also answered: refuse_token) and dropped
+ * without a reply. */
+static int authenticate(coord_core *core, const uint8_t *route, size_t route_len,
+                        const void *msg, size_t len, double now, rpl_msg *m) {
   rpl_error err;
   if (route_len == 0 || route_len > RPL_ROUTE_MAX ||
-      rpl_msg_parse(msg, len, core->nworkers, &m, &err) != RPL_OK) {
+      rpl_msg_parse(msg, len, core->nworkers, m, &err) != RPL_OK) {
     atomic_fetch_add(&core->malformed, 1);
-    return;
+    return 0;
   }
-  if (m.echo) { /* a reply type: never sent to us */
+  if (m->echo) { /* a reply type: never sent to us */
     atomic_fetch_add(&core->malformed, 1);
-    return;
+    return 0;
   }
   if (!rpl_msg_authentic(msg, len, core->token)) {
-    refuse_token(core, route, route_len, &m, now);
-    return;
+    refuse_token(core, route, route_len, m, now);
+    return 0;
   }
-  /* From here on the sender proved it holds the job token. */
-  if (m.type == RPL_MSG_STATUS) { /* read-only, from any connection (tools) */
-    if (m.rank >= 0 && core->w[m.rank].route_len == 0) /* not served here: try another */
-      reply_error(core, route, route_len, &m, RPL_PERR_NOT_REGISTERED,
-                  "rank %d is not registered with this coordinator", (int)m.rank);
-    else
-      reply_status(core, route, route_len, &m, now);
-    return;
+  return 1;
+}
+
+/* STATUS: read-only, from any connection (tools). */
+static void answer_status(coord_core *core, const uint8_t *route, size_t route_len,
+                          const rpl_msg *m, double now) {
+  if (m->rank >= 0 && core->w[m->rank].route_len == 0) /* not served here: try another */
+    reply_error(core, route, route_len, m, RPL_PERR_NOT_REGISTERED,
+                "rank %d is not registered with this coordinator", (int)m->rank);
+  else
+    reply_status(core, route, route_len, m, now);
+}
+
+/* Refuses (answers with the error) a HELLO this coordinator cannot take: another world size,
+ * or a rank that left. Refused registrations bind nothing. Returns 1 when refused. */
+static int refuse_hello(coord_core *core, const uint8_t *route, size_t route_len,
+                        const rpl_msg *m, const rpl_gg_worker_info *info) {
+  if (m->nworkers != core->nworkers) {
+    reply_error(core, route, route_len, m, RPL_PERR_WORLD_MISMATCH,
+                "world size %d, but this coordinator serves %d workers", (int)m->nworkers,
+                core->nworkers);
+    return 1;
   }
-  /* Everything else comes from a worker; the parser checked 0 <= rank < nworkers. */
-  if (m.rank < 0) {
-    atomic_fetch_add(&core->malformed, 1);
-    return;
+  if (info->state == RPL_WORKER_LEFT) {
+    reply_error(core, route, route_len, m, RPL_PERR_LEFT, "rank %d has left this job",
+                (int)m->rank);
+    return 1;
   }
-  coord_worker *w = &core->w[m.rank];
-  rpl_gg_worker_info info;
-  rpl_gg_worker(core->gg, m.rank, &info, &err);
-  if (m.type == RPL_MSG_HELLO) { /* refused registrations bind nothing */
-    if (m.nworkers != core->nworkers) {
-      reply_error(core, route, route_len, &m, RPL_PERR_WORLD_MISMATCH,
-                  "world size %d, but this coordinator serves %d workers", (int)m.nworkers,
-                  core->nworkers);
-      return;
-    }
-    if (info.state == RPL_WORKER_LEFT) {
-      reply_error(core, route, route_len, &m, RPL_PERR_LEFT, "rank %d has left this job",
-                  (int)m.rank);
-      return;
-    }
-  }
+  return 0;
+}
+
+/* Which of worker w's routes m came from (route_slot), after binding a HELLO's route to w
+ * when may_rebind allows it. -1, the error answered, when that route may not speak for w. */
+static int bind_route(coord_core *core, coord_worker *w, const uint8_t *route,
+                      size_t route_len, const rpl_msg *m, const rpl_gg_worker_info *info,
+                      double now) {
   int slot = route_slot(w, route, route_len);
-  if (m.type == RPL_MSG_HELLO && slot != 0) {
-    if (!may_rebind(core, w, &info, now)) {
+  if (m->type == RPL_MSG_HELLO && slot != 0) {
+    if (!may_rebind(core, w, info, now)) {
       atomic_fetch_add(&core->wrong_route, 1);
-      reply_error(core, route, route_len, &m, RPL_PERR_BAD_RANK,
+      reply_error(core, route, route_len, m, RPL_PERR_BAD_RANK,
                   "rank %d is registered from another connection that is still alive",
-                  (int)m.rank);
-      return;
+                  (int)m->rank);
+      return -1;
     }
     if (w->route_len) atomic_fetch_add(&core->rebinds, 1);
     memcpy(w->route, route, route_len);
@@ -339,37 +345,52 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
     w->probes = 0;
     drop_unsent(w); /* it answered a request of the old connection */
     w->seq_valid[0] = w->seq_valid[1] = 0; /* a new connection: its own history */
-    slot = 0;
-  } else if (w->route_len == 0) {
+    return 0;
+  }
+  if (w->route_len == 0) {
     /* A worker of an earlier instance (we restarted on its endpoint, or it failed over to a
      * standby and this is its first word): what it waits for died with that instance, and
      * it must register before it may speak for its rank. */
-    reply_error(core, route, route_len, &m, RPL_PERR_NOT_REGISTERED,
+    reply_error(core, route, route_len, m, RPL_PERR_NOT_REGISTERED,
                 "rank %d is not registered with this coordinator (it restarted, or this is a "
-                "standby): say HELLO again", (int)m.rank);
-    return;
-  } else if (slot < 0 || (slot == 1 && m.type != RPL_MSG_HEARTBEAT)) {
+                "standby): say HELLO again", (int)m->rank);
+    return -1;
+  }
+  if (slot < 0 || (slot == 1 && m->type != RPL_MSG_HEARTBEAT)) {
     atomic_fetch_add(&core->wrong_route, 1);
-    reply_error(core, route, route_len, &m, RPL_PERR_BAD_RANK,
-                "rank %d is registered from another connection", (int)m.rank);
-    return;
+    reply_error(core, route, route_len, m, RPL_PERR_BAD_RANK,
+                "rank %d is registered from another connection", (int)m->rank);
+    return -1;
   }
-  /* One connection delivers in order, so its seq only grows (serial arithmetic: wraps). */
-  if (w->seq_valid[slot] && (int32_t)(m.seq - w->last_seq[slot]) <= 0) {
+  return slot;
+}
+
+/* One connection delivers in order, so its seq only grows (serial arithmetic: wraps). Returns
+ * 0 for a replay (counted, to be dropped), else records seq and returns 1. */
+static int accept_seq(coord_core *core, coord_worker *w, int slot, uint32_t seq) {
+  if (w->seq_valid[slot] && (int32_t)(seq - w->last_seq[slot]) <= 0) {
     atomic_fetch_add(&core->replayed, 1);
-    return;
+    return 0;
   }
-  w->last_seq[slot] = m.seq;
+  w->last_seq[slot] = seq;
   w->seq_valid[slot] = 1;
   if (slot == 0) w->probes = 0; /* it reads that connection again before it waits */
+  return 1;
+}
+
+/* Does what worker w's message m asks (it passed every check) and answers it. Returns 0 for a
+ * type that no worker sends (counted as malformed). */
+static int dispatch(coord_core *core, coord_worker *w, const uint8_t *route, size_t route_len,
+                    const rpl_msg *m, double now) {
+  rpl_error err;
   rpl_msg r;
   memset(&r, 0, sizeof r);
-  r.rank = m.rank;
-  r.seq = m.seq;
+  r.rank = m->rank;
+  r.seq = m->seq;
   rpl_status st = RPL_OK;
-  switch (m.type) {
+  switch (m->type) {
     case RPL_MSG_HELLO:
-      w->host_label = m.host_label;
+      w->host_label = m->host_label;
       w->hello = 1;
       r.type = RPL_MSG_HELLO_ACK;
       r.policy = (uint8_t)rpl_gg_policy(core->gg);
@@ -379,41 +400,70 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
       reply_worker(core, w, &r, NULL);
       break;
     case RPL_MSG_REQUEST:
-      w->req_seq = m.seq;
-      st = rpl_gg_request(core->gg, m.rank, m.round, &err);
-      if (st == RPL_OK) coord_attr_request(&core->attr, m.rank, m.round, now);
+      w->req_seq = m->seq;
+      st = rpl_gg_request(core->gg, m->rank, m->round, &err);
+      if (st == RPL_OK) coord_straggler_request(&core->attr, m->rank, m->round, now);
       if (st != RPL_OK) {
-        reply_error(core, route, route_len, &m,
+        reply_error(core, route, route_len, m,
                     st == RPL_ERR_CLOSED ? RPL_PERR_LEFT : RPL_PERR_INTERNAL, "%s", err.msg);
       }
       break;
     case RPL_MSG_DONE:
-      st = rpl_gg_done(core->gg, m.rank, m.group_id, &err);
-      coord_attr_computing(&core->attr, m.rank, now); /* its next step starts */
+      st = rpl_gg_done(core->gg, m->rank, m->group_id, &err);
+      coord_straggler_computing(&core->attr, m->rank, now); /* its next step starts */
       break;
     case RPL_MSG_HEARTBEAT:
       r.type = RPL_MSG_HEARTBEAT_ACK;
       reply(core, route, route_len, &r, NULL, NULL); /* to whichever sibling sent it */
       break;
     case RPL_MSG_FENCE:
-      st = rpl_gg_fence(core->gg, m.rank, &err);
-      coord_attr_idle(&core->attr, m.rank); /* an exact collective is no compute step */
+      st = rpl_gg_fence(core->gg, m->rank, &err);
+      coord_straggler_idle(&core->attr, m->rank); /* an exact collective is no compute step */
       break;
     case RPL_MSG_UNFENCE:
-      st = rpl_gg_unfence(core->gg, m.rank, &err);
+      st = rpl_gg_unfence(core->gg, m->rank, &err);
       break;
     case RPL_MSG_LEAVE:
-      st = rpl_gg_leave(core->gg, m.rank, &err);
-      coord_attr_idle(&core->attr, m.rank);
+      st = rpl_gg_leave(core->gg, m->rank, &err);
+      coord_straggler_idle(&core->attr, m->rank);
       r.type = RPL_MSG_ACK;
       reply_worker(core, w, &r, NULL);
       break;
     default:
       /* A reply type sent to the coordinator: not something a worker sends. */
       atomic_fetch_add(&core->malformed, 1);
-      return;
+      return 0;
   }
   (void)st; /* fence/unfence after leave: nothing to undo; the worker learns on its request */
+  return 1;
+}
+
+/* Authentication, then (worker messages) the route's binding, the replay check, and the
+ * dispatch; each step answers and drops what it refuses. */
+void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
+                       const void *msg, size_t len, double now) {
+  atomic_fetch_add(&core->messages, 1);
+  coord_core_advance(core, now); /* waits for partners are measured from arrival */
+  rpl_msg m;
+  if (!authenticate(core, route, route_len, msg, len, now, &m)) return;
+  /* From here on the sender proved it holds the job token. */
+  if (m.type == RPL_MSG_STATUS) {
+    answer_status(core, route, route_len, &m, now);
+    return;
+  }
+  /* Everything else comes from a worker; the parser checked 0 <= rank < nworkers. */
+  if (m.rank < 0) {
+    atomic_fetch_add(&core->malformed, 1);
+    return;
+  }
+  coord_worker *w = &core->w[m.rank];
+  rpl_gg_worker_info info;
+  rpl_error err;
+  rpl_gg_worker(core->gg, m.rank, &info, &err);
+  if (m.type == RPL_MSG_HELLO && refuse_hello(core, route, route_len, &m, &info)) return;
+  int slot = bind_route(core, w, route, route_len, &m, &info, now);
+  if (slot < 0 || !accept_seq(core, w, slot, m.seq)) return;
+  if (!dispatch(core, w, route, route_len, &m, now)) return;
   w->seen = 1;
   w->last_seen = now;
   w->unreachable = 0;
@@ -452,14 +502,14 @@ void coord_core_tick(coord_core *core, double now) {
                        : core->join_ms > 0 && (now - core->start) * 1000.0 > core->join_ms;
     if (dead) {
       rpl_gg_dead(core->gg, i, &err);
-      coord_attr_idle(&core->attr, i);
+      coord_straggler_idle(&core->attr, i);
       atomic_fetch_add(&core->dead_declared, 1);
       note_state(core, i);
       changed = 1;
     }
   }
   if (changed) flush_events(core, now);
-  coord_attr_refresh(core, now, 0);
+  coord_straggler_refresh(core, now, 0);
 }
 
 /* ---- status JSON ------------------------------------------------------------------------- */
@@ -492,12 +542,13 @@ static double busy_s(const coord_core *core, int i, const rpl_gg_worker_info *wi
   return at >= 0 && wi->state == RPL_WORKER_LIVE && !wi->waiting && now > at ? now - at : 0;
 }
 
-/* Worker i's attribution fields (coord_attr.h), shared by every document that names it. */
+/* Worker i's attribution fields (coord_straggler.h), shared by every document that names it. */
 static void attr_fields(coord_core *core, coord_text *b, int i, const rpl_gg_worker_info *wi,
                         double now) {
-  const coord_attr_worker *x = &core->attr.w[i];
+  const coord_straggler_worker *x = &core->attr.w[i];
   char hb[32];
-  coord_printf(b, "\"host_name\":\"%s\",\"steps_per_s\":", coord_attr_host(core, i, hb, sizeof hb));
+  coord_printf(b, "\"host_name\":\"%s\",\"steps_per_s\":",
+               coord_straggler_host(core, i, hb, sizeof hb));
   sb_num(b, "%.3f", x->rate > 0 ? x->rate : -1);
   coord_printf(b, ",\"busy_s\":");
   sb_num(b, "%.3f", busy_s(core, i, wi, now));
@@ -524,9 +575,9 @@ static void rank_entry(coord_core *core, coord_text *b, int i, double now) {
   coord_printf(b, "}");
 }
 
-/* "attribution":{...}: the median step and the slowest ranks (coord_attr_refresh). */
+/* "attribution":{...}: the median step and the slowest ranks (coord_straggler_refresh). */
 static void attribution_json(coord_core *core, coord_text *b, double now) {
-  const coord_attr *a = &core->attr;
+  const coord_straggler *a = &core->attr;
   coord_printf(b, "\"attribution\":{\"median_step_s\":");
   sb_num(b, "%.6f", a->median > 0 ? a->median : -1);
   coord_printf(b, ",\"known\":%d,\"slow\":%d,\"slow_at\":%.1f,\"slowest\":[", a->known, a->nslow,
@@ -538,10 +589,20 @@ static void attribution_json(coord_core *core, coord_text *b, double now) {
   coord_printf(b, "]}");
 }
 
+/* The finished document in b (malloc'd, *len its length), or NULL if it ran out of memory. */
+static char *text_done(coord_text *b, size_t *len) {
+  if (b->oom) {
+    free(b->p);
+    return NULL;
+  }
+  *len = b->len;
+  return b->p;
+}
+
 char *coord_core_rank_json(coord_core *core, int rank, double now, size_t *len) {
   coord_text b;
   if (coord_text_init(&b, 4096) != 0) return NULL;
-  coord_attr_refresh(core, now, 0);
+  coord_straggler_refresh(core, now, 0);
   coord_printf(&b,
                "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"uptime_s\":%.3f,\"rank\":%d,",
                RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
@@ -550,21 +611,12 @@ char *coord_core_rank_json(coord_core *core, int rank, double now, size_t *len) 
   coord_printf(&b, ",\"self\":");
   rank_entry(core, &b, rank, now);
   coord_printf(&b, "}");
-  if (b.oom) {
-    free(b.p);
-    return NULL;
-  }
-  *len = b.len;
-  return b.p;
+  return text_done(&b, len);
 }
 
-char *coord_core_status_json(coord_core *core, double now, size_t *len) {
-  coord_text b;
-  if (coord_text_init(&b, 4096) != 0) return NULL;
-  coord_attr_refresh(core, now, 0);
-  rpl_gg_stats st;
-  rpl_gg_get_stats(core->gg, &st);
-  coord_printf(&b,
+/* The status document's scalars: the service's configuration and the policy's. */
+static void config_json(coord_core *core, coord_text *b, const rpl_gg_stats *st, double now) {
+  coord_printf(b,
                "{\"version\":%d,\"policy\":\"%s\",\"nworkers\":%d,\"group_size\":%d,"
                "\"c_thres\":%d,\"inter_intra\":%s,\"heartbeat_ms\":%u,\"dead_ms\":%u,"
                "\"standby\":%s,\"uptime_s\":%.3f,\"period_max\":%d,\"period\":%u,",
@@ -572,8 +624,12 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
                rpl_gg_group_size(core->gg), rpl_gg_c_thres(core->gg),
                rpl_gg_inter_intra(core->gg) ? "true" : "false", core->heartbeat_ms, core->dead_ms,
                core->standby ? "true" : "false", now - core->start, rpl_gg_period_max(core->gg),
-               st.period);
-  coord_printf(&b,
+               st->period);
+}
+
+/* "counters":{...}: the service's (coord_core) and the policy's (rpl_gg_stats). */
+static void counters_json(coord_core *core, coord_text *b, const rpl_gg_stats *st) {
+  coord_printf(b,
                "\"counters\":{\"messages\":%llu,\"malformed\":%llu,\"bad_token\":%llu,"
                "\"errors_sent\":%llu,\"dead_declared\":%llu,\"send_failures\":%llu,"
                "\"requests\":%llu,\"groups_created\":%llu,\"groups_handed\":%llu,"
@@ -589,55 +645,64 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
                (unsigned long long)atomic_load(&core->errors_sent),
                (unsigned long long)atomic_load(&core->dead_declared),
                (unsigned long long)atomic_load(&core->send_failures),
-               (unsigned long long)st.requests, (unsigned long long)st.groups_created,
-               (unsigned long long)st.groups_handed, (unsigned long long)st.groups_cancelled,
-               (unsigned long long)st.singletons_handed, (unsigned long long)st.divisions,
-               (unsigned long long)st.filtered, (unsigned long long)st.conflicts,
-               (unsigned long long)st.implicit_dones, (unsigned long long)st.stale_dones,
-               (unsigned long long)st.pending, (unsigned long long)st.deferred,
-               (unsigned long long)st.wait_expired, (unsigned long long)st.isolation_holds,
-               (unsigned long long)st.joins, (unsigned long long)st.late,
-               (unsigned long long)st.passes, (unsigned long long)st.period_drops,
+               (unsigned long long)st->requests, (unsigned long long)st->groups_created,
+               (unsigned long long)st->groups_handed, (unsigned long long)st->groups_cancelled,
+               (unsigned long long)st->singletons_handed, (unsigned long long)st->divisions,
+               (unsigned long long)st->filtered, (unsigned long long)st->conflicts,
+               (unsigned long long)st->implicit_dones, (unsigned long long)st->stale_dones,
+               (unsigned long long)st->pending, (unsigned long long)st->deferred,
+               (unsigned long long)st->wait_expired, (unsigned long long)st->isolation_holds,
+               (unsigned long long)st->joins, (unsigned long long)st->late,
+               (unsigned long long)st->passes, (unsigned long long)st->period_drops,
                (unsigned long long)atomic_load(&core->wrong_route),
                (unsigned long long)atomic_load(&core->replayed),
                (unsigned long long)atomic_load(&core->rebinds),
                (unsigned long long)atomic_load(&core->bad_token_quiet),
-               (unsigned long long)st.late_dropped,
+               (unsigned long long)st->late_dropped,
                (unsigned long long)atomic_load(&core->probes_withheld));
+}
+
+/* Worker i's entry in "workers" (every field the policy and the service keep of it). */
+static void worker_json(coord_core *core, coord_text *b, int i, double now) {
+  rpl_gg_worker_info wi;
+  rpl_error err;
+  rpl_gg_worker(core->gg, i, &wi, &err);
+  const coord_worker *w = &core->w[i];
+  coord_printf(b,
+               "%s{\"rank\":%d,\"state\":\"%s\",\"host\":%d,\"host_label\":%d,\"requests\":%llu,"
+               "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
+               "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
+               "\"lonely_max\":%u,\"deferred\":%s,\"passes\":%llu,\"step_s\":%.6f,\"seen\":%s,"
+               "\"silent_s\":%.3f,\"bound\":%s,",
+               i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
+               (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
+               (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
+               (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
+               (unsigned long long)wi.singletons, wi.lonely, wi.lonely_max,
+               wi.deferred ? "true" : "false", (unsigned long long)wi.passes, wi.step,
+               w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start,
+               w->route_len ? "true" : "false");
+  attr_fields(core, b, i, &wi, now);
+  coord_printf(b, "}");
+}
+
+char *coord_core_status_json(coord_core *core, double now, size_t *len) {
+  coord_text b;
+  if (coord_text_init(&b, 4096) != 0) return NULL;
+  coord_straggler_refresh(core, now, 0);
+  rpl_gg_stats st;
+  rpl_gg_get_stats(core->gg, &st);
+  config_json(core, &b, &st, now);
+  counters_json(core, &b, &st);
   attribution_json(core, &b, now);
   coord_printf(&b, ",\"workers\":[");
   int listed = 0;
-  for (int i = 0; i < core->nworkers && b.len <= COORD_STATUS_LIMIT; i++, listed++) {
-    rpl_gg_worker_info wi;
-    rpl_error err;
-    rpl_gg_worker(core->gg, i, &wi, &err);
-    const coord_worker *w = &core->w[i];
-    coord_printf(&b,
-                 "%s{\"rank\":%d,\"state\":\"%s\",\"host\":%d,\"host_label\":%d,\"requests\":%llu,"
-                 "\"waiting\":%s,\"buffered\":%d,\"head_group\":%llu,\"locked_group\":%llu,"
-                 "\"handed\":%llu,\"cancels\":%llu,\"singletons\":%llu,\"lonely\":%u,"
-                 "\"lonely_max\":%u,\"deferred\":%s,\"passes\":%llu,\"step_s\":%.6f,\"seen\":%s,"
-                 "\"silent_s\":%.3f,\"bound\":%s,",
-                 i ? "," : "", i, rpl_worker_state_name(wi.state), wi.host, (int)w->host_label,
-                 (unsigned long long)wi.requests, wi.waiting ? "true" : "false", wi.buffered,
-                 (unsigned long long)wi.head_group, (unsigned long long)wi.locked_group,
-                 (unsigned long long)wi.handed, (unsigned long long)wi.cancels,
-                 (unsigned long long)wi.singletons, wi.lonely, wi.lonely_max,
-                 wi.deferred ? "true" : "false", (unsigned long long)wi.passes, wi.step,
-                 w->seen ? "true" : "false", w->seen ? now - w->last_seen : now - core->start,
-                 w->route_len ? "true" : "false");
-    attr_fields(core, &b, i, &wi, now);
-    coord_printf(&b, "}");
-  }
+  for (int i = 0; i < core->nworkers && b.len <= COORD_STATUS_LIMIT; i++, listed++)
+    worker_json(core, &b, i, now);
   coord_printf(&b, "],\"workers_omitted\":%d,\"pending\":[", core->nworkers - listed);
   pend_ctx pc = {&b, 0};
   rpl_gg_foreach_pending(core->gg, pend_json, &pc);
   coord_printf(&b, "],\"pending_omitted\":%llu}",
                (unsigned long long)(st.pending > (uint64_t)pc.count ? st.pending - pc.count : 0));
-  if (b.oom) {
-    free(b.p);
-    return NULL;
-  }
-  *len = b.len;
-  return b.p;
+  return text_done(&b, len);
 }

@@ -1,5 +1,5 @@
-/* The coordinator's I/O-free core: what the ZeroMQ loop (coord.c) and the fuzz target share.
- * It owns the policy state and per-worker routing; replies go out through a callback. */
+/* The coordinator's I/O-free core: what the ZeroMQ loop (coord_service.c) and the fuzz target
+ * share. It owns the policy state and per-worker routing; replies go out through a callback. */
 #ifndef RPL_COORD_CORE_H
 #define RPL_COORD_CORE_H
 
@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "coord_attr.h"
+#include "coord_straggler.h"
 #include "rpl_coord.h"
 
 #define RPL_ROUTE_MAX 255
@@ -68,7 +68,7 @@ typedef struct coord_core {
   double bad_token_window;      /* start of the second bad_token_replies counts in */
   int bad_token_replies;
   atomic_uchar *gone;           /* [nworkers]: left or dead, readable from other threads */
-  coord_attr attr;              /* straggler attribution (coord_attr.h) */
+  coord_straggler attr;         /* straggler attribution (coord_straggler.h) */
 } coord_core;
 
 rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err);

@@ -30,7 +30,7 @@ typedef struct rpl_coord_config {
   const char *const *host_names; /* optional: the host name of every rank (copied), shown by
                               the status and the slow-worker lines; NULL = the host labels */
   /* Where the coordinator's few log lines go (a worker becoming persistently slow or
-   * recovering, coordinator/coord_attr.h): each call is one line ending in '\n', from the
+   * recovering, coordinator/coord_straggler.h): each call is one line ending in '\n', from the
    * service's thread. NULL = stderr. Must not call back into the coordinator. */
   void (*log)(void *ctx, const char *line);
   void *log_ctx;

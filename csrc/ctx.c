@@ -1,4 +1,5 @@
-/* ctx.c - the run context: scratch, transfer builders, exchange, segments, read-peer. */
+/* ctx.c - the run context: scratch, transfer builders, exchange, segments, read-peer, and the
+ * transport's counters for partial rounds. */
 #include "ctx.h"
 
 #include <stdlib.h>
@@ -118,3 +119,11 @@ void rpl_reset_peers(rpl_run *run) {
   for (int p = 0; p < run->size; p++)
     if (p != run->rank) rpl_tr_reset_peer(run->tr, comm_rank(run, p));
 }
+
+uint64_t rpl_run_bytes_sent(const rpl_run *run) {
+  rpl_tr_counters c;
+  rpl_tr_get_counters(run->tr, &c);
+  return c.bytes_sent;
+}
+
+void rpl_run_cut_links(rpl_run *run) { rpl_tr_cut_links(run->tr); }

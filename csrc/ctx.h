@@ -93,4 +93,11 @@ rpl_status rpl_read_peer(rpl_run *run, int peer, uint64_t addr, void *dst, size_
  * be mid-message, so the next transfer with each connects afresh. */
 void rpl_reset_peers(rpl_run *run);
 
+/* Bytes this process has sent over the run's transport so far, to any peer (frame headers
+ * included): a partial round's accounting takes the difference over its reduction. */
+uint64_t rpl_run_bytes_sent(const rpl_run *run);
+
+/* Tests only (partial.c's fault injection): cuts every TCP link of the run's transport. */
+void rpl_run_cut_links(rpl_run *run);
+
 #endif /* RPL_CTX_H */

@@ -1,14 +1,13 @@
 /*
  * engine.c - communicators: the operation queue, the progress thread, dispatch, the public API
- * (ripples.h). Creation's peer set-up is in bootstrap.c, argument checks in validate.c.
+ * (ripples.h). Creation's peer set-up is in bootstrap.c, argument checks in validate.c, the
+ * communicator's state in engine_internal.h.
  *
  * The engine pops an operation from the communicator's queue and calls the algorithm for its
  * kind (algorithms/algorithms.h) with an rpl_run (ctx.h), or a partial round (partial.h).
  *
- * Sends and recvs are not algorithms: consecutive ones at the head of the queue form a batch
- * whose transfers progress together (rpl_tr_run_p2p); each completes as soon as its own
- * transfer has, and p2p ops submitted while a batch runs join it. A collective starts only
- * once every earlier p2p op has completed.
+ * Sends and recvs are not algorithms: consecutive ones at the head of the queue run as one
+ * batch (p2p_batch.c). A collective starts only once every earlier p2p op has completed.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -21,6 +20,7 @@
 #include "bootstrap.h"
 #include "common.h"
 #include "ctx.h"
+#include "engine_internal.h"
 #include "partial.h"
 #include "ripples.h"
 #include "transport.h"
@@ -29,68 +29,10 @@
 #define DEFAULT_SMALL_BYTES (64u * 1024u)
 #define DEFAULT_CHUNK_BYTES (512u * 1024u)
 
-typedef struct rpl_op {
-  struct rpl_op *next;
-  rpl_op_desc d; /* in/out point into bufs */
-  rpl_buf *bufs;
-} rpl_op;
-
-/* The sends and recvs that run together (progress thread only). Entry i of every array is one
- * op and its transfer; ops[i] is NULL once that op has completed. Entries are appended, and
- * dropped only by compaction (which tells the transport) or when the batch empties. */
-typedef struct p2p_batch {
-  rpl_op **ops;
-  rpl_xfer *xs;
-  double *deadline; /* start of execution + the op's timeout */
-  int *map;         /* compaction scratch */
-  int n, cap;
-  int live;         /* entries whose op has not completed */
-} p2p_batch;
-
-struct rpl_comm {
-  int rank, size;
-  double timeout_s;
-  size_t small_bytes, chunk_bytes;
-  size_t single_copy_bytes;   /* 0 = never */
-  unsigned char *same_host;   /* by rank */
-  char name[32];
-  rpl_tr *tr;
-
-  pthread_t thread;
-  int thread_started;
-  pthread_mutex_t mu; /* guards the queue and the flags below */
-  pthread_cond_t cv;
-  rpl_op *head, *tail;
-  int p2p_active; /* the progress thread runs a p2p batch: p2p submits poke the transport */
-  /* A thread drives the transport (the progress thread running ops or idling UCX, or a caller
-   * running a small op inline): exactly one at a time, handed over under mu. */
-  int executing;
-  int closing;
-  int broken;
-  rpl_error first_error;
-
-  rpl_partial *partial; /* set once by rpl_comm_enable_partial; NULL until then */
-
-  /* Used only by the thread that holds `executing`. */
-  uint64_t coll_seq;
-  p2p_batch batch;
-  rpl_scratch_pool scratch;
-
-  uint64_t ops_completed, ops_failed; /* relaxed atomics */
-};
-
 /* ---- execution ----------------------------------------------------------------------- */
 
-static double op_timeout(const rpl_comm *c, const rpl_op_desc *d) {
-  return d->timeout_s > 0 ? d->timeout_s : c->timeout_s;
-}
-
-static int is_p2p(const rpl_op *op) {
-  return op->d.kind == RPL_OP_SEND || op->d.kind == RPL_OP_RECV;
-}
-
 /* A run over the whole communicator; the caller sets seq, nbufs and the deadline. */
-static rpl_run comm_run(rpl_comm *c, rpl_op_kind kind, rpl_error *err) {
+rpl_run rpl_engine_comm_run(rpl_comm *c, rpl_op_kind kind, rpl_error *err) {
   rpl_run run = {.tr = c->tr,
                  .scratch = &c->scratch,
                  .rank = c->rank,
@@ -106,7 +48,7 @@ static rpl_run comm_run(rpl_comm *c, rpl_op_kind kind, rpl_error *err) {
 
 /* A failed exchange leaves streams mid-message: close everything so peers fail fast instead
  * of waiting for data that will never come. */
-static void break_comm(rpl_comm *c, const rpl_error *err) {
+void rpl_engine_break(rpl_comm *c, const rpl_error *err) {
   pthread_mutex_lock(&c->mu);
   if (!c->broken) {
     c->broken = 1;
@@ -117,7 +59,7 @@ static void break_comm(rpl_comm *c, const rpl_error *err) {
 }
 
 /* Counts, calls on_done, frees. */
-static void finish_op(rpl_comm *c, rpl_op *op, rpl_status st, rpl_error *err) {
+void rpl_engine_finish_op(rpl_comm *c, rpl_op *op, rpl_status st, rpl_error *err) {
   if (st != RPL_OK) {
     err->code = st;
     __atomic_fetch_add(&c->ops_failed, 1, __ATOMIC_RELAXED);
@@ -142,7 +84,7 @@ static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *
   rpl_op_desc exact;
   if (d->kind == RPL_OP_PARTIAL_ALLREDUCE) {
     if (rpl_partial_eligible(d)) {
-      rpl_run run = comm_run(c, d->kind, err);
+      rpl_run run = rpl_engine_comm_run(c, d->kind, err);
       run.nbufs = (uint32_t)d->nin;
       *contained = 1;
       return rpl_partial_run(partial, &run, d, err);
@@ -165,19 +107,19 @@ static rpl_status execute(rpl_comm *c, rpl_partial *partial, const rpl_op_desc *
 static int next_is_exact(rpl_comm *c) {
   pthread_mutex_lock(&c->mu);
   const rpl_op *n = c->head;
-  int more = n && !is_p2p(n) && n->d.kind != RPL_OP_PARTIAL_ALLREDUCE && !c->closing;
+  int more = n && !rpl_op_is_p2p(n) && n->d.kind != RPL_OP_PARTIAL_ALLREDUCE && !c->closing;
   pthread_mutex_unlock(&c->mu);
   return more;
 }
 
 static rpl_status execute_exact(rpl_comm *c, const rpl_op_desc *d, int collective,
                                 rpl_error *err) {
-  rpl_run run = comm_run(c, d->kind, err);
+  rpl_run run = rpl_engine_comm_run(c, d->kind, err);
   run.seq = collective ? ++c->coll_seq : 0;
   /* Only these take a list of tensors whose length every rank must share; elsewhere list
    * lengths legitimately differ (a root has more). */
   run.nbufs = d->kind == RPL_OP_ALLREDUCE || d->kind == RPL_OP_BROADCAST ? (uint32_t)d->nin : 1u;
-  run.deadline = rpl_now() + op_timeout(c, d);
+  run.deadline = rpl_now() + rpl_op_timeout(c, d);
   if (!collective) run.nbufs = (uint32_t)d->tag;
   switch (d->kind) {
     case RPL_OP_ALLREDUCE: return rpl_algo_allreduce(&run, d);
@@ -190,199 +132,10 @@ static rpl_status execute_exact(rpl_comm *c, const rpl_op_desc *d, int collectiv
     case RPL_OP_REDUCE: return rpl_algo_reduce(&run, d);
     case RPL_OP_BARRIER: return rpl_algo_barrier(&run, d);
     case RPL_OP_SEND:
-    case RPL_OP_RECV: /* run in batches by run_p2p */
+    case RPL_OP_RECV: /* run in batches by rpl_p2p_run (p2p_batch.c) */
     case RPL_OP_PARTIAL_ALLREDUCE: break; /* handled above */
   }
   return rpl_fail(err, RPL_ERR_INVALID, "unknown operation kind %d", (int)d->kind);
-}
-
-static int batch_grow(p2p_batch *b) {
-  if (b->n < b->cap) return 1;
-  int cap = b->cap ? b->cap * 2 : 16;
-  rpl_op **ops = realloc(b->ops, sizeof *ops * (size_t)cap);
-  if (ops) b->ops = ops;
-  rpl_xfer *xs = ops ? realloc(b->xs, sizeof *xs * (size_t)cap) : NULL;
-  if (xs) b->xs = xs;
-  double *dl = xs ? realloc(b->deadline, sizeof *dl * (size_t)cap) : NULL;
-  if (dl) b->deadline = dl;
-  int *map = dl ? realloc(b->map, sizeof *map * (size_t)cap) : NULL;
-  if (map) b->map = map;
-  if (!map) return 0;
-  b->cap = cap;
-  return 1;
-}
-
-/* Drops completed entries once they are the majority of a large batch (a stream of p2p ops
- * that never drains must not grow it without bound). */
-static void batch_compact(rpl_comm *c, p2p_batch *b) {
-  if (b->n < 64 || (b->n - b->live) * 2 < b->n) return;
-  int j = 0;
-  for (int i = 0; i < b->n; i++) {
-    b->map[i] = -1;
-    if (!b->ops[i]) continue;
-    b->map[i] = j;
-    b->ops[j] = b->ops[i];
-    b->xs[j] = b->xs[i];
-    b->deadline[j] = b->deadline[i];
-    j++;
-  }
-  rpl_tr_p2p_remap(c->tr, b->map, b->n);
-  b->n = j;
-}
-
-static void p2p_desc(const rpl_op *op, char *buf, size_t cap) {
-  if (op->d.root == RPL_ANY_SOURCE)
-    snprintf(buf, cap, "recv from any rank (tag %d)", op->d.tag);
-  else
-    snprintf(buf, cap, "%s %s rank %d (tag %d)", op->d.kind == RPL_OP_SEND ? "send" : "recv",
-             op->d.kind == RPL_OP_SEND ? "to" : "from", op->d.root, op->d.tag);
-}
-
-/* Fails every live op of the batch after the run failed with `st`/`err` and empties it. */
-static void batch_fail(rpl_comm *c, p2p_batch *b, rpl_status st, const rpl_error *err) {
-  double now = rpl_now();
-  rpl_error first = *err;
-  int broke = 0;
-  if (st == RPL_ERR_TIMEOUT) {
-    /* The ops past their own deadline time out, naming their peer; the first of them is the
-     * communicator's error. */
-    for (int i = 0; i < b->n; i++) {
-      rpl_op *op = b->ops[i];
-      if (!op || b->deadline[i] > now) continue;
-      char what[96];
-      p2p_desc(op, what, sizeof what);
-      rpl_error e;
-      char who[32] = "any rank";
-      if (op->d.root != RPL_ANY_SOURCE) snprintf(who, sizeof who, "rank(s) %d", op->d.root);
-      char held[256] = "";
-      if (op->d.kind == RPL_OP_RECV)
-        rpl_tr_held_desc(c->tr, op->d.root, held, sizeof held);
-      rpl_fail(&e, RPL_ERR_TIMEOUT,
-               "%s timed out after %g s waiting for %s (%s)", what,
-               op_timeout(c, &op->d), who,
-               held[0] ? held
-               : op->d.kind == RPL_OP_RECV
-                   ? "it never sent a matching message: it is slow, stuck in another "
-                     "operation, or gone"
-                   : "it never took the message: it has not posted the matching recv, is "
-                     "stuck in another operation, or is gone");
-      if (!broke) {
-        first = e;
-        break_comm(c, &first);
-        broke = 1;
-      }
-      b->ops[i] = NULL;
-      b->live--;
-      finish_op(c, op, RPL_ERR_TIMEOUT, &e);
-    }
-  }
-  if (!broke && st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED) {
-    break_comm(c, &first);
-    broke = 1;
-  }
-  for (int i = 0; i < b->n; i++) {
-    rpl_op *op = b->ops[i];
-    if (!op) continue;
-    rpl_error e;
-    rpl_status s = st;
-    if (st == RPL_ERR_TIMEOUT) {
-      /* Not past its own deadline, but the communicator is broken now. */
-      s = RPL_ERR_ABORTED;
-      char what[96];
-      p2p_desc(op, what, sizeof what);
-      rpl_fail(&e, s, "%s was abandoned: the process group is unusable after an error of an "
-               "operation running with it: %.380s", what, first.msg);
-    } else {
-      e = *err;
-    }
-    b->ops[i] = NULL;
-    b->live--;
-    finish_op(c, op, s, &e);
-  }
-  b->n = 0;
-  b->live = 0;
-}
-
-/* Runs the sends and recvs at the head of the queue, and those that join while they run, until
- * none is pending. Each op completes (on_done) as soon as its transfer has. */
-static void run_p2p(rpl_comm *c) {
-  p2p_batch *b = &c->batch;
-  b->n = b->live = 0;
-  for (;;) {
-    int first_new = b->n, closing;
-    rpl_op *nomem = NULL;
-    pthread_mutex_lock(&c->mu);
-    closing = c->closing;
-    if (!closing && !c->broken) {
-      while (c->head && is_p2p(c->head)) {
-        rpl_op *op = c->head;
-        c->head = op->next;
-        if (!c->head) c->tail = NULL;
-        op->next = NULL;
-        if (!batch_grow(b)) {
-          nomem = op;
-          break;
-        }
-        b->ops[b->n++] = op;
-        b->live++;
-      }
-    }
-    /* Leaving the batch is decided under the lock, so a p2p op submitted from here on is
-     * seen by the main loop rather than relying on a poke. */
-    c->p2p_active = b->live > 0 && !closing;
-    pthread_mutex_unlock(&c->mu);
-
-    if (nomem) {
-      rpl_error e;
-      rpl_fail(&e, RPL_ERR_NOMEM, "out of memory running %s", rpl_op_name(nomem->d.kind));
-      finish_op(c, nomem, RPL_ERR_NOMEM, &e);
-    }
-    if (b->live == 0) break;
-    if (closing) {
-      rpl_error e;
-      rpl_fail(&e, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
-      batch_fail(c, b, RPL_ERR_CLOSED, &e);
-      break;
-    }
-
-    double now = rpl_now();
-    for (int i = first_new; i < b->n; i++) {
-      rpl_op *op = b->ops[i];
-      rpl_run run = comm_run(c, op->d.kind, NULL);
-      run.nbufs = (uint32_t)op->d.tag;
-      b->xs[i] = rpl_p2p_xfer(&run, &op->d);
-      b->deadline[i] = now + op_timeout(c, &op->d);
-    }
-    double deadline = 0;
-    int have = 0;
-    for (int i = 0; i < b->n; i++)
-      if (b->ops[i] && (!have || b->deadline[i] < deadline)) {
-        deadline = b->deadline[i];
-        have = 1;
-      }
-
-    rpl_error err = {RPL_OK, ""};
-    rpl_status st = rpl_tr_run_p2p(c->tr, b->xs, b->n, deadline, &err);
-    /* Complete what finished (also when the run then failed on something else). */
-    for (int i = 0; i < b->n; i++) {
-      rpl_op *op = b->ops[i];
-      if (!op || !b->xs[i].done) continue;
-      b->ops[i] = NULL;
-      b->live--;
-      if (op->d.source) *op->d.source = b->xs[i].peer; /* the transport set it for any-source */
-      finish_op(c, op, RPL_OK, NULL);
-    }
-    if (st != RPL_OK) {
-      err.code = st;
-      batch_fail(c, b, st, &err);
-      pthread_mutex_lock(&c->mu);
-      c->p2p_active = 0;
-      pthread_mutex_unlock(&c->mu);
-      break;
-    }
-    if (b->live == 0) b->n = 0; /* drained: nothing refers to the entries any more */
-    else batch_compact(c, b);
-  }
 }
 
 /* Hands the transport back: the progress thread may take queued ops, shutdown may proceed. */
@@ -424,10 +177,10 @@ static void *progress_main(void *arg) {
       break;
     }
     int closing = c->closing, broken = c->broken;
-    if (is_p2p(op) && !closing && !broken) {
+    if (rpl_op_is_p2p(op) && !closing && !broken) {
       c->executing = 1;
       pthread_mutex_unlock(&c->mu);
-      run_p2p(c);
+      rpl_p2p_run(c);
       release_transport(c);
       continue;
     }
@@ -456,10 +209,10 @@ static void *progress_main(void *arg) {
       err.code = st;
       /* Argument errors found before any data moved (none reach here: rpl_submit validates)
        * would not need breaking the communicator. */
-      if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) break_comm(c, &err);
+      if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) rpl_engine_break(c, &err);
     }
     if (runs) release_transport(c);
-    finish_op(c, op, st, &err);
+    rpl_engine_finish_op(c, op, st, &err);
   }
   return NULL;
 }
@@ -538,10 +291,7 @@ void rpl_comm_destroy(rpl_comm *c) {
   rpl_partial_destroy(c->partial);
   rpl_tr_destroy(c->tr);
   rpl_scratch_free(&c->scratch);
-  free(c->batch.ops);
-  free(c->batch.xs);
-  free(c->batch.deadline);
-  free(c->batch.map);
+  rpl_p2p_batch_free(&c->batch);
   free(c->same_host);
   pthread_mutex_destroy(&c->mu);
   pthread_cond_destroy(&c->cv);
@@ -551,9 +301,8 @@ void rpl_comm_destroy(rpl_comm *c) {
 int rpl_comm_rank(const rpl_comm *c) { return c->rank; }
 int rpl_comm_size(const rpl_comm *c) { return c->size; }
 
-rpl_status rpl_submit(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
-  rpl_status st = rpl_validate(d, c->rank, c->size, c->partial != NULL, err);
-  if (st != RPL_OK) return st;
+/* Queues a validated operation behind the others. */
+static rpl_status enqueue(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
   rpl_op *op = calloc(1, sizeof *op);
   size_t nb = (size_t)d->nin + (size_t)d->nout;
   if (op) op->bufs = calloc(nb ? nb : 1, sizeof(rpl_buf));
@@ -586,6 +335,12 @@ rpl_status rpl_submit(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
   return RPL_OK;
 }
 
+rpl_status rpl_submit(rpl_comm *c, const rpl_op_desc *d, rpl_error *err) {
+  rpl_status st = rpl_validate(d, c->rank, c->size, c->partial != NULL, err);
+  if (st != RPL_OK) return st;
+  return enqueue(c, d, err);
+}
+
 /* Small exact collectives only: a partial round may wait long for its group or the
  * coordinator, and sends/recvs progress in batches on the progress thread. */
 static int inline_eligible(const rpl_comm *c, const rpl_op_desc *d) {
@@ -597,11 +352,12 @@ static int inline_eligible(const rpl_comm *c, const rpl_op_desc *d) {
   return bytes <= c->small_bytes;
 }
 
-rpl_status rpl_run_inline(rpl_comm *c, const rpl_op_desc *d, int *ran, rpl_error *err) {
+/* Validated once: an operation the latency path cannot take is queued from here. */
+rpl_status rpl_submit_inline(rpl_comm *c, const rpl_op_desc *d, int *ran, rpl_error *err) {
   *ran = 0;
   rpl_status st = rpl_validate(d, c->rank, c->size, c->partial != NULL, err);
   if (st != RPL_OK) return st;
-  if (!inline_eligible(c, d)) return RPL_OK;
+  if (!inline_eligible(c, d)) return enqueue(c, d, err);
   pthread_mutex_lock(&c->mu);
   if (c->closing) {
     pthread_mutex_unlock(&c->mu);
@@ -613,14 +369,14 @@ rpl_status rpl_run_inline(rpl_comm *c, const rpl_op_desc *d, int *ran, rpl_error
   if (idle) c->executing = 1;
   rpl_partial *partial = c->partial;
   pthread_mutex_unlock(&c->mu);
-  if (!idle) return RPL_OK; /* the caller queues it behind the others */
+  if (!idle) return enqueue(c, d, err); /* behind the others */
 
   rpl_error e = {RPL_OK, ""};
   int contained = 0;
   st = execute(c, partial, d, &contained, &e);
   if (st != RPL_OK) {
     e.code = st;
-    if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) break_comm(c, &e);
+    if (st != RPL_ERR_CLOSED && st != RPL_ERR_ABORTED && !contained) rpl_engine_break(c, &e);
   }
   release_transport(c);
   *ran = 1;

@@ -1,4 +1,6 @@
-/* partial.c - partial all-reduce rounds: group, signature check, reduction, atomic write-back. */
+/* partial.c - partial all-reduce rounds. A round (rpl_partial_run) reads: get the group ->
+ * check signatures -> reduce, exact or compressed -> confirm and commit (atomic write-back) ->
+ * account. The fence around exact collectives is in fence.c. */
 #include "partial.h"
 
 #include <pthread.h>
@@ -13,6 +15,7 @@
 #include "common.h"
 #include "compress.h"
 #include "ctx.h"
+#include "fence.h"
 #include "kernels.h"
 #include "sched/rpl_sched.h"
 
@@ -22,25 +25,14 @@
 #define SIG_FLAG_OUT_OF_RANGE 1u /* a value this member would compress is not finite or too big */
 #define TRACE_SLOTS RPL_TRACE_CAPACITY
 
-/* A fence domain: the dynamic schedules of one process. */
-struct rpl_domain {
-  pthread_mutex_t mu; /* guards the list and the count */
-  rpl_partial **members;
-  int n, cap;
-  int in_exact;       /* exact collectives of the process running now */
-};
-
 struct rpl_partial {
-  rpl_domain *domain;
+  rpl_fence fence;          /* its fence domain (fence.h); fence.left: the worker left */
   int rank, size;
   double timeout_s;
   rpl_on_failure on_failure;
   int dynamic;
   rpl_layout *layout;       /* static */
   rpl_gg_client *client;    /* dynamic */
-  int fenced;               /* atomic: set by any domain member's exact op, cleared when the
-                               last one ends (an unfence) or by a request */
-  int left;
   uint64_t round;           /* progress thread only */
   int *members;             /* size entries */
   rpl_compress compression;
@@ -55,99 +47,16 @@ struct rpl_partial {
 
   /* RIPPLES_TEST_FAULT (tests only): in round fault_round, before exchange fault_at of the
    * round (0: the signatures), this rank exits (1), stalls past the deadline (2), or cuts its
-   * TCP links (3: fault_tr, the round's transport). */
+   * TCP links (3: of fault_run, the round's run). */
   int fault_action, fault_at;
   uint64_t fault_round;
-  rpl_tr *fault_tr;
+  rpl_run *fault_run;
 
   pthread_mutex_t mu;       /* guards stats and the trace */
   rpl_partial_stats stats;
   rpl_trace_entry *trace;   /* TRACE_SLOTS ring, NULL when tracing is off */
   uint64_t trace_next;      /* index of the next entry */
 };
-
-rpl_status rpl_domain_create(rpl_domain **out, rpl_error *err) {
-  rpl_domain *d = calloc(1, sizeof *d);
-  if (!d) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory creating a fence domain");
-  pthread_mutex_init(&d->mu, NULL);
-  *out = d;
-  return RPL_OK;
-}
-
-void rpl_domain_destroy(rpl_domain *d) {
-  if (!d) return;
-  pthread_mutex_destroy(&d->mu);
-  free(d->members);
-  free(d);
-}
-
-static rpl_status domain_add(rpl_domain *d, rpl_partial *p, rpl_error *err) {
-  pthread_mutex_lock(&d->mu);
-  if (d->n == d->cap) {
-    int cap = d->cap ? 2 * d->cap : 8;
-    rpl_partial **m = realloc(d->members, sizeof *m * (size_t)cap);
-    if (!m) {
-      pthread_mutex_unlock(&d->mu);
-      return rpl_fail(err, RPL_ERR_NOMEM, "out of memory joining a fence domain");
-    }
-    d->members = m;
-    d->cap = cap;
-  }
-  d->members[d->n++] = p;
-  pthread_mutex_unlock(&d->mu);
-  return RPL_OK;
-}
-
-static void domain_remove(rpl_domain *d, rpl_partial *p) {
-  pthread_mutex_lock(&d->mu);
-  for (int i = 0; i < d->n; i++)
-    if (d->members[i] == p) d->members[i] = d->members[--d->n];
-  pthread_mutex_unlock(&d->mu);
-}
-
-static void fence_one(rpl_partial *p) {
-  if (!p->dynamic || p->left) return;
-  if (__atomic_exchange_n(&p->fenced, 1, __ATOMIC_ACQ_REL)) return; /* already fenced */
-  rpl_error err;
-  /* If this schedule's progress thread is inside a request right now, the client skips the
-   * fence rather than wait for the group (see rpl_gg_client_fence): that thread is available
-   * for a round, and an exact collective must never wait for the coordinator. */
-  if (rpl_gg_client_fence(p->client, &err) == RPL_OK) {
-    pthread_mutex_lock(&p->mu);
-    p->stats.fences++;
-    pthread_mutex_unlock(&p->mu);
-  } else {
-    __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE);
-  }
-}
-
-/* The worker is back from its exact collectives: tell the GG at once, so that partners
- * asking now find it available (a fire-and-forget message, off the critical path). */
-static void unfence_one(rpl_partial *p) {
-  if (!p->dynamic || p->left) return;
-  if (!__atomic_exchange_n(&p->fenced, 0, __ATOMIC_ACQ_REL)) return; /* not fenced */
-  rpl_error err;
-  if (rpl_gg_client_unfence(p->client, &err) == RPL_OK) {
-    pthread_mutex_lock(&p->mu);
-    p->stats.unfences++;
-    pthread_mutex_unlock(&p->mu);
-  }
-}
-
-/* The coordinator counts a request as an unfence. With overlapped rounds an exact collective
- * of this process may have fenced while the request was being sent or waited (its fence was
- * then sent before the request, or skipped): once the group is here, this worker would look
- * idle to the coordinator for the rest of that collective, and a partner could be grouped with
- * it and wait -- possibly inside the partner's step, which that very collective waits for.
- * Fence again while an exact collective runs (under the domain lock, so that its end cannot
- * slip between the check and the fence). */
-static void refence_after_request(rpl_partial *p) {
-  if (!p->domain) return;
-  pthread_mutex_lock(&p->domain->mu);
-  __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE); /* as the coordinator has it now */
-  if (p->domain->in_exact > 0) fence_one(p);
-  pthread_mutex_unlock(&p->domain->mu);
-}
 
 int rpl_partial_eligible(const rpl_op_desc *d) {
   if (d->redop != RPL_SUM && d->redop != RPL_AVG) return 0;
@@ -178,7 +87,7 @@ static void fire_fault(void *arg, int k) {
   if (k != p->fault_at) return;
   if (p->fault_action == 1) _exit(17); /* as a kill: no goodbye, no flush */
   if (p->fault_action == 3) {
-    rpl_tr_cut_links(p->fault_tr);
+    rpl_run_cut_links(p->fault_run);
     return;
   }
   struct timespec ts = {(time_t)(p->timeout_s + 1.0), 0};
@@ -242,12 +151,10 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
                                .timeout_ms = RPL_MIN(timeout_ms, 30000),
                                .request_timeout_ms = timeout_ms};
     if ((st = rpl_gg_client_create(&cc, &p->client, err)) != RPL_OK) goto fail;
+    p->fence.client = p->client;
   }
   /* Every schedule joins the domain: its exact collectives must fence the dynamic ones. */
-  if (cfg->domain) {
-    if ((st = domain_add(cfg->domain, p, err)) != RPL_OK) goto fail;
-    p->domain = cfg->domain;
-  }
+  if ((st = rpl_fence_join(&p->fence, cfg->domain, err)) != RPL_OK) goto fail;
   *out = p;
   return RPL_OK;
 fail:
@@ -256,15 +163,15 @@ fail:
 }
 
 void rpl_partial_leave(rpl_partial *p) {
-  if (!p || !p->client || p->left) return;
-  p->left = 1;
+  if (!p || !p->client || p->fence.left) return;
+  p->fence.left = 1;
   rpl_error err;
   rpl_gg_client_leave(p->client, &err); /* best effort: heartbeats stopping says the same */
 }
 
 void rpl_partial_destroy(rpl_partial *p) {
   if (!p) return;
-  if (p->domain) domain_remove(p->domain, p);
+  rpl_fence_leave(&p->fence);
   rpl_partial_leave(p);
   if (p->client) rpl_gg_client_destroy(p->client);
   rpl_layout_destroy(p->layout);
@@ -283,28 +190,9 @@ void rpl_partial_count_fallback(rpl_partial *p) {
   pthread_mutex_unlock(&p->mu);
 }
 
-void rpl_partial_before_exact(rpl_partial *p) {
-  if (!p->domain) {
-    fence_one(p);
-    return;
-  }
-  pthread_mutex_lock(&p->domain->mu);
-  p->domain->in_exact++;
-  for (int i = 0; i < p->domain->n; i++) fence_one(p->domain->members[i]);
-  pthread_mutex_unlock(&p->domain->mu);
-}
+void rpl_partial_before_exact(rpl_partial *p) { rpl_fence_before_exact(&p->fence); }
 
-void rpl_partial_after_exact(rpl_partial *p, int more) {
-  if (!p->domain) {
-    if (!more) unfence_one(p);
-    return;
-  }
-  pthread_mutex_lock(&p->domain->mu);
-  if (p->domain->in_exact > 0) p->domain->in_exact--;
-  if (p->domain->in_exact == 0 && !more)
-    for (int i = 0; i < p->domain->n; i++) unfence_one(p->domain->members[i]);
-  pthread_mutex_unlock(&p->domain->mu);
-}
+void rpl_partial_after_exact(rpl_partial *p, int more) { rpl_fence_after_exact(&p->fence, more); }
 
 /* ---- one round ------------------------------------------------------------------------- */
 
@@ -456,163 +344,222 @@ static void record(rpl_partial *p, uint64_t round, uint64_t group_id, const int 
   p->trace_next++;
 }
 
-rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, rpl_error *err) {
-  uint64_t round = p->round++;
-  double t0 = rpl_now();
-  run->deadline = t0 + (d->timeout_s > 0 ? d->timeout_s : p->timeout_s);
-  int n = 0;
-  uint64_t gid = 0;
+/* What one round did, for its accounting (account). */
+typedef struct round_info {
+  uint64_t round, gid;
+  int n;             /* the group's size (0 when no group came) */
+  int me;            /* this rank's position in it */
+  size_t bytes;      /* the buffers' payload bytes */
+  uint64_t wire;     /* bytes this rank sent reducing them */
+  int moved, compressed, fellback;
+  double t0, t1, t2, t3; /* start, group known, signatures agreed, reduced */
+  double tconf;          /* in confirm_whole */
+} round_info;
+
+/* The round's group, from the coordinator or the static schedule, into p->members[0..n). */
+static rpl_status get_group(rpl_partial *p, round_info *r, rpl_error *err) {
   rpl_status st;
   if (p->dynamic) {
-    __atomic_store_n(&p->fenced, 0, __ATOMIC_RELEASE); /* a request unfences */
-    st = rpl_gg_client_request(p->client, round, p->members, p->size, &n, &gid, err);
-    refence_after_request(p);
+    rpl_fence_before_request(&p->fence);
+    st = rpl_gg_client_request(p->client, r->round, p->members, p->size, &r->n, &r->gid, err);
+    rpl_fence_after_request(&p->fence);
   } else {
-    st = rpl_static_group(p->layout, p->rank, round, p->members, p->size, &n, &gid, err);
+    st = rpl_static_group(p->layout, p->rank, r->round, p->members, p->size, &r->n, &r->gid,
+                          err);
   }
-  double t1 = rpl_now();
-  int me = -1;
-  for (int i = 0; st == RPL_OK && i < n; i++)
-    if (p->members[i] == p->rank) me = i;
-  if (st == RPL_OK && me < 0)
+  r->t1 = r->t2 = r->t3 = rpl_now();
+  r->me = -1;
+  for (int i = 0; st == RPL_OK && i < r->n; i++)
+    if (p->members[i] == p->rank) r->me = i;
+  if (st == RPL_OK && r->me < 0)
     st = rpl_fail(err, RPL_ERR_INVALID, "the group generator left rank %d out of its own group",
                   p->rank);
+  return st;
+}
 
-  size_t bytes = 0;
-  uint64_t wire = 0;
-  double t2 = t1, t3 = t1;
-  int moved = 0, compressed = 0, fellback = 0;
-  double tconf = 0; /* in confirm_whole */
-  if (st == RPL_OK && n > 1) {
-    run->members = p->members;
-    run->rank = me;
-    run->size = n;
-    run->seq = gid;
-    if (p->fault_action && round == p->fault_round) {
-      run->before_exchange = fire_fault;
-      run->hook_arg = p;
-      p->fault_tr = run->tr;
-    }
-    size_t total = 0;
+/* Narrows the run to the group, with the fault hook in the fault round (tests only). */
+static void narrow_run(rpl_partial *p, rpl_run *run, const round_info *r) {
+  run->members = p->members;
+  run->rank = r->me;
+  run->size = r->n;
+  run->seq = r->gid;
+  if (p->fault_action && r->round == p->fault_round) {
+    run->before_exchange = fire_fault;
+    run->hook_arg = p;
+    p->fault_run = run;
+  }
+}
+
+/* A compressing round works on y = buffers + residual (in p->next), checked before the
+ * signatures go out so that every member learns whether all can compress. Then the
+ * signatures; *flags_or is every member's flags OR-ed. */
+static rpl_status prepare_and_agree(rpl_partial *p, rpl_run *run, const rpl_op_desc *d,
+                                    int comp, size_t total, const round_info *r,
+                                    uint32_t *flags_or, rpl_error *err) {
+  rpl_status st = RPL_OK;
+  uint32_t flags = 0;
+  if (comp && (st = residual_for(p, sig_hash(d), total, err)) == RPL_OK) {
+    size_t off = 0;
     for (int i = 0; i < d->nin; i++) {
-      total += d->in[i].count;
-      bytes += d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+      const float *x = d->in[i].ptr;
+      for (size_t j = 0; j < d->in[i].count; j++) p->next[off + j] = x[j] + p->resid[off + j];
+      off += d->in[i].count;
     }
-    /* A compressing round works on y = buffers + residual (in p->next), checked before the
-     * signatures go out so that every member learns whether all can compress. */
-    int comp = compresses(p, d, n);
-    uint32_t flags = 0, flags_or = 0;
-    if (comp && (st = residual_for(p, sig_hash(d), total, err)) == RPL_OK) {
-      size_t off = 0;
-      for (int i = 0; i < d->nin; i++) {
-        const float *x = d->in[i].ptr;
-        for (size_t j = 0; j < d->in[i].count; j++) p->next[off + j] = x[j] + p->resid[off + j];
-        off += d->in[i].count;
-      }
-      if (!rpl_cq_in_range(p->next, total, rpl_cq_limit(p->compression)))
-        flags |= SIG_FLAG_OUT_OF_RANGE;
-    }
-    if (st == RPL_OK)
-      st = check_signatures(run, d, gid, p->compression, flags, &flags_or, err);
-    t2 = rpl_now();
-    rpl_tr_counters c0, c1;
-    rpl_tr_get_counters(run->tr, &c0);
-    if (st == RPL_OK && comp && !(flags_or & SIG_FLAG_OUT_OF_RANGE)) {
-      float *out = rpl_scratch(run, 2, total * sizeof(float));
-      st = out ? rpl_compressed_average(run, p->next, total, p->compression, out)
-               : RPL_ERR_NOMEM;
-      if (st == RPL_OK) st = confirm_whole(run, &tconf);
-      if (st == RPL_OK) {
-        /* Commit: the buffers and the residual change together, only now. */
-        if (d->redop == RPL_SUM) rpl_scale(out, total, RPL_FLOAT32, (double)p->size);
-        size_t off = 0;
-        for (int i = 0; i < d->nin; i++) {
-          if (d->in[i].count) memcpy(d->in[i].ptr, out + off, d->in[i].count * sizeof(float));
-          off += d->in[i].count;
-        }
-        float *t = p->resid;
-        p->resid = p->next;
-        p->next = t;
-        moved = compressed = 1;
-      }
-    } else if (st == RPL_OK) {
-      /* Exact. A compressing round that a member's values keep from compressing sends the
-       * buffers plus the residual (y), which delivers the residual and clears it. */
-      fellback = comp;
-      /* Reduce a working copy; the caller's buffers change only once everything arrived. */
-      unsigned char *work = rpl_scratch(run, 2, bytes);
-      st = work ? RPL_OK : RPL_ERR_NOMEM;
-      size_t off = 0;
-      for (int i = 0; st == RPL_OK && i < d->nin; i++) {
-        size_t b = d->in[i].count * rpl_dtype_size(d->in[i].dtype);
-        if (b) memcpy(work + off, fellback ? (void *)((unsigned char *)p->next + off)
-                                           : d->in[i].ptr, b);
-        rpl_buf wb = {work + off, d->in[i].count, d->in[i].dtype};
-        st = rpl_allreduce_buf(run, &wb, RPL_SUM, (unsigned)i);
-        off += b;
-      }
-      if (st == RPL_OK) st = confirm_whole(run, &tconf);
-      if (st == RPL_OK) {
-        off = 0;
-        for (int i = 0; i < d->nin; i++) {
-          size_t b = d->in[i].count * rpl_dtype_size(d->in[i].dtype);
-          if (d->redop == RPL_AVG) rpl_divide(work + off, d->in[i].count, d->in[i].dtype, n);
-          else rpl_scale(work + off, d->in[i].count, d->in[i].dtype, (double)p->size / n);
-          if (b) memcpy(d->in[i].ptr, work + off, b);
-          off += b;
-        }
-        if (fellback) memset(p->resid, 0, total * sizeof(float));
-        moved = 1;
-      }
-    }
-    rpl_tr_get_counters(run->tr, &c1);
-    wire = c1.bytes_sent - c0.bytes_sent;
-    t3 = rpl_now();
-    if (st != RPL_OK && st != RPL_ERR_MISMATCH) {
-      /* Streams with the group may be mid-message: start them afresh next time. A signature
-       * mismatch is detected after complete messages, so those connections stay usable. */
-      rpl_reset_peers(run);
-    }
-  } else if (st == RPL_OK && d->redop == RPL_SUM && p->size > 1) {
-    for (int i = 0; i < d->nin; i++)
-      rpl_scale(d->in[i].ptr, d->in[i].count, d->in[i].dtype, (double)p->size);
+    if (!rpl_cq_in_range(p->next, total, rpl_cq_limit(p->compression)))
+      flags |= SIG_FLAG_OUT_OF_RANGE;
   }
-  if (p->dynamic && gid) {
-    rpl_error e2;
-    rpl_gg_client_done(p->client, gid, st == RPL_OK ? 0u : (uint32_t)st, &e2);
-  }
+  if (st == RPL_OK) st = check_signatures(run, d, r->gid, p->compression, flags, flags_or, err);
+  return st;
+}
 
+/* Commit of a compressed round: the buffers and the residual change together, only now. */
+static void commit_compressed(rpl_partial *p, const rpl_op_desc *d, float *out, size_t total) {
+  if (d->redop == RPL_SUM) rpl_scale(out, total, RPL_FLOAT32, (double)p->size);
+  size_t off = 0;
+  for (int i = 0; i < d->nin; i++) {
+    if (d->in[i].count) memcpy(d->in[i].ptr, out + off, d->in[i].count * sizeof(float));
+    off += d->in[i].count;
+  }
+  float *t = p->resid;
+  p->resid = p->next;
+  p->next = t;
+}
+
+static rpl_status reduce_compressed(rpl_partial *p, rpl_run *run, const rpl_op_desc *d,
+                                    size_t total, round_info *r) {
+  float *out = rpl_scratch(run, 2, total * sizeof(float));
+  rpl_status st = out ? rpl_compressed_average(run, p->next, total, p->compression, out)
+                      : RPL_ERR_NOMEM;
+  if (st == RPL_OK) st = confirm_whole(run, &r->tconf);
+  if (st == RPL_OK) {
+    commit_compressed(p, d, out, total);
+    r->moved = r->compressed = 1;
+  }
+  return st;
+}
+
+/* Commit of an exact round: the average (or the sum scaled to the communicator's size) into
+ * the caller's buffers; a fallen-back compressing round delivered its residual, so clear it. */
+static void commit_exact(rpl_partial *p, const rpl_op_desc *d, unsigned char *work,
+                         size_t total, const round_info *r) {
+  size_t off = 0;
+  for (int i = 0; i < d->nin; i++) {
+    size_t b = d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+    if (d->redop == RPL_AVG) rpl_divide(work + off, d->in[i].count, d->in[i].dtype, r->n);
+    else rpl_scale(work + off, d->in[i].count, d->in[i].dtype, (double)p->size / r->n);
+    if (b) memcpy(d->in[i].ptr, work + off, b);
+    off += b;
+  }
+  if (r->fellback) memset(p->resid, 0, total * sizeof(float));
+}
+
+/* Exact. A compressing round that a member's values keep from compressing (comp set) sends
+ * the buffers plus the residual (y), which delivers the residual and clears it. */
+static rpl_status reduce_exact(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, int comp,
+                               size_t total, round_info *r) {
+  r->fellback = comp;
+  /* Reduce a working copy; the caller's buffers change only once everything arrived. */
+  unsigned char *work = rpl_scratch(run, 2, r->bytes);
+  rpl_status st = work ? RPL_OK : RPL_ERR_NOMEM;
+  size_t off = 0;
+  for (int i = 0; st == RPL_OK && i < d->nin; i++) {
+    size_t b = d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+    if (b) memcpy(work + off, r->fellback ? (void *)((unsigned char *)p->next + off)
+                                          : d->in[i].ptr, b);
+    rpl_buf wb = {work + off, d->in[i].count, d->in[i].dtype};
+    st = rpl_allreduce_buf(run, &wb, RPL_SUM, (unsigned)i);
+    off += b;
+  }
+  if (st == RPL_OK) st = confirm_whole(run, &r->tconf);
+  if (st == RPL_OK) {
+    commit_exact(p, d, work, total, r);
+    r->moved = 1;
+  }
+  return st;
+}
+
+/* A group of two or more: agree on the buffers, reduce (compressed or exact), commit. */
+static rpl_status reduce_group(rpl_partial *p, rpl_run *run, const rpl_op_desc *d,
+                               round_info *r, rpl_error *err) {
+  narrow_run(p, run, r);
+  size_t total = 0;
+  for (int i = 0; i < d->nin; i++) {
+    total += d->in[i].count;
+    r->bytes += d->in[i].count * rpl_dtype_size(d->in[i].dtype);
+  }
+  int comp = compresses(p, d, r->n);
+  uint32_t flags_or = 0;
+  rpl_status st = prepare_and_agree(p, run, d, comp, total, r, &flags_or, err);
+  r->t2 = rpl_now();
+  uint64_t sent0 = rpl_run_bytes_sent(run);
+  if (st == RPL_OK && comp && !(flags_or & SIG_FLAG_OUT_OF_RANGE))
+    st = reduce_compressed(p, run, d, total, r);
+  else if (st == RPL_OK)
+    st = reduce_exact(p, run, d, comp, total, r);
+  r->wire = rpl_run_bytes_sent(run) - sent0;
+  r->t3 = rpl_now();
+  if (st != RPL_OK && st != RPL_ERR_MISMATCH) {
+    /* Streams with the group may be mid-message: start them afresh next time. A signature
+     * mismatch is detected after complete messages, so those connections stay usable. */
+    rpl_reset_peers(run);
+  }
+  return st;
+}
+
+/* Counts the round and records it in the trace. Returns what the round returns: RPL_OK for a
+ * failure on_failure = SKIP absorbs. */
+static rpl_status account(rpl_partial *p, const round_info *r, rpl_status st) {
   int skip = st != RPL_OK && p->on_failure == RPL_ON_FAILURE_SKIP && st != RPL_ERR_CLOSED;
-  int passed = p->dynamic && st == RPL_OK && gid == 0; /* the adaptive period: no group meant */
+  int passed = p->dynamic && st == RPL_OK && r->gid == 0; /* the adaptive period: no group */
+  int n = r->n;
   pthread_mutex_lock(&p->mu);
   rpl_partial_stats *s = &p->stats;
   s->rounds++;
   if (passed) {
     s->passed++; /* neither a group of one nor the end of a run of them */
   } else {
-    if (moved) s->singleton_run = 0;
-    else if (++s->singleton_run > s->singleton_run_max) s->singleton_run_max = s->singleton_run;
+    if (r->moved) s->rounds_since_group = 0;
+    else if (++s->rounds_since_group > s->singleton_run_max)
+      s->singleton_run_max = s->rounds_since_group;
     if (st == RPL_OK) {
-      if (moved) s->reduced++;
+      if (r->moved) s->reduced++;
       else s->singletons++;
       s->group_sizes[n < RPL_HIST_BUCKETS - 1 ? n : RPL_HIST_BUCKETS - 1]++;
-      s->bytes += moved ? bytes : 0;
-      s->wire_bytes += moved ? wire : 0;
-      s->compressed += (uint64_t)compressed;
-      s->compress_fallbacks += (uint64_t)(moved && fellback);
+      s->bytes += r->moved ? r->bytes : 0;
+      s->wire_bytes += r->moved ? r->wire : 0;
+      s->compressed += (uint64_t)r->compressed;
+      s->compress_fallbacks += (uint64_t)(r->moved && r->fellback);
     } else if (skip) {
       s->skipped++;
     } else {
       s->failed++;
     }
   }
-  s->group_s += t1 - t0;
-  s->wait_s += t2 - t1;
-  s->reduce_s += t3 - t2;
-  s->confirm_s += tconf;
-  record(p, round, gid, p->members, st == RPL_OK || gid ? n : 0, st);
+  s->group_s += r->t1 - r->t0;
+  s->wait_s += r->t2 - r->t1;
+  s->reduce_s += r->t3 - r->t2;
+  s->confirm_s += r->tconf;
+  record(p, r->round, r->gid, p->members, st == RPL_OK || r->gid ? n : 0, st);
   pthread_mutex_unlock(&p->mu);
   return skip ? RPL_OK : st;
+}
+
+rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, rpl_error *err) {
+  round_info r = {.round = p->round++, .t0 = rpl_now()};
+  run->deadline = r.t0 + (d->timeout_s > 0 ? d->timeout_s : p->timeout_s);
+  rpl_status st = get_group(p, &r, err);
+  if (st == RPL_OK && r.n > 1) {
+    st = reduce_group(p, run, d, &r, err);
+  } else if (st == RPL_OK && d->redop == RPL_SUM && p->size > 1) {
+    /* A group of one: SUM is its average scaled to the communicator, as commit_exact does. */
+    for (int i = 0; i < d->nin; i++)
+      rpl_scale(d->in[i].ptr, d->in[i].count, d->in[i].dtype, (double)p->size);
+  }
+  if (p->dynamic && r.gid) {
+    rpl_error e2;
+    rpl_gg_client_done(p->client, r.gid, st == RPL_OK ? 0u : (uint32_t)st, &e2);
+  }
+  return account(p, &r, st);
 }
 
 void rpl_partial_get_stats(const rpl_partial *p, rpl_partial_stats *out) {
@@ -620,10 +567,12 @@ void rpl_partial_get_stats(const rpl_partial *p, rpl_partial_stats *out) {
   pthread_mutex_lock(&m->mu);
   *out = p->stats;
   pthread_mutex_unlock(&m->mu);
+  out->fences = __atomic_load_n(&p->fence.fences, __ATOMIC_RELAXED);
+  out->unfences = __atomic_load_n(&p->fence.unfences, __ATOMIC_RELAXED);
   if (p->client) {
     rpl_gg_client_stats cs;
     rpl_gg_client_get_stats(p->client, &cs);
-    out->failovers = cs.failovers;
+    out->coordinator_failovers = cs.failovers;
     out->period = cs.period;
   }
 }

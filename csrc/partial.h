@@ -4,7 +4,8 @@
  * Owns where groups come from (the static schedule, or the coordinator client), the round
  * counter, the per-round statistics and trace. The engine calls in from its progress thread;
  * statistics may be read from any thread. A round reduces its group's buffers with the exact
- * all-reduce (algorithms/algorithms.h) over a run (ctx.h) narrowed to the group.
+ * all-reduce (algorithms/algorithms.h) over a run (ctx.h) narrowed to the group. Each
+ * schedule's fence at the coordinator, and its fence domain, are in fence.h.
  */
 #ifndef RPL_PARTIAL_H
 #define RPL_PARTIAL_H

@@ -10,7 +10,7 @@
  * and non-blocking sockets. Consecutive send/recv operations progress together (as gloo's
  * do: a recv posted before the matching send on both sides completes), and a collective
  * starts once every earlier send/recv has completed. A small collective may instead run on
- * the caller's thread when nothing else is queued (rpl_run_inline, the latency path).
+ * the caller's thread when nothing else is queued (rpl_submit_inline, the latency path).
  * Completion callbacks run on that thread: they must return quickly and must not submit
  * or wait on operations of the same communicator (hand the completion to another thread).
  *
@@ -207,14 +207,15 @@ typedef struct rpl_op_desc {
  * will not be called. */
 rpl_status rpl_submit(rpl_comm *comm, const rpl_op_desc *desc, rpl_error *err);
 
-/* The latency path: runs a small exact collective (at most small_bytes of buffers; not a
- * send, recv or partial round) on the calling thread, if the communicator is idle (nothing
- * queued or running), sparing the hand-offs to and from the progress thread. Then *ran = 1
- * and on_done has been called, on this thread, before the return. Otherwise *ran = 0 and
- * nothing happened: submit it (rpl_submit), where it queues behind the others. Validation
- * errors are returned as from rpl_submit. The call blocks until the peers join, so callers
- * that overlap small collectives with other work should submit instead. */
-rpl_status rpl_run_inline(rpl_comm *comm, const rpl_op_desc *desc, int *ran, rpl_error *err);
+/* rpl_submit with the latency path: a small exact collective (at most small_bytes of buffers;
+ * not a send, recv or partial round) runs on the calling thread if the communicator is idle
+ * (nothing queued or running), sparing the hand-offs to and from the progress thread. Then
+ * *ran = 1 and on_done has been called, on this thread, before the return. Otherwise *ran = 0
+ * and the operation was queued as by rpl_submit. Returns, and validates, as rpl_submit. An
+ * operation run here blocks until the peers join, so callers that overlap small collectives
+ * with other work should use rpl_submit. */
+rpl_status rpl_submit_inline(rpl_comm *comm, const rpl_op_desc *desc, int *ran,
+                             rpl_error *err);
 
 /* Counters for stats and tests. Read without stopping the progress thread. */
 typedef struct rpl_comm_counters {
@@ -321,11 +322,11 @@ typedef struct rpl_partial_stats {
   uint64_t exact_fallbacks; /* partial calls reduced exactly (non-floating buffer or op) */
   uint64_t fences;          /* fences sent to the coordinator before exact collectives */
   uint64_t unfences;        /* unfences sent when they ended */
-  uint64_t singleton_run;   /* rounds since the last one in a group of two or more (groups of
-                               one, skipped and failed rounds) */
+  uint64_t rounds_since_group; /* rounds since the last one in a group of two or more
+                                  (groups of one, skipped and failed rounds) */
   uint64_t singleton_run_max; /* the longest such run */
-  uint64_t failovers;       /* times this worker registered with another (or a restarted)
-                               coordinator after losing its own */
+  uint64_t coordinator_failovers;  /* times this worker registered with another (or a
+                                      restarted) coordinator after losing its own */
   uint64_t group_sizes[RPL_HIST_BUCKETS];
   uint64_t bytes;           /* payload bytes of rounds that moved data */
   uint64_t wire_bytes;      /* bytes this rank sent moving them (after the signature exchange;

@@ -212,10 +212,9 @@ static void ring_bell(unsigned char *seg) {
   if (__atomic_load_n(&h->sleeping, __ATOMIC_SEQ_CST)) futex(&h->doorbell, FUTEX_WAKE, 1, NULL);
 }
 
-rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonce,
-                          size_t ring_bytes, rpl_shm **out, char *name, size_t cap,
-                          rpl_error *err) {
-  *out = NULL;
+/* The object and its per-rank tables, before any segment exists. */
+static rpl_status shm_alloc(int rank, int size, const int *local_of, rpl_shm **out,
+                            rpl_error *err) {
   rpl_shm *s = calloc(1, sizeof *s);
   if (!s) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory for shared-memory transport");
   s->rank = rank;
@@ -235,18 +234,12 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
     if (local_of[r] >= 0) s->nlocal++;
   }
   s->me = local_of[rank];
-  if (ring_bytes == 0 || ring_bytes > RPL_SHM_MAX_RING) {
-    rpl_shm_destroy(s);
-    return rpl_fail(err, RPL_ERR_INVALID,
-                    "shared-memory ring size %zu is out of range (1 byte to %zu bytes)",
-                    ring_bytes, (size_t)RPL_SHM_MAX_RING);
-  }
-  uint64_t token;
-  rpl_status st = process_token(&token, err);
-  if (st != RPL_OK) {
-    rpl_shm_destroy(s);
-    return st;
-  }
+  *out = s;
+  return RPL_OK;
+}
+
+/* The segment's layout (a header page, then one ring per local rank) and the spin budget. */
+static void plan_layout(rpl_shm *s, size_t ring_bytes) {
   /* Spinning pays while every local rank has a core to itself; oversubscribed, it would take
    * the core from the very peer being waited for. */
   long cpus = sysconf(_SC_NPROCESSORS_ONLN);
@@ -255,20 +248,21 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   s->ring_stride = round_up(sizeof(ring_ctl) + ring_bytes, PAGE);
   s->header_bytes = round_up(sizeof(seg_header) + sizeof(pair_slot) * (size_t)s->nlocal, PAGE);
   s->seg_bytes = s->header_bytes + s->ring_stride * (size_t)s->nlocal;
+}
+
+/* Creates, sizes and maps our segment (s->mine); *fd stays open for the caller. On failure
+ * the caller destroys s, which unlinks the name once created. */
+static rpl_status map_segment(rpl_shm *s, uint64_t nonce, int *fd_out, rpl_error *err) {
   snprintf(s->name, sizeof s->name, "/ripples-%d-%016" PRIx64 "-%d", (int)getpid(), nonce,
-           rank);
+           s->rank);
   int fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, SEG_MODE);
-  if (fd < 0) {
-    int e = errno;
-    rpl_shm_destroy(s);
-    return rpl_fail_errno(err, RPL_ERR_SYSTEM, e, "cannot create shared memory segment");
-  }
+  if (fd < 0)
+    return rpl_fail_errno(err, RPL_ERR_SYSTEM, errno, "cannot create shared memory segment");
   s->linked = 1;
   /* Exactly 0600 whatever the umask: peers refuse any other mode (see rpl_shm_attach). */
   if (fchmod(fd, SEG_MODE) != 0 || ftruncate(fd, (off_t)s->seg_bytes) != 0) {
     int e = errno;
     close(fd);
-    rpl_shm_destroy(s);
     return rpl_fail_errno(err, RPL_ERR_SYSTEM, e,
                           "cannot size a %zu-byte shared memory segment (is /dev/shm full?)",
                           s->seg_bytes);
@@ -277,19 +271,24 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
   if (p == MAP_FAILED) {
     int e = errno;
     close(fd);
-    rpl_shm_destroy(s);
     return rpl_fail_errno(err, RPL_ERR_SYSTEM, e, "cannot map shared memory");
   }
   s->mine = p;
+  *fd_out = fd;
+  return RPL_OK;
+}
+
+/* Fills our segment's header, takes our liveness lock, and publishes the magic last. */
+static void publish_header(rpl_shm *s, uint64_t nonce, uint64_t token, int fd) {
   seg_header *h = hdr(s->mine);
   h->nonce = nonce;
-  h->ring_bytes = ring_bytes;
+  h->ring_bytes = s->ring_bytes;
   h->nlocal = (uint32_t)s->nlocal;
   h->pid = (uint32_t)getpid();
   h->process = token;
-  h->self_addr = (uint64_t)(uintptr_t)p;
-  h->rank = (uint32_t)rank;
-  h->size = (uint32_t)size;
+  h->self_addr = (uint64_t)(uintptr_t)s->mine;
+  h->rank = (uint32_t)s->rank;
+  h->size = (uint32_t)s->size;
   if (s->me == 0) {
     take_lock(s, fd); /* byte 0 of our own segment: the anchor's liveness byte is ours */
   } else {
@@ -300,6 +299,32 @@ rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonc
     (void)fcntl(fd, F_SETLK, &fl); /* without record locks, the sweep goes by pid alone */
   }
   __atomic_store_n(&h->magic, SEG_MAGIC, __ATOMIC_RELEASE);
+}
+
+rpl_status rpl_shm_create(int rank, int size, const int *local_of, uint64_t nonce,
+                          size_t ring_bytes, rpl_shm **out, char *name, size_t cap,
+                          rpl_error *err) {
+  *out = NULL;
+  rpl_shm *s = NULL;
+  rpl_status st = shm_alloc(rank, size, local_of, &s, err);
+  if (st != RPL_OK) return st;
+  uint64_t token = 0;
+  int fd = -1;
+  if (ring_bytes == 0 || ring_bytes > RPL_SHM_MAX_RING)
+    st = rpl_fail(err, RPL_ERR_INVALID,
+                  "shared-memory ring size %zu is out of range (1 byte to %zu bytes)",
+                  ring_bytes, (size_t)RPL_SHM_MAX_RING);
+  else
+    st = process_token(&token, err);
+  if (st == RPL_OK) {
+    plan_layout(s, ring_bytes);
+    st = map_segment(s, nonce, &fd, err);
+  }
+  if (st != RPL_OK) {
+    rpl_shm_destroy(s);
+    return st;
+  }
+  publish_header(s, nonce, token, fd);
   snprintf(name, cap, "%s", s->name);
   *out = s;
   return RPL_OK;

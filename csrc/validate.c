@@ -42,10 +42,8 @@ static rpl_status check_root_blocks(const char *op, int n, int is_root, const rp
   return check_same(many, nmany, one->dtype, one->count, 1, many_what, op, err);
 }
 
-rpl_status rpl_validate(const rpl_op_desc *d, int rank, int size, int has_partial,
-                        rpl_error *err) {
-  const char *op = rpl_op_name(d->kind);
-  int n = size;
+/* What every operation must satisfy: a timeout, well-formed buffer lists, a root in range. */
+static rpl_status check_common(const rpl_op_desc *d, int n, const char *op, rpl_error *err) {
   if (!(d->timeout_s >= 0))
     return rpl_fail(err, RPL_ERR_INVALID,
                     "%s: timeout must be >= 0 seconds (0 = the process group's), got %g", op,
@@ -62,17 +60,60 @@ rpl_status rpl_validate(const rpl_op_desc *d, int rank, int size, int has_partia
   if (rooted && !any_source && (d->root < 0 || d->root >= n))
     return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d is out of range for a group of size %d",
                     op, d->root, n);
+  return RPL_OK;
+}
+
+/* ALLREDUCE and PARTIAL_ALLREDUCE: at least one tensor, each reducible with the op. */
+static rpl_status check_allreduce(const rpl_op_desc *d, rpl_error *err) {
+  if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "allreduce needs a tensor");
+  rpl_status st;
+  for (int i = 0; i < d->nin; i++)
+    if ((st = rpl_reduce_check(d->in[i].dtype, d->redop, err)) != RPL_OK) return st;
+  return RPL_OK;
+}
+
+static rpl_status check_alltoall(const rpl_op_desc *d, int rank, int n, const char *op,
+                                 rpl_error *err) {
+  if (d->nin != n || d->nout != n)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "alltoall needs %d inputs and %d outputs, got %d and %d", n, n, d->nin,
+                    d->nout);
+  rpl_status st;
+  if ((st = check_same(d->in, n, d->in[0].dtype, 0, 0, "input", op, err)) != RPL_OK)
+    return st;
+  if ((st = check_same(d->out, n, d->in[0].dtype, 0, 0, "output", op, err)) != RPL_OK)
+    return st;
+  if (d->in[rank].count != d->out[rank].count)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "alltoall: this rank sends %zu elements to itself but expects %zu",
+                    d->in[rank].count, d->out[rank].count);
+  return RPL_OK;
+}
+
+static rpl_status check_p2p(const rpl_op_desc *d, int rank, const char *op, rpl_error *err) {
+  if ((d->kind == RPL_OP_SEND ? d->nin : d->nout) != 1)
+    return rpl_fail(err, RPL_ERR_INVALID, "%s needs exactly 1 tensor", op);
+  if (d->root == rank)
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d cannot %s itself", op, rank,
+                    d->kind == RPL_OP_SEND ? "send to" : "receive from");
+  if (d->tag < 0)
+    return rpl_fail(err, RPL_ERR_INVALID, "%s: tag must be >= 0, got %d", op, d->tag);
+  return RPL_OK;
+}
+
+rpl_status rpl_validate(const rpl_op_desc *d, int rank, int size, int has_partial,
+                        rpl_error *err) {
+  const char *op = rpl_op_name(d->kind);
+  int n = size;
+  rpl_status st = check_common(d, n, op, err);
+  if (st != RPL_OK) return st;
   switch (d->kind) {
     case RPL_OP_PARTIAL_ALLREDUCE:
       if (!has_partial)
         return rpl_fail(err, RPL_ERR_INVALID,
                         "partial allreduce on a communicator without a partial schedule");
-      /* fall through */
-    case RPL_OP_ALLREDUCE:
-      if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "allreduce needs a tensor");
-      for (int i = 0; i < d->nin; i++)
-        if ((st = rpl_reduce_check(d->in[i].dtype, d->redop, err)) != RPL_OK) return st;
-      return RPL_OK;
+      return check_allreduce(d, err);
+    case RPL_OP_ALLREDUCE: return check_allreduce(d, err);
     case RPL_OP_BROADCAST:
       if (d->nin < 1) return rpl_fail(err, RPL_ERR_INVALID, "broadcast needs a tensor");
       return RPL_OK;
@@ -89,20 +130,7 @@ rpl_status rpl_validate(const rpl_op_desc *d, int rank, int size, int has_partia
                         "and %d", n, d->nin, d->nout);
       if ((st = rpl_reduce_check(d->out[0].dtype, d->redop, err)) != RPL_OK) return st;
       return check_same(d->in, n, d->out[0].dtype, d->out[0].count, 1, "input", op, err);
-    case RPL_OP_ALLTOALL:
-      if (d->nin != n || d->nout != n)
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "alltoall needs %d inputs and %d outputs, got %d and %d", n, n, d->nin,
-                        d->nout);
-      if ((st = check_same(d->in, n, d->in[0].dtype, 0, 0, "input", op, err)) != RPL_OK)
-        return st;
-      if ((st = check_same(d->out, n, d->in[0].dtype, 0, 0, "output", op, err)) != RPL_OK)
-        return st;
-      if (d->in[rank].count != d->out[rank].count)
-        return rpl_fail(err, RPL_ERR_INVALID,
-                        "alltoall: this rank sends %zu elements to itself but expects %zu",
-                        d->in[rank].count, d->out[rank].count);
-      return RPL_OK;
+    case RPL_OP_ALLTOALL: return check_alltoall(d, rank, n, op, err);
     case RPL_OP_GATHER:
       return check_root_blocks(op, n, rank == d->root, d->in, d->nin, "input", d->out, d->nout,
                                "output", err);
@@ -113,18 +141,9 @@ rpl_status rpl_validate(const rpl_op_desc *d, int rank, int size, int has_partia
       if (d->nin != 1)
         return rpl_fail(err, RPL_ERR_INVALID, "reduce needs exactly 1 tensor, got %d", d->nin);
       return rpl_reduce_check(d->in[0].dtype, d->redop, err);
-    case RPL_OP_BARRIER:
-      return RPL_OK;
+    case RPL_OP_BARRIER: return RPL_OK;
     case RPL_OP_SEND:
-    case RPL_OP_RECV:
-      if ((d->kind == RPL_OP_SEND ? d->nin : d->nout) != 1)
-        return rpl_fail(err, RPL_ERR_INVALID, "%s needs exactly 1 tensor", op);
-      if (d->root == rank)
-        return rpl_fail(err, RPL_ERR_INVALID, "%s: rank %d cannot %s itself", op, rank,
-                        d->kind == RPL_OP_SEND ? "send to" : "receive from");
-      if (d->tag < 0)
-        return rpl_fail(err, RPL_ERR_INVALID, "%s: tag must be >= 0, got %d", op, d->tag);
-      return RPL_OK;
+    case RPL_OP_RECV: return check_p2p(d, rank, op, err);
   }
   return rpl_fail(err, RPL_ERR_INVALID, "unknown operation kind %d", (int)d->kind);
 }

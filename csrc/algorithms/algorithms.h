@@ -2,7 +2,8 @@
  * algorithms.h - the collective algorithms, one per operation kind (internal to csrc/).
  *
  * Each runs one operation over an rpl_run (ctx.h) and touches peers only through it. The
- * engine dispatches to them; partial rounds use rpl_allreduce_buf on their group.
+ * engine dispatches to them; partial rounds use rpl_allreduce_buf on their group. Sends and
+ * recvs are not algorithms: the engine runs them in batches (p2p_batch.c).
  */
 #ifndef RPL_ALGORITHMS_H
 #define RPL_ALGORITHMS_H
@@ -18,10 +19,7 @@ rpl_status rpl_algo_alltoall(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_gather(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_scatter(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_reduce(rpl_run *run, const rpl_op_desc *d);
-rpl_status rpl_algo_barrier(rpl_run *run, const rpl_op_desc *d);
-
-/* The one transfer of a SEND or RECV (progress zeroed), for the engine's p2p batches. */
-rpl_xfer rpl_p2p_xfer(const rpl_run *run, const rpl_op_desc *d);
+rpl_status rpl_algo_barrier(rpl_run *run, const rpl_op_desc *d); /* barrier.c */
 
 /* All-reduce of one buffer in place over the run's ranks, without AVG's division. */
 rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step);

@@ -104,7 +104,7 @@ static rpl_status from_error_reply(const rpl_msg *m, const char *endpoint, rpl_e
                   (int)(m->text_len > 400 ? 400 : m->text_len), m->text ? m->text : "");
 }
 
-/* ---- reply handling without sockets (fuzzed: coordinator/fuzz/fuzz_client.c) ------------- */
+/* ---- reply handling without sockets (fuzzed: fuzz/fuzz_client.c) ------------- */
 
 int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
                       int nworkers, uint32_t seq, rpl_msg *m) {
@@ -279,6 +279,80 @@ static void *beat_main(void *arg) {
   return NULL;
 }
 
+/* A fresh routing id for each registration: the coordinator binds our rank to it. Fresh,
+ * because the coordinator may not have noticed the previous connection close yet, and
+ * ZeroMQ refuses a second connection with a routing id in use. Then connects. */
+static rpl_status connect_fresh(rpl_gg_client *c, rpl_error *err) {
+  rpl_status st = rpl_token_generate(c->rid + 1, err);
+  c->rid[0] = RPL_ROUTE_REQUEST;
+  if (st != RPL_OK) return st; /* err says why */
+  if (zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, c->rid, sizeof c->rid) != 0)
+    return zfail(err, "routing id", c->endpoint);
+  if (zmq_connect(c->sock, c->endpoint) != 0)
+    return rpl_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
+                    c->endpoint, zmq_strerror(zmq_errno()));
+  return RPL_OK;
+}
+
+/* HELLO until HELLO_ACK (in *m), an error, or hello_ms; a failure named for the user. */
+static rpl_status hello(rpl_gg_client *c, int hello_ms, rpl_msg *m, rpl_error *err) {
+  rpl_status st;
+  double deadline = now_s() + hello_ms / 1000.0;
+  for (;;) {
+    uint32_t seq = next_seq(c);
+    fill_header(c, m, RPL_MSG_HELLO, seq);
+    m->nworkers = c->nworkers;
+    m->host_label = c->host_label;
+    st = send_msg(c->sock, m, NULL, err, c->endpoint);
+    if (st == RPL_OK)
+      st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq, deadline, NULL, c->endpoint,
+                      m, err);
+    /* Our rank is still bound to the connection we closed a moment ago (the coordinator
+     * lets it go once it sees it gone or silent): ask again while time remains. */
+    if (st != RPL_OK || m->type != RPL_MSG_ERROR || m->code != RPL_PERR_BAD_RANK ||
+        now_s() + 0.1 >= deadline)
+      break;
+    struct timespec pause = {0, 100 * 1000 * 1000};
+    nanosleep(&pause, NULL);
+  }
+  if (st == RPL_ERR_TIMEOUT && strstr(err->msg, "MAC"))
+    return rpl_fail(err, RPL_ERR_PEER,
+                    "group generator at %s answered without this job's token (its replies "
+                    "fail their MAC): another job's coordinator, or an endpoint that is not "
+                    "the job's", c->endpoint);
+  if (st == RPL_ERR_TIMEOUT)
+    return rpl_fail(err, RPL_ERR_PEER,
+                    "group generator at %s did not answer within %d ms (not running, wrong "
+                    "endpoint, or unreachable)", c->endpoint, hello_ms);
+  if (st == RPL_OK && m->type == RPL_MSG_ERROR) return from_error_reply(m, c->endpoint, err);
+  if (st == RPL_OK && m->type != RPL_MSG_HELLO_ACK)
+    return rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
+                    c->endpoint, rpl_msg_type_name(m->type));
+  return st;
+}
+
+/* Takes the heartbeat and dead intervals from HELLO_ACK and starts the heartbeat thread. */
+static rpl_status start_beats(rpl_gg_client *c, const rpl_msg *m, rpl_error *err) {
+  /* Beat at least as often as the coordinator asks (it may take a binding silent for two of
+   * its intervals over), bounded: a coordinator's numbers are never trusted blindly. */
+  uint32_t hb = m->heartbeat_ms ? m->heartbeat_ms : 1000;
+  hb = hb < RPL_HEARTBEAT_MIN_MS ? RPL_HEARTBEAT_MIN_MS
+                                 : hb > RPL_HEARTBEAT_MAX_MS ? RPL_HEARTBEAT_MAX_MS : hb;
+  atomic_store(&c->beat_ms, c->heartbeat_ms > 0 && (uint32_t)c->heartbeat_ms < hb
+                                ? (uint32_t)c->heartbeat_ms
+                                : hb);
+  uint32_t dead = m->dead_ms ? m->dead_ms : 10 * hb, dead_min = RPL_DEAD_MIN_BEATS * hb;
+  atomic_store(&c->dead_ms,
+               dead < dead_min ? dead_min : dead > RPL_DEAD_MAX_MS ? RPL_DEAD_MAX_MS : dead);
+  atomic_store(&c->lost, 0);
+  if (c->heartbeat_ms > 0) {
+    if (pthread_create(&c->beat, NULL, beat_main, c) != 0)
+      return rpl_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
+    c->beat_started = 1;
+  }
+  return RPL_OK;
+}
+
 /* Connects a new request socket to eps[cur], registers (HELLO, waiting up to hello_ms) and
  * starts the heartbeat thread. On failure the socket is closed again. */
 static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
@@ -288,74 +362,10 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
   int linger = 1000; /* let a final DONE/LEAVE go out on close */
   zmq_setsockopt(c->sock, ZMQ_LINGER, &linger, sizeof linger);
   limit_inbound(c->sock);
-  /* A fresh routing id for each registration: the coordinator binds our rank to it. Fresh,
-   * because the coordinator may not have noticed the previous connection close yet, and
-   * ZeroMQ refuses a second connection with a routing id in use. */
-  rpl_status st = rpl_token_generate(c->rid + 1, err);
-  c->rid[0] = RPL_ROUTE_REQUEST;
   rpl_msg m;
-  uint32_t seq = 0;
-  if (st != RPL_OK) {
-    /* err says why */
-  } else if (zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, c->rid, sizeof c->rid) != 0) {
-    st = zfail(err, "routing id", c->endpoint);
-  } else if (zmq_connect(c->sock, c->endpoint) != 0) {
-    st = rpl_fail(err, RPL_ERR_INVALID, "group generator client: cannot connect to '%s': %s",
-                  c->endpoint, zmq_strerror(zmq_errno()));
-  } else {
-    double deadline = now_s() + hello_ms / 1000.0;
-    for (;;) {
-      seq = next_seq(c);
-      fill_header(c, &m, RPL_MSG_HELLO, seq);
-      m.nworkers = c->nworkers;
-      m.host_label = c->host_label;
-      st = send_msg(c->sock, &m, NULL, err, c->endpoint);
-      if (st == RPL_OK)
-        st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq, deadline, NULL,
-                        c->endpoint, &m, err);
-      /* Our rank is still bound to the connection we closed a moment ago (the coordinator
-       * lets it go once it sees it gone or silent): ask again while time remains. */
-      if (st != RPL_OK || m.type != RPL_MSG_ERROR || m.code != RPL_PERR_BAD_RANK ||
-          now_s() + 0.1 >= deadline)
-        break;
-      struct timespec pause = {0, 100 * 1000 * 1000};
-      nanosleep(&pause, NULL);
-    }
-    if (st == RPL_ERR_TIMEOUT && strstr(err->msg, "MAC"))
-      st = rpl_fail(err, RPL_ERR_PEER,
-                    "group generator at %s answered without this job's token (its replies "
-                    "fail their MAC): another job's coordinator, or an endpoint that is not "
-                    "the job's", c->endpoint);
-    else if (st == RPL_ERR_TIMEOUT)
-      st = rpl_fail(err, RPL_ERR_PEER,
-                    "group generator at %s did not answer within %d ms (not running, wrong "
-                    "endpoint, or unreachable)", c->endpoint, hello_ms);
-    else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
-      st = from_error_reply(&m, c->endpoint, err);
-    else if (st == RPL_OK && m.type != RPL_MSG_HELLO_ACK)
-      st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
-                    c->endpoint, rpl_msg_type_name(m.type));
-  }
-  if (st == RPL_OK) {
-    /* Beat at least as often as the coordinator asks (it may take a binding silent for two of
-     * its intervals over), bounded: a coordinator's numbers are never trusted blindly. */
-    uint32_t hb = m.heartbeat_ms ? m.heartbeat_ms : 1000;
-    hb = hb < RPL_HEARTBEAT_MIN_MS ? RPL_HEARTBEAT_MIN_MS
-                                   : hb > RPL_HEARTBEAT_MAX_MS ? RPL_HEARTBEAT_MAX_MS : hb;
-    atomic_store(&c->beat_ms, c->heartbeat_ms > 0 && (uint32_t)c->heartbeat_ms < hb
-                                  ? (uint32_t)c->heartbeat_ms
-                                  : hb);
-    uint32_t dead = m.dead_ms ? m.dead_ms : 10 * hb, dead_min = RPL_DEAD_MIN_BEATS * hb;
-    atomic_store(&c->dead_ms,
-                 dead < dead_min ? dead_min : dead > RPL_DEAD_MAX_MS ? RPL_DEAD_MAX_MS : dead);
-    atomic_store(&c->lost, 0);
-    if (c->heartbeat_ms > 0) {
-      if (pthread_create(&c->beat, NULL, beat_main, c) != 0)
-        st = rpl_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
-      else
-        c->beat_started = 1;
-    }
-  }
+  rpl_status st = connect_fresh(c, err);
+  if (st == RPL_OK) st = hello(c, hello_ms, &m, err);
+  if (st == RPL_OK) st = start_beats(c, &m, err);
   if (st != RPL_OK) {
     int zero = 0;
     zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero);

@@ -1,5 +1,5 @@
 /* The coordinator's wire protocol: fixed little-endian layouts, parsed with explicit bounds
- * checks (fuzzed by coordinator/fuzz). The layout is documented in coordinator/PROTOCOL.md. */
+ * checks (fuzzed by fuzz/). The layout is documented in coordinator/PROTOCOL.md. */
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
@@ -44,13 +44,11 @@ static int from_worker(int type) {
          type == RPL_MSG_LEAVE;
 }
 
-rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *m,
-                         rpl_error *err) {
-  const uint8_t *p = buf;
-  memset(m, 0, sizeof *m);
-  int maxw = (max_workers > 0 && max_workers <= RPL_SCHED_MAX_WORKERS) ? max_workers
-                                                                      : RPL_SCHED_MAX_WORKERS;
-  if (!buf || len < RPL_PROTO_HEADER)
+/* The header: magic, version, type, flags, body length, rank, sequence number and MAC. Sets
+ * m's header fields and *body (the body's length) on RPL_OK. */
+static rpl_status parse_header(const uint8_t *p, size_t len, int maxw, rpl_msg *m,
+                               uint32_t *body_len, rpl_error *err) {
+  if (!p || len < RPL_PROTO_HEADER)
     return rpl_fail(err, RPL_ERR_INVALID, "message of %zu bytes, shorter than the %d-byte "
                     "header", len, RPL_PROTO_HEADER);
   if (rpl_get32(p) != RPL_PROTO_MAGIC)
@@ -80,8 +78,71 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
   if (fixed >= 0 && body != (uint32_t)fixed)
     return rpl_fail(err, RPL_ERR_INVALID, "%s: body of %u bytes, expected %ld",
                     rpl_msg_type_name(type), body, fixed);
-  const uint8_t *b = p + RPL_PROTO_HEADER;
-  switch (type) {
+  *body_len = body;
+  return RPL_OK;
+}
+
+static rpl_status parse_hello_ack(const uint8_t *b, rpl_msg *m, rpl_error *err) {
+  m->policy = b[0];
+  if (b[1] || b[2] || b[3])
+    return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: non-zero padding");
+  if (m->policy >= RPL_POLICY_COUNT)
+    return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: unknown policy %u", m->policy);
+  m->nworkers = (int32_t)rpl_get32(b + 4);
+  m->heartbeat_ms = rpl_get32(b + 8);
+  m->dead_ms = rpl_get32(b + 12);
+  if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
+    return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: nworkers %d out of range",
+                    (int)m->nworkers);
+  return RPL_OK;
+}
+
+/* GROUP's body: ids, period, and its members (sorted, unique, in range; read in place). */
+static rpl_status parse_group(const uint8_t *b, uint32_t body, int maxw, rpl_msg *m,
+                              rpl_error *err) {
+  if (body < 24)
+    return rpl_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 24", body);
+  m->group_id = rpl_get64(b);
+  m->round = rpl_get64(b + 8);
+  m->period = rpl_get32(b + 16);
+  m->nmembers = rpl_get32(b + 20);
+  if (m->nmembers < 1 || m->nmembers > (uint32_t)maxw ||
+      (uint64_t)body != 24 + 4 * (uint64_t)m->nmembers)
+    return rpl_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
+                    m->nmembers, body);
+  if (m->period < 1)
+    return rpl_fail(err, RPL_ERR_INVALID, "GROUP: period 0");
+  m->members_le = b + 24;
+  int32_t prev = -1;
+  for (uint32_t i = 0; i < m->nmembers; i++) {
+    int32_t r = rpl_msg_member(m, i);
+    if (r <= prev || r >= maxw)
+      return rpl_fail(err, RPL_ERR_INVALID,
+                      "GROUP: member %u is %d: members must be sorted, unique and in "
+                      "[0, %d)", i, (int)r, maxw);
+    prev = r;
+  }
+  if (m->group_id == 0)
+    return rpl_fail(err, RPL_ERR_INVALID, "GROUP: group id 0");
+  return RPL_OK;
+}
+
+static rpl_status parse_error_body(const uint8_t *b, uint32_t body, rpl_msg *m,
+                                   rpl_error *err) {
+  if (body < 4 || body - 4 > RPL_PROTO_MAX_TEXT)
+    return rpl_fail(err, RPL_ERR_INVALID, "ERROR: body of %u bytes", body);
+  m->code = rpl_get32(b);
+  m->text = (const char *)b + 4;
+  m->text_len = body - 4;
+  if (m->echo && m->code != RPL_PERR_BAD_TOKEN)
+    return rpl_fail(err, RPL_ERR_INVALID, "ERROR %u: only BAD_TOKEN may be echoed", m->code);
+  return RPL_OK;
+}
+
+/* The body of m->type (its length already checked against the type's fixed size). */
+static rpl_status parse_body(const uint8_t *b, uint32_t body, int maxw, rpl_msg *m,
+                             rpl_error *err) {
+  switch (m->type) {
     case RPL_MSG_HELLO:
       m->nworkers = (int32_t)rpl_get32(b);
       m->host_label = (int32_t)rpl_get32(b + 4);
@@ -89,49 +150,11 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
         return rpl_fail(err, RPL_ERR_INVALID, "HELLO: nworkers %d out of range",
                         (int)m->nworkers);
       break;
-    case RPL_MSG_HELLO_ACK:
-      m->policy = b[0];
-      if (b[1] || b[2] || b[3])
-        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: non-zero padding");
-      if (m->policy >= RPL_POLICY_COUNT)
-        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: unknown policy %u", m->policy);
-      m->nworkers = (int32_t)rpl_get32(b + 4);
-      m->heartbeat_ms = rpl_get32(b + 8);
-      m->dead_ms = rpl_get32(b + 12);
-      if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
-        return rpl_fail(err, RPL_ERR_INVALID, "HELLO_ACK: nworkers %d out of range",
-                        (int)m->nworkers);
-      break;
+    case RPL_MSG_HELLO_ACK: return parse_hello_ack(b, m, err);
     case RPL_MSG_REQUEST:
       m->round = rpl_get64(b);
       break;
-    case RPL_MSG_GROUP: {
-      if (body < 24)
-        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: body of %u bytes, at least 24", body);
-      m->group_id = rpl_get64(b);
-      m->round = rpl_get64(b + 8);
-      m->period = rpl_get32(b + 16);
-      m->nmembers = rpl_get32(b + 20);
-      if (m->nmembers < 1 || m->nmembers > (uint32_t)maxw ||
-          (uint64_t)body != 24 + 4 * (uint64_t)m->nmembers)
-        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: %u members in a %u-byte body",
-                        m->nmembers, body);
-      if (m->period < 1)
-        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: period 0");
-      m->members_le = b + 24;
-      int32_t prev = -1;
-      for (uint32_t i = 0; i < m->nmembers; i++) {
-        int32_t r = rpl_msg_member(m, i);
-        if (r <= prev || r >= maxw)
-          return rpl_fail(err, RPL_ERR_INVALID,
-                          "GROUP: member %u is %d: members must be sorted, unique and in "
-                          "[0, %d)", i, (int)r, maxw);
-        prev = r;
-      }
-      if (m->group_id == 0)
-        return rpl_fail(err, RPL_ERR_INVALID, "GROUP: group id 0");
-      break;
-    }
+    case RPL_MSG_GROUP: return parse_group(b, body, maxw, m, err);
     case RPL_MSG_CANCEL:
       m->group_id = rpl_get64(b);
       m->round = rpl_get64(b + 8);
@@ -156,19 +179,23 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
       m->text = (const char *)b;
       m->text_len = body;
       break;
-    case RPL_MSG_ERROR:
-      if (body < 4 || body - 4 > RPL_PROTO_MAX_TEXT)
-        return rpl_fail(err, RPL_ERR_INVALID, "ERROR: body of %u bytes", body);
-      m->code = rpl_get32(b);
-      m->text = (const char *)b + 4;
-      m->text_len = body - 4;
-      if (m->echo && m->code != RPL_PERR_BAD_TOKEN)
-        return rpl_fail(err, RPL_ERR_INVALID, "ERROR %u: only BAD_TOKEN may be echoed", m->code);
-      break;
+    case RPL_MSG_ERROR: return parse_error_body(b, body, m, err);
     default:
       break;
   }
   return RPL_OK;
+}
+
+rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *m,
+                         rpl_error *err) {
+  const uint8_t *p = buf;
+  memset(m, 0, sizeof *m);
+  int maxw = (max_workers > 0 && max_workers <= RPL_SCHED_MAX_WORKERS) ? max_workers
+                                                                      : RPL_SCHED_MAX_WORKERS;
+  uint32_t body = 0;
+  rpl_status st = parse_header(p, len, maxw, m, &body, err);
+  if (st != RPL_OK) return st;
+  return parse_body(p + RPL_PROTO_HEADER, body, maxw, m, err);
 }
 
 /* The MAC covers everything but itself: the header's first 20 bytes and the body. */

@@ -151,7 +151,7 @@ rpl_status rpl_token_generate(uint8_t token[RPL_TOKEN_LEN], rpl_error *err);
 int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LEN]);
 
 /* ---- The client's handling of coordinator replies, without sockets (client.c) -------------
- * Pure functions, so the fuzzer (coordinator/fuzz/fuzz_client.c) drives exactly what the
+ * Pure functions, so the fuzzer (fuzz/fuzz_client.c) drives exactly what the
  * client runs. */
 
 /* 1 if buf[0..n) is the reply awaited under `seq`: it parses (ranks < nworkers), echoes seq,

@@ -145,9 +145,9 @@ rpl_status run_op(rpl_comm *c, rpl_op_desc d, rpl_error *err) {
   d.on_done = req_done;
   d.done_arg = &r;
   int ran = 0;
-  rpl_status st = g_layout.inline_ops ? rpl_run_inline(c, &d, &ran, err) : RPL_OK;
+  rpl_status st = g_layout.inline_ops ? rpl_submit_inline(c, &d, &ran, err)
+                                      : rpl_submit(c, &d, err);
   if (st == RPL_OK && ran) __atomic_fetch_add(&g_inline_runs, 1, __ATOMIC_RELAXED);
-  if (st == RPL_OK && !ran) st = rpl_submit(c, &d, err);
   if (st != RPL_OK) return st;
   pthread_mutex_lock(&r.mu);
   while (!r.done) pthread_cond_wait(&r.cv, &r.mu);

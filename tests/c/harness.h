@@ -58,7 +58,7 @@ typedef struct job {
  * r % hosts: shared memory inside a host, TCP across); `tcp_only` disables shared memory;
  * `ucx` takes UCX instead of TCP across hosts; `single_copy` lets all-reduces of 1 KiB and
  * more among ranks of one host read each other's buffers (otherwise they use the rings);
- * `inline_ops` makes run_op try rpl_run_inline first (g_inline_runs counts those that ran);
+ * `inline_ops` makes run_op submit with rpl_submit_inline (g_inline_runs counts those that ran);
  * `frame_macs` authenticates every frame on the TCP links. */
 typedef struct world_layout {
   int hosts;

@@ -434,12 +434,12 @@ static void body_inline_shutdown(job *j, rpl_comm *c) {
   pthread_create(&t, NULL, shutdown_later, c);
   rpl_error err;
   int ran = 0;
-  rpl_status s = rpl_run_inline(c, &d, &ran, &err);
+  rpl_status s = rpl_submit_inline(c, &d, &ran, &err);
   CHECK(s == RPL_OK && ran == 1, "inline run: status %d ran %d", (int)s, ran);
   CHECK(r.calls == 1 && r.st == RPL_ERR_CLOSED, "inline op ended %d times, status %s", r.calls,
         rpl_status_name(r.st));
   pthread_join(t, NULL);
-  CHECK(rpl_run_inline(c, &d, &ran, &err) == RPL_ERR_CLOSED && !ran,
+  CHECK(rpl_submit_inline(c, &d, &ran, &err) == RPL_ERR_CLOSED && !ran,
         "inline run after shutdown accepted");
   __atomic_store_n(finished, 1, __ATOMIC_RELEASE);
 }

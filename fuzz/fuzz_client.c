@@ -8,7 +8,7 @@
  * an echoed ERROR(BAD_TOKEN) under its seq; a group handed to the caller fits its buffer,
  * holds the caller, and has sorted, unique members in [0, nworkers).
  *
- * libFuzzer (clang):   coordinator/fuzz/run_libfuzzer.sh [seconds] [workdir] client
+ * libFuzzer (clang):   fuzz/run_libfuzzer.sh [seconds] [workdir] client
  * Standalone (any cc): fuzz_client_smoke [iterations] | --write-corpus DIR | FILE...
  */
 #include <stdint.h>

@@ -1,7 +1,7 @@
 /* Straggler attribution (issue 24): which worker is slow, by how much, and since when, as the
  * coordinator measures it. Part of the coordinator's I/O-free core: coord_core feeds it what
- * workers do and calls coord_attr_refresh from its tick; the status documents print what it
- * found, and it reports a worker that becomes persistently slow, or recovers, as one line
+ * workers do and calls coord_straggler_refresh from its tick; the status documents print what
+ * it found, and it reports a worker that becomes persistently slow, or recovers, as one line
  * through the log callback (rate-limited). Runs on the coordinator's thread only.
  *
  * Measures, per worker:
@@ -13,8 +13,8 @@
  *             them, or less once it has not asked for longer than that.
  * Slow: a slowdown of COORD_SLOW_AT or more that lasts COORD_SLOW_PERSIST_S and
  * COORD_SLOW_PERSIST_STEPS median steps; recovered: below COORD_SLOW_RECOVERED as long. */
-#ifndef RPL_COORD_ATTR_H
-#define RPL_COORD_ATTR_H
+#ifndef RPL_COORD_STRAGGLER_H
+#define RPL_COORD_STRAGGLER_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -36,7 +36,7 @@
 /* Host names kept per rank (longer ones are cut). */
 #define COORD_HOST_NAME_MAX 64
 
-typedef struct coord_attr_worker {
+typedef struct coord_straggler_worker {
   uint64_t last_round;  /* of its last request */
   int has_round;
   double last_req;      /* when it asked for a new round, < 0 never */
@@ -53,11 +53,11 @@ typedef struct coord_attr_worker {
   uint64_t cand_step;
   double changed_t;     /* last reported change, < 0 none */
   uint64_t slow_since;  /* its step when the slow spell began */
-} coord_attr_worker;
+} coord_straggler_worker;
 
-typedef struct coord_attr {
+typedef struct coord_straggler {
   int n;
-  coord_attr_worker *w;
+  coord_straggler_worker *w;
   char (*names)[COORD_HOST_NAME_MAX]; /* configured host names, or NULL */
   double *scratch;                    /* [n] for the median */
   double median;                      /* lower median of the known steps, 0 = unknown */
@@ -70,27 +70,28 @@ typedef struct coord_attr {
   unsigned long long unlogged;
   void (*log)(void *ctx, const char *line);
   void *log_ctx;
-} coord_attr;
+} coord_straggler;
 
 struct coord_core;
 
 /* 0, or -1 when out of memory. host_names: see rpl_coord_config (copied, sanitised). */
-int coord_attr_init(coord_attr *a, int n, const char *const *host_names,
-                    void (*log)(void *ctx, const char *line), void *log_ctx);
-void coord_attr_free(coord_attr *a);
+int coord_straggler_init(coord_straggler *a, int n, const char *const *host_names,
+                         void (*log)(void *ctx, const char *line), void *log_ctx);
+void coord_straggler_free(coord_straggler *a);
 
 /* Worker w asked for round `round` / left the coordinator for a compute step (done, pass) /
  * is not computing (fenced, left, dead). */
-void coord_attr_request(coord_attr *a, int w, uint64_t round, double now);
-void coord_attr_computing(coord_attr *a, int w, double now);
-void coord_attr_idle(coord_attr *a, int w);
+void coord_straggler_request(coord_straggler *a, int w, uint64_t round, double now);
+void coord_straggler_computing(coord_straggler *a, int w, double now);
+void coord_straggler_idle(coord_straggler *a, int w);
 
 /* Recomputes everything if COORD_ATTR_EVERY_S passed since the last time (or `force`), and
  * reports changes through the log callback. */
-void coord_attr_refresh(struct coord_core *core, double now, int force);
+void coord_straggler_refresh(struct coord_core *core, double now, int force);
 
 /* Rank w's host as a person reads it: its configured name, else the label it sent in HELLO,
  * else the policy's host index. Printable ASCII, no quotes or backslashes. */
-const char *coord_attr_host(const struct coord_core *core, int w, char *buf, size_t cap);
+const char *coord_straggler_host(const struct coord_core *core, int w, char *buf,
+                                 size_t cap);
 
 #endif

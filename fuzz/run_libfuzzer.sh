@@ -2,15 +2,15 @@
 # Builds the fuzz targets with clang's libFuzzer (+ASan/UBSan) and runs them:
 #   fuzz_coord  - the coordinator's input path (parser, handler, policy; token-leak oracle)
 #   fuzz_client - the worker client's handling of coordinator replies
-#   coordinator/fuzz/run_libfuzzer.sh [SECONDS] [WORKDIR] [coord|client|all]
+#   fuzz/run_libfuzzer.sh [SECONDS] [WORKDIR] [coord|client|all]
 # CI runs each for a few seconds (ctest coord_fuzz_libfuzzer); for a real campaign run e.g.
-#   coordinator/fuzz/run_libfuzzer.sh 3600 /tmp/rpl-fuzz coord   (corpus kept in WORKDIR)
+#   fuzz/run_libfuzzer.sh 3600 /tmp/rpl-fuzz coord   (corpus kept in WORKDIR)
 # and add -jobs=N via FUZZ_ARGS. A crash leaves crash-* files in WORKDIR; replay one with
 #   WORKDIR/fuzz_coord WORKDIR/crash-...      (or the standalone build: fuzz_coord_smoke FILE)
 set -euo pipefail
 SECONDS_TO_RUN=${1:-10}
 HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/../.." && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
 WORK=${2:-$(mktemp -d /tmp/rpl-fuzz.XXXXXX)}
 WHICH=${3:-all}
 CC=${FUZZ_CC:-$(command -v clang-14 || command -v clang || true)}
@@ -41,8 +41,9 @@ run() { # name, sources..., -- link flags...
 }
 
 if [ "$WHICH" = all ] || [ "$WHICH" = coord ]; then
-  run coord "$HERE/fuzz_coord.c" "$ROOT/coordinator/coord_core.c" "$ROOT/coordinator/coord_attr.c" \
-    "$ROOT/coordinator/coord_text.c" "$ROOT/coordinator/status_table.c" "${SCHED[@]}" -- -lpthread
+  run coord "$HERE/fuzz_coord.c" "$ROOT/coordinator/coord_core.c" \
+    "$ROOT/coordinator/coord_straggler.c" "$ROOT/coordinator/coord_text.c" \
+    "$ROOT/coordinator/status_table.c" "${SCHED[@]}" -- -lpthread
 fi
 if [ "$WHICH" = all ] || [ "$WHICH" = client ]; then
   run client "$HERE/fuzz_client.c" "$ROOT/csrc/sched/client.c" "${SCHED[@]}" -- -lzmq -lpthread

@@ -7,7 +7,7 @@
  * line is one line of printable text without the token, and the status document (with host
  * names full of quotes and control bytes) renders as the --status table.
  *
- * libFuzzer (clang):   coordinator/fuzz/run_libfuzzer.sh [seconds]
+ * libFuzzer (clang):   fuzz/run_libfuzzer.sh [seconds]
  * Standalone (any cc): fuzz_coord_smoke [iterations] | --write-corpus DIR | FILE...
  */
 #include <stdint.h>
@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../coord_core.h"
+#include "coord_core.h"
 
 #define FUZZ_WORKERS 6
 static const char *FUZZ_TOKEN = "f00dfeedc0ffee11deadbeef42a5c3e7";
@@ -60,7 +60,7 @@ static int check_reply(void *ctx, const uint8_t *route, size_t route_len, const 
   return 0;
 }
 
-/* The slow/recovered lines (coord_attr.c): one printable line each, never the token. */
+/* The slow/recovered lines (coord_straggler.c): one printable line each, never the token. */
 static void check_log(void *ctx, const char *line) {
   (void)ctx;
   size_t n = strlen(line);

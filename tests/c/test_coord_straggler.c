@@ -1,4 +1,4 @@
-/* Straggler attribution (coordinator/coord_attr.h) on the I/O-free coordinator core, with
+/* Straggler attribution (coordinator/coord_straggler.h) on the I/O-free coordinator core, with
  * made-up times: workers step at chosen paces through real protocol messages, and the checks
  * are on what a user sees -- the log lines, the status documents, the --status table.
  *   - a 5x slower rank is named, with its slowdown and the step its slow spell began, in one

@@ -12,8 +12,8 @@
  *
  * ctest runs the standalone driver (FUZZ_STANDALONE): valid frames, mutated. A libFuzzer
  * campaign (clang, from the repository root):
- *   clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Icsrc \
- *     tests/c/fuzz_link.c csrc/common.c csrc/crypto.c csrc/kernels.c csrc/transport*.c \
+ *   clang -std=c11 -D_GNU_SOURCE -O1 -g -fsanitize=fuzzer,address,undefined -Icsrc -Itests/c \
+ *     fuzz/fuzz_link.c csrc/common.c csrc/crypto.c csrc/kernels.c csrc/transport*.c \
  *     csrc/shm.c csrc/ucx.c csrc/wire.c -lpthread -lm -o /tmp/fuzz_link
  *   /tmp/fuzz_link -max_total_time=3600 -max_len=4096 /tmp/fuzz_link_corpus
  */
