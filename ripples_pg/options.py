@@ -319,6 +319,28 @@ _FIELDS: dict[str, _Field] = {
 }
 
 
+# The backend's configuration (ripples::Config, csrc/torch/Config.hpp) from a resolved Options:
+# one line per Config field that Options decide. Options only the Python layer reads (host_id,
+# the coordinator's and the schedule's parameters) are not here; the creator adds what it finds
+# at creation (Options._core_config). Adding an option that reaches the core: a _Field above, a
+# line here, a line in Config.hpp and Config.cpp's conversion.
+_CONFIG_FROM_OPTIONS: dict[str, Callable[["Options"], Any]] = {
+    "small_bytes": lambda o: int(o.small_bytes),
+    "chunk_bytes": lambda o: int(o.chunk_bytes),
+    "tcp_only": lambda o: o.transport in ("tcp", "ucx_only"),  # no rings of ours
+    "use_ucx": lambda o: o.transport in ("ucx", "ucx_only"),
+    "single_copy": lambda o: bool(o.single_copy),
+    "inline_small": lambda o: bool(o.inline_small),
+    "job_secret": lambda o: o.job_secret or "",
+    "frame_macs": lambda o: bool(o.authenticated_frames),
+    "schedule": lambda o: o.schedule,
+    "on_failure_skip": lambda o: o.on_failure == "skip",
+    "trace": lambda o: bool(o.trace),
+    "partial_by_default": lambda o: bool(o.partial),
+    "compression": lambda o: o.compression,
+    "stage_chunk_bytes": lambda o: int(o.stage_chunk_bytes),
+}
+
 class Options:
     """Options of a ``ripples`` process group (``pg_options=`` of ``init_process_group`` /
     ``new_group``).
@@ -522,6 +544,24 @@ class Options:
             if getattr(merged, name) is None and field.default is not None:
                 object.__setattr__(merged, "_" + name, field.default)
         return merged
+
+    def _core_config(self, config: Any, **found: Any) -> Any:
+        """Fills ``config`` (a ``ripples_pg._C.Config``) from this resolved Options and what
+        the creator found (``found``: every Config field Options do not decide) and returns
+        it. Raises RuntimeError if the two do not cover Config's fields exactly: a field added
+        on one side only is caught at the first group, not shipped."""
+        values = {name: fn(self) for name, fn in _CONFIG_FROM_OPTIONS.items()}
+        both = set(values) & set(found)
+        missing = set(type(config).FIELDS) - set(values) - set(found)
+        unknown = (set(values) | set(found)) - set(type(config).FIELDS)
+        if both or missing or unknown:
+            raise RuntimeError(
+                f"ripples_pg: Options and the backend's Config disagree (set twice: "
+                f"{sorted(both)}, unset: {sorted(missing)}, unknown: {sorted(unknown)}); "
+                f"the extension and the package come from different versions?")
+        for name, value in {**values, **found}.items():
+            setattr(config, name, value)
+        return config
 
     def replace(self, **changes: Any) -> "Options":
         """A copy with some fields changed (validated)."""

@@ -1,5 +1,5 @@
 """Straggler attribution end to end (issue 24; the detector itself is tested on made-up times
-in tests/c/test_coord_attr.c).
+in tests/c/test_coord_straggler.c).
 
 A real job of 4 processes on 2 simulated hosts (h0: ranks 0, 1; h1: ranks 2, 3) under the smart
 schedule, rank 3 sleeping 5x longer per step than the others. Within a few dozen of its steps:
@@ -53,7 +53,7 @@ def task_straggler(ctx, deadline_s):
     import torch.distributed as dist
 
     import ripples_pg
-    from ripples_pg import _backend
+    from ripples_pg import _group_coordinators
 
     # The default group (static schedule, no coordinator): the attribution keys, all unknown.
     st0 = ripples_pg.stats()
@@ -81,7 +81,7 @@ def task_straggler(ctx, deadline_s):
             seen["steps"] = steps
             ctx.store.add(seen_key, 1)
         if ctx.rank == 0 and seen and cli_thread is None:
-            c, _timeout, _rank = _backend._embedded_coordinators[0]
+            c, _timeout, _rank = _group_coordinators._embedded_coordinators[0]
             cli_thread = threading.Thread(
                 target=lambda: cli.update(out=_cli_tables(c.endpoint, c.token)), daemon=True)
             cli_thread.start()

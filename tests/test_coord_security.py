@@ -195,11 +195,11 @@ def _smart_group_and_store(ctx, **options):
 def _coordinator_listeners(ctx):
     """Task: (endpoint, addresses listening on its port) of each coordinator this rank runs,
     and the endpoints published in the group's store."""
-    from ripples_pg import _backend
+    from ripples_pg import _group_coordinators
 
     g, store = _smart_group_and_store(ctx)
     mine = []
-    for c, _timeout, _rank in _backend._embedded_coordinators:
+    for c, _timeout, _rank in _group_coordinators._embedded_coordinators:
         port = int(c.endpoint.rsplit(":", 1)[1])
         mine.append((c.endpoint, _listening(port)))
     import torch.distributed as dist
@@ -318,9 +318,9 @@ def _train_with_secret(ctx, secret):
         if ripples_pg.stats(g)["reduced"] > before:
             reduced += 1
             assert torch.allclose(y, torch.full_like(y, 0.5)), y[:4]
-    from ripples_pg import _backend
+    from ripples_pg import _group_coordinators
 
-    tokens = [c.token for c, _t, _r in _backend._embedded_coordinators]
+    tokens = [c.token for c, _t, _r in _group_coordinators._embedded_coordinators]
     raw = getattr(store, "_store", store)  # what a store reader sees
     endpoint = raw.get(f"{coordinator.STORE_PREFIX}/endpoint").decode()
     host = raw.get(f"ripples/host/{ctx.rank}").decode()

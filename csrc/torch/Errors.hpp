@@ -1,9 +1,12 @@
-// Errors: core statuses as the exceptions torch users see, and the messages they carry.
+// Errors: core statuses as the exceptions Python users see, and the messages they carry.
 //
-// One mapping for every path — a refused submission, an operation that failed in the core, the
-// group's creation: invalid or mismatched arguments raise ValueError, unsupported ones
-// TypeError, timeouts, peers, aborts and system errors DistBackendError, anything else (a
-// closed group, no memory) a plain c10::Error (RuntimeError).
+// One table (Errors.cpp) for every path. The backend's paths — a refused submission, an
+// operation that failed in the core, the group's creation — raise torch's types: invalid or
+// mismatched arguments ValueError, unsupported ones TypeError, timeouts, peers, aborts and
+// system errors DistBackendError, anything else (a closed group, no memory) a plain c10::Error
+// (RuntimeError). The Group Generator's (ripples_pg._C.gg, coordinator queries) raise Python's:
+// ValueError, TimeoutError, ConnectionError (coordinator unreachable or gone), MemoryError,
+// else RuntimeError.
 #pragma once
 
 #include <exception>
@@ -13,8 +16,13 @@
 
 namespace ripples __attribute__((visibility("hidden"))) {
 
-// Raises the torch exception that corresponds to a core status.
+// Which column of the table a call raises from.
+enum class StatusUser { kBackend, kCoordinator };
+
+// Raises the backend's exception that corresponds to a core status.
 [[noreturn]] void throwStatus(rpl_status st, const std::string& msg);
+// Raises `user`'s exception for a core status; kCoordinator needs the GIL held.
+[[noreturn]] void throwStatus(StatusUser user, rpl_status st, const std::string& msg);
 // The same exception, captured (to complete a future with).
 std::exception_ptr statusError(rpl_status st, const std::string& msg);
 

@@ -3,9 +3,11 @@
 // It binds the same C libraries the backend links (csrc/sched, coordinator/), so their code
 // and state are in the process once. Blocking calls (the coordinator's create and run, every
 // client call that waits on the network, status queries, the command line) release the GIL.
-// Errors raise ValueError (bad arguments), TimeoutError, ConnectionError (coordinator
-// unreachable or gone), MemoryError or RuntimeError, with the C library's message.
+// Errors raise as Errors.hpp's table says for the Group Generator (ValueError, TimeoutError,
+// ConnectionError, MemoryError or RuntimeError), with the C library's message.
 #include "GroupGenerator.hpp"
+
+#include "Errors.hpp"
 
 #include <pybind11/stl.h>
 
@@ -28,16 +30,7 @@ namespace {
 using Hosts = std::optional<std::vector<int>>;
 
 [[noreturn]] void throwRpl(rpl_status st, const rpl_error& err) {
-  PyObject* type = PyExc_RuntimeError;
-  switch (st) {
-    case RPL_ERR_INVALID: type = PyExc_ValueError; break;
-    case RPL_ERR_TIMEOUT: type = PyExc_TimeoutError; break;
-    case RPL_ERR_PEER: type = PyExc_ConnectionError; break;
-    case RPL_ERR_NOMEM: type = PyExc_MemoryError; break;
-    default: break;
-  }
-  py::set_error(type, err.msg);
-  throw py::error_already_set();
+  throwStatus(StatusUser::kCoordinator, st, err.msg);
 }
 
 // Call with the GIL held (after any release around the call that produced st).
@@ -420,12 +413,8 @@ int cliMain(const std::vector<std::string>& args) {
 
 #undef PUT
 
-} // namespace
-
-void bindGroupGenerator(py::module_& parent) {
-  py::module_ m = parent.def_submodule(
-      "gg", "Group Generator: policies, coordinator and client (ripples_pg._gg re-exports it).");
-
+// The module's functions: the static schedule, status queries, tokens, the command line.
+void bindFunctions(py::module_& m) {
   m.def("static_round", &staticRound, py::arg("nworkers"), py::arg("host_of"), py::arg("round"),
         "static_round(nworkers, host_of, round) -> list of groups (sorted lists), a partition");
   m.def("status", &status, py::arg("endpoint"), py::arg("token"), py::arg("timeout_ms") = 5000,
@@ -442,7 +431,9 @@ void bindGroupGenerator(py::module_& parent) {
         "cli_main(argv) -> exit status: the ripples-coordinator command line "
         "(coordinator/cli.c) run on this thread, argv[0] being the program name; serves until "
         "SIGINT/SIGTERM, whose handlers it replaces for the run");
+}
 
+void bindPolicy(py::module_& m) {
   py::class_<GroupGenerator>(
       m, "GroupGenerator",
       "GroupGenerator(policy, nworkers, host_of=None, group_size=0, c_thres=0, "
@@ -478,7 +469,9 @@ void bindGroupGenerator(py::module_& parent) {
            "the GG's clock, 0 = unknown)")
       .def("advance", &GroupGenerator::advance,
            "advance(now_s) -> next deadline or None: move the clock, end waits for partners");
+}
 
+void bindCoordinator(py::module_& m) {
   py::class_<Coordinator>(
       m, "Coordinator",
       "Coordinator(nworkers, policy='smart', bind=None, token=None, host_of=None, "
@@ -508,7 +501,9 @@ void bindGroupGenerator(py::module_& parent) {
       .def("counters", &Coordinator::counters, "service counters")
       .def_property_readonly("endpoint", &Coordinator::endpoint, "endpoint clients connect to")
       .def_property_readonly("token", &Coordinator::token, "job token (hex)");
+}
 
+void bindClient(py::module_& m) {
   py::class_<Client>(
       m, "Client",
       "Client(endpoint, token, rank, nworkers, host_label=-1, timeout_ms=0, "
@@ -530,7 +525,17 @@ void bindGroupGenerator(py::module_& parent) {
       .def("stats", &Client::stats,
            "client counters (passes: rounds passed; period: the adaptive period in the last "
            "answer, 0 before the first)");
+}
 
+} // namespace
+
+void bindGroupGenerator(py::module_& parent) {
+  py::module_ m = parent.def_submodule(
+      "gg", "Group Generator: policies, coordinator and client (ripples_pg._gg re-exports it).");
+  bindFunctions(m);
+  bindPolicy(m);
+  bindCoordinator(m);
+  bindClient(m);
   m.attr("DEFAULT_GROUP_SIZE") = RPL_GG_DEFAULT_GROUP_SIZE;
   m.attr("DEFAULT_C_THRES") = RPL_GG_DEFAULT_C_THRES;
   m.attr("STATIC_PERIOD") = RPL_STATIC_PERIOD;

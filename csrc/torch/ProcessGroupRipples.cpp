@@ -20,10 +20,6 @@ namespace ripples {
 
 namespace {
 
-// Options(single_copy=True): all-reduce buffers from this size read peers' memory directly
-// (below it the handshake costs more than the copies it saves).
-constexpr size_t kSingleCopyBytes = 256 * 1024;
-
 // Releases the GIL for its scope if (and only if) this thread holds it. Used where torch may
 // call us with or without the GIL (shutdown), so that threads that need the GIL to finish
 // (a Python .then callback on a completion thread) can run while we wait for them.
@@ -61,8 +57,7 @@ ProcessGroupRipples::ProcessGroupRipples(
   TORCH_CHECK_VALUE(size >= 1, "ripples: process group size must be >= 1, got ", size);
   TORCH_CHECK_VALUE(
       rank >= 0 && rank < size, "ripples: rank ", rank, " is out of range for size ", size);
-  TORCH_CHECK_VALUE(
-      cfg_.timeout_s > 0, "ripples: timeout must be > 0 seconds, got ", cfg_.timeout_s);
+  checkConfig(cfg_, size);
   TORCH_CHECK_VALUE(store.defined(), "ripples: the process group needs a c10d store");
 
   group_ = std::make_shared<GroupShared>();
@@ -74,22 +69,16 @@ ProcessGroupRipples::ProcessGroupRipples(
       "' (rank ", rank, " of ", size, ")");
   group_->last_done_ns.store(nowNs());
 
-  rpl_comm_config cc;
-  std::memset(&cc, 0, sizeof(cc));
-  cc.rank = rank;
-  cc.size = size;
-  cc.timeout_s = cfg_.timeout_s;
-  cc.bind_addr = cfg_.bind_addr.empty() ? nullptr : cfg_.bind_addr.c_str();
-  cc.job_secret = cfg_.job_secret.c_str();
-  cc.name = cfg_.name.empty() ? nullptr : cfg_.name.c_str();
-  cc.small_bytes = cfg_.small_bytes;
-  cc.chunk_bytes = cfg_.chunk_bytes;
-  cc.host_key = cfg_.host_key.empty() ? nullptr : cfg_.host_key.c_str();
-  cc.tcp_only = cfg_.tcp_only ? 1 : 0;
-  cc.use_ucx = cfg_.use_ucx ? 1 : 0;
-  cc.single_copy_bytes = cfg_.single_copy ? kSingleCopyBytes : 0;
-  cc.frame_macs = cfg_.frame_macs ? 1 : 0;
+  createComm(store);
+  executor_ = std::make_shared<CompletionExecutor>(group_->name);
+  executor_->start();
+  stager_ = std::make_unique<StagedSubmitter>(cfg_.timeout_s);
+  init();
+}
 
+// The core communicator, with partial rounds when the group has a schedule.
+void ProcessGroupRipples::createComm(const c10::intrusive_ptr<c10d::Store>& store) {
+  const rpl_comm_config cc = commConfig(cfg_, group_->rank, group_->size);
   StoreAdapter adapter(store);
   const rpl_store rs = adapter.view();
 
@@ -104,37 +93,20 @@ ProcessGroupRipples::ProcessGroupRipples(
             "ripples: could not create ", group_->name, ": ", err.msg, " (",
             rpl_status_name(st), ")"));
   }
-
-  if (!cfg_.schedule.empty()) {
-    TORCH_CHECK_VALUE(
-        cfg_.host_of.empty() || cfg_.host_of.size() == static_cast<size_t>(size),
-        "ripples: host_of has ", cfg_.host_of.size(), " entries for a group of ", size);
-    rpl_partial_config pc;
-    std::memset(&pc, 0, sizeof(pc));
-    pc.schedule = cfg_.schedule.c_str();
-    pc.host_of = cfg_.host_of.empty() ? nullptr : cfg_.host_of.data();
-    pc.endpoint = cfg_.endpoint.empty() ? nullptr : cfg_.endpoint.c_str();
-    pc.token_hex = cfg_.token.empty() ? nullptr : cfg_.token.c_str();
-    pc.on_failure = cfg_.on_failure_skip ? RPL_ON_FAILURE_SKIP : RPL_ON_FAILURE_RAISE;
-    pc.trace = cfg_.trace ? 1 : 0;
-    pc.domain = processFenceDomain();
-    pc.compression = static_cast<rpl_compress>(cfg_.compression);
-    st = rpl_comm_enable_partial(comm_, &pc, &err);
-    if (st != RPL_OK) {
-      rpl_comm_destroy(comm_);
-      comm_ = nullptr;
-      throwStatus(
-          st,
-          c10::str(
-              "ripples: could not enable the '", cfg_.schedule, "' schedule on ",
-              group_->name, ": ", err.msg, " (", rpl_status_name(st), ")"));
-    }
+  if (cfg_.schedule.empty()) {
+    return;
   }
-
-  executor_ = std::make_shared<CompletionExecutor>(group_->name);
-  executor_->start();
-  stager_ = std::make_unique<StagedSubmitter>(cfg_.timeout_s);
-  init();
+  const rpl_partial_config pc = partialConfig(cfg_, processFenceDomain());
+  st = rpl_comm_enable_partial(comm_, &pc, &err);
+  if (st != RPL_OK) {
+    rpl_comm_destroy(comm_);
+    comm_ = nullptr;
+    throwStatus(
+        st,
+        c10::str(
+            "ripples: could not enable the '", cfg_.schedule, "' schedule on ",
+            group_->name, ": ", err.msg, " (", rpl_status_name(st), ")"));
+  }
 }
 
 ProcessGroupRipples::~ProcessGroupRipples() {
@@ -249,7 +221,10 @@ PartialMode setThreadPartialMode(PartialMode mode) {
   return prev;
 }
 
-rpl_op_kind ProcessGroupRipples::allreduceKind() const {
+// Only what the caller asked for: whether a partial round may run is decided once, by the core
+// (rpl_partial_eligible: floating SUM/AVG buffers), which runs any other exactly and counts it
+// in exact_fallbacks.
+rpl_op_kind ProcessGroupRipples::requestedAllreduceKind() const {
   if (cfg_.schedule.empty() || tlsPartialMode == PartialMode::kExact) {
     return RPL_OP_ALLREDUCE;
   }
@@ -330,7 +305,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce(
     return sparseAllreduce(tensors[0], opts);
   }
   const rpl_dtype d = checkTensor(tensors[0], e.name, "tensor");
-  rpl_op_desc desc = makeDesc(allreduceKind());
+  rpl_op_desc desc = makeDesc(requestedAllreduceKind());
   desc.redop = toRplRedop(opts.reduceOp, d, e.name);
   return post(e, opts.timeout, tensors, {tensors}, {desc},
               [&](Call& c) { c.inout(tensors[0], d, "tensor"); });
@@ -347,7 +322,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce_coalesced(
       tensors.size() <= static_cast<size_t>(INT32_MAX),
       "ripples allreduce_coalesced: too many tensors");
   std::vector<rpl_dtype> dts(tensors.size());
-  rpl_op_desc desc = makeDesc(allreduceKind());
+  rpl_op_desc desc = makeDesc(requestedAllreduceKind());
   for (size_t i = 0; i < tensors.size(); ++i) {
     dts[i] = checkTensor(tensors[i], e.name, "tensors" + ordinal(i));
     desc.redop = toRplRedop(opts.reduceOp, dts[i], e.name);

@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "Config.hpp"
 #include "DeviceStaging.hpp"
 #include "RipplesWork.hpp"
 #include "ripples.h"
@@ -46,36 +47,6 @@
 // Hidden: nothing here is part of the extension's ABI (and pybind11's own types are hidden, so
 // classes bound with it should be too).
 namespace ripples __attribute__((visibility("hidden"))) {
-
-// Configuration handed over by the Python creator (ripples_pg/_backend.py), already resolved
-// from Options and the environment.
-struct Config {
-  double timeout_s = 1800.0;  // per operation; > 0
-  std::string bind_addr;      // IPv4 address; empty = core default (127.0.0.1)
-  std::string name;           // short label for messages and thread names
-  size_t small_bytes = 0;     // 0 = core default
-  size_t chunk_bytes = 0;     // 0 = core default
-  std::string host_key;       // ranks with equal keys share memory; empty = this machine
-  bool tcp_only = false;      // never use shared memory
-  bool use_ucx = false;       // UCX instead of TCP across hosts
-  bool single_copy = false;   // large all-reduces read local peers' memory directly
-  bool inline_small = true;   // small collectives run on the caller's thread when idle
-  std::string job_secret;     // keys link authentication (never printed); empty = store salt only
-  bool frame_macs = false;    // a MAC on every data frame of the TCP links
-
-  // Partial all-reduce (DESIGN §3). An empty schedule leaves it off for this group.
-  std::string schedule;       // "static", "random", "smart", "adpsgd"
-  std::vector<int> host_of;   // dense host index of every group rank
-  std::string endpoint;       // coordinator (dynamic schedules)
-  std::string token;          // the job's coordinator token
-  bool on_failure_skip = false;
-  bool trace = false;
-  bool partial_by_default = false;  // Options(partial=True): no context manager needed
-  int compression = 0;        // rpl_compress of partial rounds (Options.compression)
-  // Staged exact all-reduces and broadcasts larger than this are pipelined in chunks of this
-  // many bytes (DeviceStaging.hpp); 0 = whole tensors. The same on every rank.
-  size_t stage_chunk_bytes = 0;
-};
 
 // How allreduce calls issued by the current thread treat partial mode: follow the group's
 // setting, force a partial round, or force an exact reduction (ripples_pg.partial()/exact()).
@@ -224,6 +195,8 @@ class ProcessGroupRipples : public c10d::Backend {
   }
 
  private:
+  // Creates comm_ from cfg_ (constructor); raises as the core's status says.
+  void createComm(const c10::intrusive_ptr<c10d::Store>& store);
   // A Work with no core operation: it completes in order with the others, holding `outputs`
   // (for calls whose work was done on the caller's thread).
   c10::intrusive_ptr<c10d::Work> completedWork(
@@ -261,20 +234,38 @@ class ProcessGroupRipples : public c10d::Backend {
   size_t pipelineChunkBytes(const Call& call) const;
   // Submits the core operations of `call` (its context's descriptors) and returns its Work.
   c10::intrusive_ptr<c10d::Work> submit(Call& call);
+  // How a call left submit()'s lock: through the staging thread (deferred), run here, or
+  // `accepted` operations queued in the core (0: refused, firstFail/failMsg say why).
+  struct Handoff {
+    bool deferred = false;
+    bool ranInline = false;
+    int accepted = 0;
+    rpl_status firstFail = RPL_OK;
+    std::string failMsg;
+  };
+  // submit()'s steps: each descriptor's buffers, callback and timeout; the future's first
+  // callback; the hand-off (called with submitMu_ held); a refusal raised or the completion.
+  void bindDescs(Call& call, bool pipelined);
+  void registerCompletion(OpContext* ctx);
+  Handoff handOff(OpContext* ctx, bool pipelined);
+  void finishSubmit(Call& call, const Handoff& h);
   // The staging thread's item for a pipelined call: its chunks to the core one by one.
   StagedSubmitter::Item pipelinedItem(OpContext* ctx);
-  // The latency path: runs the single core op of `ctx` on this thread if the core is idle and
-  // every earlier future has completed; false if it was not run (or *st says why it failed).
-  // Called with submitMu_ held.
-  bool runInline(OpContext* ctx, rpl_status* st, std::string* msg);
+  // The staging thread's item for a staged (not pipelined) call: all its operations at once.
+  StagedSubmitter::Item stagedItem(OpContext* ctx);
+  // The latency path: hands the single core op of `ctx` to rpl_submit_inline, which runs it on
+  // this thread when it can (*ranHere) or queues it. Returns 1 if accepted, else 0 with
+  // `st`/`msg` saying why. Called with submitMu_ held, every earlier future completed.
+  int submitInline(OpContext* ctx, bool* ranHere, rpl_status* st, std::string* msg);
   // Hands the operations of `ctx` to the core; called with submitMu_ held. Returns how many
   // were accepted; on a refusal fills `st`/`msg` and drops the refused ones from `pending`.
   int submitToCore(OpContext* ctx, rpl_status* st, std::string* msg);
   // Completes `ctx` with an error without it reaching the core (the staging thread's path).
   void failUnsubmitted(OpContext* ctx, rpl_status st, const std::string& msg);
   void checkOpen(const char* opName) const;
-  // RPL_OP_PARTIAL_ALLREDUCE when this call should be a partial round, else RPL_OP_ALLREDUCE.
-  rpl_op_kind allreduceKind() const;
+  // RPL_OP_PARTIAL_ALLREDUCE when this thread (ripples_pg.partial()/exact()) or the group
+  // (Options.partial) asks for a partial round, else RPL_OP_ALLREDUCE; the core decides.
+  rpl_op_kind requestedAllreduceKind() const;
 
   Config cfg_;
   std::shared_ptr<GroupShared> group_;

@@ -103,12 +103,7 @@ bool sameLayout(const int64_t* a, const int64_t* b) {
   return true;
 }
 
-}  // namespace
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
-    at::Tensor& tensor,
-    const c10d::AllreduceOptions& opts) {
-  static const char* op = "allreduce";
+void checkSparseArgs(const at::Tensor& tensor, const c10d::AllreduceOptions& opts) {
   TORCH_CHECK_VALUE(
       tensor.layout() == c10::kSparse,
       "ripples allreduce: tensor has layout ", tensor.layout(),
@@ -128,86 +123,121 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
   TORCH_CHECK_VALUE(
       tensor.dim() <= kMaxDims,
       "ripples allreduce: sparse tensors of more than ", kMaxDims, " dimensions");
+}
 
-  const at::Tensor input = tensor.coalesce();
-  const int64_t sparseDim = input.sparse_dim(), denseDim = input.dense_dim();
-  const int64_t nnz = input._nnz();
+// Step 1, who has what: every rank's description of `input` (kMetaLen each), checked, so
+// that every rank sees the same and all decide alike. *maxNnz: the largest nnz.
+at::Tensor gatherLayouts(
+    c10d::Backend& pg,
+    const at::Tensor& input,
+    const c10d::AllgatherOptions& ag,
+    int64_t* maxNnz) {
+  const int size = pg.getSize();
   auto i64 = at::TensorOptions().dtype(at::kLong);
-
-  // 1. Who has what: every rank sees every rank's description, so all decide alike.
   at::Tensor meta = at::zeros({kMetaLen}, i64);
   int64_t* m = meta.data_ptr<int64_t>();
-  m[0] = nnz;
-  m[1] = sparseDim;
-  m[2] = denseDim;
+  m[0] = input._nnz();
+  m[1] = input.sparse_dim();
+  m[2] = input.dense_dim();
   m[3] = input.dim();
   m[4] = static_cast<int64_t>(input.scalar_type());
   for (int64_t i = 0; i < input.dim(); ++i) {
     m[5 + i] = input.size(i);
   }
-  at::Tensor metas = at::empty({size_ * kMetaLen}, i64);
-  c10d::AllgatherOptions ag;
-  ag.timeout = opts.timeout;
-  _allgather_base(metas, meta, ag)->wait();
+  at::Tensor metas = at::empty({size * kMetaLen}, i64);
+  pg._allgather_base(metas, meta, ag)->wait();
   const int64_t* all = metas.data_ptr<int64_t>();
-  int64_t maxNnz = 0;
-  for (int r = 0; r < size_; ++r) {
+  for (int r = 0; r < size; ++r) {
     const std::string why = malformed(all + r * kMetaLen);
     TORCH_CHECK_VALUE(
         why.empty(), "ripples allreduce: rank ", r,
         " sent a malformed sparse tensor description: ", why);
   }
-  for (int r = 0; r < size_; ++r) {
+  *maxNnz = 0;
+  for (int r = 0; r < size; ++r) {
     const int64_t* mr = all + r * kMetaLen;
     TORCH_CHECK_VALUE(
         sameLayout(mr, all),
         "ripples allreduce: the sparse tensors differ between ranks: rank 0 has ",
         describe(all), ", rank ", r, " has ", describe(mr));
-    maxNnz = std::max(maxNnz, mr[0]);
+    *maxNnz = std::max(*maxNnz, mr[0]);
   }
+  return metas;
+}
 
-  // 2. Indices and values, padded to the largest nnz so that one allgather moves each. The
-  // largest nnz is bounded by the sparse positions (checked above); the gathered buffers must
-  // still be addressable.
-  std::vector<int64_t> valShape = input._values().sizes().vec();
-  valShape[0] = maxNnz;
+// Every rank's indices and values, padded to the largest nnz so that one allgather moves
+// each.
+struct Gathered {
+  at::Tensor idxAll;  // size x [sparseDim, maxNnz]
+  at::Tensor valAll;  // size x valShape, flattened
+  std::vector<int64_t> valShape;  // one rank's values: [maxNnz, dense sizes...]
+};
+
+// Step 2. The largest nnz is bounded by the sparse positions (checked in step 1); the
+// gathered buffers must still be addressable.
+Gathered gatherEntries(
+    c10d::Backend& pg,
+    const at::Tensor& input,
+    int64_t maxNnz,
+    const c10d::AllgatherOptions& ag) {
+  const int size = pg.getSize();
+  const int64_t sparseDim = input.sparse_dim(), nnz = input._nnz();
+  auto i64 = at::TensorOptions().dtype(at::kLong);
+  Gathered g;
+  g.valShape = input._values().sizes().vec();
+  g.valShape[0] = maxNnz;
   int64_t denseElems = 1;
-  for (size_t i = 1; i < valShape.size(); ++i) {
-    denseElems = checkedProduct(denseElems, valShape[i], 1);
+  for (size_t i = 1; i < g.valShape.size(); ++i) {
+    denseElems = checkedProduct(denseElems, g.valShape[i], 1);
     TORCH_CHECK_VALUE(
         denseElems >= 0, "ripples allreduce: the sparse tensor's dense part is too large");
   }
-  const int64_t idxElems = checkedProduct(size_, std::max<int64_t>(sparseDim, 1), maxNnz);
+  const int64_t idxElems = checkedProduct(size, std::max<int64_t>(sparseDim, 1), maxNnz);
   const int64_t idxBytes = idxElems < 0 ? -1 : checkedProduct(idxElems, 8, 1);
-  const int64_t valElems = checkedProduct(size_, maxNnz, denseElems);
+  const int64_t valElems = checkedProduct(size, maxNnz, denseElems);
   const int64_t valBytes = valElems < 0 ? -1 : checkedProduct(valElems, input.element_size(), 1);
   TORCH_CHECK_VALUE(
       idxBytes >= 0 && valBytes >= 0,
-      "ripples allreduce: gathering sparse tensors of up to ", maxNnz, " entries from ", size_,
+      "ripples allreduce: gathering sparse tensors of up to ", maxNnz, " entries from ", size,
       " ranks would need more memory than can be addressed");
   at::Tensor idx = at::zeros({sparseDim, maxNnz}, i64);
-  at::Tensor val = at::zeros(valShape, input._values().options());
+  at::Tensor val = at::zeros(g.valShape, input._values().options());
   if (nnz > 0) {
     idx.narrow(1, 0, nnz).copy_(input._indices());
     val.narrow(0, 0, nnz).copy_(input._values());
   }
-  at::Tensor idxAll = at::empty({size_ * idx.numel()}, i64);
-  at::Tensor valAll = at::empty({size_ * val.numel()}, val.options());
-  _allgather_base(idxAll, idx, ag)->wait();
+  g.idxAll = at::empty({size * idx.numel()}, i64);
+  g.valAll = at::empty({size * val.numel()}, val.options());
+  pg._allgather_base(g.idxAll, idx, ag)->wait();
   at::Tensor valFlat = val.reshape({-1});
-  _allgather_base(valAll, valFlat, ag)->wait();
+  pg._allgather_base(g.valAll, valFlat, ag)->wait();
+  return g;
+}
 
-  // 3. The sum: every rank's entries side by side, duplicates summed by coalesce(). Every
-  // index must lie in [0, size) of its dimension: sparse_coo_tensor does not check, and a
-  // later to_dense() would write where the index points.
+// Step 3, the sum: every rank's entries side by side, duplicates summed by coalesce(). Every
+// index must lie in [0, size) of its dimension: sparse_coo_tensor does not check, and a later
+// to_dense() would write where the index points.
+at::Tensor sumEntries(
+    const at::Tensor& input,
+    const at::Tensor& metas,
+    const Gathered& g,
+    int size) {
+  const int64_t sparseDim = input.sparse_dim();
+  const int64_t maxNnz = g.valShape[0];
+  const int64_t idxNumel = sparseDim * maxNnz;
+  int64_t valNumel = 1;
+  for (int64_t v : g.valShape) {
+    valNumel *= v;
+  }
+  const int64_t* all = metas.data_ptr<int64_t>();
+  const at::Tensor limits = at::tensor(input.sizes().slice(0, sparseDim).vec(),
+                                       at::TensorOptions().dtype(at::kLong))
+                                .view({sparseDim, 1});
   std::vector<at::Tensor> idxParts, valParts;
-  std::vector<int64_t> oneVal = valShape;
-  const at::Tensor limits =
-      at::tensor(input.sizes().slice(0, sparseDim).vec(), i64).view({sparseDim, 1});
-  for (int r = 0; r < size_; ++r) {
+  for (int r = 0; r < size; ++r) {
     const int64_t nr = all[r * kMetaLen];
     at::Tensor part =
-        idxAll.narrow(0, r * idx.numel(), idx.numel()).view({sparseDim, maxNnz}).narrow(1, 0, nr);
+        g.idxAll.narrow(0, r * idxNumel, idxNumel).view({sparseDim, maxNnz}).narrow(1, 0, nr);
     TORCH_CHECK_VALUE(
         nr == 0 || sparseDim == 0 ||
             (part.ge(0).all().item<bool>() && part.lt(limits).all().item<bool>()),
@@ -215,15 +245,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
         input.sizes());
     idxParts.push_back(part);
     valParts.push_back(
-        valAll.narrow(0, r * val.numel(), val.numel()).view(oneVal).narrow(0, 0, nr));
+        g.valAll.narrow(0, r * valNumel, valNumel).view(g.valShape).narrow(0, 0, nr));
   }
-  at::Tensor result =
-      at::sparse_coo_tensor(at::cat(idxParts, 1), at::cat(valParts, 0), input.sizes())
-          .coalesce();
-  tensor.copy_(result);
+  return at::sparse_coo_tensor(at::cat(idxParts, 1), at::cat(valParts, 0), input.sizes())
+      .coalesce();
+}
 
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
+    at::Tensor& tensor,
+    const c10d::AllreduceOptions& opts) {
+  checkSparseArgs(tensor, opts);
+  const at::Tensor input = tensor.coalesce();
+  c10d::AllgatherOptions ag;
+  ag.timeout = opts.timeout;
+  int64_t maxNnz = 0;
+  const at::Tensor metas = gatherLayouts(*this, input, ag, &maxNnz);
+  const Gathered g = gatherEntries(*this, input, maxNnz, ag);
+  tensor.copy_(sumEntries(input, metas, g, size_));
   return completedWork(
-      c10d::OpType::ALLREDUCE, "ripples:all_reduce_sparse", op, {tensor}, opts.timeout);
+      c10d::OpType::ALLREDUCE, "ripples:all_reduce_sparse", "allreduce", {tensor},
+      opts.timeout);
 }
 
 }  // namespace ripples

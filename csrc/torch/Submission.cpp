@@ -372,6 +372,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::completedWork(
       [](Call&) {});
 }
 
+// A submission in four steps, each its own function: bind the descriptors to the staged
+// buffers, register the completion callback, hand the call off (the staging thread, the
+// latency path or the core's queue), then finish (a synchronous refusal, or the completion).
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(Call& call) {
   OpContext* ctx = call.ctx.get();
   c10::intrusive_ptr<WorkRipples> work = ctx->work;
@@ -379,6 +382,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(Call& call) {
     call.stageWhole();
   }
   const bool pipelined = !ctx->chunks.empty();
+  bindDescs(call, pipelined);
+  if (ctx->stage) {
+    ctx->stage->markStaged();  // after the last toHost() of this call
+  }
+  Handoff h;
+  {
+    std::lock_guard<std::mutex> g(submitMu_);
+    checkOpen(call.opName);
+    ctx->seq = nextSeq_;
+    ctx->pending.store(static_cast<int>(ctx->descs.size()) + 1);
+    registerCompletion(ctx);
+    h = handOff(ctx, pipelined);
+  }
+  finishSubmit(call, h);
+  return work;
+}
+
+void ProcessGroupRipples::bindDescs(Call& call, bool pipelined) {
+  OpContext* ctx = call.ctx.get();
   const int n = static_cast<int>(ctx->descs.size());
   if (pipelined) {
     // Chunk k (its buffers set by cutIntoChunks) completes through onChunkDone.
@@ -391,121 +413,125 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::submit(Call& call) {
     ctx->stager = stager_.get();
     ++pipelined_;
     stageChunks_ += static_cast<uint64_t>(n);
+    return;
+  }
+  // Operation i of n gets the i-th of n equal shares of the staged inputs and outputs.
+  const size_t nin = n > 0 ? ctx->in.size() / n : 0;
+  const size_t nout = n > 0 ? ctx->out.size() / n : 0;
+  TORCH_INTERNAL_ASSERT(nin * n == ctx->in.size() && nout * n == ctx->out.size());
+  for (int i = 0; i < n; ++i) {
+    rpl_op_desc& d = ctx->descs[i];
+    d.in = nin > 0 ? &ctx->in[i * nin] : nullptr;
+    d.nin = static_cast<int>(nin);
+    d.out = nout > 0 ? &ctx->out[i * nout] : nullptr;
+    d.nout = static_cast<int>(nout);
+    d.on_done = &onDone;
+    d.done_arg = ctx;
+    d.timeout_s = call.timeoutS;
+  }
+}
+
+void ProcessGroupRipples::registerCompletion(OpContext* ctx) {
+  // The first callback on the future: finish the Work and let the next operation complete.
+  // Registered before anyone else can see the future, so it runs before user callbacks.
+  CompletionExecutor* exec = executor_.get();
+  WorkRipples* w = ctx->work.get();  // kept alive by the OpContext while callbacks run
+  const uint64_t seq = ctx->seq;
+  ctx->work->getFuture()->addCallback(
+      [exec, w, seq](c10::ivalue::Future& f) {
+        try {
+          w->finishFromExecutor(f.hasError() ? f.exception_ptr() : nullptr);
+        } catch (...) {
+        }
+        exec->advanceTicket(seq);
+      },
+      /*uses_future=*/true);
+}
+
+ProcessGroupRipples::Handoff ProcessGroupRipples::handOff(OpContext* ctx, bool pipelined) {
+  Handoff h;
+  // Staged operations (and any issued behind one) reach the core from the staging thread
+  // once their device copies are done; from here on they complete like any other.
+  h.deferred = ctx->stage != nullptr || !stager_->idle();
+  if (h.deferred) {
+    stager_->enqueue(pipelined ? pipelinedItem(ctx) : stagedItem(ctx));
+    ++nextSeq_;  // it always completes, with an error if it never reaches the core
+    return h;
+  }
+  const int n = static_cast<int>(ctx->descs.size());
+  // The latency path only for what may take it: one operation, inline calls allowed, and no
+  // earlier future still completing (never overtake it). The core decides the rest.
+  if (cfg_.inline_small && n == 1 && executor_->caughtUp(ctx->seq)) {
+    h.accepted = submitInline(ctx, &h.ranInline, &h.firstFail, &h.failMsg);
   } else {
-    // Operation i of n gets the i-th of n equal shares of the staged inputs and outputs.
-    const size_t nin = n > 0 ? ctx->in.size() / n : 0;
-    const size_t nout = n > 0 ? ctx->out.size() / n : 0;
-    TORCH_INTERNAL_ASSERT(nin * n == ctx->in.size() && nout * n == ctx->out.size());
-    for (int i = 0; i < n; ++i) {
-      rpl_op_desc& d = ctx->descs[i];
-      d.in = nin > 0 ? &ctx->in[i * nin] : nullptr;
-      d.nin = static_cast<int>(nin);
-      d.out = nout > 0 ? &ctx->out[i * nout] : nullptr;
-      d.nout = static_cast<int>(nout);
-      d.on_done = &onDone;
-      d.done_arg = ctx;
-      d.timeout_s = call.timeoutS;
-    }
+    h.accepted = submitToCore(ctx, &h.firstFail, &h.failMsg);
   }
-  if (ctx->stage) {
-    ctx->stage->markStaged();  // after the last toHost() of this call
+  if (h.accepted > 0 || n == 0) {
+    ++nextSeq_;
   }
-  rpl_status firstFail = RPL_OK;
-  std::string failMsg;
-  int accepted = 0;
-  bool deferred = false;
-  bool ranInline = false;
-  {
-    std::lock_guard<std::mutex> g(submitMu_);
-    checkOpen(call.opName);
-    ctx->seq = nextSeq_;
-    ctx->pending.store(n + 1);
-    // The first callback on the future: finish the Work and let the next operation complete.
-    // Registered before anyone else can see the future, so it runs before user callbacks.
+  return h;
+}
+
+StagedSubmitter::Item ProcessGroupRipples::stagedItem(OpContext* ctx) {
+  StagedSubmitter::Item item;
+  item.stage = ctx->stage.get();
+  item.submit = [this, ctx] {
+    rpl_status st = RPL_OK;
+    std::string msg;
     {
-      CompletionExecutor* exec = executor_.get();
-      WorkRipples* w = work.get();  // kept alive by the OpContext while callbacks run
-      const uint64_t seq = ctx->seq;
-      work->getFuture()->addCallback(
-          [exec, w, seq](c10::ivalue::Future& f) {
-            try {
-              w->finishFromExecutor(f.hasError() ? f.exception_ptr() : nullptr);
-            } catch (...) {
-            }
-            exec->advanceTicket(seq);
-          },
-          /*uses_future=*/true);
+      std::lock_guard<std::mutex> g(submitMu_);
+      submitToCore(ctx, &st, &msg);
     }
-    // Staged operations (and any issued behind one) reach the core from the staging thread
-    // once their device copies are done; from here on they complete like any other.
-    deferred = ctx->stage != nullptr || !stager_->idle();
-    if (deferred && pipelined) {
-      stager_->enqueue(pipelinedItem(ctx));
-      ++nextSeq_;  // it always completes, with an error if it never reaches the core
-    } else if (deferred) {
-      StagedSubmitter::Item item;
-      item.stage = ctx->stage.get();
-      item.submit = [this, ctx] {
-        rpl_status st = RPL_OK;
-        std::string msg;
-        {
-          std::lock_guard<std::mutex> g2(submitMu_);
-          submitToCore(ctx, &st, &msg);
-        }
-        if (st != RPL_OK) {
-          ctx->recordError(st, msg);
-        }
-        ctx->finishParts(1);
-      };
-      item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg, size_t) {
-        failUnsubmitted(ctx, StagedSubmitter::statusOf(why), msg);
-      };
-      stager_->enqueue(std::move(item));
-      ++nextSeq_;  // it always completes, with an error if it never reaches the core
-    } else {
-      ranInline = cfg_.inline_small && n == 1 && runInline(ctx, &firstFail, &failMsg);
-      accepted = ranInline ? 1 : firstFail != RPL_OK ? 0 : submitToCore(ctx, &firstFail, &failMsg);
-      if (accepted > 0 || n == 0) {
-        ++nextSeq_;
-      }
+    if (st != RPL_OK) {
+      ctx->recordError(st, msg);
     }
-  }
-  if (!deferred && accepted == 0 && n > 0) {
+    ctx->finishParts(1);
+  };
+  item.fail = [this, ctx](StagedSubmitter::Failure why, const std::string& msg, size_t) {
+    failUnsubmitted(ctx, StagedSubmitter::statusOf(why), msg);
+  };
+  return item;
+}
+
+void ProcessGroupRipples::finishSubmit(Call& call, const Handoff& h) {
+  OpContext* ctx = call.ctx.get();
+  if (!h.deferred && h.accepted == 0 && !ctx->descs.empty()) {
     // Nothing reached the core: report synchronously; the context dies with `call`.
-    throwRefused(group_->name, call.opName, firstFail, failMsg);
+    throwRefused(group_->name, call.opName, h.firstFail, h.failMsg);
   }
   call.ctx.release();  // owned by the staging thread / the core / the executor from here on
-  if (deferred) {
-    return work;
+  if (h.deferred) {
+    return;
   }
-  if (firstFail != RPL_OK) {
-    ctx->recordError(firstFail, failMsg);
+  if (h.firstFail != RPL_OK) {
+    ctx->recordError(h.firstFail, h.failMsg);
   }
   if (ctx->pending.fetch_sub(1) == 1) {
-    if (ranInline) {
+    if (h.ranInline) {
       ctx->executor->completeHere(ctx);  // no hand-off: the latency path's point
     } else {
       ctx->executor->push(ctx);
     }
   }
-  return work;
 }
 
-bool ProcessGroupRipples::runInline(OpContext* ctx, rpl_status* st, std::string* msg) {
-  if (!executor_->caughtUp(ctx->seq)) {
-    return false;  // an earlier future is still completing: do not overtake it
-  }
+int ProcessGroupRipples::submitInline(
+    OpContext* ctx,
+    bool* ranHere,
+    rpl_status* st,
+    std::string* msg) {
   rpl_error err;
   std::memset(&err, 0, sizeof(err));
   int ran = 0;
-  rpl_status r = rpl_run_inline(comm_, &ctx->descs[0], &ran, &err);
+  rpl_status r = rpl_submit_inline(comm_, &ctx->descs[0], &ran, &err);
   if (r != RPL_OK) {
     *st = r;
     *msg = err.msg;
     ctx->pending.fetch_sub(1);  // it will never call on_done
-    return false;
+    return 0;
   }
-  return ran != 0;
+  *ranHere = ran != 0;
+  return 1;
 }
 
 int ProcessGroupRipples::submitToCore(OpContext* ctx, rpl_status* st, std::string* msg) {

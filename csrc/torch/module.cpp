@@ -1,6 +1,6 @@
 // ripples_pg._C: the pybind11 module. Exposes the backend class (a subclass of torch's
-// c10d Backend, so torch can register it in a ProcessGroup) and the factory the Python creator
-// (ripples_pg/_backend.py) calls with an already-resolved configuration.
+// c10d Backend, so torch can register it in a ProcessGroup), its configuration (Config.cpp)
+// and the factory the Python creator (ripples_pg/_backend.py) calls with a filled Config.
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -12,11 +12,18 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
+#include "Config.hpp"
+#include "Errors.hpp"
 #include "GroupGenerator.hpp"
 #include "ProcessGroupRipples.hpp"
 #include "sched/rpl_sched.h"
 
 namespace py = pybind11;
+
+namespace ripples __attribute__((visibility("hidden"))) {
+// ripples_pg._C.Config (Config.cpp; declared here so Config.hpp stays free of pybind11).
+void bindConfig(py::module_& m);
+}  // namespace ripples
 
 namespace {
 // The stats accessors return flat dicts; one name/value list per accessor keeps each key next
@@ -38,6 +45,144 @@ py::list listOf(const T* values, int n) {
   }
   return l;
 }
+
+using PG = ripples::ProcessGroupRipples;
+
+// Every key is the core's field name (ripples.h, rpl_comm_counters), plus the shim's own
+// staging counters.
+py::dict countersDict(const PG& pg) {
+  rpl_comm_counters c;
+  {
+    py::gil_scoped_release nogil;  // never holds other Python threads up
+    c = pg.counters();
+  }
+  return dictOf({
+      {"ops_completed", py::cast(c.ops_completed)},
+      {"ops_failed", py::cast(c.ops_failed)},
+      {"bytes_sent", py::cast(c.bytes_sent)},
+      {"bytes_received", py::cast(c.bytes_received)},
+      {"connections", py::cast(c.connections)},
+      {"ucx_connections", py::cast(c.ucx_connections)},
+      {"single_copy_bytes", py::cast(c.single_copy_bytes)},
+      {"auth_failures", py::cast(c.auth_failures)},
+      {"handshakes_dropped", py::cast(c.handshakes_dropped)},
+      {"replacements_refused", py::cast(c.replacements_refused)},
+      {"stash_holds", py::cast(c.stash_holds)},
+      {"shm_rebuilt", py::cast(c.shm_rebuilt)},
+      {"paths", py::cast(pg.peerPaths())},
+      {"ops_staged", py::cast(pg.stagedCalls())},
+      {"ops_staged_pipelined", py::cast(pg.pipelinedCalls())},
+      {"stage_chunks", py::cast(pg.stageChunks())},
+  });
+}
+
+// Every key is the core's field name (ripples.h, rpl_partial_stats).
+py::dict partialStatsDict(const PG& pg) {
+  rpl_partial_stats s;
+  {
+    py::gil_scoped_release nogil;  // never holds other Python threads up
+    s = pg.partialStats();
+  }
+  return dictOf({
+      {"rounds", py::cast(s.rounds)},
+      {"reduced", py::cast(s.reduced)},
+      {"singletons", py::cast(s.singletons)},
+      {"passed", py::cast(s.passed)},
+      {"period", py::cast(s.period)},
+      {"skipped", py::cast(s.skipped)},
+      {"failed", py::cast(s.failed)},
+      {"exact_fallbacks", py::cast(s.exact_fallbacks)},
+      {"fences", py::cast(s.fences)},
+      {"unfences", py::cast(s.unfences)},
+      {"rounds_since_group", py::cast(s.rounds_since_group)},
+      {"singleton_run_max", py::cast(s.singleton_run_max)},
+      {"coordinator_failovers", py::cast(s.coordinator_failovers)},
+      {"group_sizes", listOf(s.group_sizes, RPL_HIST_BUCKETS)},
+      {"bytes", py::cast(s.bytes)},
+      {"wire_bytes", py::cast(s.wire_bytes)},
+      {"compressed", py::cast(s.compressed)},
+      {"compress_fallbacks", py::cast(s.compress_fallbacks)},
+      {"group_s", py::cast(s.group_s)},
+      {"wait_s", py::cast(s.wait_s)},
+      {"reduce_s", py::cast(s.reduce_s)},
+      {"confirm_s", py::cast(s.confirm_s)},
+  });
+}
+
+std::string coordinatorStatus(const PG& pg, int timeout_ms) {
+  const ripples::Config& cfg = pg.config();
+  TORCH_CHECK(!cfg.endpoint.empty(), "this group has no coordinator (schedule '",
+              cfg.schedule, "')");
+  char* json = nullptr;
+  rpl_error err;
+  rpl_status st;
+  {
+    py::gil_scoped_release nogil;
+    st = rpl_gg_query_rank_status(cfg.endpoint.c_str(), cfg.token.c_str(), pg.getRank(),
+                                  timeout_ms, &json, &err);
+  }
+  if (st != RPL_OK) {
+    ripples::throwStatus(ripples::StatusUser::kCoordinator, st, err.msg);
+  }
+  std::string out(json);
+  std::free(json);
+  return out;
+}
+
+py::list traceList(const PG& pg, uint64_t from) {
+  py::list out;
+  for (const rpl_trace_entry& e : pg.trace(from)) {
+    // Only the first RPL_TRACE_MEMBERS members are recorded (nmembers may be larger).
+    out.append(dictOf({
+        {"round", py::cast(e.round)},
+        {"group_id", py::cast(e.group_id)},
+        {"status", py::cast(e.status)},
+        {"members", listOf(e.members, std::min(e.nmembers, RPL_TRACE_MEMBERS))},
+        {"nmembers", py::cast(e.nmembers)},
+    }));
+  }
+  return out;
+}
+
+// The configuration the group was created with, as read-only properties.
+void bindConfigProperties(py::class_<PG, c10::intrusive_ptr<PG>, c10d::Backend>& c) {
+  c.def_property_readonly(
+       "timeout_s", [](const PG& pg) { return pg.config().timeout_s; },
+       "Per-operation timeout of the core communicator, in seconds.")
+      .def_property_readonly(
+          "bind_addr", [](const PG& pg) { return pg.config().bind_addr; },
+          "IPv4 address this rank's peers connect to (empty: the core default, 127.0.0.1).")
+      .def_property_readonly("name", [](const PG& pg) { return pg.config().name; })
+      .def_property_readonly(
+          "schedule", [](const PG& pg) { return pg.config().schedule; },
+          "The partial-round schedule of this group ('' if partial rounds are off).")
+      .def_property_readonly(
+          "partial_by_default", [](const PG& pg) { return pg.config().partial_by_default; })
+      .def_property_readonly(
+          "host_of", [](const PG& pg) { return pg.config().host_of; },
+          "Dense host index of every rank of the group.");
+}
+
+void bindBackend(py::module_& m) {
+  py::class_<PG, c10::intrusive_ptr<PG>, c10d::Backend> c(m, "ProcessGroupRipples");
+  bindConfigProperties(c);
+  c.def_property_readonly(
+       "listen_address", [](const PG& pg) { return pg.listenAddress(); },
+       "'ADDR:PORT' of the listener this rank's peers connect to.")
+      .def_property_readonly("is_shutdown", [](const PG& pg) { return pg.isShutdown(); })
+      .def("counters", &countersDict,
+           "Counters of the core communicator (operations, bytes, connections) and of the "
+           "calls whose tensors were staged through host memory (device tensors).")
+      .def("partial_stats", &partialStatsDict,
+           "Partial-round counters of this rank (see ripples_pg.stats).")
+      .def("coordinator_status", &coordinatorStatus, py::arg("timeout_ms") = 2000,
+           "This rank's summary from its coordinator (JSON text: its step and slowdown, the "
+           "slowest ranks; coordinator/PROTOCOL.md); blocks up to timeout_ms per endpoint of "
+           "the failover list. Raises if none answers. See ripples_pg.stats.")
+      .def("trace", &traceList, py::arg("start") = 0,
+           "Per-round trace entries from index `start` (needs Options(trace=True)).");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -46,150 +191,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // torch's c10d classes (Backend, Store, Work) must be registered before ours derives
   // from them.
   py::module_::import("torch.distributed");
-
-  py::class_<
-      ripples::ProcessGroupRipples,
-      c10::intrusive_ptr<ripples::ProcessGroupRipples>,
-      c10d::Backend>(m, "ProcessGroupRipples")
-      .def_property_readonly(
-          "timeout_s",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.config().timeout_s; },
-          "Per-operation timeout of the core communicator, in seconds.")
-      .def_property_readonly(
-          "bind_addr",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.config().bind_addr; },
-          "IPv4 address this rank's peers connect to (empty: the core default, 127.0.0.1).")
-      .def_property_readonly(
-          "listen_address",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.listenAddress(); },
-          "'ADDR:PORT' of the listener this rank's peers connect to.")
-      .def_property_readonly(
-          "name",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.config().name; })
-      .def_property_readonly(
-          "is_shutdown",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.isShutdown(); })
-      .def(
-          "counters",
-          [](const ripples::ProcessGroupRipples& pg) {
-            rpl_comm_counters c;
-            {
-              py::gil_scoped_release nogil; // never holds other Python threads up
-              c = pg.counters();
-            }
-            return dictOf({
-                {"ops_completed", py::cast(c.ops_completed)},
-                {"ops_failed", py::cast(c.ops_failed)},
-                {"bytes_sent", py::cast(c.bytes_sent)},
-                {"bytes_received", py::cast(c.bytes_received)},
-                {"connections", py::cast(c.connections)},
-                {"ucx_connections", py::cast(c.ucx_connections)},
-                {"single_copy_bytes", py::cast(c.single_copy_bytes)},
-                {"auth_failures", py::cast(c.auth_failures)},
-                {"handshakes_dropped", py::cast(c.handshakes_dropped)},
-                {"replacements_refused", py::cast(c.replacements_refused)},
-                {"stash_holds", py::cast(c.stash_holds)},
-                {"shm_rebuilt", py::cast(c.shm_rebuilt)},
-                {"paths", py::cast(pg.peerPaths())},
-                {"ops_staged", py::cast(pg.stagedCalls())},
-                {"ops_staged_pipelined", py::cast(pg.pipelinedCalls())},
-                {"stage_chunks", py::cast(pg.stageChunks())},
-            });
-          },
-          "Counters of the core communicator (operations, bytes, connections) and of the "
-          "calls whose tensors were staged through host memory (device tensors).")
-      .def_property_readonly(
-          "schedule",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.config().schedule; },
-          "The partial-round schedule of this group ('' if partial rounds are off).")
-      .def_property_readonly(
-          "partial_by_default",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.config().partial_by_default; })
-      .def_property_readonly(
-          "host_of",
-          [](const ripples::ProcessGroupRipples& pg) { return pg.config().host_of; },
-          "Dense host index of every rank of the group.")
-      .def(
-          "partial_stats",
-          [](const ripples::ProcessGroupRipples& pg) {
-            rpl_partial_stats s;
-            {
-              py::gil_scoped_release nogil; // never holds other Python threads up
-              s = pg.partialStats();
-            }
-            return dictOf({
-                {"rounds", py::cast(s.rounds)},
-                {"reduced", py::cast(s.reduced)},
-                {"singletons", py::cast(s.singletons)},
-                {"passed", py::cast(s.passed)},
-                {"period", py::cast(s.period)},
-                {"skipped", py::cast(s.skipped)},
-                {"failed", py::cast(s.failed)},
-                {"exact_fallbacks", py::cast(s.exact_fallbacks)},
-                {"fences", py::cast(s.fences)},
-                {"unfences", py::cast(s.unfences)},
-                {"rounds_since_group", py::cast(s.singleton_run)},
-                {"singleton_run_max", py::cast(s.singleton_run_max)},
-                {"coordinator_failovers", py::cast(s.failovers)},
-                {"group_sizes", listOf(s.group_sizes, RPL_HIST_BUCKETS)},
-                {"bytes", py::cast(s.bytes)},
-                {"wire_bytes", py::cast(s.wire_bytes)},
-                {"compressed", py::cast(s.compressed)},
-                {"compress_fallbacks", py::cast(s.compress_fallbacks)},
-                {"group_s", py::cast(s.group_s)},
-                {"wait_s", py::cast(s.wait_s)},
-                {"reduce_s", py::cast(s.reduce_s)},
-                {"confirm_s", py::cast(s.confirm_s)},
-            });
-          },
-          "Partial-round counters of this rank (see ripples_pg.stats).")
-      .def(
-          "coordinator_status",
-          [](const ripples::ProcessGroupRipples& pg, int timeout_ms) {
-            const ripples::Config& cfg = pg.config();
-            TORCH_CHECK(!cfg.endpoint.empty(), "this group has no coordinator (schedule '",
-                        cfg.schedule, "')");
-            char* json = nullptr;
-            rpl_error err;
-            rpl_status st;
-            {
-              py::gil_scoped_release nogil;
-              st = rpl_gg_query_rank_status(cfg.endpoint.c_str(), cfg.token.c_str(),
-                                            pg.getRank(), timeout_ms, &json, &err);
-            }
-            if (st != RPL_OK) {
-              throw std::runtime_error(err.msg);
-            }
-            std::string out(json);
-            std::free(json);
-            return out;
-          },
-          py::arg("timeout_ms") = 2000,
-          "This rank's summary from its coordinator (JSON text: its step and slowdown, the "
-          "slowest ranks; coordinator/PROTOCOL.md); blocks up to timeout_ms per endpoint of "
-          "the failover list. Raises if none answers. See ripples_pg.stats.")
-      .def(
-          "trace",
-          [](const ripples::ProcessGroupRipples& pg, uint64_t from) {
-            py::list out;
-            for (const rpl_trace_entry& e : pg.trace(from)) {
-              // Only the first RPL_TRACE_MEMBERS members are recorded (nmembers may be larger).
-              out.append(dictOf({
-                  {"round", py::cast(e.round)},
-                  {"group_id", py::cast(e.group_id)},
-                  {"status", py::cast(e.status)},
-                  {"members", listOf(e.members, std::min(e.nmembers, RPL_TRACE_MEMBERS))},
-                  {"nmembers", py::cast(e.nmembers)},
-              }));
-            }
-            return out;
-          },
-          py::arg("start") = 0,
-          "Per-round trace entries from index `start` (needs Options(trace=True)).");
+  ripples::bindConfig(m);
+  bindBackend(m);
 
   m.def("has_ucx", []() { return rpl_has_ucx() != 0; },
         "Whether this build has the UCX transport (Options(transport='ucx')).");
-
   m.def(
       "_set_partial_mode",
       [](int mode) {
@@ -200,97 +206,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("mode"),
       "Sets this thread's partial mode (0 group default, 1 partial, 2 exact); returns the "
       "previous one.");
-
   m.def(
       "_create_backend",
-      [](const c10::intrusive_ptr<c10d::Store>& store,
-         int rank,
-         int size,
-         double timeout_s,
-         const std::string& bind_addr,
-         const std::string& name,
-         size_t small_bytes,
-         size_t chunk_bytes,
-         const std::string& host_key,
-         bool tcp_only,
-         bool use_ucx,
-         bool single_copy,
-         bool inline_small,
-         const std::string& schedule,
-         const std::vector<int>& host_of,
-         const std::string& endpoint,
-         const std::string& token,
-         bool on_failure_skip,
-         bool trace,
-         bool partial_by_default,
-         const std::string& job_secret,
-         bool frame_macs,
-         const std::string& compression,
-         size_t stage_chunk_bytes) {
-        ripples::Config cfg;
-        cfg.timeout_s = timeout_s;
-        cfg.bind_addr = bind_addr;
-        cfg.name = name;
-        cfg.small_bytes = small_bytes;
-        cfg.chunk_bytes = chunk_bytes;
-        cfg.host_key = host_key;
-        cfg.tcp_only = tcp_only;
-        cfg.use_ucx = use_ucx;
-        cfg.single_copy = single_copy;
-        cfg.inline_small = inline_small;
-        cfg.schedule = schedule;
-        cfg.host_of = host_of;
-        cfg.endpoint = endpoint;
-        cfg.token = token;
-        cfg.on_failure_skip = on_failure_skip;
-        cfg.trace = trace;
-        cfg.partial_by_default = partial_by_default;
-        cfg.job_secret = job_secret;
-        cfg.frame_macs = frame_macs;
-        // The names of Options.compression, in rpl_compress order.
-        static const char* const kModes[] = {"none", "bf16", "fp16", "int8"};
-        cfg.compression = -1;
-        for (int i = 0; i < RPL_COMPRESS_COUNT; i++)
-          if (compression == kModes[i]) cfg.compression = i;
-        TORCH_CHECK_VALUE(cfg.compression >= 0, "ripples: unknown compression '", compression,
-                          "' (none, bf16, fp16 or int8)");
-        // Options validates it; the bounds keep a chunk at least one element of any dtype.
-        TORCH_CHECK_VALUE(
-            stage_chunk_bytes == 0 || (stage_chunk_bytes >= 8 && stage_chunk_bytes <= (1ull << 30)),
-            "ripples: stage_chunk_bytes=", stage_chunk_bytes, " is out of range (0, or 8 to 1 GiB)");
-        cfg.stage_chunk_bytes = stage_chunk_bytes;
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+         const ripples::Config& cfg) {
         return ripples::createProcessGroupRipples(store, rank, size, cfg);
       },
-      py::arg("store"),
-      py::arg("rank"),
-      py::arg("size"),
-      py::arg("timeout_s"),
-      py::arg("bind_addr") = std::string(),
-      py::arg("name") = std::string(),
-      py::arg("small_bytes") = 0,
-      py::arg("chunk_bytes") = 0,
-      py::arg("host_key") = std::string(),
-      py::arg("tcp_only") = false,
-      py::arg("use_ucx") = false,
-      py::arg("single_copy") = false,
-      py::arg("inline_small") = true,
-      py::arg("schedule") = std::string(),
-      py::arg("host_of") = std::vector<int>(),
-      py::arg("endpoint") = std::string(),
-      py::arg("token") = std::string(),
-      py::arg("on_failure_skip") = false,
-      py::arg("trace") = false,
-      py::arg("partial_by_default") = false,
-      py::arg("job_secret") = std::string(),
-      py::arg("frame_macs") = false,
-      py::arg("compression") = std::string("none"),
-      py::arg("stage_chunk_bytes") = 0,  // Options.stage_chunk_bytes decides the default
+      py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
       // Blocks until every rank of the group has joined (through the store).
       py::call_guard<py::gil_scoped_release>(),
-      "Creates the backend; every rank of the group must call it.");
+      "Creates the backend from a filled Config; every rank of the group must call it.");
 
-  m.attr("CORE_VERSION") =
-      py::make_tuple(RPL_VERSION_MAJOR, RPL_VERSION_MINOR);
+  m.attr("CORE_VERSION") = py::make_tuple(RPL_VERSION_MAJOR, RPL_VERSION_MINOR);
   m.attr("MAX_COMPLETION_THREADS") = ripples::kMaxCompletionThreads;
-  ripples::bindGroupGenerator(m); // _C.gg: policies, coordinator, client, CLI
+  ripples::bindGroupGenerator(m);  // _C.gg: policies, coordinator, client, CLI
 }

@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""Lists C/C++ functions longer than a limit in csrc/ and coordinator/.
+
+Our C and C++ put a function's opening line and its closing brace at column 0, so a function
+is the text from a column-0 header holding "(" to the next column-0 "}". Table-like functions
+(a field list, a flag list) may be longer; they are named in ALLOWED with the reason.
+
+    python3 scripts/function_lengths.py            # report, exit 1 if any is over
+    python3 scripts/function_lengths.py --all      # every function, longest first
+"""
+import argparse
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DIRS = ("csrc", "coordinator", "benchmarks", "fuzz")
+LIMIT = 80
+# name -> why it may be longer than LIMIT (one entry per table-like function)
+ALLOWED = {
+}
+
+_NOT_FUNCTION = re.compile(r"^(struct|enum|union|namespace|extern|class|typedef)\b|=\s*\{$")
+
+
+def functions(path: pathlib.Path):
+    """Yields (name, first line, length in lines) of each function defined in path."""
+    lines = path.read_text(errors="replace").splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        # A header starts at column 0 and names a function: "type name(" ... ") {".
+        if line[:1] in ("", " ", "\t", "#", "/", "}", "*") or _NOT_FUNCTION.search(line) \
+                or "(" not in line:
+            i += 1
+            continue
+        j = i
+        while j < len(lines) and not lines[j].rstrip().endswith(("{", ";", "}")) \
+                and j - i < 12:
+            j += 1
+        if j >= len(lines) or not lines[j].rstrip().endswith("{") \
+                or _NOT_FUNCTION.search(lines[j].strip()):
+            i = j + 1
+            continue
+        header = " ".join(lines[i:j + 1])
+        name = re.findall(r"([A-Za-z_][\w:~]*)\s*\(", header)
+        end = j + 1
+        while end < len(lines) and not lines[end].startswith("}"):
+            end += 1
+        yield (name[0] if name else "?"), i + 1, end - i + 1
+        i = end + 1
+
+
+def scan():
+    for d in DIRS:
+        base = ROOT / d
+        if not base.is_dir():
+            continue
+        for path in sorted(base.rglob("*")):
+            if path.suffix in (".c", ".cpp", ".h", ".hpp") and "build" not in path.parts:
+                for name, line, n in functions(path):
+                    yield path.relative_to(ROOT), name, line, n
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--all", action="store_true", help="print every function, longest first")
+    ap.add_argument("--limit", type=int, default=LIMIT)
+    args = ap.parse_args()
+    found = sorted(scan(), key=lambda r: -r[3])
+    over = [r for r in found if r[3] > args.limit and r[1] not in ALLOWED]
+    for path, name, line, n in (found if args.all else over):
+        print(f"{n:5d}  {path}:{line}  {name}")
+    for name, why in ALLOWED.items():
+        if not args.all:
+            print(f"allowed  {name}: {why}")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
