@@ -88,7 +88,7 @@ def main(args, run) -> None:
 
 def leave(code: int = 0) -> None:
     """Destroys the group and leaves without interpreter finalisation (gloo's worker threads
-    can abort a dying interpreter; examples/train_digits.py does the same)."""
+    can abort a dying interpreter; benchmarks/digits_worker.py does the same)."""
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001

@@ -2,7 +2,7 @@
 sources and terms in benchmarks/traces/README.md) and the speed-up each allows.
 
 A table has one row per traced step and one column per traced worker. Replayed over W workers
-(examples/train_digits.py --straggler trace:FILE, gg_sim --trace FILE), worker w follows column
+(benchmarks/digits_worker.py --straggler trace:FILE, gg_sim --trace FILE), worker w follows column
 w (the trace's first W workers; with more workers than columns, column w mod columns) and step
 t follows row t mod rows; each row is divided by its minimum over the columns used, so the
 fastest of them runs at its own pace and the others stretch their step f[t][w] times.

@@ -2,7 +2,7 @@
 model, data, seeds and worker count, under injected stragglers, for six workloads.
 
 Every (workload, scenario, strategy, repeat) is one torchrun launch of
-examples/train_digits.py (the runs go one after another, never at the same time; with
+benchmarks/digits_worker.py (the runs go one after another, never at the same time; with
 --repeats the strategies take turns: each once, then each again). See benchmarks/train.md.
 
     python benchmarks/train.py --out benchmarks/results/train                 # full run
@@ -104,7 +104,7 @@ def parse_args(argv=None):
     p.add_argument("--run-timeout", type=float, default=None,
                    help="kill a run after this many seconds (default: 3 x time limit + 120)")
     p.add_argument("--extra", default="",
-                   help="more train_digits.py arguments for every run (one string)")
+                   help="more digits_worker.py arguments for every run (one string)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--render", action="store_true",
                    help="run nothing: write results.md and the plots again from "
@@ -284,7 +284,7 @@ def end_session(proc) -> None:
 
 
 def launch(args, train_args: list, out_path: str, err_path: str, timeout: float):
-    """Runs train_digits.py with ``train_args`` under torchrun, in its own session (so that a
+    """Runs digits_worker.py with ``train_args`` under torchrun, in its own session (so that a
     timeout kills torchrun and its workers together); returns (exit status or None if killed, wall seconds). With test hosts,
     one torchrun per host (node 0's output in out_path, node i's in out_path + ".node<i>");
     the status is the first non-zero one."""
@@ -400,7 +400,7 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         "--group-size", str(args.group_size), "--compute-s", f"{calib['compute_s']:.6g}",
         "--step-s", f"{unit:.6g}",
         "--log-dir", rank_dir, "--quiet", "--timeout", str(max(60.0, cfg["run_timeout"] / 2))]
-    if args.warmup_steps != "wrap":  # else train_digits.py leaves it to wrap()'s default
+    if args.warmup_steps != "wrap":  # else digits_worker.py leaves it to wrap()'s default
         train_args += ["--warmup-steps", str(args.warmup_steps)]
     if pause_ms is not None:
         train_args += ["--pause-s", f"{pause_ms / 1e3:.6g}"]

@@ -11,9 +11,9 @@ from trace_replay import TRACES
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TRAIN = os.path.join(REPO, "examples", "train_digits.py")
+TRAIN = os.path.join(REPO, "benchmarks", "digits_worker.py")
 
-# name -> (label, train_digits.py arguments). "{H}" is replaced by the number of simulated
+# name -> (label, digits_worker.py arguments). "{H}" is replaced by the number of simulated
 # hosts (2, or 1 if the worker count is odd), "{HIER}" by the hierarchical levels, "{OUTER}"
 # by DiLoCo's H (the workload's outer_every, or --outer-every).
 STRATEGIES = {

@@ -1,5 +1,5 @@
 """Straggler attribution in ``ripples_pg.stats()``: which rank is slow, and by how much, as the
-coordinator measures it (``coordinator/coord_attr.h``; the whole job: ``ripples-coordinator
+coordinator measures it (``coordinator/coord_straggler.h``; the whole job: ``ripples-coordinator
 --status``).
 
 ``stats()`` is called at every step by some training loops, so it must stay cheap and must

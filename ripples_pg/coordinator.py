@@ -26,7 +26,7 @@ With a token every rank derived from a job secret (``Options.job_secret``), pass
 
 The coordinator writes one line on stderr when a worker becomes persistently slow, and one
 when it recovers ("ripples: rank 3 on host b is 4.8x slower than the median since step
-120"), rate-limited (``coordinator/coord_attr.h``).
+120"), rate-limited (``coordinator/coord_straggler.h``).
 """
 import os
 import socket

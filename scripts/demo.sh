@@ -11,7 +11,7 @@
 # Uses the active environment's Python (`make demo` activates .venv and builds first):
 #   PYTHON=.venv/bin/python bash scripts/demo.sh
 # Knobs (environment): WORKERS=4 STRAGGLER=3:5 TIME_LIMIT=20 TARGET_ACC=0.96 SCHEDULE=smart
-#   DEMO_DIR=<where logs go> EXTRA_ARGS="<more train_digits.py options for both runs>"
+#   DEMO_DIR=<where logs go> EXTRA_ARGS="<more benchmarks/digits_worker.py options for both runs>"
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -34,12 +34,12 @@ COMMON="$MODEL --steps 100000 --time-limit $TIME_LIMIT --eval-every 20
 }
 
 mkdir -p "$DEMO_DIR"
-run() {  # name, then train_digits.py arguments
+run() {  # name, then benchmarks/digits_worker.py arguments
     local name=$1; shift
     echo "== $name: $WORKERS workers, straggler $STRAGGLER, ${TIME_LIMIT}s of training" >&2
     rm -rf "${DEMO_DIR:?}/$name"
     OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone \
-        --nproc_per_node="$WORKERS" examples/train_digits.py "$@" $COMMON \
+        --nproc_per_node="$WORKERS" benchmarks/digits_worker.py "$@" $COMMON \
         --log-dir "$DEMO_DIR/$name" >"$DEMO_DIR/$name.out" 2>"$DEMO_DIR/$name.err" || {
         echo "demo: the $name run failed; its output:" >&2
         tail -n 40 "$DEMO_DIR/$name.out" "$DEMO_DIR/$name.err" >&2
@@ -51,7 +51,7 @@ run() {  # name, then train_digits.py arguments
 # times of synchronous DDP after each step. Measure that step time once, pass it to both runs.
 echo "== calibration: the step time of DDP all-reduce on gloo, $WORKERS workers" >&2
 OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$WORKERS" \
-    examples/train_digits.py --strategy allreduce --backend gloo $MODEL --calibrate-only \
+    benchmarks/digits_worker.py --strategy allreduce --backend gloo $MODEL --calibrate-only \
     >"$DEMO_DIR/calibration.out" 2>"$DEMO_DIR/calibration.err" || {
     echo "demo: the calibration failed; its output:" >&2
     tail -n 40 "$DEMO_DIR/calibration.out" "$DEMO_DIR/calibration.err" >&2

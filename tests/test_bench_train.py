@@ -269,14 +269,14 @@ def test_round_costs_prefer_wire_bytes_and_torchft_waits_least():
 
 def test_torchft_diloco_runs(tmp_path):
     """torchft's own DiLoCo (Manager, Lighthouse, one replica group per worker) trains 2
-    workers under train_digits.py, with a straggler, and reports its outer steps as rounds of
+    workers under digits_worker.py, with a straggler, and reports its outer steps as rounds of
     the whole world (no groups of one), the consensus distance and the bytes per round."""
     pytest.importorskip("torchft")
     pytest.importorskip("sklearn")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc_per_node=2", os.path.join(REPO, "examples", "train_digits.py"),
+           "--nproc_per_node=2", os.path.join(REPO, "benchmarks", "digits_worker.py"),
            "--strategy", "torchft_diloco", "--outer-every", "4", "--warmup-steps", "3",
            "--hidden", "64", "--batch-size", "16", "--steps", "30", "--eval-every", "0",
            "--straggler", "1:3", "--compute-s", "0.001", "--quiet", "--timeout", "60",
@@ -321,18 +321,18 @@ def test_fast_and_slow_workers_step_rates():
 def test_large_transformer_has_a_million_parameters_and_four_layers():
     """transformer-l's arguments build the model the docs describe (no training)."""
     b = bench()
-    sys.path.insert(0, os.path.join(REPO, "examples"))
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     try:
-        import train_digits
+        import digits_worker
         import workloads
     finally:
         sys.path.pop(0)
-    args = train_digits.parse_args(b.WORKLOADS["transformer-l"]["args"])
+    args = digits_worker.parse_args(b.WORKLOADS["transformer-l"]["args"])
     model = workloads.TinyGPT(args.width, args.layers, args.context)
     assert len(model.blocks) == 4
     assert sum(p.numel() for p in model.parameters()) >= 1_000_000
     # the older, small one is unchanged (its results stay comparable)
-    small = train_digits.parse_args(b.WORKLOADS["transformer"]["args"])
+    small = digits_worker.parse_args(b.WORKLOADS["transformer"]["args"])
     assert (small.width, small.layers) == (64, 2)
 
 

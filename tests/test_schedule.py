@@ -121,3 +121,76 @@ def test_bad_arguments_fail_cleanly():
     assert p.returncode == 2
     p = run_cli("--workers", "4", "--hosts", "1,2", check=False)
     assert p.returncode != 0 and "labels" in p.stderr
+
+
+# ----------------------------------------------------------------------------- flags vs the C CLI
+
+
+def _c_cli(capfd, *args):
+    """ripples-coordinator's own parser (coordinator/cli.c, through _gg.cli_main) on ``args``:
+    (exit status, stdout + stderr). Never a valid --workers nor --status: every call ends in
+    the parser or in the config check, before anything would serve or connect."""
+    assert "--status" not in args
+    assert "--workers" not in args or args[args.index("--workers") + 1:][:1] in ((), ("x",))
+    capfd.readouterr()
+    rc = _gg.cli_main(["ripples-coordinator", *args])
+    out, err = capfd.readouterr()
+    return rc, out + err
+
+
+def test_cli_flags_mirror_the_c_parser(capfd, monkeypatch):
+    """The layout and policy flags ripples_pg.schedule shares with ripples-coordinator
+    (ripples_pg._gg_cli.FLAGS) are the C parser's: the same names, a value where it takes
+    one, the same integer bounds; and every other C flag is listed as coordinator-only, so a
+    flag added to coordinator/cli.c must be placed on one side or the other."""
+    import re
+
+    from ripples_pg import _gg_cli
+
+    monkeypatch.delenv("RIPPLES_COORDINATOR_TOKEN", raising=False)
+    monkeypatch.delenv("RIPPLES_GG_TOKEN", raising=False)
+    rc, usage = _c_cli(capfd, "--help")
+    assert rc == 0 and usage.startswith("usage: ripples-coordinator"), usage
+    c_flags = set(re.findall(r"--[a-z][a-z-]*[a-z]", usage))
+    ours = [f.name for f in _gg_cli.FLAGS]
+    assert len(ours) == len(set(ours)) and not set(ours) & set(_gg_cli.COORDINATOR_ONLY)
+    assert c_flags == set(ours) | set(_gg_cli.COORDINATOR_ONLY), (
+        "coordinator/cli.c's flags and ripples_pg._gg_cli's table differ: "
+        f"only in C {sorted(c_flags - set(ours) - set(_gg_cli.COORDINATOR_ONLY))}, "
+        f"only in Python {sorted(set(ours) | set(_gg_cli.COORDINATOR_ONLY) - c_flags)}")
+    m = re.search(r"Schedules: ([a-z, ]+) \(", usage)
+    assert m and set(m.group(1).split(", ")) == set(_gg_cli.SCHEDULES) == set(_gg.POLICIES)
+
+    for name in _gg_cli.COORDINATOR_ONLY:  # known to the parser, not only to its usage text
+        if name != "--status":
+            assert "unknown argument" not in _c_cli(capfd, name)[1], name
+    rc, text = _c_cli(capfd, "--no-such-flag")
+    assert rc == 2 and "unknown argument '--no-such-flag'" in text
+
+    for f in _gg_cli.FLAGS:
+        if f.kind == "switch":  # takes no value: the next flag is parsed as one
+            rc, text = _c_cli(capfd, f.name, "--c-thres", "x")
+            assert rc == 2 and "--c-thres must be an integer" in text, (f.name, text)
+            continue
+        rc, text = _c_cli(capfd, f.name)
+        assert rc == 2 and f"{f.name} needs a value" in text, (f.name, text)
+        if f.kind == "int":
+            lo, hi = f.bounds
+            rc, text = _c_cli(capfd, f.name, "x")
+            assert rc == 2 and f"{f.name} must be an integer in [{lo}, {hi}]" in text, (
+                f.name, f.bounds, text)
+        else:  # any value parses: refused later only for the missing --workers
+            value = "static" if f.name in ("--schedule", "--policy") else "0"
+            rc, text = _c_cli(capfd, f.name, value)
+            assert rc == 2 and "--workers N is required" in text, (f.name, text)
+
+    # and this command line is built from that table: the same flags, the same bounds
+    import argparse
+
+    p = argparse.ArgumentParser()
+    _gg_cli.add_layout_args(p)
+    _gg_cli.add_policy_args(p, "static")
+    assert [o for a in p._actions for o in a.option_strings if o not in ("-h", "--help")] \
+        == ours
+    lo, hi = next(f.bounds for f in _gg_cli.FLAGS if f.check)
+    assert (lo, hi) == (-1, _gg.MAX_PERIOD)

@@ -20,12 +20,11 @@ import train_config  # noqa: E402
 import train_report  # noqa: E402
 
 
-def _train_digits():
+def _digits_worker():
     spec = importlib.util.spec_from_file_location(
-        "train_digits_mod", os.path.join(REPO, "examples", "train_digits.py"))
+        "digits_worker_mod", os.path.join(REPO, "benchmarks", "digits_worker.py"))
     mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, os.path.join(REPO, "examples"))
-    spec.loader.exec_module(mod)
+    spec.loader.exec_module(mod)  # its workloads and snapshots: benchmarks/, on sys.path
     return mod
 
 
@@ -65,7 +64,7 @@ def test_factors_follow_the_columns_used(tmp_path):
     # more workers than columns: column w mod 3
     assert trace_replay.factors(str(p), 4)[0] == [2.0, 4.0, 1.0, 2.0]
     # the training script reads a table the same way
-    td = _train_digits()
+    td = _digits_worker()
     for name in ("bytedance-se", "alibaba-job4"):
         for n in (4, 8, 16):
             path = trace_replay.trace_path(name)
@@ -83,7 +82,7 @@ def test_bad_tables_are_refused_by_both_readers(tmp_path, text, message):
     p.write_text(text)
     with pytest.raises(ValueError, match=message):
         trace_replay.read_table(str(p))
-    td = _train_digits()
+    td = _digits_worker()
     with pytest.raises(SystemExit, match=message.split()[0]):
         td.load_trace(str(p), 2)
     with pytest.raises(ValueError, match="unknown trace"):
@@ -150,7 +149,7 @@ def test_replay_applies_its_factors(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(REPO, "examples", "train_digits.py"), "--strategy", "allreduce",
+           os.path.join(REPO, "benchmarks", "digits_worker.py"), "--strategy", "allreduce",
            "--backend", "gloo", "--hidden", "32", "--batch-size", "16", "--steps", "10",
            "--eval-every", "0", "--straggler", f"trace:{table}", "--step-s", str(unit),
            "--compute-s", "0.001", "--log-steps", "--log-dir", str(tmp_path), "--quiet",

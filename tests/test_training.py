@@ -1,6 +1,6 @@
-"""Training with ripples_pg.wrap(): the digits example reaches a stated test accuracy under the
-static, random and smart schedules; wrap()'s checkpoint round-trip; wrap()'s misuse errors;
-and the example's command line under torchrun."""
+"""Training with ripples_pg.wrap(): the benchmark's digits worker (benchmarks/digits_worker.py)
+reaches a stated test accuracy under the static, random and smart schedules; wrap()'s
+checkpoint round-trip; wrap()'s misuse errors; and the worker's command line under torchrun."""
 import functools
 import json
 import os
@@ -18,7 +18,7 @@ import _dist
 
 WS = 4
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
+BENCHMARKS = os.path.join(ROOT, "benchmarks")  # the worker: digits_worker.py
 
 # The accuracy every schedule must reach on the held-out 20 % of digits (360 images) after
 # 300 steps of batch 32 per worker (4 workers), 30 of them warm-up. A single model trained
@@ -31,19 +31,19 @@ def ws():
     return WS
 
 
-def _example():
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import train_digits
+def _worker():
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
+    import digits_worker
 
-    return train_digits
+    return digits_worker
 
 
 # ----------------------------------------------------------------------------- tasks
 
 
 def task_train_digits(ctx, schedule):
-    td = _example()
+    td = _worker()
     args = td.parse_args(["--strategy", "ripples", "--schedule", schedule, "--steps", "300",
                           "--warmup-steps", "30", "--hidden", "64", "--eval-every", "100",
                           "--target-acc", str(TARGET_ACC), "--quiet", "--seed", "1"])
@@ -53,7 +53,7 @@ def task_train_digits(ctx, schedule):
 def task_straggler_stops_on_time(ctx, limit_s):
     """The short5-50ms benchmark at a smaller size: every worker pauses 50 ms after a step, the
     last rank 250 ms, wrap()'s default warm-up (50 steps, ended early for the straggler)."""
-    td = _example()
+    td = _worker()
     args = td.parse_args(["--strategy", "ripples", "--schedule", "smart", "--steps", "1000000",
                           "--time-limit", str(limit_s), "--eval-every", "0", "--hidden", "64",
                           "--straggler", f"{WS - 1}:5", "--pause-s", "0.05", "--step-s", "0.05",
@@ -65,7 +65,7 @@ def task_torch_local_sgd(ctx, strategy):
     """torch's own post-local / hierarchical SGD on a default group of backend "ripples":
     DDP's gradient all-reduce during warm-up, then PeriodicModelAverager or
     HierarchicalModelAverager (whose subgroups come from new_subgroups on this backend)."""
-    td = _example()
+    td = _worker()
     args = td.parse_args(["--strategy", strategy, "--steps", "300", "--warmup-steps", "30",
                           "--local-period", "4", "--hier-levels", "2:2,8:W", "--hidden", "64",
                           "--eval-every", "100", "--target-acc", str(TARGET_ACC), "--quiet",
@@ -177,7 +177,7 @@ def test_wrap_trains_digits(pool, schedule):
 
 
 def test_straggler_stops_with_the_others_after_an_early_warmup_end(pool):
-    """wrap() ends warm-up after step 4 for a 5x straggler; the example's stop rule must follow
+    """wrap() ends warm-up after step 4 for a 5x straggler; the worker's stop rule must follow
     it. It waited for the configured 50 steps instead: at 250 ms steps the straggler trained
     on alone for seconds after the others stopped at the time limit, every round a group of
     one (the short5-50ms benchmark: 13-14 in a row, all after the fast workers had left)."""
@@ -203,8 +203,8 @@ def test_torch_local_and_hierarchical_sgd_on_ripples(pool, strategy):
 
 
 def test_example_option_checks():
-    """The example's parsing of --hier-levels and its rule for where all workers meet."""
-    td = _example()
+    """The worker's parsing of --hier-levels and its rule for where all workers meet."""
+    td = _worker()
     assert dict(td.parse_hier_levels("2:2,8:W", 4)) == {2: 2, 8: 4}
     assert dict(td.parse_hier_levels("4:4", 4)) == {4: 4}
     for bad, why in [("2-2", "expected"), ("8:2,2:4", "ascending"), ("2:3,8:W", "divide"),
@@ -237,9 +237,10 @@ def test_wrap_misuse_errors(pool):
 
 @pytest.mark.slow
 def test_example_cli_under_torchrun(tmp_path):
-    """The example as users run it: torchrun, 2 workers, a random 3x straggler."""
+    """The worker as the benchmark and the demo run it: torchrun, 2 workers, a random 3x
+    straggler."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--standalone", os.path.join(EXAMPLES, "train_digits.py"),
+           "--standalone", os.path.join(BENCHMARKS, "digits_worker.py"),
            "--strategy", "ripples", "--schedule", "smart", "--straggler", "p:3",
            "--steps", "150", "--warmup-steps", "20", "--hidden", "64", "--quiet",
            "--log-dir", str(tmp_path)]

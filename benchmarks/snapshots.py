@@ -19,7 +19,7 @@ fraction of a millisecond, left out of the clock like an evaluation), and after 
   * the average models are evaluated round-robin over the ranks (each a different k), each
     worker's own model on that worker.
 
-Every rank then writes one "snapshot" record per k (see train_digits.py's docstring).
+Every rank then writes one "snapshot" record per k (see digits_worker.py's docstring).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The data and models of examples/train_digits.py (--workload), all without a download.
+"""The data and models of benchmarks/digits_worker.py (--workload), all without a download.
 
   digits       scikit-learn's 8x8 digits (1797 images, 10 classes); an MLP (--model mlp,
                --hidden) or a small plain CNN (--model cnn)
