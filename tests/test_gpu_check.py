@@ -1,5 +1,5 @@
-"""The rehearsal of the GPU check (issue 29): scripts/gpu-check.sh --cpu-dry-run --quick runs
-every step of the one-command check with CPU tensors (staged through the staging thread by
+"""The rehearsal of the GPU check (issue 29): scripts/gpu-check.sh --cpu-dry-run --quick (the
+wrapper that runs scripts/gpu_check.py under $PYTHON) runs every step of the one-command check with CPU tensors (staged through the staging thread by
 RIPPLES_DEBUG_STAGE_CPU=1), so its plumbing is tested here, where no GPU is: the steps run in
 order, the report and the files the device tool brings back are written; a failed measurement
 step (tests, bench, train) is reported and the later ones still run, and a failed prerequisite
@@ -106,3 +106,14 @@ def test_unknown_options_and_steps_are_refused(tmp_path):
     assert r.returncode == 2 and "unknown step bogus" in r.stderr
     r = _run(tmp_path, "--frobnicate")
     assert r.returncode == 2 and "unknown option --frobnicate" in r.stderr
+
+
+def test_the_wrapper_and_the_program_share_options(tmp_path):
+    # every caller runs the bash wrapper; the Python program it execs answers the same way
+    e = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run(["bash", SCRIPT, "--help"], cwd=str(tmp_path), env=e,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--cpu-dry-run" in r.stdout and "GPU_CHECK_BUDGET" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--only",
+                        "bench,bogus"], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown step bogus" in r.stderr
