@@ -503,6 +503,7 @@ static rpl_status reduce_group(rpl_partial *p, rpl_run *run, const rpl_op_desc *
      * mismatch is detected after complete messages, so those connections stay usable. */
     rpl_reset_peers(run);
   }
+  p->fault_run = NULL; /* the run lives on the caller's stack: never kept past its round */
   return st;
 }
 

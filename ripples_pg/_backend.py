@@ -159,8 +159,8 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     # secret when there is one; the core seals its own records (docs/security.md).
     records = _records.SealedStore(store, opts.job_secret, job_id)
     host_of, host_names = _exchange_hosts(records, rank, size, host_label)
-    endpoint, token = _group_coordinators.find(records, rank, size, opts, host_of, timeout_s, bind_addr,
-                                        job_id=job_id, host_names=host_names)
+    endpoint, token = _group_coordinators.find(records, rank, size, opts, host_of, timeout_s,
+                                               bind_addr, job_id=job_id, host_names=host_names)
     config = opts._core_config(
         _C.Config(),
         timeout_s=float(timeout_s),

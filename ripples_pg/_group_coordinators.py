@@ -91,9 +91,8 @@ def _stop_embedded() -> None:
 MAX_STANDBY_COORDINATORS = 2
 
 
-def find(store: Any, rank: int, size: int, opts: Options, host_of: list,
-                      timeout_s: float, advertise_host: str, job_id: str = "",
-                      host_names: Optional[list] = None):
+def find(store: Any, rank: int, size: int, opts: Options, host_of: list, timeout_s: float,
+         advertise_host: str, job_id: str = "", host_names: Optional[list] = None):
     """(endpoints, token) of the coordinator of this group; ("", "") for the static schedule.
     Embedded: "primary,standby1,..." -- the failover order the workers' clients follow. The
     embedded and standby coordinators bind ``opts.coordinator_bind``, by default

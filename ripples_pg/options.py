@@ -341,6 +341,7 @@ _CONFIG_FROM_OPTIONS: dict[str, Callable[["Options"], Any]] = {
     "stage_chunk_bytes": lambda o: int(o.stage_chunk_bytes),
 }
 
+
 class Options:
     """Options of a ``ripples`` process group (``pg_options=`` of ``init_process_group`` /
     ``new_group``).

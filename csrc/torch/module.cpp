@@ -48,8 +48,8 @@ py::list listOf(const T* values, int n) {
 
 using PG = ripples::ProcessGroupRipples;
 
-// Every key is the core's field name (ripples.h, rpl_comm_counters), plus the shim's own
-// staging counters.
+// Every key is the core's field name (ripples.h, rpl_comm_counters), plus what the shim
+// knows: each peer's path and its staging counters.
 py::dict countersDict(const PG& pg) {
   rpl_comm_counters c;
   {
