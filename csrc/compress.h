@@ -26,8 +26,6 @@
 
 #define RPL_CQ_BLOCK 128
 
-const char *rpl_compress_name(rpl_compress mode); /* "none", "bf16", "fp16", "int8"; "?" */
-
 /* Bytes of the encoding of n floats (0 for n == 0 or an unknown mode). */
 size_t rpl_cq_size(rpl_compress mode, size_t n);
 

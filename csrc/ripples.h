@@ -289,6 +289,7 @@ typedef enum {
   RPL_COMPRESS_INT8 = 3, /* blockwise absmax, one float32 scale per 128 elements */
   RPL_COMPRESS_COUNT = 4
 } rpl_compress;
+const char *rpl_compress_name(rpl_compress mode); /* "none", "bf16", "fp16", "int8"; "?" */
 
 typedef struct rpl_partial_config {
   const char *schedule;      /* "static", "random", "smart" or "adpsgd" */

@@ -8,10 +8,6 @@
 
 #include <cstring>
 
-extern "C" {
-#include "compress.h"  // rpl_compress_name
-}
-
 namespace py = pybind11;
 
 namespace ripples {
@@ -26,7 +22,7 @@ const char* orNull(const std::string& s) {
   return s.empty() ? nullptr : s.c_str();
 }
 
-// The rpl_compress of a compression name (compress.c names them); -1 if none.
+// The rpl_compress of a compression name (rpl_compress_name, ripples.h); -1 if none.
 int compressionMode(const std::string& name) {
   for (int i = 0; i < RPL_COMPRESS_COUNT; i++) {
     if (name == rpl_compress_name(static_cast<rpl_compress>(i))) {
