@@ -161,8 +161,18 @@ def _worker(scenario, out_dir):
                 return {"optimizer": opt,
                         "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
+        class LastStep(pl.Callback):
+            """The job step this rank read at its last step, when Lightning had just stepped
+            the scheduler (the clock moves only at this rank's own steps). The job step read
+            after the fit is larger by the steps the others took after that: up to two
+            batches each (the one in hand and the one their loader had fetched ahead)."""
+
+            def on_train_batch_end(self, trainer, *args):
+                result["last_seen"] = trainer.strategy.job_step
+
         strategy = rl.RipplesStrategy(**strategy_kw)
-        trainer = pl.Trainer(strategy=strategy, max_epochs=2, callbacks=[Pace("fit0")],
+        trainer = pl.Trainer(strategy=strategy, max_epochs=2,
+                             callbacks=[Pace("fit0"), LastStep()],
                              enable_checkpointing=False, **common)
         fits = []
         for k in range(2):
@@ -176,7 +186,9 @@ def _worker(scenario, out_dir):
             fits.append({"estimated": model.estimated,
                          "sched_last_epoch": cfg.scheduler.last_epoch,
                          "job_step": strategy.job_step, "global_step": trainer.global_step,
-                         "total_steps": cfg.scheduler.total_steps})
+                         "total_steps": cfg.scheduler.total_steps,
+                         "last_seen": result.pop("last_seen"),
+                         "job_base": cfg.scheduler._job_base})
         result["fits"] = fits
     elif scenario == "misuse":
         errors = {}
@@ -289,9 +301,12 @@ def test_refit_and_a_step_scheduler_sized_by_the_estimate(tmp_path):
             # DDP's estimate: the shard's 13 batches (600 / 3 / 16) per epoch, 2 then 4 epochs
             total = 26 * (k + 1)
             assert fit["estimated"] == fit["total_steps"] == total, fit
-            # the fit's new scheduler took one step per job step of that fit (capped at its
-            # total; read at this rank's last step, the others may have stepped once more)
-            assert 0 <= min(fit["job_step"] - start, total) - fit["sched_last_epoch"] <= 1, fit
+            # the fit's new scheduler starts at the job step where the last fit ended and
+            # takes one step per job step (capped at its total), as read at this rank's last
+            # step; the others may step after that, never before
+            assert fit["job_base"] == start, fit
+            assert fit["sched_last_epoch"] == min(fit["last_seen"] - start, total), fit
+            assert start < fit["last_seen"] <= fit["job_step"], fit
             start = fit["job_step"]
         assert r["fits"][1]["job_step"] > r["fits"][0]["job_step"], r  # it went on
     def own(r, k):  # this rank's steps in fit k (global_step goes on across fits)
