@@ -20,9 +20,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DiLoCoAverager", "DistributedSampler", "JobClock", "JobLRScheduler", "Options",
-    "RipplesAverager", "RipplesOptimizer", "__version__", "exact", "follow_job", "has_ucx",
-    "hooks", "host_of", "is_registered", "partial", "partial_all_reduce", "pick_bind_addr",
-    "register", "stats", "trace", "wrap",
+    "RipplesAverager", "RipplesOptimizer", "__version__", "checkpoint", "exact", "follow_job",
+    "has_ucx", "hooks", "host_of", "is_registered", "partial", "partial_all_reduce",
+    "pick_bind_addr", "register", "stats", "trace", "wrap",
 ]
 
 # The training integration imports torch's optimizers and averagers; load it on first use so
@@ -38,6 +38,7 @@ _LAZY = {
     "JobLRScheduler": ("lr", "JobLRScheduler"),
     "follow_job": ("lr", "follow_job"),
     "hooks": ("hooks", None),
+    "checkpoint": ("checkpoint", None),
 }
 
 

@@ -85,12 +85,15 @@ CELLS = [
      "`average_optimizer_state`, and safetensors dropped tensors); `unwrap()` gives the "
      "parameters their own storage back",
      ["test_optimizer_compat.py::test_state_dict_tensors_own_their_storage"]),
-    ("`torch.distributed.checkpoint` (`get_optimizer_state_dict`)", PARTLY,
-     "keeps only the inner optimizer's `state` and `param_groups`: save "
-     "`opt.state_dict()[\"ripples\"]` beside it and load it with "
-     "`opt.load_state_dict({\"ripples\": ...})` "
+    ("`torch.distributed.checkpoint`", WORKS,
+     "with `ripples_pg.checkpoint.TrainingState(model, opt)` in the state: the model, the "
+     "optimizer and Ripples' part, one consensus model (averaged before the save), loaded in "
+     "the order that works; a script keeping `get_optimizer_state_dict` (which drops Ripples' "
+     "part) saves `opt.state_dict()[\"ripples\"]` beside it "
      "([fault-tolerance.md](fault-tolerance.md#what-the-script-must-do))",
-     ["test_optimizer_compat.py::test_dcp_recipe_keeps_ripples_state"]),
+     ["test_optimizer_compat.py::test_dcp_training_state",
+      "test_optimizer_compat.py::test_training_state_refuses_what_it_cannot_save_or_load",
+      "test_optimizer_compat.py::test_dcp_recipe_keeps_ripples_state"]),
     ("evaluating or saving a consensus model mid-run", WORKS,
      "`opt.average_replicas()` on every rank (an exact average of parameters, buffers and "
      "optimizer state); partial training goes on after it",

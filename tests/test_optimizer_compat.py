@@ -136,6 +136,106 @@ def task_dcp_keeps_ripples_state(ctx):
     return "ok"
 
 
+def _flat(module):
+    return torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()])
+
+
+def task_dcp_training_state(ctx, ckpt_dir):
+    """ripples_pg.checkpoint.TrainingState through a real dcp.save / dcp.load: one consensus
+    model, the inner optimizer's state, the averager's step and the job clock come back in a
+    fresh wrap(), and neither save nor load counts a step."""
+    import torch.distributed.checkpoint as dcp
+
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    model, opt = _setup(ctx, warmup_steps=3)
+    _train(ctx, model, opt, 5)
+    with torch.no_grad():  # replicas that differ, as partial averaging leaves them
+        for p in model.parameters():
+            p.add_(0.01 * ctx.rank)
+    state = ripples_pg.checkpoint.TrainingState(model, opt)
+    step, job = opt.averager.step, opt.job_step
+    dcp.save({"app": state}, checkpoint_id=ckpt_dir)
+    chk.true(opt.averager.step == step and opt.job_step == job, "saving counts no step",
+             f"{opt.averager.step} {opt.job_step}")
+    saved = _flat(model.module)  # averaged before the save: the same on every rank
+    parts = [torch.empty_like(saved) for _ in range(ctx.ws)]
+    dist.all_gather(parts, saved)
+    chk.true(all(torch.equal(parts[0], p) for p in parts), "one consensus model was saved")
+    moments = {k: v["exp_avg"].clone() for k, v in opt.optim.state_dict()["state"].items()}
+
+    # a fresh incarnation: a new model (other initial values) and wrap(), then dcp.load
+    torch.manual_seed(1 + ctx.rank)
+    model2 = DDP(nn.Linear(6, 3))
+    opt2 = ripples_pg.wrap(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2),
+                           schedule="static", group_size=2, warmup_steps=3,
+                           timeout=ctx.pg_timeout)
+    dcp.load({"app": ripples_pg.checkpoint.TrainingState(model2, opt2)},
+             checkpoint_id=ckpt_dir)
+    chk.true(torch.equal(_flat(model2.module), saved), "the model is the saved one")
+    chk.true(opt2.averager.step == step == 5 and opt2.job_step == job,
+             "the averager's step and the job step are back",
+             f"{opt2.averager.step} {step} {opt2.job_step} {job}")
+    inner = opt2.optim.state_dict()["state"]
+    chk.true(all(torch.allclose(inner[k]["exp_avg"], moments[k]) and int(inner[k]["step"]) == 5
+                 for k in moments), "the inner optimizer's state is the saved one",
+             str({k: int(v["step"]) for k, v in inner.items()}))
+    _train(ctx, model2, opt2, 1, start=5)
+    chk.true(opt2.hook_state.step == 6 and not opt2.hook_state.in_warmup,
+             "warm-up was not repeated", str(opt2.hook_state.step))
+    chk.true(opt2.job_step >= job, "the job clock goes on from the saved step",
+             f"{opt2.job_step} {job}")
+    chk.finish()
+    return "ok"
+
+
+def task_training_state_refusals(ctx):
+    import ripples_pg
+    from ripples_pg.checkpoint import TrainingState
+
+    model, opt = _setup(ctx)
+    errors = {}
+    for name, make in {"plain optimizer": lambda: TrainingState(model, opt.optim),
+                       "plain module": lambda: TrainingState(model.module, opt),
+                       "other model": lambda: TrainingState(DDP(nn.Linear(6, 3)), opt),
+                       "average type": lambda: TrainingState(model, opt, average=1)}.items():
+        try:
+            make()
+            errors[name] = None
+        except (TypeError, ValueError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    state = TrainingState(model, opt)
+    for name, sd in {"no ripples": {"model": {}, "optim": {}},
+                     "not bytes": {"model": {}, "optim": {}, "ripples": {"step": 1}},
+                     "garbage": {"model": {}, "optim": {}, "ripples": b"xx"}}.items():
+        try:
+            state.load_state_dict(sd)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    del ripples_pg
+    return errors
+
+
+def test_dcp_training_state(pool, tmp_path):
+    pool.run(task_dcp_training_state, str(tmp_path / "ckpt"))
+
+
+def test_training_state_refuses_what_it_cannot_save_or_load(pool):
+    errors = pool.run(task_training_state_refusals)[0]
+    assert errors["plain optimizer"].startswith("TypeError") and "wrap()" in \
+        errors["plain optimizer"], errors
+    assert errors["plain module"].startswith("TypeError") and "DistributedDataParallel" in \
+        errors["plain module"], errors
+    assert errors["other model"].startswith("ValueError") and "not the DDP model" in \
+        errors["other model"], errors
+    assert errors["average type"].startswith("TypeError"), errors
+    assert "no ['ripples']" in errors["no ripples"], errors
+    assert "not what TrainingState saves" in errors["not bytes"], errors
+    assert "cannot be read" in errors["garbage"], errors
+
+
 def test_step_hooks(pool):
     pool.run(task_step_hooks)
 

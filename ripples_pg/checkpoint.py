@@ -1,0 +1,139 @@
+"""``torch.distributed.checkpoint`` (DCP) with Ripples: one ``Stateful`` for a training job.
+
+DCP's own helpers do not see Ripples' state: ``get_optimizer_state_dict`` keeps only the inner
+optimizer's ``"state"`` and ``"param_groups"``, so the averager's step (warm-up, the phase of
+periodic levels) and the job clock would be lost. :class:`TrainingState` holds the DDP model,
+the optimizer :func:`ripples_pg.wrap` returned and Ripples' part, and loads them in the order
+that works::
+
+    state = {"app": ripples_pg.checkpoint.TrainingState(ddp_model, opt)}
+    dcp.save(state, checkpoint_id=CKPT_DIR)      # every rank
+    ...
+    dcp.load(state, checkpoint_id=CKPT_DIR)      # every rank, after wrap()
+
+Every rank calls ``dcp.save`` and ``dcp.load`` (they are collectives already). DCP writes one
+copy of a value that every rank saves under the same key; under partial averaging the replicas
+differ slightly, so by default ``state_dict()`` first averages them exactly
+(``optimizer.average_replicas()``): the checkpoint is one consensus model, not a mix of
+tensors from different ranks. Ripples' part is one rank's (DCP keeps one copy), and every rank
+loads the same one, as with a ``torch.save`` checkpoint written by rank 0.
+"""
+from __future__ import annotations
+
+import io
+from typing import Any, Dict
+
+import torch
+
+__all__ = ["TrainingState"]
+
+_FORMAT = 1  # the layout of Ripples' part below; a newer one is refused, not misread
+
+
+def _encode(part: Dict[str, Any]) -> bytes:
+    # One opaque leaf: DCP flattens nested dicts into one key per leaf and loads only the keys
+    # the fresh state has, so counters a fresh optimizer has not seen yet would be dropped.
+    buf = io.BytesIO()
+    torch.save({"format": _FORMAT, "ripples": part}, buf)
+    return buf.getvalue()
+
+
+def _decode(blob: Any) -> Dict[str, Any]:
+    if not isinstance(blob, (bytes, bytearray)):
+        raise ValueError(f"ripples_pg.checkpoint: the checkpoint's 'ripples' entry is a "
+                         f"{type(blob).__name__}, not what TrainingState saves (bytes); was it "
+                         f"saved by ripples_pg.checkpoint.TrainingState?")
+    try:
+        doc = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable blob is the same user error
+        raise ValueError(f"ripples_pg.checkpoint: the checkpoint's 'ripples' entry cannot be "
+                         f"read ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("ripples"), dict):
+        raise ValueError("ripples_pg.checkpoint: the checkpoint's 'ripples' entry is not "
+                         "Ripples' state")
+    if doc.get("format") != _FORMAT:
+        raise ValueError(f"ripples_pg.checkpoint: the checkpoint's Ripples state has format "
+                         f"{doc.get('format')!r}; this version reads format {_FORMAT} (saved "
+                         f"by a newer ripples_pg?)")
+    return doc["ripples"]
+
+
+class TrainingState:
+    """A DCP ``Stateful`` of a Ripples training job: the DDP model, the optimizer
+    :func:`ripples_pg.wrap` returned (in DCP's own formats, ``get_model_state_dict`` and
+    ``get_optimizer_state_dict``) and Ripples' part of the optimizer's state (the averager's
+    step, warm-up and levels, the job clock).
+
+    Args:
+        model: the ``DistributedDataParallel`` model given to ``wrap()``.
+        optimizer: what ``wrap()`` returned.
+        average: average the replicas exactly before saving (default), so that the
+            checkpoint is one consensus model. It is a collective: every rank calls
+            ``dcp.save`` (and ``dcp.load``, which reads this object's state first) at the same
+            point. Off, DCP keeps each tensor of one rank or another.
+        strict: passed to ``set_model_state_dict``: every key of the model must be in the
+            checkpoint.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, *, average: bool = True,
+                 strict: bool = True):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from ._wrap import RipplesOptimizer
+
+        if not isinstance(optimizer, RipplesOptimizer):
+            raise TypeError(f"ripples_pg.checkpoint.TrainingState: optimizer must be what "
+                            f"ripples_pg.wrap() returned, got {type(optimizer).__name__}")
+        inner = getattr(model, "_orig_mod", model)  # torch.compile'd DDP
+        if not isinstance(inner, DDP):
+            raise TypeError(f"ripples_pg.checkpoint.TrainingState: model must be the "
+                            f"DistributedDataParallel model given to wrap(), got "
+                            f"{type(model).__name__}")
+        wrapped = getattr(optimizer.hook_state, "ddp_model", None)
+        if wrapped is not None and wrapped is not inner:
+            raise ValueError("ripples_pg.checkpoint.TrainingState: model is not the DDP model "
+                             "this optimizer was wrapped with")
+        for name, value in (("average", average), ("strict", strict)):
+            if not isinstance(value, bool):
+                raise TypeError(f"ripples_pg.checkpoint.TrainingState: {name} must be a bool, "
+                                f"got {value!r}")
+        self.model = model
+        self.optimizer = optimizer
+        self.average = average
+        self.strict = strict
+
+    def state_dict(self) -> Dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        opt = self.optimizer
+        if self.average and not opt.unwrapped:
+            opt.average_replicas()
+        # DCP's helpers get the inner optimizer (same parameters and state): on a fresh one
+        # they take a step with zero gradients to create its state (torch's
+        # _init_optim_state), which on the wrapped optimizer would also count on the averager
+        # and the job clock
+        return {"model": get_model_state_dict(self.model),
+                "optim": get_optimizer_state_dict(self.model, opt.optim),
+                "ripples": _encode(opt.state_dict()["ripples"])}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        missing = [k for k in ("model", "optim", "ripples") if k not in state_dict]
+        if missing:
+            raise ValueError(f"ripples_pg.checkpoint.TrainingState: the state has no "
+                             f"{missing}; it was not saved by TrainingState")
+        part = _decode(state_dict["ripples"])
+        set_model_state_dict(self.model, state_dict["model"],
+                             options=StateDictOptions(strict=self.strict))
+        set_optimizer_state_dict(self.model, self.optimizer.optim, state_dict["optim"])
+        # a dict holding only "ripples" restores the averager and the job clock and leaves the
+        # inner optimizer as DCP set it
+        self.optimizer.load_state_dict({"ripples": part})
+
+    def __repr__(self) -> str:
+        return (f"ripples_pg.checkpoint.TrainingState(average={self.average}, "
+                f"strict={self.strict})")
