@@ -754,6 +754,26 @@ int rpl_shm_can_read(const rpl_shm *s, int peer) {
          s->peer_pid[peer] > 0;
 }
 
+/* A single-copy read of `peer`'s buffer failed with errno `e`. A peer that gave up first (an
+ * error of its own, e.g. a third rank's death) left its cause in its segment before it exited
+ * or let go of the buffer: that cause is the one to report, not the peer's own exit. */
+static rpl_status read_failed(const rpl_shm *s, int peer, int e, rpl_error *err) {
+  char why[CAUSE_LEN];
+  int origin;
+  const char *text;
+  read_cause(hdr(s->peer[peer]), why, sizeof why);
+  (void)rpl_cause_split(why, &origin, &text);
+  if (e == ESRCH || rpl_shm_peer_dead(s, peer))
+    return rpl_fail(err, RPL_ERR_PEER, "rank %d (pid %u on this host) exited or was killed "
+                    "while this rank read its buffer%s%s", peer, hdr(s->peer[peer])->pid,
+                    text[0] ? ", after an error of its own: " : "", text);
+  if (text[0])
+    return rpl_fail(err, RPL_ERR_PEER, "rank %d gave up on an exchange with this rank (single "
+                    "copy) after an error of its own: %s", peer, text);
+  return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot read rank %d's buffer (single copy)",
+                        peer);
+}
+
 rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *local,
                              size_t len, rpl_error *err) {
   unsigned char *dst = local;
@@ -768,11 +788,7 @@ rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *
     }
     int e = got == 0 ? EFAULT : errno;
     if (e == EINTR) continue;
-    if (e == ESRCH || rpl_shm_peer_dead(s, peer))
-      return rpl_fail(err, RPL_ERR_PEER, "rank %d (pid %u on this host) exited or was killed "
-                      "while this rank read its buffer", peer, hdr(s->peer[peer])->pid);
-    return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot read rank %d's buffer (single copy)",
-                          peer);
+    return read_failed(s, peer, e, err);
   }
   return RPL_OK;
 }

@@ -239,6 +239,42 @@ static void zombie_is_dead(int victim) {
   kill_all(&child, 1);
 }
 
+static void rank_with_cause(int rank, void *arg) {
+  (void)arg;
+  node nd;
+  if (!node_up(&nd, rank, 2, ONE_HOST)) _exit(1);
+  rpl_shm_set_cause(nd.shm, "7|2|rank 2 (pid 99) exited or was killed");
+  if (!barrier(2)) _exit(1); /* the cause is set */
+  if (!barrier(2)) _exit(1); /* the peer read while this rank lived */
+}
+
+/* A peer that gave up after an error of its own (a third rank's death) and then exited, or let
+ * go of its buffer, while this rank read that buffer (single copy): the error names the first
+ * cause, not only the peer. */
+static void test_read_names_first_cause(void) {
+  new_board();
+  pid_t child = spawn(rank_with_cause, 1, NULL);
+  node nd;
+  int up = node_up(&nd, 0, 2, ONE_HOST) && barrier(2);
+  if (!came_up(up, &child, 1, "read cause")) return;
+  unsigned char buf[16];
+  rpl_error err;
+  CHECK(rpl_shm_can_read(nd.shm, 1), "read cause: no single-copy path to the peer");
+  /* alive, its buffer gone (an address it never mapped) */
+  rpl_status st = rpl_shm_read_peer(nd.shm, 1, 4096, buf, sizeof buf, &err);
+  CHECK(st == RPL_ERR_PEER && names_rank(err.msg, 1) && names_rank(err.msg, 2) &&
+            strstr(err.msg, "after an error of its own"),
+        "read cause (live peer): %s '%s'", rpl_status_name(st), err.msg);
+  CHECK(barrier(2), "read cause: the peer did not arrive");
+  CHECK(wait_zombie(child), "read cause: waitid(WNOWAIT) failed");
+  st = rpl_shm_read_peer(nd.shm, 1, 4096, buf, sizeof buf, &err);
+  CHECK(st == RPL_ERR_PEER && names_rank(err.msg, 1) && names_rank(err.msg, 2) &&
+            strstr(err.msg, "exited or was killed while this rank read its buffer"),
+        "read cause (exited peer): %s '%s'", rpl_status_name(st), err.msg);
+  rpl_tr_destroy(nd.tr);
+  kill_all(&child, 1);
+}
+
 static void test_zombie_is_dead(void) { zombie_is_dead(1); }
 static void test_dead_anchor(void) { zombie_is_dead(0); }
 
@@ -563,6 +599,7 @@ int main(void) {
   } tests[] = {
       {"a killed, unreaped peer (zombie) is dead", test_zombie_is_dead},
       {"the same, when it held the shared lock file", test_dead_anchor},
+      {"a failed single-copy read names the peer's first cause", test_read_names_first_cause},
       {"ranks of one process are never dead", test_same_process_never_dead},
       {"a broken ring pair is rebuilt", test_broken_pair_is_rebuilt},
       {"a creator locks its own segment", test_own_segment_locked},
