@@ -117,15 +117,21 @@ def task_wrap_training(ctx, bn, slow_rank, factor, seconds, step_s, period_max=N
         t += [b.detach().reshape(-1).double() for b in m.buffers() if b.is_floating_point()]
         return torch.cat([v.double() for v in t])
 
-    sleep = step_s * (factor if ctx.rank == slow_rank else 1.0)
+    # The slow rank's whole step lasts `factor` times a fast one's: it also pauses for
+    # (factor - 1) times its own work. Load on an oversubscribed machine adds the same work
+    # to every step, which would pull a ratio of pauses alone towards 1.
+    slow = ctx.rank == slow_rank and factor != 1.0
     steps, start = 0, None
     dist0 = None
     shadow = shadow_opt = None
     while True:
         i = (steps * 32) % 512
+        t0 = time.monotonic()
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x[i:i + 32]), y[i:i + 32]).backward()
         opt.step()
+        work = time.monotonic() - t0
+        sleep = factor * step_s + (factor - 1) * work if slow else step_s
         if shadow is not None:
             shadow_opt.zero_grad()
             torch.nn.functional.cross_entropy(shadow(x[i:i + 32]), y[i:i + 32]).backward()

@@ -3,8 +3,9 @@ steps last a few milliseconds, one pausing 5x as long, under wrap()'s smart defa
 same wall time. The previous policy could settle, by chance, into all four running at the
 straggler's pace with no groups of one; the speed-aware Group Generator must not.
 
-The assertion is a ratio of step counts within one run (behaviour), not a time: the pauses are
-sleeps, so an oversubscribed machine stretches every worker alike. Which state the previous
+The assertion is a ratio of step counts within one run (behaviour), not a time: the
+straggler's whole step (its pause and its work) lasts 5x a fast one's, so the load of an
+oversubscribed machine, which adds work to every step, stretches every worker alike. Which state the previous
 policy landed in was chance (it did not lock in three runs of this test here); the test that
 reproduces the lockstep deterministically and shows it gone is the simulator's,
 benchmarks/gg_sim_lockstep.py --check (ctest gg_sim_lockstep)."""
@@ -36,11 +37,15 @@ def task_short_steps(ctx, pause_s, seconds):
     dist.barrier(group=ctx.ref)  # a common start; the loops then run for the same wall time
     steps, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
+        t0 = time.monotonic()
         x = torch.randn(16, 32, generator=g)
         wrapped.zero_grad()
         model(x).square().mean().backward()
         wrapped.step()
-        time.sleep(pause_s * (5 if ctx.rank == SLOW else 1))
+        work = time.monotonic() - t0
+        # the straggler's whole step lasts 5x a fast one's (pause and work): load adds the
+        # same work to every step, which would pull a ratio of pauses alone towards 1
+        time.sleep(5 * pause_s + 4 * work if ctx.rank == SLOW else pause_s)
         steps += 1
     st = ripples_pg.stats(wrapped.group)
     wrapped.unwrap()
