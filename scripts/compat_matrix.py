@@ -120,6 +120,16 @@ CELLS = [
      "([huggingface.md](huggingface.md))",
      ["test_hf_trainer.py::test_trainer_straggler_job_budget_points_and_resume",
       "test_hf_trainer.py::test_construction_refuses_what_would_break"]),
+    ("under `RipplesTrainer`: `load_best_model_at_end` with `save_total_limit`, `bf16`", WORKS,
+     "every rank evaluates the averaged model at the same job-step points, so all pick the "
+     "same best checkpoint and end with its weights; the rotation keeps it; bf16 autocast "
+     "trains as usual (CPU tested)",
+     ["test_hf_trainer.py::test_trainer_load_best_model_at_end_and_bf16"]),
+    ("under `RipplesTrainer`: `torch_compile=True`", WORKS,
+     "Accelerate compiles the DDP model (`torch.compile(ddp)`); `RipplesTrainer` wraps the DDP "
+     "model inside it (on CPU with torch 2.13 Dynamo breaks the graph in DDP's forward, see "
+     "`torch.compile(ddp_model)` above)",
+     ["test_hf_trainer.py::test_trainer_torch_compile"]),
     ("under `RipplesTrainer`: `ddp_find_unused_parameters=True`, "
      "`include_num_input_tokens_seen`, no `args=`", REFUSED,
      "at construction, naming the setting: each puts an exact collective into every step, "

@@ -118,3 +118,43 @@ def test_trainer_epoch_budget_and_epoch_evaluation(tmp_path):
     assert res["eval_steps"] == [18, 36, 54, 54], res  # + the example's evaluate() after train
     assert res["checkpoints"] == ["checkpoint-25", "checkpoint-50", "checkpoint-54"], res
     assert len({r["digest"] for r in ranks}) == 1, ranks
+
+
+def _settings(tmp_path, *flags):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hf_trainer_settings.py")
+    return run_json(script, 4, "--output-dir", tmp_path, *flags, prefix='{"ranks"',
+                    timeout=300)[0]
+
+
+def _one_job(res):
+    ranks = res["ranks"]
+    assert all(r["global_step"] == 40 for r in ranks), ranks
+    assert sum(r["steps"] for r in ranks) >= 4 * 40, ranks  # the job's budget, not a rank's
+    assert len({r["digest"] for r in ranks}) == 1, ranks  # one model on every rank
+    assert [e[0] for e in res["evals"]] == [10, 20, 30, 40], res
+
+
+def test_trainer_load_best_model_at_end_and_bf16(tmp_path):
+    """load_best_model_at_end: every rank picks the same best checkpoint (evaluated at the same
+    job-step points, on the averaged model), ends with its weights, and the rotation
+    (save_total_limit=2) keeps it; bf16 autocast on CPU trains under partial averaging."""
+    res = _settings(tmp_path, "--best", "--bf16")
+    _one_job(res)
+    ranks = res["ranks"]
+    best = {r["best"] for r in ranks}
+    assert len(best) == 1 and None not in best, ranks
+    (best,) = best
+    losses = dict(res["evals"])
+    step = int(best.rsplit("-", 1)[1])
+    assert losses[step] == min(losses.values()), (best, losses)
+    assert all(r["final_is_best"] for r in ranks), ranks
+    assert os.path.basename(best) in res["checkpoints"] and "checkpoint-40" in \
+        res["checkpoints"] and len(res["checkpoints"]) <= 2, res
+
+
+def test_trainer_torch_compile(tmp_path):
+    """TrainingArguments(torch_compile=True): Accelerate compiles the DDP model; Ripples wraps
+    the DDP model inside it and the job trains to its budget."""
+    res = _settings(tmp_path, "--compile")
+    _one_job(res)
+    assert all(r["compiled"] and r["best"] is None for r in res["ranks"]), res
