@@ -68,6 +68,10 @@ rpl_xfer rpl_recv_reduce(const rpl_run *run, int peer, void *tmp, void *dst, siz
 rpl_status rpl_exchange(rpl_run *run, rpl_xfer *xs, int n) {
   if (run->before_exchange) run->before_exchange(run->hook_arg, run->exchanges);
   run->exchanges++;
+  return rpl_exchange_more(run, xs, n);
+}
+
+rpl_status rpl_exchange_more(rpl_run *run, rpl_xfer *xs, int n) {
   return rpl_tr_run(run->tr, xs, n, run->deadline, run->err);
 }
 

@@ -72,6 +72,9 @@ rpl_xfer rpl_recv_reduce(const rpl_run *run, int peer, void *tmp, void *dst, siz
 
 /* Moves all transfers until done, the run's deadline passes or an error occurs. */
 rpl_status rpl_exchange(rpl_run *run, rpl_xfer *xs, int n);
+/* The rest of the exchange just run, as a run of its own (it neither counts as an exchange nor
+ * calls the test hook): for a protocol step that orders its transfers in two runs. */
+rpl_status rpl_exchange_more(rpl_run *run, rpl_xfer *xs, int n);
 
 /* Splits `count` elements into `parts` nearly equal segments; segment i starts at *off. */
 void rpl_segment(size_t count, int parts, int i, size_t *off, size_t *cnt);

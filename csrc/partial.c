@@ -278,20 +278,38 @@ static rpl_status check_signatures(rpl_run *run, const rpl_op_desc *d, uint64_t 
  * partner died, stalled past the deadline, or a link was cut) would leave the others
  * committed. So every member first tells every other that it holds the whole result (an
  * empty message each way), and writes back only once all have said so. A member that dies
- * after confirming changes nothing for the others (they commit; it is gone); the window left
- * is a member stalling between its confirmations and the others' for longer than the round's
- * deadline, or dying in the middle of sending its confirmations (docs/fault-tolerance.md). */
-static rpl_status confirm_whole(rpl_run *run, double *took) {
+ * after confirming changes nothing for the others (they commit; it is gone).
+ *
+ * Confirmations to members on other hosts go first, and those to this host's members
+ * (shared memory, written at once) only once the remote ones are done both ways: a member
+ * whose network link fails there (a cut, which a send may not even notice) never confirms
+ * to its own host's members, so they fail with it instead of committing beside a remote
+ * member that failed. The window left is a member stalling between its confirmations and the
+ * others' for longer than the round's deadline, or dying between the two runs or in the
+ * middle of one (docs/fault-tolerance.md). */
+static rpl_status confirm_whole(const rpl_partial *p, rpl_run *run, double *took) {
   double t = rpl_now();
-  int n = run->size, k = 0;
+  int n = run->size, k = 0, remote = 0;
   rpl_xfer *xs = malloc(sizeof(rpl_xfer) * 2 * (size_t)n);
   if (!xs) return rpl_fail(run->err, RPL_ERR_NOMEM, "out of memory in a partial round");
-  for (int v = 0; v < n; v++) {
-    if (v == run->rank) continue;
-    xs[k++] = rpl_send(run, v, NULL, 0, RPL_UINT8, 0, STEP_COMMIT);
-    xs[k++] = rpl_recv(run, v, NULL, 0, RPL_UINT8, 0, STEP_COMMIT);
+  const int me = run->members[run->rank];
+  for (int pass = 0; pass < 2; pass++) {
+    for (int v = 0; v < n; v++) {
+      if (v == run->rank) continue;
+      int other_host = p->host_of && p->host_of[run->members[v]] != p->host_of[me];
+      if (other_host != (pass == 0)) continue;
+      xs[k++] = rpl_send(run, v, NULL, 0, RPL_UINT8, 0, STEP_COMMIT);
+      xs[k++] = rpl_recv(run, v, NULL, 0, RPL_UINT8, 0, STEP_COMMIT);
+    }
+    if (pass == 0) remote = k;
   }
-  rpl_status st = rpl_exchange(run, xs, k);
+  rpl_status st;
+  if (remote > 0 && remote < k) {
+    st = rpl_exchange(run, xs, remote);
+    if (st == RPL_OK) st = rpl_exchange_more(run, xs + remote, k - remote);
+  } else {
+    st = rpl_exchange(run, xs, k);
+  }
   free(xs);
   *took += rpl_now() - t;
   /* The test hook's last point: every member confirmed, nothing written back yet. */
@@ -430,7 +448,7 @@ static rpl_status reduce_compressed(rpl_partial *p, rpl_run *run, const rpl_op_d
   float *out = rpl_scratch(run, 2, total * sizeof(float));
   rpl_status st = out ? rpl_compressed_average(run, p->next, total, p->compression, out)
                       : RPL_ERR_NOMEM;
-  if (st == RPL_OK) st = confirm_whole(run, &r->tconf);
+  if (st == RPL_OK) st = confirm_whole(p, run, &r->tconf);
   if (st == RPL_OK) {
     commit_compressed(p, d, out, total);
     r->moved = r->compressed = 1;
@@ -470,7 +488,7 @@ static rpl_status reduce_exact(rpl_partial *p, rpl_run *run, const rpl_op_desc *
     st = rpl_allreduce_buf(run, &wb, RPL_SUM, (unsigned)i);
     off += b;
   }
-  if (st == RPL_OK) st = confirm_whole(run, &r->tconf);
+  if (st == RPL_OK) st = confirm_whole(p, run, &r->tconf);
   if (st == RPL_OK) {
     commit_exact(p, d, work, total, r);
     r->moved = 1;
