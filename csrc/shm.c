@@ -756,26 +756,33 @@ int rpl_shm_can_read(const rpl_shm *s, int peer) {
 
 /* A single-copy read of `peer`'s buffer failed with errno `e`. A peer that gave up first (an
  * error of its own, e.g. a third rank's death) left its cause in its segment before it exited
- * or let go of the buffer: that cause is the one to report, not the peer's own exit. */
-static rpl_status read_failed(const rpl_shm *s, int peer, int e, rpl_error *err) {
+ * or let go of the buffer: that cause is the one to report and pass on (into `cause`, as
+ * rpl_shm_check_peer does), not the peer's own exit. */
+static rpl_status read_failed(const rpl_shm *s, int peer, int e, char *cause, size_t cap,
+                              rpl_error *err) {
   char why[CAUSE_LEN];
   int origin;
   const char *text;
   read_cause(hdr(s->peer[peer]), why, sizeof why);
-  (void)rpl_cause_split(why, &origin, &text);
+  if (cap) snprintf(cause, cap, "%s", why);
+  rpl_status code = rpl_cause_split(why, &origin, &text);
+  if (why[0] && code == RPL_ERR_MISMATCH) /* the same error as where it was found */
+    return rpl_fail(err, RPL_ERR_MISMATCH, "%s [found by rank %d]", text, origin);
   if (e == ESRCH || rpl_shm_peer_dead(s, peer))
     return rpl_fail(err, RPL_ERR_PEER, "rank %d (pid %u on this host) exited or was killed "
                     "while this rank read its buffer%s%s", peer, hdr(s->peer[peer])->pid,
                     text[0] ? ", after an error of its own: " : "", text);
-  if (text[0])
-    return rpl_fail(err, RPL_ERR_PEER, "rank %d gave up on an exchange with this rank (single "
-                    "copy) after an error of its own: %s", peer, text);
+  if (text[0]) /* the cause may be stale (a peer clears it only when a run succeeds): errno */
+    return rpl_fail_errno(err, RPL_ERR_PEER, e, "rank %d gave up on an exchange with this rank "
+                          "after an error of its own (%s), and its buffer could not be read "
+                          "(single copy)", peer, text);
   return rpl_fail_errno(err, RPL_ERR_PEER, e, "cannot read rank %d's buffer (single copy)",
                         peer);
 }
 
 rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *local,
-                             size_t len, rpl_error *err) {
+                             size_t len, char *cause, size_t cap, rpl_error *err) {
+  if (cap) cause[0] = '\0';
   unsigned char *dst = local;
   while (len > 0) {
     struct iovec l = {dst, len}, r = {(void *)(uintptr_t)remote, len};
@@ -788,7 +795,7 @@ rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *
     }
     int e = got == 0 ? EFAULT : errno;
     if (e == EINTR) continue;
-    return read_failed(s, peer, e, err);
+    return read_failed(s, peer, e, cause, cap, err);
   }
   return RPL_OK;
 }

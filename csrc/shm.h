@@ -120,8 +120,10 @@ void rpl_shm_close(rpl_shm *s);
  * probed when its segment was attached (see shm.c), and the ring was not found corrupt. */
 int rpl_shm_can_read(const rpl_shm *s, int peer);
 /* Copies `len` bytes at `remote` (an address in the peer's process) into `local`. Fails with
- * RPL_ERR_PEER naming the peer when it is gone or its memory cannot be read. */
+ * RPL_ERR_PEER naming the peer when it is gone or its memory cannot be read, and the cause
+ * the peer left when it gave up first (copied into `cause`, "" if none; a mismatch it found
+ * stays RPL_ERR_MISMATCH). */
 rpl_status rpl_shm_read_peer(const rpl_shm *s, int peer, uint64_t remote, void *local,
-                             size_t len, rpl_error *err);
+                             size_t len, char *cause, size_t cap, rpl_error *err);
 
 #endif /* RPL_SHM_H */

@@ -49,9 +49,13 @@ rpl_status rpl_tr_read(rpl_tr *tr, int peer, uint64_t addr, void *dst, size_t le
                        rpl_error *err) {
   if (__atomic_load_n(&tr->interrupted, __ATOMIC_SEQ_CST))
     return rpl_fail(err, RPL_ERR_CLOSED, "interrupted: the process group is shutting down");
-  rpl_status st = rpl_shm_read_peer(tr->shm, peer, addr, dst, len, err);
+  char cause[CAUSE_LEN];
+  rpl_status st = rpl_shm_read_peer(tr->shm, peer, addr, dst, len, cause, sizeof cause, err);
   if (st != RPL_OK) {
-    rpl_cause_make(tr->cause, sizeof tr->cause, st, tr->rank, err->msg);
+    if (cause[0]) /* the peer's, passed on as it came (it names where it began) */
+      snprintf(tr->cause, sizeof tr->cause, "%s", cause);
+    else
+      rpl_cause_make(tr->cause, sizeof tr->cause, st, tr->rank, err->msg);
     return st;
   }
   count_add(&tr->counters.bytes_received, len);

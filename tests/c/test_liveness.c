@@ -258,16 +258,18 @@ static void test_read_names_first_cause(void) {
   int up = node_up(&nd, 0, 2, ONE_HOST) && barrier(2);
   if (!came_up(up, &child, 1, "read cause")) return;
   unsigned char buf[16];
+  char cause[320]; /* a segment's cause, whole */
   rpl_error err;
   CHECK(rpl_shm_can_read(nd.shm, 1), "read cause: no single-copy path to the peer");
   /* alive, its buffer gone (an address it never mapped) */
-  rpl_status st = rpl_shm_read_peer(nd.shm, 1, 4096, buf, sizeof buf, &err);
+  rpl_status st = rpl_shm_read_peer(nd.shm, 1, 4096, buf, sizeof buf, cause, sizeof cause, &err);
   CHECK(st == RPL_ERR_PEER && names_rank(err.msg, 1) && names_rank(err.msg, 2) &&
-            strstr(err.msg, "after an error of its own"),
-        "read cause (live peer): %s '%s'", rpl_status_name(st), err.msg);
+            strstr(err.msg, "after an error of its own") && strstr(err.msg, "Bad address") &&
+            strcmp(cause, "7|2|rank 2 (pid 99) exited or was killed") == 0,
+        "read cause (live peer): %s '%s' cause '%s'", rpl_status_name(st), err.msg, cause);
   CHECK(barrier(2), "read cause: the peer did not arrive");
   CHECK(wait_zombie(child), "read cause: waitid(WNOWAIT) failed");
-  st = rpl_shm_read_peer(nd.shm, 1, 4096, buf, sizeof buf, &err);
+  st = rpl_shm_read_peer(nd.shm, 1, 4096, buf, sizeof buf, cause, sizeof cause, &err);
   CHECK(st == RPL_ERR_PEER && names_rank(err.msg, 1) && names_rank(err.msg, 2) &&
             strstr(err.msg, "exited or was killed while this rank read its buffer"),
         "read cause (exited peer): %s '%s'", rpl_status_name(st), err.msg);
