@@ -312,12 +312,18 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         for hook in list(self._optimizer_state_dict_pre_hooks.values()):
             hook(self)
         sd = super().state_dict()
-        sd["ripples"] = self.averager.state_dict()
-        sd["ripples"]["job_clock"] = self.job_clock.state_dict()
+        sd["ripples"] = self._ripples_state_dict()
         for hook in list(self._optimizer_state_dict_post_hooks.values()):
             res = hook(self, sd)
             if res is not None:
                 sd = res
+        return sd
+
+    def _ripples_state_dict(self) -> dict:
+        """Ripples' part of ``state_dict()`` (``["ripples"]``): the averager's state and the
+        job clock, without the inner optimizer's."""
+        sd = self.averager.state_dict()
+        sd["job_clock"] = self.job_clock.state_dict()
         return sd
 
     def load_state_dict(self, state_dict):

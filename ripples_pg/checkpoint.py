@@ -44,17 +44,23 @@ def _decode(blob: Any) -> Dict[str, Any]:
                          f"{type(blob).__name__}, not what TrainingState saves (bytes); was it "
                          f"saved by ripples_pg.checkpoint.TrainingState?")
     try:
-        doc = torch.load(io.BytesIO(bytes(blob)), weights_only=True)
+        # on the CPU: the saving rank's tensors (partial DiLoCo's anchors) may name a GPU this
+        # process does not use, or that does not exist after a restart; the averager copies
+        # them to where its parameters are
+        doc = torch.load(io.BytesIO(bytes(blob)), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - any unreadable blob is the same user error
         raise ValueError(f"ripples_pg.checkpoint: the checkpoint's 'ripples' entry cannot be "
                          f"read ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(doc, dict) or not isinstance(doc.get("ripples"), dict):
+    if not isinstance(doc, dict):
         raise ValueError("ripples_pg.checkpoint: the checkpoint's 'ripples' entry is not "
                          "Ripples' state")
     if doc.get("format") != _FORMAT:
         raise ValueError(f"ripples_pg.checkpoint: the checkpoint's Ripples state has format "
                          f"{doc.get('format')!r}; this version reads format {_FORMAT} (saved "
                          f"by a newer ripples_pg?)")
+    if not isinstance(doc.get("ripples"), dict):
+        raise ValueError("ripples_pg.checkpoint: the checkpoint's 'ripples' entry is not "
+                         "Ripples' state")
     return doc["ripples"]
 
 
@@ -70,13 +76,16 @@ class TrainingState:
         average: average the replicas exactly before saving (default), so that the
             checkpoint is one consensus model. It is a collective: every rank calls
             ``dcp.save`` (and ``dcp.load``, which reads this object's state first) at the same
-            point. Off, DCP keeps each tensor of one rank or another.
-        strict: passed to ``set_model_state_dict``: every key of the model must be in the
-            checkpoint.
+            point; never call ``state_dict()`` on some ranks only. Off, DCP keeps each tensor
+            of one rank or another.
+
+    Which keys must be in the checkpoint is DCP's planner's decision (by default all of
+    them). Ripples' part is one opaque entry: with partial DiLoCo it holds the outer anchors
+    and the outer optimizer's state, 2-3x the model in float32, serialised in memory on every
+    rank at every save.
     """
 
-    def __init__(self, model: Any, optimizer: Any, *, average: bool = True,
-                 strict: bool = True):
+    def __init__(self, model: Any, optimizer: Any, *, average: bool = True):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         from ._wrap import RipplesOptimizer
@@ -93,14 +102,12 @@ class TrainingState:
         if wrapped is not None and wrapped is not inner:
             raise ValueError("ripples_pg.checkpoint.TrainingState: model is not the DDP model "
                              "this optimizer was wrapped with")
-        for name, value in (("average", average), ("strict", strict)):
-            if not isinstance(value, bool):
-                raise TypeError(f"ripples_pg.checkpoint.TrainingState: {name} must be a bool, "
-                                f"got {value!r}")
+        if not isinstance(average, bool):
+            raise TypeError(f"ripples_pg.checkpoint.TrainingState: average must be a bool, got "
+                            f"{average!r}")
         self.model = model
         self.optimizer = optimizer
         self.average = average
-        self.strict = strict
 
     def state_dict(self) -> Dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
@@ -115,11 +122,10 @@ class TrainingState:
         # and the job clock
         return {"model": get_model_state_dict(self.model),
                 "optim": get_optimizer_state_dict(self.model, opt.optim),
-                "ripples": _encode(opt.state_dict()["ripples"])}
+                "ripples": _encode(opt._ripples_state_dict())}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             set_model_state_dict,
+        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                              set_optimizer_state_dict)
 
         missing = [k for k in ("model", "optim", "ripples") if k not in state_dict]
@@ -127,13 +133,11 @@ class TrainingState:
             raise ValueError(f"ripples_pg.checkpoint.TrainingState: the state has no "
                              f"{missing}; it was not saved by TrainingState")
         part = _decode(state_dict["ripples"])
-        set_model_state_dict(self.model, state_dict["model"],
-                             options=StateDictOptions(strict=self.strict))
+        set_model_state_dict(self.model, state_dict["model"])
         set_optimizer_state_dict(self.model, self.optimizer.optim, state_dict["optim"])
         # a dict holding only "ripples" restores the averager and the job clock and leaves the
         # inner optimizer as DCP set it
         self.optimizer.load_state_dict({"ripples": part})
 
     def __repr__(self) -> str:
-        return (f"ripples_pg.checkpoint.TrainingState(average={self.average}, "
-                f"strict={self.strict})")
+        return f"ripples_pg.checkpoint.TrainingState(average={self.average})"

@@ -140,17 +140,30 @@ def _flat(module):
     return torch.cat([t.detach().reshape(-1) for t in module.state_dict().values()])
 
 
-def task_dcp_training_state(ctx, ckpt_dir):
+def _wrap_for_dcp(ctx, model, diloco):
+    import ripples_pg
+
+    extra = dict(sync_every=2, outer_optimizer="nesterov") if diloco else {}
+    return ripples_pg.wrap(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                           schedule="static", group_size=2, warmup_steps=3,
+                           timeout=ctx.pg_timeout, **extra)
+
+
+def task_dcp_training_state(ctx, ckpt_dir, diloco):
     """ripples_pg.checkpoint.TrainingState through a real dcp.save / dcp.load: one consensus
-    model, the inner optimizer's state, the averager's step and the job clock come back in a
-    fresh wrap(), and neither save nor load counts a step."""
+    model, the inner optimizer's state, the averager's step and the job clock (and partial
+    DiLoCo's outer steps and anchors) come back in a fresh wrap(), and neither save nor load
+    counts a step."""
     import torch.distributed.checkpoint as dcp
 
     import ripples_pg
 
     chk = _dist.Checker(ctx)
-    model, opt = _setup(ctx, warmup_steps=3)
-    _train(ctx, model, opt, 5)
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(6, 3))
+    opt = _wrap_for_dcp(ctx, model, diloco)
+    n = 9 if diloco else 5  # past warm-up (3), and past outer steps every 2 with DiLoCo
+    _train(ctx, model, opt, n)
     with torch.no_grad():  # replicas that differ, as partial averaging leaves them
         for p in model.parameters():
             p.add_(0.01 * ctx.rank)
@@ -166,23 +179,30 @@ def task_dcp_training_state(ctx, ckpt_dir):
     moments = {k: v["exp_avg"].clone() for k, v in opt.optim.state_dict()["state"].items()}
 
     # a fresh incarnation: a new model (other initial values) and wrap(), then dcp.load
+    outer = opt.diloco_stats["outer_steps"] if diloco else None
+    anchors = opt._ripples_state_dict()["diloco"]["anchors"] if diloco else None
     torch.manual_seed(1 + ctx.rank)
     model2 = DDP(nn.Linear(6, 3))
-    opt2 = ripples_pg.wrap(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2),
-                           schedule="static", group_size=2, warmup_steps=3,
-                           timeout=ctx.pg_timeout)
+    opt2 = _wrap_for_dcp(ctx, model2, diloco)
     dcp.load({"app": ripples_pg.checkpoint.TrainingState(model2, opt2)},
              checkpoint_id=ckpt_dir)
     chk.true(torch.equal(_flat(model2.module), saved), "the model is the saved one")
-    chk.true(opt2.averager.step == step == 5 and opt2.job_step == job,
+    chk.true(opt2.averager.step == step == n and opt2.job_step == job,
              "the averager's step and the job step are back",
              f"{opt2.averager.step} {step} {opt2.job_step} {job}")
     inner = opt2.optim.state_dict()["state"]
-    chk.true(all(torch.allclose(inner[k]["exp_avg"], moments[k]) and int(inner[k]["step"]) == 5
+    chk.true(all(torch.allclose(inner[k]["exp_avg"], moments[k]) and int(inner[k]["step"]) == n
                  for k in moments), "the inner optimizer's state is the saved one",
              str({k: int(v["step"]) for k, v in inner.items()}))
-    _train(ctx, model2, opt2, 1, start=5)
-    chk.true(opt2.hook_state.step == 6 and not opt2.hook_state.in_warmup,
+    if diloco:
+        back = opt2._ripples_state_dict()["diloco"]
+        chk.true(opt2.diloco_stats["outer_steps"] == outer > 0, "DiLoCo's outer steps are back",
+                 f"{opt2.diloco_stats['outer_steps']} {outer}")
+        chk.true(len(back["anchors"]) == len(anchors) and
+                 all(torch.equal(a, b) for a, b in zip(back["anchors"], anchors)),
+                 "DiLoCo's anchors are back")
+    _train(ctx, model2, opt2, 1, start=n)
+    chk.true(opt2.hook_state.step == n + 1 and not opt2.hook_state.in_warmup,
              "warm-up was not repeated", str(opt2.hook_state.step))
     chk.true(opt2.job_step >= job, "the job clock goes on from the saved step",
              f"{opt2.job_step} {job}")
@@ -218,8 +238,9 @@ def task_training_state_refusals(ctx):
     return errors
 
 
-def test_dcp_training_state(pool, tmp_path):
-    pool.run(task_dcp_training_state, str(tmp_path / "ckpt"))
+@pytest.mark.parametrize("diloco", [False, True], ids=["ripples", "diloco"])
+def test_dcp_training_state(pool, tmp_path, diloco):
+    pool.run(task_dcp_training_state, str(tmp_path / "ckpt"), diloco)
 
 
 def test_training_state_refuses_what_it_cannot_save_or_load(pool):
