@@ -89,7 +89,8 @@ def _bn_model(bn):
 
 def task_wrap_training(ctx, bn, slow_rank, factor, seconds, step_s, period_max=None,
                        steps_after=None):
-    """DDP + wrap() (smart) on a small model; each step sleeps step_s (factor x on slow_rank).
+    """DDP + wrap() (smart) on a small model; each step sleeps step_s, and on slow_rank
+    factor x step_s plus (factor - 1) x its own work (its step, waits in rounds included).
     After warm-up the loop runs for ``seconds`` of wall time or, with ``steps_after``, for that
     many steps on every rank (the replicas are then compared at the same step, not a step
     apart), then ends with a barrier (every rank is still there while others finish their last

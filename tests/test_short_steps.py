@@ -43,8 +43,9 @@ def task_short_steps(ctx, pause_s, seconds):
         model(x).square().mean().backward()
         wrapped.step()
         work = time.monotonic() - t0
-        # the straggler's whole step lasts 5x a fast one's (pause and work): load adds the
-        # same work to every step, which would pull a ratio of pauses alone towards 1
+        # the straggler's whole step lasts about 5x a fast one's (pause and work, its waits in
+        # rounds included): load adds the same work to every step, which would pull a ratio of
+        # pauses alone towards 1
         time.sleep(5 * pause_s + 4 * work if ctx.rank == SLOW else pause_s)
         steps += 1
     st = ripples_pg.stats(wrapped.group)
