@@ -142,6 +142,7 @@ static rpl_status execute_exact(rpl_comm *c, const rpl_op_desc *d, int collectiv
 static void release_transport(rpl_comm *c) {
   pthread_mutex_lock(&c->mu);
   c->executing = 0;
+  c->running_partial = 0;
   pthread_cond_broadcast(&c->cv);
   pthread_mutex_unlock(&c->mu);
 }
@@ -191,6 +192,7 @@ static void *progress_main(void *arg) {
     /* Closing: an inline op may still hold the transport; this one fails without it. */
     int runs = !closing && !broken;
     if (runs) c->executing = 1;
+    if (runs) c->running_partial = op->d.kind == RPL_OP_PARTIAL_ALLREDUCE;
     pthread_mutex_unlock(&c->mu);
 
     rpl_error err = {RPL_OK, ""};
@@ -283,6 +285,33 @@ void rpl_comm_shutdown(rpl_comm *c) {
   pthread_mutex_unlock(&c->mu);
   /* The progress thread is gone, so this thread may use the coordinator client. */
   if (c->partial) rpl_partial_leave(c->partial);
+}
+
+/* Under mu: a partial round runs on the progress thread or waits in the queue. */
+static int partial_pending(const rpl_comm *c) {
+  if (c->running_partial) return 1;
+  for (const rpl_op *op = c->head; op; op = op->next)
+    if (op->d.kind == RPL_OP_PARTIAL_ALLREDUCE) return 1;
+  return 0;
+}
+
+int rpl_comm_settle_partial(rpl_comm *c, double max_s) {
+  if (!c) return 1;
+  double until = rpl_now() + (max_s > 0 ? max_s : 0);
+  pthread_mutex_lock(&c->mu);
+  while (partial_pending(c) && !c->closing && !c->broken) {
+    double left = until - rpl_now();
+    if (left <= 0) break;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts); /* the condition variable's clock */
+    long ns = ts.tv_nsec + (long)((left < 0.1 ? left : 0.1) * 1e9);
+    ts.tv_sec += ns / 1000000000L;
+    ts.tv_nsec = ns % 1000000000L;
+    pthread_cond_timedwait(&c->cv, &c->mu, &ts);
+  }
+  int settled = !partial_pending(c);
+  pthread_mutex_unlock(&c->mu);
+  return settled;
 }
 
 void rpl_comm_destroy(rpl_comm *c) {

@@ -51,6 +51,7 @@ struct rpl_comm {
   /* A thread drives the transport (the progress thread running ops or idling UCX, or a caller
    * running a small op inline): exactly one at a time, handed over under mu. */
   int executing;
+  int running_partial; /* the progress thread runs a partial round (under mu) */
   int closing;
   int broken;
   rpl_error first_error;

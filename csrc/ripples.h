@@ -148,6 +148,13 @@ rpl_status rpl_comm_create(const rpl_comm_config *cfg, const rpl_store *store, r
  * thread. Idempotent. */
 void rpl_comm_shutdown(rpl_comm *comm);
 
+/* Waits, at most max_s seconds, until no partial round is queued or running (the others
+ * stay queued), and returns whether none is. A graceful shutdown calls it first: a round in
+ * flight at the end of training (an overlapped one, wrap()'s default) has members exchanging
+ * with this worker, and interrupting it would fail the round on all of them. Returns at once
+ * once the communicator is shut down or broken. Safe from any thread. */
+int rpl_comm_settle_partial(rpl_comm *comm, double max_s);
+
 /* Shuts down if needed and frees everything. */
 void rpl_comm_destroy(rpl_comm *comm);
 

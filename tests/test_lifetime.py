@@ -3,7 +3,7 @@ others.
 
 A loop of a fixed number of steps with one worker five times slower: the fast ranks finish,
 destroy their groups (even ranks) or simply exit (odd ranks), while the slow one still
-trains. The coordinator embedded in rank 0 must keep serving until the others have left, and
+trains -- with their last (overlapped) round still in flight, which the shutdown lets finish. The coordinator embedded in rank 0 must keep serving until the others have left, and
 nobody's partial rounds may fail. Workers are spawned directly (torchrun would end the job
 when the first one exits), each in a real process that really exits.
 """
@@ -48,8 +48,11 @@ def _fixed_steps_worker(rank, ws, port, schedule, slow_rank, steps, results):
         time.sleep(sleep)
         done += 1
     s = ripples_pg.stats(opt.group)
+    # wrap()'s rounds are overlapped: the last one is still in flight here, and the group's
+    # shutdown below (or the exit) lets it finish before leaving
+    ov = opt.averager.overlap_stats or {}
     results.put({"rank": rank, "steps": done, "rounds": s["rounds"], "failed": s["failed"],
-                 "skipped": s["skipped"]})
+                 "skipped": s["skipped"], "pending": int(bool(ov.get("pending")))})
     if rank % 2 == 0:
         dist.destroy_process_group()
     # odd ranks just exit: the interpreter's exit leaves their schedules
@@ -74,4 +77,5 @@ def test_fast_ranks_finishing_first_do_not_fail_the_others(schedule, slow_rank):
     for r, rep in got.items():
         assert rep["steps"] == STEPS, rep
         assert rep["failed"] == 0 and rep["skipped"] == 0, rep
-        assert rep["rounds"] == STEPS - 3, rep  # one round per step after warm-up
+        # one round per step after warm-up (the last one may be in flight when counted)
+        assert STEPS - 3 - rep["pending"] <= rep["rounds"] <= STEPS - 3, rep

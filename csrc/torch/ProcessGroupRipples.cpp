@@ -127,6 +127,17 @@ ProcessGroupRipples::~ProcessGroupRipples() {
 }
 
 void ProcessGroupRipples::shutdown() {
+  if (comm_ != nullptr && !shutdown_.load()) {
+    // Graceful (destroy_process_group, interpreter exit): a partial round still in flight --
+    // an overlapped one at the end of a training loop -- has members exchanging with this
+    // worker; it finishes first, within its timeout (at most kSettleMaxS). abort() does not wait.
+    GilRelease nogil;
+    rpl_comm_settle_partial(comm_, std::min(cfg_.timeout_s, kSettleMaxS));
+  }
+  shutdownNow();
+}
+
+void ProcessGroupRipples::shutdownNow() {
   std::lock_guard<std::mutex> g(shutdownMu_);
   if (shutdown_.exchange(true)) {
     return;
@@ -150,7 +161,7 @@ void ProcessGroupRipples::shutdown() {
 }
 
 void ProcessGroupRipples::abort() {
-  shutdown();
+  shutdownNow();
 }
 
 std::string ProcessGroupRipples::listenAddress() const {

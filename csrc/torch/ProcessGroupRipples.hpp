@@ -15,9 +15,10 @@
 // torch exceptions), SparseAllreduce (sparse COO tensors). This file is the backend itself:
 // its lifecycle and its entry points.
 //
-// Lifetime: shutdown() (destroy_process_group) shuts the core communicator down — queued
-// operations fail with a "shut down" error — and stops the completion threads, waiting (with
-// the GIL released) a bounded time for them. The destructor never waits for a thread that may
+// Lifetime: shutdown() (destroy_process_group) first lets a partial round in flight finish
+// (bounded: its members are exchanging with this worker), then shuts the core communicator
+// down — other queued operations fail with a "shut down" error — and stops the completion
+// threads, waiting (with the GIL released) a bounded time for them; abort() does not wait. The destructor never waits for a thread that may
 // need the GIL: completion threads are detached and own the executor state by shared_ptr.
 #pragma once
 
@@ -263,6 +264,11 @@ class ProcessGroupRipples : public c10d::Backend {
   // Completes `ctx` with an error without it reaching the core (the staging thread's path).
   void failUnsubmitted(OpContext* ctx, rpl_status st, const std::string& msg);
   void checkOpen(const char* opName) const;
+  // shutdown() without waiting for partial rounds in flight (abort(), and shutdown() after).
+  void shutdownNow();
+  // The longest a graceful shutdown waits for a partial round in flight (its own timeout, if
+  // shorter): past it the round is interrupted, as abort() does at once.
+  static constexpr double kSettleMaxS = 60.0;
   // RPL_OP_PARTIAL_ALLREDUCE when this thread (ripples_pg.partial()/exact()) or the group
   // (Options.partial) asks for a partial round, else RPL_OP_ALLREDUCE; the core decides.
   rpl_op_kind requestedAllreduceKind() const;
