@@ -10,6 +10,13 @@
  *   - with --jitter J, every message and every member's end of a reduction comes U(0, J) later
  *     (noise of a busy machine: members say done apart, requests spread);
  *   - then every member reports done and computes again;
+ *   - with --request-timeout T, a request not answered within T compute steps is given up, as
+ *     the client does at its round timeout: the worker fences and unfences (dropping its
+ *     place in every group), its round is skipped, and it computes on; a group the GG hands it
+ *     later is not run, and its other members fail that round at their timeout;
+ *   - with --overlap (wrap()'s default, ripples_pg.overlap), a worker sends its request and
+ *     computes its next step at once; the round (its wait for partners, the reduction, the
+ *     done) runs meanwhile, and the worker waits for it only if its next step ends first;
  *   - a request the GG's adaptive period passes (--period-max) ends the worker's round when
  *     the answer arrives (after `gg_lat`): no reduction, no done; it computes again;
  *   - with --exact-every K, after every K-th partial round the worker enters an exact
@@ -23,7 +30,8 @@
  *     (rpl_gg_next_deadline), so waits for partners, the isolation bound's holds and the
  *     arrival filter act as in the coordinator.
  * Scenarios: homog; slow2 / slow5 (worker 0 always 2x / 5x slower); random (every worker is
- * 5x slower in a step with probability 1/n); --slow-factor F replaces the 5 of both; trace
+ * 5x slower in a step with probability 1/n); --slow-factor F replaces the 5 of both; stall
+ * (worker 0 stalls once, --stall S steps long, in its step 20: it comes back far behind); trace
  * (--trace FILE, a table from benchmarks/traces: worker w computes f[t][w] in its step t, as
  * benchmarks/trace_replay.py reads it -- column w mod columns, row t mod rows, each row divided
  * by its minimum over the columns used; no other noise).
@@ -42,7 +50,7 @@
  *          [--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS]
  *          [--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1]
  *          [--speed-aware 0|-1] [--period-max P] [--old-policy]
- *          [--gg-stats]   (the GG's counters per run, on stderr)
+ *          [--overlap] [--gg-stats]   (the GG's counters per run, on stderr)
  */
 #include <math.h>
 #include <stddef.h>
@@ -62,7 +70,8 @@ enum {
   EV_FENCE,     /* a fence reaches the GG */
   EV_UNFENCE,   /* an unfence reaches the GG */
   EV_EXACT_END, /* the exact collective ends for this worker */
-  EV_PASSED     /* a pass reaches the worker: its round ends (no reduction, no done) */
+  EV_PASSED,    /* a pass reaches the worker: its round ends (no reduction, no done) */
+  EV_TIMEOUT    /* --request-timeout: the worker gives its request up (gid: which one) */
 };
 
 typedef struct {
@@ -130,6 +139,9 @@ typedef struct {
   int period_max;             /* rpl_gg_config; 0 = default, 1 or negative = every request */
   const double *trace;        /* --trace: rows x workers factors (row-major), NULL if none */
   int trace_rows;
+  int overlap;                /* rounds behind the next step's compute (--overlap) */
+  double stall;               /* stall: the one stall's length in compute steps */
+  double request_timeout;     /* a request not answered within this gives up; 0 = never */
 } params;
 
 typedef struct {
@@ -140,10 +152,17 @@ typedef struct {
   unsigned run_max;                  /* longest run of groups of one of a worker */
   double pass_share;                 /* rounds the adaptive period passed, all workers */
   rpl_gg_stats gg;                   /* the GG's counters (--gg-stats) */
+  double w0_grouped;                 /* worker 0: share of its rounds in a group of 2+ */
+  double w0_wait_max;                /* worker 0: its longest request -> group handed */
+  uint64_t w0_rounds;                /* worker 0's rounds */
+  uint64_t timeouts, failed;         /* --request-timeout: requests given up, rounds failed */
 } result;
 
-enum { SC_HOMOG, SC_SLOW2, SC_SLOW5, SC_RANDOM, SC_TRACE, SC_COUNT };
-static const char *sc_names[] = {"homog", "slow2", "slow5", "random", "trace"};
+enum { SC_HOMOG, SC_SLOW2, SC_SLOW5, SC_RANDOM, SC_STALL, SC_TRACE, SC_COUNT };
+static const char *sc_names[] = {"homog", "slow2", "slow5", "random", "stall", "trace"};
+
+/* stall: worker 0 stalls once, for --stall steps (default 40), in its step STALL_AT. */
+#define STALL_AT 20
 
 /* Worker w's compute in its step k (0-based). */
 static double compute_time(const params *p, int sc, int w, uint64_t k) {
@@ -152,6 +171,7 @@ static double compute_time(const params *p, int sc, int w, uint64_t k) {
   if ((sc == SC_SLOW2 && w == 0)) t *= 2;
   if ((sc == SC_SLOW5 && w == 0)) t *= p->slow_factor;
   if (sc == SC_RANDOM && urand() < 1.0 / p->workers) t *= p->slow_factor;
+  if (sc == SC_STALL && w == 0 && k == STALL_AT) t += p->stall; /* once, then even again */
   return t;
 }
 
@@ -301,6 +321,13 @@ typedef struct {
   double waits;
   uint64_t done_rounds, min_done;
   uint64_t passes;             /* rounds that ended with a pass */
+  uint64_t *computed;          /* --overlap: steps each worker has started */
+  uint8_t *inflight, *blocked; /* --overlap: a round in flight; its next step ended first */
+  uint8_t *req_open;           /* --request-timeout: its request is waiting for an answer */
+  uint64_t *req_tok;           /* ... and which request it is */
+  uint64_t timeouts, failed;   /* requests given up; rounds of a group with such a member */
+  uint64_t w0_grouped;         /* worker 0's rounds in a group of two or more */
+  double w0_wait_max;          /* worker 0's longest wait for its group */
 } sim;
 
 static void push(sim *s, double t, int w, int kind, uint64_t gid) {
@@ -324,18 +351,40 @@ static void check_consensus(sim *s) {
   s->next_check = s->now + 0.25;
 }
 
+/* Whether a member of the group just handed (s->members) has given its request up. */
+static int stale_member(sim *s, int n) {
+  for (int i = 0; i < n; i++)
+    if (!s->req_open[s->members[i]]) return 1;
+  return 0;
+}
+
 /* Delivers what the GG produced: groups start reducing (and average the vectors once per
  * group), cancelled workers ask again. Then queues an event at the GG's next deadline. */
 static void drain(sim *s) {
   const params *p = s->p;
   rpl_gg_event ev;
-  uint64_t last_gid = 0;
-  int handed = 0;
+  uint64_t last_gid = 0, poison_gid = 0;
+  int handed = 0, poisoned = 0;
   while (rpl_gg_poll(s->gg, &ev, s->members, s->n)) {
     if (ev.kind == RPL_EV_CANCEL) {
+      if (p->request_timeout > 0 && !s->req_open[ev.worker]) continue; /* given up already */
       push(s, s->now + 2 * p->gg_lat, ev.worker, EV_REQUEST, 0);
       continue;
     }
+    if (p->request_timeout > 0 && ev.kind == RPL_EV_GROUP && ev.group_id != poison_gid) {
+      poison_gid = ev.group_id; /* a group's members' events come together: judge it once */
+      poisoned = stale_member(s, ev.nmembers);
+    }
+    if (p->request_timeout > 0 && !s->req_open[ev.worker]) continue; /* given up: dropped */
+    if (p->request_timeout > 0 && ev.kind == RPL_EV_GROUP && poisoned) {
+      /* A member gave its request up and will not come (the client drops the late answer):
+       * the others wait for it in the exchange until the round's timeout, and fail it. */
+      s->req_open[ev.worker] = 0;
+      s->failed++;
+      push(s, s->now + p->gg_lat + p->request_timeout, ev.worker, EV_REDUCE, ev.group_id);
+      continue;
+    }
+    if (p->request_timeout > 0) s->req_open[ev.worker] = 0;
     if (ev.kind == RPL_EV_PASS) { /* a no-op round: it ends once the answer arrives */
       s->waits += s->now + p->gg_lat - s->asked[ev.worker];
       push(s, s->now + p->gg_lat, ev.worker, EV_PASSED, 0);
@@ -344,6 +393,11 @@ static void drain(sim *s) {
     double dur = reduce_time(p, s->members, ev.nmembers);
     if (p->jitter > 0) dur += p->jitter * urand(); /* members end (and say done) apart */
     s->waits += s->now + p->gg_lat - s->asked[ev.worker];
+    if (ev.worker == 0) {
+      double wt = s->now + p->gg_lat - s->asked[0];
+      if (wt > s->w0_wait_max) s->w0_wait_max = wt;
+      s->w0_grouped += ev.nmembers > 1;
+    }
     push(s, s->now + p->gg_lat + dur, ev.worker, EV_REDUCE, ev.group_id);
     if (ev.group_id != last_gid) { /* members' events come together: average once */
       last_gid = ev.group_id;
@@ -364,9 +418,33 @@ static void drain(sim *s) {
   s->deadline_ev = t;
 }
 
-/* Done with a partial round: compute again, or enter the exact collective (a barrier). */
+/* w's step is computed: it asks for its round; with --overlap it computes its next step
+ * meanwhile. */
+static void start_round(sim *s, int w) {
+  const params *p = s->p;
+  send_msg(s, w, EV_REQUEST);
+  s->asked[w] = s->now;
+  if (p->request_timeout > 0) {
+    s->req_open[w] = 1;
+    push(s, s->now + p->request_timeout, w, EV_TIMEOUT, ++s->req_tok[w]);
+  }
+  if (!p->overlap) return;
+  s->inflight[w] = 1;
+  push(s, s->now + compute_time(p, s->sc, w, ++s->computed[w]), w, EV_COMPUTE, 0);
+}
+
+/* Done with a partial round: compute again, or enter the exact collective (a barrier). With
+ * --overlap the next step is computing already: start the next round if it ended. */
 static void after_round(sim *s, int w) {
   const params *p = s->p;
+  if (p->overlap) {
+    s->inflight[w] = 0;
+    if (s->blocked[w]) {
+      s->blocked[w] = 0;
+      start_round(s, w);
+    }
+    return;
+  }
   if (p->exact_every <= 0 || s->round[w] % (uint64_t)p->exact_every != 0) {
     push(s, s->now + compute_time(p, s->sc, w, s->round[w]), w, EV_COMPUTE, 0);
     return;
@@ -403,8 +481,11 @@ static int step(sim *s, sim_ev e) {
   double clock = e.kind == EV_DEADLINE ? e.gg_t : s->now * p->step_ms / 1000.0;
   switch (e.kind) {
     case EV_COMPUTE:
-      send_msg(s, w, EV_REQUEST);
-      s->asked[w] = s->now;
+      if (p->overlap && s->inflight[w]) { /* the last round is not over: wait for it */
+        s->blocked[w] = 1;
+        return 0;
+      }
+      start_round(s, w);
       return 0;
     case EV_PASSED: /* nothing goes to the GG: a pass needs no done */
       s->passes++;
@@ -417,6 +498,14 @@ static int step(sim *s, sim_ev e) {
     case EV_DEADLINE:
       if (s->deadline_ev == e.t) s->deadline_ev = -1;
       break;
+    case EV_TIMEOUT: /* as the client: drop its place in every group, and move on */
+      if (!s->req_open[w] || s->req_tok[w] != e.gid) return 0;
+      s->req_open[w] = 0;
+      s->timeouts++;
+      send_msg(s, w, EV_FENCE);
+      send_msg(s, w, EV_UNFENCE);
+      end_round(s, w);
+      return 0;
     default: break;
   }
   st = rpl_gg_advance(s->gg, clock, &err);
@@ -481,6 +570,11 @@ static void collect(sim *s, result *r) {
   r->t_1e3 = s->t_1e3;
   r->t_1e6 = s->t_1e6;
   r->gg = st;
+  r->w0_grouped = s->round[0] ? (double)s->w0_grouped / (double)s->round[0] : 0;
+  r->w0_wait_max = s->w0_wait_max;
+  r->w0_rounds = s->round[0];
+  r->timeouts = s->timeouts;
+  r->failed = s->failed;
 }
 
 static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
@@ -521,6 +615,11 @@ static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
   s.asked = calloc((size_t)n, sizeof *s.asked);
   s.sent = calloc((size_t)n, sizeof *s.sent);
   s.members = malloc(sizeof(int) * (size_t)n);
+  s.computed = calloc((size_t)n, sizeof *s.computed);
+  s.req_open = calloc((size_t)n, 1);
+  s.req_tok = calloc((size_t)n, sizeof *s.req_tok);
+  s.inflight = calloc((size_t)n, 1);
+  s.blocked = calloc((size_t)n, 1);
   for (int w = 0; w < n; w++) push(&s, compute_time(p, sc, w, 0), w, EV_COMPUTE, 0);
   uint64_t target = (uint64_t)p->rounds * (uint64_t)n;
   int rc = 0;
@@ -538,6 +637,11 @@ static int run_policy(const params *p, rpl_policy pol, int sc, result *r) {
   free(s.asked);
   free(s.sent);
   free(s.members);
+  free(s.computed);
+  free(s.req_open);
+  free(s.req_tok);
+  free(s.inflight);
+  free(s.blocked);
   free(s.h.a);
   free(labels);
   return rc;
@@ -559,14 +663,18 @@ static void report(const params *p, const char *pol, int sc, const result *r, in
            "\"singleton_share_rounds\":%.4f,\"singleton_share_worst\":%.4f,"
            "\"singleton_run_max\":%u,\"pass_share_rounds\":%.4f,"
            "\"consensus_time_1e3\":%.3f,\"consensus_time_1e6\":%.3f,\"sim_time\":%.2f,"
-           "\"trace_ideal_speedup\":%.4f}",
+           "\"trace_ideal_speedup\":%.4f,\"overlap\":%d,\"worker0_grouped_share\":%.4f,"
+           "\"worker0_wait_max\":%.3f,\"worker0_rounds\":%llu,\"timeouts\":%llu,"
+           "\"failed_rounds\":%llu}",
            first ? "" : ",", pol, sc_names[sc], p->workers, p->per_host, p->group_size,
            p->c_thres, p->exact_every, p->late_unfence, p->partner_wait_ms, p->max_isolated,
            p->arrival_filter, p->period_max, p->speed_aware, p->jitter, p->slow_factor, p->step_ms,
            r->rounds_per_time, r->slowest_rounds_per_time, r->median_rounds_per_time,
            r->mean_wait, r->conflicts_per_k,
            r->singleton_frac, r->single_share, r->single_worst, r->run_max, r->pass_share,
-           r->t_1e3, r->t_1e6, r->sim_time, sc == SC_TRACE ? trace_ideal(p) : 0.0);
+           r->t_1e3, r->t_1e6, r->sim_time, sc == SC_TRACE ? trace_ideal(p) : 0.0, p->overlap,
+           r->w0_grouped, r->w0_wait_max, (unsigned long long)r->w0_rounds,
+           (unsigned long long)r->timeouts, (unsigned long long)r->failed);
   else
     printf("%-9s %-7s %6d %10.4f %10.4f %6.2f %9.4f %9.2f %8.4f %7.4f %7.4f %4u %6.4f %9.2f "
            "%9.2f\n",
@@ -594,10 +702,11 @@ static void usage(void) {
           "usage: gg_sim [--workers N] [--per-host L] [--policy P|all|allreduce] "
           "[--scenario homog|slow2|slow5|random|all] [--rounds R] [--group-size G] "
           "[--c-thres C] [--inter-intra] [--seed S] [--gg-lat T] [--alpha A] [--beta B] "
-          "[--jitter J] [--slow-factor F] [--trace FILE] "
+          "[--jitter J] [--slow-factor F] [--stall S] [--request-timeout T] [--trace FILE] "
           "[--exact-every K] [--exact-cost C] [--late-unfence] [--step-ms MS] "
           "[--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] "
-          "[--speed-aware 0|-1] [--period-max P] [--old-policy] [--json] [--gg-stats]\n"
+          "[--speed-aware 0|-1] [--period-max P] [--old-policy] [--overlap] [--json] "
+          "[--gg-stats]\n"
           "  --old-policy = --partner-wait-ms -1 --max-isolated -1 --arrival-filter -1 "
           "--period-max 1 --late-unfence (the first implementation)\n");
 }
@@ -620,6 +729,8 @@ static const num_opt k_num_opts[] = {
     NUM_OPT("--gg-lat", gg_lat, 'd'),
     NUM_OPT("--jitter", jitter, 'd'),
     NUM_OPT("--slow-factor", slow_factor, 'd'),
+    NUM_OPT("--stall", stall, 'd'),
+    NUM_OPT("--request-timeout", request_timeout, 'd'),
     NUM_OPT("--alpha", alpha, 'd'),
     NUM_OPT("--beta", beta, 'd'),
     NUM_OPT("--exact-every", exact_every, 'i'),
@@ -645,31 +756,44 @@ static void set_num_opt(params *p, const num_opt *o, const char *v) {
   else *(uint64_t *)field = strtoull(v, NULL, 0);
 }
 
-int main(int argc, char **argv) {
-  params p = {.workers = 16, .per_host = 4, .rounds = 200, .seed = 1, .gg_lat = 0.002,
-              .alpha = 0.02, .beta = 0.1, .exact_cost = -1, .step_ms = 100, .slow_factor = 5};
-  const char *policy = "all", *scenario = "all", *trace = NULL;
+/* The flags that take no number or a name; returns 0, or 2 after the usage on a bad one. */
+static int parse_args(int argc, char **argv, params *p, const char **policy,
+                      const char **scenario, const char **trace) {
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "";
     const num_opt *o = find_num_opt(a);
     if (o) {
-      set_num_opt(&p, o, v);
+      set_num_opt(p, o, v);
       i++;
-    } else if (!strcmp(a, "--policy")) policy = v, i++;
-    else if (!strcmp(a, "--scenario")) scenario = v, i++;
-    else if (!strcmp(a, "--trace")) trace = v, i++;
-    else if (!strcmp(a, "--late-unfence")) p.late_unfence = 1;
+    } else if (!strcmp(a, "--policy")) *policy = v, i++;
+    else if (!strcmp(a, "--scenario")) *scenario = v, i++;
+    else if (!strcmp(a, "--trace")) *trace = v, i++;
+    else if (!strcmp(a, "--late-unfence")) p->late_unfence = 1;
     else if (!strcmp(a, "--old-policy")) {
-      p.partner_wait_ms = p.max_isolated = p.arrival_filter = -1;
-      p.period_max = 1; /* it averaged at every request */
-      p.late_unfence = 1;
-    } else if (!strcmp(a, "--inter-intra")) p.inter_intra = 1;
-    else if (!strcmp(a, "--json")) p.json = 1;
-    else if (!strcmp(a, "--gg-stats")) p.gg_stats = 1;
+      p->partner_wait_ms = p->max_isolated = p->arrival_filter = -1;
+      p->period_max = 1; /* it averaged at every request */
+      p->late_unfence = 1;
+    } else if (!strcmp(a, "--inter-intra")) p->inter_intra = 1;
+    else if (!strcmp(a, "--json")) p->json = 1;
+    else if (!strcmp(a, "--gg-stats")) p->gg_stats = 1;
+    else if (!strcmp(a, "--overlap")) p->overlap = 1;
     else {
       usage();
       return 2;
     }
+  }
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  params p = {.workers = 16, .per_host = 4, .rounds = 200, .seed = 1, .gg_lat = 0.002,
+              .alpha = 0.02, .beta = 0.1, .exact_cost = -1, .step_ms = 100, .slow_factor = 5,
+              .stall = 40};
+  const char *policy = "all", *scenario = "all", *trace = NULL;
+  if (parse_args(argc, argv, &p, &policy, &scenario, &trace)) return 2;
+  if (p.overlap && p.exact_every > 0) {
+    fprintf(stderr, "gg_sim: --overlap does not model exact collectives (--exact-every)\n");
+    return 2;
   }
   if (p.workers < 2 || p.per_host < 1 || p.rounds < 1 || p.exact_every < 0 || p.step_ms <= 0) {
     fprintf(stderr, "gg_sim: need --workers >= 2, --per-host >= 1, --rounds >= 1, "
@@ -699,6 +823,7 @@ int main(int argc, char **argv) {
     for (int sc = 0; sc < SC_COUNT; sc++) {
       if (strcmp(scenario, "all") && strcmp(scenario, sc_names[sc])) continue;
       if (sc == SC_TRACE && !p.trace) continue; /* "all": the synthetic scenarios */
+      if (sc == SC_STALL && strcmp(scenario, "stall")) continue; /* only when named */
       rs = p.seed * 0x9e3779b97f4a7c15ull + (uint64_t)sc * 7919 + 1;
       result r;
       params q = p;

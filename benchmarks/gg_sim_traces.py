@@ -1,24 +1,32 @@
 #!/usr/bin/env python3
 """The production traces in simulation: benchmarks/gg_sim (the real policy code, csrc/sched)
-replays every trace of benchmarks/traces at 4, 8 and 16 workers under all-reduce and the
-static, random and smart policies, and compares each policy's throughput with the trace's
-ideal speed-up (benchmarks/trace_replay.py: workers that never wait).
+replays every trace of benchmarks/traces at 4, 8, 16 and 32 workers under all-reduce and the
+static, random and smart policies -- smart with blocking rounds, and `default` as wrap() runs
+it, its rounds overlapped with the next step -- and compares each policy's throughput with the
+trace's ideal speed-up (benchmarks/trace_replay.py: workers that never wait).
 
     python3 benchmarks/gg_sim_traces.py BUILD/coordinator/gg_sim            # writes results
     python3 benchmarks/gg_sim_traces.py BUILD/coordinator/gg_sim --check    # ctest: asserts
 
 Writes benchmarks/results/gg_sim_traces.json and .md. Columns: `speed-up` = the policy's steps
 per worker per unit of time over all-reduce's (both replay the same factors; the simulated
-reductions cost 0.02 + 0.1 x 2(g-1)/g compute steps, all-reduce's over all workers), `ideal` =
+reductions cost 0.02 + 0.1 x 2(g-1)/g compute steps, all-reduce's over all workers; `default`'s
+run behind the next step, and a worker waits only for what is left of them), `ideal` =
 the trace's ideal speed-up over the steps all-reduce ran, `share` = (speed-up - 1) /
-(ideal - 1), `1/rnd` = groups of one per round, `t(1e-3)` = time until the spread of a vector
+(ideal - 1), `share*` = the same against an all-reduce whose reductions cost nothing (as if
+DDP hid them all behind the backward pass: what the schedule keeps by itself), `1/rnd` = groups of one per round, `t(1e-3)` = time until the spread of a vector
 the groups average falls to 1e-3 (consensus; "-": not within the run). The simulated
 reductions are not free, so a policy that averages every step cannot reach the ideal; the
 adaptive period (2, as wrap() uses) passes about half the rounds.
 
+Shares above 100 % come from two things the ideal leaves out: the reductions all-reduce pays
+(overlapped rounds hide theirs) and, for fast workers, trace rows past the steps the ideal is
+taken over (they run further into the table while the slowest does its steps).
+
 --check (the policy's regression test) asserts that the simulator replays a table's factors,
-that smart keeps at least CHECK_SHARE of each
-trace's ideal gain with groups of one under 5 % and consensus reached, that all-reduce -- a
+that smart keeps at least CHECK_SHARE of each trace's ideal gain (the default, overlapped, at
+least CHECK_SHARE_DEFAULT of it at 16 and 32 workers, against all-reduce with free reductions)
+with groups of one under 5 % and consensus reached, that all-reduce -- a
 policy that waits for the slowest worker -- fails that same test on every trace that has a
 gain to win, and that the run lost nothing against the stored results beyond noise.
 """
@@ -32,20 +40,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from trace_replay import TRACES, trace_path  # noqa: E402
 
-WORKERS = (4, 8, 16)
-POLICIES = ("allreduce", "static", "random", "smart")
+WORKERS = (4, 8, 16, 32)
+# (name in the table, gg_sim --policy, extra flags); "default" is what wrap() runs
+POLICIES = (("allreduce", "allreduce", []), ("static", "static", []),
+            ("random", "random", []), ("smart", "smart", []),
+            ("default", "smart", ["--overlap", "--period-max", "1"]))
 COMMON = ["--per-host", "16", "--rounds", "600", "--period-max", "2", "--json"]
 # The least share of a trace's ideal gain smart must keep in simulation (its reductions cost
 # ~15 % of a step, so the ideal is out of reach: see the table for what it keeps).
 CHECK_SHARE = 0.6
+# ... and wrap()'s default (overlapped rounds) at 16 and 32 workers (issue 49's bar)
+CHECK_SHARE_DEFAULT = 0.9
 
 
-def run(sim, trace, workers, policy):
+def run(sim, trace, workers, name, policy, extra):
     out = subprocess.run([sim, *COMMON, "--trace", trace_path(trace), "--workers",
-                          str(workers), "--policy", policy],
+                          str(workers), "--policy", policy, *extra],
                          check=True, capture_output=True, text=True).stdout
     (row,) = json.loads(out)
     row["trace"] = trace
+    row["policy"] = name
     return row
 
 
@@ -54,21 +68,28 @@ def table(sim):
     for trace in TRACES:
         for n in WORKERS:
             base = None
-            for pol in POLICIES:
-                r = run(sim, trace, n, pol)
-                if pol == "allreduce":
+            for name, pol, extra in POLICIES:
+                r = run(sim, trace, n, name, pol, extra)
+                if name == "allreduce":
                     base = r["rounds_per_worker_per_time"]
+                    free = run(sim, trace, n, name, "allreduce", ["--alpha", "0", "--beta",
+                                                                  "0"])
+                    base_free = free["rounds_per_worker_per_time"]
                 r["speedup"] = r["rounds_per_worker_per_time"] / base
                 ideal = r["trace_ideal_speedup"]
                 r["gain_share"] = (r["speedup"] - 1) / (ideal - 1) if ideal > 1.0 else None
+                # against an all-reduce whose reductions cost nothing (as if DDP hid them all
+                # behind the backward pass): what the schedule keeps of the gain by itself
+                sp = r["rounds_per_worker_per_time"] / base_free
+                r["gain_share_free"] = (sp - 1) / (ideal - 1) if ideal > 1.0 else None
                 rows.append(r)
     return rows
 
 
-def meets(r) -> bool:
+def meets(r, least=CHECK_SHARE, key="gain_share") -> bool:
     """The check's criterion for one row (see the module's docstring)."""
-    share = r["gain_share"]
-    return (share is not None and share >= CHECK_SHARE and r["speedup"] >= 1.0
+    share = r[key]
+    return (share is not None and share >= least and r["speedup"] >= 1.0
             and r["singleton_share_rounds"] < 0.05 and r["consensus_time_1e3"] >= 0)
 
 
@@ -100,7 +121,10 @@ def check(rows, stored, sim):
     bad = replay_applies(sim)
     for r in rows:
         tag = f"{r['trace']} at {r['workers']} workers, {r['policy']}"
-        if r["policy"] == "smart" and not meets(r):
+        strict = r["policy"] == "default" and r["workers"] >= 16
+        least, key = (CHECK_SHARE_DEFAULT, "gain_share_free") if strict else \
+            (CHECK_SHARE, "gain_share")
+        if r["policy"] in ("smart", "default") and not meets(r, least, key):
             bad.append(f"{tag}: speed-up {r['speedup']:.3f} of ideal "
                        f"{r['trace_ideal_speedup']:.3f}, groups of one "
                        f"{100 * r['singleton_share_rounds']:.1f} %, consensus at "
@@ -108,8 +132,9 @@ def check(rows, stored, sim):
         if r["policy"] == "allreduce" and r["trace_ideal_speedup"] > 1.02 and meets(r):
             bad.append(f"{tag}: the policy that waits for the slowest passes the check: it "
                        "lost its point")
-        old = next((o for o in stored if o["trace"] == r["trace"] and o["policy"] == "smart"
-                    and o["workers"] == r["workers"]), None) if r["policy"] == "smart" else None
+        old = next((o for o in stored if o["trace"] == r["trace"] and o["policy"] == r["policy"]
+                    and o["workers"] == r["workers"]), None) \
+            if r["policy"] in ("smart", "default") else None
         if old and r["speedup"] < old["speedup"] - 0.03:
             bad.append(f"{tag}: speed-up {r['speedup']:.3f}, {old['speedup']:.3f} stored")
     for b in bad:
@@ -138,11 +163,13 @@ def main():
         json.dump(rows, f, indent=1)
     lines = ["<!-- generated by: python3 benchmarks/gg_sim_traces.py BUILD/coordinator/gg_sim"
              " -->", "",
-             "| trace | workers | policy | speed-up | ideal | share | 1/rnd | pass | "
+             "| trace | workers | policy | speed-up | ideal | share | share* | 1/rnd | pass | "
              "wait/rnd | t(1e-3) |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         share = "-" if r["gain_share"] is None else f"{100 * r['gain_share']:.0f} %"
+        share += " | " + ("-" if r.get("gain_share_free") is None
+                          else f"{100 * r['gain_share_free']:.0f} %")
         t = r["consensus_time_1e3"]
         lines.append(f"| {r['trace']} | {r['workers']} | {r['policy']} | {r['speedup']:.3f} "
                      f"| {r['trace_ideal_speedup']:.3f} | {share} "
