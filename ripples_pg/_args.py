@@ -23,13 +23,14 @@ Defaults that differ on purpose (each documented here and nowhere else):
 * ``Options`` against ``wrap()``: a bare ``ripples`` group defaults to ``schedule="static"``
   (no coordinator to run), ``on_failure="raise"`` and every round averaging
   (``period_max`` unset = 1); ``wrap()`` trains with the straggler-aware ``"smart"``
-  schedule, skips a failed round instead of ending every survivor's training, and averages
-  every second step (``WRAP_GROUP_DEFAULTS``; an ``RIPPLES_*`` variable still wins).
+  schedule and skips a failed round instead of ending every survivor's training
+  (``WRAP_GROUP_DEFAULTS``; an ``RIPPLES_*`` variable still wins).
 * ``RipplesAverager`` / ``RipplesHookState`` against ``wrap()``: the low-level pieces default
   to no warm-up (``warmup_steps=0``) and no early warm-up exit (``warmup_straggler=None``),
   because their warm-up only means something together: the hook averages gradients exactly
   while the averager does not average, and the exit reads the hook's timings. ``wrap()``
-  builds and links both, so it can default to 50 steps and 2.0.
+  builds and links both, so it can default to no fixed end and a gain of 1.05. The averager
+  also defaults to blocking rounds, ``wrap()`` to overlapped ones (``resolve_overlap``).
 * The command lines: ``python -m ripples_pg.schedule`` shows ``static`` rounds by default (the
   schedule a bare group uses); ``ripples-coordinator`` serves ``smart`` by default (a
   standalone coordinator exists for the dynamic schedules; ``static`` needs none).
@@ -43,9 +44,10 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from .options import _FIELDS, Options
 
 __all__ = ["OptionTypeError", "ARGS", "STRATEGY_OWNS", "RENAMED_FLAGS", "DEFAULT_WARMUP_STEPS",
-           "DEFAULT_WARMUP_STRAGGLER", "WRAP_GROUP_DEFAULTS", "POST_WARMUP_MODES",
+           "DEFAULT_WARMUP_STRAGGLER", "WRAP_GROUP_DEFAULTS", "BLOCKING_PERIOD_MAX",
+           "POST_WARMUP_MODES",
            "check_int", "check_bool", "check_choice", "check_warmup_straggler",
-           "check_state_keys", "check_training_args", "check_group_options"]
+           "check_state_keys", "check_training_args", "check_group_options", "resolve_overlap"]
 
 POST_WARMUP_MODES = ("local", "host")
 
@@ -79,8 +81,8 @@ def check_choice(who: str, name: str, value: Any, choices: Sequence[str]) -> str
 
 
 def check_warmup_straggler(who: str, name: str, value: Any) -> Optional[float]:
-    accepted = (f"{name} must be a number > 1 (or 0/None: warm-up always runs its "
-                f"warmup_steps)")
+    accepted = (f"{name} must be a number > 1, the gain over all-reduce that ends warm-up "
+                f"(or 0/None: warm-up always runs its warmup_steps)")
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -115,22 +117,34 @@ class Arg:
     group_option: bool = False
 
 
-DEFAULT_WARMUP_STEPS = 50
-# Warm-up (exact, at the slowest worker's pace) ends early once a worker computes this many
-# times slower than the median in two checks in a row (ripples_pg.averager); None/0 = never.
-DEFAULT_WARMUP_STRAGGLER = 2.0
+# Warm-up: exact synchronous steps (plain DDP, at the slowest worker's pace). None: no fixed
+# end -- the job stays exact while its workers are even, so it is never worse than DDP then,
+# and averages partially from the step a straggler appears (ripples_pg.averager).
+DEFAULT_WARMUP_STEPS = None
+# ... which is when waiting for the slowest worker makes the exact steps this many times as long
+# as workers that never wait would take, in two checks in a row (ripples_pg.averager); None/0 =
+# never. 1.05: the mild production traces (Alibaba PAI jobs 1 and 3, benchmarks/traces) cost
+# all-reduce 5-6 %; measured noise with even workers: docs/benchmarks.md.
+DEFAULT_WARMUP_STRAGGLER = 1.05
 
 # wrap()'s defaults for the partial group where they differ from Options' (module docstring).
 # on_failure="skip": a failed partial round (a partner died, the coordinator was lost) is one
 # missed averaging step -- the buffers are left as they were, atomically -- while raising would
 # end the training of every survivor. Exact collectives still raise.
-# period_max=2: the coordinator lets the workers average every 2nd step only (a straggler with
-# whoever is due). Chosen with benchmarks/train.py (docs/benchmarks.md, "No straggler"): level
-# with exact DDP on all three workloads, where 4 won on the wide MLP but lost on the ResNet and
-# the Transformer (the replicas drift further apart between averages). With sync_every it is 1
-# (wrap()): a round every H steps is already rare.
+# period_max=1: with overlapped rounds (wrap()'s default) a worker averages at every step. A round
+# is applied one step late, so with the adaptive period of 2 the replicas would go three steps
+# between averages -- and SGD with momentum 0.9 at a large learning rate then diverged where
+# blocking rounds every 2nd step did not (tests/test_overlap.py) -- while the round's cost is
+# hidden behind the next step's compute anyway; measured within 2 % of period 2 on the replayed
+# traces. With sync_every it is 1 as well: a round every H steps is already rare.
 WRAP_GROUP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip",
-                       "period_max": 2}
+                       "period_max": 1}
+# ... and 2 with blocking rounds (overlap=False): the coordinator lets the workers average every
+# 2nd step only (a straggler with whoever is due). Chosen with benchmarks/train.py
+# (docs/benchmarks.md, "No straggler"): level with exact DDP on all three workloads, where 4 won
+# on the wide MLP but lost on the ResNet and the Transformer (the replicas drift further apart
+# between averages).
+BLOCKING_PERIOD_MAX = 2
 
 
 def _group(name: str, help: str) -> Arg:
@@ -148,16 +162,19 @@ ARGS: Dict[str, Arg] = {a.name: a for a in (
     _group("on_failure", "a failed partial round: 'skip' it or 'raise'"),
     _group("seed", "the coordinator's random seed (None: random)"),
     _group("trace", "keep a per-round trace"),
-    _group("period_max", "the coordinator's adaptive period (1 with sync_every)"),
+    _group("period_max", "the coordinator's adaptive period (2 with overlap=False)"),
     _group("compression", "quantise partial rounds across hosts"),
-    Arg("warmup_steps", DEFAULT_WARMUP_STEPS, "at most this many exact steps first"),
+    Arg("warmup_steps", DEFAULT_WARMUP_STEPS,
+        "exact steps first: at most this many (None: until a straggler ends warm-up)"),
     Arg("warmup_straggler", DEFAULT_WARMUP_STRAGGLER,
-        "end warm-up early at a straggler this many times the median (None/0: never)"),
+        "end warm-up once all-reduce is this many times slower than never waiting (None/0: "
+        "never)"),
     Arg("levels", None, "{period: level}; None: {1: 'partial'} ({H: 'partial'} with "
                         "sync_every=H)"),
     Arg("post_warmup", "local", "gradients after warm-up: 'local' or 'host'"),
     Arg("average_optimizer_state", False, "also average optimizer state"),
-    Arg("overlap", False, "run each partial round behind the next step"),
+    Arg("overlap", None, "run each partial round behind the next step (None: unless an "
+                         "outer_optimizer is given)"),
     Arg("outer_optimizer", None, "partial DiLoCo's outer optimizer"),
     Arg("sync_every", None, "partial DiLoCo: steps between averaging steps"),
     Arg("on_alone", "defer", "partial DiLoCo: a round with nobody: 'defer' or 'local_step'"),
@@ -183,23 +200,38 @@ RENAMED_FLAGS = {"--policy": "--schedule"}
 
 def check_training_args(who: str, *, warmup_steps: Optional[int], warmup_straggler: Any,
                         levels: Any, post_warmup: str,
-                        average_optimizer_state: Any, overlap: bool, outer_optimizer: Any,
+                        average_optimizer_state: Any, overlap: Optional[bool], outer_optimizer: Any,
                         sync_every: Optional[int], on_alone: str
                         ) -> Tuple["Mapping[int, str]", Optional[int]]:
-    """Checks the training options ``wrap()`` and ``RipplesStrategy`` share (``None`` for
-    ``warmup_steps``: the default) and returns ``(levels, sync_every)`` resolved: the levels
+    """Checks the training options ``wrap()`` and ``RipplesStrategy`` share and returns ``(levels, sync_every)`` resolved: the levels
     to run and partial DiLoCo's ``H`` (None: plain Ripples)."""
     from .diloco import check_on_alone, resolve_sync_levels
 
     if warmup_steps is not None:
         check_int(who, "warmup_steps", warmup_steps, 0)
-    check_warmup_straggler(who, "warmup_straggler", warmup_straggler)
+    if not check_warmup_straggler(who, "warmup_straggler", warmup_straggler) and \
+            warmup_steps is None:
+        raise ValueError(f"{who}: warmup_steps=None (exact until a straggler ends warm-up) "
+                         f"needs warmup_straggler, the gain that ends it; give warmup_steps "
+                         f"a number of steps to turn the straggler check off")
     check_choice(who, "post_warmup", post_warmup, POST_WARMUP_MODES)
     check_state_keys(who, "average_optimizer_state", average_optimizer_state)
-    check_bool(who, "overlap", overlap)
-    levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels, overlap, who)
+    if overlap is not None:
+        check_bool(who, "overlap", overlap)
+    levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels,
+                                             bool(overlap), who)
     check_on_alone(on_alone, who, outer_optimizer)
     return levels, sync_every
+
+
+def resolve_overlap(overlap: Optional[bool], outer_optimizer: Any) -> bool:
+    """``overlap=None`` (the default): overlapped rounds, unless partial DiLoCo's outer step
+    needs each round's result at once. Measured faster on every replayed trace and on the 5x
+    straggler (docs/benchmarks.md); an overlapped round costs two more copies of the flat
+    parameters, and the default falls back to blocking rounds when they cannot be allocated."""
+    if overlap is None:
+        return outer_optimizer is None
+    return overlap
 
 
 def check_group_options(who: str, given: Mapping[str, Any]):

@@ -38,8 +38,9 @@ import torch.distributed as dist
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, WRAP_GROUP_DEFAULTS,
-                    check_group_options, check_training_args)
+from ._args import (BLOCKING_PERIOD_MAX, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER,
+                    WRAP_GROUP_DEFAULTS, check_group_options, check_training_args,
+                    resolve_overlap)
 from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
@@ -446,7 +447,7 @@ def wrap(ddp_model: DistributedDataParallel,
          trace: Optional[bool] = None,
          period_max: Optional[int] = None,
          compression: Optional[str] = None,
-         overlap: bool = False,
+         overlap: Optional[bool] = None,
          warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
          outer_optimizer: Optional[Union[str, Callable[..., torch.optim.Optimizer]]] = None,
          sync_every: Optional[int] = None,
@@ -464,23 +465,25 @@ def wrap(ddp_model: DistributedDataParallel,
             trace, period_max, compression: ``ripples_pg.Options`` of the partial group that
             ``wrap`` creates over the DDP group's ranks (``None``: the ``RIPPLES_*``
             environment, else the default). ``wrap``'s defaults: the straggler-aware
-            ``"smart"`` schedule, groups of 3, ``period_max=2`` (the coordinator lets the
-            workers average every 2nd step only, a straggler with whoever is due; ``1`` = every
-            step, as in the paper; with
-            ``sync_every`` the default is ``1``: every H-th step's round runs),
+            ``"smart"`` schedule, groups of 3, ``period_max=1`` (a round every step, as in the
+            paper; with ``overlap=False`` the default is ``2``: the coordinator lets the workers
+            average every 2nd step only, a straggler with whoever is due),
             ``on_failure="skip"`` (a partial round that fails because a partner died is a
             missed averaging step, counted in ``ripples_pg.stats()``, not the end of
             training; exact collectives still raise) and the DDP group's timeout
             (``init_process_group(timeout=...)``).
-        warmup_steps: at most this many steps of exact synchronous SGD before model averaging
-            starts (default ``DEFAULT_WARMUP_STEPS`` = 50; a few percent of training is
-            typical). Exact steps run at the slowest worker's pace, so warm-up ends earlier
-            when a worker is persistently slow (``warmup_straggler``).
-        warmup_straggler: end warm-up early, on every worker after the same step, once one
-            worker's compute time per step is this many times the median, and at least 5 ms
-            above it, in two checks in a row (checked every 2 warm-up steps, so at the
-            earliest after step 4; default 2.0). ``None`` or ``0``: warm-up
-            always runs ``warmup_steps`` steps.
+        warmup_steps: steps of exact synchronous SGD (plain DDP) before model averaging
+            starts. ``None`` (default): no fixed end -- training stays exact, and as good as
+            DDP, while the workers are even, and averages partially from the step a straggler
+            makes that pay (``warmup_straggler``), at any point of the job. An ``int``: at most
+            that many exact steps (``0``: none), ended earlier by a straggler the same way.
+        warmup_straggler: end warm-up, on every worker after the same step, once waiting for
+            the slowest worker makes the exact steps this many times as long as workers that
+            never wait would take (all-reduce's time, each step's slowest compute, over the
+            harmonic mean of each worker's own), in two checks in a row; checked every 2 exact
+            steps, so at the earliest after step 4 (default 1.05: a 5 % gain). A worker 2x
+            slow among 4 is a gain of 1.75. ``None`` or ``0``: warm-up always runs
+            ``warmup_steps`` steps (which must then be a number).
         levels: the averager's ``{period: level}`` (see :class:`ripples_pg.RipplesAverager`);
             default ``{1: "partial"}``. Add e.g. ``64: "world"`` to bound drift with an exact
             average every 64 steps, at the price of waiting for the slowest worker then.
@@ -491,9 +494,12 @@ def wrap(ddp_model: DistributedDataParallel,
             (then the schedule options must not be given).
         overlap: run each partial round in the background while the next step computes, and
             apply it one step late: the group's average of the parameters it started from
-            plus the local update made since (one step of staleness, as in overlap-SGP). Off
-            by default until measurements show it faster. Call ``optimizer.flush()`` before
-            evaluating or saving the model at the end; ``unwrap()`` does it too.
+            plus the local update made since (one step of staleness, as in overlap-SGP).
+            ``None`` (default): on, unless ``outer_optimizer`` is given (measured faster on
+            every replayed production trace: docs/benchmarks.md); it costs two more copies of
+            the flat parameters, and if they cannot be allocated the default falls back to
+            blocking rounds with a warning. Call ``optimizer.flush()`` before evaluating or
+            saving the model at the end; ``unwrap()`` does it too.
         outer_optimizer: partial DiLoCo (docs/diloco.md): ``"nesterov"`` (``torch.optim.SGD(
             lr=0.7, momentum=0.9, nesterov=True)``, the DiLoCo paper's), or a callable
             ``params -> torch.optim.Optimizer`` (any torch optimizer; it gets float32 anchors
@@ -584,8 +590,8 @@ def wrap(ddp_model: DistributedDataParallel,
         levels=levels, post_warmup=post_warmup, average_optimizer_state=average_optimizer_state,
         overlap=overlap, outer_optimizer=outer_optimizer, sync_every=sync_every,
         on_alone=on_alone)
-    if warmup_steps is None:  # accepted as "the default", as before it was the default
-        warmup_steps = DEFAULT_WARMUP_STEPS
+    overlap_auto = overlap is None
+    overlap = resolve_overlap(overlap, outer_optimizer)
     if sampler is not None:
         from .sampler import DistributedSampler
 
@@ -618,6 +624,10 @@ def wrap(ddp_model: DistributedDataParallel,
             # A round every H steps is already rare: the adaptive period's passes would skip
             # every 2nd one (an outer step deferred, H silently doubled), so none by default.
             defaults["period_max"] = 1
+        elif not overlap:
+            # Blocking rounds cost their transfer in every averaging step: every 2nd step
+            # (ripples_pg/_args.py says why both numbers).
+            defaults["period_max"] = BLOCKING_PERIOD_MAX
         for k, v in defaults.items():  # wrap's defaults yield to RIPPLES_* variables
             if k not in kw and k in fields and getattr(env, k) is None:
                 kw[k] = v
@@ -640,12 +650,15 @@ def wrap(ddp_model: DistributedDataParallel,
                world_group=ddp_group, optimizer=optimizer,
                average_optimizer_state=average_optimizer_state, module=ddp_model.module,
                overlap=overlap, warmup_straggler=warmup_straggler)
+    if overlap_auto and overlap:
+        akw["overlap"] = "auto"  # falls back to blocking rounds if the copies do not fit
     if sync_every is not None:  # partial DiLoCo, or periodic averaging without outer_optimizer
         averager = DiLoCoAverager(group, outer_optimizer=outer_optimizer,
                                   sync_every=sync_every, on_alone=on_alone, **akw)
     else:
         averager = RipplesAverager(group, **akw)
-    state = RipplesHookState(ddp_group, warmup_steps=warmup_steps, post_warmup=post_warmup,
+    state = RipplesHookState(ddp_group, warmup_steps=averager.warmup_steps,
+                             post_warmup=post_warmup,
                              host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)
     try:

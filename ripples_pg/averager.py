@@ -10,15 +10,29 @@ at step ``s`` the level with the largest period dividing ``s`` runs (none if no 
 * ``"host"``: an exact average among the workers of the same host (``ripples_pg.host_of``);
 * ``"world"``: an exact average over the whole group, which bounds how far replicas drift.
 
-Nothing is averaged during the first ``warmup_steps`` steps: the comm hook
-(``ripples_pg.hooks``) averages gradients exactly then, so the replicas stay identical.
-Exact averaging runs at the slowest worker's pace, so with ``warmup_straggler`` (``wrap()``'s
-default: 2.0) warm-up ends early once one worker persistently computes that many times slower
-than the median: every ``WARMUP_CHECK_EVERY`` warm-up steps the workers exchange their mean
-compute time per step (one tiny exact all-gather), and when two checks in a row
-(``WARMUP_CHECKS_IN_A_ROW``) find the same worker at ``warmup_straggler`` times the median and
-at least ``WARMUP_MIN_EXCESS_S`` (5 ms) above it, every worker ends warm-up after the same step
-(they all see the same numbers). A step's compute is its *whole* time, from the end of one
+Nothing is averaged while the job is in *warm-up*: the comm hook (``ripples_pg.hooks``)
+averages gradients exactly then, so the replicas stay identical and training is plain
+synchronous DDP. Exact averaging runs at the slowest worker's pace, and partial averaging exists
+to stop waiting for it, so with ``warmup_straggler`` the workers measure what waiting costs:
+every ``WARMUP_CHECK_EVERY`` exact steps (``WARMUP_CHECK_LATER`` after the first
+``WARMUP_QUICK_STEPS``) they exchange their compute time of each of those steps (one tiny exact
+all-gather) and compute, all from the same numbers, the *gain* partial averaging
+would have had over them -- all-reduce's time, the sum over steps of the slowest worker's
+compute, over the time of workers that never wait, the harmonic mean of the workers' own totals
+(the ideal speed-up of ``benchmarks/trace_replay.py``, measured online). When two checks in a
+row (``WARMUP_CHECKS_IN_A_ROW``) find a gain of at least ``warmup_straggler`` and the slowest
+worker at least ``WARMUP_MIN_EXCESS_S`` above the others' pace, every worker ends warm-up after
+the same step. So a persistent straggler ends it after four steps, and a different worker slowed
+at almost every step (sequence lengths) as soon as that costs the job ``warmup_straggler``.
+
+``warmup_steps`` bounds warm-up: an ``int`` ends it after that many steps whatever the speeds
+(``0``: none); ``None`` (``wrap()``'s default) has no fixed end -- the job stays exact, and as
+good as DDP, for as long as its workers are even, and starts averaging partially when a
+straggler appears, at any step. (Partial averaging, once started, goes on to the end.) The end
+in force is ``warmup_steps``, which then moves ahead of the step while the checks find the job
+even.
+
+A step's compute is its *whole* time, from the end of one
 optimizer step to the end of the next (all micro-steps of gradient accumulation included), less
 the time spent waiting for the others: in the exact gradient all-reduce, from the first bucket
 a backward pass posts to the completion of its last (``note_gradient_bucket``; the comm hook
@@ -70,6 +84,8 @@ The averager counts steps like torch's averagers (``step`` increases by one per 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 import warnings
 import weakref
@@ -89,19 +105,112 @@ __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
 
 logger = logging.getLogger(__name__)
 
-# Warm-up exit (warmup_straggler): how often the workers compare compute times during warm-up,
-# and how many checks in a row must find the same worker that slow (one slow window -- a
-# checkpoint written, a page cache miss, an oversubscribed core -- is no straggler).
-# Every second step, two in a row: a persistent straggler ends warm-up after step 4, before it
-# costs more than a handful of its own steps (every 5 steps, three in a row took 15: half the
-# time to target on the 1.3M-parameter Transformer went to warm-up). A false alarm only starts
-# averaging early, which is what the method does anyway.
+# Warm-up exit (warmup_straggler): how many exact steps one check covers, and how many checks
+# in a row must find the gain (one slow window -- a checkpoint written, a page cache miss, an
+# oversubscribed core -- is no reason to stop averaging exactly). Every second step, two in a
+# row: a persistent straggler ends warm-up after step 4, before it costs more than a handful of
+# its own steps (every 5 steps, three in a row took 15: half the time to target on the
+# 1.3M-parameter Transformer went to warm-up).
 WARMUP_CHECK_EVERY = 2
 WARMUP_CHECKS_IN_A_ROW = 2
-# ... and only for a straggler that costs the others at least this much per step: with steps
-# of a millisecond or two, a worker descheduled for a few steps on a busy machine reads as
-# "2x slower", and waiting for it in warm-up costs next to nothing anyway.
-WARMUP_MIN_EXCESS_S = 0.005
+# ... for the first WARMUP_QUICK_STEPS steps; after them warm-up may last the whole job (no
+# fixed end), and a check every WARMUP_CHECK_LATER steps keeps its cost (one tiny exact
+# all-gather) a quarter of that, at the price of seeing a straggler that appears later within
+# two or three such windows.
+WARMUP_QUICK_STEPS = 24
+WARMUP_CHECK_LATER = 8
+# ... and only when the slowest worker's excess over the others' pace is at least this much per
+# step: with steps of a fraction of a millisecond, a worker descheduled once reads as slow, and
+# waiting for it costs next to nothing anyway.
+WARMUP_MIN_EXCESS_S = 0.0005
+# Workers that wait for a core this share of their steps outside the exact collectives (on
+# average: more CPU-bound workers than the host has cores) make differences in their steps that
+# averaging partially cannot remove, as it adds no cores: then only a gain of
+# WARMUP_CROWDED_GAIN, in WARMUP_CROWDED_IN_A_ROW checks in a row, ends warm-up. Measured with
+# four even CPU-bound workers on two cores (the run queue's wait taken out): a median gain of
+# 1.09-1.17, 1.19-1.43 at the 90th percentile, and 7-46 % of the time waiting for a core; a
+# replayed trace, whose steps are mostly pauses, waits for a core a few % of its time. A worker
+# 2x slow among 4 is a gain of 1.75.
+WARMUP_CROWDED = 0.12
+WARMUP_CROWDED_GAIN = 1.5
+WARMUP_CROWDED_IN_A_ROW = 3
+# With no fixed end (warmup_steps=None), how far ahead of the step the end in force is kept
+# while the job is even: past the next check, so every worker learns of a straggler there.
+WARMUP_HORIZON = 2 * WARMUP_CHECK_LATER + 1
+
+
+def warmup_window(step: int) -> int:
+    """Steps per warm-up check at ``step`` (0-based; the same on every worker)."""
+    return WARMUP_CHECK_EVERY if step + 1 <= WARMUP_QUICK_STEPS else WARMUP_CHECK_LATER
+
+
+class _RunQueueClock:
+    """Seconds the calling thread has spent runnable but waiting for a CPU: the second field of
+    Linux's ``/proc/self/task/<tid>/schedstat``, read with one ``pread`` (~2 us) on a file kept
+    open. The warm-up exit subtracts it from a step's compute: a worker that waited for a core
+    (more CPU-bound workers than cores on the host) was not slower at its own work, and partial
+    averaging cannot give the host more cores -- without this, four CPU-bound workers on two
+    cores read as a 1.2-1.45x straggler at every step, with nobody slow. None where the file is
+    missing (not Linux, or a kernel without scheduler statistics)."""
+
+    def __init__(self):
+        self._fd: Optional[int] = None
+        self._tid: Optional[int] = None
+        self._ok = True
+
+    def read(self) -> Optional[float]:
+        if not self._ok:
+            return None
+        tid = threading.get_native_id()
+        try:
+            if tid != self._tid:
+                self.close()
+                self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+                self._tid = tid
+            return int(os.pread(self._fd, 64, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            self._ok = False
+            self.close()
+            return None
+
+    def peek(self) -> Optional[float]:
+        """The same clock, of the thread that last called :meth:`read`, from any thread (the
+        backend's, completing an all-reduce); None if there is none."""
+        fd = self._fd
+        if fd is None:
+            return None
+        try:
+            return int(os.pread(fd, 64, 0).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def close(self) -> None:
+        fd, self._fd, self._tid = self._fd, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __del__(self):
+        self.close()
+
+    def __getstate__(self):
+        return {"_fd": None, "_tid": None, "_ok": self._ok}
+
+
+def straggler_gain(times: Sequence[Sequence[float]]) -> Tuple[float, float, int]:
+    """``times[w][t]``: worker ``w``'s compute time at step ``t`` of a window. Returns
+    ``(gain, excess, slowest)``: all-reduce's time over the window (the sum of every step's
+    slowest compute) over that of workers that never wait (the harmonic mean of their totals),
+    the difference per step in seconds, and the worker with the largest total."""
+    n, k = len(times), len(times[0])
+    allreduce = sum(max(times[w][t] for w in range(n)) for t in range(k)) / k
+    totals = [sum(ts) / k for ts in times]
+    free = n / sum(1.0 / x for x in totals)
+    slowest = max(range(n), key=lambda w: totals[w])
+    return allreduce / free, allreduce - free, slowest
+
 
 LEVELS = ("partial", "host", "world")
 
@@ -291,8 +400,14 @@ class RipplesAverager(ModelAverager):
             round per step. A ``"world"`` (or ``"host"``) level is a barrier among all (or the
             host's) workers, so with a persistent straggler its period sets how often everyone
             waits for it.
-        warmup_steps: steps (counted from 0) without averaging; use the hook's warm-up
-            (exact gradient averaging) for the same number of steps.
+        warmup_steps: steps (counted from 0) without averaging, at most (``int``), or
+            ``None``: no fixed end, warm-up lasts until ``warmup_straggler`` ends it (which it
+            then needs). Use the hook's warm-up (exact gradient averaging) for the same steps:
+            a linked hook state (:meth:`link_hook_state`) follows the end in force.
+        warmup_straggler: end warm-up, on every worker after the same step, once waiting for
+            the slowest worker costs the exact steps this much: all-reduce's time over that of
+            workers that never wait, measured over the last steps (the module's documentation
+            says how), at least this in two checks in a row. ``None`` or ``0``: never early.
         host_group: the exact intra-host group of the ``"host"`` level; default
             :func:`ripples_pg.hooks.host_group` of ``process_group`` (created in the
             constructor, so every rank must construct the averager at the same point).
@@ -307,25 +422,30 @@ class RipplesAverager(ModelAverager):
             (``num_batches_tracked``) are not averaged: each worker keeps its own.
         overlap: run each ``"partial"`` round in the background while the next step
             computes and apply it one step late (see the module's documentation); exact
-            levels stay blocking. ``overlap_stats`` counts its rounds and the time spent
+            levels stay blocking. ``"auto"`` (what ``wrap()`` passes by default): the same,
+            but if the round's two copies of the flat buffers cannot be allocated, warn and
+            run blocking rounds instead. ``overlap_stats`` counts its rounds and the time spent
             waiting for them.
 
     ``step`` counts calls of :meth:`average_parameters` (one per optimizer step), as in torch's
     averagers. ``counts`` holds how many times each level ran.
 
-    Defaults: no warm-up and no early warm-up exit, where ``wrap()`` has 50 steps and 2.0: the
-    averager's warm-up means something only together with a comm hook's, which ``wrap()``
-    builds and links (the reasons and the one table: ``ripples_pg/_args.py``).
+    Defaults: no warm-up, no early warm-up exit and blocking rounds, where ``wrap()`` stays
+    exact until a straggler makes partial averaging pay (``warmup_steps=None``,
+    ``warmup_straggler=1.05``) and overlaps its rounds: the averager's warm-up means something
+    only together with a comm hook's, which ``wrap()`` builds and links (the reasons and the
+    one table: ``ripples_pg/_args.py``).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
                  levels: Optional[Union[Mapping[int, str], str]] = None,
-                 warmup_steps: int = 0, *,
+                 warmup_steps: Optional[int] = 0, *,
                  host_group: Optional[dist.ProcessGroup] = None,
                  world_group: Optional[dist.ProcessGroup] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  average_optimizer_state: Union[bool, Sequence[str]] = False,
-                 module: Optional[torch.nn.Module] = None, overlap: bool = False,
+                 module: Optional[torch.nn.Module] = None,
+                 overlap: Union[bool, str] = False,
                  warmup_straggler: Optional[float] = None) -> None:
         self._hook_states: list = []
         self._round: Optional[OverlappedRound] = None
@@ -333,9 +453,22 @@ class RipplesAverager(ModelAverager):
         who = "ripples_pg.RipplesAverager"
         # the checks wrap() and RipplesStrategy run too (ripples_pg/_args.py): a bad value
         # gets the same error wherever it is given
-        self.warmup_steps = check_int(who, "warmup_steps", warmup_steps, 0)
         self.warmup_straggler = float(
             check_warmup_straggler(who, "warmup_straggler", warmup_straggler) or 0)
+        # warmup_limit: the user's bound (None: no fixed end); warmup_steps: the end in force
+        self.warmup_limit: Optional[int] = None
+        if warmup_steps is None:
+            if not self.warmup_straggler:
+                raise ValueError(f"{who}: warmup_steps=None (warm-up until a straggler ends "
+                                 f"it) needs warmup_straggler, the gain that ends it; give "
+                                 f"warmup_steps a number of steps otherwise")
+            self.warmup_steps = WARMUP_HORIZON
+        else:
+            self.warmup_limit = check_int(who, "warmup_steps", warmup_steps, 0)
+            self.warmup_steps = self.warmup_limit
+        self._overlap_fallback = overlap == "auto"
+        if self._overlap_fallback:
+            overlap = True
         check_bool(who, "overlap", overlap)
         check_state_keys(who, "average_optimizer_state", average_optimizer_state)
         # Warm-up exit: the end of the last step (where this step's clock starts), this step's
@@ -347,11 +480,17 @@ class RipplesAverager(ModelAverager):
         self._warm_win: Optional[List[float]] = None
         self._warm_win_closed = False
         self._warm_fwd: Optional[float] = None
-        self._warm_sum = 0.0
-        self._warm_n = 0
+        self._warm_times: List[float] = []
+        # per step: (waited for a core, time outside the exact collectives' waiting windows)
+        self._warm_crowd: List[Tuple[float, float]] = []
+        self._warm_crowd_avg: Optional[float] = None
+        self._runq = _RunQueueClock()
+        self._warm_rq: Optional[float] = None  # the run queue clock at the end of the last step
+        self._warm_rqw: List[list] = []
+        self._warm_fwd_rq: Optional[float] = None
         self._warm_hits = 0
-        self._warm_slow = -1
         self.warmup_ended_early: Optional[int] = None
+        self.warmup_gain: Optional[float] = None  # the last check's gain
         self.levels = parse_levels(levels)
         self._periods = list(self.levels)
         kinds = set(self.levels.values())
@@ -411,6 +550,7 @@ class RipplesAverager(ModelAverager):
         """Makes ``state`` (a :class:`ripples_pg.hooks.RipplesHookState`) follow this
         averager's step count."""
         state.averager = self
+        state.warmup_steps = self.warmup_steps  # the end in force, which may move
         state.step = self._step
         if state not in self._hook_states:
             self._hook_states.append(state)
@@ -530,6 +670,8 @@ class RipplesAverager(ModelAverager):
     def _warm_restart(self) -> None:
         """A step has ended: the next one's clock starts now, with no waiting yet."""
         self._warm_end = time.perf_counter()
+        self._warm_rq = self._runq.read() if self._warm_timing() else None
+        self._warm_rqw = []  # the run queue clock at each waiting window's start and end
         self._warm_wins = []
         self._warm_win = None
         self._warm_win_closed = False
@@ -548,12 +690,16 @@ class RipplesAverager(ModelAverager):
         if win is None or self._warm_win_closed:  # the first bucket of a backward pass
             win = self._warm_win = [t, t]
             self._warm_wins.append(win)
+            rq = self._runq.read()
+            self._warm_rqw.append([rq, rq])
+        rqw = self._warm_rqw[-1]
         self._warm_win_closed = bool(last)
 
         def done() -> None:  # may run on the backend's thread
             now = time.perf_counter()
             if now > win[1]:
                 win[1] = now
+                rqw[1] = self._runq.peek()
         return done
 
     def note_forward(self, inner: bool) -> None:
@@ -564,49 +710,104 @@ class RipplesAverager(ModelAverager):
             self._warm_fwd = None
             return
         t = time.perf_counter()
+        rq = self._runq.read()
         if not inner:
             self._warm_fwd = t
+            self._warm_fwd_rq = rq
         elif self._warm_fwd is not None:
             self._warm_wins.append([self._warm_fwd, t])
+            self._warm_rqw.append([self._warm_fwd_rq, rq])
             self._warm_fwd = None
 
     def _warmup_check(self) -> None:
-        now = time.perf_counter()
-        if self._warm_end is not None and now > self._warm_end:
-            wait = _covered(self._warm_wins, self._warm_end, now)
-            self._warm_sum += max(0.0, now - self._warm_end - wait)
-            self._warm_n += 1
-        if (self.step + 1) % WARMUP_CHECK_EVERY != 0 or self.step + 1 >= self.warmup_steps:
+        self._warm_time_step(time.perf_counter())
+        if (self.step + 1) % warmup_window(self.step) != 0 or \
+                self.step + 1 >= self.warmup_steps:
             return
+        gathered = self._warm_gather()
+        if gathered is None:
+            return
+        times, crowded = gathered
+        if times is None:  # someone has no measurement yet (every worker sees the same)
+            self._warm_hits = 0
+            self._keep_warm()
+            return
+        gain, excess, slow = straggler_gain(times)
+        self.warmup_gain = gain
+        # Workers waiting for cores (more CPU-bound workers than the host has): the steps'
+        # differences are mostly that competition, which averaging partially cannot remove --
+        # it adds no cores -- so only a clear straggler counts then.
+        need, row = (max(self.warmup_straggler, WARMUP_CROWDED_GAIN),
+                     WARMUP_CROWDED_IN_A_ROW) if crowded else \
+            (self.warmup_straggler, WARMUP_CHECKS_IN_A_ROW)
+        if gain < need or excess < WARMUP_MIN_EXCESS_S:
+            self._warm_hits = 0
+        else:
+            self._warm_hits += 1
+        if self._warm_hits < row:
+            self._keep_warm()
+            return
+        end = self.step + 1  # this step is the last warm-up step, on every worker
+        ranks = dist.get_process_group_ranks(self.world_group)
+        bound = "" if self.warmup_limit is None else f" instead of {self.warmup_limit}"
+        logger.warning("ripples_pg: waiting for the slowest worker (rank %d) makes the exact "
+                       "steps %.2fx as long as workers that never wait; warm-up ends at step "
+                       "%d%s and partial averaging starts", ranks[slow], gain, end, bound)
+        self.warmup_ended_early = end
+        self._set_warmup_end(end)
+
+    def _warm_time_step(self, now: float) -> None:
+        """Records the step that ends now: its compute (its whole time less its waits in the
+        exact collectives and for a core) and how much of its time outside those collectives
+        it spent waiting for a core."""
+        if self._warm_end is None or now <= self._warm_end:
+            return
+        wait = _covered(self._warm_wins, self._warm_end, now)
+        rq = self._runq.read()
+        cpu_wait = 0.0  # waiting for a core outside those windows is not compute either
+        if rq is not None and self._warm_rq is not None:
+            inside = sum(b - a for a, b in self._warm_rqw
+                         if a is not None and b is not None and b > a)
+            cpu_wait = max(0.0, rq - self._warm_rq - inside)
+        self._warm_times.append(max(1e-6, now - self._warm_end - wait - cpu_wait))
+        self._warm_crowd.append((cpu_wait, max(1e-6, now - self._warm_end - wait)))
+
+    def _warm_gather(self):
+        """One tiny exact all-gather of every worker's compute times of the last
+        ``warmup_window`` steps and its share of them spent waiting for a core. Returns None
+        alone in the group, else ``(times, crowded)``: ``times[w][t]`` (None if a worker missed
+        a step) and whether the workers have waited for cores WARMUP_CROWDED of their time
+        (a running average over the checks: one check's share is noisy)."""
         group = self.world_group
         n = dist.get_world_size(group)
         if n < 2:
-            return
-        mine = self._warm_sum / self._warm_n if self._warm_n else -1.0
-        self._warm_sum, self._warm_n = 0.0, 0
-        out = torch.empty(n, dtype=torch.float64)
+            return None
+        k = warmup_window(self.step)
+        mine = ([-1.0] * k + self._warm_times)[-k:]  # -1: a step not timed
+        waited = sum(c for c, _ in self._warm_crowd)
+        walls = sum(w for _, w in self._warm_crowd)
+        self._warm_times, self._warm_crowd = [], []
+        out = torch.empty(n * (k + 1), dtype=torch.float64)
+        mine.append(waited / walls if walls > 0 else 0.0)
         with exact_if_ripples(group):
-            _all_gather_single(out, torch.tensor([mine], dtype=torch.float64), group=group)
-        times = out.tolist()
-        if min(times) <= 0:  # someone has no measurement yet (every worker sees the same)
-            self._warm_hits = 0
-            return
-        median = sorted(times)[(n - 1) // 2]
-        slow = max(range(n), key=lambda i: times[i])
-        ratio = times[slow] / median
-        if ratio < self.warmup_straggler or times[slow] - median < WARMUP_MIN_EXCESS_S:
-            self._warm_hits = 0
-        else:
-            self._warm_hits = self._warm_hits + 1 if slow == self._warm_slow else 1
-        self._warm_slow = slow
-        if self._warm_hits < WARMUP_CHECKS_IN_A_ROW:
-            return
-        end = self.step + 1  # this step is the last warm-up step, on every worker
-        ranks = dist.get_process_group_ranks(group)
-        logger.warning("ripples_pg: rank %d computes %.1fx slower than the median; warm-up "
-                       "ends at step %d instead of %d so that the others stop waiting for it",
-                       ranks[slow], ratio, end, self.warmup_steps)
-        self.warmup_ended_early = end
+            _all_gather_single(out, torch.tensor(mine, dtype=torch.float64), group=group)
+        flat = out.tolist()
+        rows = [flat[w * (k + 1):(w + 1) * (k + 1)] for w in range(n)]
+        share = sum(r[k] for r in rows) / n  # the same on every worker
+        avg = self._warm_crowd_avg
+        self._warm_crowd_avg = share if avg is None else avg + (share - avg) / 4
+        crowded = self._warm_crowd_avg >= WARMUP_CROWDED
+        times = [r[:k] for r in rows]
+        return (None if min(min(t) for t in times) <= 0 else times), crowded
+
+    def _keep_warm(self) -> None:
+        """No straggler now: with no fixed end, warm-up goes on past the next check."""
+        if self.warmup_limit is None:
+            self._set_warmup_end(max(self.warmup_steps, self.step + 1 + WARMUP_HORIZON))
+
+    def _set_warmup_end(self, end: int) -> None:
+        """The end of warm-up in force, for this averager and the hook states linked to it
+        (every worker sets the same, from the same numbers)."""
         self.warmup_steps = end
         for st in self._hook_states:
             st.warmup_steps = end
@@ -646,6 +847,32 @@ class RipplesAverager(ModelAverager):
         lay.unpack_extras()
         return lay
 
+    def _start_round(self, lay: _Layout, group) -> bool:
+        """Starts the overlapped round; False if ``overlap="auto"`` found no memory for its
+        copies (overlap is then off for good, and the caller runs a blocking round)."""
+        try:
+            self._round.start(lay, group, self.step)
+        except MemoryError as exc:
+            if not self._overlap_fallback:
+                raise
+            self._overlap_off(lay, exc)
+            return False
+        except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
+            if not self._overlap_fallback or "out of memory" not in str(exc).lower():
+                raise
+            self._overlap_off(lay, exc)
+            return False
+        return True
+
+    def _overlap_off(self, lay: _Layout, exc: BaseException) -> None:
+        warnings.warn(f"ripples_pg: overlapped rounds need two more copies of the "
+                      f"{lay.bytes / 2**20:.0f} MiB of averaged state, which do not fit "
+                      f"({exc}); averaging with blocking rounds instead (pass overlap=False "
+                      f"to choose that yourself)", RuntimeWarning, stacklevel=4)
+        self._round.release()
+        self._round = None
+        self.overlap = False
+
     def _discard_round(self) -> None:
         """Waits for the round in flight (its buffers belong to the core until then) and
         forgets it."""
@@ -672,8 +899,8 @@ class RipplesAverager(ModelAverager):
         if lay is not packed:  # _finish_round has just packed the current extras
             lay.pack_extras()
         if level == "partial" and self._round is not None:
-            self._round.start(lay, group, self.step)
-            return  # the extras are updated when the round is applied
+            if self._start_round(lay, group):
+                return  # the extras are updated when the round is applied
         if level == "partial":  # every dtype in one call: one partial round
             partial_all_reduce(lay.flats, group=group, op=dist.ReduceOp.AVG)
         else:  # exact: one call per dtype is fine (and works on any backend)
@@ -720,6 +947,7 @@ class RipplesAverager(ModelAverager):
     # -- checkpointing (PostLocalSGDOptimizer saves only ``step``)
     def state_dict(self) -> dict:
         return {"step": self.step, "warmup_steps": self.warmup_steps,
+                "warmup_limit": self.warmup_limit,
                 "levels": dict(self.levels), "counts": dict(self.counts),
                 "warmup_ended_early": self.warmup_ended_early}
 
@@ -730,21 +958,28 @@ class RipplesAverager(ModelAverager):
                           stacklevel=2)
         if self._round is not None and self._round.pending:
             self._discard_round()  # it started from the parameters being replaced
-        if sd.get("warmup_ended_early") is not None:
+        step = int(sd["step"])
+        ended = sd.get("warmup_ended_early")
+        saved_end = sd.get("warmup_steps")
+        if ended is not None:
             # Warm-up had ended early for a straggler: a restored job does not go back into
             # exact averaging (every worker restores the same checkpoint step).
-            end = int(sd["warmup_ended_early"])
-            self.warmup_ended_early = end
-            if end < self.warmup_steps:
-                self.warmup_steps = end
-                for st in self._hook_states:
-                    st.warmup_steps = end
-        self.step = int(sd["step"])
+            self.warmup_ended_early = int(ended)
+            if self.warmup_ended_early < self.warmup_steps or self.warmup_limit is None:
+                self._set_warmup_end(self.warmup_ended_early)
+        elif self.warmup_limit is None:
+            if saved_end is not None and step >= int(saved_end):
+                self._set_warmup_end(int(saved_end))  # partial averaging had begun: go on
+            else:
+                self._set_warmup_end(step + WARMUP_HORIZON)  # still exact: check again
+        self.step = step
         if "counts" in sd:
             self.counts.update(sd["counts"])
 
     def __repr__(self) -> str:
         lv = ", ".join(f"{p}: {k!r}" for p, k in self.levels.items())
         ov = ", overlap=True" if self.overlap else ""
-        return (f"RipplesAverager(levels={{{lv}}}, warmup_steps={self.warmup_steps}, "
+        warm = self.warmup_steps if self.warmup_limit is not None or \
+            self.warmup_ended_early is not None else f"None (now {self.warmup_steps})"
+        return (f"RipplesAverager(levels={{{lv}}}, warmup_steps={warm}, "
                 f"step={self.step}{ov})")

@@ -159,7 +159,7 @@ class DiLoCoAverager(RipplesAverager):
         who = "ripples_pg.DiLoCoAverager"
         check_on_alone(on_alone, who, outer_optimizer)
         levels, sync_every = resolve_sync_levels(outer_optimizer, sync_every, levels,
-                                                 kwargs.get("overlap", False), who)
+                                                 bool(kwargs.get("overlap", False)), who)
         if sync_every is None:
             raise ValueError(f"{who}: needs sync_every=H or levels")
         super().__init__(process_group, levels, warmup_steps, **kwargs)

@@ -62,6 +62,10 @@ StrategyRegistry = _sub("strategies").StrategyRegistry
 _FITTING = "fit"  # TrainerFn.FITTING (a str enum)
 
 import ripples_pg  # noqa: E402
+
+# time_limit during warm-up (exact steps, every rank at the same step): the ranks agree on
+# stopping every this many steps (one tiny exact all-reduce), so all stop after the same step.
+EXACT_STOP_EVERY = 8
 from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, STRATEGY_OWNS,  # noqa: E402
                     check_choice, check_group_options, check_int, check_training_args)
 from ._groups import exact_if_ripples  # noqa: E402
@@ -160,9 +164,10 @@ class RipplesStrategy(DDPStrategy):
 
     Ripples arguments: every keyword option of :func:`ripples_pg.wrap`, with wrap's defaults
     and checks (one table: ``ripples_pg/_args.py``, docs/options.md): ``schedule``
-    (``"smart"``), ``group_size`` (3), ``warmup_steps`` (50), ``warmup_straggler`` (2.0),
+    (``"smart"``), ``group_size`` (3), ``warmup_steps`` (``None``: exact until a straggler
+    makes partial averaging pay), ``warmup_straggler`` (1.05),
     ``levels`` (``{1: "partial"}``), ``post_warmup`` (``"local"``),
-    ``average_optimizer_state``, ``overlap``, ``c_thres``, ``inter_intra``, ``coordinator``,
+    ``average_optimizer_state``, ``overlap`` (on unless ``outer_optimizer``), ``c_thres``, ``inter_intra``, ``coordinator``,
     ``on_failure`` (``"skip"``), ``seed``, ``trace``, ``period_max`` (2), ``compression``,
     ``timeout`` (below) and ``outer_optimizer`` / ``sync_every`` / ``on_alone`` (partial
     DiLoCo, docs/diloco.md); ``None`` for an Options field = the ``RIPPLES_*`` environment,
@@ -208,7 +213,7 @@ class RipplesStrategy(DDPStrategy):
                  warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
                  levels=None, post_warmup: str = "local",
                  average_optimizer_state: Union[bool, Sequence[str]] = False,
-                 overlap: bool = False, c_thres: Optional[int] = None,
+                 overlap: Optional[bool] = None, c_thres: Optional[int] = None,
                  inter_intra: Optional[bool] = None, coordinator: Optional[str] = None,
                  on_failure: Optional[str] = None, seed: Optional[int] = None,
                  trace: Optional[bool] = None, period_max: Optional[int] = None,
@@ -695,7 +700,14 @@ class RipplesStrategy(DDPStrategy):
             in_warmup = step < ropt.averager.warmup_steps
             done = trainer.max_steps is not None and 0 <= trainer.max_steps <= \
                 trainer.global_step + 1
-            if done or (not in_warmup and time.monotonic() - self._t0 >= self.time_limit):
+            over = time.monotonic() - self._t0 >= self.time_limit
+            if in_warmup and not done and step % EXACT_STOP_EVERY == 0:
+                # Warm-up has no fixed end by default (exact while the ranks are even), and in
+                # it every rank is at this step: they agree on the time limit, so that all stop
+                # together instead of one leaving the others in an all-reduce it never joins.
+                over = self._agree_stop(ropt, over)
+                in_warmup = False  # an agreed stop may end it: every rank decided the same
+            if done or (not in_warmup and over):
                 # This rank's last step: it stops on its own clock. Its next collective is an
                 # exact one on a ripples group (a checkpoint's average, the end of fit), which
                 # fences it against the others' partial rounds.
@@ -703,6 +715,16 @@ class RipplesStrategy(DDPStrategy):
                 self._free_running = False
                 self.stopped_at = step
         return out
+
+    @staticmethod
+    def _agree_stop(ropt, over: bool) -> bool:
+        """Whether any rank's clock is past time_limit: one exact all-reduce of a flag on the
+        DDP group (every rank calls it at the same warm-up step)."""
+        group = ropt.hook_state.process_group if ropt.hook_state is not None else None
+        flag = torch.tensor([1.0 if over else 0.0])
+        with exact_if_ripples(group):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
 
     def ripples_stats(self) -> dict:
         """``ripples_pg.stats()`` of this rank's partial group (local counters and the

@@ -143,7 +143,10 @@ class JobClock:
         self._own_samples += int(samples)
         if not exact:
             self._lockstep_run = False
-        if self.mode != SHARED or self._failed is not None:
+        if self.mode != SHARED or self._failed is not None or self._lockstep_run:
+            # While every step so far was exact (warm-up, which may last the whole job), the
+            # job step is the worker's own count: the counter hears of those steps in one add
+            # at the first partial step, not one request per step.
             return
         ds = self._own - self._own_at_total
         dn = self._own_samples - self._own_samples_at_total

@@ -80,8 +80,10 @@ def task_wrap_bn(ctx):
     module = BNNet()
     ddp = DDP(module)
     chk.true(ddp.broadcast_buffers is True, "DDP broadcasts buffers by default")
+    # blocking rounds: the checks below read each step's own round right after it (overlapped
+    # rounds, wrap()'s default, average buffers the same way one step later: test_overlap.py)
     opt = ripples_pg.wrap(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), schedule="static",
-                          warmup_steps=2, trace=True)
+                          warmup_steps=2, trace=True, overlap=False)
     g = opt.group
     chk.true(ddp.broadcast_buffers is True, "broadcast on at step 0 (inside warm-up)")
 

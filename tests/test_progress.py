@@ -200,10 +200,37 @@ def test_store_failure_never_raises_into_training():
     clock = JobClock(4, "shared", store=_Dead(), key="ripples/job/x/steps")
     for _ in range(3):
         clock.tick(exact=True)
-    assert clock.failed and "Connection reset" in clock.failed
+    assert clock.failed is None  # exact steps are counted locally: no request yet
     assert clock.job_step == 3  # lockstep steps count as the job's own
-    clock.tick()
+    clock.tick()  # the first partial step sends them all, and the store fails
+    assert clock.failed and "Connection reset" in clock.failed
     assert clock.job_step == 4
+
+
+def test_exact_steps_reach_the_counter_in_one_add():
+    from ripples_pg.progress import JobClock
+
+    class _Counter:
+        def __init__(self):
+            self.value, self.calls = 0, 0
+
+        def add(self, key, value):
+            self.calls += 1
+            self.value += value
+            return self.value
+
+    store = _Counter()
+    clock = JobClock(2, "shared", store=store, key="ripples/job/x/steps")
+    for _ in range(5):
+        clock.tick(exact=True)
+    assert store.calls == 0 and clock.job_step == 5
+    clock.tick()
+    assert store.calls == 1 and store.value == 6  # the five exact steps and this one
+    # the other worker has not sent its five yet: the job step never goes back meanwhile
+    assert clock.job_step == 5
+    store.value += 5 + 1  # its exact steps and its first partial one
+    clock.tick()
+    assert store.calls == 2 and clock.job_step == 6  # 13 worker-steps of a world of 2
 
 
 def test_clock_arguments():
