@@ -39,6 +39,9 @@ Stragglers (--straggler):
   R:F        worker R is F times slower: after each step it sleeps (F-1) x the delay unit
   p:F        each step one worker, drawn at random (the same draw on every worker), is slowed
   pX:F       each step each worker is slowed independently with probability X (e.g. p0.1:5)
+  tokens     the docs workload's batches cost what their documents padded to the longest
+             would cost an accelerator: every worker's pause (--pause-s) after a step is
+             scaled by its batch's cost relative to the average batch (workloads.doc_cost)
   trace:FILE a recorded straggler trace (benchmarks/traces/*.csv: one row per step, one
              column per traced worker): worker w follows column w (w mod columns), its step t
              row t mod rows, each row divided by its minimum over the columns used; worker w
@@ -244,12 +247,14 @@ def load_trace(path: str, world: int) -> list:
 
 
 def parse_straggler(spec: str | None, world: int):
-    """Returns who is slowed (a rank, "p", "pX" or "trace") and the factor (for a trace, its
-    per-step factors of every worker)."""
+    """Returns who is slowed (a rank, "p", "pX", "trace" or "tokens") and the factor (for a
+    trace, its per-step factors of every worker)."""
     if not spec or spec.lower() in ("none", "0", "off"):
         return None, 1.0
     if spec.startswith("trace:"):
         return "trace", load_trace(spec[len("trace:"):], world)
+    if spec == "tokens":  # the docs workload: each step's pause scales with its batch's cost
+        return "tokens", 1.0
     try:
         who, factor = spec.split(":")
         factor = float(factor)
@@ -271,8 +276,11 @@ class Straggler:
         self.slowed_steps = 0
         self.factor_sum = 0.0  # a trace replay: the sum of the factors applied
         self.trace = None
+        self.cost = 1.0  # tokens: this step's batch cost (workloads.doc_cost)
         if self.who == "trace":
             self.trace, self.factor = self.factor, 1.0
+        elif self.who == "tokens":
+            pass
         elif self.who is not None and self.who != "p" and not self.who.startswith("p"):
             r = int(self.who)
             if not 0 <= r < world:
@@ -292,9 +300,22 @@ class Straggler:
         """This worker's factor at its ``step`` (0-based) in a trace replay."""
         return self.trace[step % len(self.trace)][self.rank]
 
+    def step_factor(self, step: int):
+        """This worker's factor at its ``step``: a trace replay's, or its batch's cost
+        (tokens); None for the other stragglers."""
+        if self.trace is not None:
+            return self.trace_factor(step)
+        return self.cost if self.who == "tokens" else None
+
     def after_step(self, step: int) -> None:
         d = self.pause_s
-        if self.trace is not None:
+        if self.who == "tokens":
+            # the accelerator's share of the step, in proportion to the padded tokens: the
+            # pause is the average batch's
+            d *= self.cost
+            self.slowed_steps += self.cost > 1.0
+            self.factor_sum += self.cost
+        elif self.trace is not None:
             f = self.trace_factor(step)
             if f > 1.0:
                 d += (f - 1.0) * (self.step_s or self.compute_s)
@@ -491,6 +512,9 @@ def parse_args(argv=None):
                    help="steps of exact synchronous SGD before local steps (all but "
                         "allreduce); default: ripples_pg.wrap()'s own default, and its "
                         "DEFAULT_WARMUP_STEPS for torch's local and hierarchical SGD")
+    p.add_argument("--warmup-straggler", type=float, default=None,
+                   help="ripples: the gain over all-reduce that ends warm-up (wrap()'s "
+                        "warmup_straggler; default: wrap()'s own)")
     p.add_argument("--local-period", type=int, default=4,
                    help="localsgd: average all workers' models every this many steps")
     p.add_argument("--hier-levels", default="2:2,8:W",
@@ -505,9 +529,10 @@ def parse_args(argv=None):
                         "wrap()'s, one partial round per step, or per --outer-every steps)")
     p.add_argument("--post-warmup", choices=["local", "host"], default="local")
     p.add_argument("--average-optimizer-state", action="store_true")
-    p.add_argument("--overlap", action="store_true",
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="ripples: run each partial round while the next step computes "
-                        "(wrap(overlap=True))")
+                        "(wrap(overlap=True)); --no-overlap: blocking rounds; default: "
+                        "wrap()'s")
     p.add_argument("--period-max", type=int, default=None,
                    help="ripples: bound of the coordinator's adaptive period (wrap's default "
                         "4; 1 = average at every step)")
@@ -596,7 +621,7 @@ def parse_args(argv=None):
     if args.warmup_steps is not None and args.warmup_steps < 0:
         p.error("--warmup-steps must be >= 0")
     if args.width is None:
-        args.width = 64 if args.workload == "transformer" else 16
+        args.width = 64 if args.workload in ("transformer", "docs") else 16
     if args.outer_every < 0:
         p.error("--outer-every must be >= 0")
     if args.strategy == "torchft_diloco" and args.outer_every < 1:
@@ -692,8 +717,10 @@ def run(args):
             kw["inter_intra"] = True
         if args.trace:
             kw["trace"] = True
-        if args.overlap:
-            kw["overlap"] = True
+        if args.overlap is not None:
+            kw["overlap"] = args.overlap
+        if args.warmup_straggler is not None:
+            kw["warmup_straggler"] = args.warmup_straggler
         if args.period_max is not None:
             kw["period_max"] = args.period_max
         kw.update(ripples_diloco_options(args))
@@ -760,11 +787,14 @@ def run(args):
     # same step (a collective at an evaluation that only some workers make would hang)
     eval_consensus = sync_stop and not args.no_eval_consensus
 
+    lens = data.lengths[shard] if data.lengths is not None else None
+
     def batches():
         while True:
             order = torch.randperm(len(xs), generator=gen)
             for i in range(0, len(order) - bs + 1, bs):
                 idx = order[i:i + bs]
+                straggler.cost = workloads.doc_cost(data, None if lens is None else lens[idx])
                 yield xs[idx], ys[idx]
 
     if tft is not None:
@@ -813,12 +843,20 @@ def run(args):
         straggler.after_step(step)
         if args.log_steps:  # one record per step: the replay's factor and the step's wall time
             emit({"event": "step", "rank": rank, "step": step,
-                  "factor": straggler.trace_factor(step) if straggler.trace else None,
+                  "factor": straggler.step_factor(step),
                   "seconds": round(time.perf_counter() - t_step, 6)}, stdout=False)
         loss_n += 1
         stop = False
         met = False  # all workers have just met in an exact collective on the clock
-        if args.time_limit > 0 and sync_stop and global_sync_step(args, step):
+        # all-reduce and static: at the steps where every worker meets anyway; the dynamic
+        # schedules: every worker on its own clock once past the warm-up (a worker leaving
+        # during its exact steps would leave the others waiting in an all-reduce it never
+        # joins), and during the warm-up -- which has no fixed end by default: wrap() stays
+        # exact while the workers are even -- every worker is at this step, so they agree
+        agree = args.time_limit > 0 and (
+            global_sync_step(args, step) if sync_stop
+            else step < exact_steps and (step + 1) % sync_period(args) == 0)
+        if agree:
             t_agree = time.perf_counter()
             flag = torch.tensor([float(clock() >= args.time_limit)])
             with exact_context(backend):
@@ -828,9 +866,6 @@ def run(args):
             met = True
         elif (args.time_limit > 0 and not sync_stop and step >= exact_steps
               and clock() >= args.time_limit):
-            # the dynamic schedules: every worker on its own clock, once past the warm-up
-            # (a worker leaving during its exact steps would leave the others waiting in an
-            # all-reduce it never joins)
             stop = True
         step += 1
         if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps or stop):
@@ -878,7 +913,8 @@ def run(args):
                "straggler_sleep_s": round(straggler.slept, 4),
                "slowed_steps": straggler.slowed_steps,
                "trace_factor_mean": (round(straggler.factor_sum / step, 4)
-                                     if straggler.trace is not None and step else None),
+                                     if (straggler.trace is not None or
+                                         straggler.who == "tokens") and step else None),
                "consensus": float(f"{consensus:.6g}")}
     try:
         summary.update(round_stats(optimizer, args.strategy, tft))

@@ -201,6 +201,10 @@ def make_plan(p, a) -> dict:
                                          else wl.get("strategies",
                                                      list(DEFAULT_STRATEGIES))),
             "repeats": a.repeats or (q[1] if a.quick else wl["repeats"])}
+    for w, pl in plan.items():
+        if w != "docs" and any(scenario_parts(sc)[0] == "doclen" for sc in pl["scenarios"]):
+            p.error(f"the doclen scenario needs the docs workload, whose batches' costs it "
+                    f"replays (got workload {w})")
     if a.pause_ms is not None and not any(scenario_parts(sc)[1] for pl in plan.values()
                                           for sc in pl["scenarios"]):
         p.error(f"--pause-ms applies to the short-step scenarios ({', '.join(PAUSED)}), and "
@@ -227,9 +231,14 @@ def sync_every(cfg: dict, calib: dict, scenario: str, workers: int) -> int:
         return cfg["sync_every"]
     spec = SCENARIOS[base][1]
     factor = (trace_slowest(spec[len("trace:"):], workers) if spec.startswith("trace:")
-              else float(spec.split(":")[1]))
+              else DOCLEN_SLOWEST if spec == "tokens" else float(spec.split(":")[1]))
     slow_step = calib["step_s"] + factor * pause_ms / 1e3
     return max(2, round(0.3 / slow_step))
+
+
+# doclen: about the slowest worker's batch cost at a step (workloads.doc_cost), for the pace of
+# the time-limit agreements
+DOCLEN_SLOWEST = 1.5
 
 
 def sim_hosts(workers: int) -> int:
@@ -406,6 +415,8 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         train_args += ["--pause-s", f"{pause_ms / 1e3:.6g}"]
     if spec:
         train_args += ["--straggler", spec]
+    if spec == "tokens":  # every step's cost, for the scenario's ideal (train_report.py)
+        train_args += ["--log-steps"]
     train_args += args.extra.split()
     res = {"workload": workload, "scenario": scenario, "strategy": strategy,
            "repeat": repeat, "label": strategy_label(strategy, args.workers),
@@ -423,6 +434,9 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         res["error"] = "no final record on stdout"
     res["final"] = final
     res["snapshots"] = read_rank_logs(rank_dir, args.workers, "snapshot", SNAPSHOT_FIELDS)
+    if spec == "tokens":
+        res["factors"] = {r: [e["factor"] for e in recs] for r, recs in
+                          read_rank_logs(rank_dir, args.workers, "step", ("factor",)).items()}
     if "error" in res:
         log(f"FAILED {workload}/{scenario}/{strategy}#{repeat}: {res['error']}; log tail:")
         sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")

@@ -27,9 +27,14 @@ STRATEGIES = {
     "adpsgd": ("AD-PSGD pairs (ripples)", ["--strategy", "ripples", "--schedule", "adpsgd"]),
     "static": ("Ripples static", ["--strategy", "ripples", "--schedule", "static"]),
     "random": ("Ripples random", ["--strategy", "ripples", "--schedule", "random"]),
-    "smart": ("Ripples smart", ["--strategy", "ripples", "--schedule", "smart"]),
-    "smart_p1": ("Ripples smart, every step (period 1)",
-                 ["--strategy", "ripples", "--schedule", "smart", "--period-max", "1"]),
+    # wrap() as a user calls it: every option its default (issue 49: overlapped rounds, exact
+    # until a straggler makes partial averaging pay)
+    "default": ("Ripples, wrap()'s defaults", ["--strategy", "ripples"]),
+    "smart": ("Ripples smart, blocking rounds",
+              ["--strategy", "ripples", "--schedule", "smart", "--no-overlap"]),
+    "smart_p1": ("Ripples smart, every step (period 1), blocking rounds",
+                 ["--strategy", "ripples", "--schedule", "smart", "--period-max", "1",
+                  "--no-overlap"]),
     "smart_ovl": ("Ripples smart, overlapped",
                   ["--strategy", "ripples", "--schedule", "smart", "--overlap"]),
     "smart_ii": ("Ripples smart + inter-intra ({H} sim. hosts)",
@@ -113,6 +118,10 @@ SCENARIOS = {
               "on a 55 ms step)", "p0.02:19"),
     "short5": ("short steps: every worker pauses P ms after each step, the last rank 5 P",
                "LAST:5"),
+    # issue 49: imbalance that comes from the data (the docs workload only)
+    "doclen": ("documents of varying length: every worker's step is a pause of P ms times its "
+               "batch's padded tokens over the average batch's (the accelerator's share of a "
+               "step)", "tokens"),
 }
 # Real stragglers (issue 39): trace:<name> replays a recorded trace's per-worker, per-step
 # slowdowns (benchmarks/traces/, trace_replay.py; the path is relative to the repository,
@@ -129,7 +138,7 @@ TRACE_SCENARIOS = tuple(s for s in SCENARIOS if s.startswith("trace:"))
 # a step that takes P ms: the tiny workload computes in a fraction of that) and the straggler
 # F x P. This is where averaging in lockstep shows: a partial round that waits for the slow
 # worker costs a whole slow step. One scenario instance per P, named <scenario>-<P>ms.
-PAUSED = ("short5", *TRACE_SCENARIOS)
+PAUSED = ("short5", "doclen", *TRACE_SCENARIOS)
 DEFAULT_PAUSES_MS = (2.0, 5.0, 10.0, 20.0, 50.0)
 TRACE_PAUSE_MS = (20.0,)  # the traces' default P
 
@@ -160,7 +169,8 @@ WORKLOADS = {
         "comparable)",
         "--workload digits --model mlp --hidden 512 --batch-size 64 --lr 0.05",
         target_loss=0.03, target_acc=0.96, time_limit=30.0, sync_every=20,
-        scenarios=[s for s in SCENARIOS if s not in TRACE_SCENARIOS], repeats=1),
+        scenarios=[s for s in SCENARIOS if s not in TRACE_SCENARIOS and s != "doclen"],
+        repeats=1),
     "wide": _workload(
         "digits wide MLP, hidden 1024, batch 16 (1.1M parameters, 4.4 MB; "
         "communication-bound)",
@@ -187,6 +197,15 @@ WORKLOADS = {
         "--optimizer adamw --lr 0.001",
         loss_key="test_loss", target_loss=2.75, time_limit=30.0, snapshot_every=1.5,
         sync_every=4, scenarios=("slow5", "slow3"), strategies=("gloo", "exact", "smart")),
+    "docs": _workload(
+        "byte-level causal Transformer LM on documents of Python's standard library (its "
+        "definitions, 71 B to 10 KB): 2 pre-LayerNorm blocks, width 64, the first 64 bytes of "
+        "each, batches of 4 documents costing their padded length, AdamW (137k parameters); "
+        "validation: the held-out modules' documents",
+        "--workload docs --width 64 --layers 2 --context 64 --batch-size 4 "
+        "--optimizer adamw --lr 0.003",
+        loss_key="test_loss", target_loss=1.8, time_limit=30.0, snapshot_every=1.0,
+        sync_every=10, scenarios=("doclen",), strategies=("exact", "default", "smart")),
     "tiny": _workload(
         "digits MLP, hidden 64, batch 16 (9k parameters): a step computes in a fraction of a "
         "millisecond, so the short-step scenarios' pause sets the step length",
@@ -240,7 +259,8 @@ def expand_scenarios(names: list, pauses) -> list:
     out = []
     for sc in names:
         if sc in PAUSED:
-            default = TRACE_PAUSE_MS if sc in TRACE_SCENARIOS else DEFAULT_PAUSES_MS
+            default = TRACE_PAUSE_MS if sc in TRACE_SCENARIOS or sc == "doclen" \
+                else DEFAULT_PAUSES_MS
             out += [scenario_name(sc, ms) for ms in (pauses or default)]
         else:
             out.append(sc)

@@ -2,6 +2,7 @@
 the runs' records (results.md, results.json, plots)."""
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -44,6 +45,35 @@ def first_reach(recs, key, target, above, time_key="time"):
     t = time_to_target([e.get(time_key) for e in recs], values, target, above)
     step = time_to_target([e.get("step") for e in recs], values, target, above)
     return t, step
+
+
+def job_steps_to(series: dict, key: str, target, above: bool, workers: int):
+    """The job step (every worker's steps / the world size) at which the averaged model's
+    ``key`` (``avg_<key>`` of rank 0's snapshots) first reaches the target, interpolated: the
+    work the model took, whatever the workers' speeds. None where not reached, or where the
+    ranks' snapshots do not line up (an older result)."""
+    r0 = series.get(0, [])
+    if target is None or not r0 or any(len(series.get(r, [])) < len(r0)
+                                       for r in range(workers)):
+        return None
+    job = [sum(series[r][k].get("step") or 0 for r in range(workers)) / workers
+           for k in range(len(r0))]
+    return time_to_target(job, [e.get(key) for e in r0], target, above)
+
+
+def doc_ideal(res: dict, steps):
+    """doclen (the docs workload): the ideal speed-up of the run's own batch costs -- each
+    worker's factor at each of its steps, as a trace's (trace_replay.ideal_speedup) -- over
+    ``steps`` steps (all the run's steps if None); None without recorded factors."""
+    fac = res.get("factors") or {}
+    seqs = [fac.get(str(r)) or fac.get(r) for r in range(res.get("workers") or 0)]
+    if not seqs or any(not s for s in seqs):
+        return None
+    n = min(len(s) for s in seqs)
+    if steps:
+        n = min(n, max(1, int(steps)))
+    rows = [[s[t] for s in seqs] for t in range(n)]
+    return trace_replay.ideal_speedup(rows)
 
 
 def first_snapshot_at(recs, key, target, above, time_key="time"):
@@ -195,6 +225,7 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     m["time_to_loss_avg_snapshot"] = first_snapshot_at(r0, "avg_" + key, tl, False,
                                                        "avg_time")
     m["time_to_acc_avg"], _ = first_reach(r0, "avg_acc", ta, True, "avg_time")
+    m["job_steps_to_loss_avg"] = job_steps_to(series, "avg_" + key, tl, False, workers)
     m["time_to_loss_r0"], m["steps_to_loss_r0"] = first_reach(r0, key, tl, False)
     m["time_to_acc_r0"], _ = first_reach(r0, "acc", ta, True)
     m["time_to_loss_slowest"], _ = first_reach(slow, key, tl, False)
@@ -202,6 +233,8 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     m["time_to_acc_all"] = (None if not per_rank or any(t is None for t in per_rank)
                             else max(per_rank))
     m["steps_per_s"] = fin.get("steps_per_s")
+    sps = [x for x in m["steps_per_s"] or [] if x is not None]
+    m["job_steps_per_s"] = sum(sps) / len(sps) if sps else None  # the job's steps per second
     m["steps"] = fin.get("steps")
     m["steps_max"] = max(m["steps"]) if m["steps"] else None
     m["final_acc"] = fin.get("acc")
@@ -226,6 +259,7 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     runs = [x for x in fin.get("singleton_run_max") or [] if x is not None]
     m["singleton_run_max"] = max(runs) if runs else None
     m["launch_s"] = res.get("launch_s")
+    m["doc_ideal"] = doc_ideal(res, m.get("steps_to_loss_r0"))
     m["warmup_steps"] = fin.get("warmup_steps")  # the number wrap() chose, with 'wrap'
     m.update(round_costs(fin))
     m["outer_every"] = fin.get("outer_every")
@@ -243,7 +277,8 @@ VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consens
               "passed_share_mean", "steps_per_s_fast", "steps_per_s_slow", "rate_ratio",
               "steps_per_s_fast_post", "steps_per_s_slow_post", "rate_ratio_post",
               "singleton_share_fast_max", "singleton_share_slow", "warmup_steps",
-              "bytes_per_round", "round_s", "outer_every", "steps_to_loss_r0", "steps_max")
+              "bytes_per_round", "round_s", "outer_every", "steps_to_loss_r0", "steps_max",
+              "job_steps_to_loss_avg", "job_steps_per_s", "doc_ideal")
 
 
 def spread(values, missing_is_late: bool):
@@ -549,6 +584,8 @@ def trace_ideal(sc: str, workers: int, ddp) -> tuple:
     steps = median(ddp, "steps_to_loss_r0") or median(ddp, "steps_max")
     if not steps:
         return None, None
+    if sc == "doclen":  # the batches' costs the DDP run recorded, over the same steps
+        return median(ddp, "doc_ideal"), int(steps)
     path = os.path.join(REPO, SCENARIOS[sc][1][len("trace:"):])
     f = trace_replay.factors(path, workers)
     return trace_replay.ideal_speedup(f, int(steps)), int(steps)
@@ -562,12 +599,13 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
     bases = baselines(plan)
     head = ["trace", "P (ms)", "strategy", "ideal", "faster DDP", "DDP time (s)",
             "time (s)", "speed-up", "share of ideal gain", ">= 80 % and >= 1.0x",
+            "= steps/s x DDP", "x step worth", "gg_sim steps/s x DDP",
             "final acc (DDP)", "final test loss (DDP)", "groups of one % (worst)",
             "consensus end (max over time)"]
     body = []
     for sc in plan["scenarios"]:
         base, pause = scenario_parts(sc)
-        if not base.startswith("trace:"):
+        if not base.startswith("trace:") and base != "doclen":
             continue
         done = [b for b in bases if finished(cells.get((wl, sc, b)))
                 and median(cells[(wl, sc, b)], "time_to_loss_avg") is not None]
@@ -581,7 +619,7 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
             c = cells.get((wl, sc, st))
             if st in bases or c is None:
                 continue
-            name = base[len("trace:"):]
+            name = base[len("trace:"):] if base.startswith("trace:") else base
             if not finished(c):
                 body.append([name, fmt(pause, "g"), st, f"FAILED: {c['errors'][0]}"]
                             + [""] * (len(head) - 4))
@@ -592,9 +630,12 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
                      else (up - 1.0) / (ideal - 1.0))
             met = ("-" if up is None or share is None
                    else "yes" if share >= GAIN_GOAL and up >= 1.0 else "no")
+            thr, worth = decompose(c, ddp)
             body.append([name, fmt(pause, "g"), st, fmt(ideal, ".2f"), best, fmt(tb, ".2f"),
                          fmt_time(c["time_to_loss_avg"]), fmt(up, ".2f"),
                          "-" if share is None else f"{100 * share:.0f} %", met,
+                         fmt(thr, ".2f"), fmt(worth, ".2f"),
+                         fmt(sim_speedup(name, workers, st), ".2f"),
                          f"{fmt_spread(c['final_acc'], '.3f')} "
                          f"({fmt(median(ddp, 'final_acc'), '.3f')})",
                          f"{fmt_spread(c['final_loss'], '.3f')} "
@@ -608,8 +649,46 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
              "speed-up over all-reduce of workers that never wait, over the steps the faster "
              "DDP took to the target (benchmarks/trace_replay.py); `speed-up` = the faster "
              "DDP's median time to the target over this strategy's; share of ideal gain = "
-             "(speed-up - 1) / (ideal - 1). Groups of one: the worst worker's share of its "
+             "(speed-up - 1) / (ideal - 1). The speed-up splits into throughput and what a "
+             "step is worth: `steps/s x DDP` = the workers' mean steps per second over the "
+             "faster DDP's (the whole run), `step worth` = the job steps (all workers' steps / "
+             "the world size) DDP's model took to the target over the job steps the averaged "
+             "model took (below 1: partial averaging made each step worth less). `gg_sim "
+             "steps/s x DDP` = the simulator's throughput for the same policy, trace and "
+             "workers (benchmarks/results/gg_sim_traces.md; `-`: not simulated): it replays "
+             "the factors alone, so it differs from the measured throughput by what the real "
+             "run adds (the compute each step does beside its pause, its reductions' real "
+             "cost, the cores' noise). Groups of one: the worst worker's share of its "
              "partial rounds.", ""] + md_table(head, body) + [""])
+
+
+def decompose(cell, ddp) -> tuple:
+    """(throughput, step worth) of a strategy's cell against the DDP cell (see trace_table)."""
+    a, b = median(cell, "job_steps_per_s"), median(ddp, "job_steps_per_s")
+    thr = a / b if a and b else None
+    sa, sb = median(cell, "job_steps_to_loss_avg"), median(ddp, "job_steps_to_loss_avg")
+    return thr, (sb / sa if sa and sb else None)
+
+
+# the simulator's policy for a strategy of the benchmark (benchmarks/gg_sim_traces.py)
+SIM_POLICY = {"default": "default", "smart": "smart"}
+
+
+def sim_speedup(trace: str, workers: int, strategy: str):
+    """gg_sim's throughput speed-up over all-reduce for the strategy's policy on the trace
+    at that many workers, from benchmarks/results/gg_sim_traces.json; None if not there."""
+    pol = SIM_POLICY.get(strategy)
+    if pol is None:
+        return None
+    try:
+        with open(os.path.join(REPO, "benchmarks", "results", "gg_sim_traces.json")) as f:
+            rows = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for r in rows:
+        if r.get("trace") == trace and r.get("workers") == workers and r.get("policy") == pol:
+            return r.get("speedup")
+    return None
 
 
 def plot(wl: str, sc: str, runs: list, cfg: dict, workers: int, path: str) -> None:

@@ -10,6 +10,13 @@
                standard library's own files, present wherever Python is. A fixed list of
                long-lived modules is the training text; three other modules are held out for
                the validation loss
+  docs         the same model on *documents* of the same text -- its definitions (a
+               ``def`` or ``class`` with its decorators), 2009 of them, 71 bytes to 10 KB
+               long -- trained on each one's first --context bytes, while a batch costs what
+               its documents padded to the longest (up to DOC_MAX_LEN) would cost an
+               accelerator (``doc_cost``): the cost of a step varies from step to step and
+               from worker to worker with the documents drawn, the imbalance sequence lengths
+               make in real jobs (benchmarks/train.md, scenario ``doclen``)
 
 Every workload is a classification problem to the training loop: inputs x and targets y,
 cross-entropy of model(x) against y over the last dimension (the LM predicts a class per
@@ -26,7 +33,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-WORKLOADS = ("digits", "cnn", "transformer")
+WORKLOADS = ("digits", "cnn", "transformer", "docs")
+# docs: batches drawn to estimate the mean padded length (every worker draws the same), and
+# the longest a document counts in a batch's cost (a job's maximum sequence length; 30 % of the
+# standard library's definitions are longer than 1 KB, 14 % of them past this)
+DOC_COST_SAMPLES = 2000
+DOC_MAX_LEN = 1024
+DOC_EVAL = 128  # documents of the training and validation sets every evaluation scores
 
 # The language model's text. Modules that every Python 3 since 3.8 ships, long enough to
 # matter; a missing one (a trimmed installation) is skipped. The validation modules are
@@ -53,6 +66,10 @@ class Data:
     xev: torch.Tensor
     yev: torch.Tensor
     make_model: object  # () -> nn.Module
+    # docs: each training example's length (its padding beyond it is left out of the loss),
+    # and the mean longest length of a batch of ``batch`` examples (doc_cost's unit)
+    lengths: object = None
+    mean_batch_len: float = 0.0
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module) -> dict:
@@ -71,18 +88,22 @@ class Data:
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension: (B, C) against (B,), or (B, T, C) against
-    (B, T) for the language model."""
+    (B, T) for the language model; targets of -100 (docs' padding) are left out."""
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
 
 def loss_and_acc(out: torch.Tensor, y: torch.Tensor):
-    return loss_fn(out, y).item(), (out.argmax(-1) == y).float().mean().item()
+    real = y != -100
+    acc = ((out.argmax(-1) == y) & real).float().sum() / real.float().sum().clamp(min=1)
+    return loss_fn(out, y).item(), acc.item()
 
 
 def load(args) -> Data:
     """The data of ``args.workload`` (the same on every worker; sharding is the caller's)."""
     if args.workload == "transformer":
         return load_text(args)
+    if args.workload == "docs":
+        return load_docs(args)
     xtr, ytr, xte, yte = load_digits_split(args.seed)
     if args.workload == "cnn":  # a convolution costs more: the training loss on a sample
         xev, yev = evenly(xtr, CNN_EVAL_IMAGES), evenly(ytr, CNN_EVAL_IMAGES)
@@ -251,3 +272,71 @@ class TinyGPT(nn.Module):
     def forward(self, idx):
         x = self.tok(idx) + self.pos[:idx.shape[1]]
         return self.head(self.ln(self.blocks(x)))
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def split_documents(text: bytes) -> list:
+    """Python source as documents: a new one starts at every definition (a line that opens a
+    ``def``, ``async def`` or ``class``, or a decorator, at any indentation), unless the line
+    before did too (decorators stay with what they decorate). Blank ones are dropped."""
+    docs, cur, opened = [], [], False
+    for line in text.splitlines(keepends=True):
+        starts = line.lstrip().startswith((b"def ", b"async def ", b"class ", b"@"))
+        if starts and not opened and cur:
+            docs.append(b"".join(cur))
+            cur = []
+        opened = starts
+        cur.append(line)
+    if cur:
+        docs.append(b"".join(cur))
+    return [d for d in docs if d.strip()]
+
+
+def doc_windows(docs: list, context: int):
+    """(x, y): each document's first ``context`` + 1 bytes as inputs and next-byte targets,
+    (N, context) each, a short one padded with 0 in x and -100 in y (left out of the loss)."""
+    n = len(docs)
+    x = torch.zeros(n, context, dtype=torch.long)
+    y = torch.full((n, context), -100, dtype=torch.long)
+    for i, d in enumerate(docs):
+        t = torch.frombuffer(bytearray(d[:context + 1]), dtype=torch.uint8).long()
+        k = len(t) - 1
+        x[i, :k], y[i, :k] = t[:-1], t[1:]
+    return x, y
+
+
+def mean_batch_len(lengths: torch.Tensor, batch: int, seed: int) -> float:
+    """The mean over random batches of ``batch`` documents of the longest one's length: the
+    padded length of an average batch (one generator, the same on every worker)."""
+    g = torch.Generator().manual_seed(seed)
+    n = len(lengths)
+    idx = torch.randint(0, n, (DOC_COST_SAMPLES, min(batch, n)), generator=g)
+    return float(lengths[idx].max(dim=1).values.float().mean())
+
+
+def doc_cost(data: "Data", lengths) -> float:
+    """What a docs batch (its documents' lengths) costs relative to an average one: its
+    padded tokens over the mean (batches have the same number of documents); 1.0 for the
+    other workloads."""
+    if lengths is None or not data.mean_batch_len:
+        return 1.0
+    return float(lengths.max()) / data.mean_batch_len
+
+
+def load_docs(args) -> Data:
+    """The docs workload: documents of the training modules; the model trains on the first
+    --context bytes of each (a CPU cannot train this model on their whole length in the
+    benchmark's time), and a batch costs what its documents padded to the longest would cost
+    an accelerator, up to DOC_MAX_LEN bytes each (``doc_cost``)."""
+    docs = split_documents(read_modules(LM_TRAIN_FILES))
+    x, y = doc_windows(docs, args.context)
+    lengths = torch.tensor([min(len(d), DOC_MAX_LEN) for d in docs])
+    # validation: the held-out modules' documents, as the training ones are seen
+    vx, vy = doc_windows(split_documents(read_modules(LM_VALID_FILES)), args.context)
+    va = evenly(torch.arange(len(vx)), DOC_EVAL)
+    ev = evenly(torch.arange(len(x)), DOC_EVAL)
+    return Data(x, y, vx[va], vy[va], x[ev], y[ev],
+                lambda: TinyGPT(args.width, args.layers, args.context), lengths=lengths,
+                mean_batch_len=mean_batch_len(lengths, args.batch_size, args.seed))

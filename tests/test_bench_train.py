@@ -14,9 +14,10 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RIPPLES_STRATEGIES = {"adpsgd", "static", "random", "smart", "smart_p1", "smart_ovl", "smart_ii"}
-ALL_STRATEGIES = ["gloo", "exact", "hier", "local", "adpsgd", "static", "random", "smart",
-                  "smart_p1", "smart_ovl", "smart_ii"]
+RIPPLES_STRATEGIES = {"adpsgd", "static", "random", "default", "smart", "smart_p1", "smart_ovl",
+                      "smart_ii"}
+ALL_STRATEGIES = ["gloo", "exact", "hier", "local", "adpsgd", "static", "random", "default",
+                  "smart", "smart_p1", "smart_ovl", "smart_ii"]
 
 
 def bench():
