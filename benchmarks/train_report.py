@@ -61,10 +61,20 @@ def job_steps_to(series: dict, key: str, target, above: bool, workers: int):
     return time_to_target(job, [e.get(key) for e in r0], target, above)
 
 
-def doc_ideal(res: dict, steps):
+def with_compute(rows, compute_s, pause_s):
+    """Factor rows as step times: each worker's step computes ``compute_s`` besides its pause
+    of ``pause_s`` x its factor (what a replay on this machine runs); the rows as they are
+    without both."""
+    if not compute_s or not pause_s:
+        return rows
+    return [[compute_s + pause_s * v for v in r] for r in rows]
+
+
+def doc_ideal(res: dict, steps, compute_s=None, pause_s=None):
     """doclen (the docs workload): the ideal speed-up of the run's own batch costs -- each
     worker's factor at each of its steps, as a trace's (trace_replay.ideal_speedup) -- over
-    ``steps`` steps (all the run's steps if None); None without recorded factors."""
+    ``steps`` steps (all the run's steps if None), with each step's compute added when given;
+    None without recorded factors."""
     fac = res.get("factors") or {}
     seqs = [fac.get(str(r)) or fac.get(r) for r in range(res.get("workers") or 0)]
     if not seqs or any(not s for s in seqs):
@@ -73,7 +83,7 @@ def doc_ideal(res: dict, steps):
     if steps:
         n = min(n, max(1, int(steps)))
     rows = [[s[t] for s in seqs] for t in range(n)]
-    return trace_replay.ideal_speedup(rows)
+    return trace_replay.ideal_speedup(with_compute(rows, compute_s, pause_s))
 
 
 def first_snapshot_at(recs, key, target, above, time_key="time"):
@@ -260,6 +270,10 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     m["singleton_run_max"] = max(runs) if runs else None
     m["launch_s"] = res.get("launch_s")
     m["doc_ideal"] = doc_ideal(res, m.get("steps_to_loss_r0"))
+    m["compute_s"] = res.get("compute_s")
+    pause_ms = scenario_parts(res.get("scenario") or "")[1]
+    m["doc_ideal_c"] = doc_ideal(res, m.get("steps_to_loss_r0"), m["compute_s"],
+                                 pause_ms / 1e3 if pause_ms else None)
     m["warmup_steps"] = fin.get("warmup_steps")  # the number wrap() chose, with 'wrap'
     m.update(round_costs(fin))
     m["outer_every"] = fin.get("outer_every")
@@ -278,7 +292,8 @@ VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consens
               "steps_per_s_fast_post", "steps_per_s_slow_post", "rate_ratio_post",
               "singleton_share_fast_max", "singleton_share_slow", "warmup_steps",
               "bytes_per_round", "round_s", "outer_every", "steps_to_loss_r0", "steps_max",
-              "job_steps_to_loss_avg", "job_steps_per_s", "doc_ideal")
+              "job_steps_to_loss_avg", "job_steps_per_s", "doc_ideal", "doc_ideal_c",
+              "compute_s")
 
 
 def spread(values, missing_is_late: bool):
@@ -577,18 +592,23 @@ def short_steps(wl: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
 GAIN_GOAL = 0.8
 
 
-def trace_ideal(sc: str, workers: int, ddp) -> tuple:
-    """(ideal speed-up, steps it is computed over) of a trace scenario for the faster DDP's
-    run: over the steps DDP took to the target (its rank 0 model is the average), else over
-    all the steps it ran; (None, None) without a finished DDP cell."""
+def trace_ideal(sc: str, workers: int, ddp, pause_ms=None) -> tuple:
+    """(ideal speed-up, the same with each step's compute added, steps they are computed over)
+    of a trace scenario for the faster DDP's run: over the steps DDP took to the target (its
+    rank 0 model is the average), else over all the steps it ran; Nones without a finished DDP
+    cell. A replay's step is its measured compute (the calibration's) plus the pause of P x its
+    factor: the compute is the same for every worker, so it dilutes what the factors allow."""
     steps = median(ddp, "steps_to_loss_r0") or median(ddp, "steps_max")
     if not steps:
-        return None, None
+        return None, None, None
     if sc == "doclen":  # the batches' costs the DDP run recorded, over the same steps
-        return median(ddp, "doc_ideal"), int(steps)
+        return median(ddp, "doc_ideal"), median(ddp, "doc_ideal_c"), int(steps)
     path = os.path.join(REPO, SCENARIOS[sc][1][len("trace:"):])
     f = trace_replay.factors(path, workers)
-    return trace_replay.ideal_speedup(f, int(steps)), int(steps)
+    c = median(ddp, "compute_s")
+    fc = with_compute(f, c, pause_ms / 1e3 if pause_ms else None)
+    return (trace_replay.ideal_speedup(f, int(steps)),
+            trace_replay.ideal_speedup(fc, int(steps)) if fc is not f else None, int(steps))
 
 
 def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> list[str]:
@@ -599,7 +619,8 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
     bases = baselines(plan)
     head = ["trace", "P (ms)", "strategy", "ideal", "faster DDP", "DDP time (s)",
             "time (s)", "speed-up", "share of ideal gain", ">= 80 % and >= 1.0x",
-            "= steps/s x DDP", "x step worth", "gg_sim steps/s x DDP",
+            "ideal with compute (share)", "= steps/s x DDP", "x step worth",
+            "gg_sim steps/s x DDP",
             "final acc (DDP)", "final test loss (DDP)", "groups of one % (worst)",
             "consensus end (max over time)"]
     body = []
@@ -614,7 +635,7 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
         best = min(done, key=lambda b: median(cells[(wl, sc, b)], "time_to_loss_avg"))
         ddp = cells[(wl, sc, best)]
         tb = median(ddp, "time_to_loss_avg")
-        ideal, _ = trace_ideal(base, workers, ddp)
+        ideal, ideal_c, _ = trace_ideal(base, workers, ddp, pause)
         for st in plan["strategies"]:
             c = cells.get((wl, sc, st))
             if st in bases or c is None:
@@ -631,9 +652,13 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
             met = ("-" if up is None or share is None
                    else "yes" if share >= GAIN_GOAL and up >= 1.0 else "no")
             thr, worth = decompose(c, ddp)
+            share_c = (None if up is None or ideal_c is None or ideal_c <= 1.0
+                       else (up - 1.0) / (ideal_c - 1.0))
             body.append([name, fmt(pause, "g"), st, fmt(ideal, ".2f"), best, fmt(tb, ".2f"),
                          fmt_time(c["time_to_loss_avg"]), fmt(up, ".2f"),
                          "-" if share is None else f"{100 * share:.0f} %", met,
+                         f"{fmt(ideal_c, '.2f')} ("
+                         + ("-" if share_c is None else f"{100 * share_c:.0f} %") + ")",
                          fmt(thr, ".2f"), fmt(worth, ".2f"),
                          fmt(sim_speedup(name, workers, st), ".2f"),
                          f"{fmt_spread(c['final_acc'], '.3f')} "
@@ -649,7 +674,11 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
              "speed-up over all-reduce of workers that never wait, over the steps the faster "
              "DDP took to the target (benchmarks/trace_replay.py); `speed-up` = the faster "
              "DDP's median time to the target over this strategy's; share of ideal gain = "
-             "(speed-up - 1) / (ideal - 1). The speed-up splits into throughput and what a "
+             "(speed-up - 1) / (ideal - 1). `ideal with compute` = the same with each step's "
+             "compute (the calibration's, the same for every worker) added to its pause, as "
+             "the replay runs it: the compute dilutes what the factors allow (and DDP's "
+             "exposed communication, which overlapped rounds hide, is in neither). The "
+             "speed-up splits into throughput and what a "
              "step is worth: `steps/s x DDP` = the workers' mean steps per second over the "
              "faster DDP's (the whole run), `step worth` = the job steps (all workers' steps / "
              "the world size) DDP's model took to the target over the job steps the averaged "

@@ -44,7 +44,8 @@ from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 from .options import _FIELDS, Options
 
 __all__ = ["OptionTypeError", "ARGS", "STRATEGY_OWNS", "RENAMED_FLAGS", "DEFAULT_WARMUP_STEPS",
-           "DEFAULT_WARMUP_STRAGGLER", "WRAP_GROUP_DEFAULTS", "BLOCKING_PERIOD_MAX",
+           "DEFAULT_WARMUP_STRAGGLER", "SLOW_LINK_WARMUP_STEPS", "WRAP_GROUP_DEFAULTS",
+           "BLOCKING_PERIOD_MAX",
            "POST_WARMUP_MODES",
            "check_int", "check_bool", "check_choice", "check_warmup_straggler",
            "check_state_keys", "check_training_args", "check_group_options", "resolve_overlap"]
@@ -121,7 +122,11 @@ class Arg:
 # end -- the job stays exact while its workers are even, so it is never worse than DDP then,
 # and averages partially from the step a straggler appears (ripples_pg.averager).
 DEFAULT_WARMUP_STEPS = None
-# ... which is when waiting for the slowest worker makes the exact steps this many times as long
+# ... except where partial averaging is asked for because the links are slow (sync_every, i.e.
+# partial DiLoCo or periodic averaging, and compression): staying exact there would all-reduce
+# over those links at every step, so warm-up then has at most this many steps, as it always had.
+SLOW_LINK_WARMUP_STEPS = 50
+# Warm-up ends when waiting for the slowest worker makes the exact steps this many times as long
 # as workers that never wait would take, in two checks in a row (ripples_pg.averager); None/0 =
 # never. 1.05: the mild production traces (Alibaba PAI jobs 1 and 3, benchmarks/traces) cost
 # all-reduce 5-6 %; measured noise with even workers: docs/benchmarks.md.

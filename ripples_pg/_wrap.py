@@ -39,7 +39,7 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ._args import (BLOCKING_PERIOD_MAX, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER,
-                    WRAP_GROUP_DEFAULTS, check_group_options, check_training_args,
+                    SLOW_LINK_WARMUP_STEPS, WRAP_GROUP_DEFAULTS, check_group_options, check_training_args,
                     resolve_overlap)
 from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
@@ -477,6 +477,8 @@ def wrap(ddp_model: DistributedDataParallel,
             DDP, while the workers are even, and averages partially from the step a straggler
             makes that pay (``warmup_straggler``), at any point of the job. An ``int``: at most
             that many exact steps (``0``: none), ended earlier by a straggler the same way.
+            With ``sync_every`` or ``compression`` (asked for because the links are slow, not
+            the workers) ``None`` means ``SLOW_LINK_WARMUP_STEPS`` (50) steps at most.
         warmup_straggler: end warm-up, on every worker after the same step, once waiting for
             the slowest worker makes the exact steps this many times as long as workers that
             never wait would take (all-reduce's time, each step's slowest compute, over the
@@ -606,6 +608,7 @@ def wrap(ddp_model: DistributedDataParallel,
              "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
              "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max,
              "compression": compression}
+    compressed = False  # the partial group's rounds are compressed (known when wrap makes it)
     if group is not None:
         explicit = {k: v for k, v in given.items() if v is not None}
         if explicit:
@@ -638,11 +641,17 @@ def wrap(ddp_model: DistributedDataParallel,
             if inherited is not None:
                 kw["timeout"] = inherited
         opts = check_group_options("ripples_pg.wrap", kw)
+        compressed = (opts.compression or env.compression or "none") != "none"
         _check_int8_extras(opts.compression or env.compression, ddp_model,
                            average_optimizer_state)
         ranks = dist.get_process_group_ranks(ddp_group)
         group = dist.new_group(ranks=ranks, backend="ripples", pg_options=opts)
 
+    if warmup_steps is None and (sync_every is not None or compressed):
+        # Averaging less often (sync_every) or in fewer bytes (compression) is asked for
+        # because the links are slow, not because a worker is: staying exact while the
+        # workers are even would all-reduce over those links at every step.
+        warmup_steps = SLOW_LINK_WARMUP_STEPS
     hgroup = None
     if post_warmup == "host" or "host" in levels.values():
         hgroup = host_group(ddp_group)

@@ -84,8 +84,6 @@ The averager counts steps like torch's averagers (``step`` increases by one per 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import warnings
 import weakref
@@ -99,6 +97,7 @@ from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 from ._api import partial_all_reduce
 from ._args import check_bool, check_int, check_state_keys, check_warmup_straggler
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
+from ._schedstat import SchedClock
 from .overlap import OverlappedRound
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
@@ -123,15 +122,17 @@ WARMUP_CHECK_LATER = 8
 # step: with steps of a fraction of a millisecond, a worker descheduled once reads as slow, and
 # waiting for it costs next to nothing anyway.
 WARMUP_MIN_EXCESS_S = 0.0005
-# Workers that wait for a core this share of their steps outside the exact collectives (on
-# average: more CPU-bound workers than the host has cores) make differences in their steps that
-# averaging partially cannot remove, as it adds no cores: then only a gain of
-# WARMUP_CROWDED_GAIN, in WARMUP_CROWDED_IN_A_ROW checks in a row, ends warm-up. Measured with
-# four even CPU-bound workers on two cores (the run queue's wait taken out): a median gain of
-# 1.09-1.17, 1.19-1.43 at the 90th percentile, and 7-46 % of the time waiting for a core; a
-# replayed trace, whose steps are mostly pauses, waits for a core a few % of its time. A worker
-# 2x slow among 4 is a gain of 1.75.
+# CPU-bound workers (running on a core WARMUP_CPU_BOUND of their steps' time outside the exact
+# collectives) that wait for a core WARMUP_CROWDED of it -- more of them than the host has cores
+# -- make differences in their steps that averaging partially cannot remove, as it adds no
+# cores: then only a gain of WARMUP_CROWDED_GAIN, in WARMUP_CROWDED_IN_A_ROW checks in a row,
+# ends warm-up. Measured with four even CPU-bound workers on two cores (the run queue's wait
+# taken out): a median gain of 1.09-1.17, 1.19-1.43 at the 90th percentile, and 14-40 % of the
+# time waiting for a core. A replayed trace's steps are mostly pauses (an accelerator's time):
+# its workers wait for cores (6-17 % at 4-8 workers on two cores) but run on them little, and
+# its stragglers are what they seem. A worker 2x slow among 4 is a gain of 1.75.
 WARMUP_CROWDED = 0.12
+WARMUP_CPU_BOUND = 0.5
 WARMUP_CROWDED_GAIN = 1.5
 WARMUP_CROWDED_IN_A_ROW = 3
 # With no fixed end (warmup_steps=None), how far ahead of the step the end in force is kept
@@ -142,61 +143,6 @@ WARMUP_HORIZON = 2 * WARMUP_CHECK_LATER + 1
 def warmup_window(step: int) -> int:
     """Steps per warm-up check at ``step`` (0-based; the same on every worker)."""
     return WARMUP_CHECK_EVERY if step + 1 <= WARMUP_QUICK_STEPS else WARMUP_CHECK_LATER
-
-
-class _RunQueueClock:
-    """Seconds the calling thread has spent runnable but waiting for a CPU: the second field of
-    Linux's ``/proc/self/task/<tid>/schedstat``, read with one ``pread`` (~2 us) on a file kept
-    open. The warm-up exit subtracts it from a step's compute: a worker that waited for a core
-    (more CPU-bound workers than cores on the host) was not slower at its own work, and partial
-    averaging cannot give the host more cores -- without this, four CPU-bound workers on two
-    cores read as a 1.2-1.45x straggler at every step, with nobody slow. None where the file is
-    missing (not Linux, or a kernel without scheduler statistics)."""
-
-    def __init__(self):
-        self._fd: Optional[int] = None
-        self._tid: Optional[int] = None
-        self._ok = True
-
-    def read(self) -> Optional[float]:
-        if not self._ok:
-            return None
-        tid = threading.get_native_id()
-        try:
-            if tid != self._tid:
-                self.close()
-                self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
-                self._tid = tid
-            return int(os.pread(self._fd, 64, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            self._ok = False
-            self.close()
-            return None
-
-    def peek(self) -> Optional[float]:
-        """The same clock, of the thread that last called :meth:`read`, from any thread (the
-        backend's, completing an all-reduce); None if there is none."""
-        fd = self._fd
-        if fd is None:
-            return None
-        try:
-            return int(os.pread(fd, 64, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def close(self) -> None:
-        fd, self._fd, self._tid = self._fd, None, None
-        if fd is not None:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def __del__(self):
-        self.close()
-
-    def __getstate__(self):
-        return {"_fd": None, "_tid": None, "_ok": self._ok}
 
 
 def straggler_gain(times: Sequence[Sequence[float]]) -> Tuple[float, float, int]:
@@ -481,10 +427,12 @@ class RipplesAverager(ModelAverager):
         self._warm_win_closed = False
         self._warm_fwd: Optional[float] = None
         self._warm_times: List[float] = []
-        # per step: (waited for a core, time outside the exact collectives' waiting windows)
-        self._warm_crowd: List[Tuple[float, float]] = []
+        # per step: (waited for a core, ran on one, its time outside the collectives' windows)
+        self._warm_crowd: List[Tuple[float, float, float]] = []
         self._warm_crowd_avg: Optional[float] = None
-        self._runq = _RunQueueClock()
+        self._warm_busy_avg = 0.0
+        self._warm_cpu: Optional[float] = None
+        self._sched = SchedClock()
         self._warm_rq: Optional[float] = None  # the run queue clock at the end of the last step
         self._warm_rqw: List[list] = []
         self._warm_fwd_rq: Optional[float] = None
@@ -670,7 +618,8 @@ class RipplesAverager(ModelAverager):
     def _warm_restart(self) -> None:
         """A step has ended: the next one's clock starts now, with no waiting yet."""
         self._warm_end = time.perf_counter()
-        self._warm_rq = self._runq.read() if self._warm_timing() else None
+        self._warm_rq = self._sched.waited() if self._warm_timing() else None
+        self._warm_cpu = self._sched.ran() if self._warm_rq is not None else None
         self._warm_rqw = []  # the run queue clock at each waiting window's start and end
         self._warm_wins = []
         self._warm_win = None
@@ -690,7 +639,7 @@ class RipplesAverager(ModelAverager):
         if win is None or self._warm_win_closed:  # the first bucket of a backward pass
             win = self._warm_win = [t, t]
             self._warm_wins.append(win)
-            rq = self._runq.read()
+            rq = self._sched.waited()
             self._warm_rqw.append([rq, rq])
         rqw = self._warm_rqw[-1]
         self._warm_win_closed = bool(last)
@@ -699,7 +648,7 @@ class RipplesAverager(ModelAverager):
             now = time.perf_counter()
             if now > win[1]:
                 win[1] = now
-                rqw[1] = self._runq.peek()
+                rqw[1] = self._sched.waited_seen()
         return done
 
     def note_forward(self, inner: bool) -> None:
@@ -710,7 +659,7 @@ class RipplesAverager(ModelAverager):
             self._warm_fwd = None
             return
         t = time.perf_counter()
-        rq = self._runq.read()
+        rq = self._sched.waited()
         if not inner:
             self._warm_fwd = t
             self._warm_fwd_rq = rq
@@ -763,42 +712,61 @@ class RipplesAverager(ModelAverager):
         if self._warm_end is None or now <= self._warm_end:
             return
         wait = _covered(self._warm_wins, self._warm_end, now)
-        rq = self._runq.read()
+        rq = self._sched.waited()
         cpu_wait = 0.0  # waiting for a core outside those windows is not compute either
         if rq is not None and self._warm_rq is not None:
             inside = sum(b - a for a, b in self._warm_rqw
                          if a is not None and b is not None and b > a)
             cpu_wait = max(0.0, rq - self._warm_rq - inside)
-        self._warm_times.append(max(1e-6, now - self._warm_end - wait - cpu_wait))
-        self._warm_crowd.append((cpu_wait, max(1e-6, now - self._warm_end - wait)))
+        compute = max(1e-6, now - self._warm_end - wait - cpu_wait)
+        self._warm_times.append(compute)
+        cpu = self._sched.ran()
+        ran = cpu - self._warm_cpu if cpu is not None and self._warm_cpu is not None else 0.0
+        # (waited for a core, ran on a core, the step outside the collectives' windows); the
+        # time it ran inside those windows is small (the transfers run on the backend's threads)
+        self._warm_crowd.append((cpu_wait, min(ran, compute), compute + cpu_wait))
 
     def _warm_gather(self):
         """One tiny exact all-gather of every worker's compute times of the last
         ``warmup_window`` steps and its share of them spent waiting for a core. Returns None
         alone in the group, else ``(times, crowded)``: ``times[w][t]`` (None if a worker missed
-        a step) and whether the workers have waited for cores WARMUP_CROWDED of their time
-        (a running average over the checks: one check's share is noisy)."""
+        a step) and whether the workers are crowded: CPU-bound (running on a core
+        WARMUP_CPU_BOUND of their steps' time) and waiting for cores WARMUP_CROWDED of it
+        (running averages over the checks: one check's shares are noisy)."""
         group = self.world_group
         n = dist.get_world_size(group)
         if n < 2:
             return None
         k = warmup_window(self.step)
         mine = ([-1.0] * k + self._warm_times)[-k:]  # -1: a step not timed
-        waited = sum(c for c, _ in self._warm_crowd)
-        walls = sum(w for _, w in self._warm_crowd)
+        waited = sum(c[0] for c in self._warm_crowd)
+        ran = sum(c[1] for c in self._warm_crowd)
+        walls = sum(c[2] for c in self._warm_crowd)
         self._warm_times, self._warm_crowd = [], []
-        out = torch.empty(n * (k + 1), dtype=torch.float64)
-        mine.append(waited / walls if walls > 0 else 0.0)
+        mine += [waited / walls if walls > 0 else 0.0, ran / walls if walls > 0 else 0.0]
+        out = torch.empty(n * (k + 2), dtype=torch.float64)
         with exact_if_ripples(group):
             _all_gather_single(out, torch.tensor(mine, dtype=torch.float64), group=group)
         flat = out.tolist()
-        rows = [flat[w * (k + 1):(w + 1) * (k + 1)] for w in range(n)]
-        share = sum(r[k] for r in rows) / n  # the same on every worker
-        avg = self._warm_crowd_avg
-        self._warm_crowd_avg = share if avg is None else avg + (share - avg) / 4
-        crowded = self._warm_crowd_avg >= WARMUP_CROWDED
+        rows = [flat[w * (k + 2):(w + 1) * (k + 2)] for w in range(n)]
+        # the same on every worker: running averages over the checks (one check is noisy)
+        waiting, busy = sum(r[k] for r in rows) / n, sum(r[k + 1] for r in rows) / n
+        if self._warm_crowd_avg is None:
+            self._warm_crowd_avg, self._warm_busy_avg = waiting, busy
+        else:
+            self._warm_crowd_avg += (waiting - self._warm_crowd_avg) / 4
+            self._warm_busy_avg += (busy - self._warm_busy_avg) / 4
+        crowded = self._warm_crowd_avg >= WARMUP_CROWDED and \
+            self._warm_busy_avg >= WARMUP_CPU_BOUND
         times = [r[:k] for r in rows]
         return (None if min(min(t) for t in times) <= 0 else times), crowded
+
+    @property
+    def warmup_crowding(self) -> Optional[float]:
+        """The share of their time outside the exact collectives the workers waited for a core,
+        as the warm-up checks last averaged it (None before the first check). From
+        ``WARMUP_CROWDED`` on, only a gain of ``WARMUP_CROWDED_GAIN`` ends warm-up."""
+        return self._warm_crowd_avg
 
     def _keep_warm(self) -> None:
         """No straggler now: with no fixed end, warm-up goes on past the next check."""

@@ -234,10 +234,10 @@ def test_run_queue_clock_sees_waiting_for_a_core():
     import subprocess
     import sys
 
-    from ripples_pg.averager import _RunQueueClock
+    from ripples_pg._schedstat import SchedClock
 
-    clock = _RunQueueClock()
-    if clock.read() is None:
+    clock = SchedClock()
+    if clock.waited() is None:
         pytest.skip("no /proc/self/task/<tid>/schedstat here")
     cpu = min(os.sched_getaffinity(0))
     old = os.sched_getaffinity(0)
@@ -245,13 +245,35 @@ def test_run_queue_clock_sees_waiting_for_a_core():
     try:
         os.sched_setaffinity(hog.pid, {cpu})
         os.sched_setaffinity(0, {cpu})
-        before = clock.read()
+        before = clock.waited()
         t = time.process_time()
         while time.process_time() - t < 0.3:  # 0.3 s of our own CPU time, sharing the core
             pass
-        waited = clock.read() - before
+        waited = clock.waited() - before
     finally:
         os.sched_setaffinity(0, old)
         hog.kill()
         hog.wait()
     assert waited > 0.05, waited  # fair sharing: about as long as it ran
+
+
+def task_slow_link_warmup(ctx):
+    import ripples_pg
+
+    out = {}
+    for name, kw in (("default", {}), ("sync_every", {"sync_every": 2}),
+                     ("compression", {"compression": "bf16"})):
+        torch.manual_seed(0)
+        model = DDP(nn.Linear(4, 2))
+        opt = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+        out[name] = (opt.averager.warmup_limit, opt.averager.overlap)
+        opt.unwrap()
+    return out
+
+
+def test_slow_links_keep_a_bounded_warmup(pool):
+    # averaging less often or in fewer bytes is asked for because the links are slow: an even
+    # job must not stay exact (an all-reduce at every step over those links)
+    for r in pool.run(task_slow_link_warmup):
+        assert r["default"] == (None, True), r
+        assert r["sync_every"][0] == 50 and r["compression"][0] == 50, r
