@@ -282,7 +282,8 @@ _FIELDS: dict[str, _Field] = {
                "Dynamic schedules: while the job keeps its pace, average only every "
                "period_max-th step (the coordinator passes the others; a straggler "
                "averages at least every other step); None/0 = the "
-               "coordinator's default (1: every step, as in the paper; wrap() uses 2), "
+               "coordinator's default (1: every step, as in the paper; wrap() uses 1, "
+               "2 with overlap=False), "
                "1 or -1 = every step."),
         _Field("coordinator", _parse_coordinator, "embedded",
                "'embedded' or the endpoint(s) of standalone ripples-coordinators "

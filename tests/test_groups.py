@@ -88,13 +88,13 @@ def _bn_model(bn):
 
 
 def task_wrap_training(ctx, bn, slow_rank, factor, seconds, step_s, period_max=None,
-                       steps_after=None):
+                       steps_after=None, overlap=None):
     """DDP + wrap() (smart) on a small model; each step sleeps step_s, and on slow_rank
     factor x step_s plus (factor - 1) x its own work (its step, waits in rounds included).
     After warm-up the loop runs for ``seconds`` of wall time or, with ``steps_after``, for that
     many steps on every rank (the replicas are then compared at the same step, not a step
     apart), then ends with a barrier (every rank is still there while others finish their last
-    round). ``period_max``: wrap()'s, None = its default.
+    round). ``period_max``, ``overlap``: wrap()'s, None = its default.
 
     With ``steps_after`` each rank also trains a shadow replica on the same batches from the
     post-warm-up state without any averaging: its consensus ("dist_local") is what the
@@ -108,7 +108,7 @@ def task_wrap_training(ctx, bn, slow_rank, factor, seconds, step_s, period_max=N
     model = _bn_model(bn)
     ddp = DDP(model)
     opt = ripples_pg.wrap(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05), warmup_steps=5,
-                          seed=9, period_max=period_max)
+                          seed=9, period_max=period_max, overlap=overlap)
     gen = torch.Generator().manual_seed(100 + ctx.rank)
     x = torch.randn(512, 64, generator=gen)
     y = torch.randint(0, 10, (512,), generator=gen)
@@ -188,8 +188,8 @@ def test_slow_worker_stays_in_groups(bn, slow_rank):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("period_max", [1, None])
-def test_equal_workers_average_batchnorm_models(period_max):
+@pytest.mark.parametrize("period_max,overlap", [(None, None), (2, False)])
+def test_equal_workers_average_batchnorm_models(period_max, overlap):
     """Four equally fast workers train a BatchNorm model under wrap() for the same number of
     steps: few groups of one, step rates alike, and the replicas (parameters and running
     statistics) end at least four times closer together than shadow replicas trained on the
@@ -197,9 +197,10 @@ def test_equal_workers_average_batchnorm_models(period_max):
     arrive, so the last round need not join everyone: the replicas end as far apart as a
     step or two of local drift, the warm-up distance being one step of the statistics
     (measured: 0 when the last group was everyone, up to 1.8x otherwise, at both periods).
-    They stay within 3x. Period 1 passes no round; wrap()'s adaptive period (2) does."""
+    They stay within 3x. wrap()'s default (overlapped rounds, period 1) passes no round; the
+    adaptive period of 2 (blocking rounds) does."""
     res = _dist.run_spawn(task_wrap_training, 4, True, 0, 1.0, None, 0.01, period_max, 150,
-                          timeout=240)
+                          overlap, timeout=240)
     rates = [r["rate"] for r in res]
     for rank, r in enumerate(res):
         assert r["broadcast_buffers"] is False, f"rank {rank}: DDP still broadcasts buffers"
@@ -213,7 +214,7 @@ def test_equal_workers_average_batchnorm_models(period_max):
         f"consensus {r0['dist']:.2e}, without averaging {r0['dist_local']:.2e}"
     assert r0["dist"] < 3 * r0["dist0"], \
         f"consensus {r0['dist']:.2e}, after warm-up {r0['dist0']:.2e}"
-    if period_max == 1:
+    if period_max is None:
         assert all(r["passed"] == 0 for r in res), [r["passed"] for r in res]
     else:
         assert all(r["passed"] > 0 for r in res), [r["passed"] for r in res]
