@@ -745,19 +745,19 @@ def run(args):
         if args.warmup_steps is None:  # the stop rule below needs the number wrap() chose
             args.warmup_steps = optimizer.averager.warmup_steps
     elif args.strategy in ("localsgd", "hier"):
-        if args.warmup_steps is None:  # the same warm-up as wrap()'s default
-            from ripples_pg._wrap import DEFAULT_WARMUP_STEPS
+        if args.warmup_steps is None:  # no adaptive end: wrap()'s bound where it cannot measure
+            from ripples_pg._args import SLOW_LINK_WARMUP_STEPS
 
-            args.warmup_steps = DEFAULT_WARMUP_STEPS
+            args.warmup_steps = SLOW_LINK_WARMUP_STEPS
         optimizer = torch_local_sgd(model, base_opt, args, world)
     elif args.strategy == "torchft_diloco":
         from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
             PostLocalSGDState, post_localSGD_hook)
 
-        if args.warmup_steps is None:  # the same warm-up as wrap()'s default
-            from ripples_pg._wrap import DEFAULT_WARMUP_STEPS
+        if args.warmup_steps is None:  # no adaptive end: wrap()'s bound where it cannot measure
+            from ripples_pg._args import SLOW_LINK_WARMUP_STEPS
 
-            args.warmup_steps = DEFAULT_WARMUP_STEPS
+            args.warmup_steps = SLOW_LINK_WARMUP_STEPS
         # the warm-up's exact steps as torch's local SGD has them (DDP's gradient all-reduce
         # on the default group), then no gradient sync: DiLoCo's outer steps average
         model.register_comm_hook(

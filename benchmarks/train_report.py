@@ -611,18 +611,31 @@ def trace_ideal(sc: str, workers: int, ddp, pause_ms=None) -> tuple:
             trace_replay.ideal_speedup(fc, int(steps)) if fc is not f else None, int(steps))
 
 
+TRACE_HEAD = ["trace", "P (ms)", "strategy", "ideal", "faster DDP", "DDP time (s)",
+              "time (s)", "speed-up", "share of ideal gain", ">= 80 % and >= 1.0x",
+              "ideal with compute (share)", "= steps/s x DDP", "x step worth",
+              "gg_sim steps/s x DDP",
+              "final acc (DDP)", "final test loss (DDP)", "groups of one % (worst)",
+              "consensus end (max over time)"]
+
+
 def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> list[str]:
     """The replayed production traces (issue 39): per trace and strategy, the averaged
     model's speed-up to the target over the faster DDP beside the trace's ideal speed-up,
     the share of the ideal gain it reached, and whether the workers averaged and the model is
     as good as DDP's."""
+    body = trace_rows(wl, plan, cells, workers)
+    if not body:
+        return []
+    return ([f"Replayed production traces ({workers} workers): every worker's step is a "
+             + TRACE_TEXT, ""] + md_table(TRACE_HEAD, body) + [""])
+
+
+def trace_rows(wl: str, plan: dict, cells: dict, workers: int) -> list[list[str]]:
+    """trace_table()'s rows (TRACE_HEAD's columns); benchmarks/trace_summary.py gathers them
+    from several runs."""
     bases = baselines(plan)
-    head = ["trace", "P (ms)", "strategy", "ideal", "faster DDP", "DDP time (s)",
-            "time (s)", "speed-up", "share of ideal gain", ">= 80 % and >= 1.0x",
-            "ideal with compute (share)", "= steps/s x DDP", "x step worth",
-            "gg_sim steps/s x DDP",
-            "final acc (DDP)", "final test loss (DDP)", "groups of one % (worst)",
-            "consensus end (max over time)"]
+    head = TRACE_HEAD
     body = []
     for sc in plan["scenarios"]:
         base, pause = scenario_parts(sc)
@@ -666,29 +679,30 @@ def trace_table(wl: str, plan: dict, cells: dict, cfg: dict, workers: int) -> li
                          f"{fmt_spread(c['final_loss'], '.3f')} "
                          f"({fmt(median(ddp, 'final_loss'), '.3f')})",
                          fmt_pct(c, "singleton_share_max"), fmt_consensus(c)])
-    if not body:
-        return []
-    return ([f"Replayed production traces ({workers} workers): every worker's step is a "
-             "pause of P ms stretched to f x P, f its factor in the trace at that step "
-             "(benchmarks/traces/README.md says where the traces come from). `ideal` = the "
-             "speed-up over all-reduce of workers that never wait, over the steps the faster "
-             "DDP took to the target (benchmarks/trace_replay.py); `speed-up` = the faster "
-             "DDP's median time to the target over this strategy's; share of ideal gain = "
-             "(speed-up - 1) / (ideal - 1). `ideal with compute` = the same with each step's "
-             "compute (the calibration's, the same for every worker) added to its pause, as "
-             "the replay runs it: the compute dilutes what the factors allow (and DDP's "
-             "exposed communication, which overlapped rounds hide, is in neither). The "
-             "speed-up splits into throughput and what a "
-             "step is worth: `steps/s x DDP` = the workers' mean steps per second over the "
-             "faster DDP's (the whole run), `step worth` = the job steps (all workers' steps / "
-             "the world size) DDP's model took to the target over the job steps the averaged "
-             "model took (below 1: partial averaging made each step worth less). `gg_sim "
-             "steps/s x DDP` = the simulator's throughput for the same policy, trace and "
-             "workers (benchmarks/results/gg_sim_traces.md; `-`: not simulated): it replays "
-             "the factors alone, so it differs from the measured throughput by what the real "
-             "run adds (the compute each step does beside its pause, its reductions' real "
-             "cost, the cores' noise). Groups of one: the worst worker's share of its "
-             "partial rounds.", ""] + md_table(head, body) + [""])
+    return body
+
+
+# trace_table()'s text after "every worker's step is a "
+TRACE_TEXT = ("pause of P ms stretched to f x P, f its factor in the trace at that step "
+              "(benchmarks/traces/README.md says where the traces come from). `ideal` = the "
+              "speed-up over all-reduce of workers that never wait, over the steps the faster "
+              "DDP took to the target (benchmarks/trace_replay.py); `speed-up` = the faster "
+              "DDP's median time to the target over this strategy's; share of ideal gain = "
+              "(speed-up - 1) / (ideal - 1). `ideal with compute` = the same with each step's "
+              "compute (the calibration's, the same for every worker) added to its pause, as "
+              "the replay runs it: the compute dilutes what the factors allow (and DDP's "
+              "exposed communication, which overlapped rounds hide, is in neither). The "
+              "speed-up splits into throughput and what a "
+              "step is worth: `steps/s x DDP` = the workers' mean steps per second over the "
+              "faster DDP's (the whole run), `step worth` = the job steps (all workers' steps / "
+              "the world size) DDP's model took to the target over the job steps the averaged "
+              "model took (below 1: partial averaging made each step worth less). `gg_sim "
+              "steps/s x DDP` = the simulator's throughput for the same policy, trace and "
+              "workers (benchmarks/results/gg_sim_traces.md; `-`: not simulated): it replays "
+              "the factors alone, so it differs from the measured throughput by what the real "
+              "run adds (the compute each step does beside its pause, its reductions' real "
+              "cost, the cores' noise). Groups of one: the worst worker's share of its "
+              "partial rounds.")
 
 
 def decompose(cell, ddp) -> tuple:
@@ -789,9 +803,14 @@ def warmup_text(args, results: list) -> str:
     and the number it chose (from the runs' final records)."""
     if args.warmup_steps != "wrap":
         return f"{args.warmup_steps} exact steps"
-    chosen = sorted({(r.get("final") or {}).get("warmup_steps") for r in results} - {None})
-    return ("ripples_pg.wrap()'s default (" + (", ".join(map(str, chosen)) or "?")
-            + " exact steps)")
+    # the exact steps the Ripples runs had (wrap() ends warm-up where a straggler makes
+    # partial averaging pay; no end while the workers are even)
+    runs = [(r.get("final") or {}) for r in results if r.get("strategy") != "exact"]
+    done = sorted({f.get("warmup_run", f.get("warmup_steps")) for f in runs} - {None})
+    if not done:
+        return "ripples_pg.wrap()'s default"
+    span = str(done[0]) if len(done) == 1 else f"{done[0]}-{done[-1]}"
+    return f"ripples_pg.wrap()'s default ({span} exact steps in these runs)"
 
 
 def report(args, out: dict) -> list[str]:

@@ -319,6 +319,38 @@ def test_fast_and_slow_workers_step_rates():
     assert m["rate_ratio"] is None and m["singleton_share_fast_max"] is None
 
 
+def test_trace_summary_gathers_the_runs_rows(tmp_path):
+    """benchmarks/trace_summary.py on the committed 4-worker trace run: one row per trace for
+    wrap()'s defaults, each the same speed-up and share as that run's own trace table, and the
+    simulator's rows at 16 and 32 workers below."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import trace_summary
+    finally:
+        sys.path.pop(0)
+    run = os.path.join(REPO, "benchmarks", "results", "traces_4w")
+    out = tmp_path / "summary.md"
+    assert trace_summary.main(["--runs", run, "--out", str(out)]) == 0
+    text = out.read_text()
+    own = open(os.path.join(run, "results.md")).read()
+
+    def rows(md, first):  # markdown rows whose first cells are `first`
+        return {tuple(c.strip() for c in line.split("|")[1:-1])
+                for line in md.splitlines() if line.startswith("| " + first)}
+
+    traces = ["bytedance-se", "bytedance-ar", "alibaba-job1", "alibaba-job2", "alibaba-job3",
+              "alibaba-job4"]
+    for t in traces:
+        mine = [r for r in rows(text, t) if r[1] == "4"]
+        assert len(mine) == 1, (t, mine)
+        theirs = [r for r in rows(own, t) if r[2] == "default"]
+        assert len(theirs) == 1, (t, theirs)
+        # speed-up and share of the ideal gain, as the run's own table has them
+        assert mine[0][4:6] == (theirs[0][7], theirs[0][8]), (mine, theirs)
+        sim = {r[1] for r in rows(text, t)} - {"4"}
+        assert sim == {"16", "32"}, (t, sim)
+
+
 def test_large_transformer_has_a_million_parameters_and_four_layers():
     """transformer-l's arguments build the model the docs describe (no training)."""
     b = bench()
