@@ -517,8 +517,9 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=None,
                    help="steps of exact synchronous SGD before local steps (all but "
-                        "allreduce); default: ripples_pg.wrap()'s own default, and its "
-                        "DEFAULT_WARMUP_STEPS for torch's local and hierarchical SGD")
+                        "allreduce); default: ripples_pg.wrap()'s own (no fixed end: exact until "
+                        "a straggler), and SLOW_LINK_WARMUP_STEPS (50) for torch's local and "
+                        "hierarchical SGD and torchft's DiLoCo, which have no adaptive end")
     p.add_argument("--shard-data", action="store_true",
                    help="ripples: a fixed shard of the training data per worker, as DDP has, "
                         "instead of the job's epochs (a ripples_pg.DistributedSampler linked by "
@@ -545,8 +546,8 @@ def parse_args(argv=None):
                         "(wrap(overlap=True)); --no-overlap: blocking rounds; default: "
                         "wrap()'s")
     p.add_argument("--period-max", type=int, default=None,
-                   help="ripples: bound of the coordinator's adaptive period (wrap's default "
-                        "4; 1 = average at every step)")
+                   help="ripples: bound of the coordinator's adaptive period (wrap()'s default "
+                        "1, 2 with --no-overlap; 1 = average at every step)")
     p.add_argument("--outer-every", type=int, default=0,
                    help="DiLoCo's H: local steps between outer steps. ripples: partial DiLoCo "
                         "(wrap(outer_optimizer=..., sync_every=H)); torchft_diloco: torchft's "

@@ -238,7 +238,8 @@ def test_run_queue_clock_sees_waiting_for_a_core():
 
     clock = SchedClock()
     if clock.waited() is None:
-        pytest.skip("no /proc/self/task/<tid>/schedstat here")
+        pytest.skip("this kernel gives no per-thread run-queue clock "
+                    "(/proc/self/task/<tid>/schedstat: Linux with CONFIG_SCHED_INFO)")
     cpu = min(os.sched_getaffinity(0))
     old = os.sched_getaffinity(0)
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
