@@ -44,7 +44,8 @@ from ._args import (BLOCKING_PERIOD_MAX, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_ST
 from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
-from .hooks import RipplesHookState, ripples_hook
+from .hooks import RipplesHookState
+from .hooks import register as register_hook
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
 
 if TYPE_CHECKING:
@@ -671,7 +672,7 @@ def wrap(ddp_model: DistributedDataParallel,
                              host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)
     try:
-        ddp_model.register_comm_hook(state, ripples_hook)
+        register_hook(ddp_model, state)  # the exact steps in C++: as fast as plain DDP's
     except RuntimeError as e:
         ddp_model.broadcast_buffers = state.user_broadcast_buffers  # as it was before wrap()
         raise RuntimeError(f"ripples_pg.wrap: could not register the comm hook ({e}); a DDP "

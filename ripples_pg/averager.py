@@ -621,6 +621,8 @@ class RipplesAverager(ModelAverager):
         self._warm_rq = self._sched.waited() if self._warm_timing() else None
         self._warm_cpu = self._sched.ran() if self._warm_rq is not None else None
         self._warm_rqw = []  # the run queue clock at each waiting window's start and end
+        for st in getattr(self, "_hook_states", ()):
+            st.take_windows()  # the C++ hook's of the step that ended: read or not timed
         self._warm_wins = []
         self._warm_win = None
         self._warm_win_closed = False
@@ -705,10 +707,19 @@ class RipplesAverager(ModelAverager):
         self.warmup_ended_early = end
         self._set_warmup_end(end)
 
+    def _take_hook_windows(self) -> None:
+        """The waiting windows a C++ comm hook (``ripples_pg.hooks.register``) recorded in this
+        step: what :meth:`note_gradient_bucket` records for the Python hook."""
+        for st in getattr(self, "_hook_states", ()):
+            for t0, t1, rq0, rq1 in st.take_windows():
+                self._warm_wins.append([t0, t1])
+                self._warm_rqw.append([rq0, rq1])
+
     def _warm_time_step(self, now: float) -> None:
         """Records the step that ends now: its compute (its whole time less its waits in the
         exact collectives and for a core) and how much of its time outside those collectives
         it spent waiting for a core."""
+        self._take_hook_windows()
         if self._warm_end is None or now <= self._warm_end:
             return
         wait = _covered(self._warm_wins, self._warm_end, now)

@@ -16,7 +16,14 @@ Usage::
     state = ripples_pg.hooks.RipplesHookState(warmup_steps=100)
     ddp_model.register_comm_hook(state, ripples_pg.hooks.ripples_hook)
 
-``ripples_pg.wrap()`` does this (and links the state to its averager) for you.
+``ripples_pg.wrap()`` does this (and links the state to its averager) for you, through
+:func:`register`: a C++ hook (``csrc/torch/CommHook.hpp``) that runs the exact steps itself --
+the divided gradient all-reduced exactly, as DDP's built-in hook, with no Python per bucket --
+and calls :func:`ripples_hook` for the other steps. Since ``wrap()`` stays exact while the
+workers are even, a job without a straggler then runs at plain DDP's pace; the Python hook took
+the interpreter twice per bucket (the hook and its future's callback), a tenth of a
+communication-bound step on 2 cores. The state decides, at every change of the step, the end
+of warm-up or :meth:`RipplesHookState.set_synchronous`, which of the two runs next.
 
 Buffers. DDP broadcasts the module's buffers (BatchNorm statistics) from rank 0 before every
 forward (``broadcast_buffers``): an exact collective each step, i.e. a global meeting point at
@@ -47,6 +54,7 @@ optimizer steps taken so far. That stays right with gradient accumulation and is
 ``PostLocalSGDOptimizer.load_state_dict`` together with the averager's.
 """
 import logging
+import threading
 import weakref
 from typing import Callable, Optional
 
@@ -57,7 +65,7 @@ from ._api import exact
 from ._args import POST_WARMUP_MODES, check_choice, check_int
 from ._groups import host_group  # public here: ripples_pg.hooks.host_group
 
-__all__ = ["RipplesHookState", "ripples_hook", "host_group", "POST_WARMUP_MODES"]
+__all__ = ["RipplesHookState", "ripples_hook", "register", "host_group", "POST_WARMUP_MODES"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +101,22 @@ class RipplesHookState:
                  host_group=None, averager=None, ddp_model=None):
         check_int("ripples_pg.hooks", "warmup_steps", warmup_steps, 0)
         check_choice("ripples_pg.hooks", "post_warmup", post_warmup, POST_WARMUP_MODES)
+        # wrap()'s C++ hook reads what to do from this switch (register()); None: plain Python
+        self._switch = None
+        self._synchronous = False
+        self._averager = None
+        self._warmup_steps = warmup_steps
         self.process_group = process_group
-        self.warmup_steps = warmup_steps
         self.post_warmup = post_warmup
         self.averager = averager
         self.iter = 0  # backward passes seen (used when no averager is linked)
-        self.exact_buckets = 0  # buckets averaged exactly over process_group
+        self._exact_buckets = 0  # buckets averaged exactly over process_group by Python
         self.local_buckets = 0  # buckets left local
         self.host_buckets = 0  # buckets averaged within the host
         if post_warmup == "host" and host_group is None:
             host_group = globals()["host_group"](process_group)
         self.host_group = host_group
         self._announced = False
-        self.synchronous = False
         self._fwd_handles: list = []  # the warm-up clock's forward pre-hooks, while installed
         # The DDP model holds this state through its C++ reducer, which the garbage collector
         # cannot see through: a strong reference back would keep the model alive forever.
@@ -131,10 +142,73 @@ class RipplesHookState:
     def step(self, value: int) -> None:
         self.iter = int(value)
         self._sync_buffer_broadcast(self.iter)
+        self._sync_switch()
+
+    @property
+    def warmup_steps(self) -> int:
+        """The first step after warm-up (the linked averager moves it)."""
+        return self._warmup_steps
+
+    @warmup_steps.setter
+    def warmup_steps(self, value: int) -> None:
+        self._warmup_steps = int(value)
+        self._sync_switch()
+
+    @property
+    def synchronous(self) -> bool:
+        """Exact at every step from now on (:meth:`set_synchronous`)."""
+        return self._synchronous
+
+    @synchronous.setter
+    def synchronous(self, value: bool) -> None:
+        self._synchronous = bool(value)
+        self._sync_switch()
+
+    @property
+    def averager(self):
+        """The linked averager, whose step this state follows (None: it counts its own)."""
+        return self._averager
+
+    @averager.setter
+    def averager(self, value) -> None:
+        self._averager = value
+        self._sync_switch()
+
+    @property
+    def exact_buckets(self) -> int:
+        """Gradient buckets averaged exactly over ``process_group`` (by either hook)."""
+        sw = self._switch
+        return self._exact_buckets + (sw.exact_buckets if sw is not None else 0)
 
     @property
     def in_warmup(self) -> bool:
         return self.step < self.warmup_steps
+
+    def _sync_switch(self) -> None:
+        """Tells the C++ hook (:func:`register`) what the next backward pass does: the exact
+        all-reduce itself while the step is exact and linked to an averager (which counts the
+        steps; unlinked, the Python hook counts them), timed if the averager times the step;
+        else it calls :func:`ripples_hook`. Runs on every change of what decides it, between
+        backward passes."""
+        sw = getattr(self, "_switch", None)
+        if sw is None:
+            return
+        av = self._averager
+        exact = av is not None and (self._synchronous or self.step < self._warmup_steps)
+        timing = getattr(av, "_warm_timing", None)
+        clock = exact and not self._synchronous and timing is not None and bool(timing())
+        # the run-queue wait of this thread: the training loop's (this runs in its step)
+        sw.set(exact, clock, threading.get_native_id() if clock else 0)
+        if clock:
+            self._install_forward_clock()
+        elif self._fwd_handles:
+            self._remove_forward_clock()
+
+    def take_windows(self) -> list:
+        """The waiting windows the C++ hook recorded since the last call (see
+        ``CommHookSwitch``): ``(t0, t1, run-queue wait at t0, at t1)``."""
+        sw = getattr(self, "_switch", None)
+        return sw.take_windows() if sw is not None else []
 
     @property
     def ddp_model(self):
@@ -213,13 +287,23 @@ class RipplesHookState:
         d = dict(self.__dict__)
         d["process_group"] = None
         d["host_group"] = None
-        d["averager"] = None
+        d["_averager"] = None
         d["_ddp"] = None
         d["_fwd_handles"] = []
+        d["_switch"] = None  # the unpickled model's reducer has no C++ hook
+        d["_exact_buckets"] = self.exact_buckets
         return d
 
     def __setstate__(self, d):
-        d.setdefault("synchronous", False)
+        # states pickled before these were properties kept them under their public names
+        for old, new in (("synchronous", "_synchronous"), ("averager", "_averager"),
+                         ("warmup_steps", "_warmup_steps"), ("exact_buckets", "_exact_buckets")):
+            if old in d:
+                d[new] = d.pop(old)
+        d.setdefault("_synchronous", False)
+        d.setdefault("_averager", None)
+        d.setdefault("_exact_buckets", 0)
+        d.setdefault("_switch", None)
         d.setdefault("_ddp", None)
         d.setdefault("user_broadcast_buffers", None)
         d.setdefault("_fwd_handles", [])
@@ -298,7 +382,7 @@ def ripples_hook(state: RipplesHookState,
         done = None
         if state.averager is not None and not state.synchronous:
             done = state._clock_bucket(bucket)  # the warm-up exit's clock
-        state.exact_buckets += 1
+        state._exact_buckets += 1
         group = state.process_group if state.process_group is not None else dist.group.WORLD
         return _allreduce_mean_fut(group, buf, done)
     if state._fwd_handles:
@@ -313,3 +397,36 @@ def ripples_hook(state: RipplesHookState,
         return _allreduce_mean_fut(state.host_group, buf)
     state.local_buckets += 1
     return _done(buf)
+
+
+def register(ddp_model, state: RipplesHookState, native: bool = True) -> bool:
+    """Registers :func:`ripples_hook` with ``state`` on ``ddp_model``, as
+    ``ddp_model.register_comm_hook(state, ripples_hook)`` does, but (``native``, where the DDP
+    model has a C++ reducer) through a C++ hook that runs the exact steps itself -- the divided
+    gradient all-reduced exactly, as DDP's built-in hook, timed for the warm-up exit -- and
+    calls :func:`ripples_hook` for the others: an exact step then costs what plain DDP's does
+    (a Python hook takes the interpreter twice per bucket). The steps are the same either way;
+    the state decides which runs (exact while linked to an averager and in warm-up or
+    synchronous). Returns whether the C++ hook was registered. A DDP model takes one hook:
+    raises RuntimeError if it has one."""
+    reducer = getattr(ddp_model, "reducer", None)
+    pg = getattr(ddp_model, "process_group", None)
+    if not native or reducer is None or not isinstance(pg, dist.ProcessGroup):
+        ddp_model.register_comm_hook(state, ripples_hook)
+        return False
+    from . import _C
+
+    check = getattr(ddp_model, "_check_comm_hook", None)
+    if check is not None:
+        check(ripples_hook)
+    switch = _C._CommHookSwitch()
+    _C._register_comm_hook(reducer, pg, switch, state, ripples_hook)
+    # what DDP's register_comm_hook records besides the reducer's hook
+    if getattr(ddp_model, "logger", None) is not None:
+        ddp_model.logger._set_comm_hook_name(ripples_hook.__qualname__)
+    hooks = getattr(ddp_model, "_comm_hooks", None)
+    if isinstance(hooks, list):
+        hooks.append((ripples_hook, state))
+    state._switch = switch
+    state._sync_switch()
+    return True

@@ -155,6 +155,70 @@ def task_linked_accumulation(ctx, warmup):
     return True
 
 
+def task_native_hook(ctx, warmup):
+    """hooks.register(): the C++ hook runs the exact steps (exact even inside a partial()
+    block, the same parameters as DDP on gloo), times them for a timing averager, and hands the
+    steps after warm-up to the Python hook (local gradients)."""
+    import ripples_pg
+    from ripples_pg import hooks
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    chk = _dist.Checker(ctx)
+    module = _model()
+    model = DDP(module, bucket_cap_mb=0.002)
+    state = hooks.RipplesHookState(warmup_steps=warmup, ddp_model=model)
+    averager = ripples_pg.RipplesAverager(levels={10 ** 9: "world"}, warmup_steps=warmup,
+                                          warmup_straggler=100.0)
+    averager.link_hook_state(state)
+    chk.true(hooks.register(model, state) is True, "the C++ hook is registered")
+    opt = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                averager)
+    ref_module = _model()
+    ref = DDP(ref_module, process_group=ctx.ref, bucket_cap_mb=0.002)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for s in range(warmup):
+        opt.zero_grad()
+        x, y = _batch(ctx.rank, s)
+        with ripples_pg.partial():  # the exact steps stay exact whatever the thread's mode
+            ((model(x) - y) ** 2).mean().backward()
+        wins = state.take_windows() if s == 1 else None
+        opt.step()
+        _train_steps(ref, ref_opt, ctx.rank, 1, start=s)
+        flat = _flat(module)
+        everyone = _gather(ctx, flat)
+        chk.true(all(torch.equal(everyone[0], t) for t in everyone),
+                 f"identical after exact step {s}")
+        chk.close(flat, _flat(ref_module), f"params vs DDP+gloo after step {s}",
+                  atol=1e-5, rtol=1e-4)
+        if wins is not None:  # step 1 is timed (the averager's warm-up clock)
+            chk.true(len(wins) == 1, "one waiting window per backward pass", f"{wins}")
+            t0, t1, rq0, rq1 = wins[0]
+            chk.true(t1 >= t0 > 0, "the window's times are ordered", f"{wins[0]}")
+            if os.path.exists("/proc/self/task"):
+                chk.true(rq0 is not None and rq1 is not None and rq1 >= rq0,
+                         "run-queue waits read", f"{wins[0]}")
+    exact = state.exact_buckets
+    chk.true(exact >= 2 * warmup, "several buckets a step, counted by the C++ hook",
+             f"exact_buckets={exact}")
+    chk.true(state.local_buckets == 0, "no bucket through Python in warm-up")
+    _train_steps(model, opt, ctx.rank, 2, start=warmup)
+    everyone = _gather(ctx, _flat(module))
+    chk.true(not all(torch.equal(everyone[0], t) for t in everyone), "local after warm-up")
+    chk.true(state.exact_buckets == exact and state.local_buckets >= 4,
+             "after warm-up the Python hook leaves gradients local",
+             f"exact {state.exact_buckets - exact}, local {state.local_buckets}")
+    state.set_synchronous()  # unwrap(): exact again, through C++
+    _train_steps(model, opt, ctx.rank, 1, start=warmup + 2)
+    chk.true(state.exact_buckets > exact, "synchronous steps exact again")
+    try:
+        hooks.register(model, hooks.RipplesHookState(warmup_steps=1))
+        chk.true(False, "a second hook is refused")
+    except RuntimeError:
+        pass
+    chk.finish()
+    return True
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -170,6 +234,10 @@ def test_post_warmup_host_average(pool):
 
 def test_linked_step_counts_optimizer_steps(pool):
     pool.run(task_linked_accumulation, 3)
+
+
+def test_native_hook_exact_steps_in_cpp(pool):
+    pool.run(task_native_hook, 3)
 
 
 def test_state_validation():

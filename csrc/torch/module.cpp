@@ -12,6 +12,7 @@
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
+#include "CommHook.hpp"
 #include "Config.hpp"
 #include "Errors.hpp"
 #include "GroupGenerator.hpp"
@@ -220,4 +221,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("CORE_VERSION") = py::make_tuple(RPL_VERSION_MAJOR, RPL_VERSION_MINOR);
   m.attr("MAX_COMPLETION_THREADS") = ripples::kMaxCompletionThreads;
   ripples::bindGroupGenerator(m);  // _C.gg: policies, coordinator, client, CLI
+  ripples::bindCommHook(m);  // wrap()'s DDP comm hook
 }
