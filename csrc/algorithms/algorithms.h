@@ -21,7 +21,7 @@ rpl_status rpl_algo_scatter(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_reduce(rpl_run *run, const rpl_op_desc *d);
 rpl_status rpl_algo_barrier(rpl_run *run, const rpl_op_desc *d); /* barrier.c */
 
-/* All-reduce of one buffer in place over the run's ranks, without AVG's division. */
+/* All-reduce of one buffer in place over the run's ranks; AVG divides by their number. */
 rpl_status rpl_allreduce_buf(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned step);
 
 /* The compressed average of a partial round (compressed.c, docs/compression.md): y holds

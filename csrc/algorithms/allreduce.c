@@ -6,7 +6,9 @@
  * segments are reduced while the rest of the segment is still in flight.
  * Large buffers between ranks of one host that may read each other's memory: single_copy.c.
  * Either way every rank ends with the same bits. Several buffers (coalesced) run one after
- * another inside the same operation. */
+ * another inside the same operation. AVG divides where a value is final: each segment by its
+ * owner before it is spread (1/size of the buffer per rank, in one pass with the reduction
+ * where it can), the whole buffer after a direct exchange. */
 #include "algorithms.h"
 
 #include <string.h>
@@ -33,6 +35,7 @@ static rpl_status direct(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned 
   if (st != RPL_OK) return st;
   for (int p = 0; p < n; p++) srcs[p] = p == r ? b->ptr : all + (size_t)p * bytes;
   rpl_reduce_many(b->ptr, srcs, n, b->count, b->dtype, op);
+  if (op == RPL_AVG) rpl_divide(b->ptr, b->count, b->dtype, (double)n);
   return RPL_OK;
 }
 
@@ -42,6 +45,11 @@ static rpl_status ring(rpl_run *run, const rpl_buf *b, rpl_redop op, unsigned st
   unsigned char *base = b->ptr;
   rpl_status st = rpl_ring_reduce_scatter(run, base, b->count, b->dtype, op, 1, step);
   if (st != RPL_OK) return st;
+  if (op == RPL_AVG) { /* the segment this rank reduced last, and sends first */
+    size_t oo, oc;
+    rpl_segment(b->count, n, (r + 1) % n, &oo, &oc);
+    rpl_divide(base + oo * esz, oc, b->dtype, (double)n);
+  }
   int right = (r + 1) % n, left = (r - 1 + n) % n;
   for (int s = 0; s < n - 1; s++) {
     int sseg = ((r + 1 - s) % n + n) % n;
@@ -76,7 +84,6 @@ rpl_status rpl_algo_allreduce(rpl_run *run, const rpl_op_desc *d) {
     const rpl_buf *b = &d->in[i];
     rpl_status st = rpl_allreduce_buf(run, b, d->redop, (unsigned)i);
     if (st != RPL_OK) return st;
-    if (d->redop == RPL_AVG) rpl_divide(b->ptr, b->count, b->dtype, (double)run->size);
   }
   return RPL_OK;
 }

@@ -10,6 +10,7 @@
  *   1. rank i owns segment i (rpl_segment): chunk by chunk it reads that segment of each
  *      peer's buffer into a small cache-resident scratch and reduces all of them, in rank
  *      order, into its own buffer (float16/bfloat16 accumulate in float32, rounded once);
+ *      (AVG: and divides it, while the chunk is still in cache);
  *   2. barrier: every segment is reduced;
  *   3. each rank reads every other owner's reduced segment straight into its own buffer;
  *   4. barrier: nobody still reads anybody's buffer, so each may return.
@@ -100,6 +101,7 @@ rpl_status rpl_single_copy_allreduce(rpl_run *run, const rpl_buf *b, rpl_redop o
       srcs[p] = dst;
     }
     rpl_reduce_many(base + at, srcs, n, c, b->dtype, op);
+    if (op == RPL_AVG) rpl_divide(base + at, c, b->dtype, (double)n); /* still in cache */
   }
   if ((st = barrier(run, b, step)) != RPL_OK) return st;
 
