@@ -672,7 +672,7 @@ def wrap(ddp_model: DistributedDataParallel,
                              host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)
     try:
-        register_hook(ddp_model, state)  # the exact steps in C++: as fast as plain DDP's
+        register_hook(ddp_model, state)  # the exact steps in C++: no Python per bucket
     except RuntimeError as e:
         ddp_model.broadcast_buffers = state.user_broadcast_buffers  # as it was before wrap()
         raise RuntimeError(f"ripples_pg.wrap: could not register the comm hook ({e}); a DDP "

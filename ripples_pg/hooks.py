@@ -19,11 +19,12 @@ Usage::
 ``ripples_pg.wrap()`` does this (and links the state to its averager) for you, through
 :func:`register`: a C++ hook (``csrc/torch/CommHook.hpp``) that runs the exact steps itself --
 the divided gradient all-reduced exactly, as DDP's built-in hook, with no Python per bucket --
-and calls :func:`ripples_hook` for the other steps. Since ``wrap()`` stays exact while the
-workers are even, a job without a straggler then runs at plain DDP's pace; the Python hook took
-the interpreter twice per bucket (the hook and its future's callback), a tenth of a
-communication-bound step on 2 cores. The state decides, at every change of the step, the end
-of warm-up or :meth:`RipplesHookState.set_synchronous`, which of the two runs next.
+and calls :func:`ripples_hook` for the other steps. ``wrap()`` stays exact while the workers
+are even, and the Python hook took the interpreter twice per bucket (the hook and its future's
+callback): on a communication-bound MLP without a straggler the C++ hook took ``wrap()`` from
+0.83x to 0.87x plain DDP (docs/limitations.md, "Speed", says what is left). The state
+decides, at every change of the step, the end of warm-up or
+:meth:`RipplesHookState.set_synchronous`, which of the two runs next.
 
 Buffers. DDP broadcasts the module's buffers (BatchNorm statistics) from rank 0 before every
 forward (``broadcast_buffers``): an exact collective each step, i.e. a global meeting point at
@@ -404,8 +405,8 @@ def register(ddp_model, state: RipplesHookState, native: bool = True) -> bool:
     ``ddp_model.register_comm_hook(state, ripples_hook)`` does, but (``native``, where the DDP
     model has a C++ reducer) through a C++ hook that runs the exact steps itself -- the divided
     gradient all-reduced exactly, as DDP's built-in hook, timed for the warm-up exit -- and
-    calls :func:`ripples_hook` for the others: an exact step then costs what plain DDP's does
-    (a Python hook takes the interpreter twice per bucket). The steps are the same either way;
+    calls :func:`ripples_hook` for the others: no Python per bucket in an exact step (a
+    Python hook takes the interpreter twice per bucket). The steps are the same either way;
     the state decides which runs (exact while linked to an averager and in warm-up or
     synchronous). Returns whether the C++ hook was registered. A DDP model takes one hook:
     raises RuntimeError if it has one."""

@@ -4,10 +4,10 @@
 // partial averaging pay, so an even job spends its whole run in the exact phase. A Python comm
 // hook costs every gradient bucket two trips through the interpreter (the hook, and the
 // future's `then` callback on the completion thread, each taking the GIL): on a
-// communication-bound model that was a tenth of the step. This hook runs the exact phase as
-// DDP's own built-in all-reduce hook does — divide, all-reduce (exact, whatever the group's
-// partial setting), no Python — and calls the Python hook (ripples_pg.hooks.ripples_hook)
-// for every other step.
+// communication-bound MLP without a straggler this hook took wrap() from 0.83x to 0.87x
+// plain DDP (docs/limitations.md, "Speed"). It runs the exact phase as DDP's own built-in
+// all-reduce hook does — divide, all-reduce (exact, whatever the group's partial setting), no
+// Python — and calls the Python hook (ripples_pg.hooks.ripples_hook) for every other step.
 //
 // Who decides: Python. ripples_pg.hooks.RipplesHookState sets the switch's `exact` flag
 // whenever the step, the end of warm-up or synchronous mode change (all on the training
