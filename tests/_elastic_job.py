@@ -4,7 +4,8 @@ can be told to fail. Used by tests/test_elastic.py and benchmarks/restart_time.p
 
 Each rank writes ``<out>/a<attempt>-r<rank>.json``: its pid, world size, the step it resumed
 at, the steps it ran, wall-clock marks of its start-up, and at the end its parameters' checksum
-after an exact average (equal on every rank when the group agrees)."""
+after an exact average (equal on every rank when the group agrees), and its model's loss on one
+fixed batch when built, when restored from the checkpoint and at the end."""
 import argparse
 import json
 import os
@@ -63,15 +64,23 @@ def main(argv=None):
     else:
         opt = base
     t_wrap = time.monotonic()
+    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
+    probe = torch.randn(256, 16, generator=torch.Generator().manual_seed(11))
+
+    def probe_loss():  # one fixed batch: the same number for the same model, on every rank
+        with torch.no_grad():
+            return float(((model.module(probe) - probe @ w) ** 2).mean())
+
+    loss_fresh = probe_loss()
     start = 0
     if a.ckpt and os.path.exists(a.ckpt):
         ck = torch.load(a.ckpt, weights_only=True)
         model.module.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         start = ck["step"]
+    loss_restored = probe_loss()
     restored = ({"averager_step": opt.averager.step,
                  "warmup_steps": opt.averager.warmup_steps} if a.backend == "ripples" else {})
-    w = torch.randn(16, 1, generator=torch.Generator().manual_seed(7))
     first_step_s = first_step_wall = None
     losses = []
     for step in range(start, a.steps):
@@ -110,6 +119,7 @@ def main(argv=None):
         dist.all_reduce(p)
         p /= ws
     checksum = float(sum(p.double().sum() for p in params))
+    loss_end = probe_loss()
     sums = [None] * ws
     dist.all_gather_object(sums, checksum)
     rec = {"rank": rank, "world_size": ws, "attempt": attempt(), "pid": os.getpid(),
@@ -117,7 +127,8 @@ def main(argv=None):
            "start_wall": T0_WALL, "first_step_wall": first_step_wall,
            "init_s": t_init - T0, "wrap_s": t_wrap - T0, "first_step_s": first_step_s,
            # a few steps' mean: one batch's loss is noise at this size
-           "checksums": sums, "loss_first": sum(losses[:5]) / len(losses[:5]) if losses else None,
+           "checksums": sums, "loss_fresh": loss_fresh, "loss_restored": loss_restored,
+           "loss_end": loss_end, "loss_first": sum(losses[:5]) / len(losses[:5]) if losses else None,
            "loss_last": sum(losses[-5:]) / len(losses[-5:]) if losses else None}
     if a.backend == "ripples":
         opt.unwrap()

@@ -167,9 +167,11 @@ def _check_resumed(recs, ws, steps, min_start):
         assert r["restored"]["warmup_steps"] <= 10, r
         # the exact average of the workers' models is the same model everywhere
         assert len(set(r["checksums"])) == 1, r
-        # it keeps learning (means of 5 steps; wrap()'s overlapped rounds settle a little
-        # higher on this task than blocking ones, which reach 0.05)
-        assert r["loss_last"] < 0.7 * r["loss_first"] or r["loss_last"] < 0.15, r
+        # it resumed the trained model, not a fresh one (one fixed batch: no noise) ...
+        assert r["loss_restored"] < 0.2 * r["loss_fresh"], r
+        # ... and went on training it without losing it. (Not "the loss fell again": by the
+        # checkpoint this task sits near its floor, where 5-step means wander either way.)
+        assert r["loss_end"] < 0.1 * r["loss_fresh"], r
 
 
 def _no_segments_of(pids):
