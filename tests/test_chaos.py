@@ -45,12 +45,9 @@ def _plan(seed, cuts=0):
     return plan
 
 
-def _worker(rank, port, plan, hosts, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if hosts > 1:
-        os.environ["RIPPLES_HOST_ID"] = f"h{rank * hosts // WS}"
-    if plan.get(rank, ("",))[0] == "cut":  # csrc/partial.c: cut:ROUND:EXCHANGE
-        os.environ["RIPPLES_TEST_FAULT"] = f"cut:{plan[rank][1]}:{plan[rank][2]}"
+def _wrapped_model(rank, world):
+    """In a spawned worker: joins the job and returns a small DDP model and its wrap()ped
+    SGD (the smart schedule, the embedded coordinator in rank 0, ROUND_TIMEOUT_S rounds)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -58,14 +55,28 @@ def _worker(rank, port, plan, hosts, out):
     import ripples_pg
 
     torch.set_num_threads(1)
+    dist.init_process_group("ripples", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                    torch.nn.Linear(16, 1)))
+    opt = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                          warmup_steps=WARMUP, seed=3, timeout=ROUND_TIMEOUT_S)
+    return model, opt
+
+
+def _worker(rank, port, plan, hosts, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if hosts > 1:
+        os.environ["RIPPLES_HOST_ID"] = f"h{rank * hosts // WS}"
+    if plan.get(rank, ("",))[0] == "cut":  # csrc/partial.c: cut:ROUND:EXCHANGE
+        os.environ["RIPPLES_TEST_FAULT"] = f"cut:{plan[rank][1]}:{plan[rank][2]}"
+    import torch
+
+    import ripples_pg
+
     try:
-        dist.init_process_group("ripples", rank=rank, world_size=WS,
-                                timeout=timedelta(seconds=60))
-        torch.manual_seed(0)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                        torch.nn.Linear(16, 1)))
-        opt = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05),
-                              warmup_steps=WARMUP, seed=3, timeout=ROUND_TIMEOUT_S)
+        model, opt = _wrapped_model(rank, WS)
         gen = torch.Generator().manual_seed(100 + rank)
         w = torch.randn(8, 1, generator=torch.Generator().manual_seed(7))
         x = torch.randn(256, 8, generator=gen)
@@ -155,20 +166,11 @@ def _rejoin_worker(rank, port, flag, out):
     are there for the whole measurement, however loaded the machine)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import ripples_pg
 
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group("ripples", rank=rank, world_size=4,
-                                timeout=timedelta(seconds=60))
-        torch.manual_seed(0)
-        model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
-                                        torch.nn.Linear(16, 1)))
-        opt = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.05),
-                              warmup_steps=WARMUP, seed=3, timeout=ROUND_TIMEOUT_S)
+        model, opt = _wrapped_model(rank, 4)
         x = torch.randn(32, 8, generator=torch.Generator().manual_seed(100 + rank))
         y = x.sum(1, keepdim=True)
         before = after = None
