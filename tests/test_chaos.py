@@ -160,10 +160,11 @@ def test_chaos_survivors_agree_keep_rings_and_learn(seed, hosts):
     assert not mixed, f"plan {plan}: rounds committed on some live members only: {mixed}"
 
 
-def _rejoin_worker(rank, port, flag, out):
+def _rejoin_worker(rank, port, flag, others_stop, out):
     """4 workers on one host under wrap(); rank 3 stalls past a round's deadline once, then
-    trains REJOIN_STEPS steps and raises `flag`; the others train until they see it (so they
-    are there for the whole measurement, however loaded the machine)."""
+    trains REJOIN_STEPS steps and raises `flag`. The others train until they see it (so they
+    are there for the whole measurement, however loaded the machine) -- or, with
+    `others_stop`, stop training at that step and wait for it, alive but asking nothing."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
 
@@ -186,15 +187,19 @@ def _rejoin_worker(rank, port, flag, out):
                 break
             if rank != 3 and os.path.exists(flag):
                 break
+            if rank != 3 and step == others_stop:  # done: alive, idle, no more requests
+                while not os.path.exists(flag) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                break
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             time.sleep(0.005)  # an accelerator's share of the step: the cores stay shared
             step += 1
         s = after if after is not None else ripples_pg.stats(opt.group)
-        out.send(("ok", {"steps": step, "before": before and {k: before[k] for k in
-                                                             ("rounds", "reduced", "skipped")},
-                         "after": {k: s[k] for k in ("rounds", "reduced", "skipped")}}))
+        keys = ("rounds", "reduced", "skipped", "singletons")
+        out.send(("ok", {"steps": step, "before": before and {k: before[k] for k in keys},
+                         "after": {k: s[k] for k in keys}}))
     except Exception as e:  # noqa: BLE001 - reported to the parent, which judges it
         out.send(("raised", f"{type(e).__name__}: {e}"))
     out.close()
@@ -211,7 +216,7 @@ def test_worker_left_behind_rejoins_groups(tmp_path):
     in the chaos runs the workers that seemed to stay out had resumed after the others had
     finished)."""
     flag = str(tmp_path / "rejoined")
-    procs, conns = _dist.start_direct(_rejoin_worker, 4, flag)
+    procs, conns = _dist.start_direct(_rejoin_worker, 4, flag, None)
     reports = _dist.collect_direct(procs, conns, 300)
     for r in range(4):
         assert reports[r][0] == "ok", f"rank {r}: {reports[r]}"
@@ -224,3 +229,24 @@ def test_worker_left_behind_rejoins_groups(tmp_path):
     # in groups again: the round in flight at the stall may fail, the rest average
     assert reduced >= rounds * 3 // 4, f"after its stall it averaged in {reduced} of {rounds} " \
                                        f"rounds: {rep[3]}"
+
+
+@pytest.mark.slow
+def test_worker_left_behind_after_the_others_stopped_is_not_held(tmp_path):
+    """The others stop training during the stall (their steps done) but stay up: the worker
+    left behind must go on in groups of one, not wait for them at every round (before the
+    coordinator's stopped-worker rule, csrc/sched/README.md, each of its rounds waited out
+    its deadline and was skipped)."""
+    flag = str(tmp_path / "rejoined")
+    procs, conns = _dist.start_direct(_rejoin_worker, 4, flag, 40)
+    reports = _dist.collect_direct(procs, conns, 300)
+    for r in range(4):
+        assert reports[r][0] == "ok", f"rank {r}: {reports[r]}"
+    rep = {r: reports[r][1] for r in range(4)}
+    assert rep[3]["steps"] == 30 + REJOIN_STEPS, rep[3]
+    assert all(rep[r]["steps"] == 40 for r in range(3)), rep
+    b, a = rep[3]["before"], rep[3]["after"]
+    rounds, skipped = a["rounds"] - b["rounds"], a["skipped"] - b["skipped"]
+    assert rounds >= REJOIN_STEPS // 2, rep[3]
+    # the round in flight at the stall may fail; none after it waits for the stopped ones
+    assert skipped <= 1, f"{skipped} of its {rounds} rounds waited out their deadline: {rep[3]}"

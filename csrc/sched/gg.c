@@ -18,7 +18,8 @@
  * before generating for a requester whose buffer is empty the GG checks how many partners
  * it could get now. If fewer than group_size, and others are about to be available (busy in a
  * group, or still fenced in the exact collective the requester has just left -- not in one
- * entered since, which may be waiting for the requester), the request is *deferred*: it
+ * entered since, which may be waiting for the requester; not one computing GG_OVERDUE of its
+ * step without asking, which has stopped for now), the request is *deferred*: it
  * waits, at most partner_wait, while every event re-checks it (a worker finishing a group,
  * unfencing, asking). A deferred requester is idle and waiting, so others' divisions take it
  * in, past the slowdown filter (it makes nobody wait). The isolation bound: a worker that got

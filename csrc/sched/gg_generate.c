@@ -72,7 +72,8 @@ static rpl_status generate_random(rpl_gg *gg, int w, rpl_error *err) {
 
 /* The participants of a division started by w (w first) into p; returns how many. A deferred
  * worker is waiting already, so taking it in makes nobody wait: the filters do not apply to
- * it, nor to anyone when `widen` (w is isolated). NULL p only counts. */
+ * it, nor to anyone when `widen` (w is isolated) -- but one that has stopped asking
+ * (gg_stopped) is never taken in. NULL p only counts. */
 int gg_division_participants(rpl_gg *gg, int w, int widen, int *p, uint64_t *nfiltered) {
   const gg_worker *me = &gg->w[w];
   int np = 0;
@@ -81,6 +82,13 @@ int gg_division_participants(rpl_gg *gg, int w, int widen, int *p, uint64_t *nfi
   for (int r = 0; r < gg->n; r++) {
     const gg_worker *x = &gg->w[r];
     if (r == w || x->state != RPL_WORKER_LIVE || !worker_idle(x)) continue;
+    /* Not even widened: a group with a worker that has stopped asking is never handed, and
+     * the isolated requester's round would wait for it until its deadline, round after round
+     * (its steps done, the others' not). */
+    if (gg_stopped(gg, x)) {
+      if (nfiltered) gg->st.late++;
+      continue;
+    }
     if (!widen && !x->deferred && gg_filtered_out(gg, me, x)) {
       if (nfiltered) (*nfiltered)++;
       continue;

@@ -195,6 +195,7 @@ int gg_division_participants(rpl_gg *gg, int w, int widen, int *p, uint64_t *nfi
 void gg_bulk_refresh(rpl_gg *gg);
 int gg_filtered_out(rpl_gg *gg, const gg_worker *i, const gg_worker *x);
 int gg_not_due(rpl_gg *gg, const gg_worker *i, const gg_worker *x);
+int gg_stopped(rpl_gg *gg, const gg_worker *x);
 int gg_arrives_within(rpl_gg *gg, const gg_worker *x, double wait);
 void gg_arm_deadline(rpl_gg *gg, gg_group *g);
 rpl_status gg_evict_late(rpl_gg *gg, rpl_error *err);

@@ -1114,6 +1114,54 @@ static void test_fenced_after_me_not_coming(void) {
   }
 }
 
+/* Workers that stop asking (their steps done, a long evaluation) are not waited for: the one
+ * still training is answered at once with a group of one, round after round -- not held for
+ * partners that never come, nor put, isolated and widened, in a group with them that is never
+ * handed (the real client's rounds then each waited out their deadline). */
+static void test_stopped_workers_not_waited_for(void) {
+  rpl_gg *gg = make_smart(4, 3, 10);
+  /* 1 ms ticks, 10 ms steps; 0-2 stop asking at 0.2 s, 3 trains on to 1 s. */
+  double next_ask[4] = {0, 0, 0, 0}, asked[4] = {0};
+  uint64_t round[4] = {0}, late_rounds = 0;
+  int waiting[4] = {0};
+  double worst_late_wait = 0;
+  for (int tick = 0; tick <= 1000; tick++) {
+    double t = tick * 0.001;
+    OK(rpl_gg_advance(gg, t, &e_));
+    for (int w = 0; w < 4; w++) {
+      if (!waiting[w] && t >= next_ask[w] - 1e-9 && (w == 3 || t < 0.2)) {
+        waiting[w] = 1;
+        asked[w] = t;
+        OK(rpl_gg_request(gg, w, round[w], &e_));
+      }
+    }
+    rpl_gg_event ev;
+    int mm[8];
+    while (rpl_gg_poll(gg, &ev, mm, 8)) {
+      int w = ev.worker;
+      if (ev.kind == RPL_EV_CANCEL) { /* ask again */
+        waiting[w] = 0;
+        next_ask[w] = t;
+        continue;
+      }
+      /* the others have been gone 4 steps and more (GG_OVERDUE): nothing to wait for */
+      if (w == 3 && asked[w] > 0.25) {
+        late_rounds++;
+        if (t - asked[w] > worst_late_wait) worst_late_wait = t - asked[w];
+      }
+      waiting[w] = 0;
+      round[w]++;
+      next_ask[w] = t + 0.01;
+      if (ev.kind == RPL_EV_GROUP) OK(rpl_gg_done(gg, w, ev.group_id, &e_));
+    }
+  }
+  REQUIRE(late_rounds >= 60, "the worker still training ran %llu rounds after 0.25 s",
+          (unsigned long long)late_rounds);
+  REQUIRE(worst_late_wait < 0.002, "it waited %.3f s for partners that had stopped",
+          worst_late_wait);
+  rpl_gg_destroy(gg);
+}
+
 int main(void) {
   test_errors();
   test_figure11();
@@ -1131,6 +1179,7 @@ int main(void) {
   test_equal_speeds_no_laggard();
   test_straggler_still_filtered();
   test_fenced_after_me_not_coming();
+  test_stopped_workers_not_waited_for();
   test_many_seeds();
   return report("test_sched_policies");
 }
