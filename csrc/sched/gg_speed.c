@@ -101,11 +101,12 @@ int gg_not_due(rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
  * asking: it has stopped for now -- its steps done, an evaluation, a checkpoint. Waiting for it
  * then, however fast its steps were, costs a worker left behind a partner wait at every
  * request, and the isolation hold after a few groups of one, for nobody (measured: 0.7 s a
- * round with 2 s deadlines, the rounds skipped). Overdue as in job_calm. Part of the
- * speed-aware arrival filter: never with either off. */
+ * round with 2 s deadlines, the rounds skipped). Overdue as in job_calm. Part of smart's
+ * speed-aware arrival filter: never with either off, nor under another policy. */
 int gg_stopped(rpl_gg *gg, const gg_worker *x) {
   int computing = !x->waiting && !x->locked && x->free_at >= 0;
-  if (!gg->speed_aware || !gg->arrival_filter || !computing) return 0;
+  if (gg->policy != RPL_POLICY_SMART || !gg->speed_aware || !gg->arrival_filter || !computing)
+    return 0; /* other policies' groups are fixed when drawn: dropping a member breaks them */
   gg_bulk_refresh(gg);
   double step = x->comp > gg->comp_med ? x->comp : gg->comp_med;
   return step > 0 && gg->now - x->free_at > GG_OVERDUE * step;
