@@ -221,6 +221,7 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   }
   for (int i = 0; i < gg->n; i++)
     gg->w[i].handed_at = gg->w[i].unfenced_at = gg->w[i].free_at = -1.0;
+  gg->first_request_at = -1.0;
   *out = gg;
   return RPL_OK;
 }
@@ -443,6 +444,7 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
   rpl_status st = check_not_left(gg, w, "request", err);
   if (st != RPL_OK) return st;
   gg_worker *me = &gg->w[w];
+  if (gg->first_request_at < 0) gg->first_request_at = gg->now;
   if (me->state == RPL_WORKER_FENCED) me->unfenced_at = gg->now;
   if (me->state != RPL_WORKER_LIVE) set_state(gg, me, RPL_WORKER_LIVE);
   if (me->waiting && me->waiting_round == round) return RPL_OK; /* a repeat */

@@ -118,6 +118,7 @@ struct rpl_gg {
   int period;                  /* the adaptive period now */
   int calm;                    /* requests in a row that found the job calm */
   double now;                  /* the clock (rpl_gg_advance) */
+  double first_request_at;     /* clock at the job's first request, < 0 before */
   double interval;             /* EWMA of intervals between requests, 0 = unknown */
   int *dq, dq_len;             /* deferred workers, in order of deferral [n] */
   int ngone;                   /* workers left or dead */

@@ -97,6 +97,19 @@ int gg_not_due(rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
   return x->handed_at + x->iv - gg->now > window;
 }
 
+/* Since when x has been computing without asking, < 0 if it is not (waiting, in a group, fenced)
+ * or nobody knows: its last answer; else, if it has not asked since, the end of its last fence
+ * or the job's first request -- a worker that has not asked once since warm-up ended is
+ * computing from when the others began asking, not of unknown whereabouts to be waited for
+ * without end. */
+static double computing_since(const rpl_gg *gg, const gg_worker *x) {
+  if (x->waiting || x->locked) return -1.0;
+  if (x->free_at >= 0) return x->free_at;
+  if (x->state != RPL_WORKER_LIVE) return -1.0;
+  if (x->unfenced_at >= 0) return x->unfenced_at;
+  return x->counted ? -1.0 : gg->first_request_at;
+}
+
 /* Whether x has been computing GG_OVERDUE of its step (or the bulk's, if longer) without
  * asking: it has stopped for now -- its steps done, an evaluation, a checkpoint. Waiting for it
  * then, however fast its steps were, costs a worker left behind a partner wait at every
@@ -104,12 +117,17 @@ int gg_not_due(rpl_gg *gg, const gg_worker *i, const gg_worker *x) {
  * round with 2 s deadlines, the rounds skipped). Overdue as in job_calm. Part of smart's
  * speed-aware arrival filter: never with either off, nor under another policy. */
 int gg_stopped(rpl_gg *gg, const gg_worker *x) {
-  int computing = !x->waiting && !x->locked && x->free_at >= 0;
-  if (gg->policy != RPL_POLICY_SMART || !gg->speed_aware || !gg->arrival_filter || !computing)
+  double since = computing_since(gg, x);
+  if (gg->policy != RPL_POLICY_SMART || !gg->speed_aware || !gg->arrival_filter || since < 0)
     return 0; /* other policies' groups are fixed when drawn: dropping a member breaks them */
   gg_bulk_refresh(gg);
   double step = x->comp > gg->comp_med ? x->comp : gg->comp_med;
-  return step > 0 && gg->now - x->free_at > GG_OVERDUE * step;
+  /* Nothing measured yet, and x has never asked: every group that holds it waits, so nothing
+   * would ever be measured (the job's first rounds). The longest partner wait is then the
+   * scale: 2 s, far beyond the spread of first requests that leave warm-up's last exact step
+   * together, yet a bound. */
+  if (step <= 0 && !x->counted) step = RPL_GG_MAX_PARTNER_WAIT;
+  return step > 0 && gg->now - since > GG_OVERDUE * step;
 }
 
 /* Whether x (live, smart) is worth waiting for, at most `wait`: a worker of the bulk's speed

@@ -166,7 +166,8 @@ static void *request_once(void *arg) {
 
 static void test_dead_worker(void) {
   /* smart, one group of 3: worker 2 says hello, then falls silent (no heartbeat thread). The
-   * division puts it with 0 and 1; once it is declared dead they are told and regrouped. */
+   * division puts it with 0 and 1; once it is declared dead they are told and regrouped (a
+   * worker that never asked counts as stopped only after 2 s: the death comes first). */
   rpl_coord *c = start_coord(RPL_POLICY_SMART, 3, 3, 50, 400);
   rpl_gg_client *silent = connect_client(c, 2, 3, -1);
   req_arg a[2];
@@ -743,7 +744,8 @@ static void test_unreachable(void) {
   rpl_gg_client_destroy(c0);
   rpl_coord_destroy(c);
 
-  /* A request times out when the partner never asks. */
+  /* A request times out when the partner never asks (before 2 s: after them, a partner that
+   * never asked counts as stopped, and the request gets a group of one). */
   c = start_coord(RPL_POLICY_SMART, 2, 2, 50, 5000);
   cc.endpoint = rpl_coord_endpoint(c);
   cc.token_hex = rpl_coord_token(c);
