@@ -287,14 +287,20 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         averaged exactly over the DDP group, so that the replicas are identical, as synchronous
         DDP assumes; then every rank of that group must call ``unwrap`` at the same point (an
         exact collective on a ``ripples`` group, which also ends this worker's partial rounds
-        cleanly under a dynamic schedule). With ``average=False`` the replicas keep whatever
-        differences partial averaging left. A second call only returns the inner optimizer.
+        cleanly under a dynamic schedule). The job step and, with ``wrap(sampler=...)``, the
+        sampler's place in the job's epoch are then the same on every rank: a worker still
+        finishing the previous epoch moves on to the newest one, so checkpoints written after
+        ``unwrap()`` agree. With ``average=False`` the replicas keep whatever differences
+        partial averaging left (and each worker its own job step and epoch). A second call only
+        returns the inner optimizer.
         """
         if self.unwrapped:
             return self.optim
         group = self.hook_state.process_group if self.hook_state is not None else None
         if average:
             self.job_clock.agree(group)  # every worker continues from the same job step
+            if self.sampler is not None:  # ... and from the same place in the job's epoch
+                self.sampler._agree(group)
             self.averager.synchronize(self.param_groups, group=group)
         else:
             self.job_clock.rebase(self.job_clock.job_step_float,

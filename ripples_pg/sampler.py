@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_CLAIM_SIZE = 16
 _HALF = 32
 _MASK = (1 << _HALF) - 1
+# passes of one epoch value told apart when workers agree on the job's position (_agree)
+_PASS_SPAN = 1 << 16
 
 
 class DistributedSampler(_TorchDistributedSampler):
@@ -277,6 +279,47 @@ class DistributedSampler(_TorchDistributedSampler):
                     self.stolen += 1
                     yield i
 
+    # -- the job's position at unwrap()
+    def _agree(self, group) -> None:
+        """Called by ``unwrap()`` on every worker of ``group``, after the job clock's
+        agreement (so every worker's loop has stopped and the counters are still): every
+        worker takes the job's position -- the newest epoch (and pass) any worker has begun --
+        so that ``state_dict()`` is the same on every worker. A straggler can still be in the
+        previous epoch when the job ends; that epoch is used up (the others began the next only
+        once no rows of it were left), so nothing is lost by moving it on, and its next
+        iteration of that epoch continues the job's pass. Two exact all-reduces of a few
+        numbers."""
+        from ._groups import exact_if_ripples
+
+        live = self._live if self._live is not None and self._live["epoch"] == self.epoch \
+            else None
+        # (epoch, pass + 1) as one number: pass 0 = this worker never began this epoch
+        npass = live["pass"] + 1 if live is not None else 0
+        mine = float(self.epoch) * _PASS_SPAN + min(npass, _PASS_SPAN - 1)
+        t = torch.tensor([mine], dtype=torch.float64)
+        with exact_if_ripples(group):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        newest = t.item()
+        at = newest == mine
+        # the newest epoch's "free" flag and (exact phases: every worker at the same row) the
+        # rows handed out, from the workers that are in it
+        t = torch.tensor([float(at and live is not None and live["free"]),
+                          float(self.epoch_samples if at else 0)], dtype=torch.float64)
+        with exact_if_ripples(group):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if at or self._prefix is None:
+            return
+        epoch, npass = divmod(int(newest), _PASS_SPAN)
+        self.epoch = epoch
+        self._resume = None
+        self.epoch_samples = int(t[1].item())
+        if npass == 0:  # nobody began it: the job is at its start
+            self._live = None
+            return
+        self._passes[epoch] = npass - 1  # a next iteration of this epoch continues that pass
+        self._live = {"key": f"{self._prefix}e{epoch}.{npass - 1}/c", "epoch": epoch,
+                      "pass": npass - 1, "free": bool(t[0].item())}
+
     # -- checkpoints
     def state_dict(self) -> dict:
         """Where the current epoch stands, for a mid-epoch resume: the epoch and, for each
@@ -284,7 +327,11 @@ class DistributedSampler(_TorchDistributedSampler):
         counters -- except in an epoch whose claims were all made in an exact phase (warm-up:
         every worker at the same batch, nobody taking others' rows), where every column is
         where this worker's is, since the counters may already hold the others' next claims.
-        Samples already handed to a loader count as used."""
+        Samples already handed to a loader count as used. Loaded and not yet iterated: the
+        state loaded."""
+        resume = self._resume
+        if resume is not None and resume["epoch"] == self.epoch:
+            return self._state(resume["columns"])
         cols = None
         live = self._live
         if live is not None and live["epoch"] == self.epoch and self._store is not None:
@@ -309,9 +356,12 @@ class DistributedSampler(_TorchDistributedSampler):
         if cols is None:
             pos = min(self.epoch_samples, self.num_samples)
             cols = [[pos, 0] for _ in range(self.num_replicas)]
+        return self._state(cols)
+
+    def _state(self, cols) -> dict:
         return {"epoch": self.epoch, "num_replicas": self.num_replicas,
                 "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "columns": cols}
+                "drop_last": self.drop_last, "columns": [list(c) for c in cols]}
 
     def load_state_dict(self, sd: Mapping) -> None:
         """Resumes mid-epoch: sets the epoch; its next iteration uses only the rows no worker

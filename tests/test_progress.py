@@ -345,6 +345,66 @@ def test_mid_epoch_resume_uses_each_remaining_sample_once(pool):
                                             for i in _torch_epoch(n, 0, rank, 1))
 
 
+def task_straggler_behind_an_epoch(ctx, n, state, slow):
+    """First run (``state`` None): after warm-up the slow worker takes one more row of epoch 0
+    and stops there (its iterator open: it never reaches epoch 1) until the others have used
+    up epoch 0 and taken 8 rows each of epoch 1; then everyone unwraps and saves. Second run:
+    every worker loads the state and finishes epoch 1."""
+    import ripples_pg
+
+    sampler = ripples_pg.DistributedSampler(_Indexed(n), seed=6, claim_size=1)
+    model, ropt = _setup(ctx, warmup=2, sampler=sampler)
+    g = torch.Generator().manual_seed(ctx.rank)
+    seen = {0: [], 1: []}
+    if state is not None:
+        sampler.load_state_dict(state)
+        assert sampler.state_dict() == state  # loaded, not yet iterated: the state loaded
+        for i in sampler:
+            seen[state["epoch"]].append(i)
+            _train_step(model, ropt, g)
+        ropt.unwrap()
+        return {"seen": seen}
+    ahead = ctx.key("behind/ahead")
+    sampler.set_epoch(0)
+    it = iter(sampler)
+    for i in it:
+        seen[0].append(i)
+        _train_step(model, ropt, g)
+        if ctx.rank == slow and ropt.in_free_phase():
+            break  # (the generator stays open: this worker is still in epoch 0)
+    if ctx.rank == slow:
+        while int(ctx.store.add(ahead, 0)) < WS - 1:
+            time.sleep(0.01)
+    else:
+        sampler.set_epoch(1)
+        for i in sampler:
+            seen[1].append(i)
+            _train_step(model, ropt, g)
+            if len(seen[1]) == 8:
+                break
+        ctx.store.add(ahead, 1)
+    epoch_before = sampler.epoch
+    ropt.unwrap()
+    return {"seen": seen, "epoch_before": epoch_before, "state": sampler.state_dict()}
+
+
+def test_unwrap_brings_a_worker_still_in_the_last_epoch_to_the_jobs_position(pool):
+    """A straggler can still be finishing epoch e when the job ends inside epoch e + 1 (the
+    others used up e and went on): after unwrap() its sampler is at the job's position, so
+    every worker saves the same state, and resuming from it uses the rest of e + 1 once."""
+    n, slow = 160, 2
+    first = pool.run(task_straggler_behind_an_epoch, n, None, slow)
+    assert [r["epoch_before"] for r in first] == [1, 1, 0, 1]
+    states = [r["state"] for r in first]
+    assert all(s == states[0] for s in states), states
+    assert states[0]["epoch"] == 1
+    e0 = [i for r in first for i in r["seen"][0]]
+    assert sorted(e0) == sorted(i for rank in range(WS) for i in _torch_epoch(n, 0, rank, 6))
+    second = pool.run(task_straggler_behind_an_epoch, n, states[0], slow)
+    e1 = [i for r in first + second for i in r["seen"][1]]
+    assert sorted(e1) == sorted(i for rank in range(WS) for i in _torch_epoch(n, 1, rank, 6))
+
+
 def test_sampler_arguments():
     import ripples_pg
 
