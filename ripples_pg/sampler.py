@@ -307,7 +307,11 @@ class DistributedSampler(_TorchDistributedSampler):
                           float(self.epoch_samples if at else 0)], dtype=torch.float64)
         with exact_if_ripples(group):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if at or self._prefix is None:
+        if at:
+            if live is not None:  # (one worker may have claimed after warm-up, another not)
+                live["free"] = bool(t[0].item())
+            return
+        if self._prefix is None:
             return
         epoch, npass = divmod(int(newest), _PASS_SPAN)
         self.epoch = epoch
