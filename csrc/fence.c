@@ -58,7 +58,7 @@ void rpl_fence_leave(rpl_fence *f) {
 }
 
 static void fence_one(rpl_fence *f) {
-  if (!f->client || f->left) return;
+  if (!f->client || f->left || !__atomic_load_n(&f->armed, __ATOMIC_ACQUIRE)) return;
   if (__atomic_exchange_n(&f->fenced, 1, __ATOMIC_ACQ_REL)) return; /* already fenced */
   rpl_error err;
   /* If this schedule's progress thread is inside a request right now, the client skips the
@@ -107,6 +107,7 @@ void rpl_fence_after_exact(rpl_fence *f, int more) {
 
 void rpl_fence_before_request(rpl_fence *f) {
   __atomic_store_n(&f->fenced, 0, __ATOMIC_RELEASE); /* a request unfences */
+  __atomic_store_n(&f->armed, 1, __ATOMIC_RELEASE);
 }
 
 /* The coordinator counts a request as an unfence. With overlapped rounds an exact collective

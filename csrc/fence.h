@@ -25,6 +25,7 @@ typedef struct rpl_fence {
   int fenced;              /* atomic: set by any domain member's exact op, cleared when the
                               last one ends (an unfence) or by a request */
   int left;                /* the worker left the coordinator: no more fences */
+  int armed;               /* atomic: set by the first request; no fences before it */
   uint64_t fences, unfences; /* atomic: messages sent (rpl_partial_stats) */
 } rpl_fence;
 
@@ -39,7 +40,10 @@ void rpl_fence_before_exact(rpl_fence *f);
 void rpl_fence_after_exact(rpl_fence *f, int more);
 
 /* Around a group request, which the coordinator counts as an unfence: clears the flag before
- * it, and fences again after it while an exact collective of the domain runs. */
+ * it, and fences again after it while an exact collective of the domain runs. The first
+ * request arms the fence: before it nobody can wait for this worker (the coordinator forms
+ * its groups from requests, and a worker that has never asked is not yet in one it must
+ * serve), so warm-up's exact steps send the coordinator nothing. */
 void rpl_fence_before_request(rpl_fence *f);
 void rpl_fence_after_request(rpl_fence *f);
 

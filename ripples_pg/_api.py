@@ -86,7 +86,8 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
     ``rounds_since_group`` (rounds since the last one in a group of two or more: groups of one,
     skipped and failed rounds), ``singleton_run_max`` (the longest such run), ``skipped`` /
     ``failed``, ``exact_fallbacks`` (partial calls on non-floating tensors or other ops),
-    ``fences`` / ``unfences`` (messages to the coordinator around exact collectives),
+    ``fences`` / ``unfences`` (messages to the coordinator around exact collectives, from
+    the schedule's first request on),
     ``group_sizes`` (histogram: index = group size, the last bucket 16 or more), ``bytes``
     (payload of the rounds that moved data), ``wire_bytes`` (what this rank actually sent
     moving it, frame headers included: fewer than ``bytes`` where rounds were compressed),

@@ -76,6 +76,34 @@ def test_alternating_partial_and_exact_reaches_consensus(schedule, inter_intra):
         assert r["unfences"] >= r["fences"] - 1 >= 70, r
 
 
+def task_fences_from_first_request(ctx):
+    """Exact all-reduces before a dynamic schedule's first round (wrap()'s warm-up), then one
+    round, then exact all-reduces again: the fence counts after each part."""
+    import ripples_pg
+
+    g = _dist.ripples_group(ctx, schedule="smart", seed=5)
+    x = torch.ones(64)
+    for _ in range(6):
+        dist.all_reduce(x)  # exact, default group: the same fence domain as g
+    before = ripples_pg.stats(g)["fences"]
+    ripples_pg.partial_all_reduce([x], group=g)
+    for _ in range(6):
+        dist.all_reduce(x)
+    s = ripples_pg.stats(g)
+    return {"before": before, "after": s["fences"], "unfences": s["unfences"],
+            "rounds": s["rounds"]}
+
+
+def test_exact_collectives_fence_only_after_the_first_request():
+    """Nobody can wait for a worker that has never asked for a group, so the exact steps
+    before its first round (warm-up: every step of an even job) send the coordinator no
+    fence; from the first request on every exact collective fences and unfences."""
+    for r in _dist.run_spawn(task_fences_from_first_request, 3, timeout=120):
+        assert r["rounds"] == 1, r
+        assert r["before"] == 0, r
+        assert r["after"] >= 1 and r["unfences"] >= r["after"] - 1, r
+
+
 # ---------------------------------------------------------------- training loops under wrap()
 
 
