@@ -202,6 +202,8 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         self.averager.average_parameters(params=self.param_groups)
         samples = 0
         if self.sampler is not None:
+            if self.sampler._chunk is not None and self.in_free_phase():
+                self.sampler._give_back()  # the rows an exact phase claimed ahead
             seen = self.sampler.samples_yielded
             samples, self._sampler_seen = seen - self._sampler_seen, seen
         self.job_clock.tick(samples=samples, exact=exact)

@@ -251,6 +251,8 @@ def task_epochs(ctx, n, epochs, warmup, schedule, slow_rank, claim, drop_last):
     sampler = ripples_pg.DistributedSampler(_Indexed(n), shuffle=True, seed=5,
                                             drop_last=drop_last, claim_size=claim)
     model, ropt = _setup(ctx, warmup=warmup, schedule=schedule, sampler=sampler)
+    if sampler._store is not None:
+        sampler._store = _CountingStore(sampler._store)
     g = torch.Generator().manual_seed(ctx.rank)
     loader = torch.utils.data.DataLoader(_Indexed(n), batch_size=4, sampler=sampler)
     per_epoch = []
@@ -267,7 +269,21 @@ def task_epochs(ctx, n, epochs, warmup, schedule, slow_rank, claim, drop_last):
     ropt.unwrap()
     samples = ropt.job_samples  # agreed by unwrap(): every worker's last count is in
     return {"epochs": per_epoch, "steps": steps, "len": len(sampler), "samples": samples,
-            "stolen": sampler.stolen}
+            "stolen": sampler.stolen, "requests": getattr(sampler._store, "adds", None)}
+
+
+class _CountingStore:
+    """The sampler's store, counting its requests (adds)."""
+
+    def __init__(self, store):
+        self._store, self.adds = store, 0
+
+    def add(self, key, value):
+        self.adds += 1
+        return self._store.add(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
@@ -294,6 +310,9 @@ def test_exact_phases_give_torchs_shards(pool):
         for e in range(epochs):
             assert r["epochs"][e] == _torch_epoch(n, e, rank, 5)
         assert r["stolen"] == 0
+        # one store request per epoch: a column of 26 rows is within one exact-phase request
+        # (8 claims of 4), where claims one by one took 7
+        assert r["requests"] == epochs, r["requests"]
     # under the static schedule the sampler is torch's too, whatever the phase
     res = pool.run(task_epochs, n, epochs, 2, "static", 2, 4, False)
     for rank, r in enumerate(res):
