@@ -24,7 +24,7 @@ claimed and not used (and its first claim, if it died before taking it) are lost
 waits on another worker. During an exact phase (warm-up: every step of an even job) a request
 covers 8 claims, since nobody takes from the back then; at the switch to partial training a
 worker gives the rows of such a request that it has not handed out back to its column (one
-compare-and-set at its first partial step), unless another worker has already tried that
+compare-and-set at the end of its last exact step), unless another worker has already tried that
 column's back, in which case it keeps and uses them.
 """
 from __future__ import annotations
@@ -281,11 +281,12 @@ class DistributedSampler(_TorchDistributedSampler):
                 return  # met the back (or the end): this column is used up
 
     def _give_back(self) -> None:
-        """Called by the linked optimizer at its first step of partial training while an
-        exact phase's request is being handed out: returns its rows not handed out yet to the
-        column, where other workers can take them from its back -- unless one has tried since
-        the request (the back moved: its claim stopped at our front, so those rows stay this
-        worker's, used once either way). One compare-and-set; tried once."""
+        """Called by the linked optimizer as partial training begins (at the end of warm-up's
+        last step) while an exact phase's request is being handed out: returns its rows not
+        handed out yet to the column, where other workers can take them from its back --
+        unless one has tried since the request (the back moved: its claim stopped at our
+        front, so those rows stay this worker's, used once either way). One compare-and-set;
+        tried once."""
         chunk, self._chunk = self._chunk, None
         cas = getattr(self._store, "compare_set", None)
         if chunk is None or cas is None:
