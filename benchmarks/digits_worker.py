@@ -45,7 +45,9 @@ Stragglers (--straggler):
   trace:FILE a recorded straggler trace (benchmarks/traces/*.csv: one row per step, one
              column per traced worker): worker w follows column w (w mod columns), its step t
              row t mod rows, each row divided by its minimum over the columns used; worker w
-             is f x slower at step t: it sleeps (f-1) x the delay unit after it
+             is f x slower at step t: it sleeps (f-1) x the delay unit after it, and with
+             --pause-s P the unit is the whole step, compute + P (a factor is a whole step's
+             time on the cluster over the usual), so that the step takes f x (compute + P)
 The blog's rare long stalls (1 s on a ~55 ms step at 1-2 % of steps) are pX:F with a large F,
 e.g. p0.02:19. The delay unit is --step-s if given (benchmarks/train.py passes the step time of
 synchronous DDP, so "5x slower" means what it means in the paper), else the compute time,
@@ -55,12 +57,14 @@ Short steps (--pause-s P): every worker sleeps P after each step, a stand-in for
 with a model that computes in a fraction of it; with --step-s P as well, worker R of R:F
 sleeps F x P in all.
 
-Data: every strategy but ripples gives each worker a fixed shard of the training set, as torch's
-DistributedSampler does; ripples hands it out in the job's epochs (a ripples_pg.DistributedSampler
-linked by wrap(sampler=...), as docs/progress.md tells users to), so that a straggler's shard is
-not left under-used while the fast workers cycle theirs (--shard-data: a fixed shard here too;
-measured with one persistent straggler: each job step worth 0.76-0.88 of DDP's with shards,
-0.98-0.99 with the job's epochs).
+Data: every strategy but ripples takes its batches in the order of torch's DistributedSampler
+(each worker 1/world of every epoch, shuffled per epoch with --seed), as a DDP user does; ripples
+hands the epochs out job-wide (a ripples_pg.DistributedSampler linked by wrap(sampler=...), as
+docs/progress.md tells users to, iterated lazily as a DataLoader does), which gives the same rows
+during exact phases, so that a straggler's shard is not left under-used while the fast workers
+cycle theirs (--shard-data: torch's sampler here too; measured with one persistent straggler,
+with fixed shards then: each job step worth 0.76-0.88 of DDP's, 0.98-0.99 with the job's
+epochs).
 
 Stopping: after --steps steps or --time-limit seconds of training, whichever comes first.
 With all-reduce, local/hierarchical SGD and the static schedule (whose rounds pair every
@@ -156,6 +160,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 import workloads
 from snapshots import Snapshots, consensus_of, model_tensors
@@ -307,6 +312,15 @@ class Straggler:
         """This worker's factor at its ``step`` (0-based) in a trace replay."""
         return self.trace[step % len(self.trace)][self.rank]
 
+    def trace_unit(self) -> float:
+        """The step a trace's factor stretches: a factor is the whole step's time on the
+        cluster over its usual, so with a pause standing for the accelerator's share
+        (--pause-s) it stretches this worker's compute as well as the pause, and a step of
+        factor f takes f x (compute + pause) as it did there; without one, the delay unit."""
+        if self.pause_s > 0:
+            return self.pause_s + self.compute_s
+        return self.step_s or self.compute_s
+
     def step_factor(self, step: int):
         """This worker's factor at its ``step``: a trace replay's, or its batch's cost
         (tokens); None for the other stragglers."""
@@ -325,7 +339,7 @@ class Straggler:
         elif self.trace is not None:
             f = self.trace_factor(step)
             if f > 1.0:
-                d += (f - 1.0) * (self.step_s or self.compute_s)
+                d += (f - 1.0) * self.trace_unit()
                 self.slowed_steps += 1
             self.factor_sum += f
         elif self.slowed(step):
@@ -521,9 +535,10 @@ def parse_args(argv=None):
                         "a straggler), and SLOW_LINK_WARMUP_STEPS (50) for torch's local and "
                         "hierarchical SGD and torchft's DiLoCo, which have no adaptive end")
     p.add_argument("--shard-data", action="store_true",
-                   help="ripples: a fixed shard of the training data per worker, as DDP has, "
-                        "instead of the job's epochs (a ripples_pg.DistributedSampler linked by "
-                        "wrap(sampler=...), as docs/progress.md tells users)")
+                   help="ripples: torch's DistributedSampler (each worker 1/world of every "
+                        "epoch), as DDP has, instead of the job's epochs (a "
+                        "ripples_pg.DistributedSampler linked by wrap(sampler=...), as "
+                        "docs/progress.md tells users)")
     p.add_argument("--warmup-straggler", type=float, default=None,
                    help="ripples: the gain over all-reduce that ends warm-up (wrap()'s "
                         "warmup_straggler; default: wrap()'s own)")
@@ -773,7 +788,6 @@ def run(args):
     else:
         optimizer = base_opt
 
-    gen = torch.Generator().manual_seed(args.seed * 7919 + rank)
     bs = min(args.batch_size, len(xs))
     straggler = Straggler(args.straggler, rank, world, args.seed)
     # needed for every strategy: it is also the yardstick of the comm_wait_s estimate
@@ -805,26 +819,26 @@ def run(args):
     # same step (a collective at an evaluation that only some workers make would hang)
     eval_consensus = sync_stop and not args.no_eval_consensus
 
-    lens = data.lengths[shard] if data.lengths is not None else None
+    # The epochs' order: torch's DistributedSampler, as a DDP user has it (each worker 1/world
+    # of every epoch, shuffled per epoch with the seed), or ripples's job-wide one, which
+    # gives the same rows during exact phases: with no straggler both see the same batches.
+    sampler = job_sampler if job_sampler is not None else TorchDistributedSampler(
+        range(len(data.xtr)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
 
     def batches():
-        if job_sampler is not None:  # the job's epochs (docs/progress.md)
-            epoch = 0
-            while True:
-                job_sampler.set_epoch(epoch)
-                order = list(job_sampler)
-                for i in range(0, len(order) - bs + 1, bs):
-                    idx = torch.tensor(order[i:i + bs])
-                    straggler.cost = workloads.doc_cost(
-                        data, None if data.lengths is None else data.lengths[idx])
-                    yield data.xtr[idx], data.ytr[idx]
-                epoch += 1
+        epoch = 0
         while True:
-            order = torch.randperm(len(xs), generator=gen)
-            for i in range(0, len(order) - bs + 1, bs):
-                idx = order[i:i + bs]
-                straggler.cost = workloads.doc_cost(data, None if lens is None else lens[idx])
-                yield xs[idx], ys[idx]
+            sampler.set_epoch(epoch)
+            batch = []
+            for i in sampler:  # lazily, as a DataLoader iterates it
+                batch.append(i)
+                if len(batch) < bs:
+                    continue
+                idx, batch = torch.tensor(batch), []
+                straggler.cost = workloads.doc_cost(
+                    data, None if data.lengths is None else data.lengths[idx])
+                yield data.xtr[idx], data.ytr[idx]
+            epoch += 1
 
     if tft is not None:
         tft.connect()

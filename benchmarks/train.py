@@ -100,7 +100,9 @@ def parse_args(argv=None):
                         "compute time of one step (over a slow link, where a DDP step is "
                         "mostly communication, this keeps a '3x slower' worker's compute 3x "
                         "slower)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="repeat r of every cell runs with seed SEED + r (initial model, data "
+                        "order), the same for every strategy")
     p.add_argument("--run-timeout", type=float, default=None,
                    help="kill a run after this many seconds (default: 3 x time limit + 120)")
     p.add_argument("--extra", default="",
@@ -405,7 +407,10 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         "--steps", "1000000", "--time-limit", str(cfg["time_limit"]), "--eval-every", "0",
         "--snapshot-every", str(cfg["snapshot_every"]),
         "--sync-every", str(sync_every(cfg, calib, scenario, args.workers)),
-        "--target-acc", str(cfg["target_acc"] or 1.0), "--seed", str(args.seed),
+        # each repeat its own seed (initial model, data order), the same for every strategy:
+        # a median over repeats is then one over data orders, not the same order's bumps
+        "--target-acc", str(cfg["target_acc"] or 1.0),
+        "--seed", str(args.seed + repeat),
         "--group-size", str(args.group_size), "--compute-s", f"{calib['compute_s']:.6g}",
         "--step-s", f"{unit:.6g}",
         "--log-dir", rank_dir, "--quiet", "--timeout", str(max(60.0, cfg["run_timeout"] / 2))]
@@ -419,8 +424,11 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
         train_args += ["--log-steps"]
     train_args += args.extra.split()
     res = {"workload": workload, "scenario": scenario, "strategy": strategy,
-           "repeat": repeat, "label": strategy_label(strategy, args.workers),
+           "repeat": repeat, "seed": args.seed + repeat,
+           "label": strategy_label(strategy, args.workers),
            "straggler": spec, "workers": args.workers, "compute_s": calib["compute_s"],
+           # a trace's factor stretches the whole step, compute and pause (digits_worker.py)
+           "trace_stretch": "step" if spec and spec.startswith("trace:") else None,
            "step_s": calib["step_s"], "cmd": torchrun(args) + train_args, "stdout": out_path,
            "stderr": err_path, "rank_logs": rank_dir}
     rc, wall = launch(args, train_args, out_path, err_path, cfg["run_timeout"])

@@ -125,11 +125,12 @@ SCENARIOS = {
 }
 # Real stragglers (issue 39): trace:<name> replays a recorded trace's per-worker, per-step
 # slowdowns (benchmarks/traces/, trace_replay.py; the path is relative to the repository,
-# where the runs start). They are short-step scenarios: every worker's step is a pause of P ms
-# stretched to f x P (f its trace factor at that step), on top of a model that computes in a
-# fraction of P. On 2 cores that is what keeps a replay faithful: 4-8 workers computing would
-# saturate the cores, and the time a slowed worker sleeps would go to the others' compute, so
-# all-reduce would hardly lose to the slowdowns it replays.
+# where the runs start). They are short-step scenarios: every worker's step is its compute (a
+# fraction of P) and a pause of P ms, the whole of it stretched to f x (compute + P) (f its
+# trace factor at that step: the trace's own ratios). On 2 cores that is what keeps a replay
+# faithful: 4-8 workers computing would saturate the cores, and the time a slowed worker sleeps
+# would go to the others' compute, so all-reduce would hardly lose to the slowdowns it
+# replays.
 SCENARIOS.update({f"trace:{name}": (f"trace {name}: {text}",
                                     f"trace:benchmarks/traces/{name}.csv")
                   for name, (text, _) in TRACES.items()})

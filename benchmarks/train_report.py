@@ -61,12 +61,15 @@ def job_steps_to(series: dict, key: str, target, above: bool, workers: int):
     return time_to_target(job, [e.get(key) for e in r0], target, above)
 
 
-def with_compute(rows, compute_s, pause_s):
+def with_compute(rows, compute_s, pause_s, whole_step: bool = False):
     """Factor rows as step times: each worker's step computes ``compute_s`` besides its pause
-    of ``pause_s`` x its factor (what a replay on this machine runs); the rows as they are
-    without both."""
+    of ``pause_s`` x its factor (what a replay on this machine ran before a factor stretched
+    the compute too), or, ``whole_step``, (``compute_s`` + ``pause_s``) x its factor (the
+    replay now: the same ideal as the factors'); the rows as they are without both."""
     if not compute_s or not pause_s:
         return rows
+    if whole_step:
+        return [[(compute_s + pause_s) * v for v in r] for r in rows]
     return [[compute_s + pause_s * v for v in r] for r in rows]
 
 
@@ -271,6 +274,7 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     m["launch_s"] = res.get("launch_s")
     m["doc_ideal"] = doc_ideal(res, m.get("steps_to_loss_r0"))
     m["compute_s"] = res.get("compute_s")
+    m["trace_whole_step"] = 1.0 if res.get("trace_stretch") == "step" else 0.0
     pause_ms = scenario_parts(res.get("scenario") or "")[1]
     m["doc_ideal_c"] = doc_ideal(res, m.get("steps_to_loss_r0"), m["compute_s"],
                                  pause_ms / 1e3 if pause_ms else None)
@@ -293,7 +297,7 @@ VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consens
               "singleton_share_fast_max", "singleton_share_slow", "warmup_steps",
               "bytes_per_round", "round_s", "outer_every", "steps_to_loss_r0", "steps_max",
               "job_steps_to_loss_avg", "job_steps_per_s", "doc_ideal", "doc_ideal_c",
-              "compute_s")
+              "compute_s", "trace_whole_step")
 
 
 def spread(values, missing_is_late: bool):
@@ -596,8 +600,9 @@ def trace_ideal(sc: str, workers: int, ddp, pause_ms=None) -> tuple:
     """(ideal speed-up, the same with each step's compute added, steps they are computed over)
     of a trace scenario for the faster DDP's run: over the steps DDP took to the target (its
     rank 0 model is the average), else over all the steps it ran; Nones without a finished DDP
-    cell. A replay's step is its measured compute (the calibration's) plus the pause of P x its
-    factor: the compute is the same for every worker, so it dilutes what the factors allow."""
+    cell. A replay's step is (its measured compute, the calibration's, + the pause P) x its
+    factor, the same ideal as the factors'; runs made before that paused P x the factor after
+    an unstretched compute, which diluted what the factors allow."""
     steps = median(ddp, "steps_to_loss_r0") or median(ddp, "steps_max")
     if not steps:
         return None, None, None
@@ -606,7 +611,8 @@ def trace_ideal(sc: str, workers: int, ddp, pause_ms=None) -> tuple:
     path = os.path.join(REPO, SCENARIOS[sc][1][len("trace:"):])
     f = trace_replay.factors(path, workers)
     c = median(ddp, "compute_s")
-    fc = with_compute(f, c, pause_ms / 1e3 if pause_ms else None)
+    fc = with_compute(f, c, pause_ms / 1e3 if pause_ms else None,
+                      whole_step=bool(median(ddp, "trace_whole_step")))
     return (trace_replay.ideal_speedup(f, int(steps)),
             trace_replay.ideal_speedup(fc, int(steps)) if fc is not f else None, int(steps))
 
@@ -683,15 +689,17 @@ def trace_rows(wl: str, plan: dict, cells: dict, workers: int) -> list[list[str]
 
 
 # trace_table()'s text after "every worker's step is a "
-TRACE_TEXT = ("pause of P ms stretched to f x P, f its factor in the trace at that step "
+TRACE_TEXT = ("compute (a fraction of P) and a pause of P ms, the whole of it stretched to "
+              "f x (compute + P), f its factor in the trace at that step "
               "(benchmarks/traces/README.md says where the traces come from). `ideal` = the "
               "speed-up over all-reduce of workers that never wait, over the steps the faster "
               "DDP took to the target (benchmarks/trace_replay.py); `speed-up` = the faster "
               "DDP's median time to the target over this strategy's; share of ideal gain = "
-              "(speed-up - 1) / (ideal - 1). `ideal with compute` = the same with each step's "
-              "compute (the calibration's, the same for every worker) added to its pause, as "
-              "the replay runs it: the compute dilutes what the factors allow (and DDP's "
-              "exposed communication, which overlapped rounds hide, is in neither). The "
+              "(speed-up - 1) / (ideal - 1). `ideal with compute` = the same over the steps "
+              "as the replay ran them, with the calibration's compute: equal to `ideal` when a "
+              "factor stretches the whole step; in runs made before it did (compute + f x P) "
+              "below it, the compute diluting what the factors allow (DDP's exposed "
+              "communication, which overlapped rounds hide, is in neither). The "
               "speed-up splits into throughput and what a "
               "step is worth: `steps/s x DDP` = the workers' mean steps per second over the "
               "faster DDP's (the whole run), `step worth` = the job steps (all workers' steps / "
@@ -700,9 +708,9 @@ TRACE_TEXT = ("pause of P ms stretched to f x P, f its factor in the trace at th
               "steps/s x DDP` = the simulator's throughput for the same policy, trace and "
               "workers (benchmarks/results/gg_sim_traces.md; `-`: not simulated): it replays "
               "the factors alone, so it differs from the measured throughput by what the real "
-              "run adds (the compute each step does beside its pause, its reductions' real "
-              "cost, the cores' noise). Groups of one: the worst worker's share of its "
-              "partial rounds.")
+              "run adds (its reductions' real cost, a compute that varies with the cores' "
+              "load where the replay stretches the calibrated one, the cores' noise). Groups "
+              "of one: the worst worker's share of its partial rounds.")
 
 
 def decompose(cell, ddp) -> tuple:
@@ -813,12 +821,22 @@ def warmup_text(args, results: list) -> str:
     return f"ripples_pg.wrap()'s default ({span} exact steps in these runs)"
 
 
+def seeds_text(args, results) -> str:
+    """The seeds the runs used: each repeat its own since they are recorded per run (older
+    results.json: every run had --seed)."""
+    seeds = sorted({r["seed"] for r in results if r.get("seed") is not None})
+    if len(seeds) <= 1:
+        return f"Seed {seeds[0] if seeds else args.seed}"
+    return (f"Seeds {', '.join(map(str, seeds))} (repeat r: seed {args.seed} + r, every "
+            f"strategy alike)")
+
+
 def report(args, out: dict) -> list[str]:
     """Writes results.md and the plots from a results dict; returns the markdown lines."""
     results = out["results"]
     cells = cells_of(out)
     md = [f"# Straggler benchmark: {args.workers} workers", "",
-          f"Seed {args.seed}; warm-up {warmup_text(args, results)}; Ripples group size "
+          f"{seeds_text(args, results)}; warm-up {warmup_text(args, results)}; Ripples group size "
           f"{args.group_size}; host {out['host']} ({out['cpus']} CPUs), "
           f"{out['date']}{' (quick mode)' if args.quick else ''}.",
           "Times are seconds of training to the target, interpolated linearly between the "

@@ -171,3 +171,28 @@ def test_replay_applies_its_factors(tmp_path):
         assert summary["slowed_steps"] == sum(f > 1 for f in fs)
         assert summary["straggler_sleep_s"] == pytest.approx(
             sum(f - 1 for f in fs) * unit, abs=1e-3)
+
+
+def test_a_factor_stretches_the_whole_step(tmp_path, monkeypatch):
+    """With a pause standing for the accelerator's share, a trace's factor f makes the whole
+    step f x (compute + pause), as on the cluster it was measured on, so the run's ideal is
+    the trace's own (the report's "ideal with compute" then equals "ideal")."""
+    pytest.importorskip("sklearn")
+    import digits_worker
+
+    table = tmp_path / "t.csv"
+    table.write_text("w0,w1\n1,3\n2,1\n")
+    st = digits_worker.Straggler(f"trace:{table}", 1, 2, 0)
+    st.compute_s, st.pause_s, st.step_s = 0.005, 0.02, 0.02
+    slept = []
+    monkeypatch.setattr(digits_worker.time, "sleep", slept.append)
+    st.after_step(0)  # factor 3
+    st.after_step(1)  # factor 1: the pause alone
+    assert slept == [pytest.approx(0.02 + 2 * 0.025), pytest.approx(0.02)]
+    assert st.compute_s + slept[0] == pytest.approx(3 * (st.compute_s + st.pause_s))
+    rows = trace_replay.factors(trace_replay.trace_path("bytedance-ar"), 4)
+    raw = trace_replay.ideal_speedup(rows, 300)
+    whole = trace_replay.ideal_speedup(
+        train_report.with_compute(rows, 0.005, 0.02, whole_step=True), 300)
+    diluted = trace_replay.ideal_speedup(train_report.with_compute(rows, 0.005, 0.02), 300)
+    assert whole == pytest.approx(raw) and diluted < raw
