@@ -47,6 +47,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_CLAIM_SIZE = 16
 _HALF = 32
 _MASK = (1 << _HALF) - 1
+
+
+def _pack(front: int, back: int) -> int:
+    """A column's counter: rows claimed from its front (low half) and its back (high half)."""
+    return front | (back << _HALF)
+
+
+def _unpack(value: int) -> tuple:
+    """(front, back) of a column's counter."""
+    return value & _MASK, value >> _HALF
 # passes of one epoch value told apart when workers agree on the job's position (_agree)
 _PASS_SPAN = 1 << 16
 # Claims per request in an exact phase: every worker takes its own column then and nobody
@@ -208,7 +218,7 @@ class DistributedSampler(_TorchDistributedSampler):
                 # request.
                 for c, (f, b) in enumerate(resume["columns"]):
                     try:
-                        self._store.compare_set(f"{key}{c}", "", str(f | (b << _HALF)))
+                        self._store.compare_set(f"{key}{c}", "", str(_pack(f, b)))
                     except Exception as exc:  # noqa: BLE001
                         raise _StoreFailed(exc, resume["columns"][self.rank][0]) from exc
             yield from self._own_column(indices, key, rows)
@@ -249,7 +259,7 @@ class DistributedSampler(_TorchDistributedSampler):
             v = int(self._store.add(key, value))
         except Exception as exc:  # noqa: BLE001
             raise _StoreFailed(exc, front) from exc
-        return v & _MASK, v >> _HALF
+        return _unpack(v)
 
     def _own_column(self, indices, key, rows) -> Iterator[int]:
         col = self._column(indices, self.rank)
@@ -291,10 +301,9 @@ class DistributedSampler(_TorchDistributedSampler):
         cas = getattr(self._store, "compare_set", None)
         if chunk is None or cas is None:
             return
-        b = chunk["b"] << _HALF
-        mine = chunk["pos"] | b
+        mine = _pack(chunk["pos"], chunk["b"])
         try:
-            ok = int(cas(chunk["key"], str(chunk["f"] | b), str(mine))) == mine
+            ok = int(cas(chunk["key"], str(_pack(chunk["f"], chunk["b"])), str(mine))) == mine
         except Exception:  # noqa: BLE001 - keeping the request loses nothing
             return
         if ok:
@@ -313,7 +322,7 @@ class DistributedSampler(_TorchDistributedSampler):
             for c in list(others):
                 if not self._free():
                     return  # an exact phase again (unwrap()): no more rows of others
-                f, b = self._add(f"{key}{c}", k << _HALF, rows)
+                f, b = self._add(f"{key}{c}", _pack(0, k), rows)
                 lo, hi = max(rows - b, f, reserved), rows - b + k
                 if hi <= lo:
                     others.remove(c)  # used up
@@ -391,7 +400,7 @@ class DistributedSampler(_TorchDistributedSampler):
                 reserved = min(self.claim_size, rows)
                 for c in range(self.num_replicas):
                     v = int(self._store.add(f"{live['key']}{c}", 0))
-                    f, b = v & _MASK, v >> _HALF
+                    f, b = _unpack(v)
                     # the rows really handed out: the counters also count claims that came
                     # back empty (past the meeting point, or into the owner's reserved rows)
                     front = min(f, max(rows - b, reserved))
