@@ -22,7 +22,7 @@ to). The first claim of each column is left to its owner, so every worker gets a
 claim of every epoch. A worker that dies leaves its column to the others; only the rows it had
 claimed and not used (and its first claim, if it died before taking it) are lost. No request
 waits on another worker. During an exact phase (warm-up: every step of an even job) a request
-covers 8 claims, since nobody takes from the back then; at the switch to partial training a
+covers 64 claims, since nobody takes from the back then; at the switch to partial training a
 worker gives the rows of such a request that it has not handed out back to its column (one
 compare-and-set at the end of its last exact step), unless another worker has already tried that
 column's back, in which case it keeps and uses them.
@@ -60,10 +60,14 @@ def _unpack(value: int) -> tuple:
 # passes of one epoch value told apart when workers agree on the job's position (_agree)
 _PASS_SPAN = 1 << 16
 # Claims per request in an exact phase: every worker takes its own column then and nobody
-# takes from its back, so one request can cover several claims (a store request per claim
-# cost 8 % of the steps/s of 4 workers on 2 cores, batch 64). What is not handed out yet goes
-# back to the column at the switch to partial training (_give_back).
-_EXACT_CLAIMS = 8
+# takes from its back, so one request can cover several claims. Each request is a round trip
+# to the store, and a worker waiting on it holds up every other at the next all-reduce: one
+# per claim cost 8 % of the steps/s of 4 workers on 2 cores (batch 64); one per 8 claims still
+# ~1.5 % (1.6 ms each on busy cores, every 7 steps of the `wide` MLP). What is not handed out
+# yet goes back to the column at the switch to partial training (_give_back), so a large
+# request costs no balance: nobody takes from a column's back before its own is used up, long
+# after every worker has given back.
+_EXACT_CLAIMS = 64
 
 
 class DistributedSampler(_TorchDistributedSampler):
@@ -73,7 +77,7 @@ class DistributedSampler(_TorchDistributedSampler):
         dataset, num_replicas, rank, shuffle, seed, drop_last: as torch's
             ``DistributedSampler`` (same defaults, same order of indices, same padding).
         claim_size: rows of the epoch taken per request to the job's store (default 16;
-            8 claims per request during exact phases, see the module's notes).
+            64 claims per request during exact phases, see the module's notes).
             Larger: fewer requests; smaller: epochs that end closer together on every worker.
             Set to the loader's batch size, each claim is a whole batch: every worker gets
             at least one full batch of every epoch (also with ``DataLoader(drop_last=True)``,
