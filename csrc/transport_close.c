@@ -18,6 +18,9 @@
 #define UCX_LINGER_S 0.2
 /* How long a rank leaving after success waits for its UCX peers to read what it sent. */
 #define UCX_FIN_WAIT_S 2.0
+/* How long a rank leaving after a failure keeps its UCX links open for peers to read the
+ * goodbye (see ucx_await_goodbyes). A peer reading from us takes milliseconds. */
+#define UCX_BYE_WAIT_S 1.0
 
 void rpl_tr_close_conn(conn *c) {
   if (c->fd >= 0) {
@@ -82,10 +85,11 @@ void rpl_tr_reset_peer(rpl_tr *tr, int peer) {
   rpl_tr_close_conn(&tr->conns[peer]);
 }
 
-/* Reads what a UCX peer sent after our FIN until its answer (ACK, or its own FIN, which gets
- * one). *skip: the payload bytes still to skip before a header. Returns 1 once answered or
- * gone, 0 while it may say more. */
-static int fin_read(conn *c, int64_t *skip) {
+/* Reads what a UCX peer sent after our FIN or goodbye until its answer: an ACK, its own FIN
+ * (which gets an ACK), or its own goodbye (it failed by itself and expects nothing from us).
+ * *skip: the payload bytes still to skip before a header. Returns 1 once answered or gone, 0
+ * while it may say more. */
+static int answer_read(conn *c, int64_t *skip) {
   ssize_t r = 1;
   while (*skip >= 0 && r > 0) {
     unsigned char junk[4096];
@@ -101,7 +105,7 @@ static int fin_read(conn *c, int64_t *skip) {
         rpl_put32(c->rx_hdr, ACK_MAGIC);
         if (!rpl_ucx_writing(c->ux)) rpl_ucx_write(c->ux, c->rx_hdr, HDR_SIZE, NULL, 0);
       }
-      if (magic == ACK_MAGIC || magic == FIN_MAGIC) r = -1; /* read up to our FIN */
+      if (magic == ACK_MAGIC || magic == FIN_MAGIC || magic == BYE_MAGIC) r = -1; /* answered */
       else *skip = (int64_t)rpl_get64(c->rx_hdr + 32);
     }
   }
@@ -133,10 +137,44 @@ static void ucx_leave(rpl_tr *tr) {
   while (waiting > 0 && rpl_now() < end) {
     rpl_ucx_progress(tr->ucx);
     for (int i = 0; i < tr->size; i++)
-      if (skip[i] >= 0 && fin_read(&tr->conns[i], &skip[i])) { /* answered, or gone */
+      if (skip[i] >= 0 && answer_read(&tr->conns[i], &skip[i])) { /* answered, or gone */
         skip[i] = -1;
         waiting--;
       }
+  }
+  free(skip);
+}
+
+/* Leaving after a failure over UCX, goodbyes written (ux_linger marks them). Once an endpoint
+ * disconnects, UCX drops on the peer's side what the peer had not read yet, goodbye included:
+ * the peer would then only see this rank gone, not the cause (a third rank's death). So each
+ * link that carries a goodbye stays open until the peer has read it and answered: it hangs up
+ * (the goodbye failed its run), or sends a goodbye or FIN of its own; or until UCX_BYE_WAIT_S
+ * passes (a peer that does not read from us meanwhile sees us gone when it next does). A link
+ * we are mid-message on cannot be read for an answer: only its hang-up ends the wait. */
+static void ucx_await_goodbyes(rpl_tr *tr) {
+  /* Per peer: -2 not waited for, -1 waited for its hang-up only, else as in answer_read. */
+  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size);
+  if (!skip) return;
+  int waiting = 0;
+  for (int i = 0; i < tr->size; i++) {
+    conn *c = &tr->conns[i];
+    skip[i] = -2;
+    if (!c->ux || !c->ux_linger) continue;
+    skip[i] = c->rx_mode == RX_HEADER ? 0 : -1;
+    waiting++;
+  }
+  double end = rpl_now() + UCX_BYE_WAIT_S;
+  while (waiting > 0 && rpl_now() < end) {
+    rpl_ucx_progress(tr->ucx);
+    for (int i = 0; i < tr->size; i++) {
+      conn *c = &tr->conns[i];
+      if (skip[i] == -2) continue;
+      if (rpl_ucx_failed(c->ux) || (skip[i] >= 0 && answer_read(c, &skip[i]))) {
+        skip[i] = -2;
+        waiting--;
+      }
+    }
   }
   free(skip);
 }
@@ -147,14 +185,16 @@ void rpl_tr_abort(rpl_tr *tr) {
   tr->aborted = 1;
   if (tr->shm) rpl_shm_set_cause(tr->shm, tr->cause); /* "" replaces a stale one */
   rpl_shm_close(tr->shm);
-  if (tr->conns)
+  if (tr->conns) {
+    for (int i = 0; i < tr->size; i++) say_goodbye(tr, &tr->conns[i]);
+    if (tr->ucx && tr->cause[0]) ucx_await_goodbyes(tr);
     for (int i = 0; i < tr->size; i++) {
-      say_goodbye(tr, &tr->conns[i]);
       /* Leaving after success: UCX delivers what we wrote before it disconnects (a socket's
        * kernel does that by itself). */
       if (!tr->cause[0]) tr->conns[i].ux_linger = 1;
       rpl_tr_close_conn(&tr->conns[i]);
     }
+  }
   rpl_tr_pend_clear(tr);
   if (tr->listen_fd >= 0) close(tr->listen_fd);
   tr->listen_fd = -1;
