@@ -718,6 +718,18 @@ static void test_rejections(void) {
 
 /* ---- unreachable or stopped coordinator ---------------------------------------------------- */
 
+/* Whether rank's entry in the "workers" array of a status document holds `field` (exact
+ * "name":value text). */
+static int worker_field(const char *json, int rank, const char *field) {
+  char head[32];
+  snprintf(head, sizeof head, "{\"rank\":%d,", rank);
+  const char *ws = strstr(json, "\"workers\":[");
+  const char *e = ws ? strstr(ws, head) : NULL;
+  const char *end = e ? strchr(e, '}') : NULL;
+  const char *f = e ? strstr(e, field) : NULL;
+  return f && end && f < end;
+}
+
 static void test_unreachable(void) {
   rpl_gg_client_config cc = {
       .endpoint = "tcp://127.0.0.1:9", /* discard port: nothing answers */
@@ -756,11 +768,50 @@ static void test_unreachable(void) {
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_OK, "%s", err.msg);
   REQUIRE(rpl_gg_client_request(cl, 0, mem, 2, &n, &gid, &err) == RPL_ERR_TIMEOUT, "timeout: %s",
           err.msg);
-  /* Nothing is left stuck behind the timed-out request: both ask again and meet. */
+  /* Nothing is left stuck behind the timed-out request: both ask again and meet. The
+   * timed-out request's FENCE and UNFENCE go out on worker 0's connection, worker 1's REQUEST
+   * on a connection of its own, and nothing orders two connections: a REQUEST of worker 1
+   * that overtook them would meet worker 0's abandoned request (group {0,1} handed to both,
+   * which worker 0's client drops as stale, so that its next request finds worker 1 busy in
+   * it and is served alone), or find worker 0 still fenced. So wait (bounded) until the
+   * coordinator has taken both: worker 0 asked once, waits no more, and is live again. */
+  int settled = 0;
+  for (int i = 0; i < 1000 && !settled; i++) {
+    char *json = NULL;
+    REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json,
+                                &err) == RPL_OK, "%s", err.msg);
+    settled = worker_field(json, 0, "\"state\":\"live\"") &&
+              worker_field(json, 0, "\"requests\":1,") &&
+              worker_field(json, 0, "\"waiting\":false");
+    free(json);
+    if (!settled) usleep(10000);
+  }
+  REQUIRE(settled, "the timed-out request's FENCE and UNFENCE reached the coordinator");
+  /* Worker 1 asks first (its client waits up to 10 s), and worker 0 once the coordinator
+   * holds that request: worker 0's request, whose client gives up after 300 ms, is then
+   * served on arrival, and worker 0 (it asked before) is never taken for a worker that
+   * stopped asking. On a machine too slow to answer within 300 ms even so, it times out
+   * again and its FENCE cancels the group: worker 1 is told and asks again by itself, and
+   * worker 0 asks once more. */
   req_arg a1 = {.c = c, .rank = 1, .nworkers = 2};
   pthread_t th;
   REQUIRE(pthread_create(&th, NULL, request_once, &a1) == 0, "thread");
-  REQUIRE(rpl_gg_client_request(cl, 1, mem, 2, &n, &gid, &err) == RPL_OK && n == 2, "%s", err.msg);
+  int in = 0;
+  for (int i = 0; i < 1000 && !in; i++) {
+    char *json = NULL;
+    REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json,
+                                &err) == RPL_OK, "%s", err.msg);
+    in = worker_field(json, 1, "\"waiting\":true");
+    free(json);
+    if (!in) usleep(10000);
+  }
+  REQUIRE(in, "worker 1's request reached the coordinator");
+  rpl_status st = RPL_ERR_TIMEOUT;
+  n = 0;
+  for (int k = 0; k < 20 && st == RPL_ERR_TIMEOUT; k++)
+    st = rpl_gg_client_request(cl, 1, mem, 2, &n, &gid, &err);
+  REQUIRE(st == RPL_OK && n == 2, "worker 0 after its timeout: status %d, group of %d: %s",
+          (int)st, n, st == RPL_OK ? "-" : err.msg);
   pthread_join(th, NULL);
   REQUIRE(a1.st == RPL_OK && a1.n == 2, "worker 1 grouped with worker 0 after its timeout");
   rpl_gg_client_destroy(cl);
