@@ -112,59 +112,11 @@ static int answer_read(conn *c, int64_t *skip) {
   return r < 0;
 }
 
-/* Leaving after success over UCX. Unlike a socket's kernel, UCX drops what a peer has not
- * read yet once this end disconnects, so each UCX peer gets a FIN after our last message and
- * answers it when its reads reach it; we wait for the answers (up to UCX_FIN_WAIT_S). A peer
- * that does not read from us meanwhile sees us gone when it next does. */
-static void ucx_leave(rpl_tr *tr) {
-  unsigned char fin[HDR_SIZE];
-  control_header(fin, FIN_MAGIC, 0);
-  /* Per peer: -1 not waited for, else the payload bytes still to skip before a header. */
-  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size);
-  if (!skip) return;
-  int waiting = 0;
-  for (int i = 0; i < tr->size; i++) {
-    conn *c = &tr->conns[i];
-    skip[i] = -1;
-    /* Only a link at a message boundary both ways can carry a FIN and be read for its answer. */
-    if (!c->ux || rpl_ucx_writing(c->ux) || c->rx_mode != RX_HEADER ||
-        rpl_ucx_write(c->ux, fin, HDR_SIZE, NULL, 0) < 0)
-      continue;
-    skip[i] = 0;
-    waiting++;
-  }
-  double end = rpl_now() + UCX_FIN_WAIT_S;
-  while (waiting > 0 && rpl_now() < end) {
-    rpl_ucx_progress(tr->ucx);
-    for (int i = 0; i < tr->size; i++)
-      if (skip[i] >= 0 && answer_read(&tr->conns[i], &skip[i])) { /* answered, or gone */
-        skip[i] = -1;
-        waiting--;
-      }
-  }
-  free(skip);
-}
-
-/* Leaving after a failure over UCX, goodbyes written (ux_linger marks them). Once an endpoint
- * disconnects, UCX drops on the peer's side what the peer had not read yet, goodbye included:
- * the peer would then only see this rank gone, not the cause (a third rank's death). So each
- * link that carries a goodbye stays open until the peer has read it and answered: it hangs up
- * (the goodbye failed its run), or sends a goodbye or FIN of its own; or until UCX_BYE_WAIT_S
- * passes (a peer that does not read from us meanwhile sees us gone when it next does). A link
- * we are mid-message on cannot be read for an answer: only its hang-up ends the wait. */
-static void ucx_await_goodbyes(rpl_tr *tr) {
-  /* Per peer: -2 not waited for, -1 waited for its hang-up only, else as in answer_read. */
-  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size);
-  if (!skip) return;
-  int waiting = 0;
-  for (int i = 0; i < tr->size; i++) {
-    conn *c = &tr->conns[i];
-    skip[i] = -2;
-    if (!c->ux || !c->ux_linger) continue;
-    skip[i] = c->rx_mode == RX_HEADER ? 0 : -1;
-    waiting++;
-  }
-  double end = rpl_now() + UCX_BYE_WAIT_S;
+/* Drives UCX until every peer waited for has answered or hung up, or wait_s passes. skip[i]:
+ * -2 not waited for, -1 waited for its hang-up only (a link we cannot read at a message
+ * boundary), else as in answer_read. */
+static void await_answers(rpl_tr *tr, int64_t *skip, int waiting, double wait_s) {
+  double end = rpl_now() + wait_s;
   while (waiting > 0 && rpl_now() < end) {
     rpl_ucx_progress(tr->ucx);
     for (int i = 0; i < tr->size; i++) {
@@ -176,6 +128,51 @@ static void ucx_await_goodbyes(rpl_tr *tr) {
       }
     }
   }
+}
+
+/* Leaving after success over UCX. Unlike a socket's kernel, UCX drops what a peer has not
+ * read yet once this end disconnects, so each UCX peer gets a FIN after our last message and
+ * answers it when its reads reach it; we wait for the answers (up to UCX_FIN_WAIT_S). A peer
+ * that does not read from us meanwhile sees us gone when it next does. */
+static void ucx_leave(rpl_tr *tr) {
+  unsigned char fin[HDR_SIZE];
+  control_header(fin, FIN_MAGIC, 0);
+  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size); /* see await_answers */
+  if (!skip) return;
+  int waiting = 0;
+  for (int i = 0; i < tr->size; i++) {
+    conn *c = &tr->conns[i];
+    skip[i] = -2;
+    /* Only a link at a message boundary both ways can carry a FIN and be read for its answer. */
+    if (!c->ux || rpl_ucx_writing(c->ux) || c->rx_mode != RX_HEADER ||
+        rpl_ucx_write(c->ux, fin, HDR_SIZE, NULL, 0) < 0)
+      continue;
+    skip[i] = 0;
+    waiting++;
+  }
+  await_answers(tr, skip, waiting, UCX_FIN_WAIT_S);
+  free(skip);
+}
+
+/* Leaving after a failure over UCX, goodbyes written (ux_linger marks them). Once an endpoint
+ * disconnects, UCX drops on the peer's side what the peer had not read yet, goodbye included:
+ * the peer would then only see this rank gone, not the cause (a third rank's death). So each
+ * link that carries a goodbye stays open until the peer has read it and answered: it hangs up
+ * (the goodbye failed its run), or sends a goodbye or FIN of its own; or until UCX_BYE_WAIT_S
+ * passes (a peer that does not read from us meanwhile sees us gone when it next does). A link
+ * we are mid-message on cannot be read for an answer: only its hang-up ends the wait. */
+static void ucx_await_goodbyes(rpl_tr *tr) {
+  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size); /* see await_answers */
+  if (!skip) return;
+  int waiting = 0;
+  for (int i = 0; i < tr->size; i++) {
+    conn *c = &tr->conns[i];
+    skip[i] = -2;
+    if (!c->ux || !c->ux_linger) continue;
+    skip[i] = c->rx_mode == RX_HEADER ? 0 : -1;
+    waiting++;
+  }
+  await_answers(tr, skip, waiting, UCX_BYE_WAIT_S);
   free(skip);
 }
 
