@@ -51,6 +51,10 @@
  *          [--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1]
  *          [--speed-aware 0|-1] [--period-max P] [--old-policy]
  *          [--overlap] [--gg-stats]   (the GG's counters per run, on stderr)
+ *   gg_sim --whatif --trace FILE [--workers N] [--rounds R]
+ *          the trace through the what-if accounting alone (rpl_whatif): every worker computes
+ *          its R steps at its own pace, nobody waits, and the accounting's numbers are printed
+ *          as JSON beside trace_replay.py's ideal (tests/test_whatif.py compares them).
  */
 #include <math.h>
 #include <stddef.h>
@@ -140,6 +144,7 @@ typedef struct {
   const double *trace;        /* --trace: rows x workers factors (row-major), NULL if none */
   int trace_rows;
   int overlap;                /* rounds behind the next step's compute (--overlap) */
+  int whatif;                 /* --whatif: the trace through the accounting alone */
   double stall;               /* stall: the one stall's length in compute steps */
   double request_timeout;     /* a request not answered within this gives up; 0 = never */
 } params;
@@ -254,6 +259,56 @@ static double trace_ideal(const params *p) {
     inv += 1.0 / own;
   }
   return ddp * inv / p->workers;
+}
+
+/* --whatif: each worker computes its --rounds steps of the trace at its own pace (reported in
+ * the order they end, so fast workers run ahead as they would with nobody waiting) into an
+ * rpl_whatif, whose numbers are printed as JSON with trace_ideal's. */
+static int run_whatif(const params *p) {
+  rpl_whatif *a = NULL;
+  rpl_error err = {0};
+  double *t = calloc((size_t)p->workers, sizeof *t);
+  uint64_t *k = calloc((size_t)p->workers, sizeof *k);
+  if (!t || !k || rpl_whatif_create(p->workers, &a, &err) != RPL_OK) {
+    fprintf(stderr, "gg_sim: %s\n", err.msg[0] ? err.msg : "out of memory");
+    free(t);
+    free(k);
+    return 1;
+  }
+  for (;;) {
+    int next = -1;
+    for (int w = 0; w < p->workers; w++) {
+      if (k[w] >= (uint64_t)p->rounds) continue;
+      double end = t[w] + p->trace[(size_t)(k[w] % (uint64_t)p->trace_rows) * (size_t)p->workers +
+                                   (size_t)w];
+      if (next < 0 || end < t[next] + p->trace[(size_t)(k[next] % (uint64_t)p->trace_rows) *
+                                                   (size_t)p->workers + (size_t)next])
+        next = w;
+    }
+    if (next < 0) break;
+    double f = p->trace[(size_t)(k[next] % (uint64_t)p->trace_rows) * (size_t)p->workers +
+                        (size_t)next];
+    t[next] += f;
+    k[next]++;
+    rpl_whatif_step(a, next, f, t[next]);
+  }
+  rpl_whatif_summary s;
+  rpl_whatif_get(a, &s);
+  printf("{\"workers\":%d,\"rounds\":%d,\"trace_ideal_speedup\":%.17g,\"gain\":%.17g,"
+         "\"allreduce_step\":%.17g,\"free_step\":%.17g,\"waste\":%.17g,\"saved\":%.17g,"
+         "\"steps\":%llu,\"job_steps\":%llu,\"cost_s\":[",
+         p->workers, p->rounds, trace_ideal(p), s.gain, s.allreduce_step, s.free_step, s.waste,
+         s.saved, (unsigned long long)s.steps, (unsigned long long)s.job_steps);
+  for (int w = 0; w < p->workers; w++) {
+    rpl_whatif_worker_info wi;
+    rpl_whatif_worker(a, w, &wi, &err);
+    printf("%s%.17g", w ? "," : "", wi.cost_s);
+  }
+  printf("]}\n");
+  rpl_whatif_destroy(a);
+  free(t);
+  free(k);
+  return 0;
 }
 
 static double spread(double (*x)[DIM], int n) {
@@ -707,6 +762,7 @@ static void usage(void) {
           "[--partner-wait-ms MS] [--max-isolated M] [--arrival-filter 0|-1] "
           "[--speed-aware 0|-1] [--period-max P] [--old-policy] [--overlap] [--json] "
           "[--gg-stats]\n"
+          "       gg_sim --whatif --trace FILE [--workers N] [--rounds R]\n"
           "  --old-policy = --partner-wait-ms -1 --max-isolated -1 --arrival-filter -1 "
           "--period-max 1 --late-unfence (the first implementation)\n");
 }
@@ -777,6 +833,7 @@ static int parse_args(int argc, char **argv, params *p, const char **policy,
     else if (!strcmp(a, "--json")) p->json = 1;
     else if (!strcmp(a, "--gg-stats")) p->gg_stats = 1;
     else if (!strcmp(a, "--overlap")) p->overlap = 1;
+    else if (!strcmp(a, "--whatif")) p->whatif = 1;
     else {
       usage();
       return 2;
@@ -806,9 +863,14 @@ int main(int argc, char **argv) {
       return 2;
     }
     if (load_trace(&p, trace) != 0) return 2;
+    if (p.whatif) {
+      int rc = run_whatif(&p);
+      free((void *)p.trace);
+      return rc;
+    }
     if (!strcmp(scenario, "all")) scenario = "trace";
-  } else if (!strcmp(scenario, "trace")) {
-    fprintf(stderr, "gg_sim: --scenario trace needs --trace FILE\n");
+  } else if (!strcmp(scenario, "trace") || p.whatif) {
+    fprintf(stderr, "gg_sim: --scenario trace and --whatif need --trace FILE\n");
     return 2;
   }
   const char *pols[] = {"allreduce", "static", "random", "smart", "smart+ii", "adpsgd"};

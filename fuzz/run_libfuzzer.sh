@@ -19,7 +19,8 @@ INC=(-I"$ROOT/coordinator" -I"$ROOT/csrc/sched" -I"$ROOT/csrc")
 # ripples_sched's sources and ripples_base (csrc/common.c and csrc/crypto.c: the error
 # formatter and the HMAC they use).
 SCHED=("$ROOT/csrc/sched/layout.c" "$ROOT/csrc/sched/gg.c" "$ROOT/csrc/sched/gg_generate.c"
-       "$ROOT/csrc/sched/gg_speed.c" "$ROOT/csrc/sched/gg_partners.c" "$ROOT/csrc/sched/proto.c"
+       "$ROOT/csrc/sched/gg_speed.c" "$ROOT/csrc/sched/gg_partners.c" "$ROOT/csrc/sched/whatif.c"
+       "$ROOT/csrc/sched/proto.c"
        "$ROOT/csrc/common.c" "$ROOT/csrc/crypto.c")
 
 run() { # name, sources..., -- link flags...

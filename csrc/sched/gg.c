@@ -215,6 +215,11 @@ rpl_status rpl_gg_create(const rpl_gg_config *cfg, rpl_gg **out, rpl_error *err)
   gg->c_dirty = 1;
   gg->host_cnt = calloc((size_t)rpl_layout_hosts(gg->layout) + 1, sizeof(int));
   gg->dq = malloc(sizeof(int) * (size_t)gg->n);
+  st = rpl_whatif_create(gg->n, &gg->whatif, err);
+  if (st != RPL_OK) {
+    rpl_gg_destroy(gg);
+    return st;
+  }
   if (!gg->w || !gg->scratch_a || !gg->scratch_b || !gg->scratch_c || !gg->host_cnt || !gg->dq) {
     rpl_gg_destroy(gg);
     return rpl_fail(err, RPL_ERR_NOMEM, "gg: out of memory");
@@ -253,6 +258,7 @@ void rpl_gg_destroy(rpl_gg *gg) {
   }
   free(gg->w);
   free(gg->ev);
+  rpl_whatif_destroy(gg->whatif);
   free(gg->scratch_a);
   free(gg->scratch_b);
   free(gg->scratch_c);
@@ -428,6 +434,8 @@ static void set_state(rpl_gg *gg, gg_worker *w, rpl_worker_state s) {
   if (w->state == RPL_WORKER_LIVE && s != RPL_WORKER_LIVE) gg->nlive--;
   if (w->state != RPL_WORKER_LIVE && s == RPL_WORKER_LIVE) gg->nlive++;
   gg->ngone += gone((uint8_t)s) - gone(w->state);
+  if (gone((uint8_t)s) != gone(w->state))
+    rpl_whatif_out(gg->whatif, (int)(w - gg->w), gone((uint8_t)s));
   w->state = (uint8_t)s;
   gg->c_dirty = 1; /* the bulk's median is over the workers not gone */
 }
@@ -471,8 +479,9 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
       double dt = gg->now - me->free_at;
       /* Up fast, down slowly: a straggler's first slow step counts at once (5x: 2.3x the
        * bulk), while a single noisy step of 2-3x moves the average less than GG_BEHIND. */
-      double w = dt > me->comp ? 1.0 / 3 : 1.0 / 8;
-      me->comp = me->comp > 0 ? me->comp + (dt - me->comp) * w : dt;
+      double gain = dt > me->comp ? 1.0 / 3 : 1.0 / 8;
+      me->comp = me->comp > 0 ? me->comp + (dt - me->comp) * gain : dt;
+      rpl_whatif_step(gg->whatif, w, dt, gg->now);
     }
   }
   if (gg->policy == RPL_POLICY_STATIC) {
@@ -625,6 +634,7 @@ int rpl_gg_c_thres(const rpl_gg *gg) { return gg->c_thres; }
 int rpl_gg_inter_intra(const rpl_gg *gg) { return gg->inter_intra; }
 int rpl_gg_period_max(const rpl_gg *gg) { return gg->period_max; }
 const rpl_layout *rpl_gg_layout(const rpl_gg *gg) { return gg->layout; }
+const rpl_whatif *rpl_gg_whatif(const rpl_gg *gg) { return gg->whatif; }
 
 void rpl_gg_foreach_pending(const rpl_gg *gg,
                             int (*fn)(void *ctx, uint64_t group_id, const int *members, int n,

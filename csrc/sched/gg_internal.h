@@ -141,6 +141,7 @@ struct rpl_gg {
   int c_dirty;
   int *host_cnt;               /* [hosts + 1] */
   rpl_gg_stats st;
+  rpl_whatif *whatif;           /* what stragglers cost (fed at each measured compute step) */
   void (*trace)(void *ctx, const rpl_gg_trace *t);
   void *trace_ctx;
 };

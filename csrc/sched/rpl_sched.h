@@ -306,6 +306,56 @@ void rpl_gg_foreach_pending(const rpl_gg *gg,
                                       int arrived),
                             void *ctx);
 
+/* ---- 2b. What-if accounting ------------------------------------------------------------------ */
+
+/* What stragglers cost the job, from the compute steps of its workers: the time all-reduce would
+ * take for the same work (every step as long as its slowest worker's), the time if nobody waited
+ * (each worker at its own pace: benchmarks/trace_replay.py's ideal), and the time the job took.
+ * Worker w's steps are numbered in the order they are reported; step t of all-reduce is the
+ * slowest of every worker's step t. The dynamic GG keeps one (rpl_gg_whatif), fed with the
+ * compute step it measures at each request; it can be used alone (gg_sim --whatif-table).
+ * Steps further than RPL_WHATIF_WINDOW apart are aligned with the late worker's mean step. */
+#define RPL_WHATIF_WINDOW 1024
+
+typedef struct rpl_whatif rpl_whatif;
+
+typedef struct rpl_whatif_summary {
+  uint64_t steps;        /* worker steps reported, all workers */
+  uint64_t job_steps;    /* all-reduce steps accounted: step indices every worker reached */
+  double allreduce_step; /* all-reduce's mean step: the slowest compute of a step, averaged
+                            over job_steps; 0 = unknown */
+  double free_step;      /* nobody waits: the harmonic mean of the workers' mean steps */
+  double gain;           /* allreduce_step / free_step (>= 1); 0 = unknown */
+  double waste;          /* 1 - free_step / allreduce_step: all-reduce's share spent waiting */
+  double allreduce_s;    /* steps / workers x allreduce_step: all-reduce's time for this work */
+  double free_s;         /* ... the same at free_step */
+  double elapsed_s;      /* the job's time for it: first step's start to the last report */
+  double saved;          /* 1 - elapsed_s / allreduce_s: the share of all-reduce's time saved
+                            (at most waste, less the rounds' costs); 0 = unknown */
+  double cost_s;         /* the workers' cost_s summed (rpl_whatif_worker_info) */
+} rpl_whatif_summary;
+
+typedef struct rpl_whatif_worker_info {
+  uint64_t steps;
+  double mean_step;      /* its mean compute step, 0 = none */
+  double cost_s;         /* all-reduce's waiting it alone caused: over the accounted steps where
+                            it was slowest, its lead over the second slowest */
+} rpl_whatif_worker_info;
+
+rpl_status rpl_whatif_create(int nworkers, rpl_whatif **out, rpl_error *err);
+void rpl_whatif_destroy(rpl_whatif *a);
+/* Worker w's next step computed for `step` seconds, reported at clock `now` (seconds). Negative
+ * or non-finite steps and unknown workers are ignored. */
+void rpl_whatif_step(rpl_whatif *a, int w, double step, double now);
+/* w left the job (out = 1; its steps so far still count), or came back (0): all-reduce's steps
+ * wait only for the workers in the job, and one back in joins at the job's current step. */
+void rpl_whatif_out(rpl_whatif *a, int w, int out);
+void rpl_whatif_get(const rpl_whatif *a, rpl_whatif_summary *out);
+rpl_status rpl_whatif_worker(const rpl_whatif *a, int w, rpl_whatif_worker_info *out,
+                             rpl_error *err);
+/* The GG's own accounting (never NULL for a GG that was created). */
+const rpl_whatif *rpl_gg_whatif(const rpl_gg *gg);
+
 /* ---- 3a. Wire protocol: rpl_sched_proto.h (included above) --------------------------------- */
 
 /* ---- 3b. Worker-side client (libzmq) ------------------------------------------------------- */
