@@ -557,6 +557,24 @@ static void attr_fields(coord_core *core, coord_text *b, int i, const rpl_gg_wor
   coord_printf(b, ",\"slow\":%s,\"slow_since_step\":", x->slow ? "true" : "false");
   if (x->slow) coord_printf(b, "%llu", (unsigned long long)x->slow_since);
   else coord_printf(b, "null");
+  rpl_whatif_worker_info ww = {0};
+  rpl_error err;
+  rpl_whatif_worker(rpl_gg_whatif(core->gg), i, &ww, &err);
+  coord_printf(b, ",\"cost_s\":%.6f", ww.cost_s);
+}
+
+/* "whatif":{...}: what the stragglers would cost under all-reduce, and what was saved
+ * (rpl_whatif_get over the compute steps the policy measured; 0 = not known yet). */
+static void whatif_json(coord_core *core, coord_text *b) {
+  rpl_whatif_summary s;
+  rpl_whatif_get(rpl_gg_whatif(core->gg), &s);
+  coord_printf(b,
+               "\"whatif\":{\"steps\":%llu,\"job_steps\":%llu,\"allreduce_step_s\":%.6f,"
+               "\"free_step_s\":%.6f,\"gain\":%.4f,\"waste\":%.4f,\"allreduce_s\":%.3f,"
+               "\"free_s\":%.3f,\"elapsed_s\":%.3f,\"saved\":%.4f,\"cost_s\":%.6f}",
+               (unsigned long long)s.steps, (unsigned long long)s.job_steps, s.allreduce_step,
+               s.free_step, s.gain, s.waste, s.allreduce_s, s.free_s, s.elapsed_s, s.saved,
+               s.cost_s);
 }
 
 /* A rank as the summaries name it: who, its step, its slowdown, groups of one, last seen. */
@@ -608,6 +626,8 @@ char *coord_core_rank_json(coord_core *core, int rank, double now, size_t *len) 
                RPL_PROTO_VERSION, rpl_policy_name(rpl_gg_policy(core->gg)), core->nworkers,
                now - core->start, rank);
   attribution_json(core, &b, now);
+  coord_printf(&b, ",");
+  whatif_json(core, &b);
   coord_printf(&b, ",\"self\":");
   rank_entry(core, &b, rank, now);
   coord_printf(&b, "}");
@@ -695,6 +715,8 @@ char *coord_core_status_json(coord_core *core, double now, size_t *len) {
   config_json(core, &b, &st, now);
   counters_json(core, &b, &st);
   attribution_json(core, &b, now);
+  coord_printf(&b, ",");
+  whatif_json(core, &b);
   coord_printf(&b, ",\"workers\":[");
   int listed = 0;
   for (int i = 0; i < core->nworkers && b.len <= COORD_STATUS_LIMIT; i++, listed++)

@@ -181,12 +181,14 @@ typedef struct {
   int rank;
   char state[16], host[TEXT_MAX];
   double steps_per_s, step_s, busy_s, slowdown, silent_s, handed, singletons, slow_since;
+  double cost_s;                 /* what-if: all-reduce's waiting it caused, -1 unknown */
   int slow, seen;
 } row;
 
 typedef struct {
   char policy[16];
   double nworkers, uptime_s, median, omitted;
+  double gain, waste, saved, cost_s, job_steps; /* "whatif", 0 = unknown */
   int standby, have_median;
   row *rows;
   int nrows, cap;
@@ -198,7 +200,7 @@ static int read_worker(jr *r, row *w, int depth) {
   memset(w, 0, sizeof *w);
   w->rank = -1;
   w->steps_per_s = w->step_s = w->busy_s = w->slowdown = w->slow_since = -1;
-  w->silent_s = -1;
+  w->silent_s = w->cost_s = -1;
   double host = -1, label = -1;
   if (!eat(r, '{')) return 0;
   char key[32];
@@ -220,6 +222,7 @@ static int read_worker(jr *r, row *w, int depth) {
     else if (!strcmp(key, "slow_since_step")) w->slow_since = num_or(&v, -1);
     else if (!strcmp(key, "slow")) w->slow = v.kind == J_TRUE;
     else if (!strcmp(key, "seen")) w->seen = v.kind == J_TRUE;
+    else if (!strcmp(key, "cost_s")) w->cost_s = num_or(&v, -1);
   }
   if (!w->host[0]) /* a coordinator before issue 24: its label, else its host index */
     snprintf(w->host, sizeof w->host, "%.0f", label >= 0 ? label : host >= 0 ? host : 0);
@@ -259,6 +262,21 @@ static int read_doc(jr *r, doc *d) {
           d->have_median = 1;
         }
       if (r->bad) return 0;
+    } else if (v.kind == J_OTHER && !strcmp(key, "whatif")) {
+      if (!eat(r, '{')) return 0;
+      char k2[32];
+      jval v2;
+      int first2 = 1;
+      while (next_member(r, &first2, k2, sizeof k2, &v2, 0, 1)) {
+        double x = num_or(&v2, 0);
+        if (!isfinite(x)) x = 0;
+        if (!strcmp(k2, "gain")) d->gain = x;
+        else if (!strcmp(k2, "waste")) d->waste = x;
+        else if (!strcmp(k2, "saved")) d->saved = x;
+        else if (!strcmp(k2, "cost_s")) d->cost_s = x;
+        else if (!strcmp(k2, "job_steps")) d->job_steps = x;
+      }
+      if (r->bad) return 0;
     } else if (v.kind == J_OTHER) {
       jval skip;
       if (!read_value(r, &skip, 1)) return 0;
@@ -279,10 +297,10 @@ static int read_doc(jr *r, doc *d) {
 
 /* ---- the table ------------------------------------------------------------------------------ */
 
-enum { C_RANK, C_HOST, C_STATE, C_RATE, C_STEP, C_SLOW, C_ONE, C_SEEN, C_NOTE, NCOLS };
-static const char *const HEAD[NCOLS] = {"rank", "host", "state", "steps/s", "step",
-                                        "slowdown", "groups of one", "last seen", ""};
-static const int LEFT[NCOLS] = {0, 1, 1, 0, 0, 0, 0, 0, 1};
+enum { C_RANK, C_HOST, C_STATE, C_RATE, C_STEP, C_SLOW, C_COST, C_ONE, C_SEEN, C_NOTE, NCOLS };
+static const char *const HEAD[NCOLS] = {"rank", "host", "state", "steps/s", "step", "slowdown",
+                                        "of waste", "groups of one", "last seen", ""};
+static const int LEFT[NCOLS] = {0, 1, 1, 0, 0, 0, 0, 0, 0, 1};
 #define CELL 48
 
 static void duration(char *out, double s) {
@@ -292,7 +310,7 @@ static void duration(char *out, double s) {
   else snprintf(out, CELL, "%.0f s", s);
 }
 
-static void cells(const row *w, char c[NCOLS][CELL]) {
+static void cells(const row *w, double cost_total, char c[NCOLS][CELL]) {
   snprintf(c[C_RANK], CELL, "%d", w->rank);
   snprintf(c[C_HOST], CELL, "%.*s", CELL - 1, w->host);
   snprintf(c[C_STATE], CELL, "%s", w->state[0] ? w->state : "?");
@@ -302,6 +320,11 @@ static void cells(const row *w, char c[NCOLS][CELL]) {
   duration(c[C_STEP], w->step_s > 0 ? (w->busy_s > w->step_s ? w->busy_s : w->step_s) : -1);
   if (w->slowdown < 0) snprintf(c[C_SLOW], CELL, "-");
   else snprintf(c[C_SLOW], CELL, "%.1fx", w->slowdown);
+  /* Its share of the waiting all-reduce would have had (the document's whatif.cost_s). */
+  if (w->cost_s >= 0 && cost_total > 0)
+    snprintf(c[C_COST], CELL, "%.0f%%", 100.0 * w->cost_s / cost_total);
+  else
+    snprintf(c[C_COST], CELL, "-");
   if (w->handed > 0)
     snprintf(c[C_ONE], CELL, "%.0f (%.0f%%)", w->singletons, 100.0 * w->singletons / w->handed);
   else
@@ -337,14 +360,14 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
   char c[NCOLS][CELL];
   for (int k = 0; k < NCOLS; k++) width[k] = (int)strlen(HEAD[k]);
   for (int i = 0; i < d.nrows; i++) {
-    cells(&d.rows[i], c);
+    cells(&d.rows[i], d.cost_s, c);
     for (int k = 0; k < NCOLS; k++)
       if ((int)strlen(c[k]) > width[k]) width[k] = (int)strlen(c[k]);
   }
   int line = 0;
   for (int k = 0; k < NCOLS; k++) line += width[k] + 2;
   coord_text t; /* sized for the whole table: it does not grow */
-  if (coord_text_init(&t, (size_t)(d.nrows + 3) * (size_t)(line + 2) + 512) != 0) {
+  if (coord_text_init(&t, (size_t)(d.nrows + 3) * (size_t)(line + 2) + 768) != 0) {
     free(d.rows);
     return rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
   }
@@ -353,10 +376,17 @@ rpl_status rpl_coord_status_table(const char *json, size_t len, char **out, rpl_
   coord_printf(&t, "%s coordinator%s, %.0f workers, median step %s, up %.0f s\n",
                d.policy[0] ? d.policy : "?", d.standby ? " (standby)" : "", d.nworkers, med,
                d.uptime_s);
+  /* What-if (issue 50): known once every worker has a measured step. */
+  if (d.gain > 0)
+    coord_printf(&t,
+                 "what-if over %.0f steps: all-reduce would spend %.0f%% of its time waiting "
+                 "for stragglers (%.2fx the time with nobody waiting); this job took %.0f%% "
+                 "less than all-reduce would\n",
+                 d.job_steps, 100.0 * d.waste, d.gain, 100.0 * d.saved);
   for (int k = 0; k < NCOLS; k++) snprintf(c[k], CELL, "%s", HEAD[k]);
   put_row(&t, c, width);
   for (int i = 0; i < d.nrows; i++) {
-    cells(&d.rows[i], c);
+    cells(&d.rows[i], d.cost_s, c);
     put_row(&t, c, width);
   }
   if (d.omitted > 0)

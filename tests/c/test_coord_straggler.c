@@ -205,6 +205,16 @@ static void test_slow_rank_named_and_recovers(void) {
   const char *row = strstr(table, "\n   3  beta");
   REQUIRE(row && strstr(row, "x  ") && strstr(row, "slow since step"), "table:\n%s", table);
   REQUIRE(strstr(table, "median step 10.0 ms"), "table:\n%s", table);
+  /* What-if (issue 50): the slow rank caused all of all-reduce's waiting, and with nobody
+   * waiting here (groups of one) the job saved all of it. */
+  REQUIRE(strstr(row, "100%") && strstr(table, "what-if over ") &&
+          strstr(table, "this job took "), "table:\n%s", table);
+  const char *wf = strstr(doc, "\"whatif\":{");
+  REQUIRE(wf, "no whatif in the status document: %s", doc);
+  double waste = atof(strstr(wf, "\"waste\":") + 8), saved = atof(strstr(wf, "\"saved\":") + 8);
+  double gain = atof(strstr(wf, "\"gain\":") + 7);
+  CHECK(gain > 1.2 && waste > 0.15 && saved > waste - 0.02 && saved <= waste + 0.02,
+        "whatif: gain %g waste %g saved %g", gain, waste, saved);
   free(table);
   /* Back to the others' pace: one line, not before COORD_SLOW_HOLD_S after the first. */
   double slow_at = t;
