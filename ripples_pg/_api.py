@@ -121,6 +121,12 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
     coordinator's log line says), ``slow_since_step``, ``singletons``, ``handed``), and
     ``attribution_age_s`` (seconds since the coordinator answered). ``None`` (``[]``) until
     the first answer, when the coordinator cannot be reached, and for the static schedule.
+    With them, what the stragglers cost (docs/attribution.md): ``whatif_partial`` (the
+    coordinator's what-if over the partial phases: ``gain``, ``waste``, ``saved``,
+    ``allreduce_s``, ``free_s``, ``elapsed_s``, ``job_steps``, ...; None until every worker
+    has a measured step) and, in each ``slowest`` entry, ``waste_s`` and ``waste_share`` (its
+    share of all-reduce's waiting). The whole job's, exact phases included:
+    ``optimizer.stats()["whatif"]`` of the optimizer ``wrap()`` returns.
     """
     from .attribution import attribution
 

@@ -27,11 +27,13 @@ one at the end of training.
 """
 from __future__ import annotations
 
+import logging
+import time
 import warnings
 import weakref
 from collections import OrderedDict
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -47,9 +49,16 @@ from ._groups import host_group, is_ripples
 from .hooks import RipplesHookState
 from .hooks import register as register_hook
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
+from .whatif import line as whatif_line, log_interval_s as whatif_log_interval_s
 
 if TYPE_CHECKING:
     from .sampler import DistributedSampler
+
+logger = logging.getLogger(__name__)
+
+# The what-if log line asks the coordinator this long before it is due, so that the line has
+# a fresh answer (stats() fetches in the background and never waits).
+WHATIF_PRIME_S = 3.0
 
 __all__ = ["wrap", "RipplesOptimizer", "DEFAULT_WARMUP_STEPS", "DEFAULT_WARMUP_STRAGGLER",
            "WRAP_DEFAULTS"]
@@ -173,6 +182,13 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         self._sampler_seen = 0
         if sampler is not None:
             self.attach_sampler(sampler)
+        # The what-if log line (RIPPLES_WHATIF_LOG_S; a bad value fails here, in wrap()).
+        self._whatif_every = whatif_log_interval_s()
+        self._whatif_next: Optional[float] = None  # monotonic
+        self._whatif_primed = False
+        self._whatif_rank0 = self._whatif_every > 0 and (
+            dist.get_rank(hook_state.process_group) == 0 if hook_state is not None
+            else dist.get_rank() == 0)
 
     def step(self, closure=None):
         """Steps the inner optimizer, then averages (at this step's level) and counts the step
@@ -209,7 +225,29 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         self.job_clock.tick(samples=samples, exact=exact)
         if not exact and self._exact_watch is not None:
             self._exact_watch.step()
+        self._whatif_log()
         return loss
+
+    def _whatif_log(self) -> None:
+        """Every ``RIPPLES_WHATIF_LOG_S`` seconds, rank 0 of the DDP group logs the job's
+        what-if (``ripples_pg.whatif.line``) at INFO on the ``ripples_pg`` logger."""
+        if self._whatif_every <= 0 or not self._whatif_rank0:
+            return
+        now = time.monotonic()
+        if self._whatif_next is None:
+            self._whatif_next = now + self._whatif_every
+        if now < self._whatif_next - WHATIF_PRIME_S:
+            return
+        if not self._whatif_primed:  # starts the coordinator's answer in the background
+            self._whatif_primed = True
+            self.whatif()
+        if now < self._whatif_next:
+            return
+        self._whatif_next = now + self._whatif_every
+        self._whatif_primed = False
+        view = self.whatif()
+        if view is not None:
+            logger.info("%s", whatif_line(view))
 
     # -- the job's progress (docs/progress.md)
     @property
@@ -262,10 +300,39 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
 
     def stats(self) -> dict:
         """``ripples_pg.stats()`` of the group this optimizer runs its partial rounds on
-        (rounds, groups of one, bytes, paths...; see ``ripples_pg.stats``)."""
+        (rounds, groups of one, bytes, paths...; see ``ripples_pg.stats``), and ``whatif``:
+        what the stragglers would have cost this job under all-reduce and what Ripples saved
+        of it so far, exact and partial phases together (:meth:`whatif`)."""
         from ._api import stats
 
-        return stats(self.group)
+        out = stats(self.group)
+        out["whatif"] = self.whatif(out)
+        return out
+
+    def whatif(self, stats: Optional[dict] = None) -> Optional[dict]:
+        """The job's what-if so far (``ripples_pg.whatif.combine``: ``allreduce_s``,
+        ``free_s``, ``elapsed_s``, ``waste``, ``saved``, ``recovered``, ``gain``,
+        ``worst_rank``, ``worst_share``...; docs/attribution.md), or None before anything is
+        measured: the exact phases from the warm-up checks, the partial ones as the
+        coordinator measures them (``stats()["whatif_partial"]``, refreshed in the
+        background; none under the static schedule)."""
+        from ._api import stats as group_stats
+        from .whatif import combine
+
+        if stats is None:
+            try:
+                stats = group_stats(self.group)
+            except (ValueError, RuntimeError):  # not a ripples group, or torch shut down
+                stats = {}
+        exact = getattr(self.averager, "whatif_exact", None)
+        costs: Dict[int, float] = {}
+        if exact is not None:
+            for r, c in enumerate(exact.cost):
+                costs[r] = costs.get(r, 0.0) + c
+        for e in stats.get("slowest") or []:
+            if isinstance(e.get("rank"), int) and e.get("waste_s"):
+                costs[e["rank"]] = costs.get(e["rank"], 0.0) + e["waste_s"]
+        return combine(exact, stats.get("whatif_partial"), costs)
 
     def average_replicas(self) -> None:
         """Makes every replica the same model: an exact average, over the DDP group, of the

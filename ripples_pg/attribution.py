@@ -18,6 +18,7 @@ aborts the process: "terminate called without an active exception".)
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from typing import Any, Dict, Optional, Tuple
@@ -37,15 +38,19 @@ def refresh_interval(nworkers: int) -> float:
 def unknown() -> Dict[str, Any]:
     """The attribution keys of ``stats()`` before anything is known."""
     return {"step_s": None, "slowdown": None, "median_step_s": None, "slowest": [],
-            "attribution_age_s": None}
+            "attribution_age_s": None, "whatif_partial": None}
 
 
 def _positive(v: Any) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
-def _rank_entry(e: dict) -> dict:
+def _rank_entry(e: dict, cost_total: float) -> dict:
+    cost = e.get("cost_s")
+    share = cost / cost_total if isinstance(cost, (int, float)) and cost_total > 0 else None
     return {"rank": e.get("rank"), "host": e.get("host_name"), "state": e.get("state"),
+            "waste_s": float(cost) if isinstance(cost, (int, float)) else None,
+            "waste_share": share,
             "steps": e.get("requests"),
             "step_s": _positive(e.get("step_s")), "slowdown": _positive(e.get("slowdown")),
             "steps_per_s": _positive(e.get("steps_per_s")), "slow": bool(e.get("slow")),
@@ -57,10 +62,29 @@ def summary_of(doc: dict) -> Dict[str, Any]:
     """The ``stats()`` keys from a rank's summary document (PROTOCOL.md, "Status document")."""
     me = doc.get("self") or {}
     attr = doc.get("attribution") or {}
+    wf = whatif_of(doc.get("whatif"))
+    cost_total = wf["cost_s"] if wf else 0.0
     return {"step_s": _positive(me.get("step_s")), "slowdown": _positive(me.get("slowdown")),
             "median_step_s": _positive(attr.get("median_step_s")),
-            "slowest": [_rank_entry(e) for e in attr.get("slowest") or []
-                        if isinstance(e, dict)]}
+            "slowest": [_rank_entry(e, cost_total) for e in attr.get("slowest") or []
+                        if isinstance(e, dict)],
+            "whatif_partial": wf}
+
+
+WHATIF_KEYS = ("steps", "job_steps", "allreduce_step_s", "free_step_s", "gain", "waste",
+               "allreduce_s", "free_s", "elapsed_s", "saved", "cost_s")
+
+
+def whatif_of(d: Any) -> Optional[Dict[str, float]]:
+    """The coordinator's ``whatif`` object (PROTOCOL.md), or None before every worker has a
+    measured step (its gain is 0 then) or from a coordinator without one."""
+    if not isinstance(d, dict) or not isinstance(d.get("gain"), (int, float)) or d["gain"] <= 0:
+        return None
+    out = {}
+    for k in WHATIF_KEYS:
+        v = d.get(k)
+        out[k] = float(v) if isinstance(v, (int, float)) and math.isfinite(v) else 0.0
+    return out
 
 
 class _View:
@@ -114,6 +138,8 @@ def attribution(backend: Any) -> Dict[str, Any]:
         if view.summary is not None:
             out.update(view.summary)
             out["slowest"] = [dict(e) for e in view.summary["slowest"]]
+            if view.summary["whatif_partial"] is not None:
+                out["whatif_partial"] = dict(view.summary["whatif_partial"])
             out["attribution_age_s"] = now - view.at
     if start:
         try:

@@ -99,6 +99,7 @@ from ._args import check_bool, check_int, check_state_keys, check_warmup_straggl
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
 from ._schedstat import SchedClock
 from .overlap import OverlappedRound
+from .whatif import ExactPart
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
 
@@ -439,6 +440,7 @@ class RipplesAverager(ModelAverager):
         self._warm_hits = 0
         self.warmup_ended_early: Optional[int] = None
         self.warmup_gain: Optional[float] = None  # the last check's gain
+        self.whatif_exact = ExactPart()  # what waiting cost the exact steps (ripples_pg.whatif)
         self.levels = parse_levels(levels)
         self._periods = list(self.levels)
         kinds = set(self.levels.values())
@@ -685,6 +687,7 @@ class RipplesAverager(ModelAverager):
             return
         gain, excess, slow = straggler_gain(times)
         self.warmup_gain = gain
+        self.whatif_exact.add(times)
         # Workers waiting for cores (more CPU-bound workers than the host has): the steps'
         # differences are mostly that competition, which averaging partially cannot remove --
         # it adds no cores -- so only a clear straggler counts then.
@@ -706,6 +709,7 @@ class RipplesAverager(ModelAverager):
                        "%d%s and partial averaging starts", ranks[slow], gain, end, bound)
         self.warmup_ended_early = end
         self._set_warmup_end(end)
+        self.whatif_exact.restart_clock()
 
     def _take_hook_windows(self) -> None:
         """The waiting windows a C++ comm hook (``ripples_pg.hooks.register``) recorded in this

@@ -337,6 +337,11 @@ class RipplesTrainerMixin:
             logs["ripples_rounds"] = s.get("rounds", 0)
             logs["ripples_groups_of_one"] = s.get("singletons", 0)
             logs["ripples_own_steps"] = opt.averager.step
+            wf = s.get("whatif")  # what the stragglers cost all-reduce, what was saved
+            if wf is not None:
+                for k in ("waste", "saved", "recovered"):
+                    if wf[k] is not None:
+                        logs[f"ripples_whatif_{k}"] = wf[k]
         return super().log(logs, *args, **kwargs)
 
     # -- wrapping, when training begins

@@ -755,6 +755,12 @@ class RipplesStrategy(DDPStrategy):
             m["ripples/slowest_rank"] = float(slow[0]["rank"])
             if slow[0].get("slowdown"):
                 m["ripples/slowest_slowdown"] = float(slow[0]["slowdown"])
+        # what the stragglers cost all-reduce, and what was saved (docs/attribution.md)
+        wf = self._ropt.whatif(st)
+        if wf is not None:
+            for k in ("waste", "saved", "recovered"):
+                if wf[k] is not None:
+                    m[f"ripples/whatif_{k}"] = float(wf[k])
         self._log_metrics(m)
 
     # -- the exact average (checkpoints, end of fit)

@@ -396,6 +396,7 @@ def test_straggler_fast_ranks_run_more_steps_and_end_averaged(tmp_path):
         header = f.readline()
     assert "ripples/rounds" in header and "ripples/singletons" in header, header
     assert "ripples/consensus" in header, header
+    assert "ripples/whatif_waste" in header and "ripples/whatif_saved" in header, header
     # Partial training (every step after warm-up: a local update, then a partial round). The
     # fast ranks had some (they ran at least twice the straggler's steps, and every rank ran
     # all of warm-up); the straggler too unless its clock ran out at the end of warm-up.
