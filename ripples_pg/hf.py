@@ -69,6 +69,8 @@ if not hasattr(Trainer, "set_initial_training_values"):  # pragma: no cover - ol
     raise ImportError(f"ripples_pg.hf needs transformers >= 4.57 (found "
                       f"{transformers.__version__}; tested with 5.24)")
 
+from .whatif import metrics as whatif_metrics  # noqa: E402
+
 __all__ = ["RipplesTrainer", "RipplesTrainerMixin"]
 
 _AVERAGE_BEFORE = ("evaluate", "save")
@@ -337,11 +339,8 @@ class RipplesTrainerMixin:
             logs["ripples_rounds"] = s.get("rounds", 0)
             logs["ripples_groups_of_one"] = s.get("singletons", 0)
             logs["ripples_own_steps"] = opt.averager.step
-            wf = s.get("whatif")  # what the stragglers cost all-reduce, what was saved
-            if wf is not None:
-                for k in ("waste", "saved", "recovered"):
-                    if wf[k] is not None:
-                        logs[f"ripples_whatif_{k}"] = wf[k]
+            # what the stragglers cost all-reduce, and what was saved
+            logs.update(whatif_metrics(s.get("whatif"), "ripples_"))
         return super().log(logs, *args, **kwargs)
 
     # -- wrapping, when training begins

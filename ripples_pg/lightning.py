@@ -71,6 +71,7 @@ from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, STRATEGY_OWN
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import RipplesOptimizer, wrap  # noqa: E402
 from .averager import parse_levels  # noqa: E402
+from .whatif import metrics as whatif_metrics  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
 
@@ -756,11 +757,7 @@ class RipplesStrategy(DDPStrategy):
             if slow[0].get("slowdown"):
                 m["ripples/slowest_slowdown"] = float(slow[0]["slowdown"])
         # what the stragglers cost all-reduce, and what was saved (docs/attribution.md)
-        wf = self._ropt.whatif(st)
-        if wf is not None:
-            for k in ("waste", "saved", "recovered"):
-                if wf[k] is not None:
-                    m[f"ripples/whatif_{k}"] = float(wf[k])
+        m.update(whatif_metrics(self._ropt.whatif(st), "ripples/"))
         self._log_metrics(m)
 
     # -- the exact average (checkpoints, end of fit)

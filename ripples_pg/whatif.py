@@ -127,6 +127,15 @@ def combine(exact: Optional[ExactPart], partial: Optional[Dict[str, float]],
             "worst_rank": worst_rank, "worst_share": worst_share}
 
 
+def metrics(view: Optional[Dict[str, Any]], prefix: str) -> Dict[str, float]:
+    """The view's ``waste``, ``saved`` and ``recovered`` as logger metrics named
+    ``PREFIX + "whatif_" + key`` (the Lightning strategy's and the HF Trainer's), those known."""
+    if view is None:
+        return {}
+    return {f"{prefix}whatif_{k}": float(view[k]) for k in ("waste", "saved", "recovered")
+            if view[k] is not None}
+
+
 def _secs(x: float) -> str:
     return f"{x:.1f} s" if x < 10 else f"{x:.0f} s"
 

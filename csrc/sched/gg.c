@@ -479,8 +479,8 @@ rpl_status rpl_gg_request(rpl_gg *gg, int w, uint64_t round, rpl_error *err) {
       double dt = gg->now - me->free_at;
       /* Up fast, down slowly: a straggler's first slow step counts at once (5x: 2.3x the
        * bulk), while a single noisy step of 2-3x moves the average less than GG_BEHIND. */
-      double gain = dt > me->comp ? 1.0 / 3 : 1.0 / 8;
-      me->comp = me->comp > 0 ? me->comp + (dt - me->comp) * gain : dt;
+      double weight = dt > me->comp ? 1.0 / 3 : 1.0 / 8;
+      me->comp = me->comp > 0 ? me->comp + (dt - me->comp) * weight : dt;
       rpl_whatif_step(gg->whatif, w, dt, gg->now);
     }
   }
