@@ -248,6 +248,9 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         view = self.whatif()
         if view is not None:
             logger.info("%s", whatif_line(view))
+            log = getattr(self.averager, "step_log", None)
+            if log is not None:  # the online view beside the steps, for ripples_pg.report
+                log.write({"event": "whatif", "t": time.time(), **view})
 
     # -- the job's progress (docs/progress.md)
     @property

@@ -99,7 +99,7 @@ from ._args import check_bool, check_int, check_state_keys, check_warmup_straggl
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
 from ._schedstat import SchedClock
 from .overlap import OverlappedRound
-from .whatif import ExactPart
+from .whatif import ExactPart, StepLog
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
 
@@ -441,6 +441,7 @@ class RipplesAverager(ModelAverager):
         self.warmup_ended_early: Optional[int] = None
         self.warmup_gain: Optional[float] = None  # the last check's gain
         self.whatif_exact = ExactPart()  # what waiting cost the exact steps (ripples_pg.whatif)
+        self._last_compute: Optional[float] = None  # the last warm-up-timed step's compute
         self.levels = parse_levels(levels)
         self._periods = list(self.levels)
         kinds = set(self.levels.values())
@@ -468,6 +469,9 @@ class RipplesAverager(ModelAverager):
         self.optimizer = optimizer
         self.average_optimizer_state = average_optimizer_state
         self.world_group = world_group if world_group is not None else self.process_group
+        # RIPPLES_WHATIF_DIR: one line per step for `python -m ripples_pg.report`
+        self.step_log = StepLog.from_env(dist.get_rank(),
+                                         dist.get_world_size(self.world_group))
         self.host_group = None
         if "host" in kinds:
             self.host_group = host_group if host_group is not None else \
@@ -597,8 +601,11 @@ class RipplesAverager(ModelAverager):
         """Averages ``params`` (parameters or optimizer param groups) at this step's level,
         then advances ``step``. With ``overlap``, first applies the round in flight, and a
         ``"partial"`` level starts its round in the background."""
+        t_start, prev_end = time.perf_counter(), self._warm_end
+        self._last_compute = None
         if self.warmup_straggler and self.step < self.warmup_steps and not self.detached:
             self._warmup_check()
+        partial = self.step >= self.warmup_steps and not self.detached
         level = self.level_at(self.step)
         self.last_level = level
         packed = None
@@ -608,8 +615,14 @@ class RipplesAverager(ModelAverager):
         if level is not None:
             self._average(params, level, packed)
             self.counts[level] += 1
+        step = self.step
         self.step += 1
         self._warm_restart()
+        if self.step_log is not None and prev_end is not None:
+            # a partial step's compute: from the last step's end to this averaging (the
+            # rounds are in average_parameters); an exact one's only where the warm-up timed it
+            compute = self._last_compute if not partial else max(1e-6, t_start - prev_end)
+            self.step_log.step(step, self._warm_end - prev_end, compute, partial)
 
     # -- warm-up exit (warmup_straggler)
     def _warm_timing(self) -> bool:
@@ -735,6 +748,7 @@ class RipplesAverager(ModelAverager):
             cpu_wait = max(0.0, rq - self._warm_rq - inside)
         compute = max(1e-6, now - self._warm_end - wait - cpu_wait)
         self._warm_times.append(compute)
+        self._last_compute = compute
         cpu = self._sched.ran()
         ran = cpu - self._warm_cpu if cpu is not None and self._warm_cpu is not None else 0.0
         # (waited for a core, ran on a core, the step outside the collectives' windows); the

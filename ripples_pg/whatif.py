@@ -19,10 +19,11 @@ a real all-reduce, and ``waste`` what a perfectly overlapped all-reduce would lo
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 # Seconds between the log lines of RipplesOptimizer (0: none); RIPPLES_WHATIF_LOG_S overrides.
 DEFAULT_LOG_INTERVAL_S = 300.0
@@ -43,6 +44,68 @@ def log_interval_s() -> float:
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"ripples_pg: RIPPLES_WHATIF_LOG_S={raw!r} must be >= 0 seconds")
     return v
+
+
+def step_log_dir() -> Optional[str]:
+    """``RIPPLES_WHATIF_DIR``: where each worker writes its step log (None: no log)."""
+    raw = os.environ.get("RIPPLES_WHATIF_DIR", "").strip()
+    return raw or None
+
+
+class StepLog:
+    """One worker's step log, ``DIR/ripples-rank<R>.jsonl`` (``RIPPLES_WHATIF_DIR``), that
+    ``python -m ripples_pg.report DIR`` reads. One JSON object per line:
+
+    * ``{"event": "start", "rank", "world", "t", "pid"}`` once;
+    * ``{"event": "step", "rank", "step", "t", "wall", "compute", "partial"}`` per optimizer
+      step: ``t`` the wall clock (``time.time()``) at its end, ``wall`` its length (from the
+      previous step's end), ``compute`` its compute in seconds (its time less its waits;
+      null where not measured: exact steps outside the warm-up checks), ``partial`` whether
+      it ran in a partial phase;
+    * ``{"event": "whatif", "t", ...}`` rank 0's online view (:func:`combine`) each time the
+      log line is due.
+
+    Each line is written as it comes (a process that ends with ``os._exit``, as torchrun's
+    workers may, loses none): a few microseconds a step."""
+
+    def __init__(self, directory: str, rank: int, world: int) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"ripples-rank{rank}.jsonl")
+        self.rank = rank
+        # a restarted worker appends: the report reads the last run of each rank's steps
+        self._f: Optional[TextIO] = open(self.path, "a", buffering=1)  # a line at a time
+        self.write({"event": "start", "rank": rank, "world": world, "t": time.time(),
+                    "pid": os.getpid()})
+
+    @classmethod
+    def from_env(cls, rank: int, world: int) -> Optional["StepLog"]:
+        d = step_log_dir()
+        if d is None:
+            return None
+        try:
+            return cls(d, rank, world)
+        except OSError as e:
+            raise RuntimeError(f"ripples_pg: RIPPLES_WHATIF_DIR={d!r}: cannot write the step "
+                               f"log there ({e})") from None
+
+    def write(self, rec: Dict[str, Any]) -> None:
+        if self._f is None:
+            return
+        self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    def step(self, step: int, wall: float, compute: Optional[float], partial: bool) -> None:
+        if self._f is None:
+            return
+        # formatted by hand: json.dumps is most of the cost of a line
+        c = "null" if compute is None else f"{compute:.7f}"
+        self._f.write(f'{{"event":"step","rank":{self.rank},"step":{step},'
+                      f'"t":{time.time():.6f},"wall":{wall:.7f},"compute":{c},'
+                      f'"partial":{"true" if partial else "false"}}}\n')
+
+    def close(self) -> None:
+        f, self._f = self._f, None
+        if f is not None:
+            f.close()
 
 
 class ExactPart:

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ripples_pg import whatif
+from ripples_pg import report, whatif
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
@@ -97,10 +97,12 @@ class _Keep(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def task_job(ctx, slow_rank, steps):
+def task_job(ctx, slow_rank, steps, log_dir=None):
     import ripples_pg
 
     os.environ["RIPPLES_WHATIF_LOG_S"] = "0.5"
+    if log_dir is not None:
+        os.environ["RIPPLES_WHATIF_DIR"] = log_dir
     keep = _Keep()
     log = logging.getLogger("ripples_pg._wrap")
     log.addHandler(keep)
@@ -114,7 +116,9 @@ def task_job(ctx, slow_rank, steps):
         wrapped = ripples_pg.wrap(model, opt, warmup_straggler=1.5)
         assert wrapped.whatif() is None  # nothing measured: no view, no division by zero
         g = torch.Generator().manual_seed(ctx.rank)
-        for _ in range(steps):
+        # the job's budget in job steps (docs/progress.md): the fast workers do more steps
+        # than the straggler, so the job ends sooner than all-reduce would
+        while wrapped.job_step < steps:
             wrapped.zero_grad()
             model(torch.randn(8, 16, generator=g)).square().mean().backward()
             wrapped.step()
@@ -129,15 +133,18 @@ def task_job(ctx, slow_rank, steps):
             if slow_rank < 0 or (view and view["partial_steps"] > 0):
                 break
         ended = wrapped.averager.warmup_ended_early
+        if wrapped.averager.step_log is not None:
+            wrapped.averager.step_log.close()
         wrapped.unwrap()
         return {"view": view, "ended": ended, "lines": keep.lines}
     finally:
         log.removeHandler(keep)
         os.environ.pop("RIPPLES_WHATIF_LOG_S", None)
+        os.environ.pop("RIPPLES_WHATIF_DIR", None)
 
 
-def test_a_straggler_is_costed_and_what_was_saved_reported(pool):
-    res = pool.run(task_job, 3, 80)
+def test_a_straggler_is_costed_and_what_was_saved_reported(pool, tmp_path):
+    res = pool.run(task_job, 3, 80, str(tmp_path))
     v = res[0]["view"]
     assert res[0]["ended"] is not None, res[0]  # partial averaging ran
     assert v is not None and v["partial_steps"] > 0 and v["exact_steps"] > 0, v
@@ -149,6 +156,19 @@ def test_a_straggler_is_costed_and_what_was_saved_reported(pool):
                and "rank 3 accounts for" in line for line in res[0]["lines"]), res[0]["lines"]
     for r in range(1, WS):
         assert res[r]["lines"] == [], res[r]  # rank 0 alone logs it
+    # the step logs it left: the report finds the same job as the live view
+    run = report.Run(str(tmp_path))
+    assert sorted(run.steps) == list(range(WS)) and run.world == WS
+    assert len(run.online) >= 1  # the log line's views were written beside the steps
+    rv, per = report.account(run)
+    assert rv["partial_steps"] > 0 and rv["exact_steps"] > 0, rv
+    assert 0.4 < rv["waste"] < 0.95 and rv["saved"] > 0.1, rv
+    assert rv["worst_rank"] == 3 and rv["worst_share"] > 0.8, (rv, per)
+    assert abs(rv["waste"] - v["waste"]) < 0.15, (rv, v)
+    assert per[3]["mean_compute"] > 2 * per[0]["mean_compute"], per
+    png = tmp_path / "out.png"
+    assert report.main([str(tmp_path), "--png", str(png)]) == 0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_even_workers_waste_little_and_save_nothing(pool):
@@ -161,3 +181,55 @@ def test_even_workers_waste_little_and_save_nothing(pool):
         # jitter of 10 ms sleeps on a loaded machine (a gain under 1.5 as test_warmup allows)
         assert v["saved"] == 0 and v["waste"] < 1 / 3, v
         assert all("the job has run exact so far" in line for line in r["lines"]), r
+
+
+def _write_log(path, rank, world, steps, extra=""):
+    """A step log as StepLog writes it: ``steps`` (compute, partial) at a fixed pace."""
+    import json
+    with open(path, "w") as f:
+        f.write(json.dumps({"event": "start", "rank": rank, "world": world, "t": 0.0}) + "\n")
+        t = 100.0
+        for i, (c, partial) in enumerate(steps):
+            t += c
+            f.write(json.dumps({"event": "step", "rank": rank, "step": i, "t": t, "wall": c,
+                                "compute": c, "partial": partial}) + "\n")
+        f.write(extra)
+
+
+@pytest.mark.parametrize("name", ["bytedance-se", "alibaba-job4"])
+def test_report_is_the_traces_ideal(tmp_path, name):
+    """Partial steps whose computes are a trace's factors: the report's all-reduce time over
+    its nobody-waiting time is the trace's ideal, and its waste charged as the trace's."""
+    workers = 4
+    f = trace_replay.factors(name, workers)[:300]
+    for w in range(workers):
+        _write_log(tmp_path / f"ripples-rank{w}.jsonl", w, workers,
+                   [(row[w], True) for row in f])
+    view, per = report.account(report.Run(str(tmp_path)))
+    assert view["gain"] == pytest.approx(trace_replay.ideal_speedup(f), rel=1e-12)
+    lead = sum(sorted(r)[-1] - sorted(r)[-2] for r in f)
+    assert sum(p["cost_s"] for p in per.values()) == pytest.approx(lead, rel=1e-12)
+    assert view["partial_steps"] == len(f) and view["exact_steps"] == 0
+
+
+def test_report_edge_cases(tmp_path, capsys):
+    # no logs: a clear message and exit status 2, never a traceback
+    assert report.main([str(tmp_path), "--no-png"]) == 2
+    assert "RIPPLES_WHATIF_DIR" in capsys.readouterr().err
+    # even workers in exact steps: no waste, nothing saved, no division by zero
+    for w in range(2):
+        _write_log(tmp_path / f"ripples-rank{w}.jsonl", w, 3, [(0.01, False)] * 20,
+                   extra='{"event": "step", "rank": 0, "st')  # a crash's cut line
+    run = report.Run(str(tmp_path))
+    assert run.skipped_lines == 2
+    view, _ = report.account(run)
+    assert view["waste"] == pytest.approx(0.0, abs=1e-9) and view["saved"] == 0, view
+    assert view["recovered"] is None and view["worst_rank"] is None, view
+    text = report.table(run)
+    assert "logs of 2 of 3 workers" in text and "the job has run exact so far" in text, text
+    assert report.account(run, until=50.0) == (None, {})  # before the first step: nothing
+    # a restarted worker appended a new run: the last one is read
+    _write_log(tmp_path / "ripples-rank0.jsonl", 0, 2, [(0.02, True)] * 5)
+    with open(tmp_path / "ripples-rank0.jsonl", "a") as f:
+        f.write('{"event": "start", "rank": 0, "world": 2, "t": 1.0}\n')
+    assert report.Run(str(tmp_path)).earlier_starts == 1
