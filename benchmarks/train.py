@@ -294,7 +294,8 @@ def end_session(proc) -> None:
             continue
 
 
-def launch(args, train_args: list, out_path: str, err_path: str, timeout: float):
+def launch(args, train_args: list, out_path: str, err_path: str, timeout: float,
+           whatif_dir: str | None = None):
     """Runs digits_worker.py with ``train_args`` under torchrun, in its own session (so that a
     timeout kills torchrun and its workers together); returns (exit status or None if killed, wall seconds). With test hosts,
     one torchrun per host (node 0's output in out_path, node i's in out_path + ".node<i>");
@@ -303,6 +304,8 @@ def launch(args, train_args: list, out_path: str, err_path: str, timeout: float)
     # a strategy without --compression means uncompressed rounds, whatever the caller's
     # environment says (the compressed ones name it on their command line)
     env.pop("RIPPLES_COMPRESSION", None)
+    if whatif_dir is not None:  # wrap()'s step logs, for the what-if (ripples_pg.report)
+        env.update(RIPPLES_WHATIF_DIR=whatif_dir, RIPPLES_WHATIF_LOG_S="5")
     t0 = time.perf_counter()
     nodes = args.test_hosts or 1
     if args.hosts is not None:
@@ -389,10 +392,11 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
     os.makedirs(rank_dir, exist_ok=True)
     out_path, err_path = rank_dir + ".out", rank_dir + ".err"
     for r in range(args.workers):
-        try:
-            os.remove(os.path.join(rank_dir, f"rank{r}.jsonl"))
-        except OSError:
-            pass
+        for name in (f"rank{r}.jsonl", f"ripples-rank{r}.jsonl"):
+            try:
+                os.remove(os.path.join(rank_dir, name))
+            except OSError:
+                pass
     spec = straggler_spec(scenario, args.workers)
     pause_ms = scenario_parts(scenario)[1]
     # the delay unit: the normal step time of synchronous DDP; in a short-step scenario the
@@ -431,7 +435,7 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
            "trace_stretch": "step" if spec and spec.startswith("trace:") else None,
            "step_s": calib["step_s"], "cmd": torchrun(args) + train_args, "stdout": out_path,
            "stderr": err_path, "rank_logs": rank_dir}
-    rc, wall = launch(args, train_args, out_path, err_path, cfg["run_timeout"])
+    rc, wall = launch(args, train_args, out_path, err_path, cfg["run_timeout"], rank_dir)
     res["launch_s"] = round(wall, 2)
     if rc is None:
         res["error"] = f"timed out after {cfg['run_timeout']:.0f} s (killed)"
@@ -445,11 +449,23 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
     if spec == "tokens":
         res["factors"] = {r: [e["factor"] for e in recs] for r, recs in
                           read_rank_logs(rank_dir, args.workers, "step", ("factor",)).items()}
+    res["whatif"] = whatif_of(rank_dir)
     if "error" in res:
         log(f"FAILED {workload}/{scenario}/{strategy}#{repeat}: {res['error']}; log tail:")
         sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")
         sys.stderr.flush()
     return res
+
+
+def whatif_of(rank_dir: str):
+    """The run's what-if from wrap()'s step logs (ripples_pg.report; docs/attribution.md),
+    None where it left none (the strategies that do not wrap)."""
+    from ripples_pg import report
+    try:
+        view, _ = report.account(report.Run(rank_dir))
+    except (OSError, ValueError):
+        return None
+    return view
 
 
 SNAPSHOT_FIELDS = ("step", "time", "loss", "acc", "test_loss", "batch_loss", "consensus",

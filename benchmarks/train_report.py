@@ -281,7 +281,35 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     m["warmup_steps"] = fin.get("warmup_steps")  # the number wrap() chose, with 'wrap'
     m.update(round_costs(fin))
     m["outer_every"] = fin.get("outer_every")
+    wi = res.get("whatif") or {}  # wrap()'s step logs through ripples_pg.report
+    for k in ("waste", "saved", "recovered"):
+        m[f"whatif_{k}"] = wi.get(k)
+    m["free_step_s"] = fixed_free_step(res)
     return m
+
+
+def fixed_free_step(res: dict):
+    """A fixed straggler's job step with nobody waiting, from the scenario's own numbers: the
+    fast workers compute C (the calibration's), the straggler C + (F - 1) x the delay unit;
+    the job's step is the harmonic mean of theirs. None for other scenarios."""
+    slow, spec = fixed_straggler(res.get("straggler")), res.get("straggler") or ""
+    cmd, c, n = res.get("cmd") or [], res.get("compute_s"), res.get("workers")
+    if slow is None or not c or not n or "--step-s" not in cmd:
+        return None
+    unit, factor = float(cmd[cmd.index("--step-s") + 1]), float(spec.split(":")[1])
+    return n / ((n - 1) / c + 1 / (c + (factor - 1) * unit))
+
+
+def measured_recovered(cell, ddp):
+    """The benchmark's own share of the waste recovered, to set beside the what-if's: time
+    saved for the same work, 1 - DDP's job steps/s over the strategy's, over the waste of
+    DDP's measured step against the scenario's nobody-waiting step (fixed_free_step)."""
+    rate, rate_ddp = median(cell, "job_steps_per_s"), median(ddp, "job_steps_per_s")
+    free = median(cell, "free_step_s")
+    if not rate or not rate_ddp or not free:
+        return None
+    waste = 1.0 - free * rate_ddp
+    return (1.0 - rate_ddp / rate) / waste if waste > 0.02 else None
 
 
 # ----------------------------------------------------------------------------- repeats
@@ -297,7 +325,8 @@ VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consens
               "singleton_share_fast_max", "singleton_share_slow", "warmup_steps",
               "bytes_per_round", "round_s", "outer_every", "steps_to_loss_r0", "steps_max",
               "job_steps_to_loss_avg", "job_steps_per_s", "doc_ideal", "doc_ideal_c",
-              "compute_s", "trace_whole_step")
+              "compute_s", "trace_whole_step", "whatif_waste", "whatif_saved",
+              "whatif_recovered", "free_step_s")
 
 
 def spread(values, missing_is_late: bool):
@@ -416,6 +445,17 @@ def fmt_consensus(cell) -> str:
     return out if hi is None else f"{out} ({hi:.2g})"
 
 
+def fmt_whatif(cell, ddp) -> str:
+    """The what-if of wrap()'s step logs (medians): waste / recovered, and beside it the
+    benchmark's measured share (measured_recovered) where the scenario gives one."""
+    waste, rec = median(cell, "whatif_waste"), median(cell, "whatif_recovered")
+    if waste is None:
+        return ""
+    text = f"{100 * waste:.0f} % / {'-' if rec is None else f'{100 * rec:.0f} %'}"
+    meas = measured_recovered(cell, ddp) if ddp is not None and finished(ddp) else None
+    return text + ("" if meas is None else f" ({100 * meas:.0f} %)")
+
+
 def md_table(head, body) -> list[str]:
     w = [max(len(str(row[i])) for row in body + [head]) for i in range(len(head))]
     return (["| " + " | ".join(str(h).ljust(w[i]) for i, h in enumerate(head)) + " |",
@@ -455,7 +495,7 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
     head += ["steps/s per worker (rank 0..)", "comm+wait % (rank 0)",
              "groups of one % (max / mean)", "longest run of ones", "passed %",
              "consensus end (max over time)", "MB / round", "round ms", "final acc",
-             "final test loss", "launch s"]
+             "final test loss", "launch s", "what-if: waste / recovered (measured)"]
     body = []
     for st in plan["strategies"]:
         c = cells.get((wl, sc, st))
@@ -479,7 +519,7 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
                 fmt_spread(c.get("passed_share_mean"), ".0f", 100), fmt_consensus(c),
                 fmt_bytes(c), fmt_round_ms(c),
                 fmt_spread(c["final_acc"], ".3f"), fmt_spread(c["final_loss"], ".3f"),
-                fmt(median(c, "launch_s"), ".0f")]
+                fmt(median(c, "launch_s"), ".0f"), fmt_whatif(c, base.get("exact"))]
         body.append(row)
     return md_table(head, body)
 
@@ -885,9 +925,32 @@ def report(args, out: dict) -> list[str]:
             except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
                 log(f"plot for {wl}/{sc} failed: {e!r}")
                 md += ["", f"(plot failed: {e!r})", ""]
+            md += whatif_plots(args, wl, sc, runs)
     md.append(f"Total benchmark time {out['total_s']:.0f} s.")
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("\n".join(md) + "\n")
+    return md
+
+
+def whatif_plots(args, wl: str, sc: str, runs: list) -> list[str]:
+    """Per strategy with step logs, its first run's what-if picture (``python -m
+    ripples_pg.report``), as markdown lines."""
+    from ripples_pg import report as whatif_report
+    md, seen = [], set()
+    for r in sorted(runs, key=lambda r: r.get("repeat", 0)):
+        st, d = r["strategy"], r.get("rank_logs")
+        if st in seen or not r.get("whatif") or not d or not os.path.isdir(d):
+            continue
+        seen.add(st)
+        png = f"{wl}_{file_part(sc)}_{st}_whatif.png"
+        try:
+            whatif_report.plot(whatif_report.Run(d), os.path.join(args.out, png))
+        except Exception as e:  # noqa: BLE001 - the numbers matter more than the plot
+            log(f"what-if plot for {wl}/{sc}/{st} failed: {e!r}")
+            continue
+        rel = os.path.relpath(d, REPO)
+        md += [f"What-if of {st}, run {r.get('repeat', 0)} (`python -m ripples_pg.report "
+               f"{rel}`):", "", f"![{wl} {sc} {st} what-if]({png})", ""]
     return md
 
 

@@ -472,6 +472,34 @@ def test_bench_train_quick(tmp_path):
         assert col in md, col
     for wl in plan:
         assert glob.glob(str(tmp_path / f"{wl}_slow5.png")), wl
+    # wrap()'s step logs give each wrapped run its what-if, its column and its picture
+    for r in res["results"]:
+        if r["strategy"] == "default":
+            w = r["whatif"]
+            assert w is not None and 0.0 <= w["waste"] <= 1.0, (r["workload"], w)
+            assert w["exact_steps"] + w["partial_steps"] > 0, w
+        elif r["strategy"] in ("gloo", "exact"):
+            assert r["whatif"] is None, r["whatif"]  # no wrap(), no step log
+    assert "what-if: waste / recovered (measured)" in md
+    assert glob.glob(str(tmp_path / "digits_slow5_default_whatif.png"))
+
+
+def test_measured_recovered_share_of_a_fixed_straggler():
+    """The benchmark's own share beside the what-if: a 5x straggler among 4 workers whose
+    compute is the whole step wastes 3/4 of all-reduce's time; a strategy at the free pace
+    recovers all of it, one at half DDP's time 2/3 of it."""
+    import train_report as tr
+    res = {"straggler": "3:5", "compute_s": 0.01, "workers": 4,
+           "cmd": ["x", "--step-s", "0.01"]}
+    free = tr.fixed_free_step(res)
+    assert free == pytest.approx(4 / (3 / 0.01 + 1 / 0.05))  # harmonic mean: 0.0125
+    ddp = {"n": 1, "job_steps_per_s": {"median": 1 / 0.05}}
+    assert tr.measured_recovered({"job_steps_per_s": {"median": 1 / free},
+                                  "free_step_s": {"median": free}}, ddp) == pytest.approx(1.0)
+    assert tr.measured_recovered({"job_steps_per_s": {"median": 2 / 0.05},
+                                  "free_step_s": {"median": free}}, ddp) == \
+        pytest.approx(0.5 / 0.75)
+    assert tr.fixed_free_step(dict(res, straggler="p0.25:5")) is None  # not one fixed rank
 
 
 def _run_bench(cmd, env, out_dir):
