@@ -15,9 +15,17 @@ worker's epochs are the job's epochs.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 __all__ = ["JobLRScheduler", "follow_job"]
+
+logger = logging.getLogger(__name__)
+
+# Scheduler steps one step() call takes at most: a job step that leaps (a forged store
+# counter, a checkpoint loaded into the optimizer alone) is caught up over later calls, never
+# in one unbounded loop (about 50 ms of scheduler steps).
+MAX_STEPS_PER_CALL = 10_000
 
 
 class JobLRScheduler:
@@ -62,6 +70,7 @@ class JobLRScheduler:
         # the job step) continues where both were saved.
         self._job_base = int(optimizer.job_step)
         self._sched_base = int(scheduler.last_epoch)
+        self._warned_leap = False
 
     def step(self) -> None:
         """Steps the scheduler once per job step taken since the last call (none if the job
@@ -70,6 +79,13 @@ class JobLRScheduler:
             (self.job_optimizer.job_step - self._job_base) // self.every
         if self.max_steps is not None:
             target = min(target, self.max_steps)
+        if target - self.scheduler.last_epoch > MAX_STEPS_PER_CALL:
+            if not self._warned_leap:
+                self._warned_leap = True
+                logger.warning("ripples_pg.follow_job: the job step is %d scheduler steps "
+                               "ahead; stepping at most %d per call until it catches up",
+                               target - self.scheduler.last_epoch, MAX_STEPS_PER_CALL)
+            target = self.scheduler.last_epoch + MAX_STEPS_PER_CALL
         while self.scheduler.last_epoch < target:
             before = self.scheduler.last_epoch
             self.scheduler.step()

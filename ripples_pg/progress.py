@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+import time
 from datetime import timedelta
 from typing import Any, Mapping, Optional
 
@@ -56,6 +57,11 @@ STORE_TIMEOUT_S = 30.0
 _STEP_BITS = 32
 _STEP_MASK = (1 << _STEP_BITS) - 1
 _MAX_SAMPLES = (1 << (63 - _STEP_BITS)) - 1  # 2^31 - 1 samples, job-wide
+# What a worker could have stepped since the clock started: a counter beyond world x (this
+# rate x the seconds since + the slack) was not written by the job's workers but by someone
+# else on the store (TCPStore is unauthenticated, docs/security.md), and is refused.
+MAX_STEPS_PER_S = 100_000
+MAX_STEPS_SLACK = 10_000
 
 
 def _namespace(group) -> str:
@@ -131,6 +137,7 @@ class JobClock:
         self._failed: Optional[str] = None
         self._samples_ok = True
         self._counted = False  # tick() was called since this clock was made
+        self._t0 = time.monotonic()  # the counter is fresh (its namespace is): it starts now
         self.samples_known = False  # a sampler reports samples
 
     # -- counting
@@ -162,10 +169,28 @@ class JobClock:
         except Exception as exc:  # noqa: BLE001 - never raise into training
             self._fail(exc)
             return
-        self._total = value & _STEP_MASK
-        self._total_samples = value >> _STEP_BITS
+        if not self._take(value):
+            return
         self._own_at_total = self._own
         self._own_samples_at_total = self._own_samples
+
+    def _take(self, value: int) -> bool:
+        """Takes the counter's ``value`` as the store answered it, unless no worker of the job
+        could have stepped that far (MAX_STEPS_PER_S): then the clock goes on as if the store
+        had failed, from the last plausible value, and says so. Returns whether it was taken."""
+        steps = value & _STEP_MASK
+        elapsed = time.monotonic() - self._t0
+        limit = self.world_size * (MAX_STEPS_PER_S * elapsed + MAX_STEPS_SLACK)
+        if value < 0 or steps > limit:
+            self._failed = (f"implausible counter {self._key!r} in the c10d store: "
+                            f"{steps} worker-steps after {elapsed:.1f} s, more than "
+                            f"{self.world_size} workers can step (someone else wrote it?)")
+            logger.error("ripples_pg: the job clock refuses an %s; from now on this worker "
+                         "extrapolates the job step from its own steps", self._failed)
+            return False
+        self._total = steps
+        self._total_samples = value >> _STEP_BITS
+        return True
 
     def _fail(self, exc: BaseException) -> None:
         self._failed = f"{type(exc).__name__}: {exc}"
@@ -265,12 +290,9 @@ class JobClock:
             self.mode = LOCKSTEP
         if self.mode == SHARED and self._failed is None and self._counted:
             try:
-                value = int(self._store.add(self._key, 0))
+                self._take(int(self._store.add(self._key, 0)))
             except Exception as exc:  # noqa: BLE001 - never raise into training
                 self._fail(exc)
-                value = 0
-            self._total = value & _STEP_MASK
-            self._total_samples = value >> _STEP_BITS
         self._origin, self._origin_samples = self._total, self._total_samples
 
     # -- checkpoints
@@ -284,8 +306,7 @@ class JobClock:
                 self._fail(exc)
             else:
                 # the counter as it stands, with every step of this worker already in it
-                self._total = value & _STEP_MASK
-                self._total_samples = value >> _STEP_BITS
+                self._take(value)
         return {"job_step": self.job_step_float, "job_samples": self.job_samples,
                 "world_size": self.world_size, "mode": self.mode}
 

@@ -233,6 +233,36 @@ def test_exact_steps_reach_the_counter_in_one_add():
     assert store.calls == 2 and clock.job_step == 6  # 13 worker-steps of a world of 2
 
 
+def test_a_forged_counter_is_refused(caplog):
+    """Issue 51, finding 7: a writer on the store (TCPStore is unauthenticated) sets the job
+    step counter beyond what the job's workers could have stepped, to end every worker's
+    budget at once. The clock refuses it, names the store, and extrapolates from its own steps
+    and the last plausible value, as after a store failure; it never raises into training."""
+    from ripples_pg.progress import JobClock
+
+    store = _MemStore()
+    key = "ripples/job/x/steps"
+    clock = JobClock(4, "shared", store=store, key=key)
+    other = JobClock(4, "shared", store=store, key=key)
+    for _ in range(10):  # two honest workers' partial steps: 19 worker-steps of 4 seen
+        clock.tick()
+        other.tick()
+    assert clock.job_step == 4 and clock.failed is None
+    store.values[key] += (1 << 31)  # someone else's add: 2^31 worker-steps in an instant
+    with caplog.at_level("ERROR", logger="ripples_pg.progress"):
+        clock.tick()
+    assert clock.failed and "implausible counter" in clock.failed and key in clock.failed
+    assert any("refuses" in r.getMessage() for r in caplog.records)
+    assert clock.job_step <= 6  # its own step at the job's measured rate, not 2^29
+    for _ in range(4):
+        clock.tick()
+    assert 6 <= clock.job_step <= 11, clock.job_step  # one job step per own step (the rate)
+    # a checkpoint's read of the counter refuses it the same way
+    third = JobClock(4, "shared", store=store, key=key)
+    third.tick()
+    assert third.failed and third.job_step < 10, third
+
+
 def test_clock_arguments():
     from ripples_pg.progress import JobClock
 
@@ -560,6 +590,29 @@ def test_follow_job_steps_the_scheduler_per_job_step():
         ripples_pg.follow_job(torch.optim.lr_scheduler.StepLR(opt, 3), opt)
     with pytest.raises(TypeError, match="ReduceLROnPlateau"):
         ripples_pg.follow_job(torch.optim.lr_scheduler.ReduceLROnPlateau(opt), job)
+
+
+def test_follow_job_steps_in_bounded_work_per_call(caplog):
+    """Issue 51, finding 7: a job step that leaps (a forged counter; a checkpoint loaded into
+    the optimizer but not the scheduler) never makes step() loop without bound: it catches up
+    MAX_STEPS_PER_CALL scheduler steps per call, and says so once."""
+    import ripples_pg
+    from ripples_pg.lr import MAX_STEPS_PER_CALL
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    job = _FakeJob()
+    job.job_step = 0
+    sched = ripples_pg.follow_job(torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), job)
+    job.job_step = 1 << 40
+    opt.step()
+    with caplog.at_level("WARNING", logger="ripples_pg.lr"):
+        sched.step()
+        sched.step()
+    assert sched.last_epoch == 2 * MAX_STEPS_PER_CALL
+    assert sum("catches up" in r.getMessage() for r in caplog.records) == 1
+    job.job_step = 2 * MAX_STEPS_PER_CALL + 3  # back in reach: follows the job step again
+    sched.step()
+    assert sched.last_epoch == 2 * MAX_STEPS_PER_CALL + 3
 
 
 class _MemStore:
