@@ -44,7 +44,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(buf, data + pos, len);
     pos += len;
     if (sign) rpl_msg_sign(buf, len, tok);
-    rpl_client_beat_reply(buf, len, tok, FUZZ_WORKERS);
+    {
+      /* heartbeats in flight: FUZZ_SEQ and two others; a reply counts only for them */
+      uint32_t seqs[RPL_BEAT_INFLIGHT] = {FUZZ_SEQ, FUZZ_SEQ + 3, 2};
+      uint32_t answered = 0;
+      int kind = rpl_client_beat_reply(buf, len, tok, FUZZ_WORKERS, FUZZ_RANK, seqs,
+                                       RPL_BEAT_INFLIGHT, &answered);
+      if (kind != RPL_BEAT_IGNORE && answered != FUZZ_SEQ && answered != FUZZ_SEQ + 3 &&
+          answered != 2)
+        fail("a heartbeat reply counted for a seq not in flight");
+      if (kind != RPL_BEAT_IGNORE && !rpl_msg_authentic(buf, len, tok))
+        fail("a heartbeat reply counted without its MAC");
+    }
     rpl_msg m;
     if (!rpl_client_accept(buf, len, tok, FUZZ_WORKERS, FUZZ_SEQ, &m)) {
       free(buf);

@@ -173,16 +173,29 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
 }
 
 int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                          int nworkers) {
+                          int nworkers, int rank, const uint32_t *seqs, int nseqs,
+                          uint32_t *seq_out) {
   rpl_msg m;
   rpl_error e;
   if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, &m, &e) != RPL_OK ||
-      !rpl_msg_authentic(buf, n, token))
+      !rpl_msg_authentic(buf, n, token) || m.rank != rank || m.seq == 0)
     return RPL_BEAT_IGNORE;
-  if (m.type == RPL_MSG_HEARTBEAT_ACK) return RPL_BEAT_ACK;
+  int inflight = 0;
+  for (int i = 0; i < nseqs && !inflight; i++) inflight = seqs[i] == m.seq;
+  if (!inflight) return RPL_BEAT_IGNORE;
+  int kind = RPL_BEAT_IGNORE;
+  if (m.type == RPL_MSG_HEARTBEAT_ACK) kind = RPL_BEAT_ACK;
   /* A new instance: what we wait for died with the old one. */
-  if (m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED) return RPL_BEAT_LOST;
-  return RPL_BEAT_IGNORE;
+  if (m.type == RPL_MSG_ERROR && m.code == RPL_PERR_NOT_REGISTERED) kind = RPL_BEAT_LOST;
+  if (kind != RPL_BEAT_IGNORE && seq_out) *seq_out = m.seq;
+  return kind;
+}
+
+/* A reply to heartbeat `seq` came: it and every older one leave the in-flight set, so the
+ * same reply replayed counts for nothing. */
+static void beats_answered(uint32_t *seqs, uint32_t seq) {
+  for (int i = 0; i < RPL_BEAT_INFLIGHT; i++)
+    if (seqs[i] != 0 && seqs[i] <= seq) seqs[i] = 0;
 }
 
 /* Waits until `deadline` for a reply on sock answering `seq`; drops stale or foreign ones.
@@ -249,20 +262,29 @@ static void *beat_main(void *arg) {
   }
   uint8_t *buf = malloc(MAX_MSG);
   double last_ack = now_s(), next_send = 0;
+  uint32_t inflight[RPL_BEAT_INFLIGHT] = {0}; /* seqs of the last heartbeats not answered */
+  unsigned next_slot = 0;
   while (buf && !atomic_load(&c->stop)) {
     double t = now_s();
     if (t >= next_send) {
       rpl_msg m;
-      fill_header(c, &m, RPL_MSG_HEARTBEAT, next_seq(c));
+      uint32_t seq = next_seq(c);
+      fill_header(c, &m, RPL_MSG_HEARTBEAT, seq);
       rpl_error e;
-      if (send_msg(s, &m, NULL, &e, c->endpoint) == RPL_OK) atomic_fetch_add(&c->hb_sent, 1);
+      if (send_msg(s, &m, NULL, &e, c->endpoint) == RPL_OK) {
+        atomic_fetch_add(&c->hb_sent, 1);
+        inflight[next_slot++ % RPL_BEAT_INFLIGHT] = seq;
+      }
       next_send = t + atomic_load(&c->beat_ms) / 1000.0;
     }
     zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
     if (zmq_poll(&it, 1, 50) > 0) {
       int n;
       while ((n = zmq_recv(s, buf, MAX_MSG, ZMQ_DONTWAIT)) >= 0) {
-        int kind = rpl_client_beat_reply(buf, (size_t)n, c->token, c->nworkers);
+        uint32_t answered = 0;
+        int kind = rpl_client_beat_reply(buf, (size_t)n, c->token, c->nworkers, c->rank,
+                                         inflight, RPL_BEAT_INFLIGHT, &answered);
+        if (kind != RPL_BEAT_IGNORE) beats_answered(inflight, answered);
         if (kind == RPL_BEAT_ACK) {
           atomic_fetch_add(&c->hb_acked, 1);
           last_ack = now_s();

@@ -174,9 +174,16 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
                                         const char *endpoint, rpl_error *err);
 
 enum { RPL_BEAT_IGNORE, RPL_BEAT_ACK, RPL_BEAT_LOST };
-/* What a message on the heartbeat socket means (RPL_BEAT_*). */
+/* Heartbeats a client keeps in flight: a reply to an older one is ignored. */
+#define RPL_BEAT_INFLIGHT 8
+/* What a message on the heartbeat socket means (RPL_BEAT_*): a reply counts only if it is
+ * addressed to `rank` and answers one of the `nseqs` heartbeats in flight (`seqs`; 0 = a free
+ * slot). An old reply replayed, or one for another worker, is ignored: it must not keep a
+ * worker attached to a coordinator that died, nor make it register anew. On a reply that
+ * counts, *seq_out (may be NULL) is the seq it answered. */
 int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                          int nworkers);
+                          int nworkers, int rank, const uint32_t *seqs, int nseqs,
+                          uint32_t *seq_out);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,59 @@
+/* The worker-side client's reading of heartbeat replies (issue 51, finding 5): a reply keeps a
+ * worker attached to its coordinator only if it is MACed with the job's token, addressed to
+ * this worker and answers a heartbeat still in flight. An old HEARTBEAT_ACK replayed (by a
+ * listener on a dead primary's freed port, say), another worker's, or the coordinator's
+ * seq-0 probe counts for nothing, nor does an old "not registered" error. */
+#include <string.h>
+
+#include "rpl_sched.h"
+
+#include "check.h"
+
+static uint8_t key[RPL_TOKEN_LEN];
+
+static size_t reply(uint8_t *buf, size_t cap, int type, int rank, uint32_t seq, uint32_t code) {
+  rpl_msg m;
+  memset(&m, 0, sizeof m);
+  memcpy(m.token, key, sizeof key);
+  m.type = (uint8_t)type;
+  m.rank = rank;
+  m.seq = seq;
+  m.code = code;
+  size_t n = rpl_msg_encode(&m, NULL, buf, cap);
+  REQUIRE(n >= RPL_PROTO_HEADER, "encode %s", rpl_msg_type_name(m.type));
+  return n;
+}
+
+static int beat(const uint8_t *buf, size_t n, int rank, const uint32_t *inflight,
+                uint32_t *got) {
+  return rpl_client_beat_reply(buf, n, key, 16, rank, inflight, RPL_BEAT_INFLIGHT, got);
+}
+
+int main(void) {
+  for (int i = 0; i < RPL_TOKEN_LEN; i++) key[i] = (uint8_t)(i * 29 + 3);
+  uint8_t buf[512];
+  uint32_t inflight[RPL_BEAT_INFLIGHT] = {40, 41, 42};
+  uint32_t later[RPL_BEAT_INFLIGHT] = {50, 51};
+  uint32_t got = 0;
+
+  size_t n = reply(buf, sizeof buf, RPL_MSG_HEARTBEAT_ACK, 3, 41, 0);
+  REQUIRE(beat(buf, n, 3, inflight, &got) == RPL_BEAT_ACK && got == 41, "a fresh ACK counts");
+  /* the same ACK once its heartbeat is no longer in flight: a replay */
+  REQUIRE(beat(buf, n, 3, later, &got) == RPL_BEAT_IGNORE, "an old ACK replayed counts");
+  REQUIRE(beat(buf, n, 4, inflight, &got) == RPL_BEAT_IGNORE, "another worker's ACK counts");
+  uint8_t forged[512];
+  memcpy(forged, buf, n);
+  forged[n - 1] ^= 1;
+  REQUIRE(beat(forged, n, 3, inflight, &got) == RPL_BEAT_IGNORE, "an ACK without its MAC");
+
+  /* The coordinator's liveness probe of a bound connection (seq 0) answers no heartbeat. */
+  uint32_t with_zero[RPL_BEAT_INFLIGHT] = {0};
+  n = reply(buf, sizeof buf, RPL_MSG_HEARTBEAT_ACK, 3, 0, 0);
+  REQUIRE(beat(buf, n, 3, with_zero, &got) == RPL_BEAT_IGNORE, "a seq-0 probe counts");
+
+  /* "Not registered" (a new instance) is news only for a heartbeat in flight. */
+  n = reply(buf, sizeof buf, RPL_MSG_ERROR, 3, 42, RPL_PERR_NOT_REGISTERED);
+  REQUIRE(beat(buf, n, 3, inflight, &got) == RPL_BEAT_LOST && got == 42, "a fresh LOST");
+  REQUIRE(beat(buf, n, 3, later, &got) == RPL_BEAT_IGNORE, "an old LOST replayed counts");
+  return report("test_client_replies");
+}
