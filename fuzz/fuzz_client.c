@@ -45,23 +45,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     pos += len;
     if (sign) rpl_msg_sign(buf, len, tok);
     {
-      /* heartbeats in flight: FUZZ_SEQ and two others; a reply counts only for them */
-      uint32_t seqs[RPL_BEAT_INFLIGHT] = {FUZZ_SEQ, FUZZ_SEQ + 3, 2};
-      uint32_t answered = 0;
-      int kind = rpl_client_beat_reply(buf, len, tok, FUZZ_WORKERS, FUZZ_RANK, seqs,
-                                       RPL_BEAT_INFLIGHT, &answered);
-      if (kind != RPL_BEAT_IGNORE && answered != FUZZ_SEQ && answered != FUZZ_SEQ + 3 &&
-          answered != 2)
-        fail("a heartbeat reply counted for a seq not in flight");
+      /* heartbeats sent after the last answered (FUZZ_SEQ - 3): a reply counts only for them */
+      uint32_t answered = FUZZ_SEQ - 3, got = 0;
+      int kind = rpl_client_beat_reply(buf, len, tok, FUZZ_WORKERS, FUZZ_RANK, answered,
+                                       FUZZ_SEQ, &got);
+      if (kind != RPL_BEAT_IGNORE && (got <= answered || got > FUZZ_SEQ))
+        fail("a heartbeat reply counted for a heartbeat not in flight");
       if (kind != RPL_BEAT_IGNORE && !rpl_msg_authentic(buf, len, tok))
         fail("a heartbeat reply counted without its MAC");
     }
     rpl_msg m;
-    if (!rpl_client_accept(buf, len, tok, FUZZ_WORKERS, FUZZ_SEQ, &m)) {
+    if (!rpl_client_accept(buf, len, tok, FUZZ_WORKERS, FUZZ_RANK, FUZZ_SEQ, &m)) {
       free(buf);
       continue;
     }
     if (m.seq != FUZZ_SEQ) fail("accepted a reply to another seq");
+    if (m.rank != FUZZ_RANK) fail("accepted a reply to another rank");
     if (m.echo ? !(m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN)
                : !rpl_msg_authentic(buf, len, tok))
       fail("accepted a foreign reply");

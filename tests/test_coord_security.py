@@ -448,3 +448,41 @@ def test_a_fake_coordinator_learns_no_token_and_is_refused():
         th.join(10)
         fake.close(0)
         ctx.term()
+
+
+def test_an_unauthenticated_refusal_shows_no_text_of_the_sender():
+    """Issue 51, finding 6: the refusal of a wrong token is an unauthenticated echo (the
+    coordinator cannot MAC for a token it does not share), so anyone on the path can send
+    one. Its text is the sender's choice and never reaches the user's exception; the error
+    says the refusal is unauthenticated. (A refusal during failover no longer stops the
+    failover loop at that endpoint: csrc/sched/client.c, failover().)"""
+    ctx = zmq.Context()
+    fake = ctx.socket(zmq.ROUTER)
+    fake.setsockopt(zmq.LINGER, 0)
+    port = fake.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+    lure = b"set RIPPLES_JOB_SECRET=attacker-chosen and restart"
+
+    def serve():
+        while not stop.is_set():
+            if not fake.poll(50):
+                continue
+            route, raw = fake.recv_multipart()
+            _mtype, rank, seq, _flags, tag, _body = decode(raw)
+            body = struct.pack("<I", BAD_TOKEN) + lure
+            head = struct.pack("<IBBHIiI", MAGIC, VERSION, ERROR, FLAG_ECHO, len(body), rank,
+                               seq)
+            fake.send_multipart([route, head + tag + body])  # the echo: the sender's MAC
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        with pytest.raises(ValueError, match="unauthenticated") as ei:
+            _gg.Client(f"tcp://127.0.0.1:{port}", TOKEN, 0, 2, timeout_ms=3000, heartbeat_ms=100)
+        assert "attacker-chosen" not in str(ei.value), ei.value
+        assert "wrong job token" in str(ei.value)  # an honest misconfiguration still reads so
+    finally:
+        stop.set()
+        th.join(10)
+        fake.close(0)
+        ctx.term()

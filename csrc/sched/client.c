@@ -52,6 +52,7 @@ struct rpl_gg_client {
                                   group until the round timeout): fences do not wait for them */
   pthread_t beat;
   int beat_started;
+  int refused_unauth;          /* the last HELLO's refusal was an unauthenticated echo */
   atomic_int stop;
   atomic_int lost;             /* heartbeats unanswered for longer than dead_ms */
   atomic_ullong hb_sent, hb_acked, requests, cancels, failovers, passes;
@@ -107,10 +108,10 @@ static rpl_status from_error_reply(const rpl_msg *m, const char *endpoint, rpl_e
 /* ---- reply handling without sockets (fuzzed: fuzz/fuzz_client.c) ------------- */
 
 int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                      int nworkers, uint32_t seq, rpl_msg *m) {
+                      int nworkers, int rank, uint32_t seq, rpl_msg *m) {
   rpl_error perr;
   if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, m, &perr) != RPL_OK) return 0;
-  if (m->seq != seq) return 0;
+  if (m->seq != seq || m->rank != rank) return 0;
   /* Every reply is MACed with our token, but the refusal of a token the coordinator does
    * not share (it cannot MAC that): anyone on the path could forge one, which costs us no
    * more than a dropped reply would. */
@@ -173,16 +174,15 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
 }
 
 int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                          int nworkers, int rank, const uint32_t *seqs, int nseqs,
+                          int nworkers, int rank, uint32_t answered, uint32_t sent,
                           uint32_t *seq_out) {
   rpl_msg m;
   rpl_error e;
   if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, &m, &e) != RPL_OK ||
-      !rpl_msg_authentic(buf, n, token) || m.rank != rank || m.seq == 0)
+      !rpl_msg_authentic(buf, n, token) || m.rank != rank)
     return RPL_BEAT_IGNORE;
-  int inflight = 0;
-  for (int i = 0; i < nseqs && !inflight; i++) inflight = seqs[i] == m.seq;
-  if (!inflight) return RPL_BEAT_IGNORE;
+  /* in (answered, sent]: sent after the last answered one, and sent at all */
+  if ((int32_t)(m.seq - answered) <= 0 || (int32_t)(sent - m.seq) < 0) return RPL_BEAT_IGNORE;
   int kind = RPL_BEAT_IGNORE;
   if (m.type == RPL_MSG_HEARTBEAT_ACK) kind = RPL_BEAT_ACK;
   /* A new instance: what we wait for died with the old one. */
@@ -191,20 +191,16 @@ int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOK
   return kind;
 }
 
-/* A reply to heartbeat `seq` came: it and every older one leave the in-flight set, so the
- * same reply replayed counts for nothing. */
-static void beats_answered(uint32_t *seqs, uint32_t seq) {
-  for (int i = 0; i < RPL_BEAT_INFLIGHT; i++)
-    if (seqs[i] != 0 && seqs[i] <= seq) seqs[i] = 0;
-}
-
-/* Waits until `deadline` for a reply on sock answering `seq`; drops stale or foreign ones.
- * Returns RPL_OK with *m filled, RPL_ERR_TIMEOUT, or another error. `lost` may be NULL. A
- * timeout says whether replies to `seq` came that failed their MAC: an endpoint that does
- * not hold the job's token (another job's coordinator, or one the store was made to name). */
-static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_TOKEN_LEN],
-                             int nworkers, uint32_t seq, double deadline, atomic_int *lost,
-                             const char *endpoint, rpl_msg *m, rpl_error *err) {
+/* Waits until `deadline` for a reply on the request socket answering `seq`; drops stale or
+ * foreign ones. Returns RPL_OK with *m filled, RPL_ERR_TIMEOUT, or another error. `lost` may
+ * be NULL. A timeout says whether replies to `seq` came that failed their MAC: an endpoint
+ * that does not hold the job's token (another job's coordinator, or one the store was made to
+ * name). */
+static rpl_status wait_reply(rpl_gg_client *c, uint32_t seq, double deadline, atomic_int *lost,
+                             rpl_msg *m, rpl_error *err) {
+  void *sock = c->sock;
+  uint8_t *buf = c->buf;
+  const char *endpoint = c->endpoint;
   int forged = 0;
   for (;;) {
     double left = deadline - now_s();
@@ -230,9 +226,10 @@ static rpl_status wait_reply(void *sock, uint8_t *buf, const uint8_t token[RPL_T
       if (zmq_errno() == EAGAIN || zmq_errno() == EINTR) continue;
       return zfail(err, "recv", endpoint);
     }
-    if (rpl_client_accept(buf, (size_t)n, token, nworkers, seq, m)) return RPL_OK;
+    if (rpl_client_accept(buf, (size_t)n, c->token, c->nworkers, c->rank, seq, m))
+      return RPL_OK;
     rpl_error perr; /* well-formed and answering seq, but not MACed with our token? */
-    forged += rpl_msg_parse(buf, (size_t)n, nworkers, m, &perr) == RPL_OK && m->seq == seq;
+    forged += rpl_msg_parse(buf, (size_t)n, c->nworkers, m, &perr) == RPL_OK && m->seq == seq;
   }
 }
 
@@ -262,8 +259,8 @@ static void *beat_main(void *arg) {
   }
   uint8_t *buf = malloc(MAX_MSG);
   double last_ack = now_s(), next_send = 0;
-  uint32_t inflight[RPL_BEAT_INFLIGHT] = {0}; /* seqs of the last heartbeats not answered */
-  unsigned next_slot = 0;
+  /* Replies count for heartbeats in (answered, sent]: none before the first one goes out. */
+  uint32_t sent = atomic_load(&c->seq), answered = sent;
   while (buf && !atomic_load(&c->stop)) {
     double t = now_s();
     if (t >= next_send) {
@@ -273,7 +270,7 @@ static void *beat_main(void *arg) {
       rpl_error e;
       if (send_msg(s, &m, NULL, &e, c->endpoint) == RPL_OK) {
         atomic_fetch_add(&c->hb_sent, 1);
-        inflight[next_slot++ % RPL_BEAT_INFLIGHT] = seq;
+        sent = seq;
       }
       next_send = t + atomic_load(&c->beat_ms) / 1000.0;
     }
@@ -281,10 +278,8 @@ static void *beat_main(void *arg) {
     if (zmq_poll(&it, 1, 50) > 0) {
       int n;
       while ((n = zmq_recv(s, buf, MAX_MSG, ZMQ_DONTWAIT)) >= 0) {
-        uint32_t answered = 0;
         int kind = rpl_client_beat_reply(buf, (size_t)n, c->token, c->nworkers, c->rank,
-                                         inflight, RPL_BEAT_INFLIGHT, &answered);
-        if (kind != RPL_BEAT_IGNORE) beats_answered(inflight, answered);
+                                         answered, sent, &answered);
         if (kind == RPL_BEAT_ACK) {
           atomic_fetch_add(&c->hb_acked, 1);
           last_ack = now_s();
@@ -327,8 +322,7 @@ static rpl_status hello(rpl_gg_client *c, int hello_ms, rpl_msg *m, rpl_error *e
     m->host_label = c->host_label;
     st = send_msg(c->sock, m, NULL, err, c->endpoint);
     if (st == RPL_OK)
-      st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq, deadline, NULL, c->endpoint,
-                      m, err);
+      st = wait_reply(c, seq, deadline, NULL, m, err);
     /* Our rank is still bound to the connection we closed a moment ago (the coordinator
      * lets it go once it sees it gone or silent): ask again while time remains. */
     if (st != RPL_OK || m->type != RPL_MSG_ERROR || m->code != RPL_PERR_BAD_RANK ||
@@ -346,6 +340,13 @@ static rpl_status hello(rpl_gg_client *c, int hello_ms, rpl_msg *m, rpl_error *e
     return rpl_fail(err, RPL_ERR_PEER,
                     "group generator at %s did not answer within %d ms (not running, wrong "
                     "endpoint, or unreachable)", c->endpoint, hello_ms);
+  c->refused_unauth = st == RPL_OK && m->echo;
+  if (c->refused_unauth) /* anyone on the path can forge it: its text is not shown */
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "group generator at %s refused this job's token (wrong job token: it "
+                    "serves another job, or the job's workers disagree about "
+                    "RIPPLES_JOB_SECRET). The refusal is unauthenticated, so it may also be "
+                    "forged by someone on the path", c->endpoint);
   if (st == RPL_OK && m->type == RPL_MSG_ERROR) return from_error_reply(m, c->endpoint, err);
   if (st == RPL_OK && m->type != RPL_MSG_HELLO_ACK)
     return rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with %s",
@@ -431,7 +432,9 @@ static rpl_status failover(rpl_gg_client *c, rpl_error *err) {
       atomic_fetch_add(&c->failovers, 1);
       return RPL_OK;
     }
-    if (st == RPL_ERR_INVALID || st == RPL_ERR_CLOSED) break; /* refused us: say why */
+    /* Refused us: say why -- unless the refusal was unauthenticated, which must not stop
+     * failover to the endpoints after it. */
+    if ((st == RPL_ERR_INVALID || st == RPL_ERR_CLOSED) && !c->refused_unauth) break;
   }
   c->next_failover = now_s() + FAILOVER_SPACING_S;
   if (st == RPL_ERR_INVALID || st == RPL_ERR_CLOSED) {
@@ -545,8 +548,7 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
     m.round = round;
     st = send_msg(c->sock, &m, NULL, err, c->endpoint);
     if (st != RPL_OK) break;
-    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq, deadline, &c->lost,
-                    c->endpoint, &m, err);
+    st = wait_reply(c, seq, deadline, &c->lost, &m, err);
     rpl_reply_kind kind = RPL_REPLY_FAIL;
     if (st == RPL_OK) {
       kind = rpl_client_request_reply(&m, round, c->rank, members, cap, n, group_id,
@@ -651,8 +653,7 @@ rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {
    * not hold the exit up for long. */
   int wait_ms = c->timeout_ms < 2000 ? c->timeout_ms : 2000;
   if (st == RPL_OK)
-    st = wait_reply(c->sock, c->buf, c->token, c->nworkers, seq,
-                    now_s() + wait_ms / 1000.0, NULL, c->endpoint, &m, err);
+    st = wait_reply(c, seq, now_s() + wait_ms / 1000.0, NULL, &m, err);
   if (st == RPL_ERR_TIMEOUT)
     st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s did not acknowledge LEAVE "
                   "within %d ms", c->endpoint, wait_ms);
@@ -660,6 +661,9 @@ rpl_status rpl_gg_client_leave(rpl_gg_client *c, rpl_error *err) {
     st = RPL_OK; /* a restarted coordinator never knew us: nothing to leave */
   else if (st == RPL_OK && m.type == RPL_MSG_ERROR)
     st = from_error_reply(&m, c->endpoint, err);
+  else if (st == RPL_OK && m.type != RPL_MSG_ACK)
+    st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered LEAVE with %s",
+                  c->endpoint, rpl_msg_type_name(m.type));
   pthread_mutex_unlock(&c->lock);
   return st;
 }

@@ -154,11 +154,12 @@ int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LE
  * Pure functions, so the fuzzer (fuzz/fuzz_client.c) drives exactly what the
  * client runs. */
 
-/* 1 if buf[0..n) is the reply awaited under `seq`: it parses (ranks < nworkers), echoes seq,
- * and is MACed with the client's token, or is the coordinator's unauthenticated refusal of
- * that token (an echoed ERROR(BAD_TOKEN)); *m is then filled. */
+/* 1 if buf[0..n) is the reply awaited by `rank` under `seq`: it parses (ranks < nworkers),
+ * is addressed to rank, echoes seq, and is MACed with the client's token, or is the
+ * coordinator's unauthenticated refusal of that token (an echoed ERROR(BAD_TOKEN)); *m is
+ * then filled. */
 int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                      int nworkers, uint32_t seq, rpl_msg *m);
+                      int nworkers, int rank, uint32_t seq, rpl_msg *m);
 
 typedef enum {
   RPL_REPLY_GROUP, /* members[0..*n), *group_id filled */
@@ -174,15 +175,14 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
                                         const char *endpoint, rpl_error *err);
 
 enum { RPL_BEAT_IGNORE, RPL_BEAT_ACK, RPL_BEAT_LOST };
-/* Heartbeats a client keeps in flight: a reply to an older one is ignored. */
-#define RPL_BEAT_INFLIGHT 8
 /* What a message on the heartbeat socket means (RPL_BEAT_*): a reply counts only if it is
- * addressed to `rank` and answers one of the `nseqs` heartbeats in flight (`seqs`; 0 = a free
- * slot). An old reply replayed, or one for another worker, is ignored: it must not keep a
- * worker attached to a coordinator that died, nor make it register anew. On a reply that
- * counts, *seq_out (may be NULL) is the seq it answered. */
+ * addressed to `rank` and answers a heartbeat sent after the last one answered: its seq in
+ * (answered, sent] (serial arithmetic). An old reply replayed, or one for another worker, is
+ * ignored: it must not keep a worker attached to a coordinator that died, nor make it
+ * register anew. On a reply that counts, *seq_out (may be NULL) is the seq it answered, the
+ * caller's new `answered`. */
 int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                          int nworkers, int rank, const uint32_t *seqs, int nseqs,
+                          int nworkers, int rank, uint32_t answered, uint32_t sent,
                           uint32_t *seq_out);
 
 #ifdef __cplusplus

@@ -2,7 +2,8 @@
  * worker attached to its coordinator only if it is MACed with the job's token, addressed to
  * this worker and answers a heartbeat still in flight. An old HEARTBEAT_ACK replayed (by a
  * listener on a dead primary's freed port, say), another worker's, or the coordinator's
- * seq-0 probe counts for nothing, nor does an old "not registered" error. */
+ * seq-0 probe counts for nothing, nor does an old "not registered" error. A request's reply
+ * must be addressed to the rank that waits for it (finding 6). */
 #include <string.h>
 
 #include "rpl_sched.h"
@@ -24,36 +25,46 @@ static size_t reply(uint8_t *buf, size_t cap, int type, int rank, uint32_t seq, 
   return n;
 }
 
-static int beat(const uint8_t *buf, size_t n, int rank, const uint32_t *inflight,
+static int beat(const uint8_t *buf, size_t n, int rank, uint32_t answered, uint32_t sent,
                 uint32_t *got) {
-  return rpl_client_beat_reply(buf, n, key, 16, rank, inflight, RPL_BEAT_INFLIGHT, got);
+  return rpl_client_beat_reply(buf, n, key, 16, rank, answered, sent, got);
 }
 
 int main(void) {
   for (int i = 0; i < RPL_TOKEN_LEN; i++) key[i] = (uint8_t)(i * 29 + 3);
   uint8_t buf[512];
-  uint32_t inflight[RPL_BEAT_INFLIGHT] = {40, 41, 42};
-  uint32_t later[RPL_BEAT_INFLIGHT] = {50, 51};
   uint32_t got = 0;
 
+  /* heartbeats 40..42 in flight: answered up to 39, sent up to 42 */
   size_t n = reply(buf, sizeof buf, RPL_MSG_HEARTBEAT_ACK, 3, 41, 0);
-  REQUIRE(beat(buf, n, 3, inflight, &got) == RPL_BEAT_ACK && got == 41, "a fresh ACK counts");
-  /* the same ACK once its heartbeat is no longer in flight: a replay */
-  REQUIRE(beat(buf, n, 3, later, &got) == RPL_BEAT_IGNORE, "an old ACK replayed counts");
-  REQUIRE(beat(buf, n, 4, inflight, &got) == RPL_BEAT_IGNORE, "another worker's ACK counts");
+  REQUIRE(beat(buf, n, 3, 39, 42, &got) == RPL_BEAT_ACK && got == 41, "a fresh ACK counts");
+  /* the same ACK once it (or a later one) was answered: a replay */
+  REQUIRE(beat(buf, n, 3, 41, 50, &got) == RPL_BEAT_IGNORE, "an ACK replayed counts");
+  REQUIRE(beat(buf, n, 3, 45, 50, &got) == RPL_BEAT_IGNORE, "an old ACK counts");
+  REQUIRE(beat(buf, n, 3, 30, 40, &got) == RPL_BEAT_IGNORE, "an ACK of an unsent beat");
+  REQUIRE(beat(buf, n, 4, 39, 42, &got) == RPL_BEAT_IGNORE, "another worker's ACK counts");
   uint8_t forged[512];
   memcpy(forged, buf, n);
   forged[n - 1] ^= 1;
-  REQUIRE(beat(forged, n, 3, inflight, &got) == RPL_BEAT_IGNORE, "an ACK without its MAC");
+  REQUIRE(beat(forged, n, 3, 39, 42, &got) == RPL_BEAT_IGNORE, "an ACK without its MAC");
+  /* serial arithmetic: the counter wrapped between the last answered beat and this one */
+  n = reply(buf, sizeof buf, RPL_MSG_HEARTBEAT_ACK, 3, 2, 0);
+  REQUIRE(beat(buf, n, 3, 0xfffffff0u, 5, &got) == RPL_BEAT_ACK && got == 2, "wrap-around");
 
   /* The coordinator's liveness probe of a bound connection (seq 0) answers no heartbeat. */
-  uint32_t with_zero[RPL_BEAT_INFLIGHT] = {0};
   n = reply(buf, sizeof buf, RPL_MSG_HEARTBEAT_ACK, 3, 0, 0);
-  REQUIRE(beat(buf, n, 3, with_zero, &got) == RPL_BEAT_IGNORE, "a seq-0 probe counts");
+  REQUIRE(beat(buf, n, 3, 0, 5, &got) == RPL_BEAT_IGNORE, "a seq-0 probe counts");
 
   /* "Not registered" (a new instance) is news only for a heartbeat in flight. */
   n = reply(buf, sizeof buf, RPL_MSG_ERROR, 3, 42, RPL_PERR_NOT_REGISTERED);
-  REQUIRE(beat(buf, n, 3, inflight, &got) == RPL_BEAT_LOST && got == 42, "a fresh LOST");
-  REQUIRE(beat(buf, n, 3, later, &got) == RPL_BEAT_IGNORE, "an old LOST replayed counts");
+  REQUIRE(beat(buf, n, 3, 39, 42, &got) == RPL_BEAT_LOST && got == 42, "a fresh LOST");
+  REQUIRE(beat(buf, n, 3, 44, 50, &got) == RPL_BEAT_IGNORE, "an old LOST replayed counts");
+
+  /* Request replies: only the one addressed to this rank under the seq awaited. */
+  rpl_msg m;
+  n = reply(buf, sizeof buf, RPL_MSG_ACK, 3, 9, 0);
+  REQUIRE(rpl_client_accept(buf, n, key, 16, 3, 9, &m) && m.type == RPL_MSG_ACK, "ACK taken");
+  REQUIRE(!rpl_client_accept(buf, n, key, 16, 5, 9, &m), "another rank's reply taken");
+  REQUIRE(!rpl_client_accept(buf, n, key, 16, 3, 10, &m), "another seq's reply taken");
   return report("test_client_replies");
 }
