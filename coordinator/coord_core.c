@@ -247,15 +247,16 @@ static void refuse_token(coord_core *core, const uint8_t *route, size_t route_le
               "wrong job token: this coordinator serves another job");
 }
 
-static void reply_status(coord_core *core, const uint8_t *route, size_t route_len,
-                         const rpl_msg *m, double now) {
+/* Answers a STATUS query; returns the bytes answered. */
+static size_t reply_status(coord_core *core, const uint8_t *route, size_t route_len,
+                           const rpl_msg *m, double now) {
   size_t jlen = 0;
   char *json = m->rank >= 0 ? coord_core_rank_json(core, m->rank, now, &jlen)
                             : coord_core_status_json(core, now, &jlen);
   if (!json || jlen > RPL_PROTO_MAX_BODY) {
     free(json);
     reply_error(core, route, route_len, m, RPL_PERR_INTERNAL, "status unavailable");
-    return;
+    return 0;
   }
   rpl_msg r;
   memset(&r, 0, sizeof r);
@@ -272,6 +273,7 @@ static void reply_status(coord_core *core, const uint8_t *route, size_t route_le
     atomic_fetch_add(&core->send_failures, 1);
   free(b);
   free(json);
+  return jlen;
 }
 
 /* Parses msg and checks its MAC. Returns 1, *m filled, when the sender proved it holds the
@@ -299,11 +301,21 @@ static int authenticate(coord_core *core, const uint8_t *route, size_t route_len
 /* STATUS: read-only, from any connection (tools). */
 static void answer_status(coord_core *core, const uint8_t *route, size_t route_len,
                           const rpl_msg *m, double now) {
+  if (now - core->status_window >= 1.0 || now < core->status_window) {
+    core->status_window = now;
+    core->status_bytes = 0;
+    core->status_answers = 0;
+  }
   if (m->rank >= 0 && core->w[m->rank].route_len == 0) /* not served here: try another */
     reply_error(core, route, route_len, m, RPL_PERR_NOT_REGISTERED,
                 "rank %d is not registered with this coordinator", (int)m->rank);
+  else if (core->status_answers > 0 && core->status_bytes >= COORD_STATUS_BYTES_PER_S)
+    reply_error(core, route, route_len, m, RPL_PERR_INTERNAL,
+                "status: %u MB answered this second already; ask again in a second",
+                COORD_STATUS_BYTES_PER_S >> 20);
   else
-    reply_status(core, route, route_len, m, now);
+    core->status_bytes += reply_status(core, route, route_len, m, now);
+  core->status_answers++;
 }
 
 /* Refuses (answers with the error) a HELLO this coordinator cannot take: another world size,

@@ -15,6 +15,10 @@
 /* Wrong-token messages answered per second at most (the rest are only counted): a stranger
  * cannot make the coordinator spend more than this on it, whatever it sends. */
 #define COORD_BAD_TOKEN_REPLIES_PER_S 10
+/* Status bytes (documents and rank summaries) answered per second, beyond the first answer of
+ * each second: a recorded STATUS query replayed in a loop cannot make the coordinator's thread
+ * build documents back to back (15.7 MB and 120 ms each at 65,536 workers). */
+#define COORD_STATUS_BYTES_PER_S (32u << 20)
 
 /* Sends `len` bytes to the peer named by route (a zmq routing id). Returns 0 on success,
  * COORD_SEND_GONE if no peer of that route is connected, -1 on another failure. */
@@ -67,6 +71,9 @@ typedef struct coord_core {
   atomic_ullong wrong_route, replayed, rebinds, bad_token_quiet, probes_withheld;
   double bad_token_window;      /* start of the second bad_token_replies counts in */
   int bad_token_replies;
+  double status_window;         /* start of the second status_bytes counts in */
+  size_t status_bytes;          /* status answered in it (bytes), and how many answers */
+  int status_answers;
   atomic_uchar *gone;           /* [nworkers]: left or dead, readable from other threads */
   coord_straggler attr;         /* straggler attribution (coord_straggler.h) */
 } coord_core;

@@ -16,6 +16,10 @@
 /* Messages queued per incoming connection (zmq's default is 1000), and how long a connection
  * may take to finish its ZMTP handshake (zmq's default is 30 s). */
 #define COORD_RCVHWM 256
+/* Replies queued per connection at most (a worker has a handful outstanding): a connection
+ * that never reads -- replaying STATUS queries, say -- stops being answered instead of
+ * growing the coordinator's memory without bound. */
+#define COORD_SNDHWM 32
 #define COORD_HANDSHAKE_MS 5000
 
 struct rpl_coord {
@@ -67,7 +71,8 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
     rpl_coord_destroy(c);
     return st;
   }
-  int one = 1, zero = 0, hwm = COORD_RCVHWM, handshake_ms = COORD_HANDSHAKE_MS;
+  int one = 1, zero = 0, hwm = COORD_RCVHWM, sndhwm = COORD_SNDHWM,
+      handshake_ms = COORD_HANDSHAKE_MS;
   int64_t maxmsg = COORD_MAX_IN;
   /* Replies to a vanished peer fail instead of blocking; oversized input is refused by zmq
    * (it closes that connection). What one stranger's connection may cost is bounded: at most
@@ -80,6 +85,7 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   zmq_setsockopt(c->sock, ZMQ_LINGER, &zero, sizeof zero);
   zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
   zmq_setsockopt(c->sock, ZMQ_RCVHWM, &hwm, sizeof hwm);
+  zmq_setsockopt(c->sock, ZMQ_SNDHWM, &sndhwm, sizeof sndhwm);
   zmq_setsockopt(c->sock, ZMQ_HANDSHAKE_IVL, &handshake_ms, sizeof handshake_ms);
   if (zmq_bind(c->sock, bind) != 0) {
     st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: cannot bind '%s': %s", bind,

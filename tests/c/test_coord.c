@@ -347,6 +347,21 @@ static void test_security_core(void) {
   REQUIRE(feed(&core, &log, S, &m, NULL, t, &r) == RPL_MSG_STATUS_REPLY, "status");
   REQUIRE(!contains((const uint8_t *)r.text, r.text_len, (const uint8_t *)SEC_TOKEN, 32),
           "token in the status document");
+  /* One recorded STATUS query replayed in a loop (issue 51, finding 3): answered up to
+   * COORD_STATUS_BYTES_PER_S a second, then refused until the next second. */
+  size_t doc = r.text_len, bytes = 0;
+  int docs = 0, type = RPL_MSG_STATUS_REPLY;
+  while (type == RPL_MSG_STATUS_REPLY && docs < 1000000) {
+    m = worker_msg(RPL_MSG_STATUS, -1, 1);
+    type = feed(&core, &log, S, &m, NULL, t + 0.25, &r);
+    if (type == RPL_MSG_STATUS_REPLY) bytes += r.text_len, docs++;
+  }
+  REQUIRE(type == RPL_MSG_ERROR && r.code == RPL_PERR_INTERNAL, "replayed STATUS refused");
+  REQUIRE(bytes >= COORD_STATUS_BYTES_PER_S - doc && bytes <= COORD_STATUS_BYTES_PER_S + doc,
+          "%zu status bytes in one second (%d documents)", bytes, docs);
+  m = worker_msg(RPL_MSG_STATUS, -1, 1);
+  REQUIRE(feed(&core, &log, S, &m, NULL, t + 1.5, &r) == RPL_MSG_STATUS_REPLY,
+          "status answered again a second later");
 
   /* 2. Before HELLO, rank 1 may not speak: told to register. */
   m = worker_msg(RPL_MSG_LEAVE, 1, 1);
