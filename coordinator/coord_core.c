@@ -7,8 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bytes.h"
 #include "common.h"
 #include "coord_core.h"
+#include "crypto.h"
 #include "coord_text.h"
 
 rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err) {
@@ -18,6 +20,8 @@ rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_er
   else st = rpl_token_generate(core->token, err);
   if (st != RPL_OK) return st;
   rpl_token_to_hex(core->token, core->token_hex);
+  st = rpl_random_bytes(core->secret, sizeof core->secret, err);
+  if (st != RPL_OK) return st;
   if (cfg->heartbeat_ms < 0 || (cfg->heartbeat_ms > 0 &&
                                 (cfg->heartbeat_ms < RPL_HEARTBEAT_MIN_MS ||
                                  cfg->heartbeat_ms > RPL_HEARTBEAT_MAX_MS)))
@@ -85,25 +89,28 @@ void coord_core_free(coord_core *core) {
   core->out = NULL;
 }
 
-/* The only place replies are encoded: MACed with the job token, except the refusal of a
- * message that failed its MAC (`echo` non-NULL: that message's MAC field, sent back as is in
- * an unauthenticated ERROR(BAD_TOKEN); we cannot MAC for a token we do not know, and a MAC of
- * ours over a stranger's chosen text would hand it a MAC oracle). Returns the send result. */
+/* The only place replies are encoded: MACed with `key` (the session's, or the token for what
+ * answers a session's opening), except the refusal of a message that failed its MAC (`echo`
+ * non-NULL: that message's MAC field, sent back as is in an unauthenticated ERROR(BAD_TOKEN);
+ * we cannot MAC for a token we do not know, and a MAC of ours over a stranger's chosen text
+ * would hand it a MAC oracle). Returns the send result. */
 static int reply(coord_core *core, const uint8_t *route, size_t route_len, rpl_msg *m,
-                 const int *members, const uint8_t *echo) {
+                 const int *members, const uint8_t *key, const uint8_t *echo) {
   m->echo = echo != NULL;
   if (echo) memcpy(m->mac, echo, RPL_MAC_LEN);
-  else memcpy(m->token, core->token, RPL_TOKEN_LEN);
+  else memcpy(m->token, key, RPL_TOKEN_LEN);
   size_t len = rpl_msg_encode(m, members, core->out, core->out_cap);
   int rc = len == 0 ? -1 : core->send(core->send_ctx, route, route_len, core->out, len);
   if (rc != 0) atomic_fetch_add(&core->send_failures, 1);
   return rc;
 }
 
-/* Answers `req` with ERROR(code): MACed, but for BAD_TOKEN, which echoes req's MAC (reply). */
-static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
-                                         size_t route_len, const rpl_msg *req, uint32_t code,
-                                         const char *fmt, ...) {
+/* Answers `req` with ERROR(code): MACed with `key`, but for BAD_TOKEN, which echoes req's
+ * MAC (reply). */
+static RPL_PRINTF(7, 8) void reply_error(coord_core *core, const uint8_t *route,
+                                         size_t route_len, const rpl_msg *req,
+                                         const uint8_t *key, uint32_t code, const char *fmt,
+                                         ...) {
   char text[512];
   va_list ap;
   va_start(ap, fmt);
@@ -120,7 +127,7 @@ static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
   m.text = text;
   m.text_len = (uint32_t)n;
   atomic_fetch_add(&core->errors_sent, 1);
-  reply(core, route, route_len, &m, NULL, code == RPL_PERR_BAD_TOKEN ? req->mac : NULL);
+  reply(core, route, route_len, &m, NULL, key, code == RPL_PERR_BAD_TOKEN ? req->mac : NULL);
 }
 
 /* A reply to worker w's bound route; a peer that is no longer connected (ZeroMQ knows) frees
@@ -129,7 +136,7 @@ static RPL_PRINTF(6, 7) void reply_error(coord_core *core, const uint8_t *route,
  * dropped, it would leave the worker waiting out its whole request timeout. Its partners do
  * not wait that long: a GROUP that arrives late fails on every member alike. */
 static void reply_worker(coord_core *core, coord_worker *w, rpl_msg *m, const int *members) {
-  int rc = reply(core, w->route, w->route_len, m, members, NULL);
+  int rc = reply(core, w->route, w->route_len, m, members, w->key, NULL);
   int answer = m->type == RPL_MSG_GROUP || m->type == RPL_MSG_PASS || m->type == RPL_MSG_CANCEL;
   if (rc == COORD_SEND_GONE) w->unreachable = 1;
   if (rc != 0 && answer) {
@@ -191,15 +198,13 @@ static void note_state(coord_core *core, int w) {
   atomic_store_explicit(&core->gone[w], (unsigned char)gone, memory_order_release);
 }
 
-/* Which of w's bound routes `route` is: 0 the bound one, 1 its heartbeat sibling (same 16
- * random bytes, 'H' instead of 'R'), -1 neither. */
-static int route_slot(const coord_worker *w, const uint8_t *route, size_t len) {
-  if (w->route_len == 0 || len != w->route_len) return -1;
-  if (memcmp(route, w->route, len) == 0) return 0;
-  if (len == RPL_ROUTE_ID_LEN && w->route[0] == RPL_ROUTE_REQUEST &&
-      route[0] == RPL_ROUTE_HEARTBEAT && memcmp(route + 1, w->route + 1, len - 1) == 0)
-    return 1;
-  return -1;
+/* Which sequence of worker w's session message m belongs to: 1 a heartbeat (from any route:
+ * the session's MAC and its rising seq say it is w's, so knowing or taking a heartbeat route
+ * gains nothing), 0 anything else from the bound route, -1 anything else. */
+static int route_slot(const coord_worker *w, const uint8_t *route, size_t len, int type) {
+  if (type == RPL_MSG_HEARTBEAT) return 1;
+  if (w->route_len == 0 || len != w->route_len || memcmp(route, w->route, len) != 0) return -1;
+  return 0;
 }
 
 /* May a HELLO from a new route take rank w over? Only from a binding that is surely over:
@@ -243,29 +248,29 @@ static void refuse_token(coord_core *core, const uint8_t *route, size_t route_le
     return;
   }
   core->bad_token_replies++;
-  reply_error(core, route, route_len, m, RPL_PERR_BAD_TOKEN,
+  reply_error(core, route, route_len, m, NULL, RPL_PERR_BAD_TOKEN,
               "wrong job token: this coordinator serves another job");
 }
 
 /* Answers a STATUS query; returns the bytes answered. */
 static size_t reply_status(coord_core *core, const uint8_t *route, size_t route_len,
-                           const rpl_msg *m, double now) {
+                           const rpl_msg *m, const uint8_t *key, double now) {
   size_t jlen = 0;
   char *json = m->rank >= 0 ? coord_core_rank_json(core, m->rank, now, &jlen)
                             : coord_core_status_json(core, now, &jlen);
   if (!json || jlen > RPL_PROTO_MAX_BODY) {
     free(json);
-    reply_error(core, route, route_len, m, RPL_PERR_INTERNAL, "status unavailable");
+    reply_error(core, route, route_len, m, key, RPL_PERR_INTERNAL, "status unavailable");
     return 0;
   }
   rpl_msg r;
   memset(&r, 0, sizeof r);
   r.type = RPL_MSG_STATUS_REPLY;
-  r.rank = -1;
+  r.rank = m->rank;
   r.seq = m->seq;
   r.text = json;
   r.text_len = (uint32_t)jlen;
-  memcpy(r.token, core->token, RPL_TOKEN_LEN); /* the MAC's key; the sender proved it */
+  memcpy(r.token, key, RPL_TOKEN_LEN); /* the query's key: the sender proved it */
   size_t need = rpl_msg_encoded_size(&r);
   uint8_t *b = malloc(need);
   size_t n = b ? rpl_msg_encode(&r, NULL, b, need) : 0;
@@ -274,107 +279,6 @@ static size_t reply_status(coord_core *core, const uint8_t *route, size_t route_
   free(b);
   free(json);
   return jlen;
-}
-
-/* Parses msg and checks its MAC. Returns 1, *m filled, when the sender proved it holds the
- * job token; anything else is counted (a wrong token also answered: refuse_token) and dropped
- * without a reply. */
-static int authenticate(coord_core *core, const uint8_t *route, size_t route_len,
-                        const void *msg, size_t len, double now, rpl_msg *m) {
-  rpl_error err;
-  if (route_len == 0 || route_len > RPL_ROUTE_MAX ||
-      rpl_msg_parse(msg, len, core->nworkers, m, &err) != RPL_OK) {
-    atomic_fetch_add(&core->malformed, 1);
-    return 0;
-  }
-  if (m->echo) { /* a reply type: never sent to us */
-    atomic_fetch_add(&core->malformed, 1);
-    return 0;
-  }
-  if (!rpl_msg_authentic(msg, len, core->token)) {
-    refuse_token(core, route, route_len, m, now);
-    return 0;
-  }
-  return 1;
-}
-
-/* STATUS: read-only, from any connection (tools). */
-static void answer_status(coord_core *core, const uint8_t *route, size_t route_len,
-                          const rpl_msg *m, double now) {
-  if (now - core->status_window >= 1.0 || now < core->status_window) {
-    core->status_window = now;
-    core->status_bytes = 0;
-    core->status_answers = 0;
-  }
-  if (m->rank >= 0 && core->w[m->rank].route_len == 0) /* not served here: try another */
-    reply_error(core, route, route_len, m, RPL_PERR_NOT_REGISTERED,
-                "rank %d is not registered with this coordinator", (int)m->rank);
-  else if (core->status_answers > 0 && core->status_bytes >= COORD_STATUS_BYTES_PER_S)
-    reply_error(core, route, route_len, m, RPL_PERR_INTERNAL,
-                "status: %u MB answered this second already; ask again in a second",
-                COORD_STATUS_BYTES_PER_S >> 20);
-  else
-    core->status_bytes += reply_status(core, route, route_len, m, now);
-  core->status_answers++;
-}
-
-/* Refuses (answers with the error) a HELLO this coordinator cannot take: another world size,
- * or a rank that left. Refused registrations bind nothing. Returns 1 when refused. */
-static int refuse_hello(coord_core *core, const uint8_t *route, size_t route_len,
-                        const rpl_msg *m, const rpl_gg_worker_info *info) {
-  if (m->nworkers != core->nworkers) {
-    reply_error(core, route, route_len, m, RPL_PERR_WORLD_MISMATCH,
-                "world size %d, but this coordinator serves %d workers", (int)m->nworkers,
-                core->nworkers);
-    return 1;
-  }
-  if (info->state == RPL_WORKER_LEFT) {
-    reply_error(core, route, route_len, m, RPL_PERR_LEFT, "rank %d has left this job",
-                (int)m->rank);
-    return 1;
-  }
-  return 0;
-}
-
-/* Which of worker w's routes m came from (route_slot), after binding a HELLO's route to w
- * when may_rebind allows it. -1, the error answered, when that route may not speak for w. */
-static int bind_route(coord_core *core, coord_worker *w, const uint8_t *route,
-                      size_t route_len, const rpl_msg *m, const rpl_gg_worker_info *info,
-                      double now) {
-  int slot = route_slot(w, route, route_len);
-  if (m->type == RPL_MSG_HELLO && slot != 0) {
-    if (!may_rebind(core, w, info, now)) {
-      atomic_fetch_add(&core->wrong_route, 1);
-      reply_error(core, route, route_len, m, RPL_PERR_BAD_RANK,
-                  "rank %d is registered from another connection that is still alive",
-                  (int)m->rank);
-      return -1;
-    }
-    if (w->route_len) atomic_fetch_add(&core->rebinds, 1);
-    memcpy(w->route, route, route_len);
-    w->route_len = (uint8_t)route_len;
-    w->unreachable = 0;
-    w->probes = 0;
-    drop_unsent(w); /* it answered a request of the old connection */
-    w->seq_valid[0] = w->seq_valid[1] = 0; /* a new connection: its own history */
-    return 0;
-  }
-  if (w->route_len == 0) {
-    /* A worker of an earlier instance (we restarted on its endpoint, or it failed over to a
-     * standby and this is its first word): what it waits for died with that instance, and
-     * it must register before it may speak for its rank. */
-    reply_error(core, route, route_len, m, RPL_PERR_NOT_REGISTERED,
-                "rank %d is not registered with this coordinator (it restarted, or this is a "
-                "standby): say HELLO again", (int)m->rank);
-    return -1;
-  }
-  if (slot < 0 || (slot == 1 && m->type != RPL_MSG_HEARTBEAT)) {
-    atomic_fetch_add(&core->wrong_route, 1);
-    reply_error(core, route, route_len, m, RPL_PERR_BAD_RANK,
-                "rank %d is registered from another connection", (int)m->rank);
-    return -1;
-  }
-  return slot;
 }
 
 /* One connection delivers in order, so its seq only grows (serial arithmetic: wraps). Returns
@@ -387,6 +291,223 @@ static int accept_seq(coord_core *core, coord_worker *w, int slot, uint32_t seq)
   w->last_seq[slot] = seq;
   w->seq_valid[slot] = 1;
   if (slot == 0) w->probes = 0; /* it reads that connection again before it waits */
+  return 1;
+}
+
+/* Types a worker or a tool sends; anything else sent to us is malformed. */
+static int to_coordinator(int type) {
+  return type == RPL_MSG_HELLO || type == RPL_MSG_REQUEST || type == RPL_MSG_DONE ||
+         type == RPL_MSG_HEARTBEAT || type == RPL_MSG_FENCE || type == RPL_MSG_UNFENCE ||
+         type == RPL_MSG_LEAVE || type == RPL_MSG_STATUS;
+}
+
+/* The MAC half of a challenge's cookie (COORD_CHALLENGE_MS): what it answers (type, rank, the
+ * opener's nonce) and when it was issued, under this instance's secret. */
+static void cookie_mac(const coord_core *core, const rpl_msg *m, uint64_t tick,
+                       uint8_t out[RPL_NONCE_LEN / 2]) {
+  uint8_t type = m->type, rank[4], t[8];
+  rpl_put32(rank, (uint32_t)m->rank);
+  rpl_put64(t, tick);
+  const void *parts[4] = {&type, rank, m->nonce_w, t};
+  size_t lens[4] = {1, 4, RPL_NONCE_LEN, 8};
+  unsigned char full[RPL_SHA256_LEN];
+  rpl_hmac_sha256(core->secret, sizeof core->secret, parts, lens, 4, full);
+  memcpy(out, full, RPL_NONCE_LEN / 2);
+}
+
+static uint64_t tick_of(const coord_core *core, double now) {
+  double ms = (now - core->start) * 1000.0;
+  return ms > 0 ? (uint64_t)ms : 0;
+}
+
+/* The issue tick of the challenge that m (an answer: HELLO or STATUS with a coordinator
+ * nonce) answers, or 0 when that nonce is not a cookie of ours for m, or is too old. */
+static uint64_t challenge_tick(const coord_core *core, const rpl_msg *m, double now) {
+  uint64_t tick = rpl_get64(m->nonce_c);
+  uint8_t mac[RPL_NONCE_LEN / 2];
+  cookie_mac(core, m, tick, mac);
+  if (!rpl_ct_equal(mac, m->nonce_c + 8, sizeof mac) || tick == 0 || tick > core->last_tick)
+    return 0;
+  uint64_t at = tick_of(core, now);
+  return at > tick && at - tick > COORD_CHALLENGE_MS ? 0 : tick;
+}
+
+/* Answers a session's opening (HELLO or STATUS without a coordinator nonce, MACed with the
+ * token) with a CHALLENGE: the opener's nonce and a fresh cookie (MACed with the token). Keeps
+ * no state: a replayed opening costs one small reply. */
+static void challenge(coord_core *core, const uint8_t *route, size_t route_len,
+                      const rpl_msg *m, double now) {
+  uint64_t tick = tick_of(core, now);
+  if (tick <= core->last_tick) tick = core->last_tick + 1; /* unique, and never 0 */
+  core->last_tick = tick;
+  rpl_msg r;
+  memset(&r, 0, sizeof r);
+  r.type = RPL_MSG_CHALLENGE;
+  r.rank = m->rank;
+  r.seq = m->seq;
+  memcpy(r.nonce_w, m->nonce_w, RPL_NONCE_LEN);
+  rpl_put64(r.nonce_c, tick);
+  cookie_mac(core, m, tick, r.nonce_c + 8);
+  atomic_fetch_add(&core->challenges, 1);
+  reply(core, route, route_len, &r, NULL, core->token, NULL);
+}
+
+/* A message for a rank that holds no session here (we restarted, or are a standby it has not
+ * opened one with): its MAC cannot be checked, so it gets only ERROR(NOT_REGISTERED), MACed
+ * with the token, at most once every COORD_NOT_REGISTERED_MS per rank: it tells a worker of
+ * an earlier instance to open a session, and a stranger nothing it could not learn by asking. */
+static void not_registered(coord_core *core, const uint8_t *route, size_t route_len,
+                           const rpl_msg *m, double now) {
+  coord_worker *w = &core->w[m->rank];
+  if (w->not_registered_at > 0 && now >= w->not_registered_at &&
+      (now - w->not_registered_at) * 1000.0 < COORD_NOT_REGISTERED_MS)
+    return;
+  w->not_registered_at = now;
+  reply_error(core, route, route_len, m, core->token, RPL_PERR_NOT_REGISTERED,
+              "rank %d is not registered with this coordinator (it restarted, or this is a "
+              "standby): say HELLO again", (int)m->rank);
+}
+
+/* Parses msg and checks its MAC under the key it must carry (PROTOCOL.md, "Sessions"): the
+ * token for an opening, the key derived from a valid challenge's answer, or the rank's session
+ * key. Returns 1, *m and key filled, when the sender proved it; anything else is counted and
+ * dropped (a wrong token answered by refuse_token, a rank without a session by
+ * not_registered). */
+static int authenticate(coord_core *core, const uint8_t *route, size_t route_len,
+                        const void *msg, size_t len, double now, rpl_msg *m,
+                        uint8_t key[RPL_TOKEN_LEN]) {
+  rpl_error err;
+  if (route_len == 0 || route_len > RPL_ROUTE_MAX ||
+      rpl_msg_parse(msg, len, core->nworkers, m, &err) != RPL_OK || m->echo ||
+      !to_coordinator(m->type) || (m->rank < 0 && m->type != RPL_MSG_STATUS)) {
+    atomic_fetch_add(&core->malformed, 1);
+    return 0;
+  }
+  if (rpl_msg_opening(m)) {
+    if (rpl_msg_authentic(msg, len, core->token)) {
+      memcpy(key, core->token, RPL_TOKEN_LEN);
+      return 1;
+    }
+    refuse_token(core, route, route_len, m, now);
+    return 0;
+  }
+  if (m->type == RPL_MSG_HELLO || m->type == RPL_MSG_STATUS) {
+    if (!challenge_tick(core, m, now)) {
+      atomic_fetch_add(&core->bad_session, 1);
+      return 0;
+    }
+    rpl_session_key(core->token, m->type, m->rank, m->nonce_w, m->nonce_c, key);
+  } else if (core->w[m->rank].route_len) {
+    memcpy(key, core->w[m->rank].key, RPL_TOKEN_LEN);
+  } else {
+    not_registered(core, route, route_len, m, now);
+    return 0;
+  }
+  if (rpl_msg_authentic(msg, len, key)) return 1;
+  atomic_fetch_add(&core->bad_session, 1);
+  return 0;
+}
+
+/* Has a status query's answer to the challenge issued at `tick` been taken before? Records it
+ * if not. -1 when the last COORD_STATUS_USED answers all came within COORD_CHALLENGE_MS:
+ * forgetting one could let it be replayed, so the query is told to ask again. */
+static int status_replayed(coord_core *core, uint64_t tick, double now) {
+  for (int i = 0; i < COORD_STATUS_USED; i++)
+    if (core->status_used[i] == tick) return 1;
+  uint64_t oldest = core->status_used[core->status_used_next];
+  if (oldest && tick_of(core, now) <= oldest + COORD_CHALLENGE_MS) return -1;
+  core->status_used[core->status_used_next] = tick;
+  core->status_used_next = (core->status_used_next + 1) % COORD_STATUS_USED;
+  return 0;
+}
+
+/* STATUS: read-only, from any connection (tools); answered once per challenge. */
+static void answer_status(coord_core *core, const uint8_t *route, size_t route_len,
+                          const rpl_msg *m, const uint8_t *key, double now) {
+  if (rpl_msg_opening(m)) {
+    challenge(core, route, route_len, m, now);
+    return;
+  }
+  int used = status_replayed(core, rpl_get64(m->nonce_c), now);
+  if (used > 0) {
+    atomic_fetch_add(&core->replayed, 1);
+    return;
+  }
+  if (now - core->status_window >= 1.0 || now < core->status_window) {
+    core->status_window = now;
+    core->status_bytes = 0;
+    core->status_answers = 0;
+  }
+  if (used < 0)
+    reply_error(core, route, route_len, m, key, RPL_PERR_INTERNAL,
+                "status: %d queries answered in %d s; ask again in a second",
+                COORD_STATUS_USED, COORD_CHALLENGE_MS / 1000);
+  else if (m->rank >= 0 && core->w[m->rank].route_len == 0) /* not served here: try another */
+    reply_error(core, route, route_len, m, key, RPL_PERR_NOT_REGISTERED,
+                "rank %d is not registered with this coordinator", (int)m->rank);
+  else if (core->status_answers > 0 && core->status_bytes >= COORD_STATUS_BYTES_PER_S)
+    reply_error(core, route, route_len, m, key, RPL_PERR_INTERNAL,
+                "status: %u MB answered this second already; ask again in a second",
+                COORD_STATUS_BYTES_PER_S >> 20);
+  else
+    core->status_bytes += reply_status(core, route, route_len, m, key, now);
+  core->status_answers++;
+}
+
+/* Refuses (answers with the error, MACed with `key`) a HELLO this coordinator cannot take:
+ * another world size, or a rank that left. Refused registrations bind nothing. Returns 1 when
+ * refused. */
+static int refuse_hello(coord_core *core, const uint8_t *route, size_t route_len,
+                        const rpl_msg *m, const uint8_t *key, const rpl_gg_worker_info *info) {
+  if (m->nworkers != core->nworkers) {
+    reply_error(core, route, route_len, m, key, RPL_PERR_WORLD_MISMATCH,
+                "world size %d, but this coordinator serves %d workers", (int)m->nworkers,
+                core->nworkers);
+    return 1;
+  }
+  if (info->state == RPL_WORKER_LEFT) {
+    reply_error(core, route, route_len, m, key, RPL_PERR_LEFT, "rank %d has left this job",
+                (int)m->rank);
+    return 1;
+  }
+  return 0;
+}
+
+/* A HELLO: an opening is answered with a CHALLENGE; an answer to a challenge newer than the
+ * last this rank answered opens a session -- binds the route it came from and the session's
+ * key to rank w -- when may_rebind allows it. Returns 1 when the session is open (the caller
+ * answers HELLO_ACK), else 0, the refusal answered. */
+static int open_session(coord_core *core, coord_worker *w, const uint8_t *route,
+                        size_t route_len, const rpl_msg *m, const uint8_t *key,
+                        const rpl_gg_worker_info *info, double now) {
+  if (rpl_msg_opening(m)) {
+    if (!refuse_hello(core, route, route_len, m, key, info)) challenge(core, route, route_len, m, now);
+    return 0;
+  }
+  uint64_t tick = rpl_get64(m->nonce_c);
+  if (tick <= w->opened_tick) { /* an answer replayed, or one older than the last taken */
+    atomic_fetch_add(&core->replayed, 1);
+    return 0;
+  }
+  w->opened_tick = tick;
+  if (refuse_hello(core, route, route_len, m, key, info)) return 0;
+  int same = w->route_len == route_len && memcmp(w->route, route, route_len) == 0;
+  if (!same && !may_rebind(core, w, info, now)) {
+    atomic_fetch_add(&core->wrong_route, 1);
+    reply_error(core, route, route_len, m, key, RPL_PERR_BAD_RANK,
+                "rank %d is registered from another connection that is still alive",
+                (int)m->rank);
+    return 0;
+  }
+  if (w->route_len && !same) atomic_fetch_add(&core->rebinds, 1);
+  memcpy(w->route, route, route_len);
+  w->route_len = (uint8_t)route_len;
+  memcpy(w->key, key, RPL_TOKEN_LEN);
+  w->unreachable = 0;
+  w->probes = 0;
+  drop_unsent(w); /* it answered a request of the old session */
+  w->seq_valid[0] = w->seq_valid[1] = 0; /* a new session: its own history */
+  accept_seq(core, w, 0, m->seq);
   return 1;
 }
 
@@ -416,7 +537,7 @@ static int dispatch(coord_core *core, coord_worker *w, const uint8_t *route, siz
       st = rpl_gg_request(core->gg, m->rank, m->round, &err);
       if (st == RPL_OK) coord_straggler_request(&core->attr, m->rank, m->round, now);
       if (st != RPL_OK) {
-        reply_error(core, route, route_len, m,
+        reply_error(core, route, route_len, m, w->key,
                     st == RPL_ERR_CLOSED ? RPL_PERR_LEFT : RPL_PERR_INTERNAL, "%s", err.msg);
       }
       break;
@@ -426,7 +547,7 @@ static int dispatch(coord_core *core, coord_worker *w, const uint8_t *route, siz
       break;
     case RPL_MSG_HEARTBEAT:
       r.type = RPL_MSG_HEARTBEAT_ACK;
-      reply(core, route, route_len, &r, NULL, NULL); /* to whichever sibling sent it */
+      reply(core, route, route_len, &r, NULL, w->key, NULL); /* to the route it came from */
       break;
     case RPL_MSG_FENCE:
       st = rpl_gg_fence(core->gg, m->rank, &err);
@@ -450,31 +571,37 @@ static int dispatch(coord_core *core, coord_worker *w, const uint8_t *route, siz
   return 1;
 }
 
-/* Authentication, then (worker messages) the route's binding, the replay check, and the
- * dispatch; each step answers and drops what it refuses. */
+/* Authentication, then (worker messages) the session's opening or its route and replay
+ * checks, and the dispatch; each step answers and drops what it refuses. */
 void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
                        const void *msg, size_t len, double now) {
   atomic_fetch_add(&core->messages, 1);
   coord_core_advance(core, now); /* waits for partners are measured from arrival */
   rpl_msg m;
-  if (!authenticate(core, route, route_len, msg, len, now, &m)) return;
-  /* From here on the sender proved it holds the job token. */
+  uint8_t key[RPL_TOKEN_LEN];
+  if (!authenticate(core, route, route_len, msg, len, now, &m, key)) return;
+  /* From here on the sender proved it holds the token (and, past an opening, the key). */
   if (m.type == RPL_MSG_STATUS) {
-    answer_status(core, route, route_len, &m, now);
+    answer_status(core, route, route_len, &m, key, now);
     return;
   }
-  /* Everything else comes from a worker; the parser checked 0 <= rank < nworkers. */
-  if (m.rank < 0) {
-    atomic_fetch_add(&core->malformed, 1);
-    return;
-  }
+  /* Everything else comes from a worker: authenticate checked 0 <= rank < nworkers. */
   coord_worker *w = &core->w[m.rank];
   rpl_gg_worker_info info;
   rpl_error err;
   rpl_gg_worker(core->gg, m.rank, &info, &err);
-  if (m.type == RPL_MSG_HELLO && refuse_hello(core, route, route_len, &m, &info)) return;
-  int slot = bind_route(core, w, route, route_len, &m, &info, now);
-  if (slot < 0 || !accept_seq(core, w, slot, m.seq)) return;
+  if (m.type == RPL_MSG_HELLO) {
+    if (!open_session(core, w, route, route_len, &m, key, &info, now)) return;
+  } else {
+    int slot = route_slot(w, route, route_len, m.type);
+    if (slot < 0) {
+      atomic_fetch_add(&core->wrong_route, 1);
+      reply_error(core, route, route_len, &m, key, RPL_PERR_BAD_RANK,
+                  "rank %d is registered from another connection", (int)m.rank);
+      return;
+    }
+    if (!accept_seq(core, w, slot, m.seq)) return;
+  }
   if (!dispatch(core, w, route, route_len, &m, now)) return;
   w->seen = 1;
   w->last_seen = now;
@@ -670,7 +797,8 @@ static void counters_json(coord_core *core, coord_text *b, const rpl_gg_stats *s
                "\"stale_dones\":%llu,\"pending\":%llu,\"deferred\":%llu,\"wait_expired\":%llu,"
                "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
                "\"period_drops\":%llu,\"wrong_route\":%llu,\"replayed\":%llu,\"rebinds\":%llu,"
-               "\"bad_token_quiet\":%llu,\"late_dropped\":%llu,\"probes_withheld\":%llu},",
+               "\"bad_token_quiet\":%llu,\"late_dropped\":%llu,\"probes_withheld\":%llu,"
+               "\"challenges\":%llu,\"bad_session\":%llu},",
                (unsigned long long)atomic_load(&core->messages),
                (unsigned long long)atomic_load(&core->malformed),
                (unsigned long long)atomic_load(&core->bad_token),
@@ -691,7 +819,9 @@ static void counters_json(coord_core *core, coord_text *b, const rpl_gg_stats *s
                (unsigned long long)atomic_load(&core->rebinds),
                (unsigned long long)atomic_load(&core->bad_token_quiet),
                (unsigned long long)st->late_dropped,
-               (unsigned long long)atomic_load(&core->probes_withheld));
+               (unsigned long long)atomic_load(&core->probes_withheld),
+               (unsigned long long)atomic_load(&core->challenges),
+               (unsigned long long)atomic_load(&core->bad_session));
 }
 
 /* Worker i's entry in "workers" (every field the policy and the service keep of it). */

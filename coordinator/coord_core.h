@@ -20,15 +20,28 @@
  * build documents back to back (15.7 MB and 120 ms each at 65,536 workers). */
 #define COORD_STATUS_BYTES_PER_S (32u << 20)
 
+/* A session's opening (PROTOCOL.md, "Sessions"): the coordinator's nonce in a CHALLENGE is
+ * a cookie -- the time it was issued and a MAC of it under the instance's secret -- so a
+ * replayed opening costs a reply and no state. The answer must come within this many ms. A
+ * worker's session is opened only by an answer to a challenge issued after the last one its
+ * rank answered, and a status query's answer is taken once (COORD_STATUS_USED answers per
+ * COORD_CHALLENGE_MS at most: more are told to ask again), so no answer can be replayed. */
+#define COORD_CHALLENGE_MS 10000
+#define COORD_STATUS_USED 4096
+/* ERROR(NOT_REGISTERED) to a rank that holds no session here (we cannot check its MAC, so
+ * the answer is MACed with the token): at most one per rank every this many ms. */
+#define COORD_NOT_REGISTERED_MS 200
+
 /* Sends `len` bytes to the peer named by route (a zmq routing id). Returns 0 on success,
  * COORD_SEND_GONE if no peer of that route is connected, -1 on another failure. */
 #define COORD_SEND_GONE 1
 typedef int (*coord_send_fn)(void *ctx, const uint8_t *route, size_t route_len,
                              const void *msg, size_t len);
 
-/* A worker's binding (PROTOCOL.md, "Connections"): HELLO ties rank r to the route it came
- * from; only that route (and, for HEARTBEAT, its heartbeat sibling) speaks for r until the
- * binding is given up (dead, left, or silent for COORD_REBIND_BEATS heartbeat intervals). */
+/* A worker's binding (PROTOCOL.md, "Connections"): a session's opening ties rank r to the
+ * route it came from and to the session's key; only that route speaks for r (heartbeats, MACed
+ * with the key, from any route) until the binding is given up (dead, left, or silent for
+ * COORD_REBIND_BEATS heartbeat intervals). */
 #define COORD_REBIND_BEATS 2
 /* Probes (see may_rebind in coord_core.c) a worker's bound connection may hold unread: a
  * client reads that connection only while it waits for a reply, so each foreign HELLO's probe
@@ -37,9 +50,12 @@ typedef int (*coord_send_fn)(void *ctx, const uint8_t *route, size_t route_len,
 
 typedef struct coord_worker {
   uint8_t route[RPL_ROUTE_MAX]; /* the bound route: where its replies go */
-  uint8_t route_len;            /* 0 = not bound */
+  uint8_t route_len;            /* 0 = not bound (no session here) */
+  uint8_t key[RPL_TOKEN_LEN];   /* the session's key (valid while bound) */
+  uint64_t opened_tick;         /* issue tick of the challenge its last verified opening answered */
+  double not_registered_at;     /* when it was last told NOT_REGISTERED */
   uint32_t req_seq;             /* sequence number of its outstanding request */
-  uint32_t last_seq[2];         /* last accepted seq: [0] bound route, [1] heartbeat sibling */
+  uint32_t last_seq[2];         /* last accepted seq: [0] bound route, [1] heartbeats */
   uint8_t seq_valid[2];
   uint8_t unreachable;          /* a reply to the bound route failed: that peer is gone */
   uint8_t probes;               /* probes sent to the bound route since it last spoke */
@@ -57,6 +73,10 @@ typedef struct coord_core {
   int nworkers;
   uint8_t token[RPL_TOKEN_LEN];
   char token_hex[2 * RPL_TOKEN_LEN + 1];
+  uint8_t secret[32];           /* this instance's, for its challenges' cookies; never sent */
+  uint64_t last_tick;           /* the last challenge's issue tick (ms; strictly rising) */
+  uint64_t status_used[COORD_STATUS_USED]; /* issue ticks of status challenges answered */
+  int status_used_next;
   uint32_t heartbeat_ms, dead_ms;
   int join_ms;
   int standby;                  /* started as a failover coordinator (rpl_coord_config) */
@@ -69,6 +89,7 @@ typedef struct coord_core {
   void *send_ctx;
   atomic_ullong messages, malformed, bad_token, errors_sent, dead_declared, send_failures;
   atomic_ullong wrong_route, replayed, rebinds, bad_token_quiet, probes_withheld;
+  atomic_ullong challenges, bad_session;
   double bad_token_window;      /* start of the second bad_token_replies counts in */
   int bad_token_replies;
   double status_window;         /* start of the second status_bytes counts in */

@@ -216,4 +216,6 @@ void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out) {
   out->rebinds = atomic_load(&k->rebinds);
   out->probes_withheld = atomic_load(&k->probes_withheld);
   out->bad_token_quiet = atomic_load(&k->bad_token_quiet);
+  out->challenges = atomic_load(&k->challenges);
+  out->bad_session = atomic_load(&k->bad_session);
 }

@@ -69,11 +69,15 @@ typedef struct rpl_coord_counters {
   uint64_t dead_declared;  /* workers declared dead (missed heartbeats or never joined) */
   uint64_t send_failures;  /* replies a peer was no longer there to take */
   uint64_t wrong_route;    /* refused: a rank's message from a connection it is not bound to */
-  uint64_t replayed;       /* dropped: seq not above the last accepted one of that connection */
+  uint64_t replayed;       /* dropped: seq not above the last accepted one of that session, or
+                              an answer to a challenge taken already */
   uint64_t rebinds;        /* a rank bound to a new connection (failover, restart) */
   uint64_t probes_withheld; /* foreign HELLOs refused without probing the live connection
                               (COORD_MAX_PROBES unread probes there already) */
   uint64_t bad_token_quiet;/* wrong-token messages left unanswered (reply rate limit) */
+  uint64_t challenges;     /* CHALLENGEs sent: openings of sessions and status queries */
+  uint64_t bad_session;    /* dropped: an answer to a challenge that is not ours, too old, or
+                              fails its MAC; or a message failing its rank's session key */
 } rpl_coord_counters;
 
 /* Readable from any thread while the service runs. */

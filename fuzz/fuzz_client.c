@@ -2,11 +2,12 @@
  * functions csrc/sched/client.c runs on what its sockets receive (rpl_client_accept,
  * rpl_client_request_reply, rpl_client_beat_reply), without sockets. Input: messages, each
  * prefixed by a 2-byte little-endian length (bit 15: the harness MACs the message with the
- * client's token after any mutation, as the coordinator would have), as they would arrive on
- * the request socket (waiting for REQUEST(round 2) under seq 7) and on the heartbeat socket.
- * Oracles: nothing is accepted but messages MACed with the client's token under its seq, or
- * an echoed ERROR(BAD_TOKEN) under its seq; a group handed to the caller fits its buffer,
- * holds the caller, and has sorted, unique members in [0, nworkers).
+ * client's session key after any mutation, as the coordinator would have), as they would
+ * arrive on the request socket (waiting for REQUEST(round 2) under seq 7) and on the heartbeat
+ * socket. Oracles: nothing is accepted but messages MACed with the session's key under its
+ * seq, an ERROR(NOT_REGISTERED) MACed with the token under its seq, or an echoed
+ * ERROR(BAD_TOKEN) under its seq; a group handed to the caller fits its buffer, holds the
+ * caller, and has sorted, unique members in [0, nworkers).
  *
  * libFuzzer (clang):   fuzz/run_libfuzzer.sh [seconds] [workdir] client
  * Standalone (any cc): fuzz_client_smoke [iterations] | --write-corpus DIR | FILE...
@@ -24,6 +25,20 @@
 #define FUZZ_ROUND 2u
 static const char *FUZZ_TOKEN = "c1c2c3c4c5c6c7c8c9cacbcccdcecfd0";
 
+/* The client's session key: the token's, for nonces the harness fixes. */
+static void session_key(const uint8_t tok[RPL_TOKEN_LEN], uint8_t key[RPL_TOKEN_LEN]) {
+  uint8_t nw[RPL_NONCE_LEN] = {7}, nc[RPL_NONCE_LEN] = {9};
+  rpl_session_key(tok, RPL_MSG_HELLO, FUZZ_RANK, nw, nc, key);
+}
+
+/* MACed as the client may accept: with the key, or a NOT_REGISTERED with the token. */
+static int authentic(const uint8_t *buf, size_t len, const rpl_msg *m, const uint8_t *key,
+                     const uint8_t *tok) {
+  return rpl_msg_authentic(buf, len, key) ||
+         (m->type == RPL_MSG_ERROR && m->code == RPL_PERR_NOT_REGISTERED &&
+          rpl_msg_authentic(buf, len, tok));
+}
+
 static void fail(const char *why) {
   fprintf(stderr, "fuzz_client: %s\n", why);
   abort();
@@ -31,9 +46,10 @@ static void fail(const char *why) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  uint8_t tok[RPL_TOKEN_LEN];
+  uint8_t tok[RPL_TOKEN_LEN], key[RPL_TOKEN_LEN];
   rpl_error err;
   if (rpl_token_from_hex(FUZZ_TOKEN, tok, &err) != RPL_OK) abort();
+  session_key(tok, key);
   size_t pos = 0;
   while (pos + 2 <= size) {
     size_t len = ((size_t)data[pos] | (size_t)data[pos + 1] << 8) & 0x7fff;
@@ -43,26 +59,31 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     uint8_t *buf = malloc(len ? len : 1); /* exact size: ASan catches reads past it */
     memcpy(buf, data + pos, len);
     pos += len;
-    if (sign) rpl_msg_sign(buf, len, tok);
+    if (sign) rpl_msg_sign(buf, len, key);
     {
       /* heartbeats sent after the last answered (FUZZ_SEQ - 3): a reply counts only for them */
       uint32_t answered = FUZZ_SEQ - 3, got = 0;
-      int kind = rpl_client_beat_reply(buf, len, tok, FUZZ_WORKERS, FUZZ_RANK, answered,
+      int kind = rpl_client_beat_reply(buf, len, key, tok, FUZZ_WORKERS, FUZZ_RANK, answered,
                                        FUZZ_SEQ, &got);
       if (kind != RPL_BEAT_IGNORE && (got <= answered || got > FUZZ_SEQ))
         fail("a heartbeat reply counted for a heartbeat not in flight");
-      if (kind != RPL_BEAT_IGNORE && !rpl_msg_authentic(buf, len, tok))
+      rpl_msg hm;
+      if (kind == RPL_BEAT_ACK && !rpl_msg_authentic(buf, len, key))
+        fail("a heartbeat ACK counted without its session's MAC");
+      if (kind == RPL_BEAT_LOST &&
+          (rpl_msg_parse(buf, len, FUZZ_WORKERS, &hm, &err) != RPL_OK ||
+           !authentic(buf, len, &hm, key, tok)))
         fail("a heartbeat reply counted without its MAC");
     }
     rpl_msg m;
-    if (!rpl_client_accept(buf, len, tok, FUZZ_WORKERS, FUZZ_RANK, FUZZ_SEQ, &m)) {
+    if (!rpl_client_accept(buf, len, key, tok, FUZZ_WORKERS, FUZZ_RANK, FUZZ_SEQ, &m)) {
       free(buf);
       continue;
     }
     if (m.seq != FUZZ_SEQ) fail("accepted a reply to another seq");
     if (m.rank != FUZZ_RANK) fail("accepted a reply to another rank");
     if (m.echo ? !(m.type == RPL_MSG_ERROR && m.code == RPL_PERR_BAD_TOKEN)
-               : !rpl_msg_authentic(buf, len, tok))
+               : !authentic(buf, len, &m, key, tok))
       fail("accepted a foreign reply");
     for (int cap = 1; cap <= FUZZ_WORKERS; cap += 2) {
       int members[FUZZ_WORKERS];
@@ -103,8 +124,9 @@ static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const in
   return end;
 }
 
-/* Seeds: every reply type a coordinator sends, MACed with the client's token under its seq
- * (and some with a stale seq, a wrong token, another round, an echoed refusal). */
+/* Seeds: every reply type a coordinator sends, MACed with the client's session key under its
+ * seq (and some with a stale seq, only the token, a wrong token, another round, an echoed
+ * refusal). */
 static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
   static const int types[] = {RPL_MSG_GROUP, RPL_MSG_GROUP,         RPL_MSG_PASS,
                               RPL_MSG_CANCEL, RPL_MSG_ERROR,        RPL_MSG_HELLO_ACK,
@@ -119,6 +141,8 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
     if ((s >> 45) % 7 == 0) {
       m.token[0] ^= 0x80; /* another job's coordinator */
       sign = 0;
+    } else if ((s >> 45) % 7 == 1) {
+      sign = 0; /* the token, not the session's key: only NOT_REGISTERED counts */
     }
     m.round = (s >> 48) % 4 ? FUZZ_ROUND : FUZZ_ROUND + 1;
     m.group_id = 1 + (s >> 20) % 9;

@@ -1,9 +1,12 @@
 """The coordinator's security rules (coordinator/PROTOCOL.md, "Connections" and "Threat
 model") with real processes and sockets; pyzmq plays the stranger on the network.
 
-- the token never travels (version 5: every message carries an HMAC keyed by it); a
-  wrong-token message is answered only by an unauthenticated echo of its own MAC (raw reply
-  bytes checked), and a token holder's replies are MACed;
+- the token never travels (every message carries an HMAC keyed by it or by a session's key
+  derived from it); a wrong-token message is answered only by an unauthenticated echo of its
+  own MAC (raw reply bytes checked), and a token holder's replies are MACed;
+- sessions (version 6): a recorded HELLO or status query replayed, from any connection,
+  binds nothing and returns nothing but a small CHALLENGE; a token holder cannot speak for a
+  rank whose session it did not open;
 - a coordinator that cannot MAC (another job's, or a fake an attacker named in the store)
   gets no usable answer from a worker: the worker refuses its replies and says why;
 - a rank is tied to the connection it registered from: another connection cannot speak for
@@ -32,21 +35,36 @@ import _dist  # noqa: E402
 from ripples_pg import Options, coordinator  # noqa: E402
 
 TOKEN = "0123456789abcdef0123456789abcdef"
-MAGIC, VERSION = 0x47504C52, 5
+MAGIC, VERSION = 0x47504C52, 6
 HELLO, HELLO_ACK, FENCE, LEAVE, STATUS, STATUS_REPLY, ERROR, HEARTBEAT = 1, 2, 9, 11, 13, 14, 15, 7
-BAD_TOKEN, BAD_RANK = 1, 2
+REQUEST, CHALLENGE = 3, 17
+BAD_TOKEN, BAD_RANK, NOT_REGISTERED = 1, 2, 7
 FLAG_ECHO = 1
+FROM_WORKER = {HELLO, REQUEST, 6, HEARTBEAT, FENCE, 10, LEAVE, STATUS}
 
 
-def mac(token, head20, body):
-    """PROTOCOL.md: the first 16 bytes of HMAC-SHA256(token, header[0:20] || body)."""
-    return hmac.new(token, head20 + body, hashlib.sha256).digest()[:16]
+def mac(key, head20, body):
+    """PROTOCOL.md: the first 16 bytes of HMAC-SHA256(key, direction || header[0:20] || body),
+    the direction b"W" for what workers and tools send, b"C" for the coordinator's."""
+    direction = b"W" if head20[5] in FROM_WORKER else b"C"
+    return hmac.new(key, direction + head20 + body, hashlib.sha256).digest()[:16]
 
 
-def encode(mtype, rank, seq, token, body=b""):
-    """A protocol message (PROTOCOL.md, header of 36 bytes), MACed with `token`."""
+def encode(mtype, rank, seq, key, body=b""):
+    """A protocol message (PROTOCOL.md, header of 36 bytes), MACed with `key`."""
     head = struct.pack("<IBBHIiI", MAGIC, VERSION, mtype, 0, len(body), rank, seq)
-    return head + mac(token, head, body) + body
+    return head + mac(key, head, body) + body
+
+
+def session_key(token, mtype, rank, nonce_w, nonce_c):
+    """PROTOCOL.md, "Sessions": the key of a worker's session (HELLO) or a status query."""
+    label = b"ripples session v6\0" if mtype == HELLO else b"ripples status v6\0"
+    msg = label + struct.pack("<i", rank) + nonce_w + nonce_c
+    return hmac.new(token, msg, hashlib.sha256).digest()[:16]
+
+
+def hello_body(nworkers, nonce_w=bytes(16), nonce_c=bytes(16)):
+    return struct.pack("<ii", nworkers, 0) + nonce_w + nonce_c
 
 
 def decode(raw):
@@ -92,8 +110,7 @@ def coord():
 def test_wrong_token_reply_never_carries_the_job_token(coord):
     st = Stranger(coord.endpoint)
     try:
-        for mtype, rank, body in ((STATUS, -1, b""), (HELLO, 0, struct.pack("<ii", 2, 0)),
-                                  (LEAVE, 1, b"")):
+        for mtype, rank, body in ((STATUS, -1, bytes(32)), (HELLO, 0, hello_body(2))):
             sent = encode(mtype, rank, 1, bytes(16), body)
             raw = st.ask(sent)
             assert raw is not None, "an honest misconfigured client is told why"
@@ -104,19 +121,34 @@ def test_wrong_token_reply_never_carries_the_job_token(coord):
             # stranger's choice of text (which would be a MAC oracle).
             assert flags == FLAG_ECHO and tag == sent[20:36]
             assert not authentic(raw, bytes.fromhex(TOKEN))
-        # A token holder's message: the reply is MACed, and still carries no token.
-        sent = encode(STATUS, -1, 2, bytes.fromhex(TOKEN))
+        # A worker message for a rank with no session here cannot be checked: it is told
+        # NOT_REGISTERED (MACed with the token), which carries no token either.
+        raw = st.ask(encode(LEAVE, 1, 1, bytes(16)))
+        assert raw is not None and bytes.fromhex(TOKEN) not in raw
+        rtype, _, _, flags, _, rbody = decode(raw)
+        assert rtype == ERROR and struct.unpack_from("<I", rbody)[0] == NOT_REGISTERED
+        # A token holder's query: the opening is answered with a CHALLENGE, the answer with
+        # the document MACed with the query's key; neither carries the token.
+        token = bytes.fromhex(TOKEN)
+        nonce_w = os.urandom(16)
+        raw = st.ask(encode(STATUS, -1, 1, token, nonce_w + bytes(16)))
+        rtype, _, seq, flags, _, rbody = decode(raw)
+        assert (rtype, seq, flags) == (CHALLENGE, 1, 0) and authentic(raw, token)
+        assert rbody[:16] == nonce_w and rbody[16:] != bytes(16)
+        key = session_key(token, STATUS, -1, nonce_w, rbody[16:])
+        sent = encode(STATUS, -1, 2, key, nonce_w + rbody[16:])
         raw = st.ask(sent)
-        assert raw is not None and bytes.fromhex(TOKEN) not in sent + raw
+        assert raw is not None and token not in sent + raw
         rtype, _, seq, flags, _, _ = decode(raw)
-        assert (rtype, seq, flags) == (STATUS_REPLY, 2, 0) and authentic(raw, bytes.fromhex(TOKEN))
+        assert (rtype, seq, flags) == (STATUS_REPLY, 2, 0) and authentic(raw, key)
+        assert not authentic(raw, token)
     finally:
         st.close()
     counters = coord.counters()
-    assert counters["bad_token"] >= 3
+    assert counters["bad_token"] >= 2
     # The status document (with the right token) never carries the token either.
     doc = coordinator.status(coord.endpoint, TOKEN)
-    assert TOKEN not in doc and json.loads(doc)["counters"]["bad_token"] >= 3
+    assert TOKEN not in doc and json.loads(doc)["counters"]["bad_token"] >= 2
 
 
 def test_rank_is_tied_to_its_connection(coord):
@@ -124,15 +156,24 @@ def test_rank_is_tied_to_its_connection(coord):
                           heartbeat_ms=100) for r in range(2)]
     st = Stranger(coord.endpoint)
     try:
-        # The stranger holds the token (the worst case), yet cannot act for rank 0, nor take
-        # its registration over while the real worker is alive.
-        for mtype, body in ((LEAVE, b""), (FENCE, b""), (HEARTBEAT, b""),
-                            (HELLO, struct.pack("<ii", 2, 0))):
-            raw = st.ask(encode(mtype, 0, 1 << 30, bytes.fromhex(TOKEN), body))
-            assert raw is not None
-            rtype, _, _, _, _, rbody = decode(raw)
-            assert rtype == ERROR and struct.unpack_from("<I", rbody)[0] == BAD_RANK, rbody
-        assert coord.counters()["wrong_route"] == 4
+        # The stranger holds the token (the worst case), yet cannot act for rank 0 (its
+        # messages need rank 0's session key: dropped unanswered), nor take its registration
+        # over while the real worker is alive (a session of its own is refused).
+        token = bytes.fromhex(TOKEN)
+        for mtype in (LEAVE, FENCE, HEARTBEAT):
+            assert st.ask(encode(mtype, 0, 1 << 30, token), timeout_ms=500) is None
+        assert coord.counters()["bad_session"] == 3
+        nonce_w = os.urandom(16)
+        raw = st.ask(encode(HELLO, 0, 1 << 30, token, hello_body(2, nonce_w)))
+        rtype, _, _, _, _, rbody = decode(raw)
+        assert rtype == CHALLENGE and authentic(raw, token), rbody
+        nonce_c = rbody[16:32]
+        key = session_key(token, HELLO, 0, nonce_w, nonce_c)
+        raw = st.ask(encode(HELLO, 0, (1 << 30) + 1, key, hello_body(2, nonce_w, nonce_c)))
+        assert raw is not None and authentic(raw, key)
+        rtype, _, _, _, _, rbody = decode(raw)
+        assert rtype == ERROR and struct.unpack_from("<I", rbody)[0] == BAD_RANK, rbody
+        assert coord.counters()["wrong_route"] == 1
         doc = json.loads(coordinator.status(coord.endpoint, TOKEN))
         assert doc["workers"][0]["state"] == "live" and doc["workers"][0]["bound"]
         # The real workers are still served together.
@@ -432,8 +473,8 @@ def test_a_fake_coordinator_learns_no_token_and_is_refused():
             mtype, rank, seq, _flags, tag, _body = decode(raw)
             fake.send_multipart([route, answer(rank, seq, tag)])
 
-    forged = lambda rank, seq, tag: encode(HELLO_ACK, rank, seq, bytes(16),  # noqa: E731
-                                           struct.pack("<BxxxiII", 1, 2, 100, 1000))
+    forged = lambda rank, seq, tag: encode(CHALLENGE, rank, seq, bytes(16),  # noqa: E731
+                                           os.urandom(32))
     th = threading.Thread(target=serve, args=(forged,), daemon=True)
     th.start()
     try:
@@ -486,3 +527,127 @@ def test_an_unauthenticated_refusal_shows_no_text_of_the_sender():
         th.join(10)
         fake.close(0)
         ctx.term()
+
+
+class Relay:
+    """A byte-forwarding relay on the path to a coordinator, as an attacker without the token
+    runs one (issue 51's review): each client connection gets its own connection upstream
+    under the same routing id; `sent` records what the clients sent, in order."""
+
+    def __init__(self, upstream):
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        self.upstream, self.up, self.sent = upstream, {}, []
+        self.stop = threading.Event()
+        self.th = threading.Thread(target=self._run, daemon=True)
+        self.th.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            poller = zmq.Poller()
+            poller.register(self.front, zmq.POLLIN)
+            for s in self.up.values():
+                poller.register(s, zmq.POLLIN)
+            for sock, _ in poller.poll(20):
+                if sock is self.front:
+                    route, raw = self.front.recv_multipart()
+                    if route not in self.up:
+                        s = self.ctx.socket(zmq.DEALER)
+                        s.setsockopt(zmq.LINGER, 0)
+                        s.setsockopt(zmq.ROUTING_ID, route)
+                        s.connect(self.upstream)
+                        self.up[route] = s
+                    self.sent.append(raw)
+                    self.up[route].send(raw)
+                else:
+                    route = next(r for r, s in self.up.items() if s is sock)
+                    self.front.send_multipart([route, sock.recv()])
+
+    def close(self):
+        self.stop.set()
+        self.th.join(10)
+        for s in self.up.values():
+            s.close(0)
+        self.front.close(0)
+        self.ctx.term()
+
+
+def _replies(st, msgs, wait_ms=300):
+    """Sends msgs from the stranger's socket; the raw replies that came within wait_ms."""
+    for raw in msgs:
+        st.s.send(raw)
+    out = []
+    while st.s.poll(wait_ms):
+        out.append(st.s.recv())
+    return out
+
+
+def test_a_replayed_hello_binds_nothing_here_or_at_a_standby():
+    """Issue 51, finding 1: a worker's recorded HELLO (its opening and its answer to the
+    challenge), replayed from another connection -- to the coordinator it registered with,
+    or to a standby before the worker fails over there -- binds nothing: the opening gets a
+    CHALLENGE nobody without the token can answer, the answer is taken once and only by the
+    instance whose challenge it answers. The worker then fails over to the standby and is
+    served there."""
+    knobs = dict(bind="tcp://127.0.0.1:*", token=TOKEN, group_size=2, heartbeat_ms=100,
+                 dead_ms=1000, join_ms=-1)
+    primary = coordinator.start(2, "random", **knobs)
+    standby = coordinator.start(2, "random", standby=True, **knobs)
+    relay = Relay(primary.endpoint)
+    w, strangers = None, []
+    try:
+        w = _gg.Client(f"{relay.endpoint},{standby.endpoint}", TOKEN, 1, 2, timeout_ms=5000,
+                       request_timeout_ms=20000, heartbeat_ms=100)
+        hello = [raw for raw in relay.sent if raw[5] == HELLO]
+        assert len(hello) == 2, "an opening and an answer"
+        for target, c in ((primary.endpoint, primary), (standby.endpoint, standby)):
+            st = Stranger(target)
+            strangers.append(st)  # kept open: the review kept its replay's connection alive
+            got = [decode(raw)[0] for raw in _replies(st, hello)]
+            assert got == [CHALLENGE], got
+            assert c.counters()["replayed"] + c.counters()["bad_session"] >= 1
+        doc = json.loads(coordinator.status(standby.endpoint, TOKEN))
+        assert not doc["workers"][1]["bound"], "a replayed HELLO bound rank 1 at the standby"
+        primary.close()
+        primary = None
+        served = None
+        for _ in range(5):
+            try:
+                served = w.request(0)
+                break
+            except Exception:  # the round in flight when the primary died fails
+                pass
+        assert served is not None, "not served by the standby after failover"
+        doc = json.loads(coordinator.status(standby.endpoint, TOKEN))
+        assert doc["workers"][1]["bound"], "rank 1 registered with the standby"
+    finally:
+        for st in strangers:
+            st.close()
+        if w is not None:
+            w.close()
+        relay.close()
+        if primary is not None:
+            primary.close()
+        standby.close()
+
+
+def test_a_replayed_status_query_returns_nothing(coord):
+    """Issue 51, finding 3: a recorded status query replayed (from any connection) returns no
+    document: its answer to the challenge is taken once, and a replayed opening gets a
+    68-byte CHALLENGE."""
+    relay = Relay(coord.endpoint)
+    st = Stranger(coord.endpoint)
+    try:
+        doc = coordinator.status(relay.endpoint, TOKEN)
+        assert json.loads(doc)["nworkers"] == 2
+        opening, answer = [raw for raw in relay.sent if raw[5] == STATUS]
+        replayed = coord.counters()["replayed"]
+        assert _replies(st, [answer] * 5) == []
+        assert coord.counters()["replayed"] == replayed + 5
+        (raw,) = _replies(st, [opening])
+        assert decode(raw)[0] == CHALLENGE and len(raw) == 36 + 32
+    finally:
+        st.close()
+        relay.close()

@@ -33,6 +33,8 @@ struct rpl_gg_client {
   int neps, cur;
   double next_failover;        /* clock before which no new attempt is made */
   uint8_t token[RPL_TOKEN_LEN];
+  uint8_t key[RPL_TOKEN_LEN];  /* the MAC key: the session's, or the token while one opens;
+                                  set only with the heartbeat thread stopped */
   int rank, nworkers, host_label;
   int timeout_ms, request_timeout_ms, heartbeat_ms;
   /* Atomics, like every field stats read: stats never take `lock`, which a request holds
@@ -44,8 +46,7 @@ struct rpl_gg_client {
   void *sock;
   atomic_uint seq;             /* one counter for every message of this client, both sockets
                                   and every registration: it never goes back (PROTOCOL.md) */
-  uint8_t rid[RPL_ROUTE_ID_LEN];/* routing id of the request socket of this registration; the
-                                  heartbeat socket uses it with RPL_ROUTE_HEARTBEAT first */
+  uint8_t rid[RPL_ROUTE_ID_LEN];/* routing id of the request socket of this registration */
   uint8_t *buf;                /* receive buffer, MAX_MSG bytes */
   pthread_mutex_t lock;        /* serialises use of sock */
   atomic_int asking;           /* requests holding or queued for `lock` (one may wait for its
@@ -91,7 +92,7 @@ static rpl_status send_msg(void *sock, rpl_msg *m, const int *members, rpl_error
 static void fill_header(const rpl_gg_client *c, rpl_msg *m, int type, uint32_t seq) {
   memset(m, 0, sizeof *m);
   m->type = (uint8_t)type;
-  memcpy(m->token, c->token, RPL_TOKEN_LEN);
+  memcpy(m->token, c->key, RPL_TOKEN_LEN);
   m->rank = c->rank;
   m->seq = seq;
 }
@@ -107,16 +108,26 @@ static rpl_status from_error_reply(const rpl_msg *m, const char *endpoint, rpl_e
 
 /* ---- reply handling without sockets (fuzzed: fuzz/fuzz_client.c) ------------- */
 
-int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                      int nworkers, int rank, uint32_t seq, rpl_msg *m) {
+/* MACed with the key, or a "not registered" from an instance that holds no session of ours
+ * (it can only MAC with the token). */
+static int authentic_reply(const void *buf, size_t n, const rpl_msg *m,
+                           const uint8_t key[RPL_TOKEN_LEN], const uint8_t token[RPL_TOKEN_LEN]) {
+  if (rpl_msg_authentic(buf, n, key)) return 1;
+  return m->type == RPL_MSG_ERROR && m->code == RPL_PERR_NOT_REGISTERED &&
+         rpl_msg_authentic(buf, n, token);
+}
+
+int rpl_client_accept(const void *buf, size_t n, const uint8_t key[RPL_TOKEN_LEN],
+                      const uint8_t token[RPL_TOKEN_LEN], int nworkers, int rank, uint32_t seq,
+                      rpl_msg *m) {
   rpl_error perr;
   if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, m, &perr) != RPL_OK) return 0;
   if (m->seq != seq || m->rank != rank) return 0;
-  /* Every reply is MACed with our token, but the refusal of a token the coordinator does
-   * not share (it cannot MAC that): anyone on the path could forge one, which costs us no
-   * more than a dropped reply would. */
+  /* Every reply is MACed, but the refusal of a token the coordinator does not share (it
+   * cannot MAC that): anyone on the path could forge one, which costs us no more than a
+   * dropped reply would. */
   if (m->echo) return 1; /* the parser allows the echo on ERROR(BAD_TOKEN) only */
-  return rpl_msg_authentic(buf, n, token);
+  return authentic_reply(buf, n, m, key, token);
 }
 
 rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int rank,
@@ -173,13 +184,13 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
   return RPL_REPLY_FAIL;
 }
 
-int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                          int nworkers, int rank, uint32_t answered, uint32_t sent,
-                          uint32_t *seq_out) {
+int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t key[RPL_TOKEN_LEN],
+                          const uint8_t token[RPL_TOKEN_LEN], int nworkers, int rank,
+                          uint32_t answered, uint32_t sent, uint32_t *seq_out) {
   rpl_msg m;
   rpl_error e;
-  if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, &m, &e) != RPL_OK ||
-      !rpl_msg_authentic(buf, n, token) || m.rank != rank)
+  if (n > MAX_MSG || rpl_msg_parse(buf, n, nworkers, &m, &e) != RPL_OK || m.echo ||
+      !authentic_reply(buf, n, &m, key, token) || m.rank != rank)
     return RPL_BEAT_IGNORE;
   /* in (answered, sent]: sent after the last answered one, and sent at all */
   if ((int32_t)(m.seq - answered) <= 0 || (int32_t)(sent - m.seq) < 0) return RPL_BEAT_IGNORE;
@@ -226,7 +237,7 @@ static rpl_status wait_reply(rpl_gg_client *c, uint32_t seq, double deadline, at
       if (zmq_errno() == EAGAIN || zmq_errno() == EINTR) continue;
       return zfail(err, "recv", endpoint);
     }
-    if (rpl_client_accept(buf, (size_t)n, c->token, c->nworkers, c->rank, seq, m))
+    if (rpl_client_accept(buf, (size_t)n, c->key, c->token, c->nworkers, c->rank, seq, m))
       return RPL_OK;
     rpl_error perr; /* well-formed and answering seq, but not MACed with our token? */
     forged += rpl_msg_parse(buf, (size_t)n, c->nworkers, m, &perr) == RPL_OK && m->seq == seq;
@@ -241,15 +252,16 @@ static void limit_inbound(void *s) {
   zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &maxmsg, sizeof maxmsg);
 }
 
-static void *beat_main(void *arg) {
-  rpl_gg_client *c = arg;
-  pthread_setname_np(pthread_self(), "rpl-gg-beat");
+/* The heartbeat socket: a routing id of its own (random: nothing on the wire tells it before
+ * its own handshake does), connected to the current endpoint. NULL on failure. */
+static void *beat_socket(rpl_gg_client *c) {
+  uint8_t rid[RPL_ROUTE_ID_LEN];
+  rpl_error e;
+  if (rpl_token_generate(rid + 1, &e) != RPL_OK) return NULL;
+  rid[0] = RPL_ROUTE_HEARTBEAT;
   void *s = zmq_socket(c->ctx, ZMQ_DEALER);
   if (!s) return NULL;
   int linger = 0;
-  uint8_t rid[RPL_ROUTE_ID_LEN];
-  memcpy(rid, c->rid, sizeof rid);
-  rid[0] = RPL_ROUTE_HEARTBEAT; /* the sibling of the registered route (PROTOCOL.md) */
   zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof linger);
   zmq_setsockopt(s, ZMQ_ROUTING_ID, rid, sizeof rid);
   limit_inbound(s);
@@ -257,12 +269,33 @@ static void *beat_main(void *arg) {
     zmq_close(s);
     return NULL;
   }
+  return s;
+}
+
+static void *beat_main(void *arg) {
+  rpl_gg_client *c = arg;
+  pthread_setname_np(pthread_self(), "rpl-gg-beat");
+  void *s = beat_socket(c);
+  if (!s) return NULL;
   uint8_t *buf = malloc(MAX_MSG);
-  double last_ack = now_s(), next_send = 0;
+  double last_ack = now_s(), next_send = 0, opened = last_ack;
   /* Replies count for heartbeats in (answered, sent]: none before the first one goes out. */
   uint32_t sent = atomic_load(&c->seq), answered = sent;
   while (buf && !atomic_load(&c->stop)) {
     double t = now_s();
+    /* Unanswered for a third of dead_ms (two beats at least): a fresh connection under a new
+     * routing id, in case another peer took this one's (the coordinator takes heartbeats
+     * from any route; a connection whose id is in use is refused). */
+    double beat_s = atomic_load(&c->beat_ms) / 1000.0, dead_s = atomic_load(&c->dead_ms) / 1000.0;
+    double reopen_s = dead_s / 3 > 2 * beat_s ? dead_s / 3 : 2 * beat_s;
+    if (t - last_ack > reopen_s && t - opened > reopen_s) {
+      void *fresh = beat_socket(c);
+      if (fresh) {
+        zmq_close(s);
+        s = fresh;
+      }
+      opened = t;
+    }
     if (t >= next_send) {
       rpl_msg m;
       uint32_t seq = next_seq(c);
@@ -278,8 +311,8 @@ static void *beat_main(void *arg) {
     if (zmq_poll(&it, 1, 50) > 0) {
       int n;
       while ((n = zmq_recv(s, buf, MAX_MSG, ZMQ_DONTWAIT)) >= 0) {
-        int kind = rpl_client_beat_reply(buf, (size_t)n, c->token, c->nworkers, c->rank,
-                                         answered, sent, &answered);
+        int kind = rpl_client_beat_reply(buf, (size_t)n, c->key, c->token, c->nworkers,
+                                         c->rank, answered, sent, &answered);
         if (kind == RPL_BEAT_ACK) {
           atomic_fetch_add(&c->hb_acked, 1);
           last_ack = now_s();
@@ -311,18 +344,47 @@ static rpl_status connect_fresh(rpl_gg_client *c, rpl_error *err) {
   return RPL_OK;
 }
 
-/* HELLO until HELLO_ACK (in *m), an error, or hello_ms; a failure named for the user. */
+/* Sends HELLO with our nonce and the coordinator's (all zero: an opening), MACed with c->key,
+ * and waits for its reply. */
+static rpl_status say_hello(rpl_gg_client *c, const uint8_t *nonce_w, const uint8_t *nonce_c,
+                            double deadline, rpl_msg *m, rpl_error *err) {
+  uint32_t seq = next_seq(c);
+  fill_header(c, m, RPL_MSG_HELLO, seq);
+  m->nworkers = c->nworkers;
+  m->host_label = c->host_label;
+  memcpy(m->nonce_w, nonce_w, RPL_NONCE_LEN);
+  memcpy(m->nonce_c, nonce_c, RPL_NONCE_LEN);
+  rpl_status st = send_msg(c->sock, m, NULL, err, c->endpoint);
+  return st == RPL_OK ? wait_reply(c, seq, deadline, NULL, m, err) : st;
+}
+
+/* Opens a session (PROTOCOL.md, "Sessions"): HELLO with a fresh nonce under the token, the
+ * coordinator's CHALLENGE, and HELLO answering it under the session's key (then c->key),
+ * whose reply is in *m. A refusal of the opening is returned in *m as well. */
+static rpl_status open_session(rpl_gg_client *c, double deadline, rpl_msg *m, rpl_error *err) {
+  uint8_t nonce_w[RPL_NONCE_LEN], nonce_c[RPL_NONCE_LEN] = {0};
+  rpl_status st = rpl_token_generate(nonce_w, err);
+  if (st != RPL_OK) return st;
+  memcpy(c->key, c->token, RPL_TOKEN_LEN);
+  st = say_hello(c, nonce_w, nonce_c, deadline, m, err);
+  if (st != RPL_OK || m->type != RPL_MSG_CHALLENGE) return st;
+  if (memcmp(m->nonce_w, nonce_w, RPL_NONCE_LEN) != 0)
+    return rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered HELLO with a "
+                    "challenge for another HELLO", c->endpoint);
+  memcpy(nonce_c, m->nonce_c, RPL_NONCE_LEN);
+  uint8_t key[RPL_TOKEN_LEN];
+  rpl_session_key(c->token, RPL_MSG_HELLO, c->rank, nonce_w, nonce_c, key);
+  memcpy(c->key, key, RPL_TOKEN_LEN);
+  return say_hello(c, nonce_w, nonce_c, deadline, m, err);
+}
+
+/* Opens a session until HELLO_ACK (in *m), an error, or hello_ms; a failure named for the
+ * user. */
 static rpl_status hello(rpl_gg_client *c, int hello_ms, rpl_msg *m, rpl_error *err) {
   rpl_status st;
   double deadline = now_s() + hello_ms / 1000.0;
   for (;;) {
-    uint32_t seq = next_seq(c);
-    fill_header(c, m, RPL_MSG_HELLO, seq);
-    m->nworkers = c->nworkers;
-    m->host_label = c->host_label;
-    st = send_msg(c->sock, m, NULL, err, c->endpoint);
-    if (st == RPL_OK)
-      st = wait_reply(c, seq, deadline, NULL, m, err);
+    st = open_session(c, deadline, m, err);
     /* Our rank is still bound to the connection we closed a moment ago (the coordinator
      * lets it go once it sees it gone or silent): ask again while time remains. */
     if (st != RPL_OK || m->type != RPL_MSG_ERROR || m->code != RPL_PERR_BAD_RANK ||
@@ -692,9 +754,32 @@ void rpl_gg_client_get_stats(rpl_gg_client *c, rpl_gg_client_stats *out) {
   out->wait_s = (double)atomic_load(&c->wait_ns) / 1e9;
 }
 
+/* Waits up to timeout_ms on s for the reply to STATUS `seq` (addressed to `rank`): MACed with
+ * `key`, or an echoed refusal of the token. Received as it comes (up to the protocol's bound),
+ * so a small answer costs no large buffer. RPL_OK with *m pointing into *in. */
+static rpl_status status_reply(void *s, const char *endpoint, const uint8_t key[RPL_TOKEN_LEN],
+                               int rank, uint32_t seq, int timeout_ms, zmq_msg_t *in, rpl_msg *m,
+                               rpl_error *err) {
+  double deadline = now_s() + timeout_ms / 1000.0;
+  for (;;) {
+    long ms = (long)((deadline - now_s()) * 1000.0);
+    zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
+    if (ms <= 0 || zmq_poll(&it, 1, ms) <= 0)
+      return rpl_fail(err, RPL_ERR_PEER, "group generator at %s did not answer within %d ms",
+                      endpoint, timeout_ms);
+    if (zmq_msg_recv(in, s, 0) < 0) continue;
+    rpl_error perr;
+    const void *b = zmq_msg_data(in);
+    size_t n = zmq_msg_size(in);
+    if (rpl_msg_parse(b, n, 0, m, &perr) != RPL_OK || m->seq != seq || m->rank != rank)
+      continue;
+    if (m->echo || rpl_msg_authentic(b, n, key)) return RPL_OK;
+  }
+}
+
 /* One STATUS query (rank -1: the whole document; else that rank's summary) to one endpoint
- * on a socket of its own. The reply is received as it comes (up to the protocol's bound), so
- * a small answer costs no large buffer. */
+ * on a socket of its own: an opening under the token, the coordinator's CHALLENGE, and the
+ * query answering it under the query's own key, which the reply carries (PROTOCOL.md). */
 static rpl_status query_one(const char *endpoint, const uint8_t token[RPL_TOKEN_LEN], int rank,
                             int timeout_ms, char **json, rpl_error *err) {
   rpl_status st;
@@ -716,43 +801,48 @@ static rpl_status query_one(const char *endpoint, const uint8_t token[RPL_TOKEN_
     goto out;
   }
   rpl_msg m;
-  memset(&m, 0, sizeof m);
-  m.type = RPL_MSG_STATUS;
-  memcpy(m.token, token, RPL_TOKEN_LEN);
-  m.rank = rank;
-  m.seq = 1;
-  st = send_msg(s, &m, NULL, err, endpoint);
-  if (st != RPL_OK) goto out;
-  for (;;) {
-    zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
-    int rc = zmq_poll(&it, 1, timeout_ms);
-    if (rc <= 0) {
-      st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s did not answer within %d ms",
-                    endpoint, timeout_ms);
-      goto out;
-    }
-    int n = zmq_msg_recv(&in, s, 0);
-    if (n < 0) continue;
-    rpl_error perr;
-    if (rpl_msg_parse(zmq_msg_data(&in), zmq_msg_size(&in), 0, &m, &perr) != RPL_OK) continue;
-    if (m.seq != 1) continue;
-    if (!m.echo && !rpl_msg_authentic(zmq_msg_data(&in), zmq_msg_size(&in), token))
-      continue; /* a refusal of our token is echoed, not MACed */
+  uint8_t key[RPL_TOKEN_LEN], nonce_w[RPL_NONCE_LEN], nonce_c[RPL_NONCE_LEN] = {0};
+  st = rpl_token_generate(nonce_w, err);
+  memcpy(key, token, RPL_TOKEN_LEN);
+  for (uint32_t seq = 1; st == RPL_OK && seq <= 2; seq++) {
+    memset(&m, 0, sizeof m);
+    m.type = RPL_MSG_STATUS;
+    m.rank = rank;
+    m.seq = seq;
+    memcpy(m.token, key, RPL_TOKEN_LEN);
+    memcpy(m.nonce_w, nonce_w, RPL_NONCE_LEN);
+    memcpy(m.nonce_c, nonce_c, RPL_NONCE_LEN); /* zero: the opening */
+    st = send_msg(s, &m, NULL, err, endpoint);
+    if (st == RPL_OK) st = status_reply(s, endpoint, key, rank, seq, timeout_ms, &in, &m, err);
+    if (st != RPL_OK) break;
     if (m.type == RPL_MSG_ERROR) {
       st = from_error_reply(&m, endpoint, err);
-      goto out;
+      break;
     }
-    if (m.type != RPL_MSG_STATUS_REPLY) continue;
-    *json = malloc((size_t)m.text_len + 1);
-    if (!*json) {
-      st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
-      goto out;
+    if (seq == 1 && (m.type != RPL_MSG_CHALLENGE ||
+                     memcmp(m.nonce_w, nonce_w, RPL_NONCE_LEN) != 0)) {
+      st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered STATUS with %s",
+                    endpoint, rpl_msg_type_name(m.type));
+      break;
     }
-    memcpy(*json, m.text, m.text_len);
-    (*json)[m.text_len] = '\0';
-    st = RPL_OK;
+    if (seq == 1) {
+      memcpy(nonce_c, m.nonce_c, RPL_NONCE_LEN);
+      rpl_session_key(token, RPL_MSG_STATUS, rank, nonce_w, nonce_c, key);
+    }
+  }
+  if (st != RPL_OK) goto out;
+  if (m.type != RPL_MSG_STATUS_REPLY) {
+    st = rpl_fail(err, RPL_ERR_PEER, "group generator at %s answered STATUS with %s", endpoint,
+                  rpl_msg_type_name(m.type));
     goto out;
   }
+  *json = malloc((size_t)m.text_len + 1);
+  if (!*json) {
+    st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory");
+    goto out;
+  }
+  memcpy(*json, m.text, m.text_len);
+  (*json)[m.text_len] = '\0';
 out:
   zmq_msg_close(&in);
   if (s) zmq_close(s);

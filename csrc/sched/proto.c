@@ -14,15 +14,17 @@ const char *rpl_msg_type_name(int t) {
   static const char *names[] = {"?",         "HELLO",  "HELLO_ACK", "REQUEST",      "GROUP",
                                 "CANCEL",    "DONE",   "HEARTBEAT", "HEARTBEAT_ACK", "FENCE",
                                 "UNFENCE",   "LEAVE",  "ACK",       "STATUS",       "STATUS_REPLY",
-                                "ERROR",     "PASS"};
+                                "ERROR",     "PASS",   "CHALLENGE"};
   return (t >= 1 && t <= RPL_MSG_TYPE_MAX) ? names[t] : "?";
 }
 
 /* Fixed body size per type; -1 = variable (checked by the type's own rule). */
 static long fixed_body(int type) {
   switch (type) {
-    case RPL_MSG_HELLO: return 8;
+    case RPL_MSG_HELLO: return 8 + 2 * RPL_NONCE_LEN;
     case RPL_MSG_HELLO_ACK: return 16;
+    case RPL_MSG_STATUS:
+    case RPL_MSG_CHALLENGE: return 2 * RPL_NONCE_LEN;
     case RPL_MSG_REQUEST: return 8;
     case RPL_MSG_CANCEL: return 24;
     case RPL_MSG_PASS: return 16;
@@ -32,8 +34,7 @@ static long fixed_body(int type) {
     case RPL_MSG_FENCE:
     case RPL_MSG_UNFENCE:
     case RPL_MSG_LEAVE:
-    case RPL_MSG_ACK:
-    case RPL_MSG_STATUS: return 0;
+    case RPL_MSG_ACK: return 0;
     default: return -1;
   }
 }
@@ -42,6 +43,18 @@ static int from_worker(int type) {
   return type == RPL_MSG_HELLO || type == RPL_MSG_REQUEST || type == RPL_MSG_DONE ||
          type == RPL_MSG_HEARTBEAT || type == RPL_MSG_FENCE || type == RPL_MSG_UNFENCE ||
          type == RPL_MSG_LEAVE;
+}
+
+static int nonce_zero(const uint8_t nonce[RPL_NONCE_LEN]) {
+  uint8_t any = 0;
+  for (int i = 0; i < RPL_NONCE_LEN; i++) any |= nonce[i];
+  return any == 0;
+}
+
+/* The direction label in every MAC: what workers and tools send, or what the coordinator
+ * sends. A message's MAC is valid for one direction only. */
+static uint8_t direction(int type) {
+  return from_worker(type) || type == RPL_MSG_STATUS ? 'W' : 'C';
 }
 
 /* The header: magic, version, type, flags, body length, rank, sequence number and MAC. Sets
@@ -146,9 +159,18 @@ static rpl_status parse_body(const uint8_t *b, uint32_t body, int maxw, rpl_msg 
     case RPL_MSG_HELLO:
       m->nworkers = (int32_t)rpl_get32(b);
       m->host_label = (int32_t)rpl_get32(b + 4);
+      memcpy(m->nonce_w, b + 8, RPL_NONCE_LEN);
+      memcpy(m->nonce_c, b + 8 + RPL_NONCE_LEN, RPL_NONCE_LEN);
       if (m->nworkers < 1 || m->nworkers > RPL_SCHED_MAX_WORKERS)
         return rpl_fail(err, RPL_ERR_INVALID, "HELLO: nworkers %d out of range",
                         (int)m->nworkers);
+      break;
+    case RPL_MSG_STATUS:
+    case RPL_MSG_CHALLENGE:
+      memcpy(m->nonce_w, b, RPL_NONCE_LEN);
+      memcpy(m->nonce_c, b + RPL_NONCE_LEN, RPL_NONCE_LEN);
+      if (m->type == RPL_MSG_CHALLENGE && nonce_zero(m->nonce_c))
+        return rpl_fail(err, RPL_ERR_INVALID, "CHALLENGE: no coordinator nonce");
       break;
     case RPL_MSG_HELLO_ACK: return parse_hello_ack(b, m, err);
     case RPL_MSG_REQUEST:
@@ -198,26 +220,46 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
   return parse_body(p + RPL_PROTO_HEADER, body, maxw, m, err);
 }
 
-/* The MAC covers everything but itself: the header's first 20 bytes and the body. */
-static void compute_mac(const uint8_t *p, size_t len, const uint8_t token[RPL_TOKEN_LEN],
+/* The MAC covers everything but itself: the direction, the header's first 20 bytes and the
+ * body. */
+static void compute_mac(const uint8_t *p, size_t len, const uint8_t key[RPL_TOKEN_LEN],
                         uint8_t mac[RPL_MAC_LEN]) {
-  const void *parts[2] = {p, p + RPL_PROTO_HEADER};
-  size_t lens[2] = {20, len - RPL_PROTO_HEADER};
+  uint8_t dir = direction(p[5]);
+  const void *parts[3] = {&dir, p, p + RPL_PROTO_HEADER};
+  size_t lens[3] = {1, 20, len - RPL_PROTO_HEADER};
   unsigned char full[RPL_SHA256_LEN];
-  rpl_hmac_sha256(token, RPL_TOKEN_LEN, parts, lens, 2, full);
+  rpl_hmac_sha256(key, RPL_TOKEN_LEN, parts, lens, 3, full);
   memcpy(mac, full, RPL_MAC_LEN);
 }
 
-void rpl_msg_sign(void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]) {
-  if (buf && len >= RPL_PROTO_HEADER) compute_mac(buf, len, token, (uint8_t *)buf + 20);
+void rpl_msg_sign(void *buf, size_t len, const uint8_t key[RPL_TOKEN_LEN]) {
+  if (buf && len >= RPL_PROTO_HEADER) compute_mac(buf, len, key, (uint8_t *)buf + 20);
 }
 
-int rpl_msg_authentic(const void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]) {
+int rpl_msg_authentic(const void *buf, size_t len, const uint8_t key[RPL_TOKEN_LEN]) {
   const uint8_t *p = buf;
   if (!buf || len < RPL_PROTO_HEADER || rpl_get16(p + 6) != 0) return 0;
   uint8_t mac[RPL_MAC_LEN];
-  compute_mac(p, len, token, mac);
+  compute_mac(p, len, key, mac);
   return rpl_ct_equal(mac, p + 20, RPL_MAC_LEN);
+}
+
+int rpl_msg_opening(const rpl_msg *m) {
+  return (m->type == RPL_MSG_HELLO || m->type == RPL_MSG_STATUS) && nonce_zero(m->nonce_c);
+}
+
+void rpl_session_key(const uint8_t token[RPL_TOKEN_LEN], int type, int32_t rank,
+                     const uint8_t nonce_w[RPL_NONCE_LEN], const uint8_t nonce_c[RPL_NONCE_LEN],
+                     uint8_t key[RPL_TOKEN_LEN]) {
+  static const char worker[] = "ripples session v6", status[] = "ripples status v6";
+  const char *label = type == RPL_MSG_HELLO ? worker : status;
+  uint8_t r[4];
+  rpl_put32(r, (uint32_t)rank);
+  const void *parts[4] = {label, r, nonce_w, nonce_c};
+  size_t lens[4] = {strlen(label) + 1, 4, RPL_NONCE_LEN, RPL_NONCE_LEN};
+  unsigned char full[RPL_SHA256_LEN];
+  rpl_hmac_sha256(token, RPL_TOKEN_LEN, parts, lens, 4, full);
+  memcpy(key, full, RPL_TOKEN_LEN);
 }
 
 int32_t rpl_msg_member(const rpl_msg *m, uint32_t i) {
@@ -257,6 +299,13 @@ size_t rpl_msg_encode(const rpl_msg *m, const int *members, void *out, size_t ca
     case RPL_MSG_HELLO:
       rpl_put32(b, (uint32_t)m->nworkers);
       rpl_put32(b + 4, (uint32_t)m->host_label);
+      memcpy(b + 8, m->nonce_w, RPL_NONCE_LEN);
+      memcpy(b + 8 + RPL_NONCE_LEN, m->nonce_c, RPL_NONCE_LEN);
+      break;
+    case RPL_MSG_STATUS:
+    case RPL_MSG_CHALLENGE:
+      memcpy(b, m->nonce_w, RPL_NONCE_LEN);
+      memcpy(b + RPL_NONCE_LEN, m->nonce_c, RPL_NONCE_LEN);
       break;
     case RPL_MSG_HELLO_ACK:
       b[0] = m->policy;

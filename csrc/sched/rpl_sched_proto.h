@@ -20,19 +20,26 @@ extern "C" {
 #endif
 
 #define RPL_PROTO_MAGIC 0x47504c52u /* "RPLG" little-endian */
-#define RPL_PROTO_VERSION 5
+#define RPL_PROTO_VERSION 6
 #define RPL_PROTO_HEADER 36
 #define RPL_TOKEN_LEN 16
 /* Header bytes 20..36: the message's MAC, the first RPL_MAC_LEN bytes of
- * HMAC-SHA256(job token, header[0..20) || body). The token itself never travels. */
+ * HMAC-SHA256(key, direction || header[0..20) || body), the direction 'W' for what workers and
+ * tools send and 'C' for what the coordinator sends. The key is the job token for a session's
+ * opening (HELLO and STATUS without the coordinator's nonce, CHALLENGE) and the session's key
+ * (rpl_session_key) for everything after it (PROTOCOL.md, "Sessions"). The token itself never
+ * travels. */
 #define RPL_MAC_LEN 16
+/* HELLO, STATUS and CHALLENGE carry the opener's nonce and the coordinator's. */
+#define RPL_NONCE_LEN 16
 /* The one header flag: an unauthenticated ERROR(BAD_TOKEN) whose MAC field echoes the MAC of
  * the message it refuses (the coordinator cannot MAC an answer for a sender whose token it
  * does not know). Any other flag, or this one on any other message, is malformed. */
 #define RPL_PROTO_FLAG_ECHO 1u
 /* A client's two sockets set their routing ids to 'R' (requests) or 'H' (heartbeats) followed
- * by the same 16 random bytes, fresh for each registration: HELLO binds the rank to the 'R'
- * route, and its heartbeats are accepted from the 'H' sibling (PROTOCOL.md, "Connections"). */
+ * by 16 random bytes of their own, fresh for each connection: a session binds the rank to the
+ * 'R' route, and its heartbeats count from any route (they carry the session's MAC and rising
+ * sequence numbers), so knowing or taking a heartbeat route gains nothing (PROTOCOL.md). */
 #define RPL_ROUTE_ID_LEN 17
 #define RPL_ROUTE_REQUEST 'R'
 #define RPL_ROUTE_HEARTBEAT 'H'
@@ -64,7 +71,8 @@ typedef enum {
   RPL_MSG_STATUS_REPLY = 14,
   RPL_MSG_ERROR = 15,
   RPL_MSG_PASS = 16,
-  RPL_MSG_TYPE_MAX = 16
+  RPL_MSG_CHALLENGE = 17,
+  RPL_MSG_TYPE_MAX = 17
 } rpl_msg_type;
 
 const char *rpl_msg_type_name(int type);
@@ -93,6 +101,10 @@ typedef struct rpl_msg {
   uint8_t echo;
   int32_t rank;             /* sender (worker messages) or addressee (replies); -1 = tool */
   uint32_t seq;             /* replies echo the sequence number of what they answer */
+  /* HELLO, STATUS, CHALLENGE: the opener's nonce and the coordinator's (all zero in an
+   * opening that asks for a CHALLENGE) */
+  uint8_t nonce_w[RPL_NONCE_LEN];
+  uint8_t nonce_c[RPL_NONCE_LEN];
   /* HELLO */
   int32_t nworkers;
   int32_t host_label;
@@ -128,12 +140,22 @@ rpl_status rpl_msg_parse(const void *buf, size_t len, int max_workers, rpl_msg *
                          rpl_error *err);
 int32_t rpl_msg_member(const rpl_msg *m, uint32_t i);
 
-/* 1 if buf[0..len) is a message MACed with `token` (constant-time comparison). An echo
+/* 1 if buf[0..len) is a message MACed with `key` (constant-time comparison). An echo
  * (RPL_PROTO_FLAG_ECHO) is never authentic. */
-int rpl_msg_authentic(const void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]);
-/* (Re)writes the MAC of the message in buf[0..len) (len >= RPL_PROTO_HEADER) for `token`,
+int rpl_msg_authentic(const void *buf, size_t len, const uint8_t key[RPL_TOKEN_LEN]);
+/* (Re)writes the MAC of the message in buf[0..len) (len >= RPL_PROTO_HEADER) for `key`,
  * whatever its content: what rpl_msg_encode does last (and the fuzzers after mutating). */
-void rpl_msg_sign(void *buf, size_t len, const uint8_t token[RPL_TOKEN_LEN]);
+void rpl_msg_sign(void *buf, size_t len, const uint8_t key[RPL_TOKEN_LEN]);
+
+/* 1 if a HELLO or STATUS asks for a CHALLENGE (its coordinator nonce is all zero). */
+int rpl_msg_opening(const rpl_msg *m);
+/* The key of a session opened by `type` (RPL_MSG_HELLO: a worker's; RPL_MSG_STATUS: one
+ * query's) for `rank` with the two nonces: the first RPL_TOKEN_LEN bytes of
+ * HMAC-SHA256(token, label || rank || nonce_w || nonce_c), a label per type. Only holders of
+ * the token can compute it, and fresh nonces make every session's key its own. */
+void rpl_session_key(const uint8_t token[RPL_TOKEN_LEN], int type, int32_t rank,
+                     const uint8_t nonce_w[RPL_NONCE_LEN], const uint8_t nonce_c[RPL_NONCE_LEN],
+                     uint8_t key[RPL_TOKEN_LEN]);
 
 /* Bytes rpl_msg_encode needs for m. */
 size_t rpl_msg_encoded_size(const rpl_msg *m);
@@ -155,11 +177,13 @@ int rpl_token_equal(const uint8_t a[RPL_TOKEN_LEN], const uint8_t b[RPL_TOKEN_LE
  * client runs. */
 
 /* 1 if buf[0..n) is the reply awaited by `rank` under `seq`: it parses (ranks < nworkers),
- * is addressed to rank, echoes seq, and is MACed with the client's token, or is the
- * coordinator's unauthenticated refusal of that token (an echoed ERROR(BAD_TOKEN)); *m is
- * then filled. */
-int rpl_client_accept(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                      int nworkers, int rank, uint32_t seq, rpl_msg *m);
+ * is addressed to rank, echoes seq, and is MACed with `key` (the session's key, or the token
+ * while a session opens), or is an ERROR(NOT_REGISTERED) MACed with the token (an instance
+ * that holds no session of ours: it restarted, or is a standby), or the coordinator's
+ * unauthenticated refusal of the token (an echoed ERROR(BAD_TOKEN)); *m is then filled. */
+int rpl_client_accept(const void *buf, size_t n, const uint8_t key[RPL_TOKEN_LEN],
+                      const uint8_t token[RPL_TOKEN_LEN], int nworkers, int rank, uint32_t seq,
+                      rpl_msg *m);
 
 typedef enum {
   RPL_REPLY_GROUP, /* members[0..*n), *group_id filled */
@@ -176,14 +200,14 @@ rpl_reply_kind rpl_client_request_reply(const rpl_msg *m, uint64_t round, int ra
 
 enum { RPL_BEAT_IGNORE, RPL_BEAT_ACK, RPL_BEAT_LOST };
 /* What a message on the heartbeat socket means (RPL_BEAT_*): a reply counts only if it is
- * addressed to `rank` and answers a heartbeat sent after the last one answered: its seq in
- * (answered, sent] (serial arithmetic). An old reply replayed, or one for another worker, is
+ * MACed as rpl_client_accept says, addressed to `rank` and answers a heartbeat sent after the
+ * last one answered: its seq in (answered, sent] (serial arithmetic). An old reply replayed, or one for another worker, is
  * ignored: it must not keep a worker attached to a coordinator that died, nor make it
  * register anew. On a reply that counts, *seq_out (may be NULL) is the seq it answered, the
  * caller's new `answered`. */
-int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t token[RPL_TOKEN_LEN],
-                          int nworkers, int rank, uint32_t answered, uint32_t sent,
-                          uint32_t *seq_out);
+int rpl_client_beat_reply(const void *buf, size_t n, const uint8_t key[RPL_TOKEN_LEN],
+                          const uint8_t token[RPL_TOKEN_LEN], int nworkers, int rank,
+                          uint32_t answered, uint32_t sent, uint32_t *seq_out);
 
 #ifdef __cplusplus
 }

@@ -41,14 +41,18 @@ static int ignore_send(void *ctx, const uint8_t *route, size_t route_len, const 
   return 0;
 }
 
-/* The last STATUS_REPLY's text, for status queries. */
+/* The last STATUS_REPLY's text, for status queries, and the last CHALLENGE's nonce. */
 static char g_reply[1 << 16];
+static uint8_t g_nonce_c[RPL_NONCE_LEN];
 static int capture_send(void *ctx, const uint8_t *route, size_t route_len, const void *msg,
                         size_t len) {
   (void)ctx, (void)route, (void)route_len;
   rpl_msg m;
   rpl_error err;
-  if (rpl_msg_parse(msg, len, 0, &m, &err) == RPL_OK && m.type == RPL_MSG_STATUS_REPLY) {
+  if (rpl_msg_parse(msg, len, 0, &m, &err) != RPL_OK) return 0;
+  if (m.type == RPL_MSG_CHALLENGE) {
+    memcpy(g_nonce_c, m.nonce_c, RPL_NONCE_LEN);
+  } else if (m.type == RPL_MSG_STATUS_REPLY) {
     size_t n = m.text_len < sizeof g_reply - 1 ? m.text_len : sizeof g_reply - 1;
     memcpy(g_reply, m.text, n);
     g_reply[n] = '\0';
@@ -63,6 +67,7 @@ typedef struct {
   lines log;
   int n;
   uint32_t seq[MAXW];
+  uint8_t key[MAXW][RPL_TOKEN_LEN]; /* each worker's session key */
   uint64_t round[MAXW];
   double next[MAXW];  /* when it asks next */
   double step[MAXW];  /* its compute step; < 0 = stuck */
@@ -74,7 +79,7 @@ static void send_msg(job *j, int rank, rpl_msg *m, double now) {
   memset(route + 1, 0x20 + rank, RPL_ROUTE_ID_LEN - 1);
   m->rank = rank;
   m->seq = ++j->seq[rank];
-  memcpy(m->token, j->core.token, RPL_TOKEN_LEN);
+  if (m->type != RPL_MSG_HELLO) memcpy(m->token, j->key[rank], RPL_TOKEN_LEN); /* HELLO: set */
   size_t len = rpl_msg_encode(m, NULL, b, sizeof b);
   REQUIRE(len > 0, "encode");
   coord_core_handle(&j->core, route, RPL_ROUTE_ID_LEN, b, len, now);
@@ -105,13 +110,21 @@ static void job_init(job *j, int n, const char *const *names) {
   REQUIRE(coord_core_init(&j->core, &cfg, &err) == RPL_OK, "%s", err.msg);
   j->core.send = ignore_send;
   j->core.start = 0;
-  for (int r = 0; r < n; r++) {
+  for (int r = 0; r < n; r++) { /* a session each: the opening, then the answer */
     rpl_msg m;
     memset(&m, 0, sizeof m);
     m.type = RPL_MSG_HELLO;
     m.nworkers = n;
     m.host_label = labels[r];
+    m.nonce_w[0] = (uint8_t)(r + 1);
+    memcpy(m.token, j->core.token, RPL_TOKEN_LEN);
+    j->core.send = capture_send;
     send_msg(j, r, &m, 0.0);
+    memcpy(m.nonce_c, g_nonce_c, RPL_NONCE_LEN);
+    rpl_session_key(j->core.token, RPL_MSG_HELLO, r, m.nonce_w, m.nonce_c, j->key[r]);
+    memcpy(m.token, j->key[r], RPL_TOKEN_LEN);
+    send_msg(j, r, &m, 0.0);
+    j->core.send = ignore_send;
     j->step[r] = 0.010;
     j->next[r] = 0.001 * r;
   }
@@ -158,8 +171,14 @@ static const char *status_of(job *j, int rank, double now) {
   memset(route, 0x77, sizeof route);
   m.rank = rank;
   m.seq = 1;
+  m.nonce_w[0] = 0x42;
   memcpy(m.token, j->core.token, RPL_TOKEN_LEN);
   size_t len = rpl_msg_encode(&m, NULL, b, sizeof b);
+  coord_core_handle(&j->core, route, sizeof route, b, len, now); /* the opening */
+  memcpy(m.nonce_c, g_nonce_c, RPL_NONCE_LEN);
+  rpl_session_key(j->core.token, RPL_MSG_STATUS, rank, m.nonce_w, m.nonce_c, m.token);
+  m.seq = 2;
+  len = rpl_msg_encode(&m, NULL, b, sizeof b);
   g_reply[0] = '\0';
   coord_core_handle(&j->core, route, sizeof route, b, len, now);
   j->core.send = ignore_send;

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "bytes.h"
+#include "crypto.h"
 #include "rpl_sched.h"
 
 #include "check.h"
@@ -45,13 +46,17 @@ int main(void) {
     m.code = RPL_PERR_BAD_TOKEN;
     m.text = text;
     m.text_len = 5;
+    for (int i = 0; i < RPL_NONCE_LEN; i++) {
+      m.nonce_w[i] = (uint8_t)(0xa0 + i);
+      m.nonce_c[i] = (uint8_t)(0x30 + i);
+    }
     size_t n = enc(&m, members, bufs[t], sizeof bufs[t]);
     lens[t] = n;
     REQUIRE(rpl_msg_parse(bufs[t], n, 16, &p, &err) == RPL_OK, "%s: %s", rpl_msg_type_name(t),
             err.msg);
     REQUIRE(p.type == t && p.rank == m.rank && p.seq == m.seq && !p.echo,
             "header round trip %d", t);
-    /* Version 5: the frame is MACed with the token and never carries the token itself; a
+    /* Since version 5: the frame is MACed with the token and never carries the token itself; a
      * change of any bit, or another token, fails the MAC. */
     REQUIRE(rpl_msg_authentic(bufs[t], n, m.token), "%s authentic", rpl_msg_type_name(t));
     for (size_t k = 0; k + RPL_TOKEN_LEN <= n; k++)
@@ -68,7 +73,18 @@ int main(void) {
     other[3] ^= 0x40;
     REQUIRE(!rpl_msg_authentic(bufs[t], n, other), "another token");
     switch (t) {
-      case RPL_MSG_HELLO: REQUIRE(p.nworkers == 16 && p.host_label == -5, "hello"); break;
+      case RPL_MSG_HELLO:
+        REQUIRE(p.nworkers == 16 && p.host_label == -5, "hello");
+        REQUIRE(memcmp(p.nonce_w, m.nonce_w, RPL_NONCE_LEN) == 0 &&
+                    memcmp(p.nonce_c, m.nonce_c, RPL_NONCE_LEN) == 0 && !rpl_msg_opening(&p),
+                "hello nonces");
+        break;
+      case RPL_MSG_STATUS:
+      case RPL_MSG_CHALLENGE:
+        REQUIRE(memcmp(p.nonce_w, m.nonce_w, RPL_NONCE_LEN) == 0 &&
+                    memcmp(p.nonce_c, m.nonce_c, RPL_NONCE_LEN) == 0 && !rpl_msg_opening(&p),
+                "%s nonces", rpl_msg_type_name(t));
+        break;
       case RPL_MSG_HELLO_ACK:
         REQUIRE(p.policy == RPL_POLICY_SMART && p.nworkers == 16 && p.heartbeat_ms == 250 &&
                     p.dead_ms == 2500, "hello_ack");
@@ -101,11 +117,11 @@ int main(void) {
     buf[n] = 0;
     REQUIRE(rpl_msg_parse(buf, n + 1, 16, &p, &err) == RPL_ERR_INVALID, "trailing byte");
   }
-  /* Version 5 only: a peer of an earlier version (the token in clear, no binding) is refused,
-   * whatever the message. */
-  REQUIRE(RPL_PROTO_VERSION == 5 && bufs[RPL_MSG_HELLO][4] == 5, "version byte 5");
+  /* Version 6 only: a peer of an earlier version (the token in clear, or no sessions) is
+   * refused, whatever the message. */
+  REQUIRE(RPL_PROTO_VERSION == 6 && bufs[RPL_MSG_HELLO][4] == 6, "version byte 6");
   size_t n;
-  for (uint8_t v = 1; v < 5; v++) {
+  for (uint8_t v = 1; v < 6; v++) {
     memcpy(buf, bufs[RPL_MSG_HELLO], lens[RPL_MSG_HELLO]);
     buf[4] = v;
     REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_HELLO], 16, &p, &err) == RPL_ERR_INVALID &&
@@ -164,6 +180,53 @@ int main(void) {
   buf[RPL_PROTO_HEADER + 8] = 1;
   memset(buf + RPL_PROTO_HEADER + 9, 0, 3);
   REQUIRE(rpl_msg_parse(buf, lens[RPL_MSG_PASS], 16, &p, &err) == RPL_ERR_INVALID, "pass period 1");
+  /* Sessions: an opening has no coordinator nonce (a CHALLENGE without one is malformed); a
+   * session's key is its own for every type, rank and nonce, and is not the token. */
+  memset(&m, 0, sizeof m);
+  m.type = RPL_MSG_CHALLENGE;
+  m.rank = 2;
+  n = rpl_msg_encode(&m, NULL, buf, sizeof buf);
+  REQUIRE(n && rpl_msg_parse(buf, n, 16, &p, &err) == RPL_ERR_INVALID, "challenge without nonce");
+  m.type = RPL_MSG_HELLO;
+  m.nworkers = 4;
+  n = rpl_msg_encode(&m, NULL, buf, sizeof buf);
+  REQUIRE(rpl_msg_parse(buf, n, 16, &p, &err) == RPL_OK && rpl_msg_opening(&p), "opening");
+  {
+    uint8_t tk[RPL_TOKEN_LEN] = {1, 2, 3}, nw[RPL_NONCE_LEN] = {4}, nc[RPL_NONCE_LEN] = {5};
+    uint8_t keys[6][RPL_TOKEN_LEN];
+    rpl_session_key(tk, RPL_MSG_HELLO, 1, nw, nc, keys[0]);
+    rpl_session_key(tk, RPL_MSG_STATUS, 1, nw, nc, keys[1]);
+    rpl_session_key(tk, RPL_MSG_HELLO, 2, nw, nc, keys[2]);
+    nw[15] = 1;
+    rpl_session_key(tk, RPL_MSG_HELLO, 1, nw, nc, keys[3]);
+    nc[15] = 1;
+    rpl_session_key(tk, RPL_MSG_HELLO, 1, nw, nc, keys[4]);
+    memcpy(keys[5], tk, RPL_TOKEN_LEN);
+    for (int i = 0; i < 6; i++)
+      for (int j = i + 1; j < 6; j++)
+        REQUIRE(memcmp(keys[i], keys[j], RPL_TOKEN_LEN) != 0, "session keys %d and %d", i, j);
+  }
+  /* Direction: the MAC covers a label for the direction ('W' from workers and tools, 'C' from
+   * the coordinator) before the header and body, so it is not the plain HMAC of the bytes. */
+  for (int t = 1; t <= RPL_MSG_TYPE_MAX; t++) {
+    const uint8_t *b = bufs[t];
+    uint8_t dir = t == RPL_MSG_HELLO || t == RPL_MSG_REQUEST || t == RPL_MSG_DONE ||
+                          t == RPL_MSG_HEARTBEAT || t == RPL_MSG_FENCE ||
+                          t == RPL_MSG_UNFENCE || t == RPL_MSG_LEAVE || t == RPL_MSG_STATUS
+                      ? 'W'
+                      : 'C';
+    unsigned char full[RPL_SHA256_LEN];
+    const void *parts[3] = {&dir, b, b + RPL_PROTO_HEADER};
+    size_t plens[3] = {1, 20, lens[t] - RPL_PROTO_HEADER};
+    uint8_t tk[RPL_TOKEN_LEN];
+    for (int i = 0; i < RPL_TOKEN_LEN; i++) tk[i] = (uint8_t)(i * 17 + 1); /* enc()'s token */
+    rpl_hmac_sha256(tk, RPL_TOKEN_LEN, parts, plens, 3, full);
+    REQUIRE(memcmp(full, b + 20, RPL_MAC_LEN) == 0, "%s: MAC with its direction",
+            rpl_msg_type_name(t));
+    rpl_hmac_sha256(tk, RPL_TOKEN_LEN, parts + 1, plens + 1, 2, full);
+    REQUIRE(memcmp(full, b + 20, RPL_MAC_LEN) != 0, "%s: MAC without a direction",
+            rpl_msg_type_name(t));
+  }
   /* Random corruption of valid messages never crashes (ASan/UBSan watch the reads). */
   uint64_t s = 99;
   int accepted = 0;
