@@ -26,6 +26,14 @@ covers 64 claims, since nobody takes from the back then; at the switch to partia
 worker gives the rows of such a request that it has not handed out back to its column (one
 compare-and-set at the end of its last exact step), unless another worker has already tried that
 column's back, in which case it keeps and uses them.
+
+What a counter may say. Only a column's owner moves its front, so the owner knows exactly
+what each answer's front must be; nobody moves a back down, and no back passes the column's
+rows by more than one claim per worker. An answer that breaks this was written by someone
+else (the store is unauthenticated): the owner stops using the counters for the epoch and
+finishes its own column from where its own count says (as when the store fails), and a worker
+taking from a column's back leaves that column alone. So a store writer can still end an epoch
+early (rows skipped), but not make a worker hand out rows of its column twice.
 """
 from __future__ import annotations
 
@@ -216,24 +224,36 @@ class DistributedSampler(_TorchDistributedSampler):
         # "free": a claim of this epoch was made during partial training (state_dict)
         self._live = {"key": key, "epoch": epoch, "pass": npass, "free": False}
         try:
+            base = (0, 0)  # the own column's counter before this worker's first request
             if resume is not None:
                 # Every worker writes every column's saved counters unless one already did
                 # (the first writer wins; all load the same checkpoint), before its first
                 # request.
                 for c, (f, b) in enumerate(resume["columns"]):
                     try:
-                        self._store.compare_set(f"{key}{c}", "", str(_pack(f, b)))
+                        v = self._store.compare_set(f"{key}{c}", "", str(_pack(f, b)))
                     except Exception as exc:  # noqa: BLE001
                         raise _StoreFailed(exc, resume["columns"][self.rank][0]) from exc
-            yield from self._own_column(indices, key, rows)
+                    if c == self.rank:
+                        base = _unpack(int(v))
+                        if base[0] > rows or base[1] > rows:
+                            raise _StoreFailed(_CounterRefused(
+                                f"{key}{c} holds front {base[0]} and back {base[1]} for a "
+                                f"column of {rows} rows"), resume["columns"][c][0])
+            yield from self._own_column(indices, key, rows, base)
             if self._free():
                 yield from self._steal(indices, key, rows)
         except _StoreFailed as exc:
             # Never leave the loop hanging on a dead store: finish on this worker's own
             # column alone (a remote worker may have taken some of it: rows may be used
             # twice, none lost).
-            logger.warning("ripples_pg.DistributedSampler: the job's store failed (%s); this "
-                           "epoch goes on with this worker's own shard", exc)
+            if isinstance(exc.reason, _CounterRefused):
+                logger.error("ripples_pg.DistributedSampler: refused the job's counter: %s. "
+                             "Someone else wrote it (the c10d store is unauthenticated); this "
+                             "epoch goes on with this worker's own shard", exc.reason)
+            else:
+                logger.warning("ripples_pg.DistributedSampler: the job's store failed (%s); "
+                               "this epoch goes on with this worker's own shard", exc)
             for i in self._column(indices, self.rank)[exc.front:]:
                 self.samples_yielded += 1
                 self.epoch_samples += 1
@@ -265,15 +285,27 @@ class DistributedSampler(_TorchDistributedSampler):
             raise _StoreFailed(exc, front) from exc
         return _unpack(v)
 
-    def _own_column(self, indices, key, rows) -> Iterator[int]:
+    def _back_limit(self, rows: int) -> int:
+        """The most a column's back can say: every other worker's last claim may pass the
+        column's rows by one claim."""
+        return rows + self.num_replicas * self.claim_size
+
+    def _own_column(self, indices, key, rows, base=(0, 0)) -> Iterator[int]:
         col = self._column(indices, self.rank)
         k = self.claim_size
         own = f"{key}{self.rank}"
         front = 0  # rows of the own column handed out so far (for the store-failure path)
         reserved = min(k, rows)  # never taken from the back (_steal)
+        last_f, last_b = base  # only this worker moves its front; nobody moves a back down
         while True:
             want = k if self._free() else k * _EXACT_CLAIMS
             f, b = self._add(own, want, front)
+            if f != last_f + want or b < last_b or b > self._back_limit(rows):
+                raise _StoreFailed(_CounterRefused(
+                    f"{own} answered front {f} and back {b}; this worker's own requests make "
+                    f"the front {last_f + want}, and the back was {last_b} (at most "
+                    f"{self._back_limit(rows)})"), front)
+            last_f, last_b = f, b
             lo, hi = max(f - want, 0), min(f, max(rows - b, reserved))
             # an exact phase's request: given back at the switch to partial training
             chunk = self._chunk = {"key": own, "f": f, "b": b, "pos": lo, "back": False} \
@@ -281,7 +313,7 @@ class DistributedSampler(_TorchDistributedSampler):
             pos = lo
             while pos < hi:
                 if chunk is not None and chunk["back"]:
-                    f = hi = pos  # the column's front is here again: claim on from it
+                    f = hi = last_f = pos  # the column's front is here again: claim on from it
                     break
                 i = col[pos]
                 pos = front = pos + 1
@@ -322,11 +354,23 @@ class DistributedSampler(_TorchDistributedSampler):
         # its epoch's last batch) runs on every worker.
         reserved = min(k, rows)
         others = [(self.rank + j) % self.num_replicas for j in range(1, self.num_replicas)]
+        seen = {}  # column -> its back after this worker's last claim of it
         while others:
             for c in list(others):
                 if not self._free():
                     return  # an exact phase again (unwrap()): no more rows of others
                 f, b = self._add(f"{key}{c}", _pack(0, k), rows)
+                if b < seen.get(c, 0) + k or b > self._back_limit(rows) or \
+                        f > rows + k * _EXACT_CLAIMS:
+                    logger.error("ripples_pg.DistributedSampler: refused the job's counter: "
+                                 "%s%d answered front %d and back %d (this worker's claims "
+                                 "make the back at least %d, at most %d). Someone else wrote "
+                                 "it (the c10d store is unauthenticated); no more rows are "
+                                 "taken from that column this epoch", key, c, f, b,
+                                 seen.get(c, 0) + k, self._back_limit(rows))
+                    others.remove(c)
+                    continue
+                seen[c] = b
                 lo, hi = max(rows - b, f, reserved), rows - b + k
                 if hi <= lo:
                     others.remove(c)  # used up
@@ -448,7 +492,11 @@ class DistributedSampler(_TorchDistributedSampler):
                 f"rank={self.rank}, epoch={self.epoch}, shuffle={self.shuffle}, {linked})")
 
 
+class _CounterRefused(RuntimeError):
+    """A job counter's answer that this worker's own requests rule out."""
+
+
 class _StoreFailed(RuntimeError):
     def __init__(self, exc: BaseException, front: int):
         super().__init__(f"{type(exc).__name__}: {exc}")
-        self.front = front
+        self.reason, self.front = exc, front

@@ -701,6 +701,74 @@ def test_exact_phase_resume_of_an_uneven_epoch_deals_equal_shares():
     assert sorted(set(i for x in shares for i in x)) == sorted(left)
 
 
+class _Writer(_MemStore):
+    """The job's store with a writer on it (issue 51, finding 7): once `key` has been added to
+    `after` times, it sets the counter to `value` (one time)."""
+
+    def __init__(self, key, after, value):
+        super().__init__()
+        self.key, self.after, self.value, self.adds = key, after, value, 0
+
+    def add(self, key, value):
+        if key == self.key:
+            self.adds += 1
+            if self.adds == self.after + 1:
+                self.values[key] = self.value
+        return super().add(key, value)
+
+
+class _PartialJob:
+    """What a linked sampler asks of its optimizer: a shared clock, partial training."""
+
+    class job_clock:  # noqa: N801 - an attribute, as RipplesOptimizer has it
+        mode, failed = "shared", None
+
+    def in_free_phase(self):
+        return True
+
+
+def _sampler_on(store, rank, n=64, world=2):
+    import weakref
+
+    import ripples_pg
+
+    s = ripples_pg.DistributedSampler(_Indexed(n), num_replicas=world, rank=rank,
+                                      claim_size=4, shuffle=False)
+    s._job = _PartialJob()
+    s._opt, s._prefix, s._store = weakref.ref(s._job), "p/", store
+    return s
+
+
+def test_a_written_sampler_counter_hands_no_row_twice(caplog):
+    """Issue 51, finding 7: a store writer moving a column's front back (rows handed out
+    again) or a back down (rows taken again) is refused: the owner finishes its own column by
+    its own count, a worker taking from another column's back leaves that column."""
+    from ripples_pg.sampler import _pack
+
+    own = list(range(0, 64, 2))  # rank 0's column (no shuffle, 2 workers)
+    # Honest: rank 0 takes its column, then the back of rank 1's (all but its first claim).
+    honest = list(_sampler_on(_MemStore(), 0))
+    assert sorted(honest[:32]) == own and len(honest) == 60 and len(set(honest)) == 60
+    # The front moved back to 0 after two claims: refused, the column finished once.
+    with caplog.at_level("ERROR", logger="ripples_pg.sampler"):
+        got = list(_sampler_on(_Writer("p/e0.0/c0", 2, _pack(0, 0)), 0))
+    assert got == own, got
+    assert any("refused the job's counter" in r.getMessage() and "p/e0.0/c0" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    # Column 1's back moved down after rank 0's first claim of it: that column is left.
+    store = _Writer("p/e0.0/c1", 1, _pack(0, 0))
+    with caplog.at_level("ERROR", logger="ripples_pg.sampler"):
+        got = list(_sampler_on(store, 0))
+    assert len(got) == len(set(got)) == 36 and sorted(got[:32]) == own, got
+    assert any("p/e0.0/c1" in r.getMessage() for r in caplog.records)
+    # A back beyond what every worker's last claim allows: refused too.
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="ripples_pg.sampler"):
+        got = list(_sampler_on(_Writer("p/e0.0/c0", 1, _pack(0, 1000)), 0))
+    assert got == own and any("refused" in r.getMessage() for r in caplog.records)
+
+
 def test_follow_job_every_and_a_scheduler_that_does_not_advance():
     import ripples_pg
 
