@@ -573,17 +573,17 @@ static int dispatch(coord_core *core, coord_worker *w, const uint8_t *route, siz
 
 /* Authentication, then (worker messages) the session's opening or its route and replay
  * checks, and the dispatch; each step answers and drops what it refuses. */
-void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
-                       const void *msg, size_t len, double now) {
+int coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
+                      const void *msg, size_t len, double now) {
   atomic_fetch_add(&core->messages, 1);
   coord_core_advance(core, now); /* waits for partners are measured from arrival */
   rpl_msg m;
   uint8_t key[RPL_TOKEN_LEN];
-  if (!authenticate(core, route, route_len, msg, len, now, &m, key)) return;
+  if (!authenticate(core, route, route_len, msg, len, now, &m, key)) return 0;
   /* From here on the sender proved it holds the token (and, past an opening, the key). */
   if (m.type == RPL_MSG_STATUS) {
     answer_status(core, route, route_len, &m, key, now);
-    return;
+    return 1;
   }
   /* Everything else comes from a worker: authenticate checked 0 <= rank < nworkers. */
   coord_worker *w = &core->w[m.rank];
@@ -591,23 +591,24 @@ void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
   rpl_error err;
   rpl_gg_worker(core->gg, m.rank, &info, &err);
   if (m.type == RPL_MSG_HELLO) {
-    if (!open_session(core, w, route, route_len, &m, key, &info, now)) return;
+    if (!open_session(core, w, route, route_len, &m, key, &info, now)) return 1;
   } else {
     int slot = route_slot(w, route, route_len, m.type);
     if (slot < 0) {
       atomic_fetch_add(&core->wrong_route, 1);
       reply_error(core, route, route_len, &m, key, RPL_PERR_BAD_RANK,
                   "rank %d is registered from another connection", (int)m.rank);
-      return;
+      return 1;
     }
-    if (!accept_seq(core, w, slot, m.seq)) return;
+    if (!accept_seq(core, w, slot, m.seq)) return 1;
   }
-  if (!dispatch(core, w, route, route_len, &m, now)) return;
+  if (!dispatch(core, w, route, route_len, &m, now)) return 1;
   w->seen = 1;
   w->last_seen = now;
   w->unreachable = 0;
   note_state(core, m.rank); /* a leave, or a dead worker back */
   flush_events(core, now);
+  return 1;
 }
 
 int coord_core_active(const coord_core *core, int except_rank) {
@@ -798,7 +799,7 @@ static void counters_json(coord_core *core, coord_text *b, const rpl_gg_stats *s
                "\"isolation_holds\":%llu,\"joins\":%llu,\"late\":%llu,\"passes\":%llu,"
                "\"period_drops\":%llu,\"wrong_route\":%llu,\"replayed\":%llu,\"rebinds\":%llu,"
                "\"bad_token_quiet\":%llu,\"late_dropped\":%llu,\"probes_withheld\":%llu,"
-               "\"challenges\":%llu,\"bad_session\":%llu},",
+               "\"challenges\":%llu,\"bad_session\":%llu,\"connections_dropped\":%llu},",
                (unsigned long long)atomic_load(&core->messages),
                (unsigned long long)atomic_load(&core->malformed),
                (unsigned long long)atomic_load(&core->bad_token),
@@ -821,7 +822,8 @@ static void counters_json(coord_core *core, coord_text *b, const rpl_gg_stats *s
                (unsigned long long)st->late_dropped,
                (unsigned long long)atomic_load(&core->probes_withheld),
                (unsigned long long)atomic_load(&core->challenges),
-               (unsigned long long)atomic_load(&core->bad_session));
+               (unsigned long long)atomic_load(&core->bad_session),
+               (unsigned long long)atomic_load(&core->connections_dropped));
 }
 
 /* Worker i's entry in "workers" (every field the policy and the service keep of it). */

@@ -90,6 +90,7 @@ typedef struct coord_core {
   atomic_ullong messages, malformed, bad_token, errors_sent, dead_declared, send_failures;
   atomic_ullong wrong_route, replayed, rebinds, bad_token_quiet, probes_withheld;
   atomic_ullong challenges, bad_session;
+  atomic_ullong connections_dropped; /* by the service's cap (coord_service.c) */
   double bad_token_window;      /* start of the second bad_token_replies counts in */
   int bad_token_replies;
   double status_window;         /* start of the second status_bytes counts in */
@@ -101,9 +102,10 @@ typedef struct coord_core {
 
 rpl_status coord_core_init(coord_core *core, const rpl_coord_config *cfg, rpl_error *err);
 void coord_core_free(coord_core *core);
-/* Handles one received message (payload of one frame from `route`) at time `now` (seconds). */
-void coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
-                       const void *msg, size_t len, double now);
+/* Handles one received message (payload of one frame from `route`) at time `now` (seconds).
+ * Returns 1 when its sender proved it holds the token (or its session's key), else 0. */
+int coord_core_handle(coord_core *core, const uint8_t *route, size_t route_len,
+                      const void *msg, size_t len, double now);
 /* Moves the policy's clock to `now` (ending waits for partners that are over) and sends what
  * that decided. Returns when the next wait ends (same clock as now), or < 0 if none. */
 double coord_core_advance(coord_core *core, double now);

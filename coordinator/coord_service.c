@@ -3,8 +3,10 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <zmq.h>
 
@@ -21,11 +23,27 @@
  * growing the coordinator's memory without bound. */
 #define COORD_SNDHWM 32
 #define COORD_HANDSHAKE_MS 5000
+/* Connections at most: each worker's two, their reconnections and tools' queries, with room
+ * to spare. Past it the oldest connection that never proved the token is closed, so a
+ * stranger holding connections open cannot use up the coordinator's descriptors while the
+ * job's own connections stay. */
+#define COORD_CONNS_PER_WORKER 4
+#define COORD_CONNS_SPARE 64
+
+/* A TCP connection the ROUTER accepted (from its monitor), by descriptor. */
+typedef struct {
+  int fd;
+  double at;  /* accepted */
+  int authed; /* a message on it proved the token */
+} coord_conn;
 
 struct rpl_coord {
   coord_core core;
   void *ctx;
   void *sock;
+  void *mon;                /* PAIR socket receiving the ROUTER's connection events */
+  coord_conn *conns;        /* open connections, in no order */
+  int nconns, conns_cap, max_conns;
   char endpoint[256];
   atomic_int stop;
   int running;
@@ -97,29 +115,122 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   if (zmq_getsockopt(c->sock, ZMQ_LAST_ENDPOINT, c->endpoint, &elen) != 0) {
     strncpy(c->endpoint, bind, sizeof c->endpoint - 1);
   }
+  /* The connection cap learns of connections from the ROUTER's monitor. */
+  char mon[64];
+  snprintf(mon, sizeof mon, "inproc://rpl-coord-monitor-%p", (void *)c);
+  c->max_conns = COORD_CONNS_PER_WORKER * c->core.nworkers + COORD_CONNS_SPARE;
+  if (zmq_socket_monitor(c->sock, mon, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0 ||
+      !(c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) || zmq_connect(c->mon, mon) != 0) {
+    st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: zmq socket monitor: %s",
+                  zmq_strerror(zmq_errno()));
+    rpl_coord_destroy(c);
+    return st;
+  }
   *out = c;
   return RPL_OK;
 }
 
+static coord_conn *find_conn(rpl_coord *c, int fd) {
+  for (int i = 0; i < c->nconns; i++)
+    if (c->conns[i].fd == fd) return &c->conns[i];
+  return NULL;
+}
+
+static void forget_conn(rpl_coord *c, coord_conn *k) {
+  *k = c->conns[--c->nconns]; /* order does not matter */
+}
+
+/* Past the cap: closes the oldest connections that never proved the token (shutdown: the
+ * ZeroMQ I/O thread that owns the descriptor sees it end and closes it). */
+static void enforce_cap(rpl_coord *c) {
+  while (c->nconns > c->max_conns) {
+    coord_conn *old = NULL;
+    for (int i = 0; i < c->nconns; i++)
+      if (!c->conns[i].authed && (!old || c->conns[i].at < old->at)) old = &c->conns[i];
+    if (!old) return; /* every one proved the token: the job's own */
+    shutdown(old->fd, SHUT_RDWR);
+    atomic_fetch_add(&c->core.connections_dropped, 1);
+    forget_conn(c, old);
+  }
+}
+
+static void conn_accepted(rpl_coord *c, int fd, double now) {
+  coord_conn *k = find_conn(c, fd); /* a descriptor reused before its close was seen */
+  if (!k) {
+    if (c->nconns == c->conns_cap) {
+      int cap = c->conns_cap ? 2 * c->conns_cap : 64;
+      coord_conn *grown = realloc(c->conns, sizeof *grown * (size_t)cap);
+      if (!grown) return; /* not tracked: the cap counts it at its first message */
+      c->conns = grown;
+      c->conns_cap = cap;
+    }
+    k = &c->conns[c->nconns++];
+  }
+  *k = (coord_conn){.fd = fd, .at = now, .authed = 0};
+  enforce_cap(c);
+}
+
+/* Connection events from the monitor: each is a frame of u16 event and u32 value (the
+ * descriptor), then a frame with the endpoint. */
+static void read_conn_events(rpl_coord *c, double now) {
+  for (;;) {
+    zmq_msg_t ev;
+    zmq_msg_init(&ev);
+    if (zmq_msg_recv(&ev, c->mon, ZMQ_DONTWAIT) < 0) {
+      zmq_msg_close(&ev);
+      return;
+    }
+    uint16_t event = 0;
+    int32_t fd = -1;
+    if (zmq_msg_size(&ev) >= 6) {
+      memcpy(&event, zmq_msg_data(&ev), 2);
+      memcpy(&fd, (const char *)zmq_msg_data(&ev) + 2, 4);
+    }
+    int more = zmq_msg_more(&ev);
+    zmq_msg_close(&ev);
+    while (more) {
+      zmq_msg_t part;
+      zmq_msg_init(&part);
+      if (zmq_msg_recv(&part, c->mon, 0) < 0) more = 0;
+      else more = zmq_msg_more(&part);
+      zmq_msg_close(&part);
+    }
+    coord_conn *k = fd >= 0 ? find_conn(c, fd) : NULL;
+    if (event == ZMQ_EVENT_ACCEPTED && fd >= 0) conn_accepted(c, fd, now);
+    else if (event == ZMQ_EVENT_DISCONNECTED && k) forget_conn(c, k);
+  }
+}
+
+/* A message on descriptor fd proved the token: its connection is the job's. */
+static void conn_authed(rpl_coord *c, int fd, double now) {
+  coord_conn *k = fd >= 0 ? find_conn(c, fd) : NULL;
+  if (!k && fd >= 0) { /* its accept event not read yet */
+    conn_accepted(c, fd, now);
+    k = find_conn(c, fd);
+  }
+  if (k) k->authed = 1;
+}
+
 rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
   uint8_t route[RPL_ROUTE_MAX + 1];
-  uint8_t *msg = malloc(COORD_MAX_IN);
-  if (!msg) return rpl_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
   double tick_every = c->core.heartbeat_ms / 4000.0, next_tick = now_s() + tick_every;
   double next_wait = -1; /* when a request waiting for partners must be served */
   rpl_status st = RPL_OK;
+  zmq_msg_t in;
+  zmq_msg_init(&in);
   while (!atomic_load(&c->stop)) {
-    zmq_pollitem_t it = {c->sock, 0, ZMQ_POLLIN, 0};
+    zmq_pollitem_t it[2] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
     long ms = 50;
     if (next_wait >= 0) {
       double left = (next_wait - now_s()) * 1000.0;
       ms = left <= 0 ? 0 : left < 50 ? (long)left + 1 : 50;
     }
-    int rc = zmq_poll(&it, 1, ms);
+    int rc = zmq_poll(it, 2, ms);
     if (rc < 0 && zmq_errno() != EINTR) {
       st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: poll: %s", zmq_strerror(zmq_errno()));
       break;
     }
+    if (rc > 0) read_conn_events(c, now_s()); /* first: messages name their connection */
     /* Drain what is there, bounded so liveness ticks still run under load. */
     for (int k = 0; rc > 0 && k < 10000; k++) {
       int rl = zmq_recv(c->sock, route, sizeof route, ZMQ_DONTWAIT);
@@ -131,7 +242,7 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
         atomic_fetch_add(&c->core.malformed, 1);
         continue;
       }
-      int n = zmq_recv(c->sock, msg, COORD_MAX_IN, 0);
+      int n = zmq_msg_recv(&in, c->sock, 0);
       zmq_getsockopt(c->sock, ZMQ_RCVMORE, &more, &ml);
       int extra = 0;
       while (more) { /* the protocol is one frame per message: drop the rest */
@@ -148,7 +259,9 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
         atomic_fetch_add(&c->core.malformed, 1);
         continue;
       }
-      coord_core_handle(&c->core, route, (size_t)rl, msg, (size_t)n, now_s());
+      double t = now_s();
+      if (coord_core_handle(&c->core, route, (size_t)rl, zmq_msg_data(&in), (size_t)n, t))
+        conn_authed(c, zmq_msg_get(&in, ZMQ_SRCFD), t);
     }
     double t = now_s();
     next_wait = coord_core_advance(&c->core, t);
@@ -157,7 +270,7 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
       next_tick = t + tick_every;
     }
   }
-  free(msg);
+  zmq_msg_close(&in);
   return st;
 }
 
@@ -190,9 +303,12 @@ void rpl_coord_stop(rpl_coord *c) {
 void rpl_coord_destroy(rpl_coord *c) {
   if (!c) return;
   rpl_coord_stop(c);
+  if (c->sock) zmq_socket_monitor(c->sock, NULL, 0);
+  if (c->mon) zmq_close(c->mon);
   if (c->sock) zmq_close(c->sock);
   if (c->ctx) zmq_ctx_term(c->ctx);
   coord_core_free(&c->core);
+  free(c->conns);
   free(c);
 }
 
@@ -218,4 +334,5 @@ void rpl_coord_get_counters(const rpl_coord *c, rpl_coord_counters *out) {
   out->bad_token_quiet = atomic_load(&k->bad_token_quiet);
   out->challenges = atomic_load(&k->challenges);
   out->bad_session = atomic_load(&k->bad_session);
+  out->connections_dropped = atomic_load(&k->connections_dropped);
 }

@@ -78,6 +78,8 @@ typedef struct rpl_coord_counters {
   uint64_t challenges;     /* CHALLENGEs sent: openings of sessions and status queries */
   uint64_t bad_session;    /* dropped: an answer to a challenge that is not ours, too old, or
                               fails its MAC; or a message failing its rank's session key */
+  uint64_t connections_dropped; /* connections closed by the cap on connections, oldest
+                              of those that never proved the token first */
 } rpl_coord_counters;
 
 /* Readable from any thread while the service runs. */

@@ -300,7 +300,7 @@ class Coordinator {
     py::dict d;
     PUT(messages); PUT(malformed); PUT(bad_token); PUT(errors_sent); PUT(dead_declared);
     PUT(send_failures); PUT(wrong_route); PUT(replayed); PUT(rebinds); PUT(bad_token_quiet);
-    PUT(challenges); PUT(bad_session);
+    PUT(challenges); PUT(bad_session); PUT(connections_dropped);
     PUT(probes_withheld);
     return d;
   }

@@ -993,6 +993,53 @@ static void test_rejections(void) {
   printf("  wrong token, world size, malformed input rejected and counted: ok\n");
 }
 
+/* ---- the cap on connections (issue 51, finding 3) ---------------------------------------- */
+
+/* Strangers holding more connections than the cap (4 per worker + 64) lose the oldest of
+ * theirs; the job's own connections, which proved the token, stay and are served. */
+static void test_connection_cap(void) {
+  rpl_coord *c = start_coord(RPL_POLICY_RANDOM, 2, 1, 100, 5000); /* cap: 72 */
+  rpl_gg_client *w0 = connect_client(c, 0, 2, 100);
+  void *ctx = zmq_ctx_new();
+  enum { N = 120 };
+  void *s[N];
+  int linger = 0;
+  for (int i = 0; i < N; i++) {
+    s[i] = zmq_socket(ctx, ZMQ_DEALER);
+    zmq_setsockopt(s[i], ZMQ_LINGER, &linger, sizeof linger);
+    REQUIRE(zmq_connect(s[i], rpl_coord_endpoint(c)) == 0, "connect %d", i);
+    zmq_send(s[i], "x", 1, 0); /* malformed: proves nothing */
+  }
+  rpl_coord_counters k;
+  for (int t = 0; t < 100; t++) {
+    usleep(50 * 1000);
+    rpl_coord_get_counters(c, &k);
+    if (k.connections_dropped >= N + 2 - 72) break;
+  }
+  /* (a dropped DEALER reconnects, and is dropped again: the count may go on rising) */
+  REQUIRE(k.connections_dropped >= N + 2 - 72, "%llu connections dropped",
+          (unsigned long long)k.connections_dropped);
+  /* The job's worker kept its connections: served, no failover; a new one registers. */
+  rpl_gg_client *w1 = connect_client(c, 1, 2, 100);
+  int mem[2], n = 0;
+  uint64_t gid;
+  rpl_error err;
+  REQUIRE(rpl_gg_client_request(w0, 0, mem, 2, &n, &gid, &err) == RPL_OK, "%s", err.msg);
+  rpl_gg_client_stats st;
+  rpl_gg_client_get_stats(w0, &st);
+  REQUIRE(st.failovers == 0 && st.heartbeats_acked > 0, "worker 0 lost its coordinator");
+  char *json = NULL;
+  REQUIRE(rpl_gg_query_status(rpl_coord_endpoint(c), rpl_coord_token(c), 5000, &json, &err) ==
+              RPL_OK && strstr(json, "\"connections_dropped\":"), "status");
+  free(json);
+  for (int i = 0; i < N; i++) zmq_close(s[i]);
+  zmq_ctx_term(ctx);
+  rpl_gg_client_destroy(w0);
+  rpl_gg_client_destroy(w1);
+  rpl_coord_destroy(c);
+  printf("  connections past the cap: the strangers' dropped, the job's served: ok\n");
+}
+
 /* ---- unreachable or stopped coordinator ---------------------------------------------------- */
 
 /* Whether rank's entry in the "workers" array of a status document holds `field` (exact
@@ -1196,6 +1243,7 @@ int main(void) {
   test_client_routes_and_seq();
   test_client_beat_reconnects();
   test_rejections();
+  test_connection_cap();
   test_unreachable();
   test_unsent_group_resent();
   test_fence_skips_waiting_request();
