@@ -142,7 +142,8 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     size = int(dist_backend_opts.group_size)
     # A restarted job gets the store its dead predecessor wrote to, under the same group
     # names: publish nothing outside this incarnation's own prefix (_incarnation.py).
-    store, incarnation = _incarnation.namespaced(dist_backend_opts.store, rank, size, timeout_s)
+    store, incarnation, identity = _incarnation.namespaced(dist_backend_opts.store, rank, size,
+                                                           timeout_s)
     removed = _incarnation.sweep_dead_segments()
     if removed:
         logger.info("ripples_pg: removed %d shared-memory segment(s) of dead processes: %s",
@@ -154,14 +155,18 @@ def _create_backend(dist_backend_opts: Any, pg_options: Optional[Options]):
     _C = load_extension()  # the extension is loaded only when a group is created
 
     host_label = opts.host_id if opts.host_id is not None else socket.gethostname()
-    job_id = _job_id(dist_backend_opts, size, incarnation)
+    job_id = _job_id(dist_backend_opts, size, incarnation, identity)
     # What this layer publishes (host labels, coordinator endpoints) is sealed with the job
-    # secret when there is one; the core seals its own records (docs/security.md).
+    # secret when there is one; the core seals its own records (docs/security.md), with a
+    # secret of this incarnation's: so nothing sealed in one job or incarnation passes in
+    # another, even with the same secret.
     records = _records.SealedStore(store, opts.job_secret, job_id)
     host_of, host_names = _exchange_hosts(records, rank, size, host_label)
     endpoint, token = _group_coordinators.find(records, rank, size, opts, host_of, timeout_s,
                                                bind_addr, job_id=job_id, host_names=host_names)
-    config = opts._core_config(
+    core_opts = opts.replace(job_secret=_core_secret(opts.job_secret, job_id)) \
+        if opts.job_secret else opts
+    config = core_opts._core_config(
         _C.Config(),
         timeout_s=float(timeout_s),
         bind_addr=bind_addr,
@@ -208,12 +213,25 @@ def _host_key(label: str) -> str:
 # ----------------------------------------------------------------------------- job
 
 
-def _job_id(dist_backend_opts: Any, size: int, incarnation: int = 0) -> str:
-    """A string every rank of this group computes alike and another job (most likely) not:
-    the group's name, its size, its incarnation, and the elastic run id when torchrun set
-    one. A restarted group thus derives another coordinator token than the dead one."""
+def _job_id(dist_backend_opts: Any, size: int, incarnation: int = 0, identity: str = "") -> str:
+    """A string every rank of this group computes alike and no other job or incarnation can:
+    the group's name, its size, its incarnation, the elastic run id when torchrun set one,
+    and the incarnation's identity (``_incarnation.digest``: of a nonce of every rank). A
+    restarted group thus derives another coordinator token than the dead one, and two jobs
+    sharing a secret (srun, ``mp.spawn``: no run id) share none."""
     return (f"{_short_name(dist_backend_opts)}/{size}/"
-            f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{incarnation}")
+            f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{incarnation}/{identity}")
+
+
+def _core_secret(job_secret: str, job_id: str) -> str:
+    """The secret the core keys this group's links and seals with: HMAC-SHA256(job_secret,
+    "ripples-core-secret/1/" + job_id), hex. It binds the link salt's seal, and everything
+    sealed after it, to this group and incarnation."""
+    import hashlib
+    import hmac
+
+    return hmac.new(job_secret.encode(), b"ripples-core-secret/1/" + job_id.encode(),
+                    hashlib.sha256).hexdigest()
 
 
 def _short_name(dist_backend_opts: Any) -> str:

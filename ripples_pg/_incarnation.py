@@ -22,6 +22,12 @@ the store itself, in a way that no key an earlier incarnation left behind can sa
 
 An earlier incarnation that died half-way through this exchange leaves only keys of older
 epochs or nonces no new rank holds, so it cannot be mistaken for the new one.
+
+The record every rank acknowledged is also the incarnation's identity (``digest``): it holds a
+fresh nonce of every rank, and no rank accepts one without its own, so no other job -- even
+one with the same secret, group name and run id -- and no earlier incarnation has the same.
+The job id, and through it the coordinator token and every sealed record, includes it
+(issue 51: nothing recorded in one job or incarnation passes in another).
 """
 from __future__ import annotations
 
@@ -66,19 +72,33 @@ def agree(store: Any, rank: int, size: int, timeout_s: float) -> int:
     """The incarnation number every rank of this group agrees on (the same on every rank,
     different from every earlier incarnation's on the same store). Raises IncarnationError
     naming the ranks that did not take part when ``timeout_s`` passes."""
+    return agree_record(store, rank, size, timeout_s)[0]
+
+
+def agree_record(store: Any, rank: int, size: int, timeout_s: float) -> tuple:
+    """(the incarnation number, the record every rank acknowledged: the epoch and every
+    rank's nonce), as :func:`agree` agrees them."""
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"ripples_pg: rank {rank} outside a group of {size}")
-    if size == 1:
-        return int(store.add(NS + "epoch", 1))
-    deadline = time.monotonic() + timeout_s
     nonce = secrets.token_hex(16)
+    if size == 1:
+        epoch = int(store.add(NS + "epoch", 1))
+        return epoch, f"{epoch}:{nonce}"
+    deadline = time.monotonic() + timeout_s
     store.set(f"{NS}hello/{rank}", nonce)
     if rank == 0:
         return _lead(store, size, nonce, deadline, timeout_s)
     return _follow(store, rank, nonce, deadline, timeout_s)
 
 
-def _lead(store: Any, size: int, nonce: str, deadline: float, timeout_s: float) -> int:
+def digest(record: str) -> str:
+    """32 hex digits naming an agreed record (SHA-256)."""
+    import hashlib
+
+    return hashlib.sha256(record.encode()).hexdigest()[:32]
+
+
+def _lead(store: Any, size: int, nonce: str, deadline: float, timeout_s: float) -> tuple:
     keys = [f"{NS}hello/{r}" for r in range(1, size)]
     for r, key in enumerate(keys, 1):  # every rank has written a hello once (maybe a stale one)
         _wait_key(store, key, deadline,
@@ -89,14 +109,15 @@ def _lead(store: Any, size: int, nonce: str, deadline: float, timeout_s: float) 
     while True:
         epoch = int(store.add(NS + "epoch", 1))
         hellos = _read(store, keys)
-        store.set(NS + "record", f"{epoch}:{','.join([nonce] + hellos)}")
+        record = f"{epoch}:{','.join([nonce] + hellos)}"
+        store.set(NS + "record", record)
         acks = [f"{NS}ack/{epoch}/{r}" for r in range(1, size)]
         until = min(deadline, time.monotonic() + wait_s)
         pause = POLL_S
         while True:
             if store.check(acks):
                 store.set(f"{NS}ready/{epoch}", "1")
-                return epoch
+                return epoch, record
             if _read(store, keys) != hellos:
                 break  # a rank wrote its hello of this incarnation: publish it at once
             now = time.monotonic()
@@ -120,20 +141,21 @@ def _read(store: Any, keys: list) -> list:
     return [_s(v) for v in vals]
 
 
-def _follow(store: Any, rank: int, nonce: str, deadline: float, timeout_s: float) -> int:
+def _follow(store: Any, rank: int, nonce: str, deadline: float, timeout_s: float) -> tuple:
     key = NS + "record"
     _wait_key(store, key, deadline,
               f"ripples_pg: rank 0 did not start this process group within {timeout_s:g} s "
               f"(rank {rank} waited for it while agreeing on the group's incarnation)")
     pause = POLL_S
-    acked = None
+    acked, acked_record = None, None
     while True:
-        epoch, mine = _parse(_s(store.get(key)), rank)
+        record = _s(store.get(key))
+        epoch, mine = _parse(record, rank)
         if mine == nonce and epoch != acked:
             store.set(f"{NS}ack/{epoch}/{rank}", "1")
-            acked = epoch
+            acked, acked_record = epoch, record
         if acked is not None and store.check([f"{NS}ready/{acked}"]):
-            return acked
+            return acked, acked_record
         now = time.monotonic()
         if now >= deadline:
             raise IncarnationError(
@@ -159,12 +181,12 @@ def _parse(record: str, rank: int) -> tuple:
 
 
 def namespaced(store: Any, rank: int, size: int, timeout_s: float) -> tuple:
-    """(``store`` under this incarnation's prefix, the incarnation): what the group publishes
-    from here on goes there."""
+    """(``store`` under this incarnation's prefix, the incarnation, its digest): what the
+    group publishes from here on goes there."""
     import torch.distributed as dist
 
-    epoch = agree(store, rank, size, timeout_s)
-    return dist.PrefixStore(f"ripples/{epoch}", store), epoch
+    epoch, record = agree_record(store, rank, size, timeout_s)
+    return dist.PrefixStore(f"ripples/{epoch}", store), epoch, digest(record)
 
 
 # ----------------------------------------------------------------------------- dead segments

@@ -416,8 +416,9 @@ class Options:
         job_secret: a per-job secret string of at least 16 characters, the same on every
             rank (``RIPPLES_JOB_SECRET``; keep it out of code and argv). With it, every rank
             derives the embedded coordinator's token as HMAC-SHA256(job_secret,
-            ``"ripples-coordinator-token/"`` + the group's name, world size and
-            ``TORCHELASTIC_RUN_ID``), so the token is not published in the c10d store. Without
+            ``"ripples-coordinator-token/"`` + the group's name, world size,
+            ``TORCHELASTIC_RUN_ID``, incarnation and the incarnation's identity, a digest of a
+            nonce of every rank), so the token is not published in the c10d store. Without
             it, rank 0 publishes a random token in the store, and anyone who can read the store
             (torch's TCPStore has no authentication) can read the token and act for any rank
             with the coordinator. It also keys the authentication of the data links (TCP and

@@ -433,6 +433,61 @@ def test_store_records_are_sealed_with_the_job_secret():
     assert plain.get("k") == "v|not-a-seal" and raw.d["k"] == b"v|not-a-seal"
 
 
+def _incarnation_of_a_fresh_job(size=2):
+    """(epoch, identity) that the ``size`` ranks of a job on a fresh store agree on (threads,
+    each with its own store client, as processes would)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from ripples_pg import _incarnation
+
+    port = _dist.free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=30))
+    out = {}
+
+    def one(r):
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        out[r] = _incarnation.namespaced(dist.PrefixStore("0", client), r, size, 20.0)[1:]
+
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(size)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    del master
+    assert len(set(out.values())) == 1, out  # every rank agrees
+    return out[0]
+
+
+def test_two_jobs_sharing_a_secret_share_no_token_or_record():
+    """Issue 51, finding 2: two jobs with one secret, one group name and no run id (srun,
+    mp.spawn, plain env://) are both incarnation 1 of a fresh store, yet their job ids differ
+    (the incarnation's identity: a nonce of every rank), so their coordinator tokens, the
+    core's secret (link keys, the link salt's seal) and their sealed records do: a record of
+    one job replayed into the other's store fails its seal there."""
+    from ripples_pg import _backend
+    from ripples_pg._records import SealedStore
+
+    class Group:
+        group_id = "0"
+
+    secret = "one-secret-for-two-jobs"
+    ids = []
+    for _ in range(2):
+        epoch, identity = _incarnation_of_a_fresh_job()
+        assert epoch == 1 and len(identity) == 32
+        ids.append(_backend._job_id(Group, 2, epoch, identity))
+    a, b = ids
+    assert a != b
+    assert coordinator.derive_token(secret, a) != coordinator.derive_token(secret, b)
+    assert _backend._core_secret(secret, a) != _backend._core_secret(secret, b)
+    raw = _DictStore()
+    SealedStore(raw, secret, a).set("ripples/gg/endpoint", "tcp://10.0.0.1:5555")
+    with pytest.raises(RuntimeError, match="fails its MAC"):
+        SealedStore(raw, secret, b).get("ripples/gg/endpoint")
+
+
 def test_heartbeat_settings_are_bounded_and_followed():
     # A dead_ms under three heartbeats declares a live worker dead after one late beat, and a
     # tiny interval lets a token holder take a registration over between two beats: refused.
