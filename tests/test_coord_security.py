@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -589,12 +590,13 @@ class Relay:
     runs one (issue 51's review): each client connection gets its own connection upstream
     under the same routing id; `sent` records what the clients sent, in order."""
 
-    def __init__(self, upstream):
+    def __init__(self, upstream, on_route=None):
         self.ctx = zmq.Context()
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
         self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
         self.upstream, self.up, self.sent = upstream, {}, []
+        self.on_route = on_route  # called with each new routing id, before it is forwarded
         self.stop = threading.Event()
         self.th = threading.Thread(target=self._run, daemon=True)
         self.th.start()
@@ -609,6 +611,8 @@ class Relay:
                 if sock is self.front:
                     route, raw = self.front.recv_multipart()
                     if route not in self.up:
+                        if self.on_route is not None:
+                            self.on_route(route)
                         s = self.ctx.socket(zmq.DEALER)
                         s.setsockopt(zmq.LINGER, 0)
                         s.setsockopt(zmq.ROUTING_ID, route)
@@ -706,3 +710,42 @@ def test_a_replayed_status_query_returns_nothing(coord):
     finally:
         st.close()
         relay.close()
+
+
+def test_a_heartbeat_route_taken_first_takes_no_heartbeats(coord):
+    """Issue 51, finding 4: up to protocol 5 the heartbeat socket's routing id was 'H' + the
+    16 bytes of the request socket's, which travel in clear in ZeroMQ's handshake, so an
+    observer that connected first under it took the worker's heartbeats. Here the relay's
+    observer does so the moment it sees a request route; the worker's heartbeats, from a route
+    of their own, are still answered, and the squatter gets none."""
+    ctx = zmq.Context()
+    squatters = []
+
+    def squat(route):
+        if route[:1] == b"R":
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.ROUTING_ID, b"H" + route[1:])
+            s.connect(coord.endpoint)
+            s.send(b"x")  # malformed: the connection is up before the worker's HELLO goes on
+            squatters.append(s)
+
+    relay = Relay(coord.endpoint, on_route=squat)
+    w = None
+    try:
+        w = _gg.Client(relay.endpoint, TOKEN, 0, 2, timeout_ms=5000, heartbeat_ms=100)
+        deadline = time.monotonic() + 10
+        while w.stats()["heartbeats_acked"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.stats()["heartbeats_acked"] >= 3, w.stats()
+        beats = [r for r in list(relay.up) if r[:1] == b"H"]
+        assert squatters and beats and all(b"H" + r[1:] not in beats
+                                           for r in list(relay.up) if r[:1] == b"R")
+        assert all(not s.poll(0) for s in squatters), "the squatter received a reply"
+    finally:
+        if w is not None:
+            w.close()
+        relay.close()
+        for s in squatters:
+            s.close(0)
+        ctx.term()
