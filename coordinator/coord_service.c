@@ -11,6 +11,7 @@
 #include <zmq.h>
 
 #include "common.h"
+#include "coord_conns.h"
 #include "coord_core.h"
 
 /* Largest message a worker may send; anything bigger is cut off by zmq (ZMQ_MAXMSGSIZE). */
@@ -30,20 +31,12 @@
 #define COORD_CONNS_PER_WORKER 4
 #define COORD_CONNS_SPARE 64
 
-/* A TCP connection the ROUTER accepted (from its monitor), by descriptor. */
-typedef struct {
-  int fd;
-  double at;  /* accepted */
-  int authed; /* a message on it proved the token */
-} coord_conn;
-
 struct rpl_coord {
   coord_core core;
   void *ctx;
   void *sock;
   void *mon;                /* PAIR socket receiving the ROUTER's connection events */
-  coord_conn *conns;        /* open connections, in no order */
-  int nconns, conns_cap, max_conns;
+  coord_conns conns;        /* for the cap on connections */
   char endpoint[256];
   atomic_int stop;
   int running;
@@ -118,7 +111,7 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   /* The connection cap learns of connections from the ROUTER's monitor. */
   char mon[64];
   snprintf(mon, sizeof mon, "inproc://rpl-coord-monitor-%p", (void *)c);
-  c->max_conns = COORD_CONNS_PER_WORKER * c->core.nworkers + COORD_CONNS_SPARE;
+  coord_conns_init(&c->conns, COORD_CONNS_PER_WORKER * c->core.nworkers + COORD_CONNS_SPARE);
   if (zmq_socket_monitor(c->sock, mon, ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED) != 0 ||
       !(c->mon = zmq_socket(c->ctx, ZMQ_PAIR)) || zmq_connect(c->mon, mon) != 0) {
     st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: zmq socket monitor: %s",
@@ -130,49 +123,18 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   return RPL_OK;
 }
 
-static coord_conn *find_conn(rpl_coord *c, int fd) {
-  for (int i = 0; i < c->nconns; i++)
-    if (c->conns[i].fd == fd) return &c->conns[i];
-  return NULL;
-}
-
-static void forget_conn(rpl_coord *c, coord_conn *k) {
-  *k = c->conns[--c->nconns]; /* order does not matter */
-}
-
 /* Past the cap: closes the oldest connections that never proved the token (shutdown: the
  * ZeroMQ I/O thread that owns the descriptor sees it end and closes it). */
 static void enforce_cap(rpl_coord *c) {
-  while (c->nconns > c->max_conns) {
-    coord_conn *old = NULL;
-    for (int i = 0; i < c->nconns; i++)
-      if (!c->conns[i].authed && (!old || c->conns[i].at < old->at)) old = &c->conns[i];
-    if (!old) return; /* every one proved the token: the job's own */
-    shutdown(old->fd, SHUT_RDWR);
+  for (int fd; (fd = coord_conns_victim(&c->conns)) >= 0;) {
+    shutdown(fd, SHUT_RDWR);
     atomic_fetch_add(&c->core.connections_dropped, 1);
-    forget_conn(c, old);
   }
-}
-
-static void conn_accepted(rpl_coord *c, int fd, double now) {
-  coord_conn *k = find_conn(c, fd); /* a descriptor reused before its close was seen */
-  if (!k) {
-    if (c->nconns == c->conns_cap) {
-      int cap = c->conns_cap ? 2 * c->conns_cap : 64;
-      coord_conn *grown = realloc(c->conns, sizeof *grown * (size_t)cap);
-      if (!grown) return; /* not tracked: the cap counts it at its first message */
-      c->conns = grown;
-      c->conns_cap = cap;
-    }
-    k = &c->conns[c->nconns++];
-  }
-  *k = (coord_conn){.fd = fd, .at = now, .authed = 0};
-  enforce_cap(c);
 }
 
 /* Connection events from the monitor: each is a frame of u16 event and u32 value (the
  * descriptor), then a frame with the endpoint. */
-static void read_conn_events(rpl_coord *c, double now) {
+static void read_conn_events(rpl_coord *c) {
   for (;;) {
     zmq_msg_t ev;
     zmq_msg_init(&ev);
@@ -195,20 +157,9 @@ static void read_conn_events(rpl_coord *c, double now) {
       else more = zmq_msg_more(&part);
       zmq_msg_close(&part);
     }
-    coord_conn *k = fd >= 0 ? find_conn(c, fd) : NULL;
-    if (event == ZMQ_EVENT_ACCEPTED && fd >= 0) conn_accepted(c, fd, now);
-    else if (event == ZMQ_EVENT_DISCONNECTED && k) forget_conn(c, k);
+    if (event == ZMQ_EVENT_ACCEPTED) coord_conns_accepted(&c->conns, fd);
+    else if (event == ZMQ_EVENT_DISCONNECTED) coord_conns_closed(&c->conns, fd);
   }
-}
-
-/* A message on descriptor fd proved the token: its connection is the job's. */
-static void conn_authed(rpl_coord *c, int fd, double now) {
-  coord_conn *k = fd >= 0 ? find_conn(c, fd) : NULL;
-  if (!k && fd >= 0) { /* its accept event not read yet */
-    conn_accepted(c, fd, now);
-    k = find_conn(c, fd);
-  }
-  if (k) k->authed = 1;
 }
 
 rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
@@ -230,7 +181,7 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
       st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: poll: %s", zmq_strerror(zmq_errno()));
       break;
     }
-    if (rc > 0) read_conn_events(c, now_s()); /* first: messages name their connection */
+    if (rc > 0) read_conn_events(c); /* first: messages name their connection */
     /* Drain what is there, bounded so liveness ticks still run under load. */
     for (int k = 0; rc > 0 && k < 10000; k++) {
       int rl = zmq_recv(c->sock, route, sizeof route, ZMQ_DONTWAIT);
@@ -261,8 +212,9 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
       }
       double t = now_s();
       if (coord_core_handle(&c->core, route, (size_t)rl, zmq_msg_data(&in), (size_t)n, t))
-        conn_authed(c, zmq_msg_get(&in, ZMQ_SRCFD), t);
+        coord_conns_authed(&c->conns, zmq_msg_get(&in, ZMQ_SRCFD));
     }
+    enforce_cap(c);
     double t = now_s();
     next_wait = coord_core_advance(&c->core, t);
     if (t >= next_tick) {
@@ -308,7 +260,7 @@ void rpl_coord_destroy(rpl_coord *c) {
   if (c->sock) zmq_close(c->sock);
   if (c->ctx) zmq_ctx_term(c->ctx);
   coord_core_free(&c->core);
-  free(c->conns);
+  coord_conns_free(&c->conns);
   free(c);
 }
 
