@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <zmq.h>
@@ -37,6 +39,7 @@ struct rpl_coord {
   void *sock;
   void *mon;                /* PAIR socket receiving the ROUTER's connection events */
   coord_conns conns;        /* for the cap on connections */
+  int port;                 /* the TCP port bound (0: not TCP) */
   char endpoint[256];
   atomic_int stop;
   int running;
@@ -108,6 +111,8 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   if (zmq_getsockopt(c->sock, ZMQ_LAST_ENDPOINT, c->endpoint, &elen) != 0) {
     strncpy(c->endpoint, bind, sizeof c->endpoint - 1);
   }
+  const char *colon = strrchr(c->endpoint, ':');
+  c->port = strncmp(c->endpoint, "tcp://", 6) == 0 && colon ? atoi(colon + 1) : 0;
   /* The connection cap learns of connections from the ROUTER's monitor. */
   char mon[64];
   snprintf(mon, sizeof mon, "inproc://rpl-coord-monitor-%p", (void *)c);
@@ -123,10 +128,26 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   return RPL_OK;
 }
 
+/* Whether fd is still a connection accepted on our port: ZeroMQ may have closed it and the
+ * process (rank 0 embeds the coordinator) reused the number for a socket of its own before
+ * the close event was read; such a socket must never be shut down. */
+static int accepted_here(const rpl_coord *c, int fd) {
+  struct sockaddr_storage a, peer;
+  socklen_t n = sizeof a, pn = sizeof peer;
+  if (c->port <= 0 || getsockname(fd, (struct sockaddr *)&a, &n) != 0 ||
+      getpeername(fd, (struct sockaddr *)&peer, &pn) != 0) /* a listener has no peer */
+    return 0;
+  int port = a.ss_family == AF_INET    ? ntohs(((struct sockaddr_in *)&a)->sin_port)
+             : a.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&a)->sin6_port)
+                                       : -1;
+  return port == c->port;
+}
+
 /* Past the cap: closes the oldest connections that never proved the token (shutdown: the
  * ZeroMQ I/O thread that owns the descriptor sees it end and closes it). */
 static void enforce_cap(rpl_coord *c) {
   for (int fd; (fd = coord_conns_victim(&c->conns)) >= 0;) {
+    if (!accepted_here(c, fd)) continue; /* closed already, its number reused */
     shutdown(fd, SHUT_RDWR);
     atomic_fetch_add(&c->core.connections_dropped, 1);
   }
