@@ -662,6 +662,8 @@ typedef struct {
   uint32_t seq[FAKE_MAX];
   int type[FAKE_MAX];
   int key_of[FAKE_MAX];           /* 0 the token, k > 0 session k, -1 no MAC of ours */
+  void *ctx;
+  pthread_t thread;
 } fake_coord;
 
 static void fake_send(fake_coord *f, const uint8_t *route, int rl, rpl_msg *m) {
@@ -757,22 +759,34 @@ static void *fake_main(void *arg) {
   return NULL;
 }
 
+/* Binds f on loopback (its endpoint in ep) and starts its thread; returns its token (hex). */
+static const char *fake_start(fake_coord *f, char *ep, size_t cap) {
+  static const char *hex = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+  f->ctx = zmq_ctx_new();
+  f->sock = zmq_socket(f->ctx, ZMQ_ROUTER);
+  int zero = 0;
+  zmq_setsockopt(f->sock, ZMQ_LINGER, &zero, sizeof zero);
+  REQUIRE(zmq_bind(f->sock, "tcp://127.0.0.1:*") == 0, "bind");
+  zmq_getsockopt(f->sock, ZMQ_LAST_ENDPOINT, ep, &cap);
+  rpl_error err;
+  REQUIRE(rpl_token_from_hex(hex, f->tok, &err) == RPL_OK, "token");
+  REQUIRE(pthread_create(&f->thread, NULL, fake_main, f) == 0, "thread");
+  return hex;
+}
+
+static void fake_stop(fake_coord *f) {
+  atomic_store(&f->stop, 1);
+  pthread_join(f->thread, NULL);
+  zmq_close(f->sock);
+  zmq_ctx_term(f->ctx);
+}
+
 static void test_client_routes_and_seq(void) {
   static fake_coord f;
   memset(&f, 0, sizeof f);
-  void *ctx = zmq_ctx_new();
-  f.sock = zmq_socket(ctx, ZMQ_ROUTER);
-  int zero = 0;
-  zmq_setsockopt(f.sock, ZMQ_LINGER, &zero, sizeof zero);
-  REQUIRE(zmq_bind(f.sock, "tcp://127.0.0.1:*") == 0, "bind");
   char ep[256];
-  size_t el = sizeof ep;
-  zmq_getsockopt(f.sock, ZMQ_LAST_ENDPOINT, ep, &el);
-  const char *hex = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+  const char *hex = fake_start(&f, ep, sizeof ep);
   rpl_error err;
-  REQUIRE(rpl_token_from_hex(hex, f.tok, &err) == RPL_OK, "token");
-  pthread_t th;
-  REQUIRE(pthread_create(&th, NULL, fake_main, &f) == 0, "thread");
   rpl_gg_client_config cc = {
       .endpoint = ep,
       .token_hex = hex,
@@ -798,10 +812,7 @@ static void test_client_routes_and_seq(void) {
   usleep(200 * 1000);
   REQUIRE(rpl_gg_client_leave(cl, &err) == RPL_OK, "%s", err.msg);
   rpl_gg_client_destroy(cl);
-  atomic_store(&f.stop, 1);
-  pthread_join(th, NULL);
-  zmq_close(f.sock);
-  zmq_ctx_term(ctx);
+  fake_stop(&f);
 
   /* Every route is 'R' or 'H' + 16 bytes; every message but an opening is MACed with its
    * session's key; a session opens with HELLO under the token, then HELLO under its key. */
@@ -852,19 +863,9 @@ static void test_client_beat_reconnects(void) {
   static fake_coord f;
   memset(&f, 0, sizeof f);
   f.squatted = 1;
-  void *ctx = zmq_ctx_new();
-  f.sock = zmq_socket(ctx, ZMQ_ROUTER);
-  int zero = 0;
-  zmq_setsockopt(f.sock, ZMQ_LINGER, &zero, sizeof zero);
-  REQUIRE(zmq_bind(f.sock, "tcp://127.0.0.1:*") == 0, "bind");
   char ep[256];
-  size_t el = sizeof ep;
-  zmq_getsockopt(f.sock, ZMQ_LAST_ENDPOINT, ep, &el);
-  const char *hex = "0f1e2d3c4b5a69788796a5b4c3d2e1f0";
+  const char *hex = fake_start(&f, ep, sizeof ep);
   rpl_error err;
-  REQUIRE(rpl_token_from_hex(hex, f.tok, &err) == RPL_OK, "token");
-  pthread_t th;
-  REQUIRE(pthread_create(&th, NULL, fake_main, &f) == 0, "thread");
   rpl_gg_client_config cc = {.endpoint = ep, .token_hex = hex, .rank = 1, .nworkers = 2,
                              .timeout_ms = 3000, .request_timeout_ms = 3000, .heartbeat_ms = 50};
   rpl_gg_client *cl;
@@ -879,10 +880,7 @@ static void test_client_beat_reconnects(void) {
           "heartbeats answered on a new route without failover (%llu acked, %llu failovers)",
           (unsigned long long)st.heartbeats_acked, (unsigned long long)st.failovers);
   rpl_gg_client_destroy(cl);
-  atomic_store(&f.stop, 1);
-  pthread_join(th, NULL);
-  zmq_close(f.sock);
-  zmq_ctx_term(ctx);
+  fake_stop(&f);
   int routes = 0;
   for (int i = 0; i < f.n; i++)
     routes += f.type[i] == RPL_MSG_HEARTBEAT && i > 0 &&
