@@ -72,6 +72,9 @@ rpl_status rpl_exchange(rpl_run *run, rpl_xfer *xs, int n) {
 }
 
 rpl_status rpl_exchange_more(rpl_run *run, rpl_xfer *xs, int n) {
+  if (run->give_up)
+    return rpl_tr_run_until(run->tr, xs, n, run->deadline, run->give_up, run->give_up_arg,
+                            run->err);
   return rpl_tr_run(run->tr, xs, n, run->deadline, run->err);
 }
 

@@ -48,6 +48,9 @@ typedef struct rpl_run {
   size_t single_copy_bytes;     /* single-copy algorithms at or above this; 0 = never */
   const unsigned char *same_host; /* by communicator rank: 1 if on this host (NULL = none) */
   rpl_error *err;
+  /* While set, exchanges also end (RPL_ERR_PEER) once give_up(give_up_arg) says so. */
+  int (*give_up)(void *arg);
+  void *give_up_arg;
   /* Fault injection (tests only, partial.c): called before the run's k-th exchange. */
   void (*before_exchange)(void *arg, int k);
   void *hook_arg;
@@ -70,7 +73,8 @@ rpl_xfer rpl_recv(const rpl_run *run, int peer, void *buf, size_t len, rpl_dtype
 rpl_xfer rpl_recv_reduce(const rpl_run *run, int peer, void *tmp, void *dst, size_t len,
                          rpl_dtype dtype, rpl_redop op, uint64_t count, unsigned step);
 
-/* Moves all transfers until done, the run's deadline passes or an error occurs. */
+/* Moves all transfers until done, the run's deadline passes, run->give_up says so or an error
+ * occurs. */
 rpl_status rpl_exchange(rpl_run *run, rpl_xfer *xs, int n);
 /* The rest of the exchange just run, as a run of its own (it neither counts as an exchange nor
  * calls the test hook): for a protocol step that orders its transfers in two runs. */

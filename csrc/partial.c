@@ -408,6 +408,8 @@ static void narrow_run(rpl_partial *p, rpl_run *run, const round_info *r) {
   }
 }
 
+static int coordinator_lost(void *client) { return rpl_gg_client_lost(client); }
+
 /* A compressing round works on y = buffers + residual (in p->next), checked before the
  * signatures go out so that every member learns whether all can compress. Then the
  * signatures; *flags_or is every member's flags OR-ed. */
@@ -426,7 +428,22 @@ static rpl_status prepare_and_agree(rpl_partial *p, rpl_run *run, const rpl_op_d
     if (!rpl_cq_in_range(p->next, total, rpl_cq_limit(p->compression)))
       flags |= SIG_FLAG_OUT_OF_RANGE;
   }
-  if (st == RPL_OK) st = check_signatures(run, d, r->gid, p->compression, flags, flags_or, err);
+  if (st != RPL_OK) return st;
+  /* The coordinator hands a group to all its members at once, so they meet here within
+   * moments -- unless it died while handing it out: a member that never received it is not
+   * coming, and the others would wait for it until the round's deadline. Once our client
+   * has lost that coordinator, they stop waiting (no data has moved yet). */
+  if (p->dynamic) {
+    run->give_up = coordinator_lost;
+    run->give_up_arg = p->client;
+  }
+  st = check_signatures(run, d, r->gid, p->compression, flags, flags_or, err);
+  run->give_up = NULL;
+  if (st == RPL_ERR_PEER && p->dynamic && rpl_gg_client_lost(p->client))
+    st = rpl_fail(err, RPL_ERR_PEER,
+                  "partial all-reduce group %llu (round %llu): the group generator was lost "
+                  "while handing it out, and not every member came; nothing was averaged",
+                  (unsigned long long)r->gid, (unsigned long long)r->round);
   return st;
 }
 

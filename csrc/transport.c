@@ -730,6 +730,7 @@ static rpl_status links_pass(rpl_tr *tr, rpl_xfer *xs, int n, double now, pass *
  * and ends by the deadline. */
 static rpl_status wait_ms(rpl_tr *tr, rpl_xfer *xs, int n, double now, double left, pass *ps,
                           int *ms_out, rpl_error *err) {
+  if (tr->give_up) left = RPL_MIN(left, RPL_TR_GIVE_UP_MS / 1000.0); /* to ask it again */
   int ms = left < 3600.0 ? (int)(left * 1000.0) + 1 : 3600000;
   if (ps->awaiting) ms = RPL_MIN(ms, (int)(LISTEN_PROBE_S * 1000.0)); /* to probe again */
   if (ps->shm_pending) {
@@ -834,6 +835,8 @@ static rpl_status run_inner(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, in
     if (p2p && tr->completions != completions0) return RPL_OK;
     double left = deadline - now;
     if (!(left > 0)) return timeout_error(tr, xs, n, deadline, err);
+    if (tr->give_up && tr->give_up(tr->give_up_arg))
+      return rpl_fail(err, RPL_ERR_PEER, "given up by the caller while waiting");
     int ms;
     if ((st = wait_ms(tr, xs, n, now, left, &ps, &ms, err)) != RPL_OK) return st;
     int r = poll(tr->pfds, (nfds_t)ps.np, ms);
@@ -874,6 +877,16 @@ static rpl_status run_loop(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, int
 
 rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {
   return run_loop(tr, xs, n, deadline, 0, err);
+}
+
+rpl_status rpl_tr_run_until(rpl_tr *tr, rpl_xfer *xs, int n, double deadline,
+                            int (*give_up)(void *arg), void *arg, rpl_error *err) {
+  tr->give_up = give_up; /* for this run only: wait_ms and run_inner ask it */
+  tr->give_up_arg = arg;
+  rpl_status st = run_loop(tr, xs, n, deadline, 0, err);
+  tr->give_up = NULL;
+  tr->give_up_arg = NULL;
+  return st;
 }
 
 rpl_status rpl_tr_run_p2p(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err) {

@@ -123,6 +123,14 @@ void rpl_tr_set_frame_macs(rpl_tr *tr, int on);
  * transfer starts afresh (its progress fields are reset). Waits are bounded by `deadline`. */
 rpl_status rpl_tr_run(rpl_tr *tr, rpl_xfer *xs, int n, double deadline, rpl_error *err);
 
+/* rpl_tr_run that also gives up, with RPL_ERR_PEER, once give_up(arg) returns nonzero:
+ * it is asked at least every RPL_TR_GIVE_UP_MS while the run waits. For a caller that learns
+ * from elsewhere that its peers will not come (a partial round whose coordinator was lost
+ * while handing the group out). */
+#define RPL_TR_GIVE_UP_MS 100
+rpl_status rpl_tr_run_until(rpl_tr *tr, rpl_xfer *xs, int n, double deadline,
+                            int (*give_up)(void *arg), void *arg, rpl_error *err);
+
 /* A batch of point-to-point transfers (meta.op == RPL_OP_SEND; built with zeroed progress),
  * driven over several calls: progress is kept between calls, so the caller may append
  * transfers between calls but must not remove or reorder entries while any is unfinished

@@ -122,6 +122,8 @@ struct rpl_tr {
   int aborted;
   int interrupted; /* sticky, set by rpl_tr_interrupt (atomic) */
   int p2p;         /* the current run is a point-to-point batch (rpl_tr_run_p2p) */
+  int (*give_up)(void *arg); /* the current run's (rpl_tr_run_until), else NULL */
+  void *give_up_arg;
   uint64_t completions; /* transfers completed, for rpl_tr_run_p2p's early return */
   uint64_t arrivals;    /* p2p messages stashed so far (stash_msg.arrival) */
   int replaced; /* a peer this run was using reconnected, or -1 */

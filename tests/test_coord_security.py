@@ -33,6 +33,7 @@ _gg = pytest.importorskip("ripples_pg._gg")
 zmq = pytest.importorskip("zmq")
 
 import _dist  # noqa: E402
+from _relay import Relay  # noqa: E402
 from ripples_pg import Options, coordinator  # noqa: E402
 
 TOKEN = "0123456789abcdef0123456789abcdef"
@@ -583,54 +584,6 @@ def test_an_unauthenticated_refusal_shows_no_text_of_the_sender():
         th.join(10)
         fake.close(0)
         ctx.term()
-
-
-class Relay:
-    """A byte-forwarding relay on the path to a coordinator, as an attacker without the token
-    runs one (issue 51's review): each client connection gets its own connection upstream
-    under the same routing id; `sent` records what the clients sent, in order."""
-
-    def __init__(self, upstream, on_route=None):
-        self.ctx = zmq.Context()
-        self.front = self.ctx.socket(zmq.ROUTER)
-        self.front.setsockopt(zmq.LINGER, 0)
-        self.endpoint = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
-        self.upstream, self.up, self.sent = upstream, {}, []
-        self.on_route = on_route  # called with each new routing id, before it is forwarded
-        self.stop = threading.Event()
-        self.th = threading.Thread(target=self._run, daemon=True)
-        self.th.start()
-
-    def _run(self):
-        while not self.stop.is_set():
-            poller = zmq.Poller()
-            poller.register(self.front, zmq.POLLIN)
-            for s in self.up.values():
-                poller.register(s, zmq.POLLIN)
-            for sock, _ in poller.poll(20):
-                if sock is self.front:
-                    route, raw = self.front.recv_multipart()
-                    if route not in self.up:
-                        if self.on_route is not None:
-                            self.on_route(route)
-                        s = self.ctx.socket(zmq.DEALER)
-                        s.setsockopt(zmq.LINGER, 0)
-                        s.setsockopt(zmq.ROUTING_ID, route)
-                        s.connect(self.upstream)
-                        self.up[route] = s
-                    self.sent.append(raw)
-                    self.up[route].send(raw)
-                else:
-                    route = next(r for r, s in self.up.items() if s is sock)
-                    self.front.send_multipart([route, sock.recv()])
-
-    def close(self):
-        self.stop.set()
-        self.th.join(10)
-        for s in self.up.values():
-            s.close(0)
-        self.front.close(0)
-        self.ctx.term()
 
 
 def _replies(st, msgs, wait_ms=300):

@@ -106,7 +106,9 @@ def _start_coordinator(port, n, standby=False):
     return p
 
 
-def _rounds_for(rank, ws, port, endpoint, started, stop, results):
+def _smart_group(rank, ws, port, endpoint, on_failure, timeout):
+    """In a spawned worker: the gloo default group, and a ripples group of the smart schedule
+    served by the coordinator at `endpoint`; once every rank has it, its tensor."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch
     import torch.distributed as dist
@@ -115,10 +117,19 @@ def _rounds_for(rank, ws, port, endpoint, started, stop, results):
 
     dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=timedelta(seconds=60))
     g = dist.new_group(backend="ripples", pg_options=ripples_pg.Options(
-        schedule="smart", coordinator=endpoint, coordinator_token=TOKEN, on_failure="skip",
-        timeout=60))
+        schedule="smart", coordinator=endpoint, coordinator_token=TOKEN, on_failure=on_failure,
+        timeout=timeout))
     x = torch.full((1000,), float(rank))
     dist.barrier()
+    return g, x
+
+
+def _rounds_for(rank, ws, port, endpoint, started, stop, results):
+    import torch.distributed as dist
+
+    import ripples_pg
+
+    g, x = _smart_group(rank, ws, port, endpoint, "skip", 60)
     started.put(rank)
     t0 = time.monotonic()
     log = []  # (seconds since start, grouped)
@@ -182,3 +193,78 @@ def test_standalone_coordinator_lost(mode):
         tail = [grouped for t, grouped in rep["log"] if t > end - 2.0]
         assert tail and sum(tail) / len(tail) > 0.5, \
             f"rank {r}: {sum(tail)} of {len(tail)} rounds grouped in the last 2 s"
+
+
+# ------------------------------------------------- a coordinator dies while handing a group out
+
+
+def _rounds_until_error(rank, ws, port, endpoint, started, results):
+    import ripples_pg
+
+    # A round timeout far beyond the test's wait: a member still waiting for a partner that
+    # never received the group would not report in time.
+    g, x = _smart_group(rank, ws, port, endpoint, "raise", 600)
+    started.put(rank)
+    rounds, msg = 0, ""
+    while rounds < 100000:
+        try:
+            ripples_pg.partial_all_reduce([x], group=g)
+        except RuntimeError as e:
+            msg = str(e)
+            break
+        rounds += 1
+        time.sleep(0.01)
+    results.put({"rank": rank, "rounds": rounds, "msg": msg})
+    results.close()
+    results.join_thread()  # the report is out before the process ends
+    os._exit(0)  # the coordinator is gone: no LEAVE to wait for
+
+
+@pytest.mark.slow
+def test_a_member_whose_partner_never_got_the_group_stops_waiting_when_the_coordinator_is_lost():
+    """The coordinator hands a group to all its members at once; one that dies in between
+    leaves a member holding the group and a partner that never got it. The one holding it
+    gives up once its client has lost the coordinator, not at the round's deadline (600 s)."""
+    from _relay import Relay
+
+    GROUP = 4
+    ws, cport = 2, _dist.free_port()
+    coord = _start_coordinator(cport, ws)
+    armed, dropped = [False], []
+
+    def drop_reply(raw):  # the first GROUP for rank 1 once armed: "lost" on the way
+        mtype, rank = raw[5], int.from_bytes(raw[12:16], "little", signed=True)
+        if armed[0] and not dropped and mtype == GROUP and rank == 1:
+            dropped.append(raw)
+            return True
+        return False
+
+    relay = Relay(f"tcp://127.0.0.1:{cport}", drop_reply=drop_reply)
+    ctx = mp.get_context("spawn")
+    results, started = ctx.Queue(), ctx.Queue()
+    port = _dist.free_port()
+    procs = [ctx.Process(target=_rounds_until_error,
+                         args=(r, ws, port, relay.endpoint, started, results))
+             for r in range(ws)]
+    try:
+        for p in procs:
+            p.start()
+        for _ in range(ws):
+            started.get(timeout=120)
+        time.sleep(1.0)
+        armed[0] = True
+        end = time.monotonic() + 60
+        while not dropped and time.monotonic() < end:
+            time.sleep(0.01)
+        assert dropped, "no group was handed to rank 1 within 60 s"
+        coord.kill()
+        coord.wait(timeout=10)
+        got = _dist.collect_reports(procs, results, ws, 120)
+    finally:
+        coord.kill()
+        coord.wait(timeout=10)
+        relay.close()
+    assert sorted(got) == [0, 1], f"reported: {sorted(got)} (a member still waiting?)"
+    assert got[0]["rounds"] > 0, got[0]
+    assert "lost while handing it out" in got[0]["msg"], got[0]["msg"]
+    assert "group generator" in got[1]["msg"], got[1]["msg"]

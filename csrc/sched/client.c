@@ -666,6 +666,8 @@ rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members,
   return st;
 }
 
+int rpl_gg_client_lost(rpl_gg_client *c) { return atomic_load(&c->lost) != 0; }
+
 rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t status,
                               rpl_error *err) {
   pthread_mutex_lock(&c->lock);

@@ -388,6 +388,9 @@ rpl_status rpl_gg_client_create(const rpl_gg_client_config *cfg, rpl_gg_client *
  * alone (a no-op round; no done to send). */
 rpl_status rpl_gg_client_request(rpl_gg_client *c, uint64_t round, int *members, int cap,
                                  int *n, uint64_t *group_id, rpl_error *err);
+/* Nonzero once the coordinator is lost (heartbeats unanswered for dead_ms, or it no longer
+ * knows this worker) and until this client registers again. Never blocks: any thread. */
+int rpl_gg_client_lost(rpl_gg_client *c);
 /* Reports group done (status 0 = reduced, else failed); fire-and-forget. */
 rpl_status rpl_gg_client_done(rpl_gg_client *c, uint64_t group_id, uint32_t status,
                               rpl_error *err);

@@ -616,6 +616,48 @@ static void accept_from(int live) {
 static void test_accept_from_dead(void) { accept_from(0); }
 static void test_accept_from_late(void) { accept_from(1); }
 
+/* A live peer that never sends: a run whose caller gives up ends then, as RPL_ERR_PEER (a
+ * partial round whose coordinator was lost while handing its group out), on a ring and on
+ * TCP alike, long before its deadline. */
+static void silent_rank(int rank, void *arg) {
+  node nd;
+  if (!node_up(&nd, rank, 2, (const int *)arg) || !warm_up(&nd) || !barrier(2)) _exit(1);
+  linger();
+}
+
+static double g_give_up_at;
+static int give_up_later(void *arg) {
+  (void)arg;
+  return now_s() >= g_give_up_at;
+}
+
+static void given_up(const char *what, const int *host) {
+  new_board();
+  pid_t kid = spawn(silent_rank, 1, (void *)host);
+  node nd;
+  int up = node_up(&nd, 0, 2, host) && warm_up(&nd) && barrier(2);
+  if (!came_up(up, &kid, 1, what)) return;
+  unsigned char buf[16];
+  rpl_xfer x = xfer(1, 0, buf, sizeof buf, 2);
+  rpl_error err;
+  double t0 = now_s();
+  g_give_up_at = t0 + 0.3;
+  rpl_status st = rpl_tr_run_until(nd.tr, &x, 1, t0 + DEADLINE_S, give_up_later, NULL, &err);
+  double el = now_s() - t0;
+  CHECK(st == RPL_ERR_PEER && el >= 0.3 && el < DEADLINE_S / 2,
+        "%s: got %s after %.2f s: '%s'", what, rpl_status_name(st), el, err.msg);
+  /* The hook was for that run only: the next one waits for its deadline as before. */
+  rpl_tr_reset_peer(nd.tr, 1);
+  st = rpl_tr_run(nd.tr, &x, 1, now_s() + 0.5, &err);
+  CHECK(st == RPL_ERR_TIMEOUT, "%s, next run: got %s: '%s'", what, rpl_status_name(st),
+        err.msg);
+  rpl_tr_destroy(nd.tr);
+  kill_all(&kid, 1);
+}
+
+static void test_given_up_shm(void) { given_up("given up on a ring", ONE_HOST); }
+static void test_given_up_tcp(void) { given_up("given up on TCP", NO_SHM); }
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   g_board = mmap(NULL, sizeof *g_board, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1,
@@ -640,6 +682,8 @@ int main(void) {
       {"TCP send to a killed peer", test_tcp_send_to_dead},
       {"accepting from a peer that died", test_accept_from_dead},
       {"accepting from a live peer that connects late", test_accept_from_late},
+      {"a run its caller gives up, on a ring", test_given_up_shm},
+      {"a run its caller gives up, on TCP", test_given_up_tcp},
   };
   for (size_t i = 0; i < sizeof tests / sizeof tests[0]; i++) {
     long before = g_fail;
