@@ -634,6 +634,7 @@ def test_a_replayed_hello_binds_nothing_here_or_at_a_standby():
         assert served is not None, "not served by the standby after failover"
         doc = json.loads(coordinator.status(standby.endpoint, TOKEN))
         assert doc["workers"][1]["bound"], "rank 1 registered with the standby"
+        assert w.stats()["failovers"] == 1, w.stats()
     finally:
         for st in strangers:
             st.close()

@@ -359,7 +359,7 @@ class Client {
     py::dict d;
     PUT(requests); PUT(cancels); PUT(heartbeats_sent); PUT(heartbeats_acked); PUT(wait_s);
     PUT(heartbeat_ms); PUT(dead_ms);
-    PUT(passes); PUT(period);
+    PUT(passes); PUT(period); PUT(failovers);
     return d;
   }
 
@@ -525,7 +525,7 @@ void bindClient(py::module_& m) {
       .def("close", &Client::close, "stop heartbeats, close sockets")
       .def("stats", &Client::stats,
            "client counters (passes: rounds passed; period: the adaptive period in the last "
-           "answer, 0 before the first)");
+           "answer, 0 before the first; failovers: registrations after a lost coordinator)");
 }
 
 } // namespace
