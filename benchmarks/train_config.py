@@ -30,6 +30,8 @@ STRATEGIES = {
     # wrap() as a user calls it: every option its default (issue 49: overlapped rounds, exact
     # until a straggler makes partial averaging pay)
     "default": ("Ripples, wrap()'s defaults", ["--strategy", "ripples"]),
+    "default_aos": ("Ripples, wrap()'s defaults + average_optimizer_state",
+                    ["--strategy", "ripples", "--average-optimizer-state"]),
     "smart": ("Ripples smart, blocking rounds",
               ["--strategy", "ripples", "--schedule", "smart", "--no-overlap"]),
     "smart_p1": ("Ripples smart, every step (period 1), blocking rounds",
@@ -66,7 +68,10 @@ STRATEGIES = {
 # may lack, so a default run never depends on them.
 DILOCO_STRATEGIES = ("torchft_diloco", "diloco", "diloco_ii", "diloco_bf16", "diloco_int8", "smart_bf16",
                      "smart_int8")
-DEFAULT_STRATEGIES = [s for s in STRATEGIES if s not in DILOCO_STRATEGIES]
+# Variants measured for one question (issue 49: what a step is worth with AdamW): named only.
+VARIANT_STRATEGIES = ("default_aos",)
+DEFAULT_STRATEGIES = [s for s in STRATEGIES
+                      if s not in DILOCO_STRATEGIES and s not in VARIANT_STRATEGIES]
 # what each needs beyond the core: torchft, or these keywords of ripples_pg.wrap()
 NEEDS = {"torchft_diloco": "torchft",
          "diloco": ("outer_optimizer", "sync_every"),
