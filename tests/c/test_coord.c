@@ -1067,14 +1067,17 @@ static void test_unreachable(void) {
   cc.endpoint = "nonsense://";
   REQUIRE(rpl_gg_client_create(&cc, &cl, &err) == RPL_ERR_INVALID, "bad endpoint: %s", err.msg);
 
-  /* The coordinator stops while a worker waits for a partner: the heartbeat thread notices. */
+  /* The coordinator stops while a worker waits for a partner: the heartbeat thread notices.
+   * On a loaded machine it may notice before the request goes out (dead_ms is 300 ms): the
+   * request then fails over at once, finds nobody, and says so. */
   rpl_coord *c = start_coord(RPL_POLICY_SMART, 2, 2, 50, 300);
   rpl_gg_client *c0 = connect_client(c, 0, 2, 50);
   rpl_coord_stop(c);
   int mem[2], n;
   uint64_t gid;
   REQUIRE(rpl_gg_client_request(c0, 0, mem, 2, &n, &gid, &err) == RPL_ERR_PEER &&
-              strstr(err.msg, "heartbeats"), "stopped coordinator: %s", err.msg);
+              (strstr(err.msg, "heartbeats") || strstr(err.msg, "lost the group generator")),
+          "stopped coordinator: %s", err.msg);
   rpl_gg_client_destroy(c0);
   rpl_coord_destroy(c);
 
