@@ -556,6 +556,9 @@ def parse_args(argv=None):
                         "wrap()'s, one partial round per step, or per --outer-every steps)")
     p.add_argument("--post-warmup", choices=["local", "host"], default="local")
     p.add_argument("--average-optimizer-state", action="store_true")
+    p.add_argument("--group-second-moment", action="store_true",
+                   help="ripples: Adam's moments from the group's mean gradient "
+                        "(wrap(group_second_moment=True))")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="ripples: run each partial round while the next step computes "
                         "(wrap(overlap=True)); --no-overlap: blocking rounds; default: "
@@ -739,6 +742,8 @@ def run(args):
                   warmup_steps=args.warmup_steps, levels=args.levels,  # None: wrap()'s
                   post_warmup=args.post_warmup,
                   average_optimizer_state=args.average_optimizer_state)
+        if args.group_second_moment:
+            kw["group_second_moment"] = True
         if args.c_thres is not None:
             kw["c_thres"] = args.c_thres
         if args.inter_intra:

@@ -32,6 +32,8 @@ STRATEGIES = {
     "default": ("Ripples, wrap()'s defaults", ["--strategy", "ripples"]),
     "default_aos": ("Ripples, wrap()'s defaults + average_optimizer_state",
                     ["--strategy", "ripples", "--average-optimizer-state"]),
+    "default_gsm": ("Ripples, wrap()'s defaults + group_second_moment",
+                    ["--strategy", "ripples", "--group-second-moment"]),
     "smart": ("Ripples smart, blocking rounds",
               ["--strategy", "ripples", "--schedule", "smart", "--no-overlap"]),
     "smart_p1": ("Ripples smart, every step (period 1), blocking rounds",
@@ -69,7 +71,7 @@ STRATEGIES = {
 DILOCO_STRATEGIES = ("torchft_diloco", "diloco", "diloco_ii", "diloco_bf16", "diloco_int8", "smart_bf16",
                      "smart_int8")
 # Variants measured for one question (issue 49: what a step is worth with AdamW): named only.
-VARIANT_STRATEGIES = ("default_aos",)
+VARIANT_STRATEGIES = ("default_aos", "default_gsm")
 DEFAULT_STRATEGIES = [s for s in STRATEGIES
                       if s not in DILOCO_STRATEGIES and s not in VARIANT_STRATEGIES]
 # what each needs beyond the core: torchft, or these keywords of ripples_pg.wrap()

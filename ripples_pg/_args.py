@@ -178,6 +178,8 @@ ARGS: Dict[str, Arg] = {a.name: a for a in (
                         "sync_every=H)"),
     Arg("post_warmup", "local", "gradients after warm-up: 'local' or 'host'"),
     Arg("average_optimizer_state", False, "also average optimizer state"),
+    Arg("group_second_moment", False, "Adam/AdamW: the moments of the group's mean "
+                                      "gradient (the round carries the gradients too)"),
     Arg("overlap", None, "run each partial round behind the next step (None: unless an "
                          "outer_optimizer is given)"),
     Arg("outer_optimizer", None, "partial DiLoCo's outer optimizer"),

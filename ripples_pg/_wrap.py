@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._args import (BLOCKING_PERIOD_MAX, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER,
                     SLOW_LINK_WARMUP_STEPS, WRAP_GROUP_DEFAULTS, check_group_options, check_training_args,
-                    resolve_overlap)
+                    check_bool, resolve_overlap)
 from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
@@ -516,6 +516,7 @@ def wrap(ddp_model: DistributedDataParallel,
          levels: Optional[Union[Mapping[int, str], str]] = None,
          post_warmup: str = "local",
          average_optimizer_state: Union[bool, Sequence[str]] = False,
+         group_second_moment: bool = False,
          group: Optional[dist.ProcessGroup] = None,
          c_thres: Optional[int] = None,
          inter_intra: Optional[bool] = None,
@@ -571,6 +572,12 @@ def wrap(ddp_model: DistributedDataParallel,
         post_warmup: gradients after warm-up: ``"local"`` (default) or ``"host"`` (exact
             average among the workers of the same host).
         average_optimizer_state: also average optimizer state (momentum buffers...).
+        group_second_moment: for ``torch.optim.Adam`` and ``AdamW``: each partial round also
+            carries the workers' gradients, and every member's moments (``exp_avg``,
+            ``exp_avg_sq``) then count the group's mean gradient instead of its own, as
+            DDP's Adam counts the mean over every worker's batch (``ripples_pg._moments``).
+            A step is worth more, but a round moves twice the bytes: off by default (measured
+            in docs/limitations.md). Other optimizers are left alone.
         group: an existing ``ripples`` group for the partial rounds instead of a new one
             (then the schedule options must not be given).
         overlap: run each partial round in the background while the next step computes, and
@@ -671,6 +678,7 @@ def wrap(ddp_model: DistributedDataParallel,
         levels=levels, post_warmup=post_warmup, average_optimizer_state=average_optimizer_state,
         overlap=overlap, outer_optimizer=outer_optimizer, sync_every=sync_every,
         on_alone=on_alone)
+    check_bool("ripples_pg.wrap", "group_second_moment", group_second_moment)
     overlap_auto = overlap is None
     overlap = resolve_overlap(overlap, outer_optimizer)
     if sampler is not None:
@@ -737,7 +745,9 @@ def wrap(ddp_model: DistributedDataParallel,
     akw = dict(levels=levels, warmup_steps=warmup_steps, host_group=hgroup,
                world_group=ddp_group, optimizer=optimizer,
                average_optimizer_state=average_optimizer_state, module=ddp_model.module,
-               overlap=overlap, warmup_straggler=warmup_straggler)
+               overlap=overlap, warmup_straggler=warmup_straggler,
+               # partial DiLoCo averages every H steps: one step's gradient of H, not worth it
+               group_second_moment=group_second_moment and sync_every is None)
     if overlap_auto and overlap:
         akw["overlap"] = "auto"  # falls back to blocking rounds if the copies do not fit
     if sync_every is not None:  # partial DiLoCo, or periodic averaging without outer_optimizer

@@ -98,7 +98,8 @@ from ._api import partial_all_reduce
 from ._args import check_bool, check_int, check_state_keys, check_warmup_straggler
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
 from ._schedstat import SchedClock
-from .overlap import OverlappedRound
+from ._moments import GroupSecondMoment
+from .overlap import OverlappedRound, joined
 from .whatif import ExactPart, StepLog
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
@@ -393,7 +394,8 @@ class RipplesAverager(ModelAverager):
                  average_optimizer_state: Union[bool, Sequence[str]] = False,
                  module: Optional[torch.nn.Module] = None,
                  overlap: Union[bool, str] = False,
-                 warmup_straggler: Optional[float] = None) -> None:
+                 warmup_straggler: Optional[float] = None,
+                 group_second_moment: bool = False) -> None:
         self._hook_states: list = []
         self._round: Optional[OverlappedRound] = None
         super().__init__(process_group)
@@ -418,6 +420,7 @@ class RipplesAverager(ModelAverager):
             overlap = True
         check_bool(who, "overlap", overlap)
         check_state_keys(who, "average_optimizer_state", average_optimizer_state)
+        check_bool(who, "group_second_moment", group_second_moment)
         # Warm-up exit: the end of the last step (where this step's clock starts), this step's
         # waiting windows ([start, end] lists: each backward pass's gradient all-reduce, each
         # DDP pre-forward), the pass being timed, a DDP forward not yet in the module's; the
@@ -454,6 +457,9 @@ class RipplesAverager(ModelAverager):
         if average_optimizer_state and optimizer is None:
             raise ValueError("ripples_pg.RipplesAverager: average_optimizer_state needs "
                              "optimizer= (the optimizer whose state to average)")
+        if group_second_moment and optimizer is None:
+            raise ValueError("ripples_pg.RipplesAverager: group_second_moment needs "
+                             "optimizer= (the Adam or AdamW whose second moment to correct)")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"ripples_pg.RipplesAverager: optimizer must be a "
                             f"torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -468,6 +474,9 @@ class RipplesAverager(ModelAverager):
         self.detached = False
         self.optimizer = optimizer
         self.average_optimizer_state = average_optimizer_state
+        # Adam's second moment from the group's mean gradient (ripples_pg._moments)
+        self._moments: Optional[GroupSecondMoment] = \
+            GroupSecondMoment(optimizer) if group_second_moment else None
         self.world_group = world_group if world_group is not None else self.process_group
         # RIPPLES_WHATIF_DIR: one line per step for `python -m ripples_pg.report`
         self.step_log = StepLog.from_env(dist.get_rank(),
@@ -838,17 +847,22 @@ class RipplesAverager(ModelAverager):
             logger.info("ripples_pg.RipplesAverager: the layout changed while an overlapped "
                         "round was in flight; its result is not applied")
             rnd.drop()
+            if self._moments is not None:
+                self._moments.discard()
             return None
         lay.pack_extras()
         rnd.apply()
         lay.unpack_extras()
+        if self._moments is not None:
+            self._moments.apply()
         return lay
 
-    def _start_round(self, lay: _Layout, group) -> bool:
-        """Starts the overlapped round; False if ``overlap="auto"`` found no memory for its
-        copies (overlap is then off for good, and the caller runs a blocking round)."""
+    def _start_round(self, lay: _Layout, group, side: List[torch.Tensor]) -> bool:
+        """Starts the overlapped round (``side``: gradients that travel with it); False if
+        ``overlap="auto"`` found no memory for its copies (overlap is then off for good, and
+        the caller runs a blocking round)."""
         try:
-            self._round.start(lay, group, self.step)
+            self._round.start(lay, group, self.step, side=side)
         except MemoryError as exc:
             if not self._overlap_fallback:
                 raise
@@ -878,6 +892,8 @@ class RipplesAverager(ModelAverager):
         except Exception as exc:  # noqa: BLE001 - its result is discarded anyway
             logger.info("ripples_pg.RipplesAverager: discarded overlapped round failed: %s", exc)
         self._round.drop()
+        if self._moments is not None:
+            self._moments.discard()
 
     def _average(self, params, level: str, packed: Optional[_Layout] = None) -> None:
         if level == "partial":
@@ -895,10 +911,19 @@ class RipplesAverager(ModelAverager):
             return
         if lay is not packed:  # _finish_round has just packed the current extras
             lay.pack_extras()
+        side: List[torch.Tensor] = []
+        if level == "partial" and self._moments is not None:
+            side = self._moments.pack(lay.params)  # the gradients, for Adam's second moment
         if level == "partial" and self._round is not None:
-            if self._start_round(lay, group):
+            if self._start_round(lay, group, side):
                 return  # the extras are updated when the round is applied
-        if level == "partial":  # every dtype in one call: one partial round
+        if level == "partial" and side:  # the gradients ride at the end of the flats
+            bufs, heads, tails = joined(lay.flats, side)
+            partial_all_reduce(bufs, group=group, op=dist.ReduceOp.AVG)
+            for t, view in heads + tails:
+                t.copy_(view)
+            self._moments.apply()
+        elif level == "partial":  # every dtype in one call: one partial round
             partial_all_reduce(lay.flats, group=group, op=dist.ReduceOp.AVG)
         else:  # exact: one call per dtype is fine (and works on any backend)
             with exact_if_ripples(group):

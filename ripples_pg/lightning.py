@@ -67,7 +67,7 @@ import ripples_pg  # noqa: E402
 # stopping every this many steps (one tiny exact all-reduce), so all stop after the same step.
 EXACT_STOP_EVERY = 8
 from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, STRATEGY_OWNS,  # noqa: E402
-                    check_choice, check_group_options, check_int, check_training_args)
+                    check_bool, check_choice, check_group_options, check_int, check_training_args)
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import RipplesOptimizer, wrap  # noqa: E402
 from .averager import parse_levels  # noqa: E402
@@ -168,7 +168,8 @@ class RipplesStrategy(DDPStrategy):
     (``"smart"``), ``group_size`` (3), ``warmup_steps`` (``None``: exact until a straggler
     makes partial averaging pay), ``warmup_straggler`` (1.05),
     ``levels`` (``{1: "partial"}``), ``post_warmup`` (``"local"``),
-    ``average_optimizer_state``, ``overlap`` (on unless ``outer_optimizer``), ``c_thres``, ``inter_intra``, ``coordinator``,
+    ``average_optimizer_state``, ``group_second_moment``, ``overlap`` (on unless
+    ``outer_optimizer``), ``c_thres``, ``inter_intra``, ``coordinator``,
     ``on_failure`` (``"skip"``), ``seed``, ``trace``, ``period_max`` (2), ``compression``,
     ``timeout`` (below) and ``outer_optimizer`` / ``sync_every`` / ``on_alone`` (partial
     DiLoCo, docs/diloco.md); ``None`` for an Options field = the ``RIPPLES_*`` environment,
@@ -214,6 +215,7 @@ class RipplesStrategy(DDPStrategy):
                  warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
                  levels=None, post_warmup: str = "local",
                  average_optimizer_state: Union[bool, Sequence[str]] = False,
+                 group_second_moment: bool = False,
                  overlap: Optional[bool] = None, c_thres: Optional[int] = None,
                  inter_intra: Optional[bool] = None, coordinator: Optional[str] = None,
                  on_failure: Optional[str] = None, seed: Optional[int] = None,
@@ -259,6 +261,7 @@ class RipplesStrategy(DDPStrategy):
             levels=levels, post_warmup=post_warmup,
             average_optimizer_state=average_optimizer_state, overlap=overlap,
             outer_optimizer=outer_optimizer, sync_every=sync_every, on_alone=on_alone)
+        check_bool("RipplesStrategy", "group_second_moment", group_second_moment)
         levels = parse_levels(levels) if levels is not None or sync_every is None else None
         if stats_every_n_steps is not None:
             check_int("RipplesStrategy", "stats_every_n_steps", stats_every_n_steps, 0)
@@ -296,6 +299,7 @@ class RipplesStrategy(DDPStrategy):
                                  warmup_straggler=warmup_straggler, levels=levels,
                                  post_warmup=post_warmup,
                                  average_optimizer_state=average_optimizer_state,
+                                 group_second_moment=group_second_moment,
                                  overlap=overlap, outer_optimizer=outer_optimizer,
                                  sync_every=sync_every, on_alone=on_alone)
         self.progress = progress

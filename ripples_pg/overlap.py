@@ -39,12 +39,45 @@ passes to start a round and two to apply it.
 from __future__ import annotations
 
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["OverlappedRound"]
+__all__ = ["OverlappedRound", "joined"]
+
+
+def joined(flats: Sequence[torch.Tensor], side: Sequence[torch.Tensor],
+           bufs: Optional[List[torch.Tensor]] = None):
+    """The buffers one round reduces for ``flats`` and ``side``: each flat, followed by the
+    side tensors of its dtype and device, copied into one buffer (the core reduces a call's
+    buffers one after the other, so every extra buffer adds a whole reduction's latency to
+    the round); side tensors of no flat's kind get a buffer each. ``bufs``: the previous
+    call's buffers, reused where they fit. Returns ``(bufs, heads, tails)``: ``(flat, its
+    view)`` in flat order and ``(side tensor, its view)``, each view holding a copy."""
+    plan: List[List[torch.Tensor]] = []
+    rest = list(side)
+    for f in flats:
+        mine = [t for t in rest if t.dtype == f.dtype and t.device == f.device]
+        rest = [t for t in rest if not any(t is m for m in mine)]
+        plan.append([f] + mine)
+    plan += [[t] for t in rest]
+    sizes = [sum(t.numel() for t in ts) for ts in plan]
+    if bufs is None or len(bufs) != len(plan) or any(
+            b.numel() != n or b.dtype != ts[0].dtype or b.device != ts[0].device
+            for b, n, ts in zip(bufs, sizes, plan)):
+        bufs = [torch.empty(n, dtype=ts[0].dtype, device=ts[0].device)
+                for n, ts in zip(sizes, plan)]
+    heads, tails = [], []
+    nflats = len(flats)
+    for i, (ts, b) in enumerate(zip(plan, bufs)):
+        off = 0
+        for j, t in enumerate(ts):
+            view = b[off:off + t.numel()]
+            view.copy_(t.detach().reshape(-1))
+            (heads if i < nflats and j == 0 else tails).append((t, view))
+            off += t.numel()
+    return bufs, heads, tails
 
 
 class OverlappedRound:
@@ -57,8 +90,11 @@ class OverlappedRound:
 
     def __init__(self):
         self._layout = None
-        self._sent: List[torch.Tensor] = []  # reduced by the round in flight
+        self._sent: List[torch.Tensor] = []  # reduced by the round in flight (in _bufs)
         self._base: List[torch.Tensor] = []  # the snapshot the round started from
+        self._bufs: Optional[List[torch.Tensor]] = None  # what the round reduces
+        self._heads: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._tails: List[Tuple[torch.Tensor, torch.Tensor]] = []  # side tensors' views
         self._work = None
         self.step: Optional[int] = None  # the averager step that started the round in flight
         self.started = 0
@@ -77,22 +113,25 @@ class OverlappedRound:
         """The layout of the round in flight (or of the last one)."""
         return self._layout
 
-    def start(self, layout, group, step: int) -> None:
-        """Snapshots ``layout.flats`` and starts one partial round (AVG) on a copy of them."""
+    def start(self, layout, group, step: int, side: Sequence[torch.Tensor] = ()) -> None:
+        """Snapshots ``layout.flats`` and starts one partial round (AVG) on a copy of them.
+        ``side``: more tensors reduced by the same round and not applied; they hold the
+        group's average once :meth:`wait` returned (the caller leaves them alone until then)."""
         if self._work is not None:
             raise RuntimeError("ripples_pg: an overlapped round is already in flight; wait "
                                "for it before starting the next (rounds run in group order)")
         if self._layout is not layout:
-            self._sent = [torch.empty_like(f) for f in layout.flats]
             self._base = [torch.empty_like(f) for f in layout.flats]
             self._layout = layout
-        for f, s, b in zip(layout.flats, self._sent, self._base):
+            self._bufs = None
+        self._bufs, self._heads, self._tails = joined(layout.flats, side, self._bufs)
+        for f, b in zip(layout.flats, self._base):
             b.copy_(f)
-            s.copy_(f)
+        self._sent = [view for _, view in self._heads]
         from ._api import partial_all_reduce
 
         # On failure to submit nothing is in flight and the parameters are untouched.
-        self._work = partial_all_reduce(self._sent, group=group, op=dist.ReduceOp.AVG,
+        self._work = partial_all_reduce(self._bufs, group=group, op=dist.ReduceOp.AVG,
                                         async_op=True)
         self.step = step
         self.started += 1
@@ -106,6 +145,8 @@ class OverlappedRound:
         t0 = time.perf_counter()
         try:
             work.wait()  # releases the GIL while it waits
+            for t, view in self._tails:
+                t.copy_(view.view(t.shape))
         except Exception as exc:
             self.failed += 1
             if hasattr(exc, "add_note"):  # Python >= 3.11
@@ -139,6 +180,9 @@ class OverlappedRound:
         self._layout = None
         self._sent = []
         self._base = []
+        self._bufs = None
+        self._heads = []
+        self._tails = []
 
     def stats(self) -> dict:
         return {"started": self.started, "applied": self.applied, "failed": self.failed,

@@ -196,6 +196,7 @@ def test_averager_and_hook_defaults():
     av = _keywords(RipplesAverager.__init__)
     assert av["warmup_steps"] == 0 and av["warmup_straggler"] is None
     assert av["overlap"] is False and av["average_optimizer_state"] is False
+    assert av["group_second_moment"] is False
     assert av["levels"] is None
     hook = _keywords(RipplesHookState.__init__)
     assert hook["warmup_steps"] == 0 and hook["post_warmup"] == _args.ARGS["post_warmup"].default

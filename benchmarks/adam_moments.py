@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""What a step of AdamW is worth when workers average models instead of gradients.
+
+One process holds every worker's replica of the ``docs`` workload's model (benchmarks/
+workloads.py: the byte-level GPT on documents of Python's standard library, AdamW, 4 documents
+per worker and step) and steps them in lockstep on the same batches under each averaging rule,
+so that only the rule differs -- no timing, no processes, no stragglers. After the same exact
+warm-up as ``wrap()``'s (the mean gradient of every worker), each rule runs:
+
+- ``ddp``: the mean gradient of every worker, one Adam (the reference);
+- ``params_group``: each worker's Adam on its own gradient, then its parameters averaged with
+  a random group of 3 (the Group Generator's size), overlapped as ``wrap()`` does (applied a
+  step late with the local update since);
+- ``params_all``: the same, averaged over every worker at every step -- the most any schedule
+  of parameter averaging can do;
+- ``params_group_v``: ``params_group`` with each worker's second moment counting the group's
+  mean gradient instead of its own, a step late;
+- ``params_group_mv``: the same for both moments (``group_second_moment``, ripples_pg/
+  _moments.py: what ``wrap()`` does since issue 49);
+- ``grads_group``: the group's mean gradient before each worker's Adam, then the parameters
+  averaged (a blocking round per step: the bound for averaging gradients within groups).
+
+It reports the validation loss every ``--every`` steps and the *step worth*: the steps DDP
+needs to reach the rule's final loss, over the steps taken (interpolated; 1.0 = as good as
+DDP's). Usage::
+
+    python benchmarks/adam_moments.py --out benchmarks/results/adam_second_moment
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import random
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads  # noqa: E402
+from workloads import loss_fn  # noqa: E402
+
+RULES = ("ddp", "params_group", "params_all", "params_group_v", "params_group_mv",
+         "grads_group")
+BETA1, BETA2 = 0.9, 0.999
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--group-size", type=int, default=3)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=50, help="exact steps first")
+    p.add_argument("--every", type=int, default=50, help="steps between evaluations")
+    p.add_argument("--batch-size", type=int, default=4, help="documents per worker and step")
+    p.add_argument("--lr", type=float, default=0.003)
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--rules", default=",".join(RULES))
+    p.add_argument("--out", default=None, help="folder for results.md and results.json")
+    return p.parse_args(argv)
+
+
+def _flat(m):
+    return torch.cat([q.detach().reshape(-1) for q in m.parameters()])
+
+
+def _scatter(m, v, grad=False):
+    """Copies the flat ``v`` into the parameters (or, with ``grad``, their gradients)."""
+    k = 0
+    for q in m.parameters():
+        n = q.numel()
+        (q.grad if grad else q.data).copy_(v[k:k + n].view_as(q))
+        k += n
+
+
+def _set_flat(m, v):
+    _scatter(m, v)
+
+
+def _grad(m):
+    return torch.cat([q.grad.reshape(-1) for q in m.parameters()])
+
+
+def _set_grad(m, v):
+    _scatter(m, v, grad=True)
+
+
+def _groups(rng, n, size):
+    idx = list(range(n))
+    rng.shuffle(idx)
+    out = [idx[i:i + size] for i in range(0, n, size)]
+    if len(out) > 1 and len(out[-1]) == 1:  # no group of one: the coordinator avoids them
+        out[-2].append(out.pop()[0])
+    return out
+
+
+def _fix_moments(models, opts, sent, groups, k, first):
+    """exp_avg_sq (and exp_avg with ``first``): the gradient each worker sent replaced by the
+    group's mean, with its weight after ``k`` more steps (ripples_pg._moments)."""
+    w1, w2 = (1 - BETA1) * BETA1 ** k, (1 - BETA2) * BETA2 ** k
+    for g in groups:
+        mean = torch.stack([sent[i] for i in g]).mean(0)
+        for i in g:
+            d1 = mean - sent[i]
+            d2 = mean.square() - sent[i].square()
+            off = 0
+            for q in models[i].parameters():
+                n = q.numel()
+                st = opts[i].state[q]
+                st["exp_avg_sq"].add_(w2 * d2[off:off + n].view_as(q)).clamp_(min=0)
+                if first:
+                    st["exp_avg"].add_(w1 * d1[off:off + n].view_as(q))
+                off += n
+
+
+def run(rule, data, args, seed):
+    W, bs = args.workers, args.batch_size
+    torch.manual_seed(seed)
+    base = data.make_model()
+    models = [copy.deepcopy(base) for _ in range(W)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for m in models]
+    gen = torch.Generator().manual_seed(1000 + seed)
+    rng = random.Random(seed)
+    pending = None  # overlapped round: (snapshots, their group averages, gradients, groups)
+    curve = {}
+    for t in range(args.steps):
+        rows = torch.randint(0, len(data.xtr), (W * bs,), generator=gen)
+        for i, m in enumerate(models):
+            idx = rows[i * bs:(i + 1) * bs]
+            m.zero_grad()
+            loss_fn(m(data.xtr[idx]), data.ytr[idx]).backward()
+        exact = t < args.warmup or rule == "ddp"
+        groups = _groups(rng, W, W if rule == "params_all" else args.group_size)
+        if exact:
+            mean = torch.stack([_grad(m) for m in models]).mean(0)
+            for m in models:
+                _set_grad(m, mean)
+        elif rule == "grads_group":
+            for g in groups:
+                mean = torch.stack([_grad(models[i]) for i in g]).mean(0)
+                for i in g:
+                    _set_grad(models[i], mean)
+        sent = [_grad(m).clone() for m in models]
+        for o in opts:
+            o.step()
+        if exact:
+            pass
+        elif rule == "grads_group":  # blocking
+            for g in groups:
+                mean = torch.stack([_flat(models[i]) for i in g]).mean(0)
+                for i in g:
+                    _set_flat(models[i], mean)
+        else:  # overlapped: last round's average plus the local update since
+            xs = [_flat(m) for m in models]
+            if pending is not None:
+                snaps, avgs, psent, pgroups = pending
+                xs = [avgs[i] + (xs[i] - snaps[i]) for i in range(W)]
+                for i, m in enumerate(models):
+                    _set_flat(m, xs[i])
+                if rule in ("params_group_v", "params_group_mv"):
+                    _fix_moments(models, opts, psent, pgroups, 1, rule == "params_group_mv")
+            avgs = [None] * W
+            for g in groups:
+                mean = torch.stack([xs[i] for i in g]).mean(0)
+                for i in g:
+                    avgs[i] = mean
+            pending = (xs, avgs, sent, groups)
+        if (t + 1) % args.every == 0:
+            ev = copy.deepcopy(models[0])
+            _set_flat(ev, torch.stack([_flat(m) for m in models]).mean(0))
+            with torch.no_grad():
+                curve[t + 1] = loss_fn(ev(data.xte), data.yte).item()
+    return curve
+
+
+def step_worth(ddp, curve):
+    """Steps DDP takes to reach ``curve``'s final loss (interpolated) over ``curve``'s steps."""
+    steps = max(curve)
+    final = curve[steps]
+    pts = sorted(ddp.items())
+    if final <= pts[-1][1]:
+        return None if final < pts[-1][1] else 1.0
+    for (s0, l0), (s1, l1) in zip(pts, pts[1:]):
+        if l1 <= final <= l0:
+            return (s0 + (l0 - final) / max(l0 - l1, 1e-12) * (s1 - s0)) / steps
+    return pts[0][0] / steps
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rules = [r for r in args.rules.split(",") if r]
+    bad = sorted(set(rules) - set(RULES))
+    if bad:
+        raise SystemExit(f"adam_moments.py: unknown rule(s) {bad}; known: {', '.join(RULES)}")
+    if "ddp" not in rules:
+        rules.insert(0, "ddp")
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    torch.set_num_threads(1)
+    wl = argparse.Namespace(workload="docs", width=64, layers=2, context=64,
+                            batch_size=args.batch_size, seed=0)
+    data = workloads.load_docs(wl)
+    res = {r: {} for r in rules}
+    for seed in seeds:
+        for r in rules:
+            t0 = time.time()
+            res[r][seed] = run(r, data, args, seed)
+            c = res[r][seed]
+            print(f"seed {seed} {r:15s} final {c[max(c)]:.3f} ({time.time() - t0:.0f} s)",
+                  flush=True)
+    rows = []
+    for r in rules:
+        finals = [res[r][s][max(res[r][s])] for s in seeds]
+        worths = [step_worth(res["ddp"][s], res[r][s]) for s in seeds]
+        rows.append((r, finals, worths))
+    lines = [
+        "# AdamW's step worth under model averaging (docs workload, one process)",
+        "",
+        f"<!-- generated by: python benchmarks/adam_moments.py "
+        f"{' '.join(sys.argv[1:]) if argv is None else ' '.join(argv)} -->",
+        "",
+        f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node() or 'host'}, torch "
+        f"{torch.__version__}. {args.workers} workers' replicas stepped in lockstep on the "
+        f"same batches ({args.batch_size} documents each), AdamW lr {args.lr}, {args.warmup} "
+        f"exact steps, then {args.steps - args.warmup} under each rule; groups of "
+        f"{args.group_size} drawn at random every step. Validation loss of the workers' mean "
+        f"model after {args.steps} steps; *step worth*: the steps DDP needs to reach it, over "
+        f"{args.steps} (1.0 = DDP's). Seeds {args.seeds}; each cell lists them in order. The "
+        f"rules are described in the script's docstring.",
+        "",
+        "| rule | final validation loss | step worth |",
+        "|---|---|---|",
+    ]
+    for r, finals, worths in rows:
+        fw = " / ".join("-" if w is None else f"{w:.2f}" for w in worths)
+        lines.append(f"| `{r}` | {' / '.join(f'{f:.3f}' for f in finals)} | {fw} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(text)
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"config": vars(args), "curves": {r: {str(s): c for s, c in v.items()}
+                                                        for r, v in res.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
