@@ -7,8 +7,9 @@ noise inflates it, so every coordinate whose gradient is mostly noise takes a sm
 than DDP's Adam -- which normalises by the square of the mean over every worker's batch --
 would take. Averaging the parameters, or ``exp_avg_sq`` itself (``average_optimizer_state``),
 does not remove that noise: only a mean of *gradients* does. On the ``docs`` workload at 8
-workers (AdamW, 4 documents per worker) a step of the averaged model is worth about 0.78 of
-DDP's whether the rounds average groups of 3 or all 8 workers
+workers (AdamW, 4 documents per worker) a step of the averaged model is worth 0.76-0.79 of
+DDP's with groups of 3 and only 0.80-0.81 averaging all 8 workers at every step; with these
+moments 0.82-0.84, with the group's mean gradient before the step 0.89-0.91, in simulation
 (benchmarks/results/adam_second_moment).
 
 What. The partial round carries each worker's gradient beside its parameters (at the end of
