@@ -5,12 +5,13 @@ Pass an instance as ``pg_options=`` to ``torch.distributed.init_process_group`` 
 (upper case); precedence is environment < Options < call arguments. A field left at ``None``
 is "not set here" and falls back to the environment, then to its default.
 
-Adding a field: append a ``_Field`` to ``_FIELDS`` (name, parser, default, help) and a
-matching attribute to ``Options.__init__``'s signature; validation, the environment
-variable, ``resolve()`` and ``repr`` follow from the table.
+Adding a field: append a ``_Field`` to ``_FIELDS`` (name, parser, default, help) and document
+it in ``Options``' docstring; the keyword-only constructor and its signature, validation, the
+environment variable, ``resolve()`` and ``repr`` follow from the table.
 """
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import math
 import os
@@ -461,38 +462,20 @@ class Options:
 
     __slots__ = tuple("_" + n for n in _FIELDS)
 
-    def __init__(
-        self,
-        timeout: Optional[float] = None,
-        bind_addr: Optional[str] = None,
-        small_bytes: Optional[int] = None,
-        chunk_bytes: Optional[int] = None,
-        transport: Optional[str] = None,
-        single_copy: Optional[bool] = None,
-        inline_small: Optional[bool] = None,
-        host_id: Optional[str] = None,
-        partial: Optional[bool] = None,
-        schedule: Optional[str] = None,
-        group_size: Optional[int] = None,
-        c_thres: Optional[int] = None,
-        inter_intra: Optional[bool] = None,
-        partner_wait_ms: Optional[int] = None,
-        max_isolated: Optional[int] = None,
-        period_max: Optional[int] = None,
-        coordinator: Optional[str] = None,
-        coordinator_token: Optional[str] = None,
-        coordinator_bind: Optional[str] = None,
-        job_secret: Optional[str] = None,
-        authenticated_frames: Optional[bool] = None,
-        on_failure: Optional[str] = None,
-        seed: Optional[int] = None,
-        trace: Optional[bool] = None,
-        compression: Optional[str] = None,
-        stage_chunk_bytes: Optional[int] = None,
-    ) -> None:
-        args = locals()  # every field is a parameter of the same name
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        # Keywords only: 26 fields in a fixed order are a trap for positional calls, and the
+        # table (_FIELDS) is then the one place that lists them (the signature below is
+        # generated from it, for help() and editors).
+        if args:
+            raise TypeError(
+                f"ripples_pg.Options takes keyword arguments only (e.g. "
+                f"Options(timeout=60)); got {len(args)} positional argument(s)")
+        unknown = sorted(set(fields) - set(_FIELDS))
+        if unknown:
+            raise TypeError(f"ripples_pg.Options got unknown field(s) {', '.join(unknown)}; "
+                            f"fields: {', '.join(_FIELDS)}")
         for name in _FIELDS:
-            setattr(self, name, args[name])
+            setattr(self, name, fields.get(name))
 
     # Attribute access goes through the field table, so assignment validates too.
     def __getattr__(self, name: str) -> Any:
@@ -592,3 +575,14 @@ class Options:
 
 def _rebuild_options(values: dict) -> Options:
     return Options(**values)
+
+
+def _signature() -> inspect.Signature:
+    """``Options(*, timeout=None, ...)``: every field of the table, keyword-only, None."""
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None)
+               for n in _FIELDS]
+    return inspect.Signature(params, return_annotation=None)
+
+
+Options.__init__.__signature__ = _signature()

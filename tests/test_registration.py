@@ -205,6 +205,24 @@ def test_options_validation():
             ripples_pg.Options(**{field: top + 1})
 
 
+def test_options_take_keywords_only():
+    import inspect
+
+    import ripples_pg
+
+    # 26 fields in a fixed order: a positional value would land in whichever field happens to
+    # be first, so a positional call is refused, saying so.
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        ripples_pg.Options(60)
+    with pytest.raises(TypeError, match="unknown field.*tiemout"):
+        ripples_pg.Options(tiemout=60)
+    # The signature help() and editors show comes from the field table: every field,
+    # keyword-only, default None ("not set here").
+    sig = inspect.signature(ripples_pg.Options)
+    assert list(sig.parameters) == list(ripples_pg.Options.fields())
+    assert all(p.kind is p.KEYWORD_ONLY and p.default is None for p in sig.parameters.values())
+
+
 def _t_options(ctx):
     import ripples_pg
 
