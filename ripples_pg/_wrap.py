@@ -47,6 +47,9 @@ from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
 from .hooks import RipplesHookState
+from ._optimizers import OptimizerList
+from .options import Options
+from .sampler import DistributedSampler
 from .hooks import register as register_hook
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
 from .whatif import line as whatif_line, log_interval_s as whatif_log_interval_s
@@ -627,6 +630,57 @@ def wrap(ddp_model: DistributedDataParallel,
     optimizer and makes the model plain synchronous DDP again (exact gradient all-reduce, the
     original ``broadcast_buffers``), after an exact average of the replicas by default.
     """
+    who = "ripples_pg.wrap"
+    ddp_model, optimizer = _check_model(ddp_model, optimizer)
+    levels, sync_every = check_training_args(
+        who, warmup_steps=warmup_steps, warmup_straggler=warmup_straggler,
+        levels=levels, post_warmup=post_warmup, average_optimizer_state=average_optimizer_state,
+        overlap=overlap, outer_optimizer=outer_optimizer, sync_every=sync_every,
+        on_alone=on_alone)
+    check_bool(who, "group_second_moment", group_second_moment)
+    overlap_auto = overlap is None
+    overlap = resolve_overlap(overlap, outer_optimizer)
+    _check_sampler(sampler)
+    given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
+             "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
+             "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max,
+             "compression": compression}
+    group, compressed = _partial_group(ddp_model, group, given, overlap=overlap,
+                                       sync_every=sync_every,
+                                       average_optimizer_state=average_optimizer_state)
+    if warmup_steps is None and (sync_every is not None or compressed):
+        # Averaging less often (sync_every) or in fewer bytes (compression) is asked for
+        # because the links are slow, not because a worker is: staying exact while the
+        # workers are even would all-reduce over those links at every step.
+        warmup_steps = SLOW_LINK_WARMUP_STEPS
+    ddp_group = ddp_model.process_group
+    hgroup = None
+    if post_warmup == "host" or "host" in levels.values():
+        hgroup = host_group(ddp_group)
+    akw = dict(levels=levels, warmup_steps=warmup_steps, host_group=hgroup,
+               world_group=ddp_group, optimizer=optimizer,
+               average_optimizer_state=average_optimizer_state, module=ddp_model.module,
+               overlap="auto" if overlap_auto and overlap else overlap,  # "auto": may fall back
+               warmup_straggler=warmup_straggler,
+               # partial DiLoCo averages every H steps: one step's gradient of H, not worth it
+               group_second_moment=group_second_moment and sync_every is None)
+    if sync_every is not None:  # partial DiLoCo, or periodic averaging without outer_optimizer
+        averager = DiLoCoAverager(group, outer_optimizer=outer_optimizer,
+                                  sync_every=sync_every, on_alone=on_alone, **akw)
+    else:
+        averager = RipplesAverager(group, **akw)
+    state = _hook(ddp_model, averager, post_warmup, hgroup)
+    clock = _make_clock(ddp_group, group, levels, post_warmup)
+    opt = RipplesOptimizer(optimizer, averager, hook_state=state, group=group,
+                           job_clock=clock, sampler=sampler)
+    global _last_wrapped
+    _last_wrapped = weakref.ref(opt)  # stats() and trace() read its group by default
+    return opt
+
+
+def _check_model(ddp_model, optimizer):
+    """wrap()'s model and optimizer checked: returns the DDP model (under ``torch.compile``'s
+    wrapper, if any) and one optimizer (an ``OptimizerList`` for a list)."""
     ddp_model = _ddp_of(ddp_model)
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
@@ -640,8 +694,6 @@ def wrap(ddp_model: DistributedDataParallel,
             "optimizers on one model pass both to one call: wrap(ddp_model, [opt_a, opt_b]); "
             "to wrap again after unwrap(), wrap a new DDP(model)")
     if isinstance(optimizer, (list, tuple)):
-        from ._optimizers import OptimizerList
-
         optimizer = OptimizerList(optimizer)  # checks each is an optimizer
     if isinstance(optimizer, PostLocalSGDOptimizer):
         raise TypeError("ripples_pg.wrap: the optimizer is already a PostLocalSGDOptimizer; "
@@ -649,6 +701,20 @@ def wrap(ddp_model: DistributedDataParallel,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"ripples_pg.wrap: optimizer must be a torch.optim.Optimizer (or a "
                         f"list of them), got {type(optimizer).__name__}")
+    _check_coverage(ddp_model, optimizer)
+    if not is_ripples(ddp_model.process_group):
+        raise ValueError(
+            f"ripples_pg.wrap: the DDP model's process group uses backend "
+            f"{str(dist.get_backend(ddp_model.process_group))!r}, not 'ripples'. Initialise "
+            f"with dist.init_process_group('ripples') (after 'import ripples_pg') or pass "
+            f"process_group= a ripples group to DDP. (Exact collectives of other backends "
+            f"cannot be fenced against partial rounds, so mixing them can deadlock.)")
+    return ddp_model, optimizer
+
+
+def _check_coverage(ddp_model, optimizer) -> None:
+    """The optimizer must hold some of the model's parameters; trainable ones it leaves out
+    are warned about."""
     model_params = {id(p) for p in ddp_model.parameters()}
     opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
     if not opt_params & model_params:
@@ -664,38 +730,21 @@ def wrap(ddp_model: DistributedDataParallel,
                       f"{', ...' if len(left_out) > 3 else ''}); after warm-up nobody averages "
                       f"them. If another optimizer trains them, pass both: wrap(ddp_model, "
                       f"[opt_a, opt_b]); if they are frozen, set requires_grad=False",
-                      stacklevel=2)
-    ddp_group = ddp_model.process_group
-    if not is_ripples(ddp_group):
-        raise ValueError(
-            f"ripples_pg.wrap: the DDP model's process group uses backend "
-            f"{str(dist.get_backend(ddp_group))!r}, not 'ripples'. Initialise with "
-            f"dist.init_process_group('ripples') (after 'import ripples_pg') or pass "
-            f"process_group= a ripples group to DDP. (Exact collectives of other backends "
-            f"cannot be fenced against partial rounds, so mixing them can deadlock.)")
-    levels, sync_every = check_training_args(
-        "ripples_pg.wrap", warmup_steps=warmup_steps, warmup_straggler=warmup_straggler,
-        levels=levels, post_warmup=post_warmup, average_optimizer_state=average_optimizer_state,
-        overlap=overlap, outer_optimizer=outer_optimizer, sync_every=sync_every,
-        on_alone=on_alone)
-    check_bool("ripples_pg.wrap", "group_second_moment", group_second_moment)
-    overlap_auto = overlap is None
-    overlap = resolve_overlap(overlap, outer_optimizer)
-    if sampler is not None:
-        from .sampler import DistributedSampler
+                      stacklevel=4)
 
+
+def _check_sampler(sampler) -> None:
+    if sampler is not None:
         if not isinstance(sampler, DistributedSampler):
             raise TypeError(f"ripples_pg.wrap: sampler must be a ripples_pg.DistributedSampler, "
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
 
-    import ripples_pg
 
-    # the partial group's options (checked by Options below, or refused with group=)
-    given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
-             "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
-             "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max,
-             "compression": compression}
-    compressed = False  # the partial group's rounds are compressed (known when wrap makes it)
+def _partial_group(ddp_model, group, given: Dict[str, object], *, overlap: bool,
+                   sync_every: Optional[int], average_optimizer_state):
+    """The group of wrap()'s partial rounds: ``group`` checked (``given``, the schedule options,
+    must then be unset), or a new one over the DDP group's ranks. Returns ``(group,
+    compressed)``: whether its rounds are compressed (False for a given group)."""
     if group is not None:
         explicit = {k: v for k, v in given.items() if v is not None}
         if explicit:
@@ -705,59 +754,49 @@ def wrap(ddp_model: DistributedDataParallel,
         if not is_ripples(group):
             raise ValueError(f"ripples_pg.wrap: group= must be a 'ripples' process group, "
                              f"got backend {str(dist.get_backend(group))!r}")
-    else:
-        fields = set(ripples_pg.Options.fields())
-        kw = {k: v for k, v in given.items() if v is not None}
-        env = ripples_pg.Options.from_env()
-        defaults = dict(WRAP_DEFAULTS)
-        if sync_every is not None:
-            # A round every H steps is already rare: the adaptive period's passes would skip
-            # every 2nd one (an outer step deferred, H silently doubled), so none by default.
-            defaults["period_max"] = 1
-        elif not overlap:
-            # Blocking rounds cost their transfer in every averaging step: every 2nd step
-            # (ripples_pg/_args.py says why both numbers).
-            defaults["period_max"] = BLOCKING_PERIOD_MAX
-        for k, v in defaults.items():  # wrap's defaults yield to RIPPLES_* variables
-            if k not in kw and k in fields and getattr(env, k) is None:
-                kw[k] = v
-        if "timeout" not in kw and "timeout" in fields and env.timeout is None:
-            # dist.new_group's own default is 30 minutes whatever init_process_group was
-            # given; the partial rounds should be bounded by the DDP group's timeout instead.
-            inherited = _group_timeout(ddp_group)
-            if inherited is not None:
-                kw["timeout"] = inherited
-        opts = check_group_options("ripples_pg.wrap", kw)
-        compressed = (opts.compression or env.compression or "none") != "none"
-        _check_int8_extras(opts.compression or env.compression, ddp_model,
-                           average_optimizer_state)
-        ranks = dist.get_process_group_ranks(ddp_group)
-        group = dist.new_group(ranks=ranks, backend="ripples", pg_options=opts)
+        return group, False
+    opts, env = _group_options(ddp_model.process_group, given, overlap=overlap,
+                               sync_every=sync_every)
+    compression = opts.compression or env.compression
+    _check_int8_extras(compression, ddp_model, average_optimizer_state)
+    ranks = dist.get_process_group_ranks(ddp_model.process_group)
+    group = dist.new_group(ranks=ranks, backend="ripples", pg_options=opts)
+    return group, (compression or "none") != "none"
 
-    if warmup_steps is None and (sync_every is not None or compressed):
-        # Averaging less often (sync_every) or in fewer bytes (compression) is asked for
-        # because the links are slow, not because a worker is: staying exact while the
-        # workers are even would all-reduce over those links at every step.
-        warmup_steps = SLOW_LINK_WARMUP_STEPS
-    hgroup = None
-    if post_warmup == "host" or "host" in levels.values():
-        hgroup = host_group(ddp_group)
-    akw = dict(levels=levels, warmup_steps=warmup_steps, host_group=hgroup,
-               world_group=ddp_group, optimizer=optimizer,
-               average_optimizer_state=average_optimizer_state, module=ddp_model.module,
-               overlap=overlap, warmup_straggler=warmup_straggler,
-               # partial DiLoCo averages every H steps: one step's gradient of H, not worth it
-               group_second_moment=group_second_moment and sync_every is None)
-    if overlap_auto and overlap:
-        akw["overlap"] = "auto"  # falls back to blocking rounds if the copies do not fit
-    if sync_every is not None:  # partial DiLoCo, or periodic averaging without outer_optimizer
-        averager = DiLoCoAverager(group, outer_optimizer=outer_optimizer,
-                                  sync_every=sync_every, on_alone=on_alone, **akw)
-    else:
-        averager = RipplesAverager(group, **akw)
-    state = RipplesHookState(ddp_group, warmup_steps=averager.warmup_steps,
-                             post_warmup=post_warmup,
-                             host_group=hgroup, ddp_model=ddp_model)
+
+def _group_options(ddp_group, given: Dict[str, object], *, overlap: bool,
+                   sync_every: Optional[int]):
+    """The Options of the partial group wrap() creates: what the call gives, then the
+    ``RIPPLES_*`` environment, then wrap()'s defaults (``WRAP_GROUP_DEFAULTS``, the period by
+    the kind of round) and the DDP group's timeout. Returns ``(options, environment's)``."""
+    kw = {k: v for k, v in given.items() if v is not None}
+    env = Options.from_env()
+    defaults = dict(WRAP_DEFAULTS)
+    if sync_every is not None:
+        # A round every H steps is already rare: the adaptive period's passes would skip
+        # every 2nd one (an outer step deferred, H silently doubled), so none by default.
+        defaults["period_max"] = 1
+    elif not overlap:
+        # Blocking rounds cost their transfer in every averaging step: every 2nd step
+        # (ripples_pg/_args.py says why both numbers).
+        defaults["period_max"] = BLOCKING_PERIOD_MAX
+    fields = set(Options.fields())
+    for k, v in defaults.items():  # wrap's defaults yield to RIPPLES_* variables
+        if k not in kw and k in fields and getattr(env, k) is None:
+            kw[k] = v
+    if "timeout" not in kw and env.timeout is None:
+        # dist.new_group's own default is 30 minutes whatever init_process_group was
+        # given; the partial rounds should be bounded by the DDP group's timeout instead.
+        inherited = _group_timeout(ddp_group)
+        if inherited is not None:
+            kw["timeout"] = inherited
+    return check_group_options("ripples_pg.wrap", kw), env
+
+
+def _hook(ddp_model, averager, post_warmup: str, hgroup) -> RipplesHookState:
+    """The comm hook's state, linked to ``averager`` and registered on ``ddp_model``."""
+    state = RipplesHookState(ddp_model.process_group, warmup_steps=averager.warmup_steps,
+                             post_warmup=post_warmup, host_group=hgroup, ddp_model=ddp_model)
     averager.link_hook_state(state)
     try:
         register_hook(ddp_model, state)  # the exact steps in C++: no Python per bucket
@@ -766,12 +805,7 @@ def wrap(ddp_model: DistributedDataParallel,
         raise RuntimeError(f"ripples_pg.wrap: could not register the comm hook ({e}); a DDP "
                            f"model takes one comm hook, so wrap() it only once and do not "
                            f"register another hook") from e
-    clock = _make_clock(ddp_group, group, levels, post_warmup)
-    opt = RipplesOptimizer(optimizer, averager, hook_state=state, group=group,
-                           job_clock=clock, sampler=sampler)
-    global _last_wrapped
-    _last_wrapped = weakref.ref(opt)  # stats() and trace() read its group by default
-    return opt
+    return state
 
 
 def _make_clock(ddp_group, group, levels, post_warmup) -> JobClock:

@@ -336,6 +336,22 @@ def _hook_state_dict(module: torch.nn.Module, averager: "RipplesAverager") -> No
     register(_OwnStorage(averager))
 
 
+def _check_links(optimizer, module, average_optimizer_state, group_second_moment) -> None:
+    """What RipplesAverager's optimizer= and module= must be for the options that need them."""
+    if average_optimizer_state and optimizer is None:
+        raise ValueError("ripples_pg.RipplesAverager: average_optimizer_state needs "
+                         "optimizer= (the optimizer whose state to average)")
+    if group_second_moment and optimizer is None:
+        raise ValueError("ripples_pg.RipplesAverager: group_second_moment needs "
+                         "optimizer= (the Adam or AdamW whose second moment to correct)")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"ripples_pg.RipplesAverager: optimizer must be a "
+                        f"torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise TypeError(f"ripples_pg.RipplesAverager: module must be a torch.nn.Module "
+                        f"(for DDP, ddp_model.module), got {type(module).__name__}")
+
+
 class RipplesAverager(ModelAverager):
     """Hierarchical model averager with Partial All-Reduce rounds.
 
@@ -404,47 +420,14 @@ class RipplesAverager(ModelAverager):
         # gets the same error wherever it is given
         self.warmup_straggler = float(
             check_warmup_straggler(who, "warmup_straggler", warmup_straggler) or 0)
-        # warmup_limit: the user's bound (None: no fixed end); warmup_steps: the end in force
-        self.warmup_limit: Optional[int] = None
-        if warmup_steps is None:
-            if not self.warmup_straggler:
-                raise ValueError(f"{who}: warmup_steps=None (warm-up until a straggler ends "
-                                 f"it) needs warmup_straggler, the gain that ends it; give "
-                                 f"warmup_steps a number of steps otherwise")
-            self.warmup_steps = WARMUP_HORIZON
-        else:
-            self.warmup_limit = check_int(who, "warmup_steps", warmup_steps, 0)
-            self.warmup_steps = self.warmup_limit
+        self._init_warmup(who, warmup_steps)
         self._overlap_fallback = overlap == "auto"
         if self._overlap_fallback:
             overlap = True
         check_bool(who, "overlap", overlap)
         check_state_keys(who, "average_optimizer_state", average_optimizer_state)
         check_bool(who, "group_second_moment", group_second_moment)
-        # Warm-up exit: the end of the last step (where this step's clock starts), this step's
-        # waiting windows ([start, end] lists: each backward pass's gradient all-reduce, each
-        # DDP pre-forward), the pass being timed, a DDP forward not yet in the module's; the
-        # compute times of the current check window; the step warm-up ended at, if early.
-        self._warm_end: Optional[float] = None
-        self._warm_wins: List[List[float]] = []
-        self._warm_win: Optional[List[float]] = None
-        self._warm_win_closed = False
-        self._warm_fwd: Optional[float] = None
-        self._warm_times: List[float] = []
-        # per step: (waited for a core, ran on one, its time outside the collectives' windows)
-        self._warm_crowd: List[Tuple[float, float, float]] = []
-        self._warm_crowd_avg: Optional[float] = None
-        self._warm_busy_avg = 0.0
-        self._warm_cpu: Optional[float] = None
-        self._sched = SchedClock()
-        self._warm_rq: Optional[float] = None  # the run queue clock at the end of the last step
-        self._warm_rqw: List[list] = []
-        self._warm_fwd_rq: Optional[float] = None
-        self._warm_hits = 0
-        self.warmup_ended_early: Optional[int] = None
-        self.warmup_gain: Optional[float] = None  # the last check's gain
-        self.whatif_exact = ExactPart()  # what waiting cost the exact steps (ripples_pg.whatif)
-        self._last_compute: Optional[float] = None  # the last warm-up-timed step's compute
+        self._init_warm_clock()
         self.levels = parse_levels(levels)
         self._periods = list(self.levels)
         kinds = set(self.levels.values())
@@ -454,18 +437,7 @@ class RipplesAverager(ModelAverager):
                 f"'ripples' backend, got one on {dist.get_backend(self.process_group)!r}; "
                 f"create it with dist.new_group(backend='ripples', "
                 f"pg_options=ripples_pg.Options(...))")
-        if average_optimizer_state and optimizer is None:
-            raise ValueError("ripples_pg.RipplesAverager: average_optimizer_state needs "
-                             "optimizer= (the optimizer whose state to average)")
-        if group_second_moment and optimizer is None:
-            raise ValueError("ripples_pg.RipplesAverager: group_second_moment needs "
-                             "optimizer= (the Adam or AdamW whose second moment to correct)")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"ripples_pg.RipplesAverager: optimizer must be a "
-                            f"torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if module is not None and not isinstance(module, torch.nn.Module):
-            raise TypeError(f"ripples_pg.RipplesAverager: module must be a torch.nn.Module "
-                            f"(for DDP, ddp_model.module), got {type(module).__name__}")
+        _check_links(optimizer, module, average_optimizer_state, group_second_moment)
         if isinstance(average_optimizer_state, str):
             average_optimizer_state = [average_optimizer_state]
         self.module = module
@@ -492,6 +464,45 @@ class RipplesAverager(ModelAverager):
         self.overlap = overlap
         if overlap:
             self._round = OverlappedRound()
+
+    def _init_warmup(self, who: str, warmup_steps: Optional[int]) -> None:
+        # warmup_limit: the user's bound (None: no fixed end); warmup_steps: the end in force
+        self.warmup_limit: Optional[int] = None
+        if warmup_steps is None:
+            if not self.warmup_straggler:
+                raise ValueError(f"{who}: warmup_steps=None (warm-up until a straggler ends "
+                                 f"it) needs warmup_straggler, the gain that ends it; give "
+                                 f"warmup_steps a number of steps otherwise")
+            self.warmup_steps = WARMUP_HORIZON
+        else:
+            self.warmup_limit = check_int(who, "warmup_steps", warmup_steps, 0)
+            self.warmup_steps = self.warmup_limit
+
+    def _init_warm_clock(self) -> None:
+        # Warm-up exit: the end of the last step (where this step's clock starts), this step's
+        # waiting windows ([start, end] lists: each backward pass's gradient all-reduce, each
+        # DDP pre-forward), the pass being timed, a DDP forward not yet in the module's; the
+        # compute times of the current check window; the step warm-up ended at, if early.
+        self._warm_end: Optional[float] = None
+        self._warm_wins: List[List[float]] = []
+        self._warm_win: Optional[List[float]] = None
+        self._warm_win_closed = False
+        self._warm_fwd: Optional[float] = None
+        self._warm_times: List[float] = []
+        # per step: (waited for a core, ran on one, its time outside the collectives' windows)
+        self._warm_crowd: List[Tuple[float, float, float]] = []
+        self._warm_crowd_avg: Optional[float] = None
+        self._warm_busy_avg = 0.0
+        self._warm_cpu: Optional[float] = None
+        self._sched = SchedClock()
+        self._warm_rq: Optional[float] = None  # the run queue clock at the end of the last step
+        self._warm_rqw: List[list] = []
+        self._warm_fwd_rq: Optional[float] = None
+        self._warm_hits = 0
+        self.warmup_ended_early: Optional[int] = None
+        self.warmup_gain: Optional[float] = None  # the last check's gain
+        self.whatif_exact = ExactPart()  # what waiting cost the exact steps (ripples_pg.whatif)
+        self._last_compute: Optional[float] = None  # the last warm-up-timed step's compute
 
     # -- step, linked to hook states so that restoring it restores theirs
     @property

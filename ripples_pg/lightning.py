@@ -160,6 +160,57 @@ def _check_ddp_kwargs(kwargs: dict) -> None:
                         f"RipplesStrategy, DDPStrategy nor DistributedDataParallel takes them")
 
 
+def _check_strategy_kwargs(process_group_backend, kwargs: dict) -> None:
+    """RipplesStrategy's backend, and the DDPStrategy keywords it owns or cannot take (popped
+    from ``kwargs`` where given as None)."""
+    if process_group_backend is None:
+        process_group_backend = STRATEGY_NAME
+    if process_group_backend != STRATEGY_NAME:
+        raise ValueError(
+            f"RipplesStrategy: process_group_backend must be 'ripples', got "
+            f"{process_group_backend!r}. Partial rounds cannot be fenced against another "
+            f"backend's collectives; for plain DDP on {process_group_backend!r} use "
+            f"DDPStrategy.")
+    for name, why in STRATEGY_OWNS.items():
+        if name in kwargs:
+            raise TypeError(f"RipplesStrategy: {name}= is a ripples_pg.wrap() argument the "
+                            f"strategy does not take: {why}")
+    for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper",
+                 "model_averaging_period"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"RipplesStrategy: {name}= is not supported: the strategy "
+                             f"registers Ripples' own comm hook and model averager")
+        kwargs.pop(name, None)
+
+
+def _check_time_limit(time_limit, schedule, levels, post_warmup: str) -> None:
+    """``time_limit``: a number of seconds, with options under which ranks may stop at
+    different steps."""
+    if time_limit is None:
+        return
+    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or \
+            not math.isfinite(time_limit) or time_limit <= 0:
+        raise ValueError(f"RipplesStrategy: time_limit must be a number of seconds "
+                         f"> 0, got {time_limit!r}")
+    # Ranks stop at different steps: anything that pairs every rank's k-th step with
+    # the others' (the static schedule's rounds, exact levels, host gradients) would
+    # pair a stopped rank's ending with another's step.
+    if schedule == "static":
+        raise ValueError("RipplesStrategy: time_limit needs a dynamic schedule "
+                         "(random, smart, adpsgd): the static schedule pairs every "
+                         "rank's k-th round, so all ranks must stop at the same step "
+                         "(use max_steps)")
+    exact = [f"{p}: {k!r}" for p, k in levels.items() if k != "partial"]
+    if exact:
+        raise ValueError(f"RipplesStrategy: time_limit cannot be combined with exact "
+                         f"levels ({', '.join(exact)}): they pair every rank's k-th "
+                         f"step, and ranks stop at different steps")
+    if post_warmup == "host":
+        raise ValueError("RipplesStrategy: time_limit cannot be combined with "
+                         "post_warmup='host' (an exact per-step all-reduce among the "
+                         "host's ranks, which stop at different steps)")
+
+
 class RipplesStrategy(DDPStrategy):
     """DDP on the ``ripples`` backend with Ripples training (``ripples_pg.wrap``).
 
@@ -229,24 +280,7 @@ class RipplesStrategy(DDPStrategy):
                  process_group_backend: Optional[str] = STRATEGY_NAME,
                  timeout: Optional[Union[timedelta, float]] = None,
                  **kwargs: Any) -> None:
-        if process_group_backend is None:
-            process_group_backend = STRATEGY_NAME
-        if process_group_backend != STRATEGY_NAME:
-            raise ValueError(
-                f"RipplesStrategy: process_group_backend must be 'ripples', got "
-                f"{process_group_backend!r}. Partial rounds cannot be fenced against another "
-                f"backend's collectives; for plain DDP on {process_group_backend!r} use "
-                f"DDPStrategy.")
-        for name, why in STRATEGY_OWNS.items():
-            if name in kwargs:
-                raise TypeError(f"RipplesStrategy: {name}= is a ripples_pg.wrap() argument the "
-                                f"strategy does not take: {why}")
-        for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper",
-                     "model_averaging_period"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"RipplesStrategy: {name}= is not supported: the strategy "
-                                 f"registers Ripples' own comm hook and model averager")
-            kwargs.pop(name, None)
+        _check_strategy_kwargs(process_group_backend, kwargs)
         if timeout is not None:
             # the process group's timeout, which wrap() gives the partial rounds too unless
             # round_timeout is set: checked as wrap(timeout=...) is
@@ -266,28 +300,7 @@ class RipplesStrategy(DDPStrategy):
         if stats_every_n_steps is not None:
             check_int("RipplesStrategy", "stats_every_n_steps", stats_every_n_steps, 0)
         check_choice("RipplesStrategy", "progress", progress, PROGRESS_MODES)
-        if time_limit is not None:
-            if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or \
-                    not math.isfinite(time_limit) or time_limit <= 0:
-                raise ValueError(f"RipplesStrategy: time_limit must be a number of seconds "
-                                 f"> 0, got {time_limit!r}")
-            # Ranks stop at different steps: anything that pairs every rank's k-th step with
-            # the others' (the static schedule's rounds, exact levels, host gradients) would
-            # pair a stopped rank's ending with another's step.
-            if schedule == "static":
-                raise ValueError("RipplesStrategy: time_limit needs a dynamic schedule "
-                                 "(random, smart, adpsgd): the static schedule pairs every "
-                                 "rank's k-th round, so all ranks must stop at the same step "
-                                 "(use max_steps)")
-            exact = [f"{p}: {k!r}" for p, k in resolved.items() if k != "partial"]
-            if exact:
-                raise ValueError(f"RipplesStrategy: time_limit cannot be combined with exact "
-                                 f"levels ({', '.join(exact)}): they pair every rank's k-th "
-                                 f"step, and ranks stop at different steps")
-            if post_warmup == "host":
-                raise ValueError("RipplesStrategy: time_limit cannot be combined with "
-                                 "post_warmup='host' (an exact per-step all-reduce among the "
-                                 "host's ranks, which stop at different steps)")
+        _check_time_limit(time_limit, schedule, resolved, post_warmup)
         given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
                  "inter_intra": inter_intra, "coordinator": coordinator,
                  "timeout": round_timeout, "on_failure": on_failure, "seed": seed,
@@ -304,6 +317,11 @@ class RipplesStrategy(DDPStrategy):
                                  sync_every=sync_every, on_alone=on_alone)
         self.progress = progress
         self.time_limit = float(time_limit) if time_limit is not None else None
+        self.stats_every_n_steps = stats_every_n_steps
+        self._init_fit_state()
+
+    def _init_fit_state(self) -> None:
+        """The state a fit sets and reads, as it is before the first fit."""
         # progress="job" in effect (decided when fit sets up: the job clock is shared)
         self._job_mode = False
         self._job_max_steps: Optional[int] = None  # the Trainer's max_steps, in job steps
@@ -312,7 +330,6 @@ class RipplesStrategy(DDPStrategy):
         self._epoch_agreement = False  # agree on stopping at each epoch end
         self._job_trainer = None  # the Trainer whose budgets progress="job" took over
         self._last_job_step: Optional[float] = None  # agreed at the end of the last fit
-        self.stats_every_n_steps = stats_every_n_steps
         self._ropt: Optional[RipplesOptimizer] = None
         self._dirty = False  # this rank stepped since the replicas were last averaged exactly
         self._t0: Optional[float] = None

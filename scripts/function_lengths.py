@@ -1,20 +1,25 @@
 #!/usr/bin/env python3
-"""Lists C/C++ functions longer than a limit in csrc/ and coordinator/.
+"""Lists functions longer than a limit: C/C++ in csrc/, coordinator/, benchmarks/ and fuzz/,
+Python in the package (ripples_pg/) and scripts/.
 
 Our C and C++ put a function's opening line and its closing brace at column 0, so a function
-is the text from a column-0 header holding "(" to the next column-0 "}". Table-like functions
-(a field list, a flag list) may be longer; they are named in ALLOWED with the reason.
+is the text from a column-0 header holding "(" to the next column-0 "}". A Python function
+(or method) is measured by its syntax tree, from its ``def`` to its last line, less its
+docstring: documentation is not code to split. Table-like functions (a field list, a flag
+list) may be longer; they are named in ALLOWED with the reason.
 
     python3 scripts/function_lengths.py            # report, exit 1 if any is over
     python3 scripts/function_lengths.py --all      # every function, longest first
 """
 import argparse
+import ast
 import pathlib
 import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DIRS = ("csrc", "coordinator", "benchmarks", "fuzz")
+PY_DIRS = ("ripples_pg", "scripts")
 LIMIT = 80
 # name -> why it may be longer than LIMIT (one entry per table-like function)
 ALLOWED = {
@@ -51,6 +56,27 @@ def functions(path: pathlib.Path):
         i = end + 1
 
 
+def py_functions(path: pathlib.Path):
+    """Yields (name, first line, length in lines less the docstring) of each function and
+    method defined in a Python file (nested ones too, named outer.inner)."""
+    tree = ast.parse(path.read_text(errors="replace"), str(path))
+
+    def walk(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = child.end_lineno - child.lineno + 1
+                doc = child.body[0] if child.body else None
+                if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and \
+                        isinstance(doc.value.value, str):
+                    n -= doc.end_lineno - doc.lineno + 1
+                yield prefix + child.name, child.lineno, n
+                yield from walk(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                yield from walk(child, prefix + child.name + ".")
+
+    yield from walk(tree, "")
+
+
 def scan():
     for d in DIRS:
         base = ROOT / d
@@ -59,6 +85,14 @@ def scan():
         for path in sorted(base.rglob("*")):
             if path.suffix in (".c", ".cpp", ".h", ".hpp") and "build" not in path.parts:
                 for name, line, n in functions(path):
+                    yield path.relative_to(ROOT), name, line, n
+    for d in PY_DIRS:
+        base = ROOT / d
+        if not base.is_dir():
+            continue
+        for path in sorted(base.rglob("*.py")):
+            if "build" not in path.parts:
+                for name, line, n in py_functions(path):
                     yield path.relative_to(ROOT), name, line, n
 
 
