@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from ._api import exact, host_of, partial, partial_all_reduce, stats, trace
 from ._backend import pick_bind_addr, register
+from ._extension import load_extension as _load_extension
+from ._extension import torch_version_error as _torch_version_error
 from .options import Options
 
 __version__ = "0.1.0"
@@ -57,9 +59,7 @@ def __getattr__(name: str):
 def has_ucx() -> bool:
     """Whether this build has the UCX transport (``Options(transport="ucx")``): it is built
     when UCX's development files (Debian: ``libucx-dev``) are present at build time."""
-    from ._backend import load_extension
-
-    return bool(load_extension().has_ucx())
+    return bool(_load_extension().has_ucx())
 
 
 def is_registered() -> bool:
@@ -127,9 +127,7 @@ except Exception as _exc:  # noqa: BLE001
 
 # The extension is tied to the torch minor version it was built for: an explicit import says so
 # at once, before anything loads it. Inside torch's autoload it only warns (_autoload), and
-# loading the extension (_backend.load_extension) raises the same error.
-from ._backend import torch_version_error as _torch_version_error  # noqa: E402
-
+# loading the extension (_extension.load_extension) raises the same error.
 _version_error = _torch_version_error()
 if _version_error is not None and not _inside_torch_autoload():
     raise ImportError(_version_error)

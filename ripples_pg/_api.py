@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 
-if TYPE_CHECKING:  # torch is imported lazily: torch's backend autoload imports this package
+from .attribution import attribution
+
+# torch and the C extension (_C) are imported inside the functions that need them: torch's
+# backend autoload imports this package inside `import torch` (ripples_pg/__init__.py), and the
+# extension loads with the first group (ripples_pg/_extension.py checks it first).
+if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
@@ -55,13 +61,30 @@ def _ripples_backend(group: Any = None):
     return be
 
 
+# The optimizer of the most recent wrap() in this process (a weak reference; wrap(), a layer
+# above, sets it): stats() and trace() with no group read its group rather than the world
+# group, which wrap()'s rounds do not run on.
+_last_wrapped: Optional["weakref.ref"] = None
+
+
+def remember_wrapped(optimizer: Any) -> None:
+    """Called by ``wrap()`` with the optimizer it returns (a ``RipplesOptimizer``)."""
+    global _last_wrapped
+    _last_wrapped = weakref.ref(optimizer)
+
+
+def _wrapped_group() -> Any:
+    """The ripples group the most recent ``wrap()`` runs its rounds on, while its optimizer
+    lives and is not unwrapped; else None."""
+    opt = _last_wrapped() if _last_wrapped is not None else None
+    return None if opt is None or opt.unwrapped else opt.group
+
+
 def _default_group() -> Any:
     """The group stats() and trace() read when given none: the world group, unless a
     ``wrap()`` in this process runs its rounds on a group of its own and the world group has
     run no partial round (then that group: what a user of wrap() means)."""
-    from . import _wrap
-
-    wrapped = _wrap.last_group()
+    wrapped = _wrapped_group()
     if wrapped is None:
         return None
     try:
@@ -76,6 +99,9 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
     """This rank's counters for a ``ripples`` group (default: the world group, or, after
     ``ripples_pg.wrap()``, the group its rounds run on, unless the world group has run partial
     rounds of its own).
+
+    Every key the core and the shim count is listed with its meaning in docs/stats.md,
+    generated from the tables in the code (``_C.stats_fields()``). In short:
 
     Partial rounds: ``rounds``, ``reduced`` (rounds that moved data), ``singletons`` (groups
     of one), ``passed`` (rounds the coordinator's adaptive period passed: no averaging meant,
@@ -128,8 +154,6 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
     share of all-reduce's waiting). The whole job's, exact phases included:
     ``optimizer.stats()["whatif"]`` of the optimizer ``wrap()`` returns.
     """
-    from .attribution import attribution
-
     be = _ripples_backend(group if group is not None else _default_group())
     out = dict(be.partial_stats())
     meant = out["rounds"] - out["passed"]

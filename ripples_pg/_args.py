@@ -38,8 +38,11 @@ Defaults that differ on purpose (each documented here and nowhere else):
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
 
 from .options import _FIELDS, Options
 
@@ -48,7 +51,9 @@ __all__ = ["OptionTypeError", "ARGS", "STRATEGY_OWNS", "RENAMED_FLAGS", "DEFAULT
            "BLOCKING_PERIOD_MAX",
            "POST_WARMUP_MODES",
            "check_int", "check_bool", "check_choice", "check_warmup_straggler",
-           "check_state_keys", "check_training_args", "check_group_options", "resolve_overlap"]
+           "check_state_keys", "check_training_args", "check_group_options", "resolve_overlap",
+           "LEVELS", "parse_levels", "ON_ALONE", "check_outer_optimizer", "check_on_alone",
+           "resolve_sync_levels"]
 
 POST_WARMUP_MODES = ("local", "host")
 
@@ -205,6 +210,128 @@ RENAMED_FLAGS = {"--policy": "--schedule"}
 # ----------------------------------------------------------------------------- shared checks
 
 
+# ----------------------------------------------------------------------------- levels, DiLoCo
+# The averager's and partial DiLoCo's own options, checked here with the rest so that this
+# table of checks depends on no training module (they import it).
+
+LEVELS = ("partial", "host", "world")
+
+
+def parse_levels(levels) -> "OrderedDict[int, str]":
+    """Validates ``levels`` ({period: level} or a string such as ``"1:partial,64:world"``) and
+    returns it ordered by period."""
+    if levels is None:
+        levels = {1: "partial"}
+    if isinstance(levels, str):
+        items = []
+        for part in levels.replace(";", ",").split(","):
+            part = part.strip()
+            if not part:
+                continue
+            if ":" not in part:
+                raise ValueError(f"ripples_pg: bad level {part!r} in levels={levels!r}; "
+                                 f"expected PERIOD:LEVEL, e.g. '1:partial,64:world'")
+            p, kind = part.split(":", 1)
+            try:
+                items.append((int(p), kind.strip()))
+            except ValueError:
+                raise ValueError(f"ripples_pg: bad period {p!r} in levels={levels!r}") from None
+        levels = items
+    elif isinstance(levels, Mapping):
+        levels = list(levels.items())
+    else:
+        try:
+            levels = list(levels)
+        except TypeError:
+            raise TypeError(f"ripples_pg: levels must be a dict {{period: level}} or a string, "
+                            f"got {type(levels).__name__}") from None
+    if not levels:
+        raise ValueError("ripples_pg: levels must not be empty")
+    out: Dict[int, str] = {}
+    for period, kind in levels:
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"ripples_pg: level periods must be ints >= 1, got {period!r}")
+        if kind not in LEVELS:
+            raise ValueError(f"ripples_pg: unknown level {kind!r} for period {period}; "
+                             f"levels are {', '.join(LEVELS)}")
+        if period in out:
+            raise ValueError(f"ripples_pg: period {period} appears twice in levels")
+        out[period] = kind
+    return OrderedDict(sorted(out.items()))
+
+
+# What an outer step does after a round that averaged with nobody (docs/diloco.md).
+ON_ALONE = ("defer", "local_step")
+
+OuterSpec = Union[None, str, Callable[[List[torch.Tensor]], torch.optim.Optimizer]]
+
+
+def check_outer_optimizer(outer_optimizer: OuterSpec, who: str) -> None:
+    """Raises a clear error for anything but None, ``"nesterov"`` or a callable."""
+    if outer_optimizer is None or callable(outer_optimizer) and \
+            not isinstance(outer_optimizer, torch.optim.Optimizer):
+        return
+    if isinstance(outer_optimizer, str):
+        if outer_optimizer == "nesterov":
+            return
+        raise ValueError(f"{who}: outer_optimizer must be None, 'nesterov' or a callable "
+                         f"params -> torch.optim.Optimizer, got the string {outer_optimizer!r}")
+    if isinstance(outer_optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{who}: outer_optimizer must be a callable params -> "
+                        f"torch.optim.Optimizer (e.g. lambda ps: torch.optim.SGD(ps, lr=0.7, "
+                        f"momentum=0.9, nesterov=True)), not an optimizer instance: the outer "
+                        f"optimizer steps the float32 anchors, which wrap() creates")
+    raise TypeError(f"{who}: outer_optimizer must be None, 'nesterov' or a callable params -> "
+                    f"torch.optim.Optimizer, got {type(outer_optimizer).__name__}")
+
+
+def check_on_alone(on_alone, who: str,
+                   outer_optimizer: OuterSpec = "nesterov") -> None:
+    if on_alone not in ON_ALONE:
+        raise ValueError(f"{who}: on_alone must be one of {ON_ALONE} (what a round that "
+                         f"averaged with nobody does), got {on_alone!r}")
+    if on_alone != "defer" and outer_optimizer is None:
+        raise ValueError(f"{who}: on_alone={on_alone!r} needs an outer_optimizer (without one "
+                         f"there is no outer step to take or defer)")
+
+
+def resolve_sync_levels(outer_optimizer: OuterSpec, sync_every: Optional[int], levels,
+                        overlap: bool, who: str) -> Tuple["OrderedDict[int, str]", Optional[int]]:
+    """Validates ``outer_optimizer``, ``sync_every`` and ``levels`` together and returns the
+    levels and ``H`` (None: plain Ripples, ``levels`` as given).
+
+    Rules: ``sync_every=H`` alone means ``levels={H: "partial"}``; with ``levels`` as well,
+    the smallest period must be ``H`` and every period a multiple of it (each averaging step is
+    an outer step, and the outer steps come every ``H`` steps). ``outer_optimizer`` without
+    ``sync_every`` takes ``H`` from ``levels`` (same rule) and needs one of them.
+    """
+    check_outer_optimizer(outer_optimizer, who)
+    if sync_every is not None:
+        check_int(who, "sync_every", sync_every, 1)  # inner steps per outer step
+    if outer_optimizer is not None and overlap:
+        raise ValueError(f"{who}: overlap=True cannot be combined with an outer_optimizer (an "
+                         f"overlapped round is applied one step late, after the outer step "
+                         f"would have used it); use overlap=False")
+    if sync_every is None and outer_optimizer is None:
+        return parse_levels(levels), None
+    if sync_every is None and levels is None:
+        raise ValueError(f"{who}: outer_optimizer needs sync_every=H, the number of inner "
+                         f"steps per outer step (DiLoCo uses tens to hundreds)")
+    if levels is None:
+        return parse_levels({sync_every: "partial"}), sync_every
+    parsed = parse_levels(levels)
+    smallest = next(iter(parsed))
+    if sync_every is None:
+        sync_every = smallest
+    bad = [p for p in parsed if p % sync_every != 0]
+    if smallest != sync_every or bad:
+        raise ValueError(f"{who}: levels {dict(parsed)} do not fit sync_every={sync_every}: "
+                         f"the smallest period must be sync_every and every period a multiple "
+                         f"of it (e.g. {{{sync_every}: 'partial', {4 * sync_every}: 'world'}})")
+    return parsed, sync_every
+
+
+
 def check_training_args(who: str, *, warmup_steps: Optional[int], warmup_straggler: Any,
                         levels: Any, post_warmup: str,
                         average_optimizer_state: Any, overlap: Optional[bool], outer_optimizer: Any,
@@ -212,8 +339,6 @@ def check_training_args(who: str, *, warmup_steps: Optional[int], warmup_straggl
                         ) -> Tuple["Mapping[int, str]", Optional[int]]:
     """Checks the training options ``wrap()`` and ``RipplesStrategy`` share and returns ``(levels, sync_every)`` resolved: the levels
     to run and partial DiLoCo's ``H`` (None: plain Ripples)."""
-    from .diloco import check_on_alone, resolve_sync_levels
-
     if warmup_steps is not None:
         check_int(who, "warmup_steps", warmup_steps, 0)
     if not check_warmup_straggler(who, "warmup_straggler", warmup_straggler) and \

@@ -7,7 +7,7 @@ so the C Group Generator is loaded once per process; this module only re-exports
 long-standing name. Errors raise ValueError (bad arguments), TimeoutError, ConnectionError
 (coordinator unreachable or gone), MemoryError or RuntimeError.
 """
-from ._backend import load_extension
+from ._extension import load_extension
 
 _gg = load_extension().gg  # checks the torch version and names the cause of a failed load
 

@@ -31,7 +31,7 @@ def _leave_own_schedules() -> None:
         import torch
         from torch.distributed import distributed_c10d as c10d
 
-        from . import _C
+        from . import _C  # loaded by the groups this exit handler shuts down
 
         groups = list(getattr(c10d._world, "pg_map", {}))
     except Exception:  # noqa: BLE001 - torch's internals moved: destroy_process_group is the way
@@ -113,7 +113,7 @@ def find(store: Any, rank: int, size: int, opts: Options, host_of: list, timeout
                 f"Options(coordinator_token=...) or set RIPPLES_COORDINATOR_TOKEN (the "
                 f"standalone ripples-coordinator prints it, or writes it with --write-token)")
         return opts.coordinator, opts.coordinator_token
-    from . import coordinator
+    from . import coordinator  # loads the extension's coordinator: only for an embedded one
 
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(4), "little")
     knobs = dict(host_of=host_of, group_size=opts.group_size,

@@ -30,16 +30,16 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-import weakref
 from collections import OrderedDict
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
+from ._api import _ripples_backend, remember_wrapped, stats as group_stats
 from ._args import (BLOCKING_PERIOD_MAX, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER,
                     SLOW_LINK_WARMUP_STEPS, WRAP_GROUP_DEFAULTS, check_group_options, check_training_args,
                     check_bool, resolve_overlap)
@@ -52,10 +52,7 @@ from .options import Options
 from .sampler import DistributedSampler
 from .hooks import register as register_hook
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
-from .whatif import line as whatif_line, log_interval_s as whatif_log_interval_s
-
-if TYPE_CHECKING:
-    from .sampler import DistributedSampler
+from .whatif import combine, line as whatif_line, log_interval_s as whatif_log_interval_s
 
 logger = logging.getLogger(__name__)
 
@@ -97,11 +94,9 @@ class _ExactWatch:
         self.warned = False
 
     def _ops_now(self) -> Optional[int]:
-        from ._api import stats
-
         group = self._state.process_group or dist.group.WORLD
         try:
-            return int(stats(group)["ops_completed"])
+            return int(group_stats(group)["ops_completed"])
         except Exception:  # a group gone or not ripples: nothing to watch
             return None
 
@@ -278,8 +273,6 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         """Links a :class:`ripples_pg.DistributedSampler` to this optimizer (what
         ``wrap(sampler=...)`` does): its epochs are then handed out job-wide while workers
         average partially, and it reports samples to :attr:`job_samples`."""
-        from .sampler import DistributedSampler
-
         if not isinstance(sampler, DistributedSampler):
             raise TypeError(f"ripples_pg: sampler must be a ripples_pg.DistributedSampler, got "
                             f"{type(sampler).__module__}.{type(sampler).__qualname__} (torch's "
@@ -309,9 +302,7 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         (rounds, groups of one, bytes, paths...; see ``ripples_pg.stats``), and ``whatif``:
         what the stragglers would have cost this job under all-reduce and what Ripples saved
         of it so far, exact and partial phases together (:meth:`whatif`)."""
-        from ._api import stats
-
-        out = stats(self.group)
+        out = group_stats(self.group)
         out["whatif"] = self.whatif(out)
         return out
 
@@ -322,9 +313,6 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         measured: the exact phases from the warm-up checks, the partial ones as the
         coordinator measures them (``stats()["whatif_partial"]``, refreshed in the
         background; none under the static schedule)."""
-        from ._api import stats as group_stats
-        from .whatif import combine
-
         if stats is None:
             try:
                 stats = group_stats(self.group)
@@ -462,8 +450,6 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
 def _group_timeout(group) -> Optional[float]:
     """The per-operation timeout (seconds) of a ``ripples`` group, or None if unknown."""
     try:
-        from ._api import _ripples_backend
-
         t = float(_ripples_backend(group).timeout_s)
     except Exception:  # noqa: BLE001 - an older build without timeout_s: keep the default
         return None
@@ -486,19 +472,6 @@ def _check_int8_extras(mode, ddp_model, average_optimizer_state) -> None:
                          f"together with the parameters, with an absolute error that can turn "
                          f"a variance near zero negative; use compression='bf16' (or 'fp16'), "
                          f"whose error is relative to each value (docs/compression.md)")
-
-
-# The optimizer of the most recent wrap() in this process (a weak reference): stats() and
-# trace() with no group read its group rather than the world group, which wrap()'s rounds do
-# not run on.
-_last_wrapped = None
-
-
-def last_group():
-    """The ripples group the most recent ``wrap()`` runs its rounds on, while its optimizer
-    lives and is not unwrapped; else None."""
-    opt = _last_wrapped() if _last_wrapped is not None else None
-    return None if opt is None or opt.unwrapped else opt.group
 
 
 def _ddp_of(model):
@@ -673,8 +646,7 @@ def wrap(ddp_model: DistributedDataParallel,
     clock = _make_clock(ddp_group, group, levels, post_warmup)
     opt = RipplesOptimizer(optimizer, averager, hook_state=state, group=group,
                            job_clock=clock, sampler=sampler)
-    global _last_wrapped
-    _last_wrapped = weakref.ref(opt)  # stats() and trace() read its group by default
+    remember_wrapped(opt)  # stats() and trace() read its group by default
     return opt
 
 
@@ -812,8 +784,6 @@ def _make_clock(ddp_group, group, levels, post_warmup) -> JobClock:
     """The job clock of a wrap(): ``"shared"`` where workers run different numbers of steps (a
     dynamic schedule, only partial levels, local gradients), else ``"lockstep"``
     (ripples_pg.progress). Every rank decides the same from the same arguments."""
-    from ._api import _ripples_backend
-
     world = dist.get_world_size(ddp_group)
     schedule = str(_ripples_backend(group).schedule)
     free = schedule in DYNAMIC_SCHEDULES and post_warmup == "local" and \

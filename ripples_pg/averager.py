@@ -95,7 +95,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
 from ._api import partial_all_reduce
-from ._args import check_bool, check_int, check_state_keys, check_warmup_straggler
+from ._args import (LEVELS, check_bool, check_int, check_state_keys,  # noqa: F401 (re-exported)
+                    check_warmup_straggler, parse_levels)
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
 from ._schedstat import SchedClock
 from ._moments import GroupSecondMoment
@@ -160,54 +161,9 @@ def straggler_gain(times: Sequence[Sequence[float]]) -> Tuple[float, float, int]
     return allreduce / free, allreduce - free, slowest
 
 
-LEVELS = ("partial", "host", "world")
-
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); the
 # package supports torch releases that have only the old one.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def parse_levels(levels) -> "OrderedDict[int, str]":
-    """Validates ``levels`` ({period: level} or a string such as ``"1:partial,64:world"``) and
-    returns it ordered by period."""
-    if levels is None:
-        levels = {1: "partial"}
-    if isinstance(levels, str):
-        items = []
-        for part in levels.replace(";", ",").split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if ":" not in part:
-                raise ValueError(f"ripples_pg: bad level {part!r} in levels={levels!r}; "
-                                 f"expected PERIOD:LEVEL, e.g. '1:partial,64:world'")
-            p, kind = part.split(":", 1)
-            try:
-                items.append((int(p), kind.strip()))
-            except ValueError:
-                raise ValueError(f"ripples_pg: bad period {p!r} in levels={levels!r}") from None
-        levels = items
-    elif isinstance(levels, Mapping):
-        levels = list(levels.items())
-    else:
-        try:
-            levels = list(levels)
-        except TypeError:
-            raise TypeError(f"ripples_pg: levels must be a dict {{period: level}} or a string, "
-                            f"got {type(levels).__name__}") from None
-    if not levels:
-        raise ValueError("ripples_pg: levels must not be empty")
-    out: Dict[int, str] = {}
-    for period, kind in levels:
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"ripples_pg: level periods must be ints >= 1, got {period!r}")
-        if kind not in LEVELS:
-            raise ValueError(f"ripples_pg: unknown level {kind!r} for period {period}; "
-                             f"levels are {', '.join(LEVELS)}")
-        if period in out:
-            raise ValueError(f"ripples_pg: period {period} appears twice in levels")
-        out[period] = kind
-    return OrderedDict(sorted(out.items()))
 
 
 def _params_of(params) -> List[torch.Tensor]:

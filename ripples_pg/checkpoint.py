@@ -24,6 +24,9 @@ import io
 from typing import Any, Dict
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ._wrap import RipplesOptimizer
 
 __all__ = ["TrainingState"]
 
@@ -86,10 +89,6 @@ class TrainingState:
     """
 
     def __init__(self, model: Any, optimizer: Any, *, average: bool = True):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from ._wrap import RipplesOptimizer
-
         if not isinstance(optimizer, RipplesOptimizer):
             raise TypeError(f"ripples_pg.checkpoint.TrainingState: optimizer must be what "
                             f"ripples_pg.wrap() returned, got {type(optimizer).__name__}")

@@ -31,13 +31,15 @@ import copy
 import logging
 import warnings
 from collections import OrderedDict
-from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from ._args import check_int
-from .averager import RipplesAverager, _params_of, parse_levels
+from ._api import _ripples_backend
+from ._args import (ON_ALONE, OuterSpec, check_on_alone, check_outer_optimizer,  # noqa: F401
+                    resolve_sync_levels)  # (re-exported: the DiLoCo API names them here)
+from .averager import RipplesAverager, _params_of
 
 __all__ = ["DiLoCoAverager", "OUTER_NESTEROV", "ON_ALONE", "resolve_sync_levels",
            "make_outer_optimizer"]
@@ -46,77 +48,6 @@ logger = logging.getLogger(__name__)
 
 # The DiLoCo paper's outer optimizer (and torchft's examples): Nesterov SGD, lr 0.7, mu 0.9.
 OUTER_NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-
-# What an outer step does after a round that averaged with nobody (docs/diloco.md).
-ON_ALONE = ("defer", "local_step")
-
-OuterSpec = Union[None, str, Callable[[List[torch.Tensor]], torch.optim.Optimizer]]
-
-
-def check_outer_optimizer(outer_optimizer: OuterSpec, who: str) -> None:
-    """Raises a clear error for anything but None, ``"nesterov"`` or a callable."""
-    if outer_optimizer is None or callable(outer_optimizer) and \
-            not isinstance(outer_optimizer, torch.optim.Optimizer):
-        return
-    if isinstance(outer_optimizer, str):
-        if outer_optimizer == "nesterov":
-            return
-        raise ValueError(f"{who}: outer_optimizer must be None, 'nesterov' or a callable "
-                         f"params -> torch.optim.Optimizer, got the string {outer_optimizer!r}")
-    if isinstance(outer_optimizer, torch.optim.Optimizer):
-        raise TypeError(f"{who}: outer_optimizer must be a callable params -> "
-                        f"torch.optim.Optimizer (e.g. lambda ps: torch.optim.SGD(ps, lr=0.7, "
-                        f"momentum=0.9, nesterov=True)), not an optimizer instance: the outer "
-                        f"optimizer steps the float32 anchors, which wrap() creates")
-    raise TypeError(f"{who}: outer_optimizer must be None, 'nesterov' or a callable params -> "
-                    f"torch.optim.Optimizer, got {type(outer_optimizer).__name__}")
-
-
-def check_on_alone(on_alone, who: str,
-                   outer_optimizer: OuterSpec = "nesterov") -> None:
-    if on_alone not in ON_ALONE:
-        raise ValueError(f"{who}: on_alone must be one of {ON_ALONE} (what a round that "
-                         f"averaged with nobody does), got {on_alone!r}")
-    if on_alone != "defer" and outer_optimizer is None:
-        raise ValueError(f"{who}: on_alone={on_alone!r} needs an outer_optimizer (without one "
-                         f"there is no outer step to take or defer)")
-
-
-def resolve_sync_levels(outer_optimizer: OuterSpec, sync_every: Optional[int], levels,
-                        overlap: bool, who: str) -> Tuple["OrderedDict[int, str]", Optional[int]]:
-    """Validates ``outer_optimizer``, ``sync_every`` and ``levels`` together and returns the
-    levels and ``H`` (None: plain Ripples, ``levels`` as given).
-
-    Rules: ``sync_every=H`` alone means ``levels={H: "partial"}``; with ``levels`` as well,
-    the smallest period must be ``H`` and every period a multiple of it (each averaging step is
-    an outer step, and the outer steps come every ``H`` steps). ``outer_optimizer`` without
-    ``sync_every`` takes ``H`` from ``levels`` (same rule) and needs one of them.
-    """
-    check_outer_optimizer(outer_optimizer, who)
-    if sync_every is not None:
-        check_int(who, "sync_every", sync_every, 1)  # inner steps per outer step
-    if outer_optimizer is not None and overlap:
-        raise ValueError(f"{who}: overlap=True cannot be combined with an outer_optimizer (an "
-                         f"overlapped round is applied one step late, after the outer step "
-                         f"would have used it); use overlap=False")
-    if sync_every is None and outer_optimizer is None:
-        return parse_levels(levels), None
-    if sync_every is None and levels is None:
-        raise ValueError(f"{who}: outer_optimizer needs sync_every=H, the number of inner "
-                         f"steps per outer step (DiLoCo uses tens to hundreds)")
-    if levels is None:
-        return parse_levels({sync_every: "partial"}), sync_every
-    parsed = parse_levels(levels)
-    smallest = next(iter(parsed))
-    if sync_every is None:
-        sync_every = smallest
-    bad = [p for p in parsed if p % sync_every != 0]
-    if smallest != sync_every or bad:
-        raise ValueError(f"{who}: levels {dict(parsed)} do not fit sync_every={sync_every}: "
-                         f"the smallest period must be sync_every and every period a multiple "
-                         f"of it (e.g. {{{sync_every}: 'partial', {4 * sync_every}: 'world'}})")
-    return parsed, sync_every
-
 
 def make_outer_optimizer(spec: OuterSpec, params: List[torch.Tensor]) -> torch.optim.Optimizer:
     if spec == "nesterov":
@@ -294,8 +225,6 @@ class DiLoCoAverager(RipplesAverager):
     def _local_round(self, level: str):
         """A probe telling whether the round about to run averaged with anyone."""
         if level == "partial":
-            from ._api import _ripples_backend
-
             be = _ripples_backend(self.process_group)
             before = be.partial_stats()["reduced"]
             return lambda: be.partial_stats()["reduced"] == before

@@ -49,7 +49,6 @@ docs say which upstream hooks would make that unnecessary.
 """
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import warnings
@@ -58,6 +57,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 try:
     import transformers
@@ -69,6 +69,9 @@ if not hasattr(Trainer, "set_initial_training_values"):  # pragma: no cover - ol
     raise ImportError(f"ripples_pg.hf needs transformers >= 4.57 (found "
                       f"{transformers.__version__}; tested with 5.24)")
 
+from ._args import ARGS, check_group_options, check_training_args  # noqa: E402
+from ._wrap import wrap  # noqa: E402
+from .lr import follow_job  # noqa: E402
 from .whatif import metrics as whatif_metrics  # noqa: E402
 
 __all__ = ["RipplesTrainer", "RipplesTrainerMixin"]
@@ -250,8 +253,6 @@ class RipplesTrainerMixin:
     def _check_ripples_options(ripples: Optional[Dict[str, Any]]) -> Dict[str, Any]:
         """wrap()'s keywords, checked now by wrap()'s own checks (ripples_pg/_args.py), so that
         a typo or a bad value fails at construction rather than when training begins."""
-        from ._args import ARGS, check_group_options, check_training_args
-
         who = "RipplesTrainer"
         owns = {"group": "wrap() creates the partial group; set its schedule options instead",
                 "sampler": "the Trainer builds its own sampler"}
@@ -351,11 +352,6 @@ class RipplesTrainerMixin:
         return self._ripples_optimizer
 
     def _ripples_wrap(self):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        from ._wrap import wrap
-        from .lr import follow_job
-
         model = self.model_wrapped
         inner_model = getattr(model, "_orig_mod", model)
         if not isinstance(inner_model, DDP):

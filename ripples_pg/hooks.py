@@ -415,7 +415,7 @@ def register(ddp_model, state: RipplesHookState, native: bool = True) -> bool:
     if not native or reducer is None or not isinstance(pg, dist.ProcessGroup):
         ddp_model.register_comm_hook(state, ripples_hook)
         return False
-    from . import _C
+    from . import _C  # loaded since the DDP model's ripples group was created
 
     check = getattr(ddp_model, "_check_comm_hook", None)
     if check is not None:

@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler as TorchSampler
 
 
 def _import_lightning():
@@ -71,6 +72,8 @@ from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, STRATEGY_OWN
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import RipplesOptimizer, wrap  # noqa: E402
 from .averager import parse_levels  # noqa: E402
+from .lr import JobLRScheduler  # noqa: E402
+from .sampler import DEFAULT_CLAIM_SIZE, DistributedSampler  # noqa: E402
 from .whatif import metrics as whatif_metrics  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
@@ -473,8 +476,6 @@ class RipplesStrategy(DDPStrategy):
         """Per-step LR schedulers follow the job step (ripples_pg.follow_job): a fast rank
         must not decay its learning rate ahead of the job. Epoch schedulers need nothing: the
         epochs are the job's."""
-        from .lr import JobLRScheduler
-
         for config in getattr(trainer, "lr_scheduler_configs", None) or []:
             sched = config.scheduler
             if config.interval != "step" or isinstance(sched, JobLRScheduler) or \
@@ -664,10 +665,6 @@ class RipplesStrategy(DDPStrategy):
         replaced by a :class:`ripples_pg.DistributedSampler` of the same arguments, linked to
         the optimizer: its epochs are the job's. Under a schedule that pairs every rank's
         k-th step it hands out torch's shards, exactly as before."""
-        from torch.utils.data import DataLoader, DistributedSampler as TorchSampler
-
-        from .sampler import DEFAULT_CLAIM_SIZE, DistributedSampler
-
         if not isinstance(dataloader, DataLoader):
             return dataloader
         sampler = getattr(dataloader, "sampler", None)

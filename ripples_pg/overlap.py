@@ -44,6 +44,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ._api import partial_all_reduce
+
 __all__ = ["OverlappedRound", "joined"]
 
 
@@ -128,8 +130,6 @@ class OverlappedRound:
         for f, b in zip(layout.flats, self._base):
             b.copy_(f)
         self._sent = [view for _, view in self._heads]
-        from ._api import partial_all_reduce
-
         # On failure to submit nothing is in flight and the parameters are untouched.
         self._work = partial_all_reduce(self._bufs, group=group, op=dist.ReduceOp.AVG,
                                         async_op=True)

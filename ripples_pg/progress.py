@@ -45,6 +45,8 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ._groups import exact_if_ripples
+
 __all__ = ["JobClock", "SHARED", "LOCKSTEP", "STORE_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
@@ -68,8 +70,6 @@ def _namespace(group) -> str:
     """A key prefix every rank of ``group`` agrees on and no other clock used on this store
     (not an earlier incarnation's after an elastic restart, not another wrap()'s): a random
     64-bit nonce broadcast from the group's first rank (one tiny exact collective)."""
-    from ._groups import exact_if_ripples
-
     nonce = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with exact_if_ripples(group):
@@ -261,8 +261,6 @@ class JobClock:
         every worker's last partial step; since each worker's last request already returned,
         the largest read holds every step of the job. From here the workers step together
         (``tick(exact=True)``)."""
-        from ._groups import exact_if_ripples
-
         t = torch.tensor([self.job_step_float, float(self.job_samples or 0)],
                          dtype=torch.float64)
         with exact_if_ripples(group):

@@ -35,7 +35,7 @@ import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .whatif import ExactPart, combine
+from .whatif import ExactPart, combine, line as whatif_line
 
 LOG_GLOB = "ripples-rank*.jsonl"
 # At most this many points per worker in the step-time picture (spread evenly over its steps).
@@ -212,7 +212,6 @@ def table(run: Run, points: int = 10) -> str:
     if view is None:
         lines.append("Nothing measured yet: no step with a measured compute on every worker.")
         return "\n".join(lines) + "\n"
-    from .whatif import line as whatif_line
     lines += [whatif_line(view), "",
               f"all-reduce for this work: {view['allreduce_s']:.1f} s; nobody waiting: "
               f"{view['free_s']:.1f} s; the job: {view['elapsed_s']:.1f} s; steps every "

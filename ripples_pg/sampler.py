@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
+from ._groups import exact_if_ripples
+
 __all__ = ["DistributedSampler", "DEFAULT_CLAIM_SIZE"]
 
 logger = logging.getLogger(__name__)
@@ -392,8 +394,6 @@ class DistributedSampler(_TorchDistributedSampler):
         once no rows of it were left), so nothing is lost by moving it on, and its next
         iteration of that epoch continues the job's pass. Two exact all-reduces of a few
         numbers."""
-        from ._groups import exact_if_ripples
-
         live = self._live if self._live is not None and self._live["epoch"] == self.epoch \
             else None
         # (epoch, pass + 1) as one number: pass 0 = this worker never began this epoch

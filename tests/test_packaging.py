@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-import ripples_pg._backend as backend
+import ripples_pg._extension as extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNING = ".".join(torch.__version__.split("+")[0].split(".")[:2])
@@ -108,23 +108,23 @@ def test_matching_torch_imports():
 
 def test_load_error_messages_name_the_cause():
     exc = OSError("libzmq.so.5: cannot open shared object file: No such file or directory")
-    msg = backend._load_error_message(exc)
+    msg = extension._load_error_message(exc)
     assert "libzmq.so.5" in msg and "bundle libzmq" in msg, msg
 
     exc = ImportError("/x/_C.so: undefined symbol: _ZN3c106detail14torchCheckFailEPKc")
-    msg = backend._load_error_message(exc)
+    msg = extension._load_error_message(exc)
     assert "does not match the installed torch" in msg and torch.__version__ in msg, msg
     assert "--no-build-isolation" in msg, msg
 
     exc = ModuleNotFoundError("No module named 'ripples_pg._C'", name="ripples_pg._C")
-    msg = backend._load_error_message(exc)
+    msg = extension._load_error_message(exc)
     assert "not built" in msg and "build_ext --inplace" in msg, msg
 
 
 def test_major_minor():
-    assert backend._major_minor("2.13.0+cpu") == "2.13"
-    assert backend._major_minor("2.4.1") == "2.4"
-    assert backend._major_minor("2.14.0a0+git1234") == "2.14"
+    assert extension._major_minor("2.13.0+cpu") == "2.13"
+    assert extension._major_minor("2.4.1") == "2.4"
+    assert extension._major_minor("2.14.0a0+git1234") == "2.14"
 
 
 def test_build_records_the_torch_it_compiled_against():
