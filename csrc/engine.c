@@ -419,16 +419,9 @@ void rpl_comm_get_counters(const rpl_comm *c, rpl_comm_counters *out) {
   rpl_tr_get_counters(c->tr, &t);
   out->ops_completed = __atomic_load_n(&c->ops_completed, __ATOMIC_RELAXED);
   out->ops_failed = __atomic_load_n(&c->ops_failed, __ATOMIC_RELAXED);
-  out->bytes_sent = t.bytes_sent;
-  out->bytes_received = t.bytes_received;
-  out->connections = t.connections;
-  out->ucx_connections = t.ucx_connections;
-  out->single_copy_bytes = t.single_copy_bytes;
-  out->auth_failures = t.auth_failures;
-  out->handshakes_dropped = t.handshakes_dropped;
-  out->replacements_refused = t.replacements_refused;
-  out->stash_holds = t.stash_holds;
-  out->shm_rebuilt = t.shm_rebuilt;
+#define COPY_(name, doc) out->name = t.name;
+  RPL_TR_COUNTERS(COPY_)
+#undef COPY_
 }
 
 const char *rpl_comm_peer_path(const rpl_comm *c, int peer) {

@@ -224,21 +224,32 @@ rpl_status rpl_submit(rpl_comm *comm, const rpl_op_desc *desc, rpl_error *err);
 rpl_status rpl_submit_inline(rpl_comm *comm, const rpl_op_desc *desc, int *ran,
                              rpl_error *err);
 
-/* Counters for stats and tests. Read without stopping the progress thread. */
+/* Counters for stats and tests, one table: X(name, what it counts). From it come the structs
+ * (rpl_comm_counters here, rpl_tr_counters in transport.h), their copies, and the keys and
+ * docs of ripples_pg.stats() (csrc/torch/module.cpp; docs/stats.md is generated from them).
+ * All uint64_t, read without stopping the progress thread. The transport's come after the
+ * engine's own. */
+#define RPL_TR_COUNTERS(X)                                                                   \
+  X(bytes_sent, "bytes this rank sent, all operations")                                      \
+  X(bytes_received, "bytes this rank received, all operations")                              \
+  X(connections, "links opened to peers (TCP or UCX; shared-memory rings are not counted)")  \
+  X(ucx_connections, "of connections, UCX endpoints (transport 'ucx')")                      \
+  X(single_copy_bytes, "of bytes_received, read straight from local peers' memory")          \
+  X(auth_failures, "link handshakes that failed their proof (docs/security.md)")             \
+  X(handshakes_dropped, "connections dropped before authenticating: deadline, full")        \
+  X(replacements_refused, "authenticated newcomers refused: the link they would replace "    \
+                          "was healthy")                                                     \
+  X(stash_holds, "times a peer's link was held back for want of stash room")                 \
+  X(shm_rebuilt, "shared-memory ring pairs rebuilt after a failed exchange broke them")
+
+#define RPL_COMM_COUNTERS(X)                                                                 \
+  X(ops_completed, "operations that completed")                                              \
+  X(ops_failed, "operations that failed")                                                    \
+  RPL_TR_COUNTERS(X)
+
+#define RPL_COUNTER_FIELD_(name, doc) uint64_t name;
 typedef struct rpl_comm_counters {
-  uint64_t ops_completed;
-  uint64_t ops_failed;
-  uint64_t bytes_sent;
-  uint64_t bytes_received;
-  uint64_t connections;
-  uint64_t ucx_connections; /* of those, UCX endpoints (transport "ucx") */
-  uint64_t single_copy_bytes; /* of bytes_received, read straight from peers' memory */
-  /* Strangers and misbehaving peers (docs/security.md): */
-  uint64_t auth_failures;        /* link handshakes that failed their proof */
-  uint64_t handshakes_dropped;   /* connections dropped before authenticating */
-  uint64_t replacements_refused; /* authenticated newcomers refused: the link was healthy */
-  uint64_t stash_holds;          /* a peer's link held back for want of stash room */
-  uint64_t shm_rebuilt; /* shared-memory ring pairs rebuilt after a failed exchange broke them */
+  RPL_COMM_COUNTERS(RPL_COUNTER_FIELD_)
 } rpl_comm_counters;
 
 void rpl_comm_get_counters(const rpl_comm *comm, rpl_comm_counters *out);
@@ -317,37 +328,43 @@ rpl_status rpl_comm_enable_partial(rpl_comm *comm, const rpl_partial_config *cfg
 
 #define RPL_HIST_BUCKETS 17 /* group sizes 0..15, and 16 or more */
 
+/* The partial rounds' statistics, one table as the counters': X(type, name, what it means).
+ * group_sizes, the one array, follows them. */
+#define RPL_PARTIAL_STATS(X)                                                                 \
+  X(uint64_t, rounds, "partial calls that ran (reduced, no-op, skipped or failed)")          \
+  X(uint64_t, reduced, "rounds that moved data (a group of two or more)")                   \
+  X(uint64_t, singletons, "rounds in a group of one")                                        \
+  X(uint64_t, passed, "rounds the coordinator's adaptive period passed (no averaging "       \
+                      "meant; not counted as groups of one)")                                \
+  X(uint32_t, period, "the adaptive period in the coordinator's last answer (1: every "      \
+                      "round averages; 0: no answer yet, or the static schedule)")           \
+  X(uint64_t, skipped, "failed rounds absorbed by on_failure='skip'")                        \
+  X(uint64_t, failed, "failed rounds reported as errors")                                    \
+  X(uint64_t, exact_fallbacks, "partial calls reduced exactly (non-floating buffer or op)")  \
+  X(uint64_t, fences, "fences sent to the coordinator before exact collectives")             \
+  X(uint64_t, unfences, "unfences sent when they ended")                                     \
+  X(uint64_t, rounds_since_group, "rounds since the last one in a group of two or more "     \
+                                  "(groups of one, skipped and failed rounds)")              \
+  X(uint64_t, singleton_run_max, "the longest such run")                                     \
+  X(uint64_t, coordinator_failovers, "times this worker registered with another (or a "      \
+                                     "restarted) coordinator after losing its own")          \
+  X(uint64_t, bytes, "payload bytes of rounds that moved data")                              \
+  X(uint64_t, wire_bytes, "bytes this rank sent moving them (after the signature "           \
+                          "exchange; frame headers included; compressed where it applied)")  \
+  X(uint64_t, compressed, "rounds that moved data compressed")                               \
+  X(uint64_t, compress_fallbacks, "rounds eligible for compression that ran uncompressed: "  \
+                                  "a member held a non-finite value or one beyond the "      \
+                                  "mode's range")                                            \
+  X(double, group_s, "seconds obtaining groups (the coordinator round trip)")                \
+  X(double, wait_s, "seconds waiting for the group's members (signature exchange)")          \
+  X(double, reduce_s, "seconds moving, reducing and writing back data")                      \
+  X(double, confirm_s, "of reduce_s, the members' confirmations that they hold the whole "   \
+                       "result: the window in which a round is not atomic")
+
+#define RPL_PARTIAL_STAT_FIELD_(type, name, doc) type name;
 typedef struct rpl_partial_stats {
-  uint64_t rounds;          /* partial calls that ran (reduced, no-op, skipped or failed) */
-  uint64_t reduced;         /* rounds that moved data (a group of two or more) */
-  uint64_t singletons;      /* rounds in a group of one */
-  uint64_t passed;          /* rounds the coordinator's adaptive period passed (no averaging
-                               meant; not counted as groups of one) */
-  uint32_t period;          /* the adaptive period in the coordinator's last answer (1 = every
-                               round averages; 0 = no coordinator answer yet / static) */
-  uint64_t skipped;         /* failed rounds absorbed by on_failure = SKIP */
-  uint64_t failed;          /* failed rounds reported as errors */
-  uint64_t exact_fallbacks; /* partial calls reduced exactly (non-floating buffer or op) */
-  uint64_t fences;          /* fences sent to the coordinator before exact collectives */
-  uint64_t unfences;        /* unfences sent when they ended */
-  uint64_t rounds_since_group; /* rounds since the last one in a group of two or more
-                                  (groups of one, skipped and failed rounds) */
-  uint64_t singleton_run_max; /* the longest such run */
-  uint64_t coordinator_failovers;  /* times this worker registered with another (or a
-                                      restarted) coordinator after losing its own */
-  uint64_t group_sizes[RPL_HIST_BUCKETS];
-  uint64_t bytes;           /* payload bytes of rounds that moved data */
-  uint64_t wire_bytes;      /* bytes this rank sent moving them (after the signature exchange;
-                               frame headers included; compressed where compression applied) */
-  uint64_t compressed;      /* rounds that moved data compressed */
-  uint64_t compress_fallbacks; /* rounds eligible for compression that ran uncompressed because
-                               a member held a non-finite value or one beyond the mode's range */
-  double group_s;           /* time obtaining groups (the coordinator round trip) */
-  double wait_s;            /* time waiting for the group's members (signature exchange) */
-  double reduce_s;          /* time moving, reducing and writing back data */
-  double confirm_s;         /* of reduce_s: the members' confirmations that they hold the
-                               whole result, the window in which a round is not atomic
-                               (docs/fault-tolerance.md) */
+  RPL_PARTIAL_STATS(RPL_PARTIAL_STAT_FIELD_)
+  uint64_t group_sizes[RPL_HIST_BUCKETS]; /* rounds by group size; the last bucket: 16 or more */
 } rpl_partial_stats;
 
 void rpl_comm_partial_stats(const rpl_comm *comm, rpl_partial_stats *out);

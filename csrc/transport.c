@@ -64,17 +64,9 @@ rpl_status rpl_tr_read(rpl_tr *tr, int peer, uint64_t addr, void *dst, size_t le
 }
 
 void rpl_tr_get_counters(const rpl_tr *tr, rpl_tr_counters *out) {
-  out->single_copy_bytes = __atomic_load_n(&tr->counters.single_copy_bytes, __ATOMIC_RELAXED);
-  out->bytes_sent = __atomic_load_n(&tr->counters.bytes_sent, __ATOMIC_RELAXED);
-  out->bytes_received = __atomic_load_n(&tr->counters.bytes_received, __ATOMIC_RELAXED);
-  out->connections = __atomic_load_n(&tr->counters.connections, __ATOMIC_RELAXED);
-  out->ucx_connections = __atomic_load_n(&tr->counters.ucx_connections, __ATOMIC_RELAXED);
-  out->auth_failures = __atomic_load_n(&tr->counters.auth_failures, __ATOMIC_RELAXED);
-  out->handshakes_dropped = __atomic_load_n(&tr->counters.handshakes_dropped, __ATOMIC_RELAXED);
-  out->replacements_refused =
-      __atomic_load_n(&tr->counters.replacements_refused, __ATOMIC_RELAXED);
-  out->stash_holds = __atomic_load_n(&tr->counters.stash_holds, __ATOMIC_RELAXED);
-  out->shm_rebuilt = __atomic_load_n(&tr->counters.shm_rebuilt, __ATOMIC_RELAXED);
+#define LOAD_(name, doc) out->name = __atomic_load_n(&tr->counters.name, __ATOMIC_RELAXED);
+  RPL_TR_COUNTERS(LOAD_)
+#undef LOAD_
 }
 
 const char *rpl_tr_peer_path(const rpl_tr *tr, int peer) {

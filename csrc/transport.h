@@ -75,18 +75,10 @@ typedef struct rpl_xfer {
 
 typedef struct rpl_tr rpl_tr;
 
-/* Counters the transport updates (relaxed atomics; read from any thread). */
+/* Counters the transport updates (relaxed atomics; read from any thread): the table
+ * RPL_TR_COUNTERS in ripples.h. */
 typedef struct rpl_tr_counters {
-  uint64_t bytes_sent;
-  uint64_t bytes_received;
-  uint64_t connections;
-  uint64_t ucx_connections; /* of those, UCX endpoints */
-  uint64_t single_copy_bytes; /* of bytes_received, read from peers' memory (rpl_tr_read) */
-  uint64_t auth_failures;        /* handshakes that failed their proof (either side) */
-  uint64_t handshakes_dropped;   /* connections dropped before authenticating: deadline, full */
-  uint64_t replacements_refused; /* authenticated newcomers refused: the link was healthy */
-  uint64_t stash_holds;          /* times a peer's link was held for want of stash room */
-  uint64_t shm_rebuilt;          /* ring pairs rebuilt after a failed exchange broke them */
+  RPL_TR_COUNTERS(RPL_COUNTER_FIELD_)
 } rpl_tr_counters;
 
 /* Binds a listening socket on bind_addr (an IPv4 address) with an ephemeral port. With

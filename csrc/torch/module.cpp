@@ -27,8 +27,7 @@ void bindConfig(py::module_& m);
 }  // namespace ripples
 
 namespace {
-// The stats accessors return flat dicts; one name/value list per accessor keeps each key next
-// to its field, and Python sees the keys in the order listed.
+// A flat dict from a name/value list (a trace entry), Python seeing the keys in that order.
 py::dict dictOf(std::initializer_list<std::pair<const char*, py::object>> items) {
   py::dict d;
   for (const auto& kv : items) {
@@ -49,65 +48,62 @@ py::list listOf(const T* values, int n) {
 
 using PG = ripples::ProcessGroupRipples;
 
-// Every key is the core's field name (ripples.h, rpl_comm_counters), plus what the shim
-// knows: each peer's path and its staging counters.
+// Every key is the core's field name (ripples.h, RPL_COMM_COUNTERS), plus what the shim
+// knows: each peer's path and its staging counters (SHIM_COUNTERS).
+#define SHIM_COUNTERS(X)                                                                     \
+  X(paths, "per group rank, what carries this rank's traffic with it now: 'self', 'shm', "   \
+           "'shm+single-copy', 'shm-resuming', 'closed', 'dead', 'tcp' or 'ucx'")            \
+  X(ops_staged, "calls on CUDA tensors, staged through pinned host memory")                  \
+  X(ops_staged_pipelined, "of ops_staged, those staged in chunks (stage_chunk_bytes)")       \
+  X(stage_chunks, "the chunks of ops_staged_pipelined, one core operation each")
+
 py::dict countersDict(const PG& pg) {
   rpl_comm_counters c;
   {
     py::gil_scoped_release nogil;  // never holds other Python threads up
     c = pg.counters();
   }
-  return dictOf({
-      {"ops_completed", py::cast(c.ops_completed)},
-      {"ops_failed", py::cast(c.ops_failed)},
-      {"bytes_sent", py::cast(c.bytes_sent)},
-      {"bytes_received", py::cast(c.bytes_received)},
-      {"connections", py::cast(c.connections)},
-      {"ucx_connections", py::cast(c.ucx_connections)},
-      {"single_copy_bytes", py::cast(c.single_copy_bytes)},
-      {"auth_failures", py::cast(c.auth_failures)},
-      {"handshakes_dropped", py::cast(c.handshakes_dropped)},
-      {"replacements_refused", py::cast(c.replacements_refused)},
-      {"stash_holds", py::cast(c.stash_holds)},
-      {"shm_rebuilt", py::cast(c.shm_rebuilt)},
-      {"paths", py::cast(pg.peerPaths())},
-      {"ops_staged", py::cast(pg.stagedCalls())},
-      {"ops_staged_pipelined", py::cast(pg.pipelinedCalls())},
-      {"stage_chunks", py::cast(pg.stageChunks())},
-  });
+  py::dict d;
+#define PUT_(name, doc) d[#name] = py::cast(c.name);
+  RPL_COMM_COUNTERS(PUT_)
+#undef PUT_
+  d["paths"] = py::cast(pg.peerPaths());
+  d["ops_staged"] = py::cast(pg.stagedCalls());
+  d["ops_staged_pipelined"] = py::cast(pg.pipelinedCalls());
+  d["stage_chunks"] = py::cast(pg.stageChunks());
+  return d;
 }
 
-// Every key is the core's field name (ripples.h, rpl_partial_stats).
+// Every key is the core's field name (ripples.h, RPL_PARTIAL_STATS and group_sizes).
 py::dict partialStatsDict(const PG& pg) {
   rpl_partial_stats s;
   {
     py::gil_scoped_release nogil;  // never holds other Python threads up
     s = pg.partialStats();
   }
-  return dictOf({
-      {"rounds", py::cast(s.rounds)},
-      {"reduced", py::cast(s.reduced)},
-      {"singletons", py::cast(s.singletons)},
-      {"passed", py::cast(s.passed)},
-      {"period", py::cast(s.period)},
-      {"skipped", py::cast(s.skipped)},
-      {"failed", py::cast(s.failed)},
-      {"exact_fallbacks", py::cast(s.exact_fallbacks)},
-      {"fences", py::cast(s.fences)},
-      {"unfences", py::cast(s.unfences)},
-      {"rounds_since_group", py::cast(s.rounds_since_group)},
-      {"singleton_run_max", py::cast(s.singleton_run_max)},
-      {"coordinator_failovers", py::cast(s.coordinator_failovers)},
-      {"group_sizes", listOf(s.group_sizes, RPL_HIST_BUCKETS)},
-      {"bytes", py::cast(s.bytes)},
-      {"wire_bytes", py::cast(s.wire_bytes)},
-      {"compressed", py::cast(s.compressed)},
-      {"compress_fallbacks", py::cast(s.compress_fallbacks)},
-      {"group_s", py::cast(s.group_s)},
-      {"wait_s", py::cast(s.wait_s)},
-      {"reduce_s", py::cast(s.reduce_s)},
-      {"confirm_s", py::cast(s.confirm_s)},
-  });
+  py::dict d;
+#define PUT_(type, name, doc) d[#name] = py::cast(s.name);
+  RPL_PARTIAL_STATS(PUT_)
+#undef PUT_
+  d["group_sizes"] = listOf(s.group_sizes, RPL_HIST_BUCKETS);
+  return d;
+}
+
+// (key, what it means) of every key of counters() and partial_stats(), in their order: what
+// docs/stats.md is generated from (scripts/stats_doc.py).
+py::list statsFields() {
+  py::list out;
+#define ROW_(name, doc) out.append(py::make_tuple("counters", #name, doc));
+  RPL_COMM_COUNTERS(ROW_)
+  SHIM_COUNTERS(ROW_)
+#undef ROW_
+#define ROW_(type, name, doc) out.append(py::make_tuple("partial_stats", #name, doc));
+  RPL_PARTIAL_STATS(ROW_)
+#undef ROW_
+  out.append(py::make_tuple("partial_stats", "group_sizes",
+                            "rounds by group size (index: the size; the last bucket: 16 or "
+                            "more)"));
+  return out;
 }
 
 std::string coordinatorStatus(const PG& pg, int timeout_ms) {
@@ -184,6 +180,7 @@ void bindBackend(py::module_& m) {
            "Per-round trace entries from index `start` (needs Options(trace=True)).");
 }
 
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -195,6 +192,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   ripples::bindConfig(m);
   bindBackend(m);
 
+  m.def("stats_fields", &statsFields,
+        "(accessor, key, meaning) of every key of counters() and partial_stats(), from the "
+        "core's tables (ripples.h)");
   m.def("has_ucx", []() { return rpl_has_ucx() != 0; },
         "Whether this build has the UCX transport (Options(transport='ucx')).");
   m.def(
