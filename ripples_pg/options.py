@@ -5,9 +5,10 @@ Pass an instance as ``pg_options=`` to ``torch.distributed.init_process_group`` 
 (upper case); precedence is environment < Options < call arguments. A field left at ``None``
 is "not set here" and falls back to the environment, then to its default.
 
-Adding a field: append a ``_Field`` to ``_FIELDS`` (name, parser, default, help) and document
-it in ``Options``' docstring; the keyword-only constructor and its signature, validation, the
-environment variable, ``resolve()`` and ``repr`` follow from the table.
+Adding a field: append a ``_Field`` to ``_FIELDS`` (name, parser, default, and what the docs say
+of it) and run ``python scripts/options_doc.py``; the keyword-only constructor and its
+signature, validation, the environment variable, ``resolve()``, ``repr``, the class's docstring
+and docs/options.md's tables follow from the table.
 """
 from __future__ import annotations
 
@@ -220,12 +221,26 @@ def _parse_seed(name: str, value: Any, from_env: bool) -> int:
     return _int_at_least(0, "the Group Generator's random seed", _SEED_MAX)(name, value, from_env)
 
 
+# docs/options.md's sections, in order
+_TRANSPORT = "Transport and data path"
+_ROUNDS = "Partial rounds and schedules"
+_COORDINATOR = "Coordinator and security"
+SECTIONS = (_TRANSPORT, _ROUNDS, _COORDINATOR)
+
+
 @dataclass(frozen=True)
 class _Field:
+    """One field of ``Options``: everything said about it is here. The keyword-only
+    constructor, validation, the environment variable, ``resolve()``, ``repr``, the class's
+    docstring and docs/options.md's tables (``scripts/options_doc.py``) come from it."""
+
     name: str
     parse: Callable[[str, Any, bool], Any]
     default: Any  # the value when neither Options, the environment nor a call sets it
-    help: str
+    section: str  # the heading of docs/options.md it is listed under
+    shown: str  # its default as the docs say it (Markdown)
+    accepts: str  # what it accepts (Markdown)
+    doc: str  # what it does (Markdown)
 
     @property
     def env(self) -> str:
@@ -236,87 +251,216 @@ _FIELDS: dict[str, _Field] = {
     f.name: f
     for f in (
         _Field("timeout", _parse_timeout, None,
-               "Per-operation timeout in seconds; None = the process group's timeout."),
+               _TRANSPORT,
+               shown="`None`: the process group's timeout (`init_process_group(timeout=...)`)",
+               accepts="seconds > 0: int, float, numeric string or `datetime.timedelta` (not a "
+                        "bool, not inf/NaN)",
+               doc="Per-operation timeout. Subgroups from `dist.new_group` get torch's 30-minute "
+                   "default whatever `init_process_group` was given, so set it on partial groups "
+                   "(`wrap()` passes the DDP group's timeout)."),
         _Field("bind_addr", _parse_bind_addr, None,
-               "IPv4 address peers use to reach this rank; None/'auto' = 127.0.0.1 when "
-               "MASTER_ADDR is local, else the address of the interface routing to it."),
+               _TRANSPORT,
+               shown='`None` = `"auto"`',
+               accepts='an IPv4 address (not `0.0.0.0`, not multicast), or `"auto"`',
+               doc="The address this rank advertises to its peers. `auto`: `127.0.0.1` when "
+                   "`MASTER_ADDR` (else the store's host) is unset or local, otherwise the "
+                   "address of the interface that routes to `MASTER_ADDR` "
+                   "(`ripples_pg.pick_bind_addr`); if no IPv4 route is found, the address of the "
+                   "host name, with a `RuntimeWarning`."),
         _Field("small_bytes", _parse_bytes, 0,
-               "Messages at or below this size use latency-optimised algorithms; 0 = core "
-               "default."),
+               _TRANSPORT,
+               shown="`0` = core default, 64 KiB",
+               accepts="a byte count >= 0: int, or a string such as `65536`, `64K`, `4M`, `1G`",
+               doc="Collectives of at most this size use the latency-optimised algorithms (and "
+                   "the inline path below)."),
         _Field("chunk_bytes", _parse_bytes, 0,
-               "Pipeline chunk for large transfers; 0 = core default."),
+               _TRANSPORT,
+               shown="`0` = core default, 512 KiB",
+               accepts="as `small_bytes`",
+               doc="Pipeline chunk for large transfers (large broadcasts)."),
         _Field("transport", _choice("auto", "tcp", "ucx", "ucx_only"), "auto",
-               "'auto': shared memory between ranks of one host, TCP across hosts; 'tcp': "
-               "TCP everywhere; 'ucx': shared memory within a host, UCX across hosts; "
-               "'ucx_only': UCX everywhere (UCX_* variables choose UCX's transports; needs a "
-               "build with UCX)."),
+               _TRANSPORT,
+               shown='`"auto"`',
+               accepts="`auto`, `tcp`, `ucx`, `ucx_only`",
+               doc="`auto`: shared-memory rings between ranks of one host, TCP across hosts. "
+                   "`tcp`: TCP everywhere. `ucx`: rings within a host, UCX across hosts (same "
+                   "framing and errors as TCP). `ucx_only`: UCX for every link. `UCX_TLS` and the"
+                   " other `UCX_*` variables choose UCX's own transports. UCX needs a build with "
+                   "it (`ripples_pg.has_ucx()`); a build without refuses the option with a "
+                   "message saying so. Every rank must pass the same value: a mismatch fails "
+                   "group creation on every rank, naming the option."),
         _Field("single_copy", _parse_bool, False,
-               "Large all-reduces between ranks of one host read the peers' buffers "
-               "directly (cross-memory attach) where the OS allows it, instead of the "
-               "shared-memory rings (slower where measured: see docs/limitations.md)."),
+               _TRANSPORT,
+               shown="`False`",
+               accepts="a bool",
+               doc="All-reduces of 256 KiB and more among ranks of one host read the peers' "
+                   "buffers directly (`process_vm_readv`) instead of passing through the rings, "
+                   "where the OS allows it (same user, ptrace policy, seccomp, pid namespace; "
+                   "probed at group creation and agreed per call, so if any member may not, all "
+                   "take the rings). Off by default because it measured slower than the rings "
+                   "([benchmarks.md](benchmarks.md))."),
         _Field("inline_small", _parse_bool, True,
-               "Collectives of at most small_bytes run on the calling thread when the group "
-               "is idle (the latency path); the call then returns once they completed. False "
-               "= always through the progress thread, so async_op=True overlaps them."),
+               _TRANSPORT,
+               shown="`True`",
+               accepts="a bool; in the environment `1/0`, `true/false`, `yes/no`, `on/off`",
+               doc="Collectives of at most `small_bytes` (not send/recv, not partial rounds) run "
+                   "on the calling thread when nothing else of the group is queued or running, "
+                   "sparing two thread hand-offs. The call then returns only once the collective "
+                   "has completed, even with `async_op=True`: set `False` where small "
+                   "asynchronous collectives must overlap other work."),
         _Field("host_id", _parse_host_id, None,
-               "Label of this rank's host (RIPPLES_HOST_ID); None = the machine's hostname. "
-               "Tests set it to simulate several hosts on one machine."),
+               _TRANSPORT,
+               shown="`None`: the machine's hostname",
+               accepts="a non-empty label (str or int, at most 200 characters)",
+               doc="Ranks with equal labels form one host, for the schedules and for shared "
+                   "memory. Tests set `RIPPLES_HOST_ID` to simulate several hosts on one machine."),
         _Field("partial", _parse_bool, False,
-               "Every floating SUM/AVG all_reduce on the group is a partial round, without "
-               "ripples_pg.partial()."),
+               _ROUNDS,
+               shown="`False`",
+               accepts="a bool",
+               doc="Every floating `SUM`/`AVG` all-reduce on the group is a partial round, "
+                   "without `ripples_pg.partial()`."),
         _Field("schedule", _choice("static", "random", "smart", "adpsgd"), "static",
-               "Where partial groups come from: 'static' (local, no coordinator), 'random', "
-               "'smart', 'adpsgd' (the coordinator)."),
+               _ROUNDS,
+               shown='`"static"`',
+               accepts="`static`, `random`, `smart`, `adpsgd`",
+               doc="Where partial groups come from: `static` is computed in each worker, no "
+                   "coordinator; the others use a coordinator "
+                   "([design.md](design.md#4-scheduling)). `wrap()` uses `smart`."),
         _Field("group_size", _int_at_least(1, "workers per partial group", _GG_MAX_WORKERS), 3,
-               "Group size of the random and smart schedules."),
+               _ROUNDS,
+               shown="`3`",
+               accepts="an integer, 1 to 65536",
+               doc="Workers per group for `random` and `smart` (`adpsgd` always uses pairs)."),
         _Field("c_thres", _int_at_least(-1, "-1 turns the filter off"), None,
-               "Slowdown filter of the smart schedule; None = the coordinator's default."),
+               _ROUNDS,
+               shown="`None`: coordinator default, 4",
+               accepts="an integer, -1 to 2^31-1; `-1` turns the filter off",
+               doc="The smart schedule's slowdown filter threshold, in requests."),
         _Field("inter_intra", _parse_bool, False,
-               "smart: alternate Inter (across hosts) and Intra (within a host) groups."),
+               _ROUNDS,
+               shown="`False`",
+               accepts="a bool",
+               doc="`smart` only: each division makes an Inter group (across hosts) and an Intra "
+                   "group (within a host) per worker (paper \u00a75.2)."),
         _Field("partner_wait_ms", _int_at_least(-1, "-1 never waits"), None,
-               "Longest wait of a request for partners before a smaller group; None = "
-               "adaptive (1.5x the median worker's step, 2-500 ms), -1 = never wait."),
+               _ROUNDS,
+               shown="`None`: adaptive",
+               accepts="an integer, -1 to 2^31-1; `-1` never waits",
+               doc="Dynamic schedules: how long a request for which fewer than `group_size` "
+                   "members are free, while others soon will be, waits for them before it takes a"
+                   " smaller group. Adaptive: see the note below."),
         _Field("max_isolated", _int_at_least(-1, "-1 = no bound"), None,
-               "Groups of one in a row a worker may get while others live; None = the "
-               "coordinator's default (2), -1 = no bound."),
-        _Field("period_max", _int_at_least(-1, "1 or less = average at every step", _GG_MAX_PERIOD), None,
-               "Dynamic schedules: while the job keeps its pace, average only every "
-               "period_max-th step (the coordinator passes the others; a straggler "
-               "averages at least every other step); None/0 = the "
-               "coordinator's default (1: every step, as in the paper; wrap() uses 1, "
-               "2 with overlap=False), "
-               "1 or -1 = every step."),
+               _ROUNDS,
+               shown="`None`: coordinator default, 2",
+               accepts="an integer, -1 to 2^31-1; `-1` = no bound",
+               doc="Dynamic schedules: after this many groups of one in a row a worker waits "
+                   "(bounded) until it is placed in a group of two or more."),
+        _Field("period_max",
+               _int_at_least(-1, "1 or less = average at every step", _GG_MAX_PERIOD), None,
+               _ROUNDS,
+               shown="`None`: coordinator default, 1 (every round)",
+               accepts="an integer, -1 to 2^20; `None`, `0`, `1`, `-1` all mean every round",
+               doc="Dynamic schedules: the coordinator's adaptive period. While the job keeps its"
+                   " pace, a worker averages only every `period_max`-th round; the coordinator "
+                   'passes the others (`stats()["passed"]`). A straggler (its step over 2x the '
+                   "median) averages at every round with whoever is due (at least every other "
+                   "round) while the others keep the period; a worker that slows down just now "
+                   "makes every round average until it is known slow. `wrap()` uses 1 (2 with "
+                   "`overlap=False`). Not for `static`."),
         _Field("coordinator", _parse_coordinator, "embedded",
-               "'embedded' or the endpoint(s) of standalone ripples-coordinators "
-               "('tcp://A:P,tcp://B:P': primary, then standbys)."),
+               _COORDINATOR,
+               shown='`"embedded"`',
+               accepts="`embedded`, or `tcp://HOST:PORT`, optionally followed by "
+                        "`,tcp://HOST:PORT` of standbys",
+               doc="`embedded`: the group's rank 0 runs the Group Generator, ranks 1 and 2 run "
+                   "standbys. An endpoint: a standalone `ripples-coordinator`; a comma list gives"
+                   " the failover order (the first is the primary, the rest standbys started with"
+                   " `ripples-coordinator --standby`); a lone endpoint is retried (a restart in "
+                   "place). Ignored by the static schedule."),
         _Field("coordinator_token", _parse_token, None,
-               "Job token of a standalone coordinator (written by ripples-coordinator "
-               "--write-token). Redacted in repr."),
+               _COORDINATOR,
+               shown="`None`",
+               accepts="32 hexadecimal digits (stored lower case)",
+               doc="The job token of a standalone coordinator, written by `ripples-coordinator "
+                   "--write-token FILE` (or printed with `--print-token`). Required with a "
+                   "standalone coordinator; prefer `RIPPLES_COORDINATOR_TOKEN` or a file to code."
+                   " Redacted in `repr`."),
         _Field("coordinator_bind", _parse_coordinator_bind, None,
-               "Address the embedded coordinator and its standbys bind; None = this rank's "
-               "bind_addr (127.0.0.1 for a one-host job); '0.0.0.0' = every interface."),
+               _COORDINATOR,
+               shown="`None`: this rank's `bind_addr` (`127.0.0.1` for a one-host job)",
+               accepts="an IPv4 address of this host (not multicast), or `0.0.0.0` / `*` for "
+                        "every interface",
+               doc="The address the embedded coordinator and its standbys bind. Every interface "
+                   "is an explicit choice; the coordinator is still advertised to peers at "
+                   "`bind_addr`."),
         _Field("job_secret", _parse_job_secret, None,
-               "Per-job secret (>= 16 characters, same on every rank); the embedded "
-               "coordinator's token is derived from it instead of published in the c10d "
-               "store. Redacted in repr."),
+               _COORDINATOR,
+               shown="`None`",
+               accepts="a string of at least 16 characters, the same on every rank",
+               doc="Keys the authentication of the data links (TCP and UCX), which otherwise "
+                   "rests on a salt read from the store; every rank derives the embedded "
+                   "coordinator's token from it (HMAC-SHA256 over the group's name, world size, "
+                   "`TORCHELASTIC_RUN_ID`, the group's incarnation and that incarnation's "
+                   "identity, a digest of a nonce of every rank), so the token is not published "
+                   "in the c10d store. Keep it out of code and argv: `RIPPLES_JOB_SECRET`. It "
+                   "also seals what the job publishes in the store (addresses, shared-memory "
+                   "names, the link salt, coordinator endpoints, host labels): a changed or moved"
+                   " record fails set-up naming it. Redacted in `repr`. See "
+                   "[security.md](security.md)."),
         _Field("authenticated_frames", _parse_bool, False,
-               "Authenticate every data frame on TCP links (a MAC per frame; not with "
-               "transport='ucx'). Costs bandwidth on those links: docs/security.md."),
+               _COORDINATOR,
+               shown="`False`",
+               accepts="a bool",
+               doc="A 16-byte HMAC-SHA256 on every data frame of the TCP links, keyed per "
+                   "connection, checked before the operation completes: a frame changed, replayed"
+                   " or injected on the network path fails the operation naming the peer. Costs "
+                   "bandwidth on TCP links (measured in "
+                   "[security.md](security.md#authenticated-frames)); shared-memory rings need "
+                   'none. Not with `transport="ucx"`. The same on every rank: ranks that disagree'
+                   " fail their first TCP exchange with a MAC or header error (not checked at "
+                   "set-up yet). `RIPPLES_AUTHENTICATED_FRAMES`."),
         _Field("on_failure", _choice("raise", "skip"), "raise",
-               "A partial round that fails (timeout, dead member): raise, or leave the "
-               "tensors unchanged and count a skipped round."),
+               _ROUNDS,
+               shown='`"raise"`',
+               accepts="`raise`, `skip`",
+               doc="A partial round that fails (timeout, dead member): raise, or leave the "
+                   'tensors unchanged and count a skipped round (`stats()["skipped"]`). `wrap()` '
+                   "uses `skip`. Exact collectives raise either way."),
         _Field("seed", _parse_seed, None,
-               "Seed of the coordinator's random choices; None = random."),
+               _ROUNDS,
+               shown="`None`: random",
+               accepts="an integer, 0 to 2^63-1",
+               doc="Seed of the coordinator's random choices (a standby run by rank r uses seed +"
+                   " r)."),
         _Field("trace", _parse_bool, False,
-               "Keep a per-round trace (ripples_pg.trace)."),
+               _ROUNDS,
+               shown="`False`",
+               accepts="a bool",
+               doc="Keep a per-round trace, read with `ripples_pg.trace()`."),
         _Field("compression", _choice("none", "bf16", "fp16", "int8"), "none",
-               "Partial rounds over float32 buffers whose group spans several hosts send "
-               "their data quantised, with error feedback (docs/compression.md): 'bf16', "
-               "'fp16', 'int8' (blockwise absmax), or 'none'. Same on every rank."),
+               _ROUNDS,
+               shown='`"none"`',
+               accepts="`none`, `bf16`, `fp16`, `int8`",
+               doc="Partial rounds whose buffers are all float32 and whose group spans more than "
+                   "one host (by `host_id`) send their data quantised, with error feedback; the "
+                   "reduction stays float32. About 2x (`bf16`, `fp16`) or 3.9x (`int8`) fewer "
+                   "bytes per round, at some CPU cost: worth it on slow links, not within a host "
+                   "(never applied there). Memory: twice the buffers' size for the residual. "
+                   "Every rank must set the same value (a round with mixed settings raises on "
+                   "every member, naming them). `wrap(compression=...)` forwards it, and refuses "
+                   "`int8` for a model with floating-point buffers or with "
+                   "`average_optimizer_state` (use `bf16`). [compression.md](compression.md)."),
         _Field("stage_chunk_bytes", _parse_stage_chunk, STAGE_CHUNK_DEFAULT,
-               "Exact all-reduces and broadcasts of CUDA tensors larger than this are "
-               "staged through host memory in chunks of this size, the copies overlapping "
-               "the transfer; 0 = whole tensors. Same on every rank."),
+               _TRANSPORT,
+               shown="`0`",
+               accepts="`0`, or a byte count from 8 to 1 GiB (`'4M'`, `65536`)",
+               doc="CUDA tensors only: an exact all-reduce or broadcast of more than this many "
+                   "bytes is staged through host memory in chunks of this size, one core "
+                   "operation each, so that the copies to and from the device overlap the "
+                   "transfer (docs/cuda.md). `0` (the default, until it is measured on a GPU) = "
+                   "whole tensors, the unpipelined path; `4M` is the setting to try. Partial "
+                   "rounds and other collectives are not cut. Every rank must set the same value."),
     )
 }
 
@@ -345,120 +489,7 @@ _CONFIG_FROM_OPTIONS: dict[str, Callable[["Options"], Any]] = {
 
 
 class Options:
-    """Options of a ``ripples`` process group (``pg_options=`` of ``init_process_group`` /
-    ``new_group``).
-
-    Args:
-        timeout: per-operation timeout in seconds (float or ``timedelta``). ``None``: the
-            process group's timeout (``init_process_group(timeout=...)``).
-        bind_addr: IPv4 address peers use to reach this rank. ``None`` or ``"auto"``:
-            ``127.0.0.1`` when ``MASTER_ADDR`` is unset or local, otherwise the address of the
-            interface that routes to ``MASTER_ADDR``.
-        small_bytes: messages at or below this many bytes use latency-optimised algorithms
-            (``0``: the core's default).
-        chunk_bytes: pipeline chunk size for large transfers (``0``: the core's default).
-        transport: ``"auto"`` (shared memory between ranks of one host, TCP across hosts),
-            ``"tcp"`` (TCP everywhere), ``"ucx"`` (our shared memory within a host, UCX
-            across hosts, same framing and errors as TCP) or ``"ucx_only"`` (UCX for every
-            link, so UCX's own shared-memory transports carry a host's links). ``UCX_TLS``
-            and the other ``UCX_*`` variables choose UCX's transports; UCX needs a build with
-            it: ``ripples_pg.has_ucx()``. Every rank must pass the same value.
-        single_copy: all-reduces of 256 KiB and more between ranks of one host read the
-            peers' buffers directly (``process_vm_readv``) instead of passing through the
-            shared-memory rings, where the OS allows it (same user, ptrace policy, seccomp;
-            probed when the group is created, and agreed per call: if any member may not,
-            all use the rings). ``False`` by default: on the machines measured the kernel's
-            page-by-page copy was about half as fast as the rings (docs/limitations.md).
-        inline_small: collectives of at most ``small_bytes`` (64 KiB by default; not
-            send/recv, not partial rounds) run on the calling thread when nothing else of
-            the group is queued or running, sparing two thread hand-offs (about a third of
-            an 8-byte all-reduce's latency here). The call then returns once the collective
-            completed, even with ``async_op=True``: set ``False`` where small asynchronous
-            collectives must overlap other work. ``True`` by default.
-        host_id: label of this rank's host (``RIPPLES_HOST_ID``); ranks with equal labels
-            form one host for the schedules and share memory. ``None``: the hostname.
-        partial: make every floating ``SUM``/``AVG`` all-reduce on the group a partial round
-            (otherwise only calls inside ``ripples_pg.partial()`` are).
-        schedule: where partial groups come from: ``"static"`` (computed locally, no
-            coordinator; the default), ``"random"``, ``"smart"`` or ``"adpsgd"`` (a
-            coordinator).
-        group_size: workers per group for ``random`` and ``smart`` (default 3).
-        c_thres: the smart schedule's slowdown filter (``None``: the coordinator's default,
-            ``-1``: off).
-        inter_intra: smart only: Inter and Intra groups per division (paper §5.2).
-        partner_wait_ms: dynamic schedules: how long a request for which fewer than
-            ``group_size`` members are free, while others soon will be, waits for them before
-            it takes a smaller group (``None``: adaptive, 1.5x the median worker's
-            step, 2-500 ms; ``-1``: never wait).
-        max_isolated: dynamic schedules: after this many groups of one in a row a worker
-            waits (bounded) until it is placed in a group of two or more (``None``: 2,
-            ``-1``: no bound).
-        period_max: dynamic schedules, the coordinator's adaptive period: while the job
-            keeps its pace, a worker averages only every ``period_max``-th partial round
-            (the coordinator passes the others: ``stats()["passed"]``); a straggler (its
-            step over 2x the median) averages at least every other round, and one that slows
-            down just now makes every round average until it is known slow (``None``, ``0``,
-            ``1``, ``-1``: every round, as in the paper; ``ripples_pg.wrap()`` uses 2). Not
-            for ``"static"``.
-        coordinator: ``"embedded"`` (the default: the group's rank 0 runs it, ranks 1 and 2
-            run standbys) or the ``tcp://HOST:PORT`` endpoint of a standalone
-            ``ripples-coordinator``, optionally followed by those of standby ones
-            (``--standby``), comma-separated: the order in which workers fail over when
-            they lose the one they use (a lone endpoint is retried: a restart in place).
-        coordinator_token: the job token of a standalone coordinator (32 hex digits; prefer
-            ``RIPPLES_COORDINATOR_TOKEN`` or a file written by ``ripples-coordinator
-            --write-token`` to code). Redacted in ``repr``.
-        coordinator_bind: the address the embedded coordinator (rank 0) and its standbys
-            (ranks 1, 2) bind (``RIPPLES_COORDINATOR_BIND``). ``None``: the rank's
-            ``bind_addr``, the address it advertises to its peers (``127.0.0.1`` for a
-            one-host job), so a coordinator is never reachable from more networks than the
-            job's own links. ``"0.0.0.0"`` (or ``"*"``) binds every interface: an explicit
-            choice, advertised to peers at ``bind_addr``.
-        job_secret: a per-job secret string of at least 16 characters, the same on every
-            rank (``RIPPLES_JOB_SECRET``; keep it out of code and argv). With it, every rank
-            derives the embedded coordinator's token as HMAC-SHA256(job_secret,
-            ``"ripples-coordinator-token/"`` + the group's name, world size,
-            ``TORCHELASTIC_RUN_ID``, incarnation and the incarnation's identity, a digest of a
-            nonce of every rank), so the token is not published in the c10d store. Without
-            it, rank 0 publishes a random token in the store, and anyone who can read the store
-            (torch's TCPStore has no authentication) can read the token and act for any rank
-            with the coordinator. It also keys the authentication of the data links (TCP and
-            UCX; docs/security.md), which otherwise rests on a salt read from the store, and
-            seals what the job publishes in the store (addresses, endpoints, the salt), so a
-            store writer cannot change them unnoticed. Redacted in ``repr``.
-        authenticated_frames: authenticate every data frame on TCP links
-            (``RIPPLES_AUTHENTICATED_FRAMES``): a 16-byte HMAC-SHA256 per frame, keyed per
-            connection, checked before the operation completes, so a frame changed, replayed
-            or injected on the network path fails the operation naming the peer instead of
-            changing a tensor. Off by default: it hashes every byte sent and received over
-            TCP (shared-memory rings need none); docs/security.md gives the measured cost.
-            Not with ``transport="ucx"``. Pair it with ``job_secret``: without one, whoever
-            reads the c10d store can compute the key.
-        on_failure: ``"raise"`` (default) or ``"skip"``: a failed partial round leaves the
-            tensors unchanged and is counted in ``ripples_pg.stats()``.
-        seed: seed of the coordinator's random choices (``None``: random).
-        trace: keep a per-round trace, read with ``ripples_pg.trace()``.
-        compression: ``"none"`` (default), ``"bf16"``, ``"fp16"`` or ``"int8"``
-            (``RIPPLES_COMPRESSION``): partial rounds whose buffers are all float32 and whose
-            group spans more than one host (by ``host_id``) send their data quantised, with
-            error feedback kept per group in float32 (as much memory as the buffers, twice);
-            the reduction itself stays float32. Groups within one host, other dtypes and
-            exact collectives are never compressed. About 2x (bf16, fp16) or 3.9x (int8)
-            fewer bytes per round; worth it on slow links only (docs/compression.md). Every
-            rank must set the same value (a round with mixed settings fails naming them).
-        stage_chunk_bytes: CUDA tensors are staged through pinned host memory; an exact
-            all-reduce or broadcast of more than this many bytes is staged in chunks of this
-            size, one core operation each, so that copying the next chunk off the device
-            and the previous one back onto it overlap the transfer of the current one
-            (docs/cuda.md). ``0`` (the default): whole tensors, the unpipelined path; try
-            ``"4M"``. Off by default until measured on a GPU.
-            Partial rounds and the other collectives are never cut. Every rank must set the
-            same value (a call whose ranks cut differently fails with a size mismatch).
-
-    Every field may also come from ``RIPPLES_<FIELD>`` in the environment (e.g.
-    ``RIPPLES_TIMEOUT=120``, ``RIPPLES_CHUNK_BYTES=1M``); a value set here wins over the
-    environment. Invalid values raise ``ValueError`` naming the field and what it accepts.
-    """
+    # The docstring, with every field's entry, is generated from _FIELDS (_class_doc below).
 
     __slots__ = tuple("_" + n for n in _FIELDS)
 
@@ -575,6 +606,41 @@ class Options:
 
 def _rebuild_options(values: dict) -> Options:
     return Options(**values)
+
+
+def _markdown_to_rst(text: str) -> str:
+    """docs/options.md's Markdown as a docstring says it: ``code``, and links as their
+    text with the page named."""
+    text = re.sub(r"\[([^\]]+)\]\(([^)#]+)(#[^)]*)?\)", r"\1 (docs/\2)", text)
+    return re.sub(r"`([^`]+)`", r"``\1``", text)
+
+
+def _class_doc() -> str:
+    """``Options.__doc__``: the entries come from the field table, as docs/options.md's do."""
+    import textwrap
+
+    head = textwrap.dedent("""\
+        Options of a ``ripples`` process group (``pg_options=`` of ``init_process_group`` /
+        ``new_group``), keyword arguments only.
+
+        Every field may also come from ``RIPPLES_<FIELD>`` in the environment (e.g.
+        ``RIPPLES_TIMEOUT=120``, ``RIPPLES_CHUNK_BYTES=1M``); a value set here wins over the
+        environment, and a call's argument (``wrap(timeout=...)``) over both. ``None`` means
+        "not set here". Invalid values raise ``ValueError`` naming the field and what it
+        accepts. The same entries, as tables: docs/options.md.
+
+        Args:
+        """)
+    entries = []
+    for f in _FIELDS.values():
+        body = _markdown_to_rst(f"{f.doc} Default: {f.shown}. Accepts: {f.accepts}.")
+        entries.append(textwrap.fill(f"{f.name}: {body}", width=92, initial_indent="    ",
+                                     subsequent_indent="        ", break_on_hyphens=False,
+                                     break_long_words=False))
+    return head + "\n".join(entries) + "\n"
+
+
+Options.__doc__ = _class_doc()
 
 
 def _signature() -> inspect.Signature:

@@ -205,6 +205,18 @@ def test_options_validation():
             ripples_pg.Options(**{field: top + 1})
 
 
+def test_options_docs_come_from_the_field_table():
+    import ripples_pg
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "scripts", "options_doc.py"),
+                        "--check"], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = ripples_pg.Options.__doc__
+    for name in ripples_pg.Options.fields():  # an entry per field, in the docstring too
+        assert f"\n    {name}: " in doc, name
+
+
 def test_options_take_keywords_only():
     import inspect
 
