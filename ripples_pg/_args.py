@@ -207,9 +207,6 @@ STRATEGY_OWNS = {
 RENAMED_FLAGS = {"--policy": "--schedule"}
 
 
-# ----------------------------------------------------------------------------- shared checks
-
-
 # ----------------------------------------------------------------------------- levels, DiLoCo
 # The averager's and partial DiLoCo's own options, checked here with the rest so that this
 # table of checks depends on no training module (they import it).
@@ -330,6 +327,8 @@ def resolve_sync_levels(outer_optimizer: OuterSpec, sync_every: Optional[int], l
                          f"of it (e.g. {{{sync_every}: 'partial', {4 * sync_every}: 'world'}})")
     return parsed, sync_every
 
+
+# ----------------------------------------------------------------------------- shared checks
 
 
 def check_training_args(who: str, *, warmup_steps: Optional[int], warmup_straggler: Any,

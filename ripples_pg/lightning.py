@@ -68,10 +68,10 @@ import ripples_pg  # noqa: E402
 # stopping every this many steps (one tiny exact all-reduce), so all stop after the same step.
 EXACT_STOP_EVERY = 8
 from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, STRATEGY_OWNS,  # noqa: E402
-                    check_bool, check_choice, check_group_options, check_int, check_training_args)
+                    check_bool, check_choice, check_group_options, check_int, check_training_args,
+                    parse_levels)
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import RipplesOptimizer, wrap  # noqa: E402
-from .averager import parse_levels  # noqa: E402
 from .lr import JobLRScheduler  # noqa: E402
 from .sampler import DEFAULT_CLAIM_SIZE, DistributedSampler  # noqa: E402
 from .whatif import metrics as whatif_metrics  # noqa: E402

@@ -51,11 +51,13 @@ using PG = ripples::ProcessGroupRipples;
 // Every key is the core's field name (ripples.h, RPL_COMM_COUNTERS), plus what the shim
 // knows: each peer's path and its staging counters (SHIM_COUNTERS).
 #define SHIM_COUNTERS(X)                                                                     \
-  X(paths, "per group rank, what carries this rank's traffic with it now: 'self', 'shm', "   \
-           "'shm+single-copy', 'shm-resuming', 'closed', 'dead', 'tcp' or 'ucx'")            \
-  X(ops_staged, "calls on CUDA tensors, staged through pinned host memory")                  \
-  X(ops_staged_pipelined, "of ops_staged, those staged in chunks (stage_chunk_bytes)")       \
-  X(stage_chunks, "the chunks of ops_staged_pipelined, one core operation each")
+  X(paths, pg.peerPaths(),                                                                   \
+    "per group rank, what carries this rank's traffic with it now: 'self', 'shm', "          \
+    "'shm+single-copy', 'shm-resuming', 'closed', 'dead', 'tcp' or 'ucx'")                   \
+  X(ops_staged, pg.stagedCalls(), "calls on CUDA tensors, staged through pinned host memory") \
+  X(ops_staged_pipelined, pg.pipelinedCalls(),                                               \
+    "of ops_staged, those staged in chunks (stage_chunk_bytes)")                             \
+  X(stage_chunks, pg.stageChunks(), "the chunks of ops_staged_pipelined, one core operation each")
 
 py::dict countersDict(const PG& pg) {
   rpl_comm_counters c;
@@ -67,10 +69,9 @@ py::dict countersDict(const PG& pg) {
 #define PUT_(name, doc) d[#name] = py::cast(c.name);
   RPL_COMM_COUNTERS(PUT_)
 #undef PUT_
-  d["paths"] = py::cast(pg.peerPaths());
-  d["ops_staged"] = py::cast(pg.stagedCalls());
-  d["ops_staged_pipelined"] = py::cast(pg.pipelinedCalls());
-  d["stage_chunks"] = py::cast(pg.stageChunks());
+#define PUT_(name, value, doc) d[#name] = py::cast(value);
+  SHIM_COUNTERS(PUT_)
+#undef PUT_
   return d;
 }
 
@@ -95,6 +96,8 @@ py::list statsFields() {
   py::list out;
 #define ROW_(name, doc) out.append(py::make_tuple("counters", #name, doc));
   RPL_COMM_COUNTERS(ROW_)
+#undef ROW_
+#define ROW_(name, value, doc) out.append(py::make_tuple("counters", #name, doc));
   SHIM_COUNTERS(ROW_)
 #undef ROW_
 #define ROW_(type, name, doc) out.append(py::make_tuple("partial_stats", #name, doc));
