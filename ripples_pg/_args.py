@@ -37,6 +37,7 @@ Defaults that differ on purpose (each documented here and nowhere else):
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ import torch
 
 from .options import _FIELDS, Options
 
-__all__ = ["OptionTypeError", "ARGS", "STRATEGY_OWNS", "RENAMED_FLAGS", "DEFAULT_WARMUP_STEPS",
+__all__ = ["OptionTypeError", "ARGS", "STRATEGY_OWNS", "TRAINER_OWNS", "Resolved", "resolve",
+           "keyword_parameters", "check_names", "RENAMED_FLAGS", "DEFAULT_WARMUP_STEPS",
            "DEFAULT_WARMUP_STRAGGLER", "SLOW_LINK_WARMUP_STEPS", "WRAP_GROUP_DEFAULTS",
            "BLOCKING_PERIOD_MAX",
            "POST_WARMUP_MODES",
@@ -121,6 +123,12 @@ class Arg:
     # An Options field of the partial group: None in a signature means "not given" (then
     # RIPPLES_<NAME>, then ``default``); Options validates it.
     group_option: bool = False
+    annotation: str = "Any"  # its type, as signatures show it
+
+    @property
+    def signature_default(self) -> Any:
+        """The default a signature shows: None ("not given") for a group option."""
+        return None if self.group_option else self.default
 
 
 # Warm-up: exact synchronous steps (plain DDP, at the slowest worker's pace). None: no fixed
@@ -157,41 +165,53 @@ WRAP_GROUP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip
 BLOCKING_PERIOD_MAX = 2
 
 
-def _group(name: str, help: str) -> Arg:
+def _group(name: str, help: str, annotation: str) -> Arg:
     default = WRAP_GROUP_DEFAULTS.get(name, _FIELDS[name].default)
-    return Arg(name, default, help, group_option=True)
+    return Arg(name, default, help, group_option=True, annotation=f"Optional[{annotation}]")
 
 
 ARGS: Dict[str, Arg] = {a.name: a for a in (
-    _group("schedule", "where partial groups come from"),
-    _group("group_size", "workers per partial group"),
-    _group("c_thres", "the smart schedule's slowdown filter (None: the coordinator's, 4)"),
-    _group("inter_intra", "smart: Inter and Intra groups"),
-    _group("coordinator", "'embedded' or standalone coordinators' endpoints"),
-    _group("timeout", "seconds per partial round (None: the DDP group's timeout)"),
-    _group("on_failure", "a failed partial round: 'skip' it or 'raise'"),
-    _group("seed", "the coordinator's random seed (None: random)"),
-    _group("trace", "keep a per-round trace"),
-    _group("period_max", "the coordinator's adaptive period (2 with overlap=False)"),
-    _group("compression", "quantise partial rounds across hosts"),
+    _group("schedule", "where partial groups come from", "str"),
+    _group("group_size", "workers per partial group", "int"),
+    _group("c_thres", "the smart schedule's slowdown filter (None: the coordinator's, 4)",
+           "int"),
+    _group("inter_intra", "smart: Inter and Intra groups", "bool"),
+    _group("coordinator", "'embedded' or standalone coordinators' endpoints", "str"),
+    _group("timeout", "seconds per partial round (None: the DDP group's timeout)",
+           "Union[float, timedelta]"),
+    _group("on_failure", "a failed partial round: 'skip' it or 'raise'", "str"),
+    _group("seed", "the coordinator's random seed (None: random)", "int"),
+    _group("trace", "keep a per-round trace", "bool"),
+    _group("period_max", "the coordinator's adaptive period (2 with overlap=False)", "int"),
+    _group("compression", "quantise partial rounds across hosts", "str"),
     Arg("warmup_steps", DEFAULT_WARMUP_STEPS,
-        "exact steps first: at most this many (None: until a straggler ends warm-up)"),
+        "exact steps first: at most this many (None: until a straggler ends warm-up)",
+        annotation="Optional[int]"),
     Arg("warmup_straggler", DEFAULT_WARMUP_STRAGGLER,
         "end warm-up once all-reduce is this many times slower than never waiting (None/0: "
-        "never)"),
+        "never)", annotation="Optional[float]"),
     Arg("levels", None, "{period: level}; None: {1: 'partial'} ({H: 'partial'} with "
-                        "sync_every=H)"),
-    Arg("post_warmup", "local", "gradients after warm-up: 'local' or 'host'"),
-    Arg("average_optimizer_state", False, "also average optimizer state"),
+                        "sync_every=H)",
+        annotation="Optional[Union[Mapping[int, str], str]]"),
+    Arg("post_warmup", "local", "gradients after warm-up: 'local' or 'host'", annotation="str"),
+    Arg("average_optimizer_state", False, "also average optimizer state",
+        annotation="Union[bool, Sequence[str]]"),
     Arg("group_second_moment", False, "Adam/AdamW: the moments of the group's mean "
-                                      "gradient (the round carries the gradients too)"),
+                                      "gradient (the round carries the gradients too)",
+        annotation="bool"),
     Arg("overlap", None, "run each partial round behind the next step (None: unless an "
-                         "outer_optimizer is given)"),
-    Arg("outer_optimizer", None, "partial DiLoCo's outer optimizer"),
-    Arg("sync_every", None, "partial DiLoCo: steps between averaging steps"),
-    Arg("on_alone", "defer", "partial DiLoCo: a round with nobody: 'defer' or 'local_step'"),
-    Arg("group", None, "an existing ripples group for the rounds"),
-    Arg("sampler", None, "a ripples_pg.DistributedSampler linked to the optimizer"),
+                         "outer_optimizer is given)",
+        annotation="Optional[bool]"),
+    Arg("outer_optimizer", None, "partial DiLoCo's outer optimizer",
+        annotation="Optional[Union[str, Callable[..., torch.optim.Optimizer]]]"),
+    Arg("sync_every", None, "partial DiLoCo: steps between averaging steps",
+        annotation="Optional[int]"),
+    Arg("on_alone", "defer", "partial DiLoCo: a round with nobody: 'defer' or 'local_step'",
+        annotation="str"),
+    Arg("group", None, "an existing ripples group for the rounds",
+        annotation="Optional[dist.ProcessGroup]"),
+    Arg("sampler", None, "a ripples_pg.DistributedSampler linked to the optimizer",
+        annotation="Optional[DistributedSampler]"),
 )}
 
 # wrap() keywords the Lightning strategy does not take: they name objects the strategy creates
@@ -200,6 +220,11 @@ STRATEGY_OWNS = {
     "group": "the strategy creates the partial group; set its schedule options instead",
     "sampler": "the strategy makes the training loader's sampler job-wide itself "
                "(progress='job')",
+}
+# ... and those RipplesTrainer's ripples= does not take, for the same reason.
+TRAINER_OWNS = {
+    "group": "wrap() creates the partial group; set its schedule options instead",
+    "sampler": "the Trainer builds its own sampler",
 }
 
 # Command-line flags renamed to the Options names; the old flag still works and warns on
@@ -373,3 +398,124 @@ def check_group_options(who: str, given: Mapping[str, Any]):
     if missing:  # a Python package newer than the Options it runs with
         raise RuntimeError(f"{who}: this build's ripples_pg.Options has no field(s) {missing}")
     return Options(**kw)  # a ValueError naming the field and what it accepts
+
+
+# ----------------------------------------------------------------------------- one resolution
+# Where each option a training run gets comes from, in one place: the call, then RIPPLES_* (the
+# partial group's options only), then wrap()'s defaults (the period by the kind of round), then
+# the DDP group's timeout, then Options' defaults. wrap(), RipplesStrategy and RipplesTrainer all
+# resolve through resolve(); the last two at construction, so a bad value fails there.
+
+
+def keyword_parameters(names: Sequence[str]) -> List[inspect.Parameter]:
+    """The keyword-only parameters of the options named, as signatures show them (help(),
+    editors): the table is the one place that lists them."""
+    return [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY,
+                              default=ARGS[n].signature_default, annotation=ARGS[n].annotation)
+            for n in names]
+
+
+def check_names(who: str, given: Mapping[str, Any], owns: Mapping[str, str],
+                what: str = "keyword argument") -> None:
+    """Refuses a name the table does not hold, or one the caller makes itself (``owns``: why)."""
+    for name in sorted(set(given) & set(owns)):
+        raise TypeError(f"{who}: {name}= is a ripples_pg.wrap() argument {who} does not "
+                        f"take: {owns[name]}")
+    unknown = sorted(set(given) - set(ARGS))
+    if unknown:
+        raise TypeError(f"{who}: unknown {what}(s) {unknown}; ripples_pg.wrap() takes "
+                        f"{sorted(set(ARGS) - set(owns))}")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Every option one ``wrap()`` runs with, resolved (``resolve``)."""
+
+    warmup_steps: Optional[int]  # None: until a straggler ends warm-up
+    warmup_straggler: Optional[float]
+    levels: "OrderedDict[int, str]"
+    post_warmup: str
+    average_optimizer_state: Any
+    group_second_moment: bool  # in effect: off with sync_every (one gradient of H steps)
+    overlap: bool
+    overlap_auto: bool  # overlap was not given: the averager may fall back to blocking rounds
+    outer_optimizer: Any
+    sync_every: Optional[int]  # partial DiLoCo's H; None: plain Ripples
+    on_alone: str
+    group: Any  # the ripples group given for the rounds, or None: a new one ...
+    group_options: Optional[Options]  # ... with these options
+    compression: str  # of the rounds: "none" for a given group
+    sampler: Any
+
+    def averager_kwargs(self) -> Dict[str, Any]:
+        """What RipplesAverager (and DiLoCoAverager) take of it."""
+        return dict(levels=self.levels, warmup_steps=self.warmup_steps,
+                    average_optimizer_state=self.average_optimizer_state,
+                    overlap="auto" if self.overlap_auto and self.overlap else self.overlap,
+                    warmup_straggler=self.warmup_straggler,
+                    group_second_moment=self.group_second_moment)
+
+
+def resolve(who: str, given: Mapping[str, Any], *, ddp_timeout: Optional[float] = None,
+            env: Optional[Mapping[str, str]] = None) -> Resolved:
+    """Checks the options a call gave (``given``: names from ``ARGS``; the missing take its
+    defaults) together and resolves each to the value the run gets. ``ddp_timeout``: the DDP
+    group's timeout in seconds, the rounds' default (None: unknown yet)."""
+    check_names(who, given, {})
+    v = {n: given.get(n, a.signature_default) for n, a in ARGS.items()}
+    levels, sync_every = check_training_args(
+        who, **{n: v[n] for n in ("warmup_steps", "warmup_straggler", "levels", "post_warmup",
+                                  "average_optimizer_state", "overlap", "outer_optimizer",
+                                  "sync_every", "on_alone")})
+    check_bool(who, "group_second_moment", v["group_second_moment"])
+    overlap = resolve_overlap(v["overlap"], v["outer_optimizer"])
+    asked = {n: v[n] for n, a in ARGS.items() if a.group_option and v[n] is not None}
+    options, compression = None, "none"
+    if v["group"] is not None:
+        if asked:
+            raise ValueError(f"{who}: group= was given, so the schedule options "
+                             f"{sorted(asked)} cannot apply; set them on that group's "
+                             f"ripples_pg.Options instead")
+    else:
+        options, from_env = _group_options(who, asked, overlap, sync_every, ddp_timeout, env)
+        compression = options.compression or from_env.compression or "none"
+    warmup_steps = v["warmup_steps"]
+    if warmup_steps is None and (sync_every is not None or compression != "none"):
+        # Averaging less often (sync_every) or in fewer bytes (compression) is asked for
+        # because the links are slow, not because a worker is: staying exact while the
+        # workers are even would all-reduce over those links at every step.
+        warmup_steps = SLOW_LINK_WARMUP_STEPS
+    return Resolved(
+        warmup_steps=warmup_steps, warmup_straggler=v["warmup_straggler"], levels=levels,
+        post_warmup=v["post_warmup"], average_optimizer_state=v["average_optimizer_state"],
+        # partial DiLoCo averages every H steps: one step's gradient of H, not worth it
+        group_second_moment=v["group_second_moment"] and sync_every is None,
+        overlap=overlap, overlap_auto=v["overlap"] is None,
+        outer_optimizer=v["outer_optimizer"], sync_every=sync_every, on_alone=v["on_alone"],
+        group=v["group"], group_options=options, compression=compression,
+        sampler=v["sampler"])
+
+
+def _group_options(who: str, asked: Dict[str, Any], overlap: bool, sync_every: Optional[int],
+                   ddp_timeout: Optional[float], env: Optional[Mapping[str, str]]):
+    """The Options of the partial group wrap() creates: what the call asks, then the
+    ``RIPPLES_*`` environment, then wrap()'s defaults (``WRAP_GROUP_DEFAULTS``, the period by
+    the kind of round), then the DDP group's timeout. Returns ``(options, environment's)``."""
+    kw = dict(asked)
+    from_env = Options.from_env(env)
+    defaults = dict(WRAP_GROUP_DEFAULTS)
+    if sync_every is not None:
+        # A round every H steps is already rare: the adaptive period's passes would skip
+        # every 2nd one (an outer step deferred, H silently doubled), so none by default.
+        defaults["period_max"] = 1
+    elif not overlap:
+        # Blocking rounds cost their transfer in every averaging step: every 2nd step.
+        defaults["period_max"] = BLOCKING_PERIOD_MAX
+    if ddp_timeout is not None:
+        # dist.new_group's own default is 30 minutes whatever init_process_group was given;
+        # the partial rounds should be bounded by the DDP group's timeout instead.
+        defaults["timeout"] = ddp_timeout
+    for k, value in defaults.items():  # wrap's defaults yield to RIPPLES_* variables
+        if k not in kw and getattr(from_env, k) is None:
+            kw[k] = value
+    return check_group_options(who, kw), from_env

@@ -27,12 +27,12 @@ one at the end of training.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import warnings
 from collections import OrderedDict
-from datetime import timedelta
-from typing import Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -40,15 +40,13 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from ._api import _ripples_backend, remember_wrapped, stats as group_stats
-from ._args import (BLOCKING_PERIOD_MAX, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER,
-                    SLOW_LINK_WARMUP_STEPS, WRAP_GROUP_DEFAULTS, check_group_options, check_training_args,
-                    check_bool, resolve_overlap)
+from ._args import (ARGS, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, WRAP_GROUP_DEFAULTS,
+                    Resolved, keyword_parameters, resolve)
 from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
 from .hooks import RipplesHookState
 from ._optimizers import OptimizerList
-from .options import Options
 from .sampler import DistributedSampler
 from .hooks import register as register_hook
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
@@ -485,30 +483,8 @@ def _ddp_of(model):
 
 
 def wrap(ddp_model: DistributedDataParallel,
-         optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]], *,
-         schedule: Optional[str] = None,
-         group_size: Optional[int] = None,
-         warmup_steps: Optional[int] = DEFAULT_WARMUP_STEPS,
-         levels: Optional[Union[Mapping[int, str], str]] = None,
-         post_warmup: str = "local",
-         average_optimizer_state: Union[bool, Sequence[str]] = False,
-         group_second_moment: bool = False,
-         group: Optional[dist.ProcessGroup] = None,
-         c_thres: Optional[int] = None,
-         inter_intra: Optional[bool] = None,
-         coordinator: Optional[str] = None,
-         timeout: Optional[Union[float, timedelta]] = None,
-         on_failure: Optional[str] = None,
-         seed: Optional[int] = None,
-         trace: Optional[bool] = None,
-         period_max: Optional[int] = None,
-         compression: Optional[str] = None,
-         overlap: Optional[bool] = None,
-         warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
-         outer_optimizer: Optional[Union[str, Callable[..., torch.optim.Optimizer]]] = None,
-         sync_every: Optional[int] = None,
-         on_alone: str = "defer",
-         sampler: Optional["DistributedSampler"] = None) -> RipplesOptimizer:
+         optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
+         **options: Any) -> RipplesOptimizer:
     """Registers the Ripples comm hook on ``ddp_model`` and returns the wrapped optimizer.
 
     Args:
@@ -605,49 +581,35 @@ def wrap(ddp_model: DistributedDataParallel,
     """
     who = "ripples_pg.wrap"
     ddp_model, optimizer = _check_model(ddp_model, optimizer)
-    levels, sync_every = check_training_args(
-        who, warmup_steps=warmup_steps, warmup_straggler=warmup_straggler,
-        levels=levels, post_warmup=post_warmup, average_optimizer_state=average_optimizer_state,
-        overlap=overlap, outer_optimizer=outer_optimizer, sync_every=sync_every,
-        on_alone=on_alone)
-    check_bool(who, "group_second_moment", group_second_moment)
-    overlap_auto = overlap is None
-    overlap = resolve_overlap(overlap, outer_optimizer)
-    _check_sampler(sampler)
-    given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
-             "inter_intra": inter_intra, "coordinator": coordinator, "timeout": timeout,
-             "on_failure": on_failure, "seed": seed, "trace": trace, "period_max": period_max,
-             "compression": compression}
-    group, compressed = _partial_group(ddp_model, group, given, overlap=overlap,
-                                       sync_every=sync_every,
-                                       average_optimizer_state=average_optimizer_state)
-    if warmup_steps is None and (sync_every is not None or compressed):
-        # Averaging less often (sync_every) or in fewer bytes (compression) is asked for
-        # because the links are slow, not because a worker is: staying exact while the
-        # workers are even would all-reduce over those links at every step.
-        warmup_steps = SLOW_LINK_WARMUP_STEPS
     ddp_group = ddp_model.process_group
+    cfg = resolve(who, options, ddp_timeout=_group_timeout(ddp_group))
+    _check_sampler(cfg.sampler)
+    group = _partial_group(ddp_model, cfg)
     hgroup = None
-    if post_warmup == "host" or "host" in levels.values():
+    if cfg.post_warmup == "host" or "host" in cfg.levels.values():
         hgroup = host_group(ddp_group)
-    akw = dict(levels=levels, warmup_steps=warmup_steps, host_group=hgroup,
-               world_group=ddp_group, optimizer=optimizer,
-               average_optimizer_state=average_optimizer_state, module=ddp_model.module,
-               overlap="auto" if overlap_auto and overlap else overlap,  # "auto": may fall back
-               warmup_straggler=warmup_straggler,
-               # partial DiLoCo averages every H steps: one step's gradient of H, not worth it
-               group_second_moment=group_second_moment and sync_every is None)
-    if sync_every is not None:  # partial DiLoCo, or periodic averaging without outer_optimizer
-        averager = DiLoCoAverager(group, outer_optimizer=outer_optimizer,
-                                  sync_every=sync_every, on_alone=on_alone, **akw)
+    akw = dict(cfg.averager_kwargs(), host_group=hgroup, world_group=ddp_group,
+               optimizer=optimizer, module=ddp_model.module)
+    if cfg.sync_every is not None:  # partial DiLoCo, or periodic averaging without it
+        averager = DiLoCoAverager(group, outer_optimizer=cfg.outer_optimizer,
+                                  sync_every=cfg.sync_every, on_alone=cfg.on_alone, **akw)
     else:
         averager = RipplesAverager(group, **akw)
-    state = _hook(ddp_model, averager, post_warmup, hgroup)
-    clock = _make_clock(ddp_group, group, levels, post_warmup)
+    state = _hook(ddp_model, averager, cfg.post_warmup, hgroup)
+    clock = _make_clock(ddp_group, group, cfg.levels, cfg.post_warmup)
     opt = RipplesOptimizer(optimizer, averager, hook_state=state, group=group,
-                           job_clock=clock, sampler=sampler)
+                           job_clock=clock, sampler=cfg.sampler)
     remember_wrapped(opt)  # stats() and trace() read its group by default
     return opt
+
+
+# help() and editors show every option, from the one table (ripples_pg/_args.py).
+wrap.__signature__ = inspect.Signature(
+    [inspect.Parameter("ddp_model", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                       annotation="DistributedDataParallel"),
+     inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                       annotation="Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]"),
+     *keyword_parameters(list(ARGS))], return_annotation="RipplesOptimizer")
 
 
 def _check_model(ddp_model, optimizer):
@@ -712,57 +674,17 @@ def _check_sampler(sampler) -> None:
                             f"got {type(sampler).__module__}.{type(sampler).__qualname__}")
 
 
-def _partial_group(ddp_model, group, given: Dict[str, object], *, overlap: bool,
-                   sync_every: Optional[int], average_optimizer_state):
-    """The group of wrap()'s partial rounds: ``group`` checked (``given``, the schedule options,
-    must then be unset), or a new one over the DDP group's ranks. Returns ``(group,
-    compressed)``: whether its rounds are compressed (False for a given group)."""
-    if group is not None:
-        explicit = {k: v for k, v in given.items() if v is not None}
-        if explicit:
-            raise ValueError(f"ripples_pg.wrap: group= was given, so the schedule options "
-                             f"{sorted(explicit)} cannot apply; set them on that group's "
-                             f"ripples_pg.Options instead")
-        if not is_ripples(group):
+def _partial_group(ddp_model, cfg: Resolved):
+    """The group of wrap()'s partial rounds: the one given (checked), or a new one over the DDP
+    group's ranks with the resolved options."""
+    if cfg.group is not None:
+        if not is_ripples(cfg.group):
             raise ValueError(f"ripples_pg.wrap: group= must be a 'ripples' process group, "
-                             f"got backend {str(dist.get_backend(group))!r}")
-        return group, False
-    opts, env = _group_options(ddp_model.process_group, given, overlap=overlap,
-                               sync_every=sync_every)
-    compression = opts.compression or env.compression
-    _check_int8_extras(compression, ddp_model, average_optimizer_state)
+                             f"got backend {str(dist.get_backend(cfg.group))!r}")
+        return cfg.group
+    _check_int8_extras(cfg.compression, ddp_model, cfg.average_optimizer_state)
     ranks = dist.get_process_group_ranks(ddp_model.process_group)
-    group = dist.new_group(ranks=ranks, backend="ripples", pg_options=opts)
-    return group, (compression or "none") != "none"
-
-
-def _group_options(ddp_group, given: Dict[str, object], *, overlap: bool,
-                   sync_every: Optional[int]):
-    """The Options of the partial group wrap() creates: what the call gives, then the
-    ``RIPPLES_*`` environment, then wrap()'s defaults (``WRAP_GROUP_DEFAULTS``, the period by
-    the kind of round) and the DDP group's timeout. Returns ``(options, environment's)``."""
-    kw = {k: v for k, v in given.items() if v is not None}
-    env = Options.from_env()
-    defaults = dict(WRAP_DEFAULTS)
-    if sync_every is not None:
-        # A round every H steps is already rare: the adaptive period's passes would skip
-        # every 2nd one (an outer step deferred, H silently doubled), so none by default.
-        defaults["period_max"] = 1
-    elif not overlap:
-        # Blocking rounds cost their transfer in every averaging step: every 2nd step
-        # (ripples_pg/_args.py says why both numbers).
-        defaults["period_max"] = BLOCKING_PERIOD_MAX
-    fields = set(Options.fields())
-    for k, v in defaults.items():  # wrap's defaults yield to RIPPLES_* variables
-        if k not in kw and k in fields and getattr(env, k) is None:
-            kw[k] = v
-    if "timeout" not in kw and env.timeout is None:
-        # dist.new_group's own default is 30 minutes whatever init_process_group was
-        # given; the partial rounds should be bounded by the DDP group's timeout instead.
-        inherited = _group_timeout(ddp_group)
-        if inherited is not None:
-            kw["timeout"] = inherited
-    return check_group_options("ripples_pg.wrap", kw), env
+    return dist.new_group(ranks=ranks, backend="ripples", pg_options=cfg.group_options)
 
 
 def _hook(ddp_model, averager, post_warmup: str, hgroup) -> RipplesHookState:

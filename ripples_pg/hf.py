@@ -69,7 +69,7 @@ if not hasattr(Trainer, "set_initial_training_values"):  # pragma: no cover - ol
     raise ImportError(f"ripples_pg.hf needs transformers >= 4.57 (found "
                       f"{transformers.__version__}; tested with 5.24)")
 
-from ._args import ARGS, check_group_options, check_training_args  # noqa: E402
+from ._args import TRAINER_OWNS, check_names, resolve  # noqa: E402
 from ._wrap import wrap  # noqa: E402
 from .lr import follow_job  # noqa: E402
 from .whatif import metrics as whatif_metrics  # noqa: E402
@@ -254,25 +254,13 @@ class RipplesTrainerMixin:
         """wrap()'s keywords, checked now by wrap()'s own checks (ripples_pg/_args.py), so that
         a typo or a bad value fails at construction rather than when training begins."""
         who = "RipplesTrainer"
-        owns = {"group": "wrap() creates the partial group; set its schedule options instead",
-                "sampler": "the Trainer builds its own sampler"}
         if ripples is None:
             return {}
         if not isinstance(ripples, dict):
             raise TypeError(f"{who}: ripples= takes a dict of ripples_pg.wrap() keywords, got "
                             f"{type(ripples).__name__}")
-        for name in sorted(set(ripples) & set(owns)):
-            raise TypeError(f"{who}: ripples={{{name!r}: ...}} is not taken: "
-                            f"{owns[name]}")
-        unknown = sorted(set(ripples) - set(ARGS))
-        if unknown:
-            raise TypeError(f"{who}: unknown ripples= option(s) {unknown}; ripples_pg.wrap() "
-                            f"takes {sorted(set(ARGS) - set(owns))}")
-        training = ("warmup_steps", "warmup_straggler", "levels", "post_warmup",
-                    "average_optimizer_state", "overlap", "outer_optimizer", "sync_every",
-                    "on_alone")
-        check_training_args(who, **{n: ripples.get(n, ARGS[n].default) for n in training})
-        check_group_options(who, {n: v for n, v in ripples.items() if ARGS[n].group_option})
+        check_names(who, ripples, TRAINER_OWNS, what="ripples= option")
+        resolve(who, ripples)
         return dict(ripples)
 
     @staticmethod

@@ -23,15 +23,17 @@ Lightning: only ``import ripples_pg.lightning`` does.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import sys
 import time
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler as TorchSampler
 
 
@@ -67,9 +69,8 @@ import ripples_pg  # noqa: E402
 # time_limit during warm-up (exact steps, every rank at the same step): the ranks agree on
 # stopping every this many steps (one tiny exact all-reduce), so all stop after the same step.
 EXACT_STOP_EVERY = 8
-from ._args import (DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, STRATEGY_OWNS,  # noqa: E402
-                    check_bool, check_choice, check_group_options, check_int, check_training_args,
-                    parse_levels)
+from ._args import (ARGS, STRATEGY_OWNS, check_choice, check_group_options,  # noqa: E402
+                    check_int, keyword_parameters, resolve)
 from ._groups import exact_if_ripples  # noqa: E402
 from ._wrap import RipplesOptimizer, wrap  # noqa: E402
 from .lr import JobLRScheduler  # noqa: E402
@@ -83,6 +84,8 @@ log = logging.getLogger(__name__)
 STRATEGY_NAME = "ripples"
 DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
 PROGRESS_MODES = ("job", "worker")
+# wrap()'s options the strategy takes: all but the objects it creates itself
+_TAKEN = tuple(n for n in ARGS if n not in STRATEGY_OWNS)
 
 
 class _Endless:
@@ -150,10 +153,6 @@ class _JobEpochs:
 def _check_ddp_kwargs(kwargs: dict) -> None:
     """DDPStrategy hands every keyword it does not take itself to DistributedDataParallel, so a
     typo only failed inside fit(); refuse it at construction instead."""
-    import inspect
-
-    from torch.nn.parallel import DistributedDataParallel
-
     taken = set(inspect.signature(DDPStrategy.__init__).parameters)
     taken |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
     taken -= {"self", "kwargs", "module", "process_group"}
@@ -217,20 +216,13 @@ def _check_time_limit(time_limit, schedule, levels, post_warmup: str) -> None:
 class RipplesStrategy(DDPStrategy):
     """DDP on the ``ripples`` backend with Ripples training (``ripples_pg.wrap``).
 
-    Ripples arguments: every keyword option of :func:`ripples_pg.wrap`, with wrap's defaults
-    and checks (one table: ``ripples_pg/_args.py``, docs/options.md): ``schedule``
-    (``"smart"``), ``group_size`` (3), ``warmup_steps`` (``None``: exact until a straggler
-    makes partial averaging pay), ``warmup_straggler`` (1.05),
-    ``levels`` (``{1: "partial"}``), ``post_warmup`` (``"local"``),
-    ``average_optimizer_state``, ``group_second_moment``, ``overlap`` (on unless
-    ``outer_optimizer``), ``c_thres``, ``inter_intra``, ``coordinator``,
-    ``on_failure`` (``"skip"``), ``seed``, ``trace``, ``period_max`` (2), ``compression``,
-    ``timeout`` (below) and ``outer_optimizer`` / ``sync_every`` / ``on_alone`` (partial
-    DiLoCo, docs/diloco.md); ``None`` for an Options field = the ``RIPPLES_*`` environment,
-    else that default. Not ``group`` and ``sampler``: the strategy creates both itself, and
-    refuses them. A bad value raises here, as wrap() would, not in ``fit``. Other keywords go
-    to ``DDPStrategy`` and on to ``DistributedDataParallel``; one that neither takes is
-    refused here.
+    Ripples arguments: every keyword option of :func:`ripples_pg.wrap` but ``group`` and
+    ``sampler`` (the strategy creates both itself, and refuses them), with wrap's defaults and
+    checks: they come from one table (``ripples_pg/_args.py``; listed in docs/options.md,
+    "Training options", and in this signature). ``None`` for an Options field = the
+    ``RIPPLES_*`` environment, else wrap's default. A bad value raises here, as wrap() would,
+    not in ``fit``. Other keywords go to ``DDPStrategy`` and on to
+    ``DistributedDataParallel``; one that neither takes is refused here.
 
     Strategy arguments:
         progress: what the Trainer's budgets count (docs/lightning.md, "Stopping").
@@ -253,10 +245,12 @@ class RipplesStrategy(DDPStrategy):
             loggers every so many optimizer steps (default: the Trainer's
             ``log_every_n_steps``; 0 = never). Local counters only: no collective.
         process_group_backend: must be ``"ripples"`` (the default).
-        timeout: the process group's timeout (``timedelta`` or seconds), as ``DDPStrategy``;
-            wrap() bounds the partial rounds by it too (its ``timeout`` default).
-        round_timeout: seconds per partial round where it must differ from ``timeout``
-            (``wrap(timeout=...)``; default: ``timeout``).
+        timeout: what ``timeout`` means everywhere: the per-operation timeout of the groups
+            the call creates (``timedelta`` or seconds). The strategy creates two: the process
+            group (as ``DDPStrategy``'s ``timeout``) and the partial rounds' group (as
+            ``wrap(timeout=...)``); both get it, over ``RIPPLES_TIMEOUT``.
+        round_timeout: seconds per partial round where they must differ from ``timeout``
+            (e.g. a short bound for fast failover under a long checkpointing timeout).
 
     Other keyword arguments go to ``DDPStrategy`` / ``DistributedDataParallel``; DDP comm
     hooks and ``model_averaging_period`` are refused (the strategy registers its own).
@@ -264,60 +258,34 @@ class RipplesStrategy(DDPStrategy):
 
     strategy_name = STRATEGY_NAME
 
-    def __init__(self, *, schedule: Optional[str] = None, group_size: Optional[int] = None,
-                 warmup_steps: Optional[int] = DEFAULT_WARMUP_STEPS,
-                 warmup_straggler: Optional[float] = DEFAULT_WARMUP_STRAGGLER,
-                 levels=None, post_warmup: str = "local",
-                 average_optimizer_state: Union[bool, Sequence[str]] = False,
-                 group_second_moment: bool = False,
-                 overlap: Optional[bool] = None, c_thres: Optional[int] = None,
-                 inter_intra: Optional[bool] = None, coordinator: Optional[str] = None,
-                 on_failure: Optional[str] = None, seed: Optional[int] = None,
-                 trace: Optional[bool] = None, period_max: Optional[int] = None,
-                 compression: Optional[str] = None,
-                 round_timeout: Optional[float] = None,
-                 outer_optimizer=None, sync_every: Optional[int] = None,
-                 on_alone: str = "defer", progress: str = "job",
-                 time_limit: Optional[float] = None,
+    def __init__(self, *, progress: str = "job", time_limit: Optional[float] = None,
                  stats_every_n_steps: Optional[int] = None,
                  process_group_backend: Optional[str] = STRATEGY_NAME,
                  timeout: Optional[Union[timedelta, float]] = None,
-                 **kwargs: Any) -> None:
+                 round_timeout: Optional[float] = None, **kwargs: Any) -> None:
+        # kwargs: wrap()'s options (the table, ripples_pg/_args.py), then DDPStrategy's and
+        # DistributedDataParallel's; the signature help() shows lists them (_signature below).
         _check_strategy_kwargs(process_group_backend, kwargs)
+        options = {n: kwargs.pop(n) for n in list(kwargs) if n in ARGS}
         if timeout is not None:
-            # the process group's timeout, which wrap() gives the partial rounds too unless
-            # round_timeout is set: checked as wrap(timeout=...) is
+            # one timeout for the groups the strategy creates: the process group's
+            # (DDPStrategy's) and the partial rounds' (wrap's), unless round_timeout is set
             seconds = check_group_options("RipplesStrategy", {"timeout": timeout}).timeout
             kwargs["timeout"] = timeout if isinstance(timeout, timedelta) else \
                 timedelta(seconds=seconds)
-        # wrap()'s arguments, validated now (by wrap()'s own checks, ripples_pg/_args.py) so
-        # that a typo fails at construction, not in fit. levels=None stays None for wrap
-        # (sync_every then sets them).
-        resolved, _ = check_training_args(
-            "RipplesStrategy", warmup_steps=warmup_steps, warmup_straggler=warmup_straggler,
-            levels=levels, post_warmup=post_warmup,
-            average_optimizer_state=average_optimizer_state, overlap=overlap,
-            outer_optimizer=outer_optimizer, sync_every=sync_every, on_alone=on_alone)
-        check_bool("RipplesStrategy", "group_second_moment", group_second_moment)
-        levels = parse_levels(levels) if levels is not None or sync_every is None else None
+            options["timeout"] = seconds
+        if round_timeout is not None:
+            options["timeout"] = round_timeout
+        # checked now by wrap()'s own resolution, so that a typo fails here, not in fit
+        cfg = resolve("RipplesStrategy", options)
         if stats_every_n_steps is not None:
             check_int("RipplesStrategy", "stats_every_n_steps", stats_every_n_steps, 0)
         check_choice("RipplesStrategy", "progress", progress, PROGRESS_MODES)
-        _check_time_limit(time_limit, schedule, resolved, post_warmup)
-        given = {"schedule": schedule, "group_size": group_size, "c_thres": c_thres,
-                 "inter_intra": inter_intra, "coordinator": coordinator,
-                 "timeout": round_timeout, "on_failure": on_failure, "seed": seed,
-                 "trace": trace, "period_max": period_max, "compression": compression}
-        check_group_options("RipplesStrategy", given)
+        _check_time_limit(time_limit, options.get("schedule"), cfg.levels, cfg.post_warmup)
         _check_ddp_kwargs(kwargs)
         super().__init__(process_group_backend=STRATEGY_NAME, **kwargs)
-        self._wrap_kwargs = dict(given, warmup_steps=warmup_steps,
-                                 warmup_straggler=warmup_straggler, levels=levels,
-                                 post_warmup=post_warmup,
-                                 average_optimizer_state=average_optimizer_state,
-                                 group_second_moment=group_second_moment,
-                                 overlap=overlap, outer_optimizer=outer_optimizer,
-                                 sync_every=sync_every, on_alone=on_alone)
+        # what fit's wrap() gets: the options given, the rest as wrap()'s signature says
+        self._wrap_kwargs = {n: options.get(n, ARGS[n].signature_default) for n in _TAKEN}
         self.progress = progress
         self.time_limit = float(time_limit) if time_limit is not None else None
         self.stats_every_n_steps = stats_every_n_steps
@@ -903,6 +871,17 @@ class RipplesStrategy(DDPStrategy):
                 ropt.job_clock.agree(ropt.hook_state.process_group)
                 self._last_job_step = ropt.job_clock.job_step_float
             ropt.unwrap(average=False)  # replicas identical: plain synchronous DDP from here
+
+
+def _signature() -> inspect.Signature:
+    """``RipplesStrategy.__init__``'s signature as help() and editors show it: wrap()'s options
+    from the table (ripples_pg/_args.py), then the strategy's own, then ``**kwargs``."""
+    params = list(inspect.signature(RipplesStrategy.__init__).parameters.values())
+    options = keyword_parameters([n for n in _TAKEN if n != "timeout"])  # timeout: own
+    return inspect.Signature([params[0], *options, *params[1:]], return_annotation=None)
+
+
+RipplesStrategy.__init__.__signature__ = _signature()
 
 
 def _job_epoch_callback(strategy: RipplesStrategy):

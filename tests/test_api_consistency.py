@@ -271,3 +271,57 @@ def test_coordinator_cli_old_names_warn_and_work():
         env_old = dict(base, RIPPLES_GG_TOKEN=token)
         res = subprocess.run(status, env=env_old, capture_output=True, text=True, timeout=60)
         assert "RIPPLES_GG_TOKEN is deprecated" in res.stderr, res
+
+
+# ----------------------------------------------------------------------------- one resolution
+
+
+def test_one_function_resolves_where_each_value_comes_from():
+    """The call, then RIPPLES_*, then wrap()'s defaults (the period by the kind of round), then
+    the DDP group's timeout, then Options' defaults: resolve() is the one place."""
+    r = _args.resolve("who", {}, ddp_timeout=90.0, env={})
+    opts = r.group_options
+    assert (opts.schedule, opts.group_size, opts.on_failure) == ("smart", 3, "skip")
+    assert opts.period_max == 1 and opts.timeout == 90.0  # overlapped rounds: every step
+    assert r.overlap and r.overlap_auto and r.compression == "none"
+    assert r.warmup_steps is None and r.levels == {1: "partial"}
+    # blocking rounds: every 2nd step; the environment beats wrap's defaults and the DDP
+    # group's timeout, and a call beats the environment
+    assert _args.resolve("who", {"overlap": False}, env={}).group_options.period_max == 2
+    env = {"RIPPLES_PERIOD_MAX": "4", "RIPPLES_TIMEOUT": "30", "RIPPLES_COMPRESSION": "bf16"}
+    r = _args.resolve("who", {}, ddp_timeout=90.0, env=env)
+    assert r.group_options.period_max is None and r.group_options.timeout is None  # env's
+    assert r.compression == "bf16" and r.warmup_steps == _args.SLOW_LINK_WARMUP_STEPS
+    r = _args.resolve("who", {"period_max": 3, "timeout": 5}, ddp_timeout=90.0, env=env)
+    assert (r.group_options.period_max, r.group_options.timeout) == (3, 5.0)
+    # partial DiLoCo: no adaptive period, a bounded warm-up, no second-moment rounds
+    r = _args.resolve("who", {"sync_every": 8, "outer_optimizer": "nesterov",
+                              "group_second_moment": True}, env={})
+    assert r.group_options.period_max == 1 and r.levels == {8: "partial"}
+    assert r.warmup_steps == _args.SLOW_LINK_WARMUP_STEPS and not r.group_second_moment
+    assert not r.overlap and r.overlap_auto  # not given: off, because of the outer step
+
+
+def test_resolution_refuses_what_a_call_cannot_mean():
+    with pytest.raises(TypeError, match=r"who: unknown keyword argument\(s\) \['warmup'\]"):
+        _args.resolve("who", {"warmup": 3}, env={})
+    with pytest.raises(ValueError, match=r"group= was given, so the schedule options "
+                                         r"\['group_size'\] cannot apply"):
+        _args.resolve("who", {"group": object(), "group_size": 2}, env={})
+    with pytest.raises(ValueError, match="RIPPLES_PERIOD_MAX"):
+        _args.resolve("who", {}, env={"RIPPLES_PERIOD_MAX": "zero"})
+    with pytest.raises(TypeError, match="group= is a ripples_pg.wrap\\(\\) argument who does "
+                                        "not take: why"):
+        _args.check_names("who", {"group": 1}, {"group": "why"})
+
+
+def test_strategy_timeout_is_both_groups_timeout():
+    """One meaning of timeout: the strategy's bounds the process group and the rounds."""
+    rl = pytest.importorskip("ripples_pg.lightning")
+    from datetime import timedelta
+
+    s = rl.RipplesStrategy(timeout=45)
+    assert s._wrap_kwargs["timeout"] == 45.0 and s._timeout == timedelta(seconds=45)
+    s = rl.RipplesStrategy(timeout=timedelta(minutes=10), round_timeout=20)
+    assert s._wrap_kwargs["timeout"] == 20 and s._timeout == timedelta(minutes=10)
+    assert rl.RipplesStrategy()._wrap_kwargs["timeout"] is None  # the DDP group's, at fit
