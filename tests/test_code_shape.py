@@ -118,7 +118,8 @@ LAYERS = [
     ("backend", {"_api", "_gg", "coordinator", "_group_coordinators", "_backend", "_groups"}),
     ("training", {"_args", "overlap", "progress", "sampler", "lr", "hooks", "averager",
                   "diloco", "_wrap", "checkpoint"}),
-    ("integrations and tools", {"lightning", "_pl_autoregister", "hf", "report", "schedule",
+    ("integrations and tools", {"lightning", "_pl", "_pl_progress", "_pl_checkpoint",
+                                "_pl_autoregister", "hf", "report", "schedule",
                                 "_gg_cli"}),
     ("the package's face", {"__init__"}),
 ]

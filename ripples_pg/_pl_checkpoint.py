@@ -1,0 +1,81 @@
+"""``RipplesStrategy``'s exact averages: every checkpoint written during ``fit`` holds the
+average of the replicas, and ``fit`` ends with one, each with the consensus distance it
+removed logged (docs/lightning.md, "Checkpoints").
+
+``ExactAverages`` is a mixin of ``RipplesStrategy`` (before ``DDPStrategy``): it reads the fit's
+state the strategy keeps (``_ropt``, ``_dirty``, ``_free_running``, ``_job_mode``;
+``RipplesStrategy._init_fit_state``) and ``JobProgress._in_batch``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._groups import exact_if_ripples
+
+__all__ = ["ExactAverages"]
+
+
+class ExactAverages:
+    """The exact average of the replicas at checkpoints and at the end of fit."""
+
+    def _average_replicas(self) -> None:
+        """Exact average of the parameters, floating-point buffers and optimizer state over
+        every rank, if any rank stepped since the last one (one tiny exact all-reduce decides,
+        so averaging identical replicas again cannot change them by a rounding). Every rank
+        must call it at the same point; it is the fence after a rank's last partial round."""
+        ropt = self._ropt
+        group = ropt.hook_state.process_group
+        flag = torch.tensor([1 if self._dirty else 0], dtype=torch.int32)
+        with exact_if_ripples(group):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if int(flag.item()):
+            self.consensus = self._consensus(ropt, group)
+            self._log_metrics({"ripples/consensus": self.consensus})
+            ropt.averager.synchronize(ropt.param_groups, group=group)
+        self._dirty = False
+
+    @staticmethod
+    def _consensus(ropt, group) -> float:
+        """The consensus distance of the replicas about to be averaged: max over ranks of
+        ||x_i - mean|| / ||mean||, x_i = rank i's parameters (float64): 0 when every rank
+        holds the same model, growing as they drift apart. Two exact collectives, only where
+        the replicas are averaged anyway (a checkpoint, the end of fit)."""
+        with torch.no_grad():
+            x = torch.cat([p.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+                           for g in ropt.param_groups for p in g["params"]])
+            mean = x.clone()
+            with exact_if_ripples(group):
+                dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=group)
+                norm = float(mean.norm())
+                d = torch.tensor([float((x - mean).norm()) / norm if norm > 0 else 0.0],
+                                 dtype=torch.float64)
+                dist.all_reduce(d, op=dist.ReduceOp.MAX, group=group)
+        return float(d.item())
+
+    def _log_metrics(self, metrics: dict) -> None:
+        lm = self.lightning_module
+        trainer = lm.trainer if lm is not None else None
+        if trainer is None or not self.is_global_zero:
+            return
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+
+    def lightning_module_state_dict(self) -> dict:
+        # Called on every rank by Trainer.save_checkpoint (before its barrier): the checkpoint
+        # holds the average of the replicas, not rank 0's own.
+        if self._ropt is not None and not self._ropt.unwrapped:
+            if self._free_running and self._job_mode and self._in_batch():
+                raise RuntimeError(
+                    "RipplesStrategy(progress=\"job\"): a checkpoint was requested inside a "
+                    "training step; the ranks run different numbers of steps and would not "
+                    "meet at the same point. Save at epoch ends (ModelCheckpoint's default) "
+                    "and at the end of fit (save_last), or pass progress=\"worker\"")
+            if self._free_running and not self._job_mode:
+                raise RuntimeError(
+                    "RipplesStrategy(time_limit=...): a checkpoint was requested while this "
+                    "rank is still training on its own clock; the ranks would not meet at the "
+                    "same point. Save at the end of fit (ModelCheckpoint's epoch-end/last "
+                    "checkpoint) or use max_steps instead of time_limit")
+            self._average_replicas()
+        return super().lightning_module_state_dict()
