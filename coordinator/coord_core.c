@@ -105,6 +105,17 @@ static int reply(coord_core *core, const uint8_t *route, size_t route_len, rpl_m
   return rc;
 }
 
+/* A reply to `req`, zeroed but for its type and req's rank and seq: how the sender matches the
+ * reply to what it sent. */
+static rpl_msg answer_to(const rpl_msg *req, uint8_t type) {
+  rpl_msg r;
+  memset(&r, 0, sizeof r);
+  r.type = type;
+  r.rank = req->rank;
+  r.seq = req->seq;
+  return r;
+}
+
 /* Answers `req` with ERROR(code): MACed with `key`, but for BAD_TOKEN, which echoes req's
  * MAC (reply). */
 static RPL_PRINTF(7, 8) void reply_error(coord_core *core, const uint8_t *route,
@@ -118,11 +129,7 @@ static RPL_PRINTF(7, 8) void reply_error(coord_core *core, const uint8_t *route,
   va_end(ap);
   if (n < 0) n = 0;
   if ((size_t)n >= sizeof text) n = sizeof text - 1;
-  rpl_msg m;
-  memset(&m, 0, sizeof m);
-  m.type = RPL_MSG_ERROR;
-  m.rank = req->rank;
-  m.seq = req->seq;
+  rpl_msg m = answer_to(req, RPL_MSG_ERROR);
   m.code = code;
   m.text = text;
   m.text_len = (uint32_t)n;
@@ -263,11 +270,7 @@ static size_t reply_status(coord_core *core, const uint8_t *route, size_t route_
     reply_error(core, route, route_len, m, key, RPL_PERR_INTERNAL, "status unavailable");
     return 0;
   }
-  rpl_msg r;
-  memset(&r, 0, sizeof r);
-  r.type = RPL_MSG_STATUS_REPLY;
-  r.rank = m->rank;
-  r.seq = m->seq;
+  rpl_msg r = answer_to(m, RPL_MSG_STATUS_REPLY);
   r.text = json;
   r.text_len = (uint32_t)jlen;
   memcpy(r.token, key, RPL_TOKEN_LEN); /* the query's key: the sender proved it */
@@ -340,11 +343,7 @@ static void challenge(coord_core *core, const uint8_t *route, size_t route_len,
   uint64_t tick = tick_of(core, now);
   if (tick <= core->last_tick) tick = core->last_tick + 1; /* unique, and never 0 */
   core->last_tick = tick;
-  rpl_msg r;
-  memset(&r, 0, sizeof r);
-  r.type = RPL_MSG_CHALLENGE;
-  r.rank = m->rank;
-  r.seq = m->seq;
+  rpl_msg r = answer_to(m, RPL_MSG_CHALLENGE);
   memcpy(r.nonce_w, m->nonce_w, RPL_NONCE_LEN);
   rpl_put64(r.nonce_c, tick);
   cookie_mac(core, m, tick, r.nonce_c + 8);
@@ -516,10 +515,7 @@ static int open_session(coord_core *core, coord_worker *w, const uint8_t *route,
 static int dispatch(coord_core *core, coord_worker *w, const uint8_t *route, size_t route_len,
                     const rpl_msg *m, double now) {
   rpl_error err;
-  rpl_msg r;
-  memset(&r, 0, sizeof r);
-  r.rank = m->rank;
-  r.seq = m->seq;
+  rpl_msg r = answer_to(m, 0); /* its type set by the case that answers */
   rpl_status st = RPL_OK;
   switch (m->type) {
     case RPL_MSG_HELLO:

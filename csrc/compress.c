@@ -60,6 +60,20 @@ static size_t round4(size_t b) { return (b + 3) & ~(size_t)3; }
 
 static size_t nblocks(size_t n) { return (n + RPL_CQ_BLOCK - 1) / RPL_CQ_BLOCK; }
 
+/* The int8 layout (compress.h), shared by the encoder, the decoder and the residual: the end
+ * of the block starting at lo, block b's scale, and where the values start. */
+static size_t block_end(size_t lo, size_t n) {
+  return lo + RPL_CQ_BLOCK < n ? lo + RPL_CQ_BLOCK : n;
+}
+static float block_scale(const unsigned char *p, size_t b) {
+  float scale;
+  memcpy(&scale, p + 4 * b, 4);
+  return scale;
+}
+static const signed char *int8_values(const unsigned char *p, size_t n) {
+  return (const signed char *)(p + 4 * nblocks(n));
+}
+
 size_t rpl_cq_size(rpl_compress mode, size_t n) {
   switch (mode) {
     case RPL_COMPRESS_BF16:
@@ -88,7 +102,7 @@ static void encode_int8(const float *x, size_t n, unsigned char *out) {
   size_t nb = nblocks(n);
   signed char *q = (signed char *)(out + 4 * nb);
   for (size_t b = 0; b < nb; b++) {
-    size_t lo = b * RPL_CQ_BLOCK, hi = lo + RPL_CQ_BLOCK < n ? lo + RPL_CQ_BLOCK : n;
+    size_t lo = b * RPL_CQ_BLOCK, hi = block_end(lo, n);
     float amax = 0.0f;
     for (size_t i = lo; i < hi; i++) {
       float v = fabsf(x[i]);
@@ -137,12 +151,10 @@ int rpl_cq_decode(rpl_compress mode, const void *in, size_t n, float bound, floa
   const unsigned char *p = in;
   int ok = 1;
   if (mode == RPL_COMPRESS_INT8) {
-    size_t nb = nblocks(n);
-    const signed char *q = (const signed char *)(p + 4 * nb);
-    for (size_t b = 0; b < nb; b++) {
-      size_t lo = b * RPL_CQ_BLOCK, hi = lo + RPL_CQ_BLOCK < n ? lo + RPL_CQ_BLOCK : n;
-      float scale;
-      memcpy(&scale, p + 4 * b, 4);
+    const signed char *q = int8_values(p, n);
+    for (size_t b = 0; b < nblocks(n); b++) {
+      size_t lo = b * RPL_CQ_BLOCK, hi = block_end(lo, n);
+      float scale = block_scale(p, b);
       /* !(a <= b) also rejects NaN */
       if (!(scale >= 0.0f && scale <= bound / 127.0f * (1.0f + 0x1p-10f))) return -1;
       for (size_t i = lo; i < hi; i++) {
@@ -175,12 +187,10 @@ void rpl_cq_encode_residual(rpl_compress mode, float *y, size_t n, void *out) {
     for (size_t i = 0; i < n; i++) y[i] -= from_half(h[i]);
   } else if (mode == RPL_COMPRESS_INT8) {
     const unsigned char *p = out;
-    size_t nb = nblocks(n);
-    const signed char *q = (const signed char *)(p + 4 * nb);
-    for (size_t b = 0; b < nb; b++) {
-      size_t lo = b * RPL_CQ_BLOCK, hi = lo + RPL_CQ_BLOCK < n ? lo + RPL_CQ_BLOCK : n;
-      float scale;
-      memcpy(&scale, p + 4 * b, 4);
+    const signed char *q = int8_values(p, n);
+    for (size_t b = 0; b < nblocks(n); b++) {
+      size_t lo = b * RPL_CQ_BLOCK, hi = block_end(lo, n);
+      float scale = block_scale(p, b);
       for (size_t i = lo; i < hi; i++) y[i] -= (float)q[i] * scale;
     }
   }

@@ -112,10 +112,21 @@ static int answer_read(conn *c, int64_t *skip) {
   return r < 0;
 }
 
-/* Drives UCX until every peer waited for has answered or hung up, or wait_s passes. skip[i]:
- * -2 not waited for, -1 waited for its hang-up only (a link we cannot read at a message
- * boundary), else as in answer_read. */
-static void await_answers(rpl_tr *tr, int64_t *skip, int waiting, double wait_s) {
+/* What to wait for on link c, as await_answers' skip: -2 not waited for, -1 its hang-up only
+ * (a link we cannot read at a message boundary), else as in answer_read. `fin` is the FIN
+ * header ucx_leave sends (NULL for the goodbyes). */
+typedef int64_t (*await_plan)(conn *c, const unsigned char *fin);
+
+/* Asks plan what to wait for on every link, then drives UCX until every peer waited for has
+ * answered or hung up, or wait_s passes. */
+static void await_answers(rpl_tr *tr, await_plan plan, const unsigned char *fin, double wait_s) {
+  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size);
+  if (!skip) return;
+  int waiting = 0;
+  for (int i = 0; i < tr->size; i++) {
+    skip[i] = plan(&tr->conns[i], fin);
+    if (skip[i] != -2) waiting++;
+  }
   double end = rpl_now() + wait_s;
   while (waiting > 0 && rpl_now() < end) {
     rpl_ucx_progress(tr->ucx);
@@ -128,6 +139,15 @@ static void await_answers(rpl_tr *tr, int64_t *skip, int waiting, double wait_s)
       }
     }
   }
+  free(skip);
+}
+
+/* Only a link at a message boundary both ways can carry a FIN and be read for its answer. */
+static int64_t fin_sent(conn *c, const unsigned char *fin) {
+  if (!c->ux || rpl_ucx_writing(c->ux) || c->rx_mode != RX_HEADER ||
+      rpl_ucx_write(c->ux, fin, HDR_SIZE, NULL, 0) < 0)
+    return -2;
+  return 0;
 }
 
 /* Leaving after success over UCX. Unlike a socket's kernel, UCX drops what a peer has not
@@ -137,21 +157,14 @@ static void await_answers(rpl_tr *tr, int64_t *skip, int waiting, double wait_s)
 static void ucx_leave(rpl_tr *tr) {
   unsigned char fin[HDR_SIZE];
   control_header(fin, FIN_MAGIC, 0);
-  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size); /* see await_answers */
-  if (!skip) return;
-  int waiting = 0;
-  for (int i = 0; i < tr->size; i++) {
-    conn *c = &tr->conns[i];
-    skip[i] = -2;
-    /* Only a link at a message boundary both ways can carry a FIN and be read for its answer. */
-    if (!c->ux || rpl_ucx_writing(c->ux) || c->rx_mode != RX_HEADER ||
-        rpl_ucx_write(c->ux, fin, HDR_SIZE, NULL, 0) < 0)
-      continue;
-    skip[i] = 0;
-    waiting++;
-  }
-  await_answers(tr, skip, waiting, UCX_FIN_WAIT_S);
-  free(skip);
+  await_answers(tr, fin_sent, fin, UCX_FIN_WAIT_S);
+}
+
+/* A link that carries a goodbye; one we are mid-message on can only be waited on to hang up. */
+static int64_t goodbye_sent(conn *c, const unsigned char *fin) {
+  (void)fin;
+  if (!c->ux || !c->ux_linger) return -2;
+  return c->rx_mode == RX_HEADER ? 0 : -1;
 }
 
 /* Leaving after a failure over UCX, goodbyes written (ux_linger marks them). Once an endpoint
@@ -162,18 +175,7 @@ static void ucx_leave(rpl_tr *tr) {
  * passes (a peer that does not read from us meanwhile sees us gone when it next does). A link
  * we are mid-message on cannot be read for an answer: only its hang-up ends the wait. */
 static void ucx_await_goodbyes(rpl_tr *tr) {
-  int64_t *skip = malloc(sizeof(int64_t) * (size_t)tr->size); /* see await_answers */
-  if (!skip) return;
-  int waiting = 0;
-  for (int i = 0; i < tr->size; i++) {
-    conn *c = &tr->conns[i];
-    skip[i] = -2;
-    if (!c->ux || !c->ux_linger) continue;
-    skip[i] = c->rx_mode == RX_HEADER ? 0 : -1;
-    waiting++;
-  }
-  await_answers(tr, skip, waiting, UCX_BYE_WAIT_S);
-  free(skip);
+  await_answers(tr, goodbye_sent, NULL, UCX_BYE_WAIT_S);
 }
 
 void rpl_tr_abort(rpl_tr *tr) {

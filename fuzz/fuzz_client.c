@@ -115,15 +115,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 #ifdef FUZZ_STANDALONE
 #include "fuzz_standalone.h"
 
-static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, const int *members,
-                      int sign) {
-  uint8_t b[512];
-  size_t n = rpl_msg_encode(m, members, b, sizeof b);
-  size_t end = fuzz_frame(out, pos, cap, NULL, 0, b, n);
-  if (sign && end != pos) out[pos + 1] |= 0x80;
-  return end;
-}
-
 /* Seeds: every reply type a coordinator sends, MACed with the client's session key under its
  * seq (and some with a stale seq, only the token, a wrong token, another round, an echoed
  * refusal). */
@@ -166,7 +157,7 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
       memset(m.mac, 0x5a, RPL_MAC_LEN);
       sign = 0;
     }
-    pos = put_msg(out, pos, cap, &m, members, sign);
+    pos = fuzz_put_msg(out, pos, cap, NULL, 0, &m, members, sign);
   }
   return pos;
 }

@@ -237,15 +237,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 #ifdef FUZZ_STANDALONE
 #include "fuzz_standalone.h"
 
-/* `sign`: the harness re-MACs the message after mutations (length bit 15). */
-static size_t put_msg(uint8_t *out, size_t pos, size_t cap, rpl_msg *m, uint8_t sel, int sign) {
-  uint8_t b[256];
-  size_t n = rpl_msg_encode(m, NULL, b, sizeof b);
-  size_t end = fuzz_frame(out, pos, cap, &sel, 1, b, n);
-  if (sign && end != pos) out[pos + 1] |= 0x80;
-  return end;
-}
-
 /* Seeds: every rank opens a session from its own route (an opening, then the answer to the
  * challenge), then a mix of what workers send (heartbeats from their own socket), rising
  * seqs; now and then a message with a wrong token (not re-MACed), a replayed seq or from
@@ -263,7 +254,8 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
       m.nworkers = FUZZ_WORKERS;
       m.nonce_w[0] = (uint8_t)(r + 1);
       m.nonce_c[0] = (uint8_t)answer; /* the harness puts the challenge in */
-      pos = put_msg(out, pos, cap, &m, (uint8_t)(r | 0x10), 1);
+      uint8_t sel = (uint8_t)(r | 0x10);
+      pos = fuzz_put_msg(out, pos, cap, &sel, 1, &m, NULL, 1);
     }
   uint64_t s = pick | 1;
   for (int i = 0; i < 24; i++) {
@@ -286,7 +278,7 @@ static size_t seed_messages(uint8_t *out, size_t cap, uint64_t pick) {
       case 3: sel |= 0xf0; break;                            /* a long silence */
       default: break;
     }
-    pos = put_msg(out, pos, cap, &m, sel, sign);
+    pos = fuzz_put_msg(out, pos, cap, &sel, 1, &m, NULL, sign);
   }
   return pos;
 }

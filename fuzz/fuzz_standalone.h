@@ -4,7 +4,7 @@
  *                            flips, random and 0xff bytes, truncations
  *   PROG --write-corpus DIR  writes the seeds to DIR/seed-NN
  *   PROG FILE...             replays inputs, e.g. a crash-* file libFuzzer left
- * Also what the two seed generators share (framing, the generator, a message's start).
+ * Also what the two seed generators share (framing a message, the generator, a message's start).
  * Header-only (static), so run_libfuzzer.sh builds each target from its one source file. */
 #ifndef RPL_FUZZ_STANDALONE_H
 #define RPL_FUZZ_STANDALONE_H
@@ -29,6 +29,18 @@ static size_t fuzz_frame(uint8_t *out, size_t pos, size_t cap, const uint8_t *pr
   if (nprefix) memcpy(out + pos, prefix, nprefix); /* prefix may be NULL then */
   memcpy(out + pos + nprefix, msg, n);
   return pos + nprefix + n;
+}
+
+/* Appends message m (with members, if any) encoded and framed as fuzz_frame does; `sign`
+ * sets length bit 15, which has the target MAC the message after mutation as a peer holding
+ * the key would. Returns the new end, or pos unchanged if it does not fit. */
+static size_t fuzz_put_msg(uint8_t *out, size_t pos, size_t cap, const uint8_t *prefix,
+                           size_t nprefix, const rpl_msg *m, const int *members, int sign) {
+  uint8_t b[512];
+  size_t n = rpl_msg_encode(m, members, b, sizeof b);
+  size_t end = fuzz_frame(out, pos, cap, prefix, nprefix, b, n);
+  if (sign && end != pos) out[pos + 1] |= 0x80;
+  return end;
 }
 
 /* The generator of the mutation loop and the seeds: one step of a 64-bit LCG. */

@@ -906,46 +906,66 @@ static void test_isolation_bound(void) {
   rpl_gg_destroy(gg);
 }
 
+/* Four workers driven by 1 ms ticks (sim_tick), each asking again `step` after its answer;
+ * a handed group ends at once. Workers below `nstopped` ask only before `stop_at`. */
+typedef struct tick_sim {
+  double step[4], next_ask[4], asked[4];
+  uint64_t round[4];
+  int waiting[4];
+  int nstopped;
+  double stop_at;
+} tick_sim;
+
+/* Advances the clock to t and has every worker that is due ask for its next round. */
+static void sim_tick(rpl_gg *gg, tick_sim *s, double t) {
+  OK(rpl_gg_advance(gg, t, &e_));
+  for (int w = 0; w < 4; w++) {
+    if (!s->waiting[w] && t >= s->next_ask[w] - 1e-9 && (w >= s->nstopped || t < s->stop_at)) {
+      s->waiting[w] = 1;
+      s->asked[w] = t;
+      OK(rpl_gg_request(gg, w, s->round[w], &e_));
+    }
+  }
+}
+
+/* ev answered a worker's request at t (a group, ended at once, or a pass): its next step. */
+static void sim_answered(rpl_gg *gg, tick_sim *s, const rpl_gg_event *ev, double t) {
+  int w = ev->worker;
+  s->waiting[w] = 0;
+  s->round[w]++;
+  s->next_ask[w] = t + s->step[w];
+  if (ev->kind == RPL_EV_GROUP) OK(rpl_gg_done(gg, w, ev->group_id, &e_));
+}
+
 /* The arrival filter: a division by a fast worker leaves out a slow worker that is computing
  * and not due for a while; once the slow worker asks it waits, and the next division takes it
  * in -- nobody waits for it, and it is not left alone. */
 static void test_arrival_filter(void) {
   rpl_gg *gg = make_smart(4, 3, 10);
-  /* 1 ms ticks; 0-2 compute 10 ms, 3 computes 50 ms; a handed group ends at once. */
-  double period[4] = {0.01, 0.01, 0.01, 0.05}, next_ask[4] = {0, 0, 0, 0}, asked[4];
-  uint64_t round[4] = {0}, slow_groups = 0;
-  int waiting[4] = {0};
+  /* 0-2 compute 10 ms, 3 computes 50 ms. */
+  tick_sim s = {.step = {0.01, 0.01, 0.01, 0.05}};
+  uint64_t slow_groups = 0;
   double worst_fast_wait = 0;
   for (int tick = 0; tick <= 600; tick++) {
     double t = tick * 0.001;
-    OK(rpl_gg_advance(gg, t, &e_));
-    for (int w = 0; w < 4; w++) {
-      if (!waiting[w] && t >= next_ask[w] - 1e-9) {
-        waiting[w] = 1;
-        asked[w] = t;
-        OK(rpl_gg_request(gg, w, round[w], &e_));
-      }
-    }
+    sim_tick(gg, &s, t);
     rpl_gg_event ev;
     int mm[8];
     while (rpl_gg_poll(gg, &ev, mm, 8)) {
       REQUIRE(ev.kind == RPL_EV_GROUP, "no cancels here");
       int w = ev.worker;
       REQUIRE(ev.nmembers >= 2, "worker %d got a group of one at %.3f s", w, t);
-      if (w < 3 && t > 0.2 && t - asked[w] > worst_fast_wait) worst_fast_wait = t - asked[w];
+      if (w < 3 && t > 0.2 && t - s.asked[w] > worst_fast_wait) worst_fast_wait = t - s.asked[w];
       if (w == 3) slow_groups++;
-      waiting[w] = 0;
-      round[w]++;
-      next_ask[w] = t + period[w];
-      OK(rpl_gg_done(gg, w, ev.group_id, &e_));
+      sim_answered(gg, &s, &ev, t);
     }
   }
   rpl_gg_stats st;
   rpl_gg_get_stats(gg, &st);
   REQUIRE(st.late > 0, "the slow worker was left out of divisions while computing");
   REQUIRE(worst_fast_wait < 0.0125, "a fast worker waited %.3f s for a group", worst_fast_wait);
-  REQUIRE(slow_groups >= 10 && round[0] >= 4 * round[3], "rounds: fast %llu, slow %llu",
-          (unsigned long long)round[0], (unsigned long long)round[3]);
+  REQUIRE(slow_groups >= 10 && s.round[0] >= 4 * s.round[3], "rounds: fast %llu, slow %llu",
+          (unsigned long long)s.round[0], (unsigned long long)s.round[3]);
   rpl_gg_destroy(gg);
 }
 
@@ -1123,36 +1143,26 @@ static void test_fenced_after_me_not_coming(void) {
  * them must go on running rounds then, none waiting long for a partner. */
 static void stopped_case(int nstopped, double stop_at, double settled) {
   rpl_gg *gg = make_smart(4, 3, 10);
-  double next_ask[4] = {0, 0, 0, 0}, asked[4] = {0}, worst_wait = 0;
-  uint64_t round[4] = {0}, late_rounds[4] = {0};
-  int waiting[4] = {0};
+  tick_sim s = {.step = {0.01, 0.01, 0.01, 0.01}, .nstopped = nstopped, .stop_at = stop_at};
+  double worst_wait = 0;
+  uint64_t late_rounds[4] = {0};
   for (int tick = 0; tick <= (int)((settled + 1.0) * 1000); tick++) {
     double t = tick * 0.001;
-    OK(rpl_gg_advance(gg, t, &e_));
-    for (int w = 0; w < 4; w++) {
-      if (!waiting[w] && t >= next_ask[w] - 1e-9 && (w >= nstopped || t < stop_at)) {
-        waiting[w] = 1;
-        asked[w] = t;
-        OK(rpl_gg_request(gg, w, round[w], &e_));
-      }
-    }
+    sim_tick(gg, &s, t);
     rpl_gg_event ev;
     int mm[8];
     while (rpl_gg_poll(gg, &ev, mm, 8)) {
       int w = ev.worker;
       if (ev.kind == RPL_EV_CANCEL) { /* ask again */
-        waiting[w] = 0;
-        next_ask[w] = t;
+        s.waiting[w] = 0;
+        s.next_ask[w] = t;
         continue;
       }
-      if (asked[w] > settled) {
+      if (s.asked[w] > settled) {
         late_rounds[w]++;
-        if (t - asked[w] > worst_wait) worst_wait = t - asked[w];
+        if (t - s.asked[w] > worst_wait) worst_wait = t - s.asked[w];
       }
-      waiting[w] = 0;
-      round[w]++;
-      next_ask[w] = t + 0.01;
-      if (ev.kind == RPL_EV_GROUP) OK(rpl_gg_done(gg, w, ev.group_id, &e_));
+      sim_answered(gg, &s, &ev, t);
     }
   }
   for (int w = nstopped; w < 4; w++)
