@@ -485,14 +485,33 @@ def collect_direct(procs, conns, timeout_s, skip=()):
                 except EOFError:
                     reports[r] = ("dead",)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-        for c in conns:
-            c.close()
+        reap_direct(procs, conns)
     return reports
+
+
+def reap_direct(procs, conns) -> None:
+    """Joins the workers of ``start_direct``, killing any still running after 10 s, and closes
+    their pipes."""
+    for p in procs:
+        p.join(timeout=10)
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+    for c in conns:
+        c.close()
+
+
+def load_benchmark(name: str, filename: str):
+    """``benchmarks/<filename>`` imported as module ``name`` (benchmarks are scripts, not a
+    package)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "benchmarks",
+                                                                     filename))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def free_port() -> int:

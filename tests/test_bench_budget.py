@@ -3,7 +3,7 @@ made-up runs (fast), and ``--quick`` end to end (slow: 2 workers, a straggler, a
 iterations and two tiny CNN epochs with DataLoader worker processes, DDP on gloo and ripples
 wrap()). The assertions are about counts, records and files, never about times (the machine
 may be shared)."""
-import importlib.util
+
 import json
 import math
 import os
@@ -12,15 +12,13 @@ import sys
 
 import pytest
 
+import _dist
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_budget", os.path.join(REPO, "benchmarks", "budget.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _dist.load_benchmark("bench_budget", "budget.py")
 
 
 # ----------------------------------------------------------------------------- fast

@@ -4,7 +4,6 @@ the new workloads (the BatchNorm CNN with repeats, the Transformer) at a tiny si
 writes its outputs and reports, per run, the averaged model, the slowest worker and the
 consensus distance over time. No timing assertions (the machine may be shared)."""
 import glob
-import importlib.util
 import json
 import math
 import os
@@ -12,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+import _dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RIPPLES_STRATEGIES = {"adpsgd", "static", "random", "default", "smart", "smart_p1", "smart_ovl",
@@ -21,11 +22,7 @@ ALL_STRATEGIES = ["gloo", "exact", "hier", "local", "adpsgd", "static", "random"
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_train", os.path.join(REPO, "benchmarks", "train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _dist.load_benchmark("bench_train", "train.py")
 
 
 # ----------------------------------------------------------------------------- fast

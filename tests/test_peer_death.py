@@ -94,13 +94,7 @@ def _run(hosts, kill_at, transport, big):
             time.sleep(0.05)
             zombies_seen = _zombie(procs[VICTIM].pid)
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.exitcode is None:
-                p.kill()
-                p.join()
-        for c in conns:
-            c.close()
+        _dist.reap_direct(procs, conns)
     return reports, zombies_seen
 
 

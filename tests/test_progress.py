@@ -275,16 +275,9 @@ def test_clock_arguments():
 # ----------------------------------------------------------------------------- sampler
 
 
-def task_epochs(ctx, n, epochs, warmup, schedule, slow_rank, claim, drop_last):
-    import ripples_pg
-
-    sampler = ripples_pg.DistributedSampler(_Indexed(n), shuffle=True, seed=5,
-                                            drop_last=drop_last, claim_size=claim)
-    model, ropt = _setup(ctx, warmup=warmup, schedule=schedule, sampler=sampler)
-    if sampler._store is not None:
-        sampler._store = _CountingStore(sampler._store)
-    g = torch.Generator().manual_seed(ctx.rank)
-    loader = torch.utils.data.DataLoader(_Indexed(n), batch_size=4, sampler=sampler)
+def _paced_epochs(ctx, slow_rank, loader, sampler, epochs, model, ropt, g):
+    """Trains ``epochs`` epochs of ``loader`` at ``_Pace``'s speeds; returns the indices each
+    epoch gave this rank."""
     per_epoch = []
     pace = _Pace(ctx, slow_rank)
     for epoch in range(epochs):
@@ -295,6 +288,20 @@ def task_epochs(ctx, n, epochs, warmup, schedule, slow_rank, claim, drop_last):
             pace.step(model, ropt, g)
         per_epoch.append(seen)
     pace.done()
+    return per_epoch
+
+
+def task_epochs(ctx, n, epochs, warmup, schedule, slow_rank, claim, drop_last):
+    import ripples_pg
+
+    sampler = ripples_pg.DistributedSampler(_Indexed(n), shuffle=True, seed=5,
+                                            drop_last=drop_last, claim_size=claim)
+    model, ropt = _setup(ctx, warmup=warmup, schedule=schedule, sampler=sampler)
+    if sampler._store is not None:
+        sampler._store = _CountingStore(sampler._store)
+    g = torch.Generator().manual_seed(ctx.rank)
+    loader = torch.utils.data.DataLoader(_Indexed(n), batch_size=4, sampler=sampler)
+    per_epoch = _paced_epochs(ctx, slow_rank, loader, sampler, epochs, model, ropt, g)
     steps = ropt.averager.step
     ropt.unwrap()
     samples = ropt.job_samples  # agreed by unwrap(): every worker's last count is in
@@ -488,16 +495,7 @@ def task_loader_workers(ctx, n):
     loader = torch.utils.data.DataLoader(_Indexed(n), batch_size=5, sampler=sampler,
                                          num_workers=2, prefetch_factor=2,
                                          persistent_workers=True)
-    epochs = []
-    pace = _Pace(ctx, 1)
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        seen = []
-        for batch in loader:
-            seen.extend(batch.tolist())
-            pace.step(model, ropt, g)
-        epochs.append(seen)
-    pace.done()
+    epochs = _paced_epochs(ctx, 1, loader, sampler, 2, model, ropt, g)
     ropt.unwrap()
     return epochs
 
