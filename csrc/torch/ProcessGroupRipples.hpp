@@ -10,8 +10,8 @@
 //
 // The shim's parts, each in its own file: TensorArgs (argument checks, dtype and ReduceOp
 // translation), Submitter (the one path every entry point takes to the core, with its
-// sequence numbers and staging thread), Submission (the Call an entry point stages its
-// tensors into), RipplesWork (Work, and the completion executor: why completion cannot
+// sequence numbers and staging thread), Call (what an entry point stages its tensors
+// into), RipplesWork (Work, and the completion executor: why completion cannot
 // deadlock), DeviceStaging (device tensors), StoreAdapter (the c10d store for the core's
 // rendezvous), Errors (core statuses as torch exceptions), SparseAllreduce (sparse COO
 // tensors). This file is the backend itself: its lifecycle and its entry points.

@@ -6,7 +6,7 @@
 //     return submitter_->post(entry, opts.timeout, outputs, {tensors...}, {desc},
 //                             [&](Call& c) { c.in(input, d); c.out(output, d, "the output"); });
 //
-// post() begins a Call (Submission.hpp) with its Work, sequence number and device staging,
+// post() begins a Call (Call.hpp) with its Work, sequence number and device staging,
 // lets the entry point stage its tensors, binds each descriptor to its buffers, registers the
 // completion, and hands the call to the core: run inline (the latency path), through the
 // staging thread (device tensors, and any call issued behind one), or queued.
@@ -48,7 +48,7 @@
 #include "Config.hpp"
 #include "DeviceStaging.hpp"
 #include "RipplesWork.hpp"
-#include "Submission.hpp"
+#include "Call.hpp"
 #include "ripples.h"
 
 namespace ripples __attribute__((visibility("hidden"))) {

@@ -1,4 +1,4 @@
-// Submission: what an entry point hands the Submitter (Submitter.hpp) — the Entry that names
+// Call: what an entry point hands the Submitter (Submitter.hpp) — the Entry that names
 // the operation, the core operations (makeDesc), and the Call its tensors are staged into.
 //
 // `entry` names the operation (torch's OpType, the profiler's title, the name in messages);

@@ -1,6 +1,6 @@
-// Submission: see Submission.hpp. The Call's staging of tensors (the path it then takes to
-// the core is the Submitter's: Submitter.cpp).
-#include "Submission.hpp"
+// Call: see Call.hpp. A call's tensors staged into core buffers, and cut into chunks when
+// pipelined; its way to the core is the Submitter's (Submitter.cpp).
+#include "Call.hpp"
 
 #include <c10/util/Exception.h>
 
