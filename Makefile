@@ -35,7 +35,7 @@ venv: sysdeps $(VENV)/.deps
 
 # The extension is rebuilt only when what it is built from changed (the editable install
 # picks up Python files as they are): `make pytest` after a Python-only change starts at once.
-BUILD_INPUTS := $(shell find csrc coordinator -type f \( -name '*.c' -o -name '*.h' -o \
+BUILD_INPUTS := $(shell find csrc coordinator shim -type f \( -name '*.c' -o -name '*.h' -o \
 	-name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \)) CMakeLists.txt setup.py \
 	pyproject.toml
 

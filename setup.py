@@ -107,11 +107,11 @@ class CMakeThenTorchExt(BuildExtension):
                 f.write(_build_info_text())
 
 
-# One extension: the backend and the Group Generator's binding (csrc/torch/GroupGenerator.cpp:
+# One extension: the backend and the Group Generator's binding (shim/GroupGenerator.cpp:
 # policies, coordinator, client and CLI), over the C libraries CMake built.
 ext = CppExtension(
     name="ripples_pg._C",
-    sources=sorted(glob.glob(os.path.join("csrc", "torch", "*.cpp"))),
+    sources=sorted(glob.glob(os.path.join("shim", "*.cpp"))),
     include_dirs=[os.path.join(HERE, "csrc"), os.path.join(HERE, "csrc", "sched"),
                   os.path.join(HERE, "coordinator")],
     extra_compile_args=["-O2", "-Wall"],

@@ -1,7 +1,7 @@
 /*
  * ripples.h - the one public header of the ripples C core.
  *
- * The core knows nothing about torch. A caller (the C++ shim in csrc/torch/, or a C test)
+ * The core knows nothing about torch. A caller (the C++ shim in shim/, or a C test)
  * creates one communicator per process group, hands it plain (pointer, count, dtype) buffers
  * and gets a completion callback per operation.
  *
@@ -226,7 +226,7 @@ rpl_status rpl_submit_inline(rpl_comm *comm, const rpl_op_desc *desc, int *ran,
 
 /* Counters for stats and tests, one table: X(name, what it counts). From it come the structs
  * (rpl_comm_counters here, rpl_tr_counters in transport.h), their copies, and the keys and
- * docs of ripples_pg.stats() (csrc/torch/module.cpp; docs/stats.md is generated from them).
+ * docs of ripples_pg.stats() (shim/module.cpp; docs/stats.md is generated from them).
  * All uint64_t, read without stopping the progress thread. The transport's come after the
  * engine's own. */
 #define RPL_TR_COUNTERS(X)                                                                   \

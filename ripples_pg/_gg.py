@@ -2,7 +2,7 @@
 (``GroupGenerator``), the coordinator service (``Coordinator``), its client (``Client``),
 status queries and the ``ripples-coordinator`` command line (``cli_main``).
 
-The binding is the submodule ``gg`` of the backend's extension (csrc/torch/GroupGenerator.cpp),
+The binding is the submodule ``gg`` of the backend's extension (shim/GroupGenerator.cpp),
 so the C Group Generator is loaded once per process; this module only re-exports it under its
 long-standing name. Errors raise ValueError (bad arguments), TimeoutError, ConnectionError
 (coordinator unreachable or gone), MemoryError or RuntimeError.

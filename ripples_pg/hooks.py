@@ -17,7 +17,7 @@ Usage::
     ddp_model.register_comm_hook(state, ripples_pg.hooks.ripples_hook)
 
 ``ripples_pg.wrap()`` does this (and links the state to its averager) for you, through
-:func:`register`: a C++ hook (``csrc/torch/CommHook.hpp``) that runs the exact steps itself --
+:func:`register`: a C++ hook (``shim/CommHook.hpp``) that runs the exact steps itself --
 the divided gradient all-reduced exactly, as DDP's built-in hook, with no Python per bucket --
 and calls :func:`ripples_hook` for the other steps. ``wrap()`` stays exact while the workers
 are even, and the Python hook took the interpreter twice per bucket (the hook and its future's

@@ -465,7 +465,7 @@ _FIELDS: dict[str, _Field] = {
 }
 
 
-# The backend's configuration (ripples::Config, csrc/torch/Config.hpp) from a resolved Options:
+# The backend's configuration (ripples::Config, shim/Config.hpp) from a resolved Options:
 # one line per Config field that Options decide. Options only the Python layer reads (host_id,
 # the coordinator's and the schedule's parameters) are not here; the creator adds what it finds
 # at creation (Options._core_config). Adding an option that reaches the core: a _Field above, a

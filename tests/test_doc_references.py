@@ -6,10 +6,11 @@ import os
 import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DIRS = ("csrc", "coordinator", "fuzz", "ripples_pg", "tests", "benchmarks", "scripts",
+DIRS = ("csrc", "coordinator", "shim", "fuzz", "ripples_pg", "tests", "benchmarks", "scripts",
         "examples", ".ci")
 EXTS = (".c", ".h", ".cpp", ".py", ".sh", ".txt", ".cmake")
-TOP = ("docs", "benchmarks", "coordinator", "csrc", "examples", "fuzz", "tests", "scripts")
+TOP = ("docs", "benchmarks", "coordinator", "csrc", "examples", "fuzz", "shim", "tests",
+       "scripts")
 PATH = re.compile(r"\b((?:%s)/[A-Za-z0-9_./-]*[A-Za-z0-9_-]\.md)\b" % "|".join(TOP))
 SECTION = re.compile(r"docs/design\.md §(\d+)")
 # (The raw straggler traces do live outside: benchmarks/traces/derive.py reads them from there.)

@@ -1,4 +1,4 @@
-"""The staging path of device tensors (csrc/torch/DeviceStaging.hpp), exercised on CPU.
+"""The staging path of device tensors (shim/DeviceStaging.hpp), exercised on CPU.
 
 CUDA tensors go through pinned host memory and reach the core from the group's staging thread
 once their copies are done. This machine has no GPU, so RIPPLES_DEBUG_STAGE_CPU sends CPU

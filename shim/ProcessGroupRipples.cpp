@@ -1,7 +1,7 @@
 // ProcessGroupRipples: see ProcessGroupRipples.hpp. The backend's lifecycle (creation,
 // shutdown, stats) and its entry points: each checks its arguments with TensorArgs and makes
-// one call to post() (Submission.hpp) with the core operation and a function that stages its
-// tensors. No communication algorithm lives here.
+// one call to the Submitter's post() (Submitter.hpp) with the core operation and a function
+// that stages its tensors. No communication algorithm lives here.
 #include <Python.h>  // only to release the GIL around blocking waits, when it is held
 
 #include "ProcessGroupRipples.hpp"
@@ -13,7 +13,6 @@
 
 #include "Errors.hpp"
 #include "StoreAdapter.hpp"
-#include "Submission.hpp"
 #include "TensorArgs.hpp"
 
 namespace ripples {
@@ -72,7 +71,7 @@ ProcessGroupRipples::ProcessGroupRipples(
   createComm(store);
   executor_ = std::make_shared<CompletionExecutor>(group_->name);
   executor_->start();
-  stager_ = std::make_unique<StagedSubmitter>(cfg_.timeout_s);
+  submitter_ = std::make_unique<Submitter>(cfg_, comm_, group_, executor_);
   init();
 }
 
@@ -112,11 +111,9 @@ void ProcessGroupRipples::createComm(const c10::intrusive_ptr<c10d::Store>& stor
 ProcessGroupRipples::~ProcessGroupRipples() {
   // May run with the GIL held (torch's Python holder): never wait here for a thread that may
   // need it. The core's progress thread never does; completion threads are detached.
-  shutdown_.store(true);
-  if (stager_) {
-    // Never needs the GIL; gives up waiting for device copies once stopped.
-    stager_->stop("shut down before its device copies finished", true);
-  }
+  submitter_->close();
+  // Never needs the GIL; gives up waiting for device copies once stopped.
+  submitter_->stopStaging("shut down before its device copies finished");
   if (comm_ != nullptr) {
     rpl_comm_destroy(comm_);  // shuts down if needed, joins the progress thread
     comm_ = nullptr;
@@ -127,7 +124,7 @@ ProcessGroupRipples::~ProcessGroupRipples() {
 }
 
 void ProcessGroupRipples::shutdown() {
-  if (comm_ != nullptr && !shutdown_.load()) {
+  if (comm_ != nullptr && !submitter_->isClosed()) {
     // Graceful (destroy_process_group, interpreter exit): a partial round still in flight --
     // an overlapped one at the end of a training loop -- has members exchanging with this
     // worker; it finishes first, within its timeout (at most kSettleMaxS). abort() does not wait.
@@ -139,22 +136,17 @@ void ProcessGroupRipples::shutdown() {
 
 void ProcessGroupRipples::shutdownNow() {
   std::lock_guard<std::mutex> g(shutdownMu_);
-  if (shutdown_.exchange(true)) {
+  if (!submitter_->close()) {
     return;
   }
   GilRelease nogil;
   if (comm_ != nullptr) {
     // Queued operations complete with RPL_ERR_CLOSED; one running inline on a caller's thread
-    // (which holds submitMu_) is interrupted. A submission racing with this is refused.
+    // (in the middle of a hand-off) is interrupted. A submission racing with this is refused.
     rpl_comm_shutdown(comm_);
   }
-  {
-    // Waits for submissions in flight (an inline one returns once interrupted).
-    std::lock_guard<std::mutex> s(submitMu_);
-  }
-  if (stager_) {
-    stager_->stop("shut down before its device copies finished", true);
-  }
+  submitter_->waitForHandoffs();  // an inline one returns once interrupted
+  submitter_->stopStaging("shut down before its device copies finished");
   if (executor_) {
     executor_->stop(std::min(30.0, std::max(1.0, cfg_.timeout_s)));
   }
@@ -288,7 +280,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::broadcast(
   checkAllLike(tensors, src, e.name, "tensors", "the root tensor");
   rpl_op_desc desc = makeDesc(RPL_OP_BROADCAST);
   desc.root = static_cast<int>(opts.rootRank);
-  return post(e, opts.timeout, tensors, {tensors}, {desc}, [&](Call& c) {
+  return submitter_->post(e, opts.timeout, tensors, {tensors}, {desc}, [&](Call& c) {
     const at::Tensor buf = c.inout(src, d, "tensor");
     // Legacy multi-tensor form (as gloo): the other local tensors receive the root tensor too.
     for (size_t i = 0; i < tensors.size(); ++i) {
@@ -318,8 +310,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce(
   const rpl_dtype d = checkTensor(tensors[0], e.name, "tensor");
   rpl_op_desc desc = makeDesc(requestedAllreduceKind());
   desc.redop = toRplRedop(opts.reduceOp, d, e.name);
-  return post(e, opts.timeout, tensors, {tensors}, {desc},
-              [&](Call& c) { c.inout(tensors[0], d, "tensor"); });
+  return submitter_->post(e, opts.timeout, tensors, {tensors}, {desc},
+                          [&](Call& c) { c.inout(tensors[0], d, "tensor"); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce_coalesced(
@@ -338,7 +330,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allreduce_coalesced(
     dts[i] = checkTensor(tensors[i], e.name, "tensors" + ordinal(i));
     desc.redop = toRplRedop(opts.reduceOp, dts[i], e.name);
   }
-  return post(e, opts.timeout, tensors, {tensors}, {desc}, [&](Call& c) {
+  return submitter_->post(e, opts.timeout, tensors, {tensors}, {desc}, [&](Call& c) {
     for (size_t i = 0; i < tensors.size(); ++i) {
       c.inout(tensors[i], dts[i], "tensors" + ordinal(i));
     }
@@ -359,8 +351,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::reduce(
   rpl_op_desc desc = makeDesc(RPL_OP_REDUCE);
   desc.redop = toRplRedop(opts.reduceOp, d, e.name);
   desc.root = static_cast<int>(opts.rootRank);
-  return post(e, opts.timeout, tensors, {tensors}, {desc},
-              [&](Call& c) { c.inout(tensors[0], d, "tensor"); });
+  return submitter_->post(e, opts.timeout, tensors, {tensors}, {desc},
+                          [&](Call& c) { c.inout(tensors[0], d, "tensor"); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather(
@@ -377,7 +369,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather(
   const at::Tensor& input = inputTensors[0];
   const rpl_dtype d = checkTensor(input, op, "the input tensor");
   checkAllLike(outs, input, op, "output", "the input tensor");
-  return post(
+  return submitter_->post(
       e, opts.timeout, outs, {inputTensors, outs}, {makeDesc(RPL_OP_ALLGATHER)},
       [&](Call& c) {
         c.in(input, d);
@@ -396,7 +388,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::_allgather_base(
       c10d::OpType::_ALLGATHER_BASE, "ripples:_allgather_base", "allgather_into_tensor"};
   checkOpen(e.name);
   const rpl_dtype d = checkPartsOf(inputBuffer, "input", outputBuffer, "output", size_, e.name);
-  return post(
+  return submitter_->post(
       e, opts.timeout, {outputBuffer}, {inputBuffer, outputBuffer}, {makeDesc(RPL_OP_ALLGATHER)},
       [&](Call& c) {
         c.in(inputBuffer, d);
@@ -429,7 +421,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather_coalesced(
       flat.push_back(outputLists[r][j]);
     }
   }
-  return post(
+  return submitter_->post(
       e, opts.timeout, flat, {inputs, flat},
       std::vector<rpl_op_desc>(inputs.size(), makeDesc(RPL_OP_ALLGATHER)),
       [&](Call& c) {
@@ -463,7 +455,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::allgather_into_tensor_coales
         "group size x elements of inputs" + ordinal(i));
   }
   // One core allgather per pair: inputs[i] into the size_ slices of outputs[i].
-  return post(
+  return submitter_->post(
       e, opts.timeout, outputs, {inputs, outputs},
       std::vector<rpl_op_desc>(inputs.size(), makeDesc(RPL_OP_ALLGATHER)), [&](Call& c) {
         for (size_t i = 0; i < inputs.size(); ++i) {
@@ -485,7 +477,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::gather(
   const std::vector<at::Tensor>& outs = rl.tensors;
   rpl_op_desc desc = makeDesc(RPL_OP_GATHER);
   desc.root = static_cast<int>(opts.rootRank);
-  return post(e, opts.timeout, outs, {inputTensors, outs}, {desc}, [&](Call& c) {
+  return submitter_->post(e, opts.timeout, outs, {inputTensors, outs}, {desc}, [&](Call& c) {
     c.in(inputTensors[0], rl.dtype);
     for (size_t i = 0; i < outs.size(); ++i) {
       c.out(outs[i], rl.dtype, "gather_list" + ordinal(i));
@@ -505,12 +497,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::scatter(
   const std::vector<at::Tensor>& ins = rl.tensors;
   rpl_op_desc desc = makeDesc(RPL_OP_SCATTER);
   desc.root = static_cast<int>(opts.rootRank);
-  return post(e, opts.timeout, outputTensors, {outputTensors, ins}, {desc}, [&](Call& c) {
-    for (const at::Tensor& t : ins) {
-      c.in(t, rl.dtype);
-    }
-    c.out(outputTensors[0], rl.dtype, "the output tensor");
-  });
+  return submitter_->post(
+      e, opts.timeout, outputTensors, {outputTensors, ins}, {desc}, [&](Call& c) {
+        for (const at::Tensor& t : ins) {
+          c.in(t, rl.dtype);
+        }
+        c.out(outputTensors[0], rl.dtype, "the output tensor");
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::reduce_scatter(
@@ -529,12 +522,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::reduce_scatter(
   checkAllLike(ins, output, op, "input", "the output tensor");
   rpl_op_desc desc = makeDesc(RPL_OP_REDUCE_SCATTER);
   desc.redop = toRplRedop(opts.reduceOp, d, op);
-  return post(e, opts.timeout, outputTensors, {outputTensors, ins}, {desc}, [&](Call& c) {
-    for (const at::Tensor& t : ins) {
-      c.in(t, d);
-    }
-    c.out(output, d, "the output tensor");
-  });
+  return submitter_->post(
+      e, opts.timeout, outputTensors, {outputTensors, ins}, {desc}, [&](Call& c) {
+        for (const at::Tensor& t : ins) {
+          c.in(t, d);
+        }
+        c.out(output, d, "the output tensor");
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::_reduce_scatter_base(
@@ -547,10 +541,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::_reduce_scatter_base(
   const rpl_dtype d = checkPartsOf(outputBuffer, "output", inputBuffer, "input", size_, e.name);
   rpl_op_desc desc = makeDesc(RPL_OP_REDUCE_SCATTER);
   desc.redop = toRplRedop(opts.reduceOp, d, e.name);
-  return post(e, opts.timeout, {outputBuffer}, {inputBuffer, outputBuffer}, {desc}, [&](Call& c) {
-    c.inSlices(inputBuffer, d, equalShares(inputBuffer, size_));
-    c.out(outputBuffer, d, "the output tensor");
-  });
+  return submitter_->post(
+      e, opts.timeout, {outputBuffer}, {inputBuffer, outputBuffer}, {desc}, [&](Call& c) {
+        c.inSlices(inputBuffer, d, equalShares(inputBuffer, size_));
+        c.out(outputBuffer, d, "the output tensor");
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall_base(
@@ -569,7 +564,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall_base(
       splitCounts(inputBuffer, inputSplitSizes, size_, op, "input");
   const std::vector<size_t> outCounts =
       splitCounts(outputBuffer, outputSplitSizes, size_, op, "output");
-  return post(
+  return submitter_->post(
       e, opts.timeout, {outputBuffer}, {inputBuffer, outputBuffer}, {makeDesc(RPL_OP_ALLTOALL)},
       [&](Call& c) {
         c.inSlices(inputBuffer, d, inCounts);
@@ -593,7 +588,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::alltoall(
     checkSameDtype(inputTensors[i], inputTensors[0], op, "input" + ordinal(i), "input[0]");
     checkSameDtype(outputTensors[i], inputTensors[0], op, "output" + ordinal(i), "input[0]");
   }
-  return post(
+  return submitter_->post(
       e, opts.timeout, outputTensors, {inputTensors, outputTensors}, {makeDesc(RPL_OP_ALLTOALL)},
       [&](Call& c) {
         for (int i = 0; i < size_; ++i) {
@@ -647,8 +642,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::send(
   rpl_dtype d;
   const rpl_op_desc desc =
       p2pDesc(e.name, RPL_OP_SEND, tensors, false, dstRank, tag, rank_, size_, &d);
-  return post(e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc},
-              [&](Call& c) { c.in(tensors[0], d); });
+  return submitter_->post(e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc},
+                          [&](Call& c) { c.in(tensors[0], d); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
@@ -660,10 +655,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recv(
   rpl_dtype d;
   const rpl_op_desc desc =
       p2pDesc(e.name, RPL_OP_RECV, tensors, false, srcRank, tag, rank_, size_, &d);
-  return post(e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc}, [&](Call& c) {
-    c.out(tensors[0], d, "tensor");
-    c.setSource(srcRank);  // known at once
-  });
+  return submitter_->post(
+      e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc}, [&](Call& c) {
+        c.out(tensors[0], d, "tensor");
+        c.setSource(srcRank);  // known at once
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recvAnysource(
@@ -675,16 +671,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::recvAnysource(
   rpl_dtype d;
   const rpl_op_desc desc =
       p2pDesc(e.name, RPL_OP_RECV, tensors, true, RPL_ANY_SOURCE, tag, rank_, size_, &d);
-  return post(e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc}, [&](Call& c) {
-    c.out(tensors[0], d, "tensor");
-    c.reportSource();  // the core writes the sender
-  });
+  return submitter_->post(
+      e, std::chrono::milliseconds::zero(), tensors, {tensors}, {desc}, [&](Call& c) {
+        c.out(tensors[0], d, "tensor");
+        c.reportSource();  // the core writes the sender
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::barrier(const c10d::BarrierOptions& opts) {
   static const Entry e{c10d::OpType::BARRIER, "ripples:barrier", "barrier"};
   checkOpen(e.name);
-  return post(e, opts.timeout, {}, {}, {makeDesc(RPL_OP_BARRIER)}, [](Call&) {});
+  return submitter_->post(e, opts.timeout, {}, {}, {makeDesc(RPL_OP_BARRIER)}, [](Call&) {});
 }
 
 c10::intrusive_ptr<ProcessGroupRipples> createProcessGroupRipples(

@@ -176,7 +176,7 @@ py::object secondsOrNone(double v) {
 void bindCommHook(py::module_& m) {
   py::class_<CommHookSwitch, std::shared_ptr<CommHookSwitch>>(
       m, "_CommHookSwitch",
-      "What wrap()'s DDP comm hook does with the next buckets (csrc/torch/CommHook.hpp); set "
+      "What wrap()'s DDP comm hook does with the next buckets (shim/CommHook.hpp); set "
       "by ripples_pg.hooks.RipplesHookState.")
       .def(py::init<>())
       .def("set", &CommHookSwitch::set, py::arg("exact"), py::arg("clock"), py::arg("tid"),

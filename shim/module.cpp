@@ -54,10 +54,12 @@ using PG = ripples::ProcessGroupRipples;
   X(paths, pg.peerPaths(),                                                                   \
     "per group rank, what carries this rank's traffic with it now: 'self', 'shm', "          \
     "'shm+single-copy', 'shm-resuming', 'closed', 'dead', 'tcp' or 'ucx'")                   \
-  X(ops_staged, pg.stagedCalls(), "calls on CUDA tensors, staged through pinned host memory") \
-  X(ops_staged_pipelined, pg.pipelinedCalls(),                                               \
+  X(ops_staged, pg.submitter().stagedCalls(),                                                \
+    "calls on CUDA tensors, staged through pinned host memory")                              \
+  X(ops_staged_pipelined, pg.submitter().pipelinedCalls(),                                   \
     "of ops_staged, those staged in chunks (stage_chunk_bytes)")                             \
-  X(stage_chunks, pg.stageChunks(), "the chunks of ops_staged_pipelined, one core operation each")
+  X(stage_chunks, pg.submitter().stageChunks(),                                              \
+    "the chunks of ops_staged_pipelined, one core operation each")
 
 py::dict countersDict(const PG& pg) {
   rpl_comm_counters c;

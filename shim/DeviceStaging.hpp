@@ -19,7 +19,7 @@
 // stream calls is exercised: "1" every call, "alternate" every other call of a group (staged
 // and direct calls then interleave, as CPU and CUDA calls do on one group).
 //
-// Pipelined staging (Config::stage_chunk_bytes > 0; Submission.cpp cuts the call): an exact
+// Pipelined staging (Config::stage_chunk_bytes > 0; Call.cpp cuts the call): an exact
 // all-reduce or broadcast larger than one chunk becomes one core operation per chunk (a
 // non-contiguous tensor in it is copied whole, before the first chunk and after the last).
 // Step 1 then copies chunk by chunk, recording one event per chunk; the

@@ -264,9 +264,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupRipples::sparseAllreduce(
   const at::Tensor metas = gatherLayouts(*this, input, ag, &maxNnz);
   const Gathered g = gatherEntries(*this, input, maxNnz, ag);
   tensor.copy_(sumEntries(input, metas, g, size_));
-  return completedWork(
-      c10d::OpType::ALLREDUCE, "ripples:all_reduce_sparse", "allreduce", {tensor},
-      opts.timeout);
+  static const Entry e{c10d::OpType::ALLREDUCE, "ripples:all_reduce_sparse", "allreduce"};
+  return submitter_->completedWork(e, {tensor}, opts.timeout);
 }
 
 }  // namespace ripples

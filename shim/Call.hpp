@@ -1,17 +1,11 @@
-// Submission: the one path from an entry point to the core.
-//
-// An entry point checks its arguments (TensorArgs.hpp), then makes one call:
-//
-//     return post(entry, opts.timeout, outputs, {tensors...}, {desc},
-//                 [&](Call& c) { c.in(input, d); c.out(output, d, "the output tensor"); });
+// Call: what an entry point hands the Submitter (Submitter.hpp) — the Entry that names
+// the operation, the core operations (makeDesc), and the Call its tensors are staged into.
 //
 // `entry` names the operation (torch's OpType, the profiler's title, the name in messages);
 // `desc` is the core operation with its own fields set (kind, root, redop, tag: makeDesc); the
-// function stages the call's tensors into core buffers, in the order the core reads them.
-// ProcessGroupRipples::post (Submission.cpp) does the rest the same way for every entry point:
-// the Work and its sequence number, device staging, each descriptor's buffers, the completion
-// callback and timeout, and the hand-off to the core — run inline (the latency path), through
-// the staging thread (device tensors), or queued — or a synchronous error if the core refuses.
+// entry point's staging function puts the call's tensors into core buffers through the Call,
+// in the order the core reads them. Submitter::post does the rest, the same way for every
+// entry point.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,8 +37,9 @@ rpl_op_desc makeDesc(rpl_op_kind kind);
 // tensor, copied back on completion when results land in it. Inputs and outputs are appended
 // in order; a call of n core operations gives operation i the i-th of n equal shares of each
 // (coalesced calls stage one share per operation). A pipelined call (pipelineBytes > 0, set
-// by post() before staging) defers the copies of its in-place tensors: submit() cuts its one
-// operation into chunks and copies chunk by chunk (DeviceStaging.hpp).
+// by Submitter::post before staging) defers the copies of its in-place tensors:
+// Submitter::submit cuts its one operation into chunks and copies chunk by chunk
+// (DeviceStaging.hpp).
 class Call {
  public:
   // Read-only input.
@@ -68,7 +63,7 @@ class Call {
   // recvAnysource: the core writes the sender into the context before on_done.
   void reportSource();
 
-  // Used by the submission path.
+  // Used by the Submitter.
   std::unique_ptr<OpContext> ctx;
   const char* opName = nullptr;
   double timeoutS = 0;  // per-call timeout (opts.timeout); 0 = the group's

@@ -86,7 +86,7 @@ rpl_partial_config partialConfig(const Config& cfg, rpl_domain* domain) {
 
 void bindConfig(py::module_& m) {
   py::class_<Config> c(m, "Config",
-                       "The backend's configuration (csrc/torch/Config.hpp); filled by "
+                       "The backend's configuration (shim/Config.hpp); filled by "
                        "ripples_pg.Options._core_config and the creator, never printed (it "
                        "holds the job secret).");
   c.def(py::init<>());
