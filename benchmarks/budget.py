@@ -404,88 +404,14 @@ def fmt_spread(s, spec=".2f", scale=1.0):
 
 
 def report(out: dict) -> list:
+    """The report's lines (results.md) of a benchmark's results.json."""
     cfg = out["config"]
     results = out["results"]
     cl = cells(results, cfg["workloads"], cfg["scenarios"], cfg["strategies"])
-    vd = verdicts(results, cl, cfg["workloads"], cfg["scenarios"])
-    L = ["# Budget benchmark: jobs that stop on a budget of work (issue 38)", "",
-         "```sh", out["command"], "```", "",
-         f"{out['date']}, host `{out['host']}` ({out['cpus']} CPUs, load average "
-         f"{out['load_start']} at the start, {out['load_end']} at the end), "
-         f"{cfg['workers']} workers, {cfg['repeats']} repeat(s) per cell, the cells "
-         f"interleaved; {len(results)} runs in {out['total_s'] / 60:.1f} min. "
-         f"torch {out.get('torch', '?')}, Python {out.get('python', '?')}.", ""]
-    L += ["Job time: from a common start after set-up (a barrier) to the last rank's end of "
-          "the training loop, plus `unwrap()` (ripples; the final exact average). Quality: "
-          "of the model the job ends with (rank 0's under DDP; the exact average after "
-          "`unwrap()` under ripples), evaluated the same way in both modes. Cells: median "
-          "[min..max] over the repeats. Speed-up: DDP's median job time / ripples' "
-          "(paired: per repeat, the two runs made one after the other). The straggler "
-          "(`slow5`) is the last rank, sleeping 4x a micro-step's share of a calibrated DDP "
-          "step after each micro-step's forward pass: its step takes about 5 DDP steps.", ""]
-    cal = out.get("calibration") or {}
-    if cal:
-        L += ["Calibrated DDP step per micro-step (DDP on gloo, every worker computing): " + ", ".join(
-            f"{wl} {c * 1e3:.1f} ms" for wl, c in cal.items()) + ".", ""]
-    if vd:
-        L += ["## Against the issue's targets", "",
-              "| workload | scenario | speed-up (DDP / ripples) | paired per repeat | target "
-              "| quality delta (ripples - DDP) | tolerance | met |",
-              "|---|---|---|---|---|---|---|---|"]
-        for v in vd:
-            wl = v["workload"]
-            pct = WORKLOADS[wl]["higher_is_better"]
-            dq = v["quality_delta"]
-            dq_s = "-" if dq is None else (f"{dq * 100:+.2f} pt" if pct else f"{dq:+.3f}")
-            tol = (f">= -{v['target_quality'] * 100:.1f} pt" if pct
-                   else f"<= +{v['target_quality']:.2f}")
-            tgt = (f">= {v['target_speedup']:.2f}x" if v["scenario"] != "none"
-                   else "no slower (>= 0.95x)")
-            met = "yes" if v["speedup_ok"] and v["quality_ok"] else \
-                "**no**" + ("" if v["speedup_ok"] else " (speed)") + \
-                ("" if v["quality_ok"] else " (quality)")
-            L.append(f"| {wl} | {v['scenario']} | {v['speedup']:.2f}x | "
-                     f"{fmt_spread(v['paired'])} | {tgt} | {dq_s} | {tol} | {met} |")
-        L.append("")
+    L = report_header(out)
+    L += report_targets(verdicts(results, cl, cfg["workloads"], cfg["scenarios"]))
     for wl in cfg["workloads"]:
-        w = WORKLOADS[wl]
-        pct = w["higher_is_better"]
-        qlabel = w["quality_label"] + (" (%)" if pct else "")
-        L += [f"## {wl}: `{os.path.basename(w['script'])}` "
-              f"`{' '.join(out['workload_args'].get(wl, []))}`", "",
-              f"| scenario | strategy | job s | {qlabel} | steps per rank | warm-up: steps, "
-              f"s | last rank's wait s | groups of one per rank | consensus before final "
-              f"avg | unwrap s | launch s | runs |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for sc in cfg["scenarios"]:
-            for st in cfg["strategies"]:
-                c = cl.get((wl, sc, st))
-                if c is None:
-                    continue
-                q = fmt_spread(c["quality"], ".2f" if pct else ".3f", 100.0 if pct else 1.0)
-                ss = c["singleton_share"]
-                ss = "-" if not ss or all(x is None for x in ss) else \
-                    "/".join("-" if x is None else f"{100 * x:.0f}" for x in ss) + " %"
-                steps = "/".join(f"{s:.0f}" for s in c["steps"]) or "-"
-                warm = "-" if not c["warmup_steps"] else \
-                    f"{fmt_spread(c['warmup_steps'], '.0f')}, {fmt_spread(c['warmup_s'], '.1f')}"
-                runs = f"{c['runs'] - c['failed']}" + \
-                    (f" ({c['failed']} failed)" if c["failed"] else "")
-                L.append(f"| {sc} | {STRATEGY_LABELS[st]} | {fmt_spread(c['job_s'], '.1f')} "
-                         f"| {q} | {steps} | {warm} | {fmt_spread(c['last_wait_s'], '.2f')} "
-                         f"| {ss} | {fmt_spread(c['consensus'], '.2g')} | "
-                         f"{fmt_spread(c['unwrap_s'], '.3f')} | "
-                         f"{fmt_spread(c['launch_s'], '.0f')} | {runs} |")
-        L.append("")
-        notes = []
-        for sc in cfg["scenarios"]:
-            c = cl.get((wl, sc, "ripples"))
-            if c and c["store_add_ms"] and c["fast_step_ms"]:
-                notes.append(f"{sc}: {fmt_spread(c['store_add_ms'], '.2f')} ms per store add, "
-                             f"a fast rank's step {fmt_spread(c['fast_step_ms'], '.0f')} ms")
-        if notes:
-            L += ["The job clock's cost (ripples: one `add` on the c10d store per optimizer "
-                  "step, measured after the job): " + "; ".join(notes) + ".", ""]
+        L += report_workload(out, wl, cl)
     L += ["Columns: *steps per rank*: optimizer steps each rank took (median over repeats; "
           "the straggler is the last); *warm-up*: the exact steps wrap() ran before "
           "averaging partially (it ends early for a straggler) and the seconds from the "
@@ -502,6 +428,101 @@ def report(out: dict) -> list:
         L += [f"* {r['workload']}/{r['scenario']}/{r['strategy']}#{r['repeat']}: "
               f"{r['error']} (logs: `{r['logs']}`)" for r in failed]
         L.append("")
+    return L
+
+
+def report_header(out: dict) -> list:
+    """The report's title, command, machine and what its numbers mean."""
+    cfg = out["config"]
+    L = ["# Budget benchmark: jobs that stop on a budget of work (issue 38)", "",
+         "```sh", out["command"], "```", "",
+         f"{out['date']}, host `{out['host']}` ({out['cpus']} CPUs, load average "
+         f"{out['load_start']} at the start, {out['load_end']} at the end), "
+         f"{cfg['workers']} workers, {cfg['repeats']} repeat(s) per cell, the cells "
+         f"interleaved; {len(out['results'])} runs in {out['total_s'] / 60:.1f} min. "
+         f"torch {out.get('torch', '?')}, Python {out.get('python', '?')}.", ""]
+    L += ["Job time: from a common start after set-up (a barrier) to the last rank's end of "
+          "the training loop, plus `unwrap()` (ripples; the final exact average). Quality: "
+          "of the model the job ends with (rank 0's under DDP; the exact average after "
+          "`unwrap()` under ripples), evaluated the same way in both modes. Cells: median "
+          "[min..max] over the repeats. Speed-up: DDP's median job time / ripples' "
+          "(paired: per repeat, the two runs made one after the other). The straggler "
+          "(`slow5`) is the last rank, sleeping 4x a micro-step's share of a calibrated DDP "
+          "step after each micro-step's forward pass: its step takes about 5 DDP steps.", ""]
+    cal = out.get("calibration") or {}
+    if cal:
+        L += ["Calibrated DDP step per micro-step (DDP on gloo, every worker computing): " + ", ".join(
+            f"{wl} {c * 1e3:.1f} ms" for wl, c in cal.items()) + ".", ""]
+    return L
+
+
+def report_targets(vd: list) -> list:
+    """The table of verdicts against the issue's targets (none without verdicts)."""
+    if not vd:
+        return []
+    L = ["## Against the issue's targets", "",
+         "| workload | scenario | speed-up (DDP / ripples) | paired per repeat | target "
+         "| quality delta (ripples - DDP) | tolerance | met |",
+         "|---|---|---|---|---|---|---|---|"]
+    for v in vd:
+        wl = v["workload"]
+        pct = WORKLOADS[wl]["higher_is_better"]
+        dq = v["quality_delta"]
+        dq_s = "-" if dq is None else (f"{dq * 100:+.2f} pt" if pct else f"{dq:+.3f}")
+        tol = (f">= -{v['target_quality'] * 100:.1f} pt" if pct
+               else f"<= +{v['target_quality']:.2f}")
+        tgt = (f">= {v['target_speedup']:.2f}x" if v["scenario"] != "none"
+               else "no slower (>= 0.95x)")
+        met = "yes" if v["speedup_ok"] and v["quality_ok"] else \
+            "**no**" + ("" if v["speedup_ok"] else " (speed)") + \
+            ("" if v["quality_ok"] else " (quality)")
+        L.append(f"| {wl} | {v['scenario']} | {v['speedup']:.2f}x | "
+                 f"{fmt_spread(v['paired'])} | {tgt} | {dq_s} | {tol} | {met} |")
+    L.append("")
+    return L
+
+
+def report_workload(out: dict, wl: str, cl: dict) -> list:
+    """One workload's table: a row per scenario and strategy, then the job clock's cost."""
+    cfg = out["config"]
+    w = WORKLOADS[wl]
+    pct = w["higher_is_better"]
+    qlabel = w["quality_label"] + (" (%)" if pct else "")
+    L = [f"## {wl}: `{os.path.basename(w['script'])}` "
+         f"`{' '.join(out['workload_args'].get(wl, []))}`", "",
+         f"| scenario | strategy | job s | {qlabel} | steps per rank | warm-up: steps, "
+         f"s | last rank's wait s | groups of one per rank | consensus before final "
+         f"avg | unwrap s | launch s | runs |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for sc in cfg["scenarios"]:
+        for st in cfg["strategies"]:
+            c = cl.get((wl, sc, st))
+            if c is None:
+                continue
+            q = fmt_spread(c["quality"], ".2f" if pct else ".3f", 100.0 if pct else 1.0)
+            ss = c["singleton_share"]
+            ss = "-" if not ss or all(x is None for x in ss) else \
+                "/".join("-" if x is None else f"{100 * x:.0f}" for x in ss) + " %"
+            steps = "/".join(f"{s:.0f}" for s in c["steps"]) or "-"
+            warm = "-" if not c["warmup_steps"] else \
+                f"{fmt_spread(c['warmup_steps'], '.0f')}, {fmt_spread(c['warmup_s'], '.1f')}"
+            runs = f"{c['runs'] - c['failed']}" + \
+                (f" ({c['failed']} failed)" if c["failed"] else "")
+            L.append(f"| {sc} | {STRATEGY_LABELS[st]} | {fmt_spread(c['job_s'], '.1f')} "
+                     f"| {q} | {steps} | {warm} | {fmt_spread(c['last_wait_s'], '.2f')} "
+                     f"| {ss} | {fmt_spread(c['consensus'], '.2g')} | "
+                     f"{fmt_spread(c['unwrap_s'], '.3f')} | "
+                     f"{fmt_spread(c['launch_s'], '.0f')} | {runs} |")
+    L.append("")
+    notes = []
+    for sc in cfg["scenarios"]:
+        c = cl.get((wl, sc, "ripples"))
+        if c and c["store_add_ms"] and c["fast_step_ms"]:
+            notes.append(f"{sc}: {fmt_spread(c['store_add_ms'], '.2f')} ms per store add, "
+                         f"a fast rank's step {fmt_spread(c['fast_step_ms'], '.0f')} ms")
+    if notes:
+        L += ["The job clock's cost (ripples: one `add` on the c10d store per optimizer "
+              "step, measured after the job): " + "; ".join(notes) + ".", ""]
     return L
 
 

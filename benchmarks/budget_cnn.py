@@ -25,7 +25,6 @@ Each rank's record goes to ``--log-dir``/rank<R>.json; rank 0's is printed as JS
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -120,29 +119,16 @@ def run(args, rank: int, world: int):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
 
-    straggler = bc.Straggler(args.straggler, rank, world)
-    if args.compute_s is not None:
-        straggler.compute_s = args.compute_s
-    else:
-        # the unit: one DDP step (forward, backward with the gradient all-reduce, the
-        # optimizer), every rank at once, on a private DDP copy (the model stays untouched)
-        twin = DDP(copy.deepcopy(raw))
-        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.0)
-        xb, yb = xtr[:args.batch_size], ytr[:args.batch_size]
+    # the straggler's unit: one DDP step, every rank at once, on a private DDP copy
+    xb, yb = xtr[:args.batch_size], ytr[:args.batch_size]
 
-        def micro():
-            twin_opt.zero_grad(set_to_none=True)
-            F.cross_entropy(twin(xb), yb).backward()
-            twin_opt.step()
-        straggler.compute_s = bc.calibrate(micro)
-        del twin, twin_opt
+    def micro(twin, twin_opt):
+        twin_opt.zero_grad(set_to_none=True)
+        F.cross_entropy(twin(xb), yb).backward()
+        twin_opt.step()
+    straggler = bc.calibrated_straggler(args, rank, world, raw, micro)
     if args.calibrate_only:
-        if rank == 0:
-            import json
-
-            print(json.dumps({"event": "calibration", "compute_s": straggler.compute_s,
-                              "parameters": sum(p.numel() for p in raw.parameters()),
-                              "world": world}), flush=True)
+        bc.print_calibration(rank, world, straggler, raw)
         return
 
     if args.ripples:
@@ -158,7 +144,36 @@ def run(args, rank: int, world: int):
     # per epoch: CosineAnnealingLR over the epochs, stepped once per epoch (under ripples on
     # what wrap() returned: the same param groups as the inner optimizer's)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    loop = train(args, rank, model, optimizer, sampler, loader, scheduler, straggler)
 
+    # -- the end of the job: measurements, then the model the job ends with
+    stats = bc.ripples_stats(optimizer) if args.ripples else None
+    job_step = optimizer.job_step if args.ripples else loop["steps"]
+    job_samples = optimizer.job_samples if args.ripples else None
+    stolen = sampler.stolen if args.ripples else 0
+    consensus = bc.consensus_distance(raw)  # exact; under DDP 0 (identical replicas)
+    unwrap_s, final, final_eval_s = bc.final_model(
+        args, rank, optimizer, raw, lambda m: evaluate(m, xte, yte))
+    rec = {"event": "final", "workload": "cnn", "rank": rank, "world": world,
+           "mode": "ripples" if args.ripples else f"ddp-{args.backend}",
+           "wrap_kw": bc.wrap_kwargs(args),
+           "straggler": args.straggler, "compute_s": straggler.compute_s,
+           "slept_s": round(straggler.slept, 4), "steps": loop["steps"],
+           "job_step_at_stop": job_step,
+           "epochs": args.epochs, "per_epoch": loop["per_epoch"], "job_samples": job_samples,
+           "stolen": stolen, "dataset": len(train_ds), "t_launch": t_launch, "t0": loop["t0"],
+           "t_loop_end": loop["t_loop_end"], "t_free": loop["t_free"], "unwrap_s": unwrap_s,
+           "consensus_before_final": consensus,
+           "final_test_acc": None if final is None else final["acc"],
+           "final_test_loss": None if final is None else final["loss"],
+           "final_eval_s": final_eval_s, "ripples": stats,
+           "parameters": sum(p.numel() for p in raw.parameters())}
+    rec["store_add_ms"] = bc.store_add_ms()  # after the job: the clock's per-step cost
+    bc.write_record(args, rank, rec)
+
+
+def train(args, rank: int, model, optimizer, sampler, loader, scheduler, straggler) -> dict:
+    """The epoch loop, from a common start; returns its steps, per-epoch numbers and times."""
     steps = 0
     per_epoch = []
     t_free = None  # ripples: when warm-up ended here (its last exact step done)
@@ -186,39 +201,8 @@ def run(args, rank: int, world: int):
         if rank == 0 and not args.quiet:
             print(f"epoch {epoch}: {e_steps} steps, {e_samples} samples, train loss "
                   f"{e_loss / max(1, e_steps):.4f} ({time.time() - t0:.1f} s)", flush=True)
-    t_loop_end = time.time()
-
-    # -- the end of the job: measurements, then the model the job ends with
-    stats = bc.ripples_stats(optimizer) if args.ripples else None
-    job_step = optimizer.job_step if args.ripples else steps
-    job_samples = optimizer.job_samples if args.ripples else None
-    stolen = sampler.stolen if args.ripples else 0
-    consensus = bc.consensus_distance(raw)  # exact; under DDP 0 (identical replicas)
-    tu = time.time()
-    if args.ripples:
-        optimizer.unwrap()  # every worker: the exact average (parameters, BN statistics)
-    unwrap_s = time.time() - tu
-    final = None
-    final_eval_s = None
-    if rank == 0:
-        te = time.perf_counter()
-        final = evaluate(raw, xte, yte)
-        final_eval_s = time.perf_counter() - te
-    rec = {"event": "final", "workload": "cnn", "rank": rank, "world": world,
-           "mode": "ripples" if args.ripples else f"ddp-{args.backend}",
-           "wrap_kw": bc.wrap_kwargs(args),
-           "straggler": args.straggler, "compute_s": straggler.compute_s,
-           "slept_s": round(straggler.slept, 4), "steps": steps, "job_step_at_stop": job_step,
-           "epochs": args.epochs, "per_epoch": per_epoch, "job_samples": job_samples,
-           "stolen": stolen, "dataset": len(train_ds), "t_launch": t_launch, "t0": t0,
-           "t_loop_end": t_loop_end, "t_free": t_free, "unwrap_s": unwrap_s,
-           "consensus_before_final": consensus,
-           "final_test_acc": None if final is None else final["acc"],
-           "final_test_loss": None if final is None else final["loss"],
-           "final_eval_s": final_eval_s, "ripples": stats,
-           "parameters": sum(p.numel() for p in raw.parameters())}
-    rec["store_add_ms"] = bc.store_add_ms()  # after the job: the clock's per-step cost
-    bc.write_record(args, rank, rec)
+    return {"steps": steps, "per_epoch": per_epoch, "t0": t0, "t_loop_end": time.time(),
+            "t_free": t_free}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the two training scripts of the budget benchmark share (benchmarks/budget_gpt.py,
 benchmarks/budget_cnn.py): process-group set-up for both modes, the injected straggler, the
 calibration of the compute time, the common start, the consensus distance before the final
-average, and each rank's record.
+average, the model the job ends with (unwrap() and its evaluation), and each rank's record.
 
 Kept out of the scripts' training loops on purpose: the loops read as the scripts they stand
 for (a nanoGPT-style fixed-iteration loop, a plain epoch loop); everything here is either
@@ -9,6 +9,7 @@ set-up or measurement.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def add_common_args(p) -> None:
@@ -145,6 +147,32 @@ def calibrate(micro_step, reps: int = 24) -> float:
     return c.item() / dist.get_world_size()
 
 
+def calibrated_straggler(args, rank: int, world: int, raw: torch.nn.Module, step,
+                         micro_steps: int = 1) -> Straggler:
+    """The straggler of --straggler; its unit --compute-s, else measured (:func:`calibrate`)
+    on a private DDP copy of ``raw`` (the model stays untouched): ``step(twin, twin_opt)`` is
+    one DDP step of it (forward, backward with the gradient all-reduce, the optimizer, whose
+    learning rate is 0) of ``micro_steps`` micro-steps."""
+    straggler = Straggler(args.straggler, rank, world)
+    if args.compute_s is not None:
+        straggler.compute_s = args.compute_s
+    else:
+        twin = DDP(copy.deepcopy(raw))
+        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+        straggler.compute_s = calibrate(lambda: step(twin, twin_opt)) / micro_steps
+        del twin, twin_opt
+    return straggler
+
+
+def print_calibration(rank: int, world: int, straggler: Straggler,
+                      raw: torch.nn.Module) -> None:
+    """--calibrate-only: rank 0 prints the compute time as JSON."""
+    if rank == 0:
+        print(json.dumps({"event": "calibration", "compute_s": straggler.compute_s,
+                          "parameters": sum(p.numel() for p in raw.parameters()),
+                          "world": world}), flush=True)
+
+
 def common_start() -> float:
     """A barrier, then the wall clock: every rank starts its job clock together (one machine,
     one clock)."""
@@ -164,6 +192,23 @@ def consensus_distance(module: torch.nn.Module) -> float:
                      dtype=torch.float64)
     dist.all_reduce(d, op=dist.ReduceOp.MAX)
     return d.item()
+
+
+def final_model(args, rank: int, optimizer, raw: torch.nn.Module, evaluate) -> tuple:
+    """The model the job ends with: under ripples ``unwrap()`` on every worker (the exact
+    average of the replicas, BatchNorm's statistics too); then rank 0's ``evaluate(raw)``.
+    Returns (unwrap's seconds, the evaluation, its seconds); None for both on other ranks."""
+    tu = time.time()
+    if args.ripples:
+        optimizer.unwrap()
+    unwrap_s = time.time() - tu
+    final = None
+    final_eval_s = None
+    if rank == 0:
+        te = time.perf_counter()
+        final = evaluate(raw)
+        final_eval_s = time.perf_counter() - te
+    return unwrap_s, final, final_eval_s
 
 
 def ripples_stats(optimizer) -> dict:

@@ -31,7 +31,6 @@ the final average) goes to ``--log-dir``/rank<R>.json; rank 0's is printed as JS
 from __future__ import annotations
 
 import argparse
-import copy
 import glob
 import math
 import os
@@ -202,52 +201,25 @@ def run(args, rank: int, world: int):
         y = torch.stack([train_data[i + 1:i + 1 + T] for i in ix.tolist()])
         return x, y
 
-    # fixed validation batches: windows spread evenly over the validation text
-    def val_batches(iters):
-        starts = torch.linspace(0, len(val_data) - T - 1, iters * B).long().tolist()
-        for k in range(iters):
-            s = starts[k * B:(k + 1) * B]
-            yield (torch.stack([val_data[i:i + T] for i in s]),
-                   torch.stack([val_data[i + 1:i + 1 + T] for i in s]))
-
-    @torch.no_grad()
-    def estimate_val_loss(module, iters):
-        module.eval()
-        losses = [module(x, y)[1].item() for x, y in val_batches(iters)]
-        module.train()
-        return sum(losses) / len(losses)
-
     torch.manual_seed(args.seed)  # the same initial model everywhere
     raw = GPT(vocab, T, args.n_layer, args.n_head, args.n_embd)
     model = DDP(raw)
     optimizer = configure_optimizer(model, args.lr, args.weight_decay)
 
-    straggler = bc.Straggler(args.straggler, rank, world)
-    if args.compute_s is not None:
-        straggler.compute_s = args.compute_s
-    else:
-        # the unit: one DDP iteration (its micro-steps, the gradient all-reduce, the
-        # optimizer) per micro-step, every rank at once, on a private DDP copy
-        twin = DDP(copy.deepcopy(raw))
-        twin_opt = torch.optim.SGD(twin.parameters(), lr=0.0)
-
-        def iteration():
-            for micro_step in range(args.grad_accum):
-                twin.require_backward_grad_sync = micro_step == args.grad_accum - 1
-                _, loss = twin(*get_batch())
-                loss.backward()
-            twin_opt.step()
-            twin_opt.zero_grad(set_to_none=True)
-        straggler.compute_s = bc.calibrate(iteration) / args.grad_accum
-        del twin, twin_opt
+    # the straggler's unit: one DDP iteration (its micro-steps, the gradient all-reduce, the
+    # optimizer) per micro-step, every rank at once, on a private DDP copy
+    def iteration(twin, twin_opt):
+        for micro_step in range(args.grad_accum):
+            twin.require_backward_grad_sync = micro_step == args.grad_accum - 1
+            _, loss = twin(*get_batch())
+            loss.backward()
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=True)
+    straggler = bc.calibrated_straggler(args, rank, world, raw, iteration, args.grad_accum)
+    if args.compute_s is None:
         gen.manual_seed(args.seed + 1000 * rank)  # training batches as without calibrating
     if args.calibrate_only:
-        if rank == 0:
-            import json
-
-            print(json.dumps({"event": "calibration", "compute_s": straggler.compute_s,
-                              "parameters": sum(p.numel() for p in raw.parameters()),
-                              "world": world}), flush=True)
+        bc.print_calibration(rank, world, straggler, raw)
         return
 
     if args.ripples:
@@ -255,32 +227,80 @@ def run(args, rank: int, world: int):
 
         optimizer = ripples_pg.wrap(model, optimizer, **bc.wrap_kwargs(args))  # defaults
     elif args.diag_localsgd:
-        # diagnostics only: torch's own local SGD (exact gradient averaging for the first
-        # N steps, then local steps and an exact model average every step), to tell what
-        # model averaging of local AdamW steps costs apart from Ripples
-        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
-            PostLocalSGDState, post_localSGD_hook)
-        from torch.distributed.algorithms.model_averaging.averagers import (
-            PeriodicModelAverager)
-        from torch.distributed.optim import PostLocalSGDOptimizer
+        optimizer = diag_localsgd(model, optimizer, args.diag_localsgd)
+    loop = train(args, rank, model, raw, optimizer, straggler, get_batch, val_data)
 
-        n = args.diag_localsgd
-        model.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=None,
-                                                   start_localSGD_iter=n,
-                                                   post_local_gradient_allreduce=False),
-                                 post_localSGD_hook)
-        optimizer = PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=1,
-                                                                           warmup_steps=n))
+    # -- the end of the job: measurements, then the model the job ends with
+    stats = bc.ripples_stats(optimizer) if args.ripples else None
+    consensus = bc.consensus_distance(raw)  # exact; under DDP 0 (identical replicas)
+    unwrap_s, final_val, final_eval_s = bc.final_model(
+        args, rank, optimizer, raw,
+        lambda m: estimate_val_loss(m, val_data, args.final_eval_iters, B, T))
+    rec = {"event": "final", "workload": "gpt", "rank": rank, "world": world,
+           "mode": "ripples" if args.ripples else f"ddp-{args.backend}" + (
+               f"-localsgd{args.diag_localsgd}" if args.diag_localsgd else ""),
+           "wrap_kw": bc.wrap_kwargs(args),
+           "straggler": args.straggler, "compute_s": straggler.compute_s,
+           "slept_s": round(straggler.slept, 4), "steps": loop["steps"],
+           "job_step_at_stop": loop["job_step_at_stop"], "max_iters": args.max_iters,
+           "t_launch": t_launch, "t0": loop["t0"], "t_loop_end": loop["t_loop_end"],
+           "t_free": loop["t_free"], "unwrap_s": unwrap_s,
+           "eval_s": loop["eval_s"], "evals": loop["evals"], "consensus_before_final": consensus,
+           "final_val_loss": final_val, "final_eval_s": final_eval_s, "ripples": stats,
+           "job_samples": getattr(optimizer, "job_samples", None),
+           "parameters": sum(p.numel() for p in raw.parameters()), "vocab": vocab}
+    rec["store_add_ms"] = bc.store_add_ms()  # after the job: the clock's per-step cost
+    bc.write_record(args, rank, rec)
 
-    def get_lr(it):
-        if it < args.warmup_iters:
-            return args.lr * (it + 1) / (args.warmup_iters + 1)
-        if it > args.max_iters:
-            return args.min_lr
-        ratio = (it - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
-        coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio)))
-        return args.min_lr + coeff * (args.lr - args.min_lr)
 
+def val_batches(val_data, iters: int, B: int, T: int):
+    """Fixed validation batches: windows spread evenly over the validation text."""
+    starts = torch.linspace(0, len(val_data) - T - 1, iters * B).long().tolist()
+    for k in range(iters):
+        s = starts[k * B:(k + 1) * B]
+        yield (torch.stack([val_data[i:i + T] for i in s]),
+               torch.stack([val_data[i + 1:i + 1 + T] for i in s]))
+
+
+@torch.no_grad()
+def estimate_val_loss(module, val_data, iters: int, B: int, T: int) -> float:
+    """The mean loss of ``module`` (in eval mode) on ``iters`` fixed validation batches."""
+    module.eval()
+    losses = [module(x, y)[1].item() for x, y in val_batches(val_data, iters, B, T)]
+    module.train()
+    return sum(losses) / len(losses)
+
+
+def diag_localsgd(model, optimizer, n: int):
+    """Diagnostics only: torch's own local SGD (exact gradient averaging for the first n
+    steps, then local steps and an exact model average every step), to tell what model
+    averaging of local AdamW steps costs apart from Ripples."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState, post_localSGD_hook)
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    model.register_comm_hook(PostLocalSGDState(process_group=None, subgroup=None,
+                                               start_localSGD_iter=n,
+                                               post_local_gradient_allreduce=False),
+                             post_localSGD_hook)
+    return PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period=1, warmup_steps=n))
+
+
+def get_lr(args, it: int) -> float:
+    """The learning rate at step ``it``: linear warm-up, then cosine down to --min-lr."""
+    if it < args.warmup_iters:
+        return args.lr * (it + 1) / (args.warmup_iters + 1)
+    if it > args.max_iters:
+        return args.min_lr
+    ratio = (it - args.warmup_iters) / max(1, args.max_iters - args.warmup_iters)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * min(1.0, ratio)))
+    return args.min_lr + coeff * (args.lr - args.min_lr)
+
+
+def train(args, rank: int, model, raw, optimizer, straggler, get_batch, val_data) -> dict:
+    """The fixed-iteration loop, from a common start; returns its iterations, evaluations and
+    times."""
     iter_num = 0  # this worker's own iterations
 
     def progress():
@@ -295,14 +315,15 @@ def run(args, rank: int, world: int):
     X, Y = get_batch()
     while progress() < args.max_iters:
         step = progress()
-        lr = get_lr(step)
+        lr = get_lr(args, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         # rank 0 evaluates when the step crosses a multiple of the interval (under DDP the
         # same as step % eval_interval == 0)
         if rank == 0 and step // args.eval_interval > last_eval // args.eval_interval:
             te = time.perf_counter()
-            vl = estimate_val_loss(raw, args.eval_iters)
+            vl = estimate_val_loss(raw, val_data, args.eval_iters, args.batch_size,
+                                   args.block_size)
             eval_s += time.perf_counter() - te
             evals.append({"step": step, "iter": iter_num, "val_loss": vl,
                           "t": time.time() - t0})
@@ -325,36 +346,8 @@ def run(args, rank: int, world: int):
         if t_free is None and args.ripples and optimizer.in_free_phase():  # measurement
             t_free = time.time()  # warm-up over: partial averaging from here on
     t_loop_end = time.time()
-    job_step_at_stop = progress()
-
-    # -- the end of the job: measurements, then the model the job ends with
-    stats = bc.ripples_stats(optimizer) if args.ripples else None
-    consensus = bc.consensus_distance(raw)  # exact; under DDP 0 (identical replicas)
-    tu = time.time()
-    if args.ripples:
-        optimizer.unwrap()  # every worker: the exact average of the replicas
-    unwrap_s = time.time() - tu
-    final_val = None
-    final_eval_s = None
-    if rank == 0:
-        te = time.perf_counter()
-        final_val = estimate_val_loss(raw, args.final_eval_iters)
-        final_eval_s = time.perf_counter() - te
-    rec = {"event": "final", "workload": "gpt", "rank": rank, "world": world,
-           "mode": "ripples" if args.ripples else f"ddp-{args.backend}" + (
-               f"-localsgd{args.diag_localsgd}" if args.diag_localsgd else ""),
-           "wrap_kw": bc.wrap_kwargs(args),
-           "straggler": args.straggler, "compute_s": straggler.compute_s,
-           "slept_s": round(straggler.slept, 4), "steps": iter_num,
-           "job_step_at_stop": job_step_at_stop, "max_iters": args.max_iters,
-           "t_launch": t_launch, "t0": t0, "t_loop_end": t_loop_end, "t_free": t_free,
-           "unwrap_s": unwrap_s,
-           "eval_s": eval_s, "evals": evals, "consensus_before_final": consensus,
-           "final_val_loss": final_val, "final_eval_s": final_eval_s, "ripples": stats,
-           "job_samples": getattr(optimizer, "job_samples", None),
-           "parameters": sum(p.numel() for p in raw.parameters()), "vocab": vocab}
-    rec["store_add_ms"] = bc.store_add_ms()  # after the job: the clock's per-step cost
-    bc.write_record(args, rank, rec)
+    return {"steps": iter_num, "job_step_at_stop": progress(), "t0": t0,
+            "t_loop_end": t_loop_end, "t_free": t_free, "eval_s": eval_s, "evals": evals}
 
 
 if __name__ == "__main__":

@@ -500,27 +500,38 @@ def run_world(world, cfg, log):
                     errors[r] = f"rank {r} failed{where()}:\n{msg[2]}"
                     first_error_at = first_error_at or time.monotonic()
     finally:
-        for p in procs:
-            p.join(timeout=5.0 if not errors else 0.2)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        for c in conns:
-            c.close()
+        stop_workers(procs, conns, errors)
         del store
-    error = None
-    if errors:
-        parts = [errors[k] for k in sorted(errors)]
-        silent = [r for r in range(world) if r not in errors and r not in done]
-        if silent:
-            parts.append(f"ranks {silent} did not report (killed)")
-        error = "\n".join(parts)
-    return rows, error
+    return rows, world_error(world, errors, done)
+
+
+def stop_workers(procs, conns, errors) -> None:
+    """Ends a world's workers: waits for them (briefly after an error), then terminates and
+    at last kills those still alive; closes the parent's pipe ends."""
+    for p in procs:
+        p.join(timeout=5.0 if not errors else 0.2)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+    for c in conns:
+        c.close()
+
+
+def world_error(world, errors, done):
+    """One message of a world's errors (by rank, the harness's own first), naming the ranks
+    that never reported; None without errors."""
+    if not errors:
+        return None
+    parts = [errors[k] for k in sorted(errors)]
+    silent = [r for r in range(world) if r not in errors and r not in done]
+    if silent:
+        parts.append(f"ranks {silent} did not report (killed)")
+    return "\n".join(parts)
 
 
 def make_row(op, world, nbytes, res, backends):
@@ -647,7 +658,9 @@ def ratio_possible(backends):
     return "ripples" in backends and "gloo" in backends
 
 
-def main(argv=None):
+def parse_config(argv=None):
+    """The command line: (args, the run's config, which the workers get and the results
+    record)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", default=",".join(OPS), help="comma list of %s" % ",".join(OPS))
@@ -705,6 +718,13 @@ def main(argv=None):
            "timeout": args.timeout, "device": args.device,
            "stall_timeout": args.stall_timeout or args.timeout + 60.0, "quick": args.quick,
            "inject": os.environ.get("RIPPLES_BENCH_INJECT")}
+    return args, cfg
+
+
+def main(argv=None):
+    args, cfg = parse_config(argv)
+    worlds, backends, sizes = cfg["worlds"], cfg["backends"], cfg["sizes"]
+    reps, budget = cfg["reps"], cfg["budget"]
 
     if any(nm in RIPPLES_VARIANTS for nm in backends):
         try:

@@ -700,12 +700,9 @@ def main(argv=None):
     os._exit(0)
 
 
-def run(args):
-    """Trains on the already initialised default process group; returns rank 0's "final"
-    record (None on other ranks)."""
-    backend = str(dist.get_backend())
-    rank, world = dist.get_rank(), dist.get_world_size()
-
+def open_log(args, rank: int):
+    """This rank's --log-dir file (None without --log-dir) and emit(rec, stdout=None), which
+    writes a record there and prints it (by default: rank 0, unless --quiet)."""
     logf = None
     if args.log_dir:
         os.makedirs(args.log_dir, exist_ok=True)
@@ -718,6 +715,12 @@ def run(args):
         if stdout if stdout is not None else (rank == 0 and not args.quiet):
             print(line, flush=True)
 
+    return logf, emit
+
+
+def load_data(args, rank: int, world: int):
+    """The workload's data on --device, the device, and this rank's shard of the training set
+    (what the calibrations step through)."""
     data = workloads.load(args)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
         else torch.device("cpu")
@@ -727,73 +730,92 @@ def run(args):
                                             if isinstance(getattr(data, f.name), torch.Tensor)})
     perm = torch.randperm(len(data.xtr), generator=torch.Generator().manual_seed(args.seed))
     shard = perm[rank::world]
-    xs, ys = data.xtr[shard], data.ytr[shard]
+    return data, device, data.xtr[shard], data.ytr[shard]
 
-    torch.manual_seed(args.seed)  # same initial model everywhere (DDP broadcasts it anyway)
-    module = data.make_model().to(device)
+
+def default_warmup(args) -> None:
+    """--warmup-steps' default for the strategies with no adaptive end of warm-up: wrap()'s
+    bound where it cannot measure."""
+    if args.warmup_steps is None:
+        from ripples_pg._args import SLOW_LINK_WARMUP_STEPS
+
+        args.warmup_steps = SLOW_LINK_WARMUP_STEPS
+
+
+def ripples_optimizer(args, model: DDP, base_opt, data, rank: int, world: int):
+    """ripples_pg.wrap() of the DDP model with the flags' options; returns it and the job's
+    sampler it is linked to (None with --shard-data)."""
+    import ripples_pg
+
+    kw = dict(schedule=args.schedule, group_size=args.group_size,
+              warmup_steps=args.warmup_steps, levels=args.levels,  # None: wrap()'s
+              post_warmup=args.post_warmup,
+              average_optimizer_state=args.average_optimizer_state)
+    if args.group_second_moment:
+        kw["group_second_moment"] = True
+    if args.c_thres is not None:
+        kw["c_thres"] = args.c_thres
+    if args.inter_intra:
+        kw["inter_intra"] = True
+    if args.trace:
+        kw["trace"] = True
+    if args.overlap is not None:
+        kw["overlap"] = args.overlap
+    if args.warmup_straggler is not None:
+        kw["warmup_straggler"] = args.warmup_straggler
+    if args.period_max is not None:
+        kw["period_max"] = args.period_max
+    kw.update(ripples_diloco_options(args))
+    job_sampler = None
+    if not args.shard_data:
+        job_sampler = ripples_pg.DistributedSampler(
+            range(len(data.xtr)), num_replicas=world, rank=rank, shuffle=True,
+            seed=args.seed, claim_size=args.batch_size)
+        kw["sampler"] = job_sampler
+    optimizer = ripples_pg.wrap(model, base_opt, **kw)
+    if args.warmup_steps is None:  # the stop rule needs the number wrap() chose
+        args.warmup_steps = optimizer.averager.warmup_steps
+    return optimizer, job_sampler
+
+
+def torchft_diloco(args, model: DDP, module: nn.Module, base_opt, rank: int, world: int):
+    """torchft's DiLoCo around base_opt (--strategy torchft_diloco), not yet connected."""
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+        PostLocalSGDState, post_localSGD_hook)
+
+    default_warmup(args)
+    # the warm-up's exact steps as torch's local SGD has them (DDP's gradient all-reduce
+    # on the default group), then no gradient sync: DiLoCo's outer steps average
+    model.register_comm_hook(
+        PostLocalSGDState(process_group=None, subgroup=None,
+                          start_localSGD_iter=args.warmup_steps,
+                          post_local_gradient_allreduce=False), post_localSGD_hook)
+    from _torchft_worker import TorchftDiLoCo
+
+    return TorchftDiLoCo(module, base_opt, args, rank, world, outer_optimizer_factory(args))
+
+
+def make_strategy(args, model: DDP, module: nn.Module, data, rank: int, world: int):
+    """--strategy's optimizer of the DDP model; with it torchft's DiLoCo (else None) and the
+    ripples job's sampler (else None)."""
+    base_opt = make_optimizer(model.parameters(), args)
     tft = None  # torchft's DiLoCo (--strategy torchft_diloco)
     job_sampler = None  # ripples: the job's epochs (unless --shard-data)
-    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
-    base_opt = make_optimizer(model.parameters(), args)
     if args.strategy == "ripples":
-        import ripples_pg
-
-        kw = dict(schedule=args.schedule, group_size=args.group_size,
-                  warmup_steps=args.warmup_steps, levels=args.levels,  # None: wrap()'s
-                  post_warmup=args.post_warmup,
-                  average_optimizer_state=args.average_optimizer_state)
-        if args.group_second_moment:
-            kw["group_second_moment"] = True
-        if args.c_thres is not None:
-            kw["c_thres"] = args.c_thres
-        if args.inter_intra:
-            kw["inter_intra"] = True
-        if args.trace:
-            kw["trace"] = True
-        if args.overlap is not None:
-            kw["overlap"] = args.overlap
-        if args.warmup_straggler is not None:
-            kw["warmup_straggler"] = args.warmup_straggler
-        if args.period_max is not None:
-            kw["period_max"] = args.period_max
-        kw.update(ripples_diloco_options(args))
-        if not args.shard_data:
-            job_sampler = ripples_pg.DistributedSampler(
-                range(len(data.xtr)), num_replicas=world, rank=rank, shuffle=True,
-                seed=args.seed, claim_size=args.batch_size)
-            kw["sampler"] = job_sampler
-        optimizer = ripples_pg.wrap(model, base_opt, **kw)
-        if args.warmup_steps is None:  # the stop rule below needs the number wrap() chose
-            args.warmup_steps = optimizer.averager.warmup_steps
+        optimizer, job_sampler = ripples_optimizer(args, model, base_opt, data, rank, world)
     elif args.strategy in ("localsgd", "hier"):
-        if args.warmup_steps is None:  # no adaptive end: wrap()'s bound where it cannot measure
-            from ripples_pg._args import SLOW_LINK_WARMUP_STEPS
-
-            args.warmup_steps = SLOW_LINK_WARMUP_STEPS
+        default_warmup(args)
         optimizer = torch_local_sgd(model, base_opt, args, world)
     elif args.strategy == "torchft_diloco":
-        from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
-            PostLocalSGDState, post_localSGD_hook)
-
-        if args.warmup_steps is None:  # no adaptive end: wrap()'s bound where it cannot measure
-            from ripples_pg._args import SLOW_LINK_WARMUP_STEPS
-
-            args.warmup_steps = SLOW_LINK_WARMUP_STEPS
-        # the warm-up's exact steps as torch's local SGD has them (DDP's gradient all-reduce
-        # on the default group), then no gradient sync: DiLoCo's outer steps average
-        model.register_comm_hook(
-            PostLocalSGDState(process_group=None, subgroup=None,
-                              start_localSGD_iter=args.warmup_steps,
-                              post_local_gradient_allreduce=False), post_localSGD_hook)
         optimizer = base_opt
-        from _torchft_worker import TorchftDiLoCo
-
-        tft = TorchftDiLoCo(module, base_opt, args, rank, world,
-                            outer_optimizer_factory(args))
+        tft = torchft_diloco(args, model, module, base_opt, rank, world)
     else:
         optimizer = base_opt
+    return optimizer, tft, job_sampler
 
-    bs = min(args.batch_size, len(xs))
+
+def make_straggler(args, module: nn.Module, xs, ys, bs: int, rank: int, world: int):
+    """This rank's Straggler, with the compute time of one step: --compute-s, else measured."""
     straggler = Straggler(args.straggler, rank, world, args.seed)
     # needed for every strategy: it is also the yardstick of the comm_wait_s estimate
     if args.compute_s is not None:
@@ -805,239 +827,331 @@ def run(args):
         straggler.compute_s = c.item() / world
     straggler.step_s = args.step_s
     straggler.pause_s = args.pause_s
-    if args.calibrate_only:
-        step_s = calibrate_step(model, optimizer, xs, ys, bs, world)
-        if rank == 0:
-            print(json.dumps({"event": "calibration", "compute_s": straggler.compute_s,
-                              "step_s": step_s, "world": world, "backend": backend,
-                              "batch_size": bs, "workload": args.workload,
-                              "model": args.model, "hidden": args.hidden,
-                              "parameters": sum(p.numel() for p in module.parameters())}),
-                  flush=True)
-        if logf:
-            logf.close()
-        return None
-    # all workers stop together (allreduce, local/hierarchical SGD, static schedule: they
-    # meet at global synchronisation points) or each on its own clock (dynamic schedules)
-    sync_stop = global_sync_step(args, 0) is not None
-    # the consensus distance at every evaluation: only where every worker evaluates at the
-    # same step (a collective at an evaluation that only some workers make would hang)
-    eval_consensus = sync_stop and not args.no_eval_consensus
+    return straggler
 
-    # The epochs' order: torch's DistributedSampler, as a DDP user has it (each worker 1/world
-    # of every epoch, shuffled per epoch with the seed), or ripples's job-wide one, which
-    # gives the same rows during exact phases: with no straggler both see the same batches.
-    sampler = job_sampler if job_sampler is not None else TorchDistributedSampler(
-        range(len(data.xtr)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
 
-    def batches():
+def print_calibration(args, backend: str, model: DDP, module: nn.Module, optimizer,
+                      straggler: Straggler, xs, ys, bs: int) -> None:
+    """--calibrate-only: measures the step time of synchronous training; rank 0 prints it with
+    the compute time as JSON."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    step_s = calibrate_step(model, optimizer, xs, ys, bs, world)
+    if rank == 0:
+        print(json.dumps({"event": "calibration", "compute_s": straggler.compute_s,
+                          "step_s": step_s, "world": world, "backend": backend,
+                          "batch_size": bs, "workload": args.workload,
+                          "model": args.model, "hidden": args.hidden,
+                          "parameters": sum(p.numel() for p in module.parameters())}),
+              flush=True)
+
+
+def ripples_summary(summary: dict, optimizer, args) -> None:
+    """Adds the ripples strategy's schedule, levels and round statistics to a summary."""
+    import ripples_pg
+
+    summary["schedule"] = args.schedule
+    summary["levels"] = {str(k): v for k, v in optimizer.averager.levels.items()}
+    summary["level_counts"] = dict(optimizer.averager.counts)
+    if args.overlap:
+        summary["overlap"] = optimizer.averager.overlap_stats
+    if hasattr(ripples_pg, "stats"):
+        try:
+            st = ripples_pg.stats(optimizer.group)
+            summary["stats"] = {k: st[k] for k in ("rounds", "reduced", "singletons",
+                                                   "singleton_run_max", "skipped",
+                                                   "failed", "wait_s", "passed",
+                                                   "period", "group_s", "reduce_s",
+                                                   "bytes")
+                                if k in st}
+            if "group_sizes" in st:
+                summary["stats"]["group_sizes"] = st["group_sizes"]
+            # compressed rounds' bytes on the wire (the counter's name is the core's)
+            summary["stats"].update({k: v for k, v in st.items() if "wire" in k})
+        except Exception as e:  # noqa: BLE001 - stats are informative only
+            summary["stats_error"] = repr(e)
+
+
+class Training:
+    """One rank's run once set up: the training loop, its evaluations and the closing
+    records. The loop's running numbers are attributes."""
+
+    def __init__(self, *, args, backend: str, rank: int, world: int, data,
+                 module: nn.Module, model: DDP, optimizer, tft, straggler: Straggler, sampler,
+                 bs: int, emit):
+        self.args, self.backend, self.rank, self.world = args, backend, rank, world
+        self.data, self.module, self.model = data, module, model  # module: the one DDP wraps
+        self.optimizer = optimizer
+        self.tft = tft  # torchft's DiLoCo (--strategy torchft_diloco), else None
+        self.straggler = straggler
+        self.sampler, self.bs = sampler, bs  # the epochs' order, the batch size
+        self.emit = emit  # open_log's
+        # all workers stop together (allreduce, local/hierarchical SGD, static schedule: they
+        # meet at global synchronisation points) or each on its own clock (dynamic schedules)
+        self.sync_stop = global_sync_step(args, 0) is not None
+        # the consensus distance at every evaluation: only where every worker evaluates at the
+        # same step (a collective at an evaluation that only some workers make would hang)
+        self.eval_consensus = self.sync_stop and not args.no_eval_consensus
+        self.t0 = 0.0
+        self.eval_s = 0.0  # evaluations are not training: the clock leaves them out
+        self.step = 0
+        self.exact_steps = None  # the warm-up's exact steps (wrap() may end it early)
+        self.loss_sum, self.loss_n = 0.0, 0
+        self.time_to_target = None
+        self.busy = 0.0  # wall time of forward + backward + optimizer step (+ stop agreement)
+        self.snaps = None
+        self.train_time = 0.0
+
+    def batches(self):
+        """The training batches, epoch after epoch in the sampler's order (lazily)."""
         epoch = 0
         while True:
-            sampler.set_epoch(epoch)
+            self.sampler.set_epoch(epoch)
             batch = []
-            for i in sampler:  # lazily, as a DataLoader iterates it
+            for i in self.sampler:  # lazily, as a DataLoader iterates it
                 batch.append(i)
-                if len(batch) < bs:
+                if len(batch) < self.bs:
                     continue
                 idx, batch = torch.tensor(batch), []
-                straggler.cost = workloads.doc_cost(
-                    data, None if data.lengths is None else data.lengths[idx])
-                yield data.xtr[idx], data.ytr[idx]
+                self.straggler.cost = workloads.doc_cost(
+                    self.data, None if self.data.lengths is None else self.data.lengths[idx])
+                yield self.data.xtr[idx], self.data.ytr[idx]
             epoch += 1
 
-    if tft is not None:
-        tft.connect()
-    dist.barrier()
-    t0 = time.perf_counter()
-    eval_s = 0.0  # evaluations are not training: the clock below leaves them out
+    def clock(self) -> float:
+        """Seconds of training so far."""
+        return time.perf_counter() - self.t0 - self.eval_s
 
-    def clock():
-        return time.perf_counter() - t0 - eval_s
+    def train(self) -> None:
+        """The training loop: --steps steps, or fewer where the time limit stops it."""
+        args = self.args
+        if self.tft is not None:
+            self.tft.connect()
+        dist.barrier()
+        self.t0 = time.perf_counter()
+        self.exact_steps = args.warmup_steps
+        self.snaps = Snapshots(args.snapshot_every)
+        self.eval_s += self.snaps.take(self.module, 0.0, 0)  # the initial model
+        it = self.batches()
+        while self.step < args.steps:
+            self.train_step(*next(it))
+            stop, met = self.stop_rule()
+            self.step += 1
+            if args.eval_every > 0 and (self.step % args.eval_every == 0
+                                        or self.step == args.steps or stop):
+                self.evaluate(met)
+            if stop:
+                break
+        # one falling due in the last step's sleep
+        self.eval_s += self.snaps.take(self.module, self.clock(), self.step)
+        if args.strategy == "ripples":
+            self.optimizer.flush()  # with --overlap, the last round's average into the model
+        self.train_time = self.clock()
 
-    step = 0
-    exact_steps = args.warmup_steps  # the warm-up's exact steps (wrap() may end it early)
-    loss_sum, loss_n = 0.0, 0
-    time_to_target = None
-    busy = 0.0  # wall time of forward + backward + optimizer step (+ stop agreement)
-    snaps = Snapshots(args.snapshot_every)
-    eval_s += snaps.take(module, 0.0, 0)  # the initial model
-    it = batches()
-    while step < args.steps:
-        x, y = next(it)
-        if tft is not None and tft.diloco is None and step >= exact_steps:
+    def train_step(self, x, y) -> None:
+        """Step self.step: forward, backward, the optimizer's step, the straggler's sleep."""
+        step, tft, optimizer = self.step, self.tft, self.optimizer
+        if tft is not None and tft.diloco is None and step >= self.exact_steps:
             tft.start()  # off the clock: one copy of the model (the first anchor)
         t_step = time.perf_counter()
         optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss = loss_fn(self.model(x), y)
         loss.backward()
-        if tft is not None and tft.is_sync(step, exact_steps):
+        if tft is not None and tft.is_sync(step, self.exact_steps):
             t_sync = time.perf_counter()
             optimizer.step()  # DiLoCo's outer step runs in its post-step hook
             tft.record_sync(time.perf_counter() - t_sync)
         else:
             optimizer.step()
-        if args.strategy == "ripples":
+        if self.args.strategy == "ripples":
             # wrap() ends warm-up early, after the same step on every worker, once a worker is
             # a persistent straggler (warmup_straggler): the stop rule must follow it, or the
             # straggler, not allowed to stop before the configured warm-up, trains on alone in
             # groups of one long after the others stopped at the time limit
-            exact_steps = optimizer.averager.warmup_steps
-        loss_sum += loss.item()
-        snaps.add_loss(loss.item())
-        busy += time.perf_counter() - t_step
+            self.exact_steps = optimizer.averager.warmup_steps
+        self.loss_sum += loss.item()
+        self.snaps.add_loss(loss.item())
+        self.busy += time.perf_counter() - t_step
         # before a straggler's sleep: the model is final, and workers that step together
         # (all-reduce) pass here at about the same time, so their snapshots mostly match
-        eval_s += snaps.take(module, clock(), step + 1)
-        straggler.after_step(step)
-        if args.log_steps:  # one record per step: the replay's factor and the step's wall time
-            emit({"event": "step", "rank": rank, "step": step,
-                  "factor": straggler.step_factor(step),
-                  "seconds": round(time.perf_counter() - t_step, 6)}, stdout=False)
-        loss_n += 1
+        self.eval_s += self.snaps.take(self.module, self.clock(), step + 1)
+        self.straggler.after_step(step)
+        if self.args.log_steps:  # one record per step: the replay's factor and the step's time
+            self.emit({"event": "step", "rank": self.rank, "step": step,
+                       "factor": self.straggler.step_factor(step),
+                       "seconds": round(time.perf_counter() - t_step, 6)}, stdout=False)
+        self.loss_n += 1
+
+    def stop_rule(self):
+        """After step self.step: whether to stop, and whether all workers have just met in an
+        exact collective on the clock (to agree on the time limit)."""
+        args, step = self.args, self.step
         stop = False
-        met = False  # all workers have just met in an exact collective on the clock
+        met = False
         # all-reduce and static: at the steps where every worker meets anyway; the dynamic
         # schedules: every worker on its own clock once past the warm-up (a worker leaving
         # during its exact steps would leave the others waiting in an all-reduce it never
         # joins), and during the warm-up -- which has no fixed end by default: wrap() stays
         # exact while the workers are even -- every worker is at this step, so they agree
         agree = args.time_limit > 0 and (
-            global_sync_step(args, step) if sync_stop
-            else step < exact_steps and (step + 1) % sync_period(args) == 0)
+            global_sync_step(args, step) if self.sync_stop
+            else step < self.exact_steps and (step + 1) % sync_period(args) == 0)
         if agree:
             t_agree = time.perf_counter()
-            flag = torch.tensor([float(clock() >= args.time_limit)])
-            with exact_context(backend):
+            flag = torch.tensor([float(self.clock() >= args.time_limit)])
+            with exact_context(self.backend):
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             stop = bool(flag.item())
-            busy += time.perf_counter() - t_agree
+            self.busy += time.perf_counter() - t_agree
             met = True
-        elif (args.time_limit > 0 and not sync_stop and step >= exact_steps
-              and clock() >= args.time_limit):
+        elif (args.time_limit > 0 and not self.sync_stop and step >= self.exact_steps
+              and self.clock() >= args.time_limit):
             stop = True
-        step += 1
-        if args.eval_every > 0 and (step % args.eval_every == 0 or step == args.steps or stop):
-            consensus = None
-            if eval_consensus:
-                if not met:  # wait for slower peers on the clock, as a sync point would
-                    t_meet = time.perf_counter()
-                    with exact_context(backend):
-                        dist.all_reduce(torch.zeros(1), op=dist.ReduceOp.MAX)
-                    busy += time.perf_counter() - t_meet
-            elapsed = clock()
-            t_eval = time.perf_counter()
-            if eval_consensus:
-                consensus = consensus_distance(module, backend)
-            ev = data.evaluate(module)  # "loss": on the whole training set (digits)
-            eval_s += time.perf_counter() - t_eval
-            emit({"event": "eval", "rank": rank, "step": step, "time": round(elapsed, 4),
-                  "loss": round(ev["loss"], 5), "acc": round(ev["acc"], 5),
-                  "batch_loss": round(loss_sum / max(loss_n, 1), 5),
-                  "test_loss": round(ev["test_loss"], 5),
-                  "consensus": None if consensus is None else float(f"{consensus:.6g}")})
-            loss_sum, loss_n = 0.0, 0
-            if time_to_target is None and ev["acc"] >= args.target_acc:
-                time_to_target = elapsed
-        if stop:
-            break
-    eval_s += snaps.take(module, clock(), step)  # one falling due in the last step's sleep
-    if args.strategy == "ripples":
-        optimizer.flush()  # with --overlap, the last round's average into the model
-    train_time = clock()
-    # off the clock, every rank (the dynamic schedules' fast workers wait here for the rest)
-    consensus = consensus_distance(module, backend)
-    for rec in snaps.evaluate(module, data.evaluate, lambda: exact_context(backend),
-                              lockstep=args.strategy == "allreduce"):
-        emit(rec, stdout=False)
-        if args.eval_every <= 0 and time_to_target is None and rec["acc"] >= args.target_acc:
-            time_to_target = rec["time"]
-    local_acc = data.evaluate(module)["acc"]
-    summary = {"event": "summary", "rank": rank, "strategy": args.strategy,
-               "backend": backend, "steps": step, "train_time": round(train_time, 4),
-               "steps_per_s": round(step / train_time, 3), "local_acc": round(local_acc, 5),
-               "time_to_target": None if time_to_target is None else round(time_to_target, 4),
-               "compute_s": round(straggler.compute_s, 6),
-               "comm_wait_s": round(max(0.0, busy - step * straggler.compute_s), 4),
-               "straggler_sleep_s": round(straggler.slept, 4),
-               "slowed_steps": straggler.slowed_steps,
-               "trace_factor_mean": (round(straggler.factor_sum / step, 4)
-                                     if (straggler.trace is not None or
-                                         straggler.who == "tokens") and step else None),
-               "consensus": float(f"{consensus:.6g}")}
-    try:
-        summary.update(round_stats(optimizer, args.strategy, tft))
-    except Exception as e:  # noqa: BLE001 - stats are informative only
-        summary.update(round_stats(None, "none"))
-        summary["stats_error"] = repr(e)
-    if args.strategy == "ripples":
-        import ripples_pg
+        return stop, met
 
-        summary["schedule"] = args.schedule
-        summary["levels"] = {str(k): v for k, v in optimizer.averager.levels.items()}
-        summary["level_counts"] = dict(optimizer.averager.counts)
-        if args.overlap:
-            summary["overlap"] = optimizer.averager.overlap_stats
-        if hasattr(ripples_pg, "stats"):
-            try:
-                st = ripples_pg.stats(optimizer.group)
-                summary["stats"] = {k: st[k] for k in ("rounds", "reduced", "singletons",
-                                                       "singleton_run_max", "skipped",
-                                                       "failed", "wait_s", "passed",
-                                                       "period", "group_s", "reduce_s",
-                                                       "bytes")
-                                    if k in st}
-                if "group_sizes" in st:
-                    summary["stats"]["group_sizes"] = st["group_sizes"]
-                # compressed rounds' bytes on the wire (the counter's name is the core's)
-                summary["stats"].update({k: v for k, v in st.items() if "wire" in k})
-            except Exception as e:  # noqa: BLE001 - stats are informative only
-                summary["stats_error"] = repr(e)
-    if tft is not None:
-        summary["stats"] = tft.stats()
-        summary["outer_every"] = args.outer_every
-    elif args.strategy == "ripples" and args.outer_every:
-        summary["outer_every"] = args.outer_every
-    emit(summary, stdout=False)
+    def evaluate(self, met: bool) -> None:
+        """An evaluation during training (--eval-every): the "eval" record of this worker's
+        model; ``met``: the workers have just met on the clock."""
+        consensus = None
+        if self.eval_consensus:
+            if not met:  # wait for slower peers on the clock, as a sync point would
+                t_meet = time.perf_counter()
+                with exact_context(self.backend):
+                    dist.all_reduce(torch.zeros(1), op=dist.ReduceOp.MAX)
+                self.busy += time.perf_counter() - t_meet
+        elapsed = self.clock()
+        t_eval = time.perf_counter()
+        if self.eval_consensus:
+            consensus = consensus_distance(self.module, self.backend)
+        ev = self.data.evaluate(self.module)  # "loss": on the whole training set (digits)
+        self.eval_s += time.perf_counter() - t_eval
+        self.emit({"event": "eval", "rank": self.rank, "step": self.step,
+                   "time": round(elapsed, 4),
+                   "loss": round(ev["loss"], 5), "acc": round(ev["acc"], 5),
+                   "batch_loss": round(self.loss_sum / max(self.loss_n, 1), 5),
+                   "test_loss": round(ev["test_loss"], 5),
+                   "consensus": None if consensus is None else float(f"{consensus:.6g}")})
+        self.loss_sum, self.loss_n = 0.0, 0
+        if self.time_to_target is None and ev["acc"] >= self.args.target_acc:
+            self.time_to_target = elapsed
 
-    # the "final" model: one exact average over all workers (a no-op change for allreduce),
-    # BatchNorm's running statistics included
-    with torch.no_grad(), exact_context(backend):
-        for t in model_tensors(module):
-            dist.all_reduce(t.data, op=dist.ReduceOp.AVG)
-    ev = data.evaluate(module)
-    final_loss, final_acc = ev["test_loss"], ev["acc"]
-    summaries = [None] * world
-    dist.all_gather_object(summaries, summary)
-    final = None
-    if rank == 0:
+    def summary(self) -> dict:
+        """After training, off the clock, on every rank (the dynamic schedules' fast workers
+        wait here for the rest): the snapshots' records, then this rank's "summary"."""
+        args, straggler, step, backend = self.args, self.straggler, self.step, self.backend
+        consensus = consensus_distance(self.module, backend)
+        for rec in self.snaps.evaluate(self.module, self.data.evaluate,
+                                       lambda: exact_context(backend),
+                                       lockstep=args.strategy == "allreduce"):
+            self.emit(rec, stdout=False)
+            if args.eval_every <= 0 and self.time_to_target is None and \
+                    rec["acc"] >= args.target_acc:
+                self.time_to_target = rec["time"]
+        local_acc = self.data.evaluate(self.module)["acc"]
+        summary = {
+            "event": "summary", "rank": self.rank, "strategy": args.strategy,
+            "backend": backend, "steps": step, "train_time": round(self.train_time, 4),
+            "steps_per_s": round(step / self.train_time, 3), "local_acc": round(local_acc, 5),
+            "time_to_target": None if self.time_to_target is None else round(
+                self.time_to_target, 4),
+            "compute_s": round(straggler.compute_s, 6),
+            "comm_wait_s": round(max(0.0, self.busy - step * straggler.compute_s), 4),
+            "straggler_sleep_s": round(straggler.slept, 4),
+            "slowed_steps": straggler.slowed_steps,
+            "trace_factor_mean": (round(straggler.factor_sum / step, 4)
+                                  if (straggler.trace is not None or
+                                      straggler.who == "tokens") and step else None),
+            "consensus": float(f"{consensus:.6g}")}
+        try:
+            summary.update(round_stats(self.optimizer, args.strategy, self.tft))
+        except Exception as e:  # noqa: BLE001 - stats are informative only
+            summary.update(round_stats(None, "none"))
+            summary["stats_error"] = repr(e)
+        if args.strategy == "ripples":
+            ripples_summary(summary, self.optimizer, args)
+        if self.tft is not None:
+            summary["stats"] = self.tft.stats()
+            summary["outer_every"] = args.outer_every
+        elif args.strategy == "ripples" and args.outer_every:
+            summary["outer_every"] = args.outer_every
+        return summary
+
+    def final(self, summary: dict):
+        """The "final" model: one exact average over all workers (a no-op change for
+        allreduce), BatchNorm's running statistics included; rank 0 emits and returns its
+        "final" record (None on other ranks)."""
+        args, optimizer = self.args, self.optimizer
+        with torch.no_grad(), exact_context(self.backend):
+            for t in model_tensors(self.module):
+                dist.all_reduce(t.data, op=dist.ReduceOp.AVG)
+        ev = self.data.evaluate(self.module)
+        final_loss, final_acc = ev["test_loss"], ev["acc"]
+        summaries = [None] * self.world
+        dist.all_gather_object(summaries, summary)
+        if self.rank != 0:
+            return None
+
         def per_rank(*keys):  # every rank's value of each key, in rank order
             return {k: [s[k] for s in summaries] for k in keys}
 
         final = {"event": "final", "workload": args.workload, "strategy": args.strategy,
-              "backend": backend,
-              "schedule": args.schedule if args.strategy == "ripples" else None,
-              "straggler": args.straggler, "pause_s": args.pause_s, "world": world,
-              "warmup_steps": None if args.strategy == "allreduce" else args.warmup_steps,
-              # the exact steps the run had: fewer when wrap() ended warm-up early
-              "warmup_run": None if args.strategy == "allreduce" else exact_steps,
-              # wrap()'s last warm-up check: the gain it measured, and how much of their time
-              # the workers waited for a core (ripples_pg.averager)
-              "warmup_gain": getattr(getattr(optimizer, "averager", None), "warmup_gain", None),
-              "warmup_crowding": getattr(getattr(optimizer, "averager", None),
-                                         "warmup_crowding", None),
-              "acc": round(final_acc, 5), "loss": round(final_loss, 5),
-              "target_acc": args.target_acc,
-              "time_to_target": summary["time_to_target"],
-              "train_time": summary["train_time"],
-              **per_rank("steps", "steps_per_s", "comm_wait_s", "compute_s", "local_acc"),
-              "consensus": summary["consensus"],
-              **per_rank("rounds", "singletons", "singleton_share", "singleton_run_max",
-                         "passed"),
-              "level_counts": summary.get("level_counts"), "stats": summary.get("stats"),
-              "outer_every": summary.get("outer_every"), "compression": args.compression,
-              # every rank's round statistics (bytes and round times: report per round)
-              "rank_stats": [s.get("stats") for s in summaries]}
-        emit(final, stdout=True)
+                 "backend": self.backend,
+                 "schedule": args.schedule if args.strategy == "ripples" else None,
+                 "straggler": args.straggler, "pause_s": args.pause_s, "world": self.world,
+                 "warmup_steps": None if args.strategy == "allreduce" else args.warmup_steps,
+                 # the exact steps the run had: fewer when wrap() ended warm-up early
+                 "warmup_run": None if args.strategy == "allreduce" else self.exact_steps,
+                 # wrap()'s last warm-up check: the gain it measured, and how much of their
+                 # time the workers waited for a core (ripples_pg.averager)
+                 "warmup_gain": getattr(getattr(optimizer, "averager", None), "warmup_gain",
+                                        None),
+                 "warmup_crowding": getattr(getattr(optimizer, "averager", None),
+                                            "warmup_crowding", None),
+                 "acc": round(final_acc, 5), "loss": round(final_loss, 5),
+                 "target_acc": args.target_acc,
+                 "time_to_target": summary["time_to_target"],
+                 "train_time": summary["train_time"],
+                 **per_rank("steps", "steps_per_s", "comm_wait_s", "compute_s", "local_acc"),
+                 "consensus": summary["consensus"],
+                 **per_rank("rounds", "singletons", "singleton_share", "singleton_run_max",
+                            "passed"),
+                 "level_counts": summary.get("level_counts"), "stats": summary.get("stats"),
+                 "outer_every": summary.get("outer_every"), "compression": args.compression,
+                 # every rank's round statistics (bytes and round times: report per round)
+                 "rank_stats": [s.get("stats") for s in summaries]}
+        self.emit(final, stdout=True)
+        return final
+
+
+def run(args):
+    """Trains on the already initialised default process group; returns rank 0's "final"
+    record (None on other ranks)."""
+    backend = str(dist.get_backend())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logf, emit = open_log(args, rank)
+    data, device, xs, ys = load_data(args, rank, world)
+    torch.manual_seed(args.seed)  # same initial model everywhere (DDP broadcasts it anyway)
+    module = data.make_model().to(device)
+    model = DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer, tft, job_sampler = make_strategy(args, model, module, data, rank, world)
+    bs = min(args.batch_size, len(xs))
+    straggler = make_straggler(args, module, xs, ys, bs, rank, world)
+    if args.calibrate_only:
+        print_calibration(args, backend, model, module, optimizer, straggler, xs, ys, bs)
+        if logf:
+            logf.close()
+        return None
+    # The epochs' order: torch's DistributedSampler, as a DDP user has it (each worker 1/world
+    # of every epoch, shuffled per epoch with the seed), or ripples's job-wide one, which
+    # gives the same rows during exact phases: with no straggler both see the same batches.
+    sampler = job_sampler if job_sampler is not None else TorchDistributedSampler(
+        range(len(data.xtr)), num_replicas=world, rank=rank, shuffle=True, seed=args.seed)
+    training = Training(args=args, backend=backend, rank=rank, world=world, data=data,
+                        module=module, model=model, optimizer=optimizer, tft=tft,
+                        straggler=straggler, sampler=sampler, bs=bs, emit=emit)
+    training.train()
+    summary = training.summary()
+    emit(summary, stdout=False)
+    final = training.final(summary)
     if tft is not None:
         tft.close()
     if logf:

@@ -84,6 +84,50 @@ def accuracy(model: torch.nn.Module, ds) -> float:
     return float((model(x).argmax(1) == y).float().mean())
 
 
+def make_strategy(args, p):
+    """Ripples (RipplesStrategy, with the time limit) or plain DDP on gloo."""
+    if args.strategy == "ripples":
+        return RipplesStrategy(
+            schedule=args.schedule, group_size=args.group_size, warmup_steps=args.warmup_steps,
+            overlap=args.overlap, time_limit=args.max_time or None)
+    if args.max_time > 0:
+        p.error("--max-time is for --strategy ripples; use --max-steps with ddp")
+    return pl.strategies.DDPStrategy(process_group_backend="gloo")
+
+
+def checkpoint_callbacks(args, p) -> list:
+    """With --ckpt-dir: last.ckpt at the end, and with --ckpt-every one every N steps."""
+    if not args.ckpt_dir:
+        return []
+    if args.ckpt_every and args.max_time > 0:
+        p.error("--ckpt-every needs --max-steps without --max-time: with a time limit the "
+                "workers stop at different steps, so checkpoints are written at the end")
+    return [pl.callbacks.ModelCheckpoint(
+        dirpath=args.ckpt_dir, filename="{step}", save_last=True,
+        every_n_train_steps=args.ckpt_every or None,
+        save_top_k=-1 if args.ckpt_every else 1)]
+
+
+def report(args, trainer, model, test, wall: float) -> dict:
+    """This worker's result, written as one JSON line."""
+    # Every worker now holds the same (averaged) model: evaluate it.
+    out = {"rank": trainer.global_rank, "steps": trainer.global_step,
+           "test_accuracy": round(accuracy(model, test), 4), "wall_s": round(wall, 1)}
+    if args.strategy == "ripples":
+        # did the workers really average? partial rounds, groups of one (averaged with
+        # nobody), and the consensus distance of the replicas before the final average
+        st = trainer.strategy.ripples_stats()
+        out.update(rounds=st["rounds"], groups_of_one=st["singletons"],
+                   consensus=trainer.strategy.consensus)
+    if args.ckpt_dir and trainer.is_global_zero:
+        out["checkpoint"] = os.path.join(args.ckpt_dir, "last.ckpt")
+    # one write per line: the workers share the launcher's stdout, and print() writes the line
+    # and its newline separately when Python's output is unbuffered
+    sys.stdout.write(json.dumps(out) + "\n")
+    sys.stdout.flush()
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,24 +167,8 @@ def main(argv=None) -> dict:
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     num_nodes = max(1, int(os.environ.get("WORLD_SIZE", devices)) // devices)
 
-    if args.strategy == "ripples":
-        strategy = RipplesStrategy(
-            schedule=args.schedule, group_size=args.group_size, warmup_steps=args.warmup_steps,
-            overlap=args.overlap, time_limit=args.max_time or None)
-    else:
-        if args.max_time > 0:
-            p.error("--max-time is for --strategy ripples; use --max-steps with ddp")
-        strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
-
-    callbacks = []
-    if args.ckpt_dir:
-        if args.ckpt_every and args.max_time > 0:
-            p.error("--ckpt-every needs --max-steps without --max-time: with a time limit the "
-                    "workers stop at different steps, so checkpoints are written at the end")
-        callbacks.append(pl.callbacks.ModelCheckpoint(
-            dirpath=args.ckpt_dir, filename="{step}", save_last=True,
-            every_n_train_steps=args.ckpt_every or None,
-            save_top_k=-1 if args.ckpt_every else 1))
+    strategy = make_strategy(args, p)
+    callbacks = checkpoint_callbacks(args, p)
 
     train, test = digits(args.seed)
     trainer = pl.Trainer(
@@ -154,22 +182,7 @@ def main(argv=None) -> dict:
     trainer.fit(model, loader, ckpt_path=args.resume or None)
     wall = time.monotonic() - t0
 
-    # Every worker now holds the same (averaged) model: evaluate it.
-    out = {"rank": trainer.global_rank, "steps": trainer.global_step,
-           "test_accuracy": round(accuracy(model, test), 4), "wall_s": round(wall, 1)}
-    if args.strategy == "ripples":
-        # did the workers really average? partial rounds, groups of one (averaged with
-        # nobody), and the consensus distance of the replicas before the final average
-        st = trainer.strategy.ripples_stats()
-        out.update(rounds=st["rounds"], groups_of_one=st["singletons"],
-                   consensus=trainer.strategy.consensus)
-    if args.ckpt_dir and trainer.is_global_zero:
-        out["checkpoint"] = os.path.join(args.ckpt_dir, "last.ckpt")
-    # one write per line: the workers share the launcher's stdout, and print() writes the line
-    # and its newline separately when Python's output is unbuffered
-    sys.stdout.write(json.dumps(out) + "\n")
-    sys.stdout.flush()
-    return out
+    return report(args, trainer, model, test, wall)
 
 
 if __name__ == "__main__":

@@ -139,76 +139,64 @@ def load_checkpoint(a, rank, world):
     return ck
 
 
-def main():
-    a = parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("ripples")  # torchrun's env:// rendezvous
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if a.straggler and not 0 <= a.straggler[0] < world:
-        raise ValueError(f"--straggler: rank {a.straggler[0]} is not in 0..{world - 1}")
-    if a.ckpt_dir:
-        os.makedirs(a.ckpt_dir, exist_ok=True)
-    torch.manual_seed(a.seed)
-
-    train_set, test_set = datasets(a.seed)
-    # Under Ripples the sampler hands each epoch out job-wide (once wrap(sampler=...) links it):
-    # fast ranks take more of it, every sample is used once, and every rank's epoch ends
-    # together. torch's gives every rank a fixed 1/world shard, as synchronous DDP needs.
+def resume(a, rank, world, model, optimizer, sampler):
+    """Loads this rank's checkpoint; returns (step, epoch, batch) to continue from."""
+    ck = load_checkpoint(a, rank, world)
+    model.module.load_state_dict(ck["model"])
+    optimizer.load_state_dict(ck["optimizer"])
+    step = ck["step"]
+    # The job's position -- the epoch, the sampler's rows in it and (Ripples) the job step
+    # -- must be the same on every rank, but during training each rank wrote its file at
+    # its own moment (when IT crossed a multiple of --ckpt-every): every rank takes the
+    # job's position from rank 0's file. Rows other ranks took after rank 0 saved are then
+    # used again, as in any checkpoint taken without a barrier; the final checkpoints are
+    # written after unwrap(), where all ranks agree: a resume from them continues where
+    # the job stopped.
+    job = ck if rank == 0 else load_checkpoint(a, 0, world)
+    epoch, batch = job["epoch"], job["batch"]
     if a.strategy == "ripples":
-        sampler = ripples_pg.DistributedSampler(train_set, shuffle=True, seed=a.seed)
-    else:
-        sampler = DistributedSampler(train_set, shuffle=True, seed=a.seed)
-    loader = DataLoader(train_set, batch_size=a.batch_size, sampler=sampler)
+        sampler.load_state_dict(job["sampler"])  # it skips the rows already used itself
+        # (rank 0 too: every rank must reset its job clock the same number of times)
+        optimizer.job_clock.load_state_dict(job["optimizer"]["ripples"]["job_clock"])
+        batch = 0
+    return step, epoch, batch
 
-    model = DDP(Net())  # the default group is "ripples"; DDP broadcasts rank 0's weights
-    optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
-    if a.strategy == "ripples":
-        optimizer = ripples_pg.wrap(model, optimizer, schedule=a.schedule, sampler=sampler,
-                                    group_size=a.group_size, warmup_steps=a.warmup_steps)
 
-    step = epoch = batch = 0  # step: this rank's own; batch: DDP's next batch of the epoch
-    if a.resume:
-        ck = load_checkpoint(a, rank, world)
-        model.module.load_state_dict(ck["model"])
-        optimizer.load_state_dict(ck["optimizer"])
-        step = ck["step"]
-        # The job's position -- the epoch, the sampler's rows in it and (Ripples) the job step
-        # -- must be the same on every rank, but during training each rank wrote its file at
-        # its own moment (when IT crossed a multiple of --ckpt-every): every rank takes the
-        # job's position from rank 0's file. Rows other ranks took after rank 0 saved are then
-        # used again, as in any checkpoint taken without a barrier; the final checkpoints are
-        # written after unwrap(), where all ranks agree: a resume from them continues where
-        # the job stopped.
-        job = ck if rank == 0 else load_checkpoint(a, 0, world)
-        epoch, batch = job["epoch"], job["batch"]
-        if a.strategy == "ripples":
-            sampler.load_state_dict(job["sampler"])  # it skips the rows already used itself
-            # (rank 0 too: every rank must reset its job clock the same number of times)
-            optimizer.job_clock.load_state_dict(job["optimizer"]["ripples"]["job_clock"])
-            batch = 0
-    start_step = step
-    averager_step = optimizer.averager.step if a.strategy == "ripples" else None
-    job_step_at_start = optimizer.job_step if a.strategy == "ripples" else step
-    warmup_at_start = optimizer.averager.warmup_steps if a.strategy == "ripples" else None
+def start_position(a, optimizer, step, world):
+    """Where this rank starts (for its summary); checks that a resumed job inside warm-up has
+    every rank at the same step."""
+    ripples = a.strategy == "ripples"
+    start = {"start_step": step,
+             "averager_step_at_start": optimizer.averager.step if ripples else None,
+             "job_step_at_start": optimizer.job_step if ripples else step,
+             "warmup_at_start": optimizer.averager.warmup_steps if ripples else None}
     # Warm-up is synchronous: every rank must be at the same step while inside it.
     steps = [None] * world
     dist.all_gather_object(steps, step)
-    warmup = optimizer.averager.warmup_steps if a.strategy == "ripples" else 0
+    warmup = optimizer.averager.warmup_steps if ripples else 0
     if min(steps) < warmup and len(set(steps)) > 1:
         raise RuntimeError(f"--resume: the checkpoints are at steps {steps}, inside warm-up "
                            f"({warmup} steps) but not all at the same step")
+    return start
 
-    delay = 0.0
-    if a.straggler is not None and a.straggler[0] == rank:
-        # DEMO: this rank's compute (forward + backward, timed on a copy of the model: no
-        # communication) is to take FACTOR times as long, so it sleeps the difference each step.
-        # (A batch from the dataset, not the loader: every rank must iterate the sampler alike.)
-        probe, (xb, yb), times = copy.deepcopy(model.module), train_set[:a.batch_size], []
-        for _ in range(10):
-            t = time.monotonic()
-            F.cross_entropy(probe(xb), yb).backward()
-            times.append(time.monotonic() - t)
-        delay = (a.straggler[1] - 1) * statistics.median(times)
+
+def straggler_delay(a, rank, model, train_set):
+    """DEMO: the sleep per step that makes this rank's compute (forward + backward, timed on a
+    copy of the model: no communication) take FACTOR times as long; 0 on other ranks."""
+    if a.straggler is None or a.straggler[0] != rank:
+        return 0.0
+    # (A batch from the dataset, not the loader: every rank must iterate the sampler alike.)
+    probe, (xb, yb), times = copy.deepcopy(model.module), train_set[:a.batch_size], []
+    for _ in range(10):
+        t = time.monotonic()
+        F.cross_entropy(probe(xb), yb).backward()
+        times.append(time.monotonic() - t)
+    return (a.straggler[1] - 1) * statistics.median(times)
+
+
+def train(a, rank, model, optimizer, sampler, loader, step, epoch, batch, delay):
+    """The training loop, from (step, epoch, batch) until the job's epochs or steps are done
+    or the time limit; returns where it stopped, (step, epoch, batch, job_step, seconds)."""
     t0 = time.monotonic()
     # The job's step: under Ripples all workers' steps / world size, read after each step (no
     # barrier); under DDP every rank's own step is the job's.
@@ -243,17 +231,95 @@ def main():
                 break
         else:
             epoch, batch = epoch + 1, 0
-    train_s = time.monotonic() - t0
+    return step, epoch, batch, job_step, time.monotonic() - t0
 
-    # Ranks arrive here at different steps. The first thing after the loop must be an exact
-    # collective on the "ripples" group (or unwrap()): it also ends this rank's partial rounds
-    # cleanly under a dynamic schedule. Consensus distance: how far the replicas drifted apart.
+
+def consensus_distance(model):
+    """How far the replicas drifted apart: max over ranks of ||x_i - mean|| / ||mean|| of the
+    parameters (exact collectives: every rank calls it)."""
     with torch.no_grad():
         x = torch.cat([p.detach().reshape(-1).double() for p in model.module.parameters()])
         mean = x.clone()
         dist.all_reduce(mean, op=dist.ReduceOp.AVG)
         consensus = torch.tensor([(x - mean).norm() / mean.norm()], dtype=torch.float64)
         dist.all_reduce(consensus, op=dist.ReduceOp.MAX)
+    return consensus
+
+
+def model_digest(model):
+    """A digest of the model's floating-point tensors: the same on every rank after the final
+    average (integer buffers such as BatchNorm's num_batches_tracked stay each rank's own)."""
+    digest = hashlib.sha256()
+    for t in list(model.module.parameters()) + list(model.module.buffers()):
+        if t.is_floating_point():
+            digest.update(t.detach().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def test_accuracy(net, test_set):
+    net.eval()
+    xs, ys = test_set.tensors
+    with torch.no_grad():
+        return (net(xs).argmax(1) == ys).float().mean().item()
+
+
+def print_result(a, result, acc):
+    """Rank 0's last words: one JSON line (--json), or a summary, a line per rank."""
+    if a.json:
+        print(json.dumps(result), flush=True)
+        return
+    print(f"{a.strategy}: {result['world']} workers, job step {result['job_step']}, epochs "
+          f"done: {result['epochs']}, test accuracy of the averaged model "
+          f"{acc:.3f}, consensus distance before the final average "
+          f"{result['consensus_before_average']}")
+    for r in result["ranks"]:  # each rank's own steps: the fast ones did more
+        extra = (f", partial rounds: {r['rounds']}, groups of one: {r['singletons']}, "
+                 f"skipped: {r['skipped']}" if "rounds" in r else "")
+        print(f"  rank {r['rank']}: {r['steps']} steps, {r['train_s']} s of training, "
+              f"{r['steps_per_s']} steps/s{extra}")
+    if a.ckpt_dir:
+        print(f"  final model: {os.path.join(a.ckpt_dir, 'final_model.pt')}")
+
+
+def main():
+    a = parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("ripples")  # torchrun's env:// rendezvous
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if a.straggler and not 0 <= a.straggler[0] < world:
+        raise ValueError(f"--straggler: rank {a.straggler[0]} is not in 0..{world - 1}")
+    if a.ckpt_dir:
+        os.makedirs(a.ckpt_dir, exist_ok=True)
+    torch.manual_seed(a.seed)
+
+    train_set, test_set = datasets(a.seed)
+    # Under Ripples the sampler hands each epoch out job-wide (once wrap(sampler=...) links it):
+    # fast ranks take more of it, every sample is used once, and every rank's epoch ends
+    # together. torch's gives every rank a fixed 1/world shard, as synchronous DDP needs.
+    if a.strategy == "ripples":
+        sampler = ripples_pg.DistributedSampler(train_set, shuffle=True, seed=a.seed)
+    else:
+        sampler = DistributedSampler(train_set, shuffle=True, seed=a.seed)
+    loader = DataLoader(train_set, batch_size=a.batch_size, sampler=sampler)
+
+    model = DDP(Net())  # the default group is "ripples"; DDP broadcasts rank 0's weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=0.9)
+    if a.strategy == "ripples":
+        optimizer = ripples_pg.wrap(model, optimizer, schedule=a.schedule, sampler=sampler,
+                                    group_size=a.group_size, warmup_steps=a.warmup_steps)
+
+    step = epoch = batch = 0  # step: this rank's own; batch: DDP's next batch of the epoch
+    if a.resume:
+        step, epoch, batch = resume(a, rank, world, model, optimizer, sampler)
+    start = start_position(a, optimizer, step, world)
+    delay = straggler_delay(a, rank, model, train_set)
+    step, epoch, batch, job_step, train_s = train(a, rank, model, optimizer, sampler, loader,
+                                                  step, epoch, batch, delay)
+
+    # Ranks arrive here at different steps. The first thing after the loop must be an exact
+    # collective on the "ripples" group (or unwrap()): it also ends this rank's partial rounds
+    # cleanly under a dynamic schedule.
+    consensus = consensus_distance(model)
     warmup_run = job_samples = None
     if a.strategy == "ripples":
         # Exact average of parameters, BatchNorm buffers and momentum, and one job step that
@@ -269,17 +335,13 @@ def main():
                 dist.all_reduce(b, op=dist.ReduceOp.AVG)
     if a.ckpt_dir:  # the same model, job step and sampler position on every rank: the end
         save_checkpoint(a, rank, model, optimizer, sampler, step, epoch, batch)
-    # Every rank now holds the same model (integer buffers such as BatchNorm's
-    # num_batches_tracked stay each rank's own); a digest of the floating-point tensors shows it.
-    digest = hashlib.sha256()
-    for t in list(model.module.parameters()) + list(model.module.buffers()):
-        if t.is_floating_point():
-            digest.update(t.detach().numpy().tobytes())
-    mine = {"rank": rank, "steps": step, "start_step": start_step,
-            "averager_step_at_start": averager_step, "job_step_at_start": job_step_at_start,
-            "epochs": epoch, "warmup_at_start": warmup_at_start, "warmup_steps": warmup_run,
-            "train_s": round(train_s, 2), "steps_per_s": round((step - start_step) / train_s, 2),
-            "digest": digest.hexdigest()[:16]}
+    mine = {"rank": rank, "steps": step, "start_step": start["start_step"],
+            "averager_step_at_start": start["averager_step_at_start"],
+            "job_step_at_start": start["job_step_at_start"], "epochs": epoch,
+            "warmup_at_start": start["warmup_at_start"], "warmup_steps": warmup_run,
+            "train_s": round(train_s, 2),
+            "steps_per_s": round((step - start["start_step"]) / train_s, 2),
+            "digest": model_digest(model)}  # every rank now holds the same model
     if a.strategy == "ripples":
         st = ripples_pg.stats(ripples_group)
         mine.update({k: st[k] for k in ("rounds", "singletons", "skipped", "failed")})
@@ -288,29 +350,14 @@ def main():
 
     if rank == 0:
         # Evaluate model.module, not the DDP wrapper: only rank 0 runs this (no collectives).
-        net = model.module.eval()
-        xs, ys = test_set.tensors
-        with torch.no_grad():
-            acc = (net(xs).argmax(1) == ys).float().mean().item()
+        acc = test_accuracy(model.module, test_set)
         if a.ckpt_dir:
-            torch.save(net.state_dict(), os.path.join(a.ckpt_dir, "final_model.pt"))
-        result = {"strategy": a.strategy, "world": world, "job_step": job_step,
-                  "job_samples": job_samples, "epochs": epoch, "test_acc": round(acc, 4),
-                  "consensus_before_average": float(f"{consensus.item():.4g}"),
-                  "ranks": everyone}
-        if a.json:
-            print(json.dumps(result), flush=True)
-        else:
-            print(f"{a.strategy}: {world} workers, job step {job_step}, epochs done: {epoch}, "
-                  f"test accuracy of the averaged model {acc:.3f}, consensus distance before "
-                  f"the final average {result['consensus_before_average']}")
-            for r in everyone:  # each rank's own steps: the fast ones did more
-                extra = (f", partial rounds: {r['rounds']}, groups of one: {r['singletons']}, "
-                         f"skipped: {r['skipped']}" if "rounds" in r else "")
-                print(f"  rank {r['rank']}: {r['steps']} steps, {r['train_s']} s of training, "
-                      f"{r['steps_per_s']} steps/s{extra}")
-            if a.ckpt_dir:
-                print(f"  final model: {os.path.join(a.ckpt_dir, 'final_model.pt')}")
+            torch.save(model.module.state_dict(), os.path.join(a.ckpt_dir, "final_model.pt"))
+        print_result(a, {"strategy": a.strategy, "world": world, "job_step": job_step,
+                         "job_samples": job_samples, "epochs": epoch,
+                         "test_acc": round(acc, 4),
+                         "consensus_before_average": float(f"{consensus.item():.4g}"),
+                         "ranks": everyone}, acc)
     dist.destroy_process_group()
 
 

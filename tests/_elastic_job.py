@@ -46,6 +46,36 @@ def attempt() -> int:
                               os.environ.get("RIPPLES_TEST_ATTEMPT", "0")))
 
 
+def fail(a, rank: int, step: int) -> None:
+    """--fail-rank fails as --fail-how says (all-kill: every rank), after a record of who
+    failed when."""
+    if rank == a.fail_rank or (a.fail_how == "all-kill" and rank == 0):
+        with open(os.path.join(a.out, f"fail-a{attempt()}.json"), "w") as f:
+            json.dump({"rank": rank, "step": step, "wall": time.time()}, f)
+    if a.fail_how == "all-kill" or (rank == a.fail_rank and a.fail_how == "kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == a.fail_rank:
+        print(f"rank {rank}: failing on purpose at step {step}", file=sys.stderr,
+              flush=True)
+        sys.exit(3)
+
+
+def save_checkpoint(path: str, model, opt, done: int) -> None:
+    tmp = f"{path}.tmp"
+    torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                "step": done}, tmp)
+    os.replace(tmp, path)  # a reader sees the old or the new one, never half
+
+
+def average_checksum(model, ws: int) -> float:
+    """The checksum of the model the user keeps: the exact average of every worker's."""
+    params = [p.detach().clone() for p in model.module.parameters()]
+    for p in params:
+        dist.all_reduce(p)
+        p /= ws
+    return float(sum(p.double().sum() for p in params))
+
+
 def main(argv=None):
     a = parse_args(argv)
     with open(os.path.join(a.out, f"pid-a{attempt()}-r{os.environ.get('RANK', '0')}"), "w") as f:
@@ -85,15 +115,7 @@ def main(argv=None):
     losses = []
     for step in range(start, a.steps):
         if step == a.fail_step and attempt() == a.fail_attempt:
-            if rank == a.fail_rank or (a.fail_how == "all-kill" and rank == 0):
-                with open(os.path.join(a.out, f"fail-a{attempt()}.json"), "w") as f:
-                    json.dump({"rank": rank, "step": step, "wall": time.time()}, f)
-            if a.fail_how == "all-kill" or (rank == a.fail_rank and a.fail_how == "kill"):
-                os.kill(os.getpid(), signal.SIGKILL)
-            if rank == a.fail_rank:
-                print(f"rank {rank}: failing on purpose at step {step}", file=sys.stderr,
-                      flush=True)
-                sys.exit(3)
+            fail(a, rank, step)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(32, 16, generator=g)
         y = x @ w
@@ -109,16 +131,8 @@ def main(argv=None):
             time.sleep(a.step_sleep)
         done = step + 1
         if a.ckpt and rank == 0 and done % a.ckpt_every == 0:
-            tmp = f"{a.ckpt}.tmp"
-            torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
-                        "step": done}, tmp)
-            os.replace(tmp, a.ckpt)  # a reader sees the old or the new one, never half
-    # the model the user keeps: the exact average of every worker's
-    params = [p.detach().clone() for p in model.module.parameters()]
-    for p in params:
-        dist.all_reduce(p)
-        p /= ws
-    checksum = float(sum(p.double().sum() for p in params))
+            save_checkpoint(a.ckpt, model, opt, done)
+    checksum = average_checksum(model, ws)
     loss_end = probe_loss()
     sums = [None] * ws
     dist.all_gather_object(sums, checksum)

@@ -106,6 +106,23 @@ def task_wrap_bn(ctx):
 
     # Each rank's own count, which neither DDP's broadcast (off now) nor averaging may touch.
     module.bn.num_batches_tracked.fill_(100 + 10 * ctx.rank)
+    _check_partial_rounds(ctx, chk, opt, ddp, step)
+    nbt = int(module.bn.num_batches_tracked)
+    chk.true(nbt == 100 + 10 * ctx.rank + 4, "num_batches_tracked stays each rank's own",
+             f"{nbt}")
+    _check_replaced_buffer(ctx, chk, opt, module, step)
+    _check_checkpoint_switch(chk, opt, ddp, step, warm_sd)
+    chk.finish()
+    return True
+
+
+def _check_partial_rounds(ctx, chk, opt, ddp, step):
+    """task_wrap_bn's steps 2-5 (after warm-up, static schedule): one round per step, the BN
+    statistics the pair's mean or left alone in a group of one, flattened once with the
+    buffers in the flat's tail, DDP's broadcast off."""
+    import ripples_pg
+
+    g, module = opt.group, ddp.module
     paired = singles = 0
     lay_id = None
     for s in range(2, 6):
@@ -139,11 +156,13 @@ def task_wrap_bn(ctx):
         chk.true(ddp.broadcast_buffers is False, f"broadcast stays off (step {s})")
     chk.true(paired == 2 and singles == 2, "static schedule: two pairs, two singletons",
              f"{paired} pairs, {singles} groups of one")
-    nbt = int(module.bn.num_batches_tracked)
-    chk.true(nbt == 100 + 10 * ctx.rank + 4, "num_batches_tracked stays each rank's own",
-             f"{nbt}")
 
-    # A buffer replaced by user code is picked up: the layout is rebuilt and it is averaged.
+
+def _check_replaced_buffer(ctx, chk, opt, module, step):
+    """A buffer replaced by user code is picked up: the layout is rebuilt and it is
+    averaged."""
+    import ripples_pg
+
     module.bn.running_mean = module.bn.running_mean.clone() + ctx.rank
     old = opt.averager._layout
     for s in (6, 7):  # a group of one, then the pair
@@ -151,11 +170,13 @@ def task_wrap_bn(ctx):
     chk.true(opt.averager._layout is not old, "layout rebuilt for the replaced buffer")
     chk.true(any(e is module.bn.running_mean for e in opt.averager._layout.extras),
              "the new buffer is in the layout")
-    chk.true(ripples_pg.trace(g)[-1]["members"] == [0, 1], "step 7 is a pair")
+    chk.true(ripples_pg.trace(opt.group)[-1]["members"] == [0, 1], "step 7 is a pair")
     chk.true(_same_everywhere(ctx, module.bn.running_mean), "the new buffer is averaged")
 
-    # Loading a checkpoint from inside warm-up turns the broadcast back on (exact gradients
-    # too); loading a later one turns it off again.
+
+def _check_checkpoint_switch(chk, opt, ddp, step, warm_sd):
+    """Loading a checkpoint from inside warm-up (``warm_sd``) turns the broadcast back on
+    (exact gradients too); loading a later one turns it off again."""
     late_sd = opt.state_dict()
     opt.load_state_dict(warm_sd)
     chk.true(opt.averager.step == 1 and ddp.broadcast_buffers is True,
@@ -168,8 +189,6 @@ def task_wrap_bn(ctx):
     opt.load_state_dict(late_sd)
     chk.true(ddp.broadcast_buffers is False and opt.averager.step == 8,
              "off after loading a post-warm-up checkpoint", f"{ddp.broadcast_buffers}")
-    chk.finish()
-    return True
 
 
 def task_unwrap(ctx, average):

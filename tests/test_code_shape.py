@@ -20,21 +20,38 @@ def test_the_scanner_finds_functions():
     names = {line.split()[-1] for line in r.stdout.splitlines() if line.strip()}
     assert {"rpl_comm_create", "coord_core_handle", "Submitter::submit"} <= names
     assert {"wrap", "RipplesAverager.__init__", "RipplesStrategy.__init__"} <= names
+    # the Python of benchmarks/, examples/ and tests/ too
+    assert {"run_world", "print_result", "task_wrap_bn"} <= names
     assert len(names) > 300
 
 
-def test_python_lengths_leave_out_docstrings(tmp_path):
+def _function_lengths():
+    """scripts/function_lengths.py as a module."""
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
         import function_lengths
     finally:
         sys.path.pop(0)
+    return function_lengths
+
+
+def test_python_lengths_leave_out_docstrings(tmp_path):
+    function_lengths = _function_lengths()
     src = tmp_path / "m.py"
     src.write_text('def f():\n    """Doc\n    more doc\n    """\n    a = 1\n    return a\n\n\n'
                    'class C:\n    def g(self):\n        def h():\n            pass\n'
                    '        return h\n')
     got = {name: n for name, _, n in function_lengths.py_functions(src)}
     assert got == {"f": 3, "C.g": 4, "C.g.h": 2}
+
+
+def test_allowed_names_one_file():
+    # a table-like function is allowed where it is, not every function of its name
+    import pathlib
+
+    function_lengths = _function_lengths()
+    assert function_lengths.allowed(pathlib.Path("benchmarks/train.py"), "parse_args")
+    assert not function_lengths.allowed(pathlib.Path("benchmarks/other.py"), "parse_args")
 
 
 # Package modules a function may import instead of the module's top: each must wait for

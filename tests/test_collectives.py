@@ -1288,32 +1288,7 @@ def _t_subgroups(ctx):
             ra = xa.clone()
             dist.all_reduce(ra, group=ref_a)
             compare(ck, a, ra, "SUM", len(ranks_a), f"it{it}: all_reduce on subgroup {ranks_a}")
-            # broadcast from the subgroup's last member (a global rank), all_gather, barrier
-            src = ranks_a[-1]
-            bc = rand(50, torch.int64, seed_of("sgbc", it, me))
-            dist.broadcast(bc, src=src, group=sub_a)
-            ck.equal(bc, rand(50, torch.int64, seed_of("sgbc", it, src)),
-                     f"it{it}: broadcast on subgroup from global rank {src}")
-            ag = [torch.zeros(8) for _ in ranks_a]
-            dist.all_gather(ag, torch.full((8,), float(me)), group=sub_a)
-            for i, r in enumerate(ranks_a):
-                ck.equal(ag[i], torch.full((8,), float(r)), f"it{it}: all_gather on subgroup [{i}]")
-            dist.barrier(group=sub_a)
-            rs_in = rand(len(ranks_a) * 5, torch.float32, seed_of("sgrs", it, me))
-            rs = torch.zeros(5)
-            dist.reduce_scatter_tensor(rs, rs_in.clone(), group=sub_a)
-            rsr = torch.zeros(5)
-            dist.reduce_scatter_tensor(rsr, rs_in.clone(), group=ref_a)
-            compare(ck, rs, rsr, "SUM", len(ranks_a), f"it{it}: reduce_scatter on subgroup")
-            if len(ranks_a) >= 2:  # point-to-point inside the subgroup, by global rank
-                i = ranks_a.index(me)
-                nxt, prv = ranks_a[(i + 1) % len(ranks_a)], ranks_a[(i - 1) % len(ranks_a)]
-                got = torch.zeros(9)
-                reqs = [dist.isend(torch.full((9,), float(me)), dst=nxt, group=sub_a),
-                        dist.irecv(got, src=prv, group=sub_a)]
-                for q in reversed(reqs):
-                    q.wait()
-                ck.equal(got, torch.full((9,), float(prv)), f"it{it}: isend/irecv on subgroup")
+            _subgroup_collectives(ck, it, me, sub_a, ref_a, ranks_a)
         work_w.wait()
         r0 = w0.clone()
         dist.all_reduce(r0, group=ctx.ref)
@@ -1333,6 +1308,37 @@ def _t_subgroups(ctx):
     dist.all_reduce(t, group=ctx.pg)
     ck.equal(t, torch.full((4,), float(ws)), "WORLD all_reduce after destroying subgroups")
     return ck.finish()
+
+
+def _subgroup_collectives(ck, it, me, sub_a, ref_a, ranks_a):
+    """_t_subgroups' iteration ``it`` on subgroup ``ranks_a`` (global rank ``me`` in it):
+    broadcast, all_gather, barrier, reduce_scatter and isend/irecv, by global ranks."""
+    # broadcast from the subgroup's last member (a global rank), all_gather, barrier
+    src = ranks_a[-1]
+    bc = rand(50, torch.int64, seed_of("sgbc", it, me))
+    dist.broadcast(bc, src=src, group=sub_a)
+    ck.equal(bc, rand(50, torch.int64, seed_of("sgbc", it, src)),
+             f"it{it}: broadcast on subgroup from global rank {src}")
+    ag = [torch.zeros(8) for _ in ranks_a]
+    dist.all_gather(ag, torch.full((8,), float(me)), group=sub_a)
+    for i, r in enumerate(ranks_a):
+        ck.equal(ag[i], torch.full((8,), float(r)), f"it{it}: all_gather on subgroup [{i}]")
+    dist.barrier(group=sub_a)
+    rs_in = rand(len(ranks_a) * 5, torch.float32, seed_of("sgrs", it, me))
+    rs = torch.zeros(5)
+    dist.reduce_scatter_tensor(rs, rs_in.clone(), group=sub_a)
+    rsr = torch.zeros(5)
+    dist.reduce_scatter_tensor(rsr, rs_in.clone(), group=ref_a)
+    compare(ck, rs, rsr, "SUM", len(ranks_a), f"it{it}: reduce_scatter on subgroup")
+    if len(ranks_a) >= 2:  # point-to-point inside the subgroup, by global rank
+        i = ranks_a.index(me)
+        nxt, prv = ranks_a[(i + 1) % len(ranks_a)], ranks_a[(i - 1) % len(ranks_a)]
+        got = torch.zeros(9)
+        reqs = [dist.isend(torch.full((9,), float(me)), dst=nxt, group=sub_a),
+                dist.irecv(got, src=prv, group=sub_a)]
+        for q in reversed(reqs):
+            q.wait()
+        ck.equal(got, torch.full((9,), float(prv)), f"it{it}: isend/irecv on subgroup")
 
 
 test_subgroups = pool_test(_t_subgroups, WS_ALL)

@@ -48,71 +48,78 @@ def _inputs(ctx, n, dtype, salt):
     return torch.randint(-50, 50, (n,), generator=g).to(dtype)
 
 
+def _check_collectives_of(ck, ctx, dev, dtype, n):
+    """_t_collectives for one dtype and size: every collective on ``dev`` against gloo on
+    CPU copies of the same inputs."""
+    ws, rank = ctx.ws, ctx.rank
+    what = f"{dtype}/{n}"
+    x = _inputs(ctx, n, dtype, 1)
+    ref = x.clone()
+    xc = x.to(dev)
+    dist.all_reduce(xc)
+    dist.all_reduce(ref, group=ctx.ref)
+    tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
+    ck.close(xc.cpu(), ref, f"all_reduce {what}", atol=tol * ws, rtol=tol)
+
+    b = _inputs(ctx, n, dtype, 2)
+    bref = b.clone()
+    bc = b.to(dev)
+    dist.broadcast(bc, src=ws - 1)
+    dist.broadcast(bref, src=ws - 1, group=ctx.ref)
+    ck.equal(bc.cpu(), bref, f"broadcast {what}")
+
+    outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(ws)]
+    refs = [torch.empty(n, dtype=dtype) for _ in range(ws)]
+    dist.all_gather(outs, x.to(dev))
+    dist.all_gather(refs, x, group=ctx.ref)
+    for i in range(ws):
+        ck.equal(outs[i].cpu(), refs[i], f"all_gather[{i}] {what}")
+
+    flat = torch.empty(n * ws, dtype=dtype, device=dev)
+    dist.all_gather_into_tensor(flat, x.to(dev))
+    ck.equal(flat.cpu(), torch.cat(refs), f"all_gather_into_tensor {what}")
+
+    big = _inputs(ctx, n * ws, dtype, 3)
+    out = torch.empty(n, dtype=dtype, device=dev)
+    rout = torch.empty(n, dtype=dtype)
+    dist.reduce_scatter_tensor(out, big.to(dev))
+    dist.reduce_scatter(rout, list(big.chunk(ws)) if n else [big] * ws, group=ctx.ref)
+    ck.close(out.cpu(), rout, f"reduce_scatter_tensor {what}", atol=tol * ws, rtol=tol)
+
+    a2a = torch.empty(n * ws, dtype=dtype, device=dev)
+    ra2a = torch.empty(n * ws, dtype=dtype)
+    dist.all_to_all_single(a2a, big.to(dev))
+    dist.all_to_all_single(ra2a, big, group=ctx.ref)
+    ck.equal(a2a.cpu(), ra2a, f"all_to_all_single {what}")
+
+    ins = [_inputs(ctx, n, dtype, 5 + i) for i in range(ws)]
+    outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(ws)]
+    refs = [torch.empty(n, dtype=dtype) for _ in range(ws)]
+    dist.all_to_all(outs, [t.to(dev) for t in ins])
+    dist.all_to_all(refs, ins, group=ctx.ref)
+    for i in range(ws):
+        ck.equal(outs[i].cpu(), refs[i], f"all_to_all[{i}] {what}")
+    out = torch.empty(n, dtype=dtype, device=dev)
+    dist.reduce_scatter(out, [t.to(dev) for t in ins])
+    dist.reduce_scatter(rout, ins, group=ctx.ref)
+    ck.close(out.cpu(), rout, f"reduce_scatter {what}", atol=tol * ws, rtol=tol)
+
+    r = _inputs(ctx, n, dtype, 4)
+    rref = r.clone()
+    rc = r.to(dev)
+    dist.reduce(rc, dst=0)
+    dist.reduce(rref, dst=0, group=ctx.ref)
+    if rank == 0:
+        ck.close(rc.cpu(), rref, f"reduce {what}", atol=tol * ws, rtol=tol)
+
+
 def _t_collectives(ctx):
     ck = Checker(ctx)
     dev = _device(ctx)
     ws, rank = ctx.ws, ctx.rank
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
         for n in (0, 1, 1023, 1 << 18):
-            what = f"{dtype}/{n}"
-            x = _inputs(ctx, n, dtype, 1)
-            ref = x.clone()
-            xc = x.to(dev)
-            dist.all_reduce(xc)
-            dist.all_reduce(ref, group=ctx.ref)
-            tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-5
-            ck.close(xc.cpu(), ref, f"all_reduce {what}", atol=tol * ws, rtol=tol)
-
-            b = _inputs(ctx, n, dtype, 2)
-            bref = b.clone()
-            bc = b.to(dev)
-            dist.broadcast(bc, src=ws - 1)
-            dist.broadcast(bref, src=ws - 1, group=ctx.ref)
-            ck.equal(bc.cpu(), bref, f"broadcast {what}")
-
-            outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(ws)]
-            refs = [torch.empty(n, dtype=dtype) for _ in range(ws)]
-            dist.all_gather(outs, x.to(dev))
-            dist.all_gather(refs, x, group=ctx.ref)
-            for i in range(ws):
-                ck.equal(outs[i].cpu(), refs[i], f"all_gather[{i}] {what}")
-
-            flat = torch.empty(n * ws, dtype=dtype, device=dev)
-            dist.all_gather_into_tensor(flat, x.to(dev))
-            ck.equal(flat.cpu(), torch.cat(refs), f"all_gather_into_tensor {what}")
-
-            big = _inputs(ctx, n * ws, dtype, 3)
-            out = torch.empty(n, dtype=dtype, device=dev)
-            rout = torch.empty(n, dtype=dtype)
-            dist.reduce_scatter_tensor(out, big.to(dev))
-            dist.reduce_scatter(rout, list(big.chunk(ws)) if n else [big] * ws, group=ctx.ref)
-            ck.close(out.cpu(), rout, f"reduce_scatter_tensor {what}", atol=tol * ws, rtol=tol)
-
-            a2a = torch.empty(n * ws, dtype=dtype, device=dev)
-            ra2a = torch.empty(n * ws, dtype=dtype)
-            dist.all_to_all_single(a2a, big.to(dev))
-            dist.all_to_all_single(ra2a, big, group=ctx.ref)
-            ck.equal(a2a.cpu(), ra2a, f"all_to_all_single {what}")
-
-            ins = [_inputs(ctx, n, dtype, 5 + i) for i in range(ws)]
-            outs = [torch.empty(n, dtype=dtype, device=dev) for _ in range(ws)]
-            refs = [torch.empty(n, dtype=dtype) for _ in range(ws)]
-            dist.all_to_all(outs, [t.to(dev) for t in ins])
-            dist.all_to_all(refs, ins, group=ctx.ref)
-            for i in range(ws):
-                ck.equal(outs[i].cpu(), refs[i], f"all_to_all[{i}] {what}")
-            out = torch.empty(n, dtype=dtype, device=dev)
-            dist.reduce_scatter(out, [t.to(dev) for t in ins])
-            dist.reduce_scatter(rout, ins, group=ctx.ref)
-            ck.close(out.cpu(), rout, f"reduce_scatter {what}", atol=tol * ws, rtol=tol)
-
-            r = _inputs(ctx, n, dtype, 4)
-            rref = r.clone()
-            rc = r.to(dev)
-            dist.reduce(rc, dst=0)
-            dist.reduce(rref, dst=0, group=ctx.ref)
-            if rank == 0:
-                ck.close(rc.cpu(), rref, f"reduce {what}", atol=tol * ws, rtol=tol)
+            _check_collectives_of(ck, ctx, dev, dtype, n)
 
     # non-contiguous device tensors are staged and copied back like contiguous ones
     v = (torch.arange(12.0).reshape(3, 4) * (rank + 1)).to(dev).t()

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -138,6 +139,7 @@ def _worker(scenario, out_dir):
     import torch
 
     torch.set_num_threads(1)
+    autoregistered = None
     if scenario == "byname":
         # no `import ripples_pg.lightning` before the Trainer: torch's backend autoload
         # imported ripples_pg, which registers the strategy once Lightning's strategies load
@@ -150,131 +152,158 @@ def _worker(scenario, out_dir):
     pl = rl.pl
     rank = int(os.environ["LOCAL_RANK"])
     ws = int(os.environ["TEST_WORLD_SIZE"])
-    Net = _module_cls(pl)
     ds = _data()
-    loader = lambda: torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True)  # noqa: E731
-    common = dict(accelerator="cpu", devices=ws, num_nodes=1, enable_progress_bar=False,
-                  enable_model_summary=False, num_sanity_val_steps=0)
-    result = {}
-
+    job = types.SimpleNamespace(
+        pl=pl, rl=rl, ws=ws, out_dir=out_dir, Net=_module_cls(pl), ds=ds,
+        loader=lambda: torch.utils.data.DataLoader(ds, batch_size=32, shuffle=True),
+        common=dict(accelerator="cpu", devices=ws, num_nodes=1, enable_progress_bar=False,
+                    enable_model_summary=False, num_sanity_val_steps=0))
     if scenario == "straggler":
-        pl.seed_everything(0)
-        ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"),
-                                            save_last=True)
-        strategy = rl.RipplesStrategy(warmup_steps=10, time_limit=6.0, stats_every_n_steps=5,
-                                      timeout=60)
-        probe = _replica_probe(pl)
-        trainer = pl.Trainer(strategy=strategy, max_epochs=-1, callbacks=[probe, ckpt],
-                             logger=pl.loggers.CSVLogger(out_dir, name="logs"),
-                             log_every_n_steps=5, **common)
-        model = Net(slow_rank=ws - 1, sleep_s=0.2)
-        trainer.fit(model, loader())
-        result.update(probe.seen)
-        result.update(global_step=trainer.global_step, stopped_at=strategy.stopped_at,
-                      averager_step=strategy.averager.step,
-                      warmup_steps=strategy.averager.warmup_steps,
-                      warmup_ended_early=strategy.averager.warmup_ended_early,
-                      warmup_straggler=strategy.averager.warmup_straggler,
-                      snapshot=_snapshot(model), acc=_accuracy(model, ds),
-                      last=ckpt.last_model_path, best=ckpt.best_model_path,
-                      log_dir=trainer.logger.log_dir, consensus=strategy.consensus,
-                      singletons=strategy.ripples_stats()["singletons"],
-                      rounds=strategy.ripples_stats()["rounds"])
-
+        result = _straggler_job(job)
     elif scenario.startswith("resume"):
-        # resume0: 12 steps from scratch, checkpoints every 4; resumeA: from the step-4
-        # checkpoint (inside warm-up); resumeB: from the step-8 one (after warm-up).
-        pl.seed_everything(0)
-        ckdir = os.path.join(out_dir, "ckpt")
-        start = {"resume0": None, "resumeA": "step=4", "resumeB": "step=8"}[scenario]
-        max_steps = {"resume0": 12, "resumeA": 8, "resumeB": 12}[scenario]
-        ckpt_path = None
-        if start is not None:
-            ckpt_path = [os.path.join(ckdir, f) for f in sorted(os.listdir(ckdir))
-                         if start in f][0]
-        seen = {}
-
-        class Probe(pl.Callback):
-            def on_train_start(self, trainer, module):
-                av = trainer.strategy.averager
-                seen.update(start_step=av.step, start_global=trainer.global_step,
-                            start_in_warmup=av.step < av.warmup_steps)
-
-        callbacks = [Probe()]
-        if scenario == "resume0":
-            callbacks.append(pl.callbacks.ModelCheckpoint(
-                dirpath=ckdir, every_n_train_steps=4, save_top_k=-1,
-                filename="{step}"))
-        # progress="worker": every rank runs max_steps and checkpoints every 4 of its steps
-        strategy = rl.RipplesStrategy(warmup_steps=6, warmup_straggler=None,
-                                      schedule="smart", timeout=60, progress="worker")
-        trainer = pl.Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks,
-                             logger=False, enable_checkpointing=scenario == "resume0",
-                             accumulate_grad_batches=2, **common)
-        trainer.fit(Net(), loader(), ckpt_path=ckpt_path)
-        hs = strategy.ripples_optimizer.hook_state
-        result.update(seen, global_step=trainer.global_step, end_step=strategy.averager.step,
-                      exact_buckets=hs.exact_buckets, local_buckets=hs.local_buckets,
-                      snapshot=_snapshot(trainer.lightning_module))
-
+        result = _resume_job(job, scenario)
     elif scenario == "diloco":
-        # partial DiLoCo under Lightning: an outer Nesterov step every 4 local steps
-        pl.seed_everything(0)
-        ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"),
-                                            save_last=True)
-        # progress="worker": every rank runs the 40 steps, so its rounds can be counted
-        strategy = rl.RipplesStrategy(warmup_steps=4, warmup_straggler=None, schedule="smart",
-                                      outer_optimizer="nesterov", sync_every=4, timeout=60,
-                                      progress="worker")
-        trainer = pl.Trainer(strategy=strategy, max_steps=40, callbacks=[ckpt], logger=False,
-                             **common)
-        model = Net()
-        trainer.fit(model, loader())
-        ropt = strategy.ripples_optimizer
-        result.update(global_step=trainer.global_step, stats=dict(ropt.diloco_stats),
-                      snapshot=_snapshot(model), acc=_accuracy(model, ds),
-                      last=ckpt.last_model_path,
-                      param_shapes=[tuple(p.shape) for p in model.parameters()])
-
+        result = _diloco_job(job)
     elif scenario == "byname":
-        trainer = pl.Trainer(strategy="ripples", max_steps=3, logger=False,
-                             enable_checkpointing=False, **common)
-        model = Net()
-        trainer.fit(model, loader())
-        result.update(cls=type(trainer.strategy).__name__, global_step=trainer.global_step,
-                      autoregistered=autoregistered,
-                      backend=trainer.strategy.process_group_backend,
-                      snapshot=_snapshot(model))
-        # misuse that needs a running job: each raises the same error on every rank
-        errors = {}
-        cases = {
-            "manual": (lambda: rl.RipplesStrategy(), dict(max_steps=2), dict(manual=True)),
-            "max_time": (lambda: rl.RipplesStrategy(time_limit=5),
-                         dict(max_time={"seconds": 30}), {}),
-            "ckpt_steps": (lambda: rl.RipplesStrategy(time_limit=5),
-                           dict(callbacks=[pl.callbacks.ModelCheckpoint(
-                               dirpath=os.path.join(out_dir, "x"), every_n_train_steps=5)]),
-                           {}),
-        }
-        cases["limit_batches"] = (lambda: rl.RipplesStrategy(time_limit=5),
-                                  dict(limit_train_batches=5), {})
-        cases["sync_dist"] = (lambda: rl.RipplesStrategy(time_limit=5, warmup_steps=2),
-                              dict(max_steps=10, enable_checkpointing=False),
-                              dict(sync_dist=True))
-        for name, (make, tkw, mkw) in cases.items():
-            kw = dict(common, logger=False)
-            kw.setdefault("enable_checkpointing", "callbacks" in tkw)
-            kw.update(tkw)
-            try:
-                pl.Trainer(strategy=make(), **kw).fit(Net(**mkw), loader())
-                errors[name] = None
-            except (ValueError, RuntimeError) as exc:
-                errors[name] = f"{type(exc).__name__}: {exc}"
-        result["errors"] = errors
+        result = _byname_job(job, autoregistered)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _straggler_job(job) -> dict:
+    """time_limit with the last rank slow: the replicas at warm-up's end and at the stop, the
+    checkpoint, the log, the stats."""
+    pl, rl, common = job.pl, job.rl, job.common
+    pl.seed_everything(0)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(job.out_dir, "ckpt"),
+                                        save_last=True)
+    strategy = rl.RipplesStrategy(warmup_steps=10, time_limit=6.0, stats_every_n_steps=5,
+                                  timeout=60)
+    probe = _replica_probe(pl)
+    trainer = pl.Trainer(strategy=strategy, max_epochs=-1, callbacks=[probe, ckpt],
+                         logger=pl.loggers.CSVLogger(job.out_dir, name="logs"),
+                         log_every_n_steps=5, **common)
+    model = job.Net(slow_rank=job.ws - 1, sleep_s=0.2)
+    trainer.fit(model, job.loader())
+    result = {}
+    result.update(probe.seen)
+    result.update(global_step=trainer.global_step, stopped_at=strategy.stopped_at,
+                  averager_step=strategy.averager.step,
+                  warmup_steps=strategy.averager.warmup_steps,
+                  warmup_ended_early=strategy.averager.warmup_ended_early,
+                  warmup_straggler=strategy.averager.warmup_straggler,
+                  snapshot=_snapshot(model), acc=_accuracy(model, job.ds),
+                  last=ckpt.last_model_path, best=ckpt.best_model_path,
+                  log_dir=trainer.logger.log_dir, consensus=strategy.consensus,
+                  singletons=strategy.ripples_stats()["singletons"],
+                  rounds=strategy.ripples_stats()["rounds"])
+    return result
+
+
+def _resume_job(job, scenario) -> dict:
+    """resume0: 12 steps from scratch, checkpoints every 4; resumeA: from the step-4
+    checkpoint (inside warm-up); resumeB: from the step-8 one (after warm-up)."""
+    pl, rl = job.pl, job.rl
+    pl.seed_everything(0)
+    ckdir = os.path.join(job.out_dir, "ckpt")
+    start = {"resume0": None, "resumeA": "step=4", "resumeB": "step=8"}[scenario]
+    max_steps = {"resume0": 12, "resumeA": 8, "resumeB": 12}[scenario]
+    ckpt_path = None
+    if start is not None:
+        ckpt_path = [os.path.join(ckdir, f) for f in sorted(os.listdir(ckdir))
+                     if start in f][0]
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, module):
+            av = trainer.strategy.averager
+            seen.update(start_step=av.step, start_global=trainer.global_step,
+                        start_in_warmup=av.step < av.warmup_steps)
+
+    callbacks = [Probe()]
+    if scenario == "resume0":
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=ckdir, every_n_train_steps=4, save_top_k=-1,
+            filename="{step}"))
+    # progress="worker": every rank runs max_steps and checkpoints every 4 of its steps
+    strategy = rl.RipplesStrategy(warmup_steps=6, warmup_straggler=None,
+                                  schedule="smart", timeout=60, progress="worker")
+    trainer = pl.Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks,
+                         logger=False, enable_checkpointing=scenario == "resume0",
+                         accumulate_grad_batches=2, **job.common)
+    trainer.fit(job.Net(), job.loader(), ckpt_path=ckpt_path)
+    hs = strategy.ripples_optimizer.hook_state
+    result = {}
+    result.update(seen, global_step=trainer.global_step, end_step=strategy.averager.step,
+                  exact_buckets=hs.exact_buckets, local_buckets=hs.local_buckets,
+                  snapshot=_snapshot(trainer.lightning_module))
+    return result
+
+
+def _diloco_job(job) -> dict:
+    """Partial DiLoCo under Lightning: an outer Nesterov step every 4 local steps."""
+    pl, rl = job.pl, job.rl
+    pl.seed_everything(0)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(job.out_dir, "ckpt"),
+                                        save_last=True)
+    # progress="worker": every rank runs the 40 steps, so its rounds can be counted
+    strategy = rl.RipplesStrategy(warmup_steps=4, warmup_straggler=None, schedule="smart",
+                                  outer_optimizer="nesterov", sync_every=4, timeout=60,
+                                  progress="worker")
+    trainer = pl.Trainer(strategy=strategy, max_steps=40, callbacks=[ckpt], logger=False,
+                         **job.common)
+    model = job.Net()
+    trainer.fit(model, job.loader())
+    ropt = strategy.ripples_optimizer
+    result = {}
+    result.update(global_step=trainer.global_step, stats=dict(ropt.diloco_stats),
+                  snapshot=_snapshot(model), acc=_accuracy(model, job.ds),
+                  last=ckpt.last_model_path,
+                  param_shapes=[tuple(p.shape) for p in model.parameters()])
+    return result
+
+
+def _byname_job(job, autoregistered) -> dict:
+    """strategy="ripples" by name, then misuse that needs a running job: each raises the same
+    error on every rank."""
+    pl, rl, common, Net = job.pl, job.rl, job.common, job.Net
+    trainer = pl.Trainer(strategy="ripples", max_steps=3, logger=False,
+                         enable_checkpointing=False, **common)
+    model = Net()
+    trainer.fit(model, job.loader())
+    result = {}
+    result.update(cls=type(trainer.strategy).__name__, global_step=trainer.global_step,
+                  autoregistered=autoregistered,
+                  backend=trainer.strategy.process_group_backend,
+                  snapshot=_snapshot(model))
+    errors = {}
+    cases = {
+        "manual": (lambda: rl.RipplesStrategy(), dict(max_steps=2), dict(manual=True)),
+        "max_time": (lambda: rl.RipplesStrategy(time_limit=5),
+                     dict(max_time={"seconds": 30}), {}),
+        "ckpt_steps": (lambda: rl.RipplesStrategy(time_limit=5),
+                       dict(callbacks=[pl.callbacks.ModelCheckpoint(
+                           dirpath=os.path.join(job.out_dir, "x"), every_n_train_steps=5)]),
+                       {}),
+    }
+    cases["limit_batches"] = (lambda: rl.RipplesStrategy(time_limit=5),
+                              dict(limit_train_batches=5), {})
+    cases["sync_dist"] = (lambda: rl.RipplesStrategy(time_limit=5, warmup_steps=2),
+                          dict(max_steps=10, enable_checkpointing=False),
+                          dict(sync_dist=True))
+    for name, (make, tkw, mkw) in cases.items():
+        kw = dict(common, logger=False)
+        kw.setdefault("enable_checkpointing", "callbacks" in tkw)
+        kw.update(tkw)
+        try:
+            pl.Trainer(strategy=make(), **kw).fit(Net(**mkw), job.loader())
+            errors[name] = None
+        except (ValueError, RuntimeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    result["errors"] = errors
+    return result
 
 
 # ----------------------------------------------------------------------------- the harness

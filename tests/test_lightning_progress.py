@@ -38,6 +38,62 @@ def _worker(scenario, out_dir):
     common = dict(accelerator="cpu", devices=ws, num_nodes=1, enable_progress_bar=False,
                   enable_model_summary=False, num_sanity_val_steps=0, logger=False)
     seen = {"epochs": {}}
+    Probe = _probe_cls(pl, seen)
+    Pace = _pace_cls(pl, rank, ws)
+    Indexed, IndexedNet = _indexed_cls(ds, Net)
+    loader = torch.utils.data.DataLoader(Indexed(), batch_size=16, shuffle=True)
+    val = torch.utils.data.DataLoader(Indexed(), batch_size=256)
+    pl.seed_everything(0)
+    result = {}
+    strategy_kw = dict(warmup_steps=4, warmup_straggler=None, timeout=60)
+    if scenario == "steps":
+        strategy = rl.RipplesStrategy(**strategy_kw)
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"),
+                                            save_last=True)
+        trainer = pl.Trainer(strategy=strategy, max_steps=60, max_epochs=-1,
+                             callbacks=[Probe(), Pace(), ckpt], enable_checkpointing=True,
+                             **common)
+        model = IndexedNet()
+        trainer.fit(model, loader, val)
+    elif scenario == "epochs":
+        strategy = rl.RipplesStrategy(**strategy_kw)
+        trainer = pl.Trainer(strategy=strategy, max_epochs=3, callbacks=[Probe(), Pace()],
+                             enable_checkpointing=False, **common)
+        model = IndexedNet()
+        trainer.fit(model, loader, val)
+    elif scenario == "time":
+        strategy = rl.RipplesStrategy(**strategy_kw)
+        trainer = pl.Trainer(strategy=strategy, max_time={"seconds": 6}, max_epochs=-1,
+                             callbacks=[Probe(), Pace()], enable_checkpointing=False,
+                             limit_val_batches=0, **common)
+        model = IndexedNet()
+        trainer.fit(model, loader)
+    elif scenario == "worker":
+        strategy = rl.RipplesStrategy(progress="worker", **strategy_kw)
+        trainer = pl.Trainer(strategy=strategy, max_steps=30, max_epochs=-1,
+                             callbacks=[Probe()], enable_checkpointing=False, **common)
+        model = IndexedNet(slow_rank=ws - 1, sleep_s=0.02)
+        trainer.fit(model, loader)
+    elif scenario == "refit":
+        result["fits"] = _refit(pl, rl, IndexedNet, Pace, loader, strategy_kw, common)
+    elif scenario == "misuse":
+        errors = _misuse_errors(pl, rl, Net, ds, common, out_dir)
+        torch.save({"errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
+        return
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    if scenario == "refit":
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        return
+    result.update(global_step=trainer.global_step, job_step=strategy.job_step,
+                  epochs=seen["epochs"], max_steps=trainer.max_steps,
+                  snapshot=tl._snapshot(model), stopped_at=strategy.stopped_at,
+                  current_epoch=trainer.current_epoch)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _probe_cls(pl, seen):
+    """A callback recording, per epoch, the sample indices of every batch into ``seen``."""
 
     class Probe(pl.Callback):
         def on_train_epoch_start(self, trainer, module):
@@ -45,6 +101,12 @@ def _worker(scenario, out_dir):
 
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             seen["epochs"][trainer.current_epoch].append(batch[2].tolist())
+
+    return Probe
+
+
+def _pace_cls(pl, rank, ws):
+    """The Pace callback of rank ``rank`` of ``ws``."""
 
     class Pace(pl.Callback):
         """The last rank is a straggler by counting, not by the clock: during partial
@@ -98,6 +160,14 @@ def _worker(scenario, out_dir):
             if rank != ws - 1:
                 self.store.add(self.done, 1)
 
+    return Pace
+
+
+def _indexed_cls(ds, Net):
+    """The first N samples of ``ds`` with their index, and ``Net`` taking such batches (with
+    a validation step whose loss is logged with an epoch-end collective)."""
+    import torch
+
     class Indexed(torch.utils.data.Dataset):
         def __len__(self):
             return N
@@ -115,114 +185,82 @@ def _worker(scenario, out_dir):
             loss = torch.nn.functional.cross_entropy(self(x), y)
             self.log("val_loss", loss, sync_dist=True)  # an epoch-end collective
 
-    loader = torch.utils.data.DataLoader(Indexed(), batch_size=16, shuffle=True)
-    val = torch.utils.data.DataLoader(Indexed(), batch_size=256)
-    pl.seed_everything(0)
-    result = {}
-    strategy_kw = dict(warmup_steps=4, warmup_straggler=None, timeout=60)
-    if scenario == "steps":
-        strategy = rl.RipplesStrategy(**strategy_kw)
-        ckpt = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"),
-                                            save_last=True)
-        trainer = pl.Trainer(strategy=strategy, max_steps=60, max_epochs=-1,
-                             callbacks=[Probe(), Pace(), ckpt], enable_checkpointing=True,
-                             **common)
-        model = IndexedNet()
-        trainer.fit(model, loader, val)
-    elif scenario == "epochs":
-        strategy = rl.RipplesStrategy(**strategy_kw)
-        trainer = pl.Trainer(strategy=strategy, max_epochs=3, callbacks=[Probe(), Pace()],
-                             enable_checkpointing=False, **common)
-        model = IndexedNet()
-        trainer.fit(model, loader, val)
-    elif scenario == "time":
-        strategy = rl.RipplesStrategy(**strategy_kw)
-        trainer = pl.Trainer(strategy=strategy, max_time={"seconds": 6}, max_epochs=-1,
-                             callbacks=[Probe(), Pace()], enable_checkpointing=False,
-                             limit_val_batches=0, **common)
-        model = IndexedNet()
+    return Indexed, IndexedNet
+
+
+def _refit(pl, rl, IndexedNet, Pace, loader, strategy_kw, common) -> list:
+    """One Trainer, two fits (a new module each); the module's OneCycleLR is sized by
+    estimated_stepping_batches (DDP's estimate) and stepped per step: it follows the job
+    step. Returns what each fit saw."""
+    import torch
+
+    last = {}
+
+    class OneCycleNet(IndexedNet):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            total = self.estimated = self.trainer.estimated_stepping_batches
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1,
+                                                        total_steps=int(total))
+            return {"optimizer": opt,
+                    "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class LastStep(pl.Callback):
+        """The job step this rank read at its last step, when Lightning had just stepped
+        the scheduler (the clock moves only at this rank's own steps). The job step read
+        after the fit is larger by the steps the others took after that: up to two
+        batches each (the one in hand and the one their loader had fetched ahead)."""
+
+        def on_train_batch_end(self, trainer, *args):
+            last["last_seen"] = trainer.strategy.job_step
+
+    strategy = rl.RipplesStrategy(**strategy_kw)
+    trainer = pl.Trainer(strategy=strategy, max_epochs=2,
+                         callbacks=[Pace("fit0"), LastStep()],
+                         enable_checkpointing=False, **common)
+    fits = []
+    for k in range(2):
+        if k:  # the same Trainer again, two more epochs
+            trainer.fit_loop.max_epochs = 4
+            trainer.callbacks[:] = [cb for cb in trainer.callbacks
+                                    if not isinstance(cb, Pace)] + [Pace(f"fit{k}")]
+        model = OneCycleNet()
         trainer.fit(model, loader)
-    elif scenario == "worker":
-        strategy = rl.RipplesStrategy(progress="worker", **strategy_kw)
-        trainer = pl.Trainer(strategy=strategy, max_steps=30, max_epochs=-1,
-                             callbacks=[Probe()], enable_checkpointing=False, **common)
-        model = IndexedNet(slow_rank=ws - 1, sleep_s=0.02)
-        trainer.fit(model, loader)
-    elif scenario == "refit":
-        # one Trainer, two fits (a new module each); the module's OneCycleLR is sized by
-        # estimated_stepping_batches (DDP's estimate) and stepped per step: it follows the
-        # job step
-        class OneCycleNet(IndexedNet):
-            def configure_optimizers(self):
-                opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-                total = self.estimated = self.trainer.estimated_stepping_batches
-                sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1,
-                                                            total_steps=int(total))
-                return {"optimizer": opt,
-                        "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        cfg = trainer.lr_scheduler_configs[0]
+        fits.append({"estimated": model.estimated,
+                     "sched_last_epoch": cfg.scheduler.last_epoch,
+                     "job_step": strategy.job_step, "global_step": trainer.global_step,
+                     "total_steps": cfg.scheduler.total_steps,
+                     "last_seen": last.pop("last_seen"),
+                     "job_base": cfg.scheduler._job_base})
+    return fits
 
-        class LastStep(pl.Callback):
-            """The job step this rank read at its last step, when Lightning had just stepped
-            the scheduler (the clock moves only at this rank's own steps). The job step read
-            after the fit is larger by the steps the others took after that: up to two
-            batches each (the one in hand and the one their loader had fetched ahead)."""
 
-            def on_train_batch_end(self, trainer, *args):
-                result["last_seen"] = trainer.strategy.job_step
+def _misuse_errors(pl, rl, Net, ds, common, out_dir) -> dict:
+    """Trainer settings that contradict progress="job": each case's error (None: none)."""
+    import torch
 
-        strategy = rl.RipplesStrategy(**strategy_kw)
-        trainer = pl.Trainer(strategy=strategy, max_epochs=2,
-                             callbacks=[Pace("fit0"), LastStep()],
-                             enable_checkpointing=False, **common)
-        fits = []
-        for k in range(2):
-            if k:  # the same Trainer again, two more epochs
-                trainer.fit_loop.max_epochs = 4
-                trainer.callbacks[:] = [cb for cb in trainer.callbacks
-                                        if not isinstance(cb, Pace)] + [Pace(f"fit{k}")]
-            model = OneCycleNet()
-            trainer.fit(model, loader)
-            cfg = trainer.lr_scheduler_configs[0]
-            fits.append({"estimated": model.estimated,
-                         "sched_last_epoch": cfg.scheduler.last_epoch,
-                         "job_step": strategy.job_step, "global_step": trainer.global_step,
-                         "total_steps": cfg.scheduler.total_steps,
-                         "last_seen": result.pop("last_seen"),
-                         "job_base": cfg.scheduler._job_base})
-        result["fits"] = fits
-    elif scenario == "misuse":
-        errors = {}
-        cases = {
-            "ckpt_steps": (dict(callbacks=[pl.callbacks.ModelCheckpoint(
-                dirpath=os.path.join(out_dir, "x"), every_n_train_steps=5)],
-                enable_checkpointing=True), {}),
-            "limit_batches": (dict(limit_train_batches=5, enable_checkpointing=False), {}),
-            "sync_dist": (dict(max_steps=20, enable_checkpointing=False),
-                          dict(sync_dist=True)),
-            "min_steps": (dict(max_epochs=1, min_steps=5, enable_checkpointing=False), {}),
-        }
-        for name, (tkw, mkw) in cases.items():
-            kw = dict(common)
-            kw.update(tkw)
-            try:
-                pl.Trainer(strategy=rl.RipplesStrategy(warmup_steps=2, timeout=60),
-                           **kw).fit(Net(**mkw), torch.utils.data.DataLoader(
-                               torch.utils.data.Subset(ds, range(N)), batch_size=16))
-                errors[name] = None
-            except (ValueError, RuntimeError) as exc:
-                errors[name] = f"{type(exc).__name__}: {exc}"
-        torch.save({"errors": errors}, os.path.join(out_dir, f"rank{rank}.pt"))
-        return
-    else:
-        raise SystemExit(f"unknown scenario {scenario!r}")
-    if scenario == "refit":
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-        return
-    result.update(global_step=trainer.global_step, job_step=strategy.job_step,
-                  epochs=seen["epochs"], max_steps=trainer.max_steps,
-                  snapshot=tl._snapshot(model), stopped_at=strategy.stopped_at,
-                  current_epoch=trainer.current_epoch)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    errors = {}
+    cases = {
+        "ckpt_steps": (dict(callbacks=[pl.callbacks.ModelCheckpoint(
+            dirpath=os.path.join(out_dir, "x"), every_n_train_steps=5)],
+            enable_checkpointing=True), {}),
+        "limit_batches": (dict(limit_train_batches=5, enable_checkpointing=False), {}),
+        "sync_dist": (dict(max_steps=20, enable_checkpointing=False),
+                      dict(sync_dist=True)),
+        "min_steps": (dict(max_epochs=1, min_steps=5, enable_checkpointing=False), {}),
+    }
+    for name, (tkw, mkw) in cases.items():
+        kw = dict(common)
+        kw.update(tkw)
+        try:
+            pl.Trainer(strategy=rl.RipplesStrategy(warmup_steps=2, timeout=60),
+                       **kw).fit(Net(**mkw), torch.utils.data.DataLoader(
+                           torch.utils.data.Subset(ds, range(N)), batch_size=16))
+            errors[name] = None
+        except (ValueError, RuntimeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    return errors
 
 
 def _run(scenario, tmp_path):

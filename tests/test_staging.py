@@ -118,68 +118,9 @@ def _t_pipelined_matches_gloo(ctx, chunks):
         g = _dist.ripples_group(ctx, stage_chunk_bytes=chunk)
         before = ripples_pg.stats(g)
         gen = torch.Generator().manual_seed(_dist.seed_of(chunk, rank))
-        expected_chunks = 0
-
-        def check(name, got, ref):
-            assert got.dtype == ref.dtype and got.shape == ref.shape, name
-            if got.is_floating_point():
-                assert torch.allclose(got, ref, rtol=1e-3, atol=1e-3), (chunk, name, got, ref)
-            else:
-                assert torch.equal(got, ref), (chunk, name, got, ref)
-
-        # One tensor whose size is no multiple of the chunk; SUM, MAX, AVG.
-        for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
-            x = torch.randn(37, generator=gen)
-            y = x.clone()
-            dist.all_reduce(x, op=op, group=g)
-            dist.all_reduce(y, op=op, group=ctx.ref)
-            check(f"all_reduce {op}", x, y)
-            expected_chunks += _chunks_of([(37, 4)], chunk)
-        x = torch.randn(37, dtype=torch.float64, generator=gen)
-        y = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.AVG, group=g)
-        dist.all_reduce(y, group=ctx.ref)
-        check("all_reduce AVG", x, y / ws)
-        expected_chunks += _chunks_of([(37, 8)], chunk)
-
-        # Several tensors per call, mixed dtypes, an empty one in the middle.
-        xs = [torch.randn(13, generator=gen), torch.randint(-9, 9, (5,), generator=gen),
-              torch.empty(0), torch.randn(7, dtype=torch.float64, generator=gen),
-              torch.randint(-9, 9, (3,), dtype=torch.int32, generator=gen),
-              torch.randint(0, 9, (9,), dtype=torch.uint8, generator=gen)]
-        ys = [t.clone() for t in xs]
-        # torch's all_reduce_coalesced refuses mixed dtypes; the backend takes them.
-        opts = dist.AllreduceCoalescedOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        g._get_backend(torch.device("cpu")).allreduce_coalesced(xs, opts).wait()
-        for t in ys:
-            dist.all_reduce(t, group=ctx.ref)
-        for i, (a, b) in enumerate(zip(xs, ys)):
-            check(f"coalesced[{i}]", a, b)
-        expected_chunks += _chunks_of([(13, 4), (5, 8), (0, 4), (7, 8), (3, 4), (9, 1)], chunk)
-
-        # Broadcast from the last rank, two dtypes; a non-contiguous tensor (copied whole but
-        # cut like the rest); async calls back to back, completed in issue order.
-        for dt, n in ((torch.int32, 51), (torch.float16, 19)):
-            x = (torch.arange(n) * (rank + 3)).to(dt)
-            y = x.clone()
-            dist.broadcast(x, src=ws - 1, group=g)
-            dist.broadcast(y, src=ws - 1, group=ctx.ref)
-            check(f"broadcast {dt}", x, y)
-            expected_chunks += _chunks_of([(n, x.element_size())], chunk)
-        v = torch.randn(6, 5, generator=gen).t()
-        w = v.clone()
-        dist.all_reduce(v, group=g)
-        dist.all_reduce(w, group=ctx.ref)
-        check("non-contiguous", v, w)
-        expected_chunks += _chunks_of([(30, 4)], chunk)
-        xs = [torch.full((21,), float(rank + i)) for i in range(4)]
-        works = [dist.all_reduce(t, group=g, async_op=True) for t in xs]
-        for w_ in works:
-            w_.wait()
-        for i, t in enumerate(xs):
-            check(f"async {i}", t, torch.full((21,), float(sum(r + i for r in range(ws)))))
-        expected_chunks += 4 * _chunks_of([(21, 4)], chunk)
+        check = _checker(chunk)
+        expected_chunks = _check_all_reduces(ctx, g, gen, check, chunk)
+        expected_chunks += _check_broadcasts_and_async(ctx, g, gen, check, chunk)
         # Other collectives are never cut.
         out = [torch.empty(11) for _ in range(ws)]
         dist.all_gather(out, torch.full((11,), float(rank)), group=g)
@@ -194,6 +135,84 @@ def _t_pipelined_matches_gloo(ctx, chunks):
             "staged": after["ops_staged"] - before["ops_staged"],
         }
     return report
+
+
+def _checker(chunk):
+    """check(name, got, ref): the backend's result equals gloo's (close for floats)."""
+    def check(name, got, ref):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        if got.is_floating_point():
+            assert torch.allclose(got, ref, rtol=1e-3, atol=1e-3), (chunk, name, got, ref)
+        else:
+            assert torch.equal(got, ref), (chunk, name, got, ref)
+    return check
+
+
+def _check_all_reduces(ctx, g, gen, check, chunk) -> int:
+    """_t_pipelined_matches_gloo's all-reduces on group ``g``; returns the chunks they
+    make."""
+    ws = ctx.ws
+    expected_chunks = 0
+    # One tensor whose size is no multiple of the chunk; SUM, MAX, AVG.
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        x = torch.randn(37, generator=gen)
+        y = x.clone()
+        dist.all_reduce(x, op=op, group=g)
+        dist.all_reduce(y, op=op, group=ctx.ref)
+        check(f"all_reduce {op}", x, y)
+        expected_chunks += _chunks_of([(37, 4)], chunk)
+    x = torch.randn(37, dtype=torch.float64, generator=gen)
+    y = x.clone()
+    dist.all_reduce(x, op=dist.ReduceOp.AVG, group=g)
+    dist.all_reduce(y, group=ctx.ref)
+    check("all_reduce AVG", x, y / ws)
+    expected_chunks += _chunks_of([(37, 8)], chunk)
+
+    # Several tensors per call, mixed dtypes, an empty one in the middle.
+    xs = [torch.randn(13, generator=gen), torch.randint(-9, 9, (5,), generator=gen),
+          torch.empty(0), torch.randn(7, dtype=torch.float64, generator=gen),
+          torch.randint(-9, 9, (3,), dtype=torch.int32, generator=gen),
+          torch.randint(0, 9, (9,), dtype=torch.uint8, generator=gen)]
+    ys = [t.clone() for t in xs]
+    # torch's all_reduce_coalesced refuses mixed dtypes; the backend takes them.
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    g._get_backend(torch.device("cpu")).allreduce_coalesced(xs, opts).wait()
+    for t in ys:
+        dist.all_reduce(t, group=ctx.ref)
+    for i, (a, b) in enumerate(zip(xs, ys)):
+        check(f"coalesced[{i}]", a, b)
+    expected_chunks += _chunks_of([(13, 4), (5, 8), (0, 4), (7, 8), (3, 4), (9, 1)], chunk)
+    return expected_chunks
+
+
+def _check_broadcasts_and_async(ctx, g, gen, check, chunk) -> int:
+    """_t_pipelined_matches_gloo's broadcasts from the last rank (two dtypes), a
+    non-contiguous tensor (copied whole but cut like the rest) and async calls back to back,
+    completed in issue order; returns the chunks they make."""
+    ws, rank = ctx.ws, ctx.rank
+    expected_chunks = 0
+    for dt, n in ((torch.int32, 51), (torch.float16, 19)):
+        x = (torch.arange(n) * (rank + 3)).to(dt)
+        y = x.clone()
+        dist.broadcast(x, src=ws - 1, group=g)
+        dist.broadcast(y, src=ws - 1, group=ctx.ref)
+        check(f"broadcast {dt}", x, y)
+        expected_chunks += _chunks_of([(n, x.element_size())], chunk)
+    v = torch.randn(6, 5, generator=gen).t()
+    w = v.clone()
+    dist.all_reduce(v, group=g)
+    dist.all_reduce(w, group=ctx.ref)
+    check("non-contiguous", v, w)
+    expected_chunks += _chunks_of([(30, 4)], chunk)
+    xs = [torch.full((21,), float(rank + i)) for i in range(4)]
+    works = [dist.all_reduce(t, group=g, async_op=True) for t in xs]
+    for w_ in works:
+        w_.wait()
+    for i, t in enumerate(xs):
+        check(f"async {i}", t, torch.full((21,), float(sum(r + i for r in range(ws)))))
+    expected_chunks += 4 * _chunks_of([(21, 4)], chunk)
+    return expected_chunks
 
 
 @pytest.mark.parametrize("ws", [2, 3])
