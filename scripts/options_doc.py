@@ -50,12 +50,17 @@ def render(text: str, fields, sections) -> str:
     return "\n".join(lines)
 
 
+def _literal(value) -> str:
+    """A default as our source writes it (strings in double quotes)."""
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
 def wrap_keywords(text: str, args) -> str:
     """``text`` (ripples_pg/_wrap.py) with the keyword parameters between the markers of
     ``wrap()``'s signature written from ``args`` (name: type = the default a call gets)."""
     lines = text.split("\n")
     start, end = lines.index(WRAP_BEGIN) + 1, lines.index(WRAP_END)
-    lines[start:end] = [f"         {a.name}: {a.annotation} = {a.signature_default!r},"
+    lines[start:end] = [f"         {a.name}: {a.annotation} = {_literal(a.signature_default)},"
                         for a in args.values()]
     return "\n".join(lines)
 
