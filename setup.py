@@ -8,7 +8,7 @@ Build against the torch you run with, without build isolation (as torch extensio
 
 The extension's C++ ABI ties it to the torch minor version it is compiled against, so a
 build records that version (ripples_pg/_build_info.py, generated) and the built wheel
-requires torch>=X.Y,<X.(Y+1); ripples_pg checks it at import (ripples_pg/_backend.py).
+requires torch>=X.Y,<X.(Y+1); ripples_pg checks it at import (ripples_pg/backend/_register.py).
 
 Environment (scripts/wheel.sh sets them so a wheel build never touches the dev build):
     RIPPLES_BUILD_BASE  setuptools' build directory (default: build); CMake builds the C

@@ -100,7 +100,7 @@ def _groups(rng, n, size):
 
 def _fix_moments(models, opts, sent, groups, k, first):
     """exp_avg_sq (and exp_avg with ``first``): the gradient each worker sent replaced by the
-    group's mean, with its weight after ``k`` more steps (ripples_pg._moments)."""
+    group's mean, with its weight after ``k`` more steps (ripples_pg.training._moments)."""
     w1, w2 = (1 - BETA1) * BETA1 ** k, (1 - BETA2) * BETA2 ** k
     for g in groups:
         mean = torch.stack([sent[i] for i in g]).mean(0)

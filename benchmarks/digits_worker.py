@@ -737,7 +737,7 @@ def default_warmup(args) -> None:
     """--warmup-steps' default for the strategies with no adaptive end of warm-up: wrap()'s
     bound where it cannot measure."""
     if args.warmup_steps is None:
-        from ripples_pg._args import SLOW_LINK_WARMUP_STEPS
+        from ripples_pg.training._args import SLOW_LINK_WARMUP_STEPS
 
         args.warmup_steps = SLOW_LINK_WARMUP_STEPS
 

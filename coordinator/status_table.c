@@ -1,5 +1,5 @@
 /* The status document as the table `ripples-coordinator --status` prints (rpl_coord.h), for
- * both CLIs: the C binary calls it, the Python one through ripples_pg._gg.status_table. Both
+ * both CLIs: the C binary calls it, the Python one through ripples_pg.backend._gg.status_table. Both
  * are clients that hold only the document a coordinator sent over the wire (STATUS), never its
  * structs: hence a reader of that document, not a printer of coord_core.
  *

@@ -293,7 +293,7 @@ static void publish_header(rpl_shm *s, uint64_t nonce, uint64_t token, int fd) {
     take_lock(s, fd); /* byte 0 of our own segment: the anchor's liveness byte is ours */
   } else {
     /* Byte 0 of our own segment says we live to whoever finds the segment left behind (the
-     * sweep of ripples_pg/_incarnation.py), whatever pid namespace it is in. */
+     * sweep of ripples_pg/backend/_incarnation.py), whatever pid namespace it is in. */
     struct flock fl = lock_byte(F_WRLCK, 0);
     s->own_fd = fd;
     (void)fcntl(fd, F_SETLK, &fl); /* without record locks, the sweep goes by pid alone */

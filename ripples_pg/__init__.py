@@ -12,11 +12,15 @@ When the package is installed, torch also loads it through its ``torch.backends`
 """
 from __future__ import annotations
 
-from ._api import exact, host_of, partial, partial_all_reduce, stats, trace
-from ._backend import pick_bind_addr, register
-from ._extension import load_extension as _load_extension
-from ._extension import torch_version_error as _torch_version_error
-from .options import Options
+import importlib
+import sys
+import warnings
+
+from .backend._api import exact, host_of, partial, partial_all_reduce, stats, trace
+from .backend._register import pick_bind_addr, register
+from .backend._extension import load_extension as _load_extension
+from .backend._extension import torch_version_error as _torch_version_error
+from .backend.options import Options
 
 __version__ = "0.1.0"
 
@@ -31,23 +35,21 @@ __all__ = [
 # that torch's backend autoload (which imports this package inside `import torch`) stays
 # cycle-free and fast.
 _LAZY = {
-    "RipplesAverager": ("averager", "RipplesAverager"),
-    "DiLoCoAverager": ("diloco", "DiLoCoAverager"),
-    "RipplesOptimizer": ("_wrap", "RipplesOptimizer"),
-    "wrap": ("_wrap", "wrap"),
-    "DistributedSampler": ("sampler", "DistributedSampler"),
-    "JobClock": ("progress", "JobClock"),
-    "JobLRScheduler": ("lr", "JobLRScheduler"),
-    "follow_job": ("lr", "follow_job"),
-    "hooks": ("hooks", None),
+    "RipplesAverager": ("training.averager", "RipplesAverager"),
+    "DiLoCoAverager": ("training.diloco", "DiLoCoAverager"),
+    "RipplesOptimizer": ("training._wrap", "RipplesOptimizer"),
+    "wrap": ("training._wrap", "wrap"),
+    "DistributedSampler": ("training.sampler", "DistributedSampler"),
+    "JobClock": ("training.progress", "JobClock"),
+    "JobLRScheduler": ("training.lr", "JobLRScheduler"),
+    "follow_job": ("training.lr", "follow_job"),
+    "hooks": ("hooks", None),            # the public paths (ripples_pg/_public.py)
     "checkpoint": ("checkpoint", None),
 }
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         module, attr = _LAZY[name]
         mod = importlib.import_module(f".{module}", __name__)
         value = mod if attr is None else getattr(mod, attr)
@@ -78,8 +80,6 @@ def _autoload() -> None:
     try:
         register()
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        import warnings
-
         warnings.warn(
             f"ripples_pg: could not register the 'ripples' backend automatically ({exc!r}); "
             f"'import ripples_pg' explicitly to see the error.",
@@ -89,13 +89,9 @@ def _autoload() -> None:
         return
     version_error = globals().get("_version_error")
     if version_error is not None:
-        import warnings
-
         warnings.warn(version_error + " (creating a 'ripples' process group raises this error)",
                       RuntimeWarning, stacklevel=2)
     if _register_error is not None:
-        import warnings
-
         warnings.warn(
             f"ripples_pg: could not register the 'ripples' backend automatically "
             f"({_register_error!r}); 'import ripples_pg' explicitly to see the error.",
@@ -106,7 +102,6 @@ def _autoload() -> None:
 
 def _inside_torch_autoload() -> bool:
     """True while torch's entry-point loader (torch._import_device_backends) imports us."""
-    import sys
 
     frame = sys._getframe(1)
     while frame is not None:
@@ -133,6 +128,6 @@ if _version_error is not None and not _inside_torch_autoload():
     raise ImportError(_version_error)
 
 # Trainer(strategy="ripples") once Lightning is imported (imports nothing of Lightning here).
-from . import _pl_autoregister  # noqa: E402
+from .integrations import _pl_autoregister  # noqa: E402
 
 _pl_autoregister.install()

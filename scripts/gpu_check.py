@@ -784,7 +784,7 @@ def bench_runs(check):
     look for the field); pipelining is off by default, so both are named (1K in the quick
     rehearsal, so its small sizes are cut too)."""
     try:
-        with open(os.path.join(ROOT, "ripples_pg", "options.py"), errors="replace") as f:
+        with open(os.path.join(ROOT, "ripples_pg", "backend", "options.py"), errors="replace") as f:
             knows = '"stage_chunk_bytes"' in f.read()
     except OSError:
         knows = False

@@ -49,7 +49,7 @@ def render(fields) -> str:
 def main(argv=None) -> int:
     args = check_args(__doc__.splitlines()[0], argv)
     sys.path.insert(0, str(ROOT))
-    from ripples_pg._extension import load_extension
+    from ripples_pg.backend._extension import load_extension
 
     return write_or_check(DOC, render(load_extension().stats_fields()), args.check,
                           "stats_doc.py")

@@ -532,7 +532,7 @@ void bindClient(py::module_& m) {
 
 void bindGroupGenerator(py::module_& parent) {
   py::module_ m = parent.def_submodule(
-      "gg", "Group Generator: policies, coordinator and client (ripples_pg._gg re-exports it).");
+      "gg", "Group Generator: policies, coordinator and client (ripples_pg.backend._gg re-exports it).");
   bindFunctions(m);
   bindPolicy(m);
   bindCoordinator(m);

@@ -1,5 +1,5 @@
 // GroupGenerator: the Python binding of the Group Generator (the submodule ripples_pg._C.gg,
-// which ripples_pg/_gg.py re-exports): the static schedule, the policy state machine, the
+// which ripples_pg/backend/_gg.py re-exports): the static schedule, the policy state machine, the
 // coordinator service, its client and the ripples-coordinator command line.
 #pragma once
 

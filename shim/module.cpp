@@ -1,6 +1,6 @@
 // ripples_pg._C: the pybind11 module. Exposes the backend class (a subclass of torch's
 // c10d Backend, so torch can register it in a ProcessGroup), its configuration (Config.cpp)
-// and the factory the Python creator (ripples_pg/_backend.py) calls with a filled Config.
+// and the factory the Python creator (ripples_pg/backend/_register.py) calls with a filled Config.
 #include <torch/extension.h>
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-"""One source of names, defaults and checks (ripples_pg/_args.py, docs/options.md "One table of
+"""One source of names, defaults and checks (ripples_pg/training/_args.py, docs/options.md "One table of
 defaults"): ``wrap()``, ``RipplesStrategy`` and ``RipplesAverager`` agree with the table and
 with each other; a bad value gets the same exception and message from each (after the
 caller's name); the strategy takes every ``wrap()`` option and refuses what it does not take
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ripples_pg import _args
+from ripples_pg.training import _args
 from ripples_pg.options import _FIELDS
 
 WS = 2
@@ -183,7 +183,7 @@ def test_group_defaults_differ_from_options_only_where_documented():
             assert arg.default == _args.WRAP_GROUP_DEFAULTS[name]
         else:
             assert arg.default == _FIELDS[name].default, name
-    # the differences docs/options.md and ripples_pg/_args.py explain
+    # the differences docs/options.md and ripples_pg/training/_args.py explain
     assert {n for n, v in _args.WRAP_GROUP_DEFAULTS.items() if v != _FIELDS[n].default} == \
         {"schedule", "on_failure", "period_max"}
 

@@ -22,7 +22,7 @@ import pytest
 
 import _dist
 
-_gg = pytest.importorskip("ripples_pg._gg")
+_gg = pytest.importorskip("ripples_pg.backend._gg")
 from ripples_pg import coordinator  # noqa: E402
 
 FAST_S, SLOW_S = 0.05, 0.25  # sleeps dominate the steps, so the 5x holds on a loaded machine
@@ -53,7 +53,7 @@ def task_straggler(ctx, deadline_s):
     import torch.distributed as dist
 
     import ripples_pg
-    from ripples_pg import _group_coordinators
+    from ripples_pg.backend import _group_coordinators
 
     # The default group (static schedule, no coordinator): the attribution keys, all unknown.
     st0 = ripples_pg.stats()

@@ -54,61 +54,120 @@ def test_allowed_names_one_file():
     assert not function_lengths.allowed(pathlib.Path("benchmarks/other.py"), "parse_args")
 
 
-# Package modules a function may import instead of the module's top: each must wait for
-# something an import of the package must not do (torch's backend autoload imports it inside
-# `import torch`), or is optional.
+# The package's layers, lowest first (docs/design.md, section 6), each a folder of ripples_pg/:
+# a module imports only modules of its own layer or below. The top folder holds the face
+# (__init__, the public paths of ripples_pg/_public.py) and the extension with its build record.
+LAYERS = ["", "backend", "training", "integrations", "tools", "face"]
+SAME_LEVEL = {"tools": "integrations"}   # neither imports the other
+BASE = {"_C", "_build_info"}             # the top folder's lowest modules
+
+
+def _layer(mod: str) -> str:
+    """The layer of a module named relative to ripples_pg ("training._wrap", "averager")."""
+    if "." in mod or mod in LAYERS:
+        return mod.split(".")[0]
+    return "" if mod in BASE else "face"
+
+
+# Imports a function may make instead of the module's top: each must wait for something an
+# import of the package must not do (torch's backend autoload imports the package inside
+# `import torch`), or is an optional dependency. A module of the package, with the reason:
 LAZY_IMPORTS = {
-    "_C": "the C extension: loaded with the first group, after _extension.py checks it",
+    "_C": "the C extension: loaded with the first group, after backend/_extension.py checks it",
     "_build_info": "written by the build: absent in a checkout without one",
-    "coordinator": "loads the extension's coordinator: only for an embedded one",
-    "lightning": "Lightning is optional: registered only once Lightning itself is imported",
+    "backend.coordinator": "loads the extension's coordinator: only for an embedded one",
+    "integrations.lightning": "Lightning is optional: registered once Lightning itself is imported",
+}
+# Other packages, with the reason and the layers whose modules may wait for them:
+LAZY_EXTERNAL = {
+    "torch": ("`import ripples_pg` runs inside `import torch` (the backend autoload): the "
+              "modules it imports wait for torch", {"", "backend", "face"}),
+    "matplotlib": ("optional: only `report --png` draws", {"tools"}),
 }
 
 
-def _package_imports():
-    """(module, imported package module, inside a function?) for every import in ripples_pg/
-    of a module of the package itself."""
+def _modules():
+    """{name relative to ripples_pg: path} of every module of the package."""
+    import pathlib
+
+    pkg = pathlib.Path(ROOT, "ripples_pg")
+    out = {}
+    for path in sorted(pkg.rglob("*.py")):
+        parts = path.relative_to(pkg).with_suffix("").parts
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    out.setdefault("_C", None)
+    return out
+
+
+def _target(mods, name: str):
+    """The package module an import of ``name`` (relative to ripples_pg) loads: the longest
+    known prefix."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in mods:
+            return ".".join(parts[:n])
+    return None
+
+
+def _imports_of(mod: str, path, mods):
+    """(imported, inside a function?, external?) for every import a module makes."""
     import ast
 
-    pkg = os.path.join(ROOT, "ripples_pg")
-    mods = {f[:-3] for f in os.listdir(pkg) if f.endswith(".py")}
+    tree = ast.parse(path.read_text())
+    here = mod.split(".")[:-1] if path.name != "__init__.py" else mod.split(".")
+    here = [] if mod == "__init__" else here
     out = []
-    for mod in sorted(mods):
-        tree = ast.parse(open(os.path.join(pkg, mod + ".py")).read())
 
-        def visit(node, in_function):
-            for child in ast.iter_child_nodes(node):
-                inside = in_function or isinstance(child, (ast.FunctionDef,
-                                                           ast.AsyncFunctionDef))
-                if isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
-                    continue  # never runs
-                targets = []
-                if isinstance(child, ast.ImportFrom) and child.level == 1:
-                    targets = [child.module.split(".")[0]] if child.module else \
-                        [a.name for a in child.names]
-                elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith(
-                        "ripples_pg."):
-                    targets = [child.module.split(".")[1]]
-                elif isinstance(child, ast.Import):
-                    targets = [a.name.split(".")[1] for a in child.names
-                               if a.name.startswith("ripples_pg.")]
-                out.extend((mod, t, inside) for t in targets)
-                visit(child, inside)
+    def names(node):
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if node.level:
+            base = here[:len(here) - (node.level - 1)] + ([node.module] if node.module else [])
+            base = "ripples_pg" + "".join("." + b for b in base)
+        else:
+            base = node.module
+        return [f"{base}.{a.name}" for a in node.names] + ([base] if node.module else [])
 
-        visit(tree, False)
-    return mods, out
+    def visit(node, inside):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and getattr(child.test, "id", "") == "TYPE_CHECKING":
+                continue  # never runs
+            now = inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found = set()
+                for n in names(child):
+                    if n.startswith("ripples_pg."):
+                        t = _target(mods, n[len("ripples_pg."):])
+                        if t is not None:
+                            found.add((t, False))
+                    elif n.split(".")[0] not in ("__future__",):
+                        found.add((n.split(".")[0], True))
+                out.extend((t, inside, ext) for t, ext in found)
+            visit(child, now)
+
+    visit(tree, False)
+    return out
+
+
+def _package_imports():
+    """(module, imported, inside a function?, external?) for every import in ripples_pg/."""
+    mods = _modules()
+    return mods, [(m, t, inside, ext) for m, path in mods.items() if path is not None
+                  for t, inside, ext in _imports_of(m, path, mods)]
 
 
 def test_no_import_cycle_even_through_functions():
     # A cycle closed by an import inside a function still ties both layers together: each
     # layer imports only those below it.
     mods, imports = _package_imports()
-    graph = {m: {t for f, t, _ in imports if f == m and t in mods and t != "__init__"}
+    graph = {m: {t for f, t, _, ext in imports if f == m and not ext and t != m}
              for m in mods}
     cycles = []
 
     def dfs(start, node, path):
-        for nxt in graph[node]:
+        for nxt in graph.get(node, ()):
             if nxt == start:
                 cycles.append(path + [nxt])
             elif nxt > start and nxt not in path:
@@ -117,36 +176,49 @@ def test_no_import_cycle_even_through_functions():
     for m in sorted(graph):
         dfs(m, m, [m])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
-    assert graph["_wrap"] >= {"_api", "averager", "hooks"}  # the scan sees imports
+    # the scan sees imports, relative ones across folders too
+    assert graph["training._wrap"] >= {"backend._api", "training.averager", "training.hooks"}
 
 
 def test_function_level_imports_only_where_they_must_wait():
     _, imports = _package_imports()
-    late = sorted({(m, t) for m, t, inside in imports if inside and t not in LAZY_IMPORTS})
+    late = sorted({(m, t) for m, t, inside, ext in imports if inside and not (
+        (not ext and t in LAZY_IMPORTS) or
+        (ext and t in LAZY_EXTERNAL and _layer(m) in LAZY_EXTERNAL[t][1]))})
     assert not late, f"imports inside functions with no reason to wait: {late}"
-    assert any(t == "_C" and inside for _, t, inside in imports)  # the scan sees them
-
-
-# The package's layers, lowest first (docs/design.md, section 6): a module imports only modules
-# of its own layer or below. A new module must be placed here.
-LAYERS = [
-    ("base", {"options", "_extension", "_build_info", "attribution", "whatif", "_records",
-              "_incarnation", "_schedstat", "_moments", "_optimizers"}),
-    ("backend", {"_api", "_gg", "coordinator", "_group_coordinators", "_backend", "_groups"}),
-    ("training", {"_args", "overlap", "progress", "sampler", "lr", "hooks", "averager",
-                  "diloco", "_wrap", "checkpoint"}),
-    ("integrations and tools", {"lightning", "_pl", "_pl_progress", "_pl_checkpoint",
-                                "_pl_autoregister", "hf", "report", "schedule",
-                                "_gg_cli"}),
-    ("the package's face", {"__init__"}),
-]
+    assert any(t == "_C" and inside for _, t, inside, _ in imports)  # the scan sees them
+    assert any(t == "torch" and inside and ext for _, t, inside, ext in imports)
 
 
 def test_layers_import_downward_only():
     mods, imports = _package_imports()
-    level = {m: i for i, (_, ms) in enumerate(LAYERS) for m in ms}
-    unplaced = sorted(mods - set(level))
-    assert not unplaced, f"modules in no layer of LAYERS (place them): {unplaced}"
-    up = sorted({(m, t) for m, t, _ in imports
-                 if t in level and t != "__init__" and level[t] > level[m]})
+    unplaced = sorted(m for m in mods if _layer(m) not in LAYERS)
+    assert not unplaced, f"modules outside the layers' folders (place them): {unplaced}"
+
+    def level(m):
+        layer = _layer(m)
+        return LAYERS.index(SAME_LEVEL.get(layer, layer))
+
+    up = sorted({(m, t) for m, t, _, ext in imports
+                 if not ext and t != "__init__" and level(t) > level(m)})
     assert not up, f"imports of a higher layer (module, imported): {up}"
+    assert ("training._wrap", "backend._api") in {(m, t) for m, t, _, _ in imports}
+
+
+def test_public_paths_are_the_modules_of_the_layers():
+    # ripples_pg.averager (and each public path of the face) is the module in its folder: one
+    # module object, so a class, a global or a monkeypatch is the same through either name.
+    import importlib
+    import re
+
+    mods = _modules()
+    face = sorted(m for m in mods if _layer(m) == "face" and not m.startswith("_"))
+    assert {"averager", "lightning", "hf", "report", "options"} <= set(face)
+    for m in face:
+        text = mods[m].read_text()
+        real = re.search(r'alias\(__name__, "ripples_pg\.([\w.]+)"\)', text).group(1)
+        assert real.split(".")[-1] == m and _layer(real) != "face", (m, real)
+        if m in ("lightning", "hf"):
+            continue  # their frameworks are optional (tests/test_lightning.py, test_hf.py)
+        assert importlib.import_module(f"ripples_pg.{m}") is \
+            importlib.import_module(f"ripples_pg.{real}")

@@ -4,7 +4,7 @@ object never shows its secrets. No process group needed."""
 import pytest
 
 from ripples_pg import Options
-from ripples_pg._backend import load_extension
+from ripples_pg.backend._register import load_extension
 
 # What _backend._create_backend finds at creation rather than reads from Options.
 FOUND = dict(timeout_s=5.0, bind_addr="127.0.0.1", name="0", host_key="h@x/1",

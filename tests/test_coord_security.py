@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-_gg = pytest.importorskip("ripples_pg._gg")
+_gg = pytest.importorskip("ripples_pg.backend._gg")
 zmq = pytest.importorskip("zmq")
 
 import _dist  # noqa: E402
@@ -238,7 +238,7 @@ def _smart_group_and_store(ctx, **options):
 def _coordinator_listeners(ctx):
     """Task: (endpoint, addresses listening on its port) of each coordinator this rank runs,
     and the endpoints published in the group's store."""
-    from ripples_pg import _group_coordinators
+    from ripples_pg.backend import _group_coordinators
 
     g, store = _smart_group_and_store(ctx)
     mine = []
@@ -361,7 +361,7 @@ def _train_with_secret(ctx, secret):
         if ripples_pg.stats(g)["reduced"] > before:
             reduced += 1
             assert torch.allclose(y, torch.full_like(y, 0.5)), y[:4]
-    from ripples_pg import _group_coordinators
+    from ripples_pg.backend import _group_coordinators
 
     tokens = [c.token for c, _t, _r in _group_coordinators._embedded_coordinators]
     raw = getattr(store, "_store", store)  # what a store reader sees
@@ -403,8 +403,8 @@ class _DictStore:
 
 
 def test_store_records_are_sealed_with_the_job_secret():
-    """ripples_pg/_records.py: what a store writer can no longer do unseen with a secret."""
-    from ripples_pg._records import SealedStore
+    """ripples_pg/backend/_records.py: what a store writer can no longer do unseen with a secret."""
+    from ripples_pg.backend._records import SealedStore
 
     secret, job = "a-job-secret-of-some-length", "0/4//0"
     raw = _DictStore()
@@ -441,7 +441,7 @@ def _incarnation_of_a_fresh_job(size=2):
     from datetime import timedelta
 
     import torch.distributed as dist
-    from ripples_pg import _incarnation
+    from ripples_pg.backend import _incarnation
 
     port = _dist.free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
@@ -468,8 +468,8 @@ def test_two_jobs_sharing_a_secret_share_no_token_or_record():
     (the incarnation's identity: a nonce of every rank), so their coordinator tokens, the
     core's secret (link keys, the link salt's seal) and their sealed records do: a record of
     one job replayed into the other's store fails its seal there."""
-    from ripples_pg import _backend
-    from ripples_pg._records import SealedStore
+    from ripples_pg.backend import _register as _backend
+    from ripples_pg.backend._records import SealedStore
 
     class Group:
         group_id = "0"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-_gg = pytest.importorskip("ripples_pg._gg")
+_gg = pytest.importorskip("ripples_pg.backend._gg")
 from ripples_pg import coordinator  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +21,7 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 # A worker process: connects, runs `rounds` partial rounds, prints its groups as JSON.
 WORKER = textwrap.dedent("""
     import json, sys
-    from ripples_pg import _gg
+    from ripples_pg.backend import _gg
     endpoint, token, rank, n, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     if endpoint == "store":
         import torch.distributed as dist

@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ripples_pg import _incarnation as inc
+from ripples_pg.backend import _incarnation as inc
 from _dist import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))

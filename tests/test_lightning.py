@@ -386,7 +386,7 @@ pytest.importorskip("sklearn")
 @pytest.mark.slow
 def test_straggler_fast_ranks_run_more_steps_and_end_averaged(tmp_path):
     import torch
-    from ripples_pg._wrap import DEFAULT_WARMUP_STRAGGLER
+    from ripples_pg.training._wrap import DEFAULT_WARMUP_STRAGGLER
 
     ws = 3
     res = run_job("straggler", ws, str(tmp_path))
@@ -630,7 +630,7 @@ def test_autoregister_when_ripples_pg_comes_first():
     # ripples_pg imported before Lightning (what torch's autoload does): registered when
     # Lightning's strategies module loads; Lightning's loader is left as it was
     out = _py("import sys, ripples_pg\n" + _PL_IMPORT +
-              "from ripples_pg._pl_autoregister import _Finder, _Loader\n"
+              "from ripples_pg.integrations._pl_autoregister import _Finder, _Loader\n"
               "assert 'ripples' in pl.strategies.StrategyRegistry\n"
               "assert not isinstance(pl.strategies.__spec__.loader, _Loader)\n"
               "assert not isinstance(pl.strategies.__loader__, _Loader)\n"

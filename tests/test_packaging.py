@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-import ripples_pg._extension as extension
+import ripples_pg.backend._extension as extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNING = ".".join(torch.__version__.split("+")[0].split(".")[:2])

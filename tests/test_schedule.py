@@ -1,11 +1,11 @@
-"""python -m ripples_pg.schedule and the policies behind it (through ripples_pg._gg)."""
+"""python -m ripples_pg.schedule and the policies behind it (through ripples_pg.backend._gg)."""
 import json
 import subprocess
 import sys
 
 import pytest
 
-_gg = pytest.importorskip("ripples_pg._gg")
+_gg = pytest.importorskip("ripples_pg.backend._gg")
 from ripples_pg import schedule  # noqa: E402
 
 
@@ -140,12 +140,12 @@ def _c_cli(capfd, *args):
 
 def test_cli_flags_mirror_the_c_parser(capfd, monkeypatch):
     """The layout and policy flags ripples_pg.schedule shares with ripples-coordinator
-    (ripples_pg._gg_cli.FLAGS) are the C parser's: the same names, a value where it takes
+    (ripples_pg.tools._gg_cli.FLAGS) are the C parser's: the same names, a value where it takes
     one, the same integer bounds; and every other C flag is listed as coordinator-only, so a
     flag added to coordinator/cli.c must be placed on one side or the other."""
     import re
 
-    from ripples_pg import _gg_cli
+    from ripples_pg.tools import _gg_cli
 
     monkeypatch.delenv("RIPPLES_COORDINATOR_TOKEN", raising=False)
     monkeypatch.delenv("RIPPLES_GG_TOKEN", raising=False)
@@ -155,7 +155,7 @@ def test_cli_flags_mirror_the_c_parser(capfd, monkeypatch):
     ours = [f.name for f in _gg_cli.FLAGS]
     assert len(ours) == len(set(ours)) and not set(ours) & set(_gg_cli.COORDINATOR_ONLY)
     assert c_flags == set(ours) | set(_gg_cli.COORDINATOR_ONLY), (
-        "coordinator/cli.c's flags and ripples_pg._gg_cli's table differ: "
+        "coordinator/cli.c's flags and ripples_pg.tools._gg_cli's table differ: "
         f"only in C {sorted(c_flags - set(ours) - set(_gg_cli.COORDINATOR_ONLY))}, "
         f"only in Python {sorted(set(ours) | set(_gg_cli.COORDINATOR_ONLY) - c_flags)}")
     m = re.search(r"Schedules: ([a-z, ]+) \(", usage)

@@ -19,8 +19,8 @@ def test_a_groups_dicts_hold_exactly_the_tables_keys(tmp_path):
     code = textwrap.dedent(f"""
         import json, torch, torch.distributed as dist
         import ripples_pg
-        from ripples_pg._api import _ripples_backend
-        from ripples_pg._extension import load_extension
+        from ripples_pg.backend._api import _ripples_backend
+        from ripples_pg.backend._extension import load_extension
         dist.init_process_group("ripples", store=dist.FileStore({str(tmp_path / "s")!r}, 1),
                                 rank=0, world_size=1)
         t = torch.ones(4)

@@ -90,7 +90,7 @@ def task_wrap_restore(ctx):
 
     module, model, opt = build()
     chk.true(isinstance(opt, PostLocalSGDOptimizer), "wrap returns a PostLocalSGDOptimizer")
-    tmo = ripples_pg._api._ripples_backend(opt.group).timeout_s
+    tmo = ripples_pg.backend._api._ripples_backend(opt.group).timeout_s
     chk.true(abs(tmo - ctx.pg_timeout) < 1e-6, "the partial group inherits the DDP group's "
              "timeout", f"{tmo} s, DDP group {ctx.pg_timeout} s")
     list(_dist.regression_steps(ctx, model, opt, 0, 6))

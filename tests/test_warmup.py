@@ -234,7 +234,7 @@ def test_run_queue_clock_sees_waiting_for_a_core():
     import subprocess
     import sys
 
-    from ripples_pg._schedstat import SchedClock
+    from ripples_pg.training._schedstat import SchedClock
 
     clock = SchedClock()
     if clock.waited() is None:

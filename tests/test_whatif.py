@@ -104,7 +104,7 @@ def task_job(ctx, slow_rank, steps, log_dir=None):
     if log_dir is not None:
         os.environ["RIPPLES_WHATIF_DIR"] = log_dir
     keep = _Keep()
-    log = logging.getLogger("ripples_pg._wrap")
+    log = logging.getLogger("ripples_pg.training._wrap")
     log.addHandler(keep)
     log.setLevel(logging.INFO)
     try:

@@ -372,7 +372,7 @@ static void test_broken_pair_is_rebuilt(void) {
 
 /* Every creator locks its own segment while it lives, so a segment left behind (a rank killed
  * during set-up) is told from a live one by its lock, not by a pid that may belong to another
- * namespace (the sweep in ripples_pg/_incarnation.py). Another process must see the lock. */
+ * namespace (the sweep in ripples_pg/backend/_incarnation.py). Another process must see the lock. */
 static void test_own_segment_locked(void) {
   rpl_shm *a, *b;
   char na[64], nb[64];

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .options import _FIELDS, Options
+from ..backend.options import _FIELDS, Options
 
 __all__ = ["OptionTypeError", "ARGS", "STRATEGY_OWNS", "TRAINER_OWNS", "Resolved", "resolve",
            "keyword_parameters", "check_names", "RENAMED_FLAGS", "DEFAULT_WARMUP_STEPS",
@@ -228,7 +228,7 @@ TRAINER_OWNS = {
 }
 
 # Command-line flags renamed to the Options names; the old flag still works and warns on
-# stderr. ``python -m ripples_pg.schedule`` (ripples_pg/_gg_cli.py).
+# stderr. ``python -m ripples_pg.schedule`` (ripples_pg/tools/_gg_cli.py).
 RENAMED_FLAGS = {"--policy": "--schedule"}
 
 

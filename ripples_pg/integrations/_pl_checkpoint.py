@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._groups import exact_if_ripples
+from ..training._groups import exact_if_ripples
 
 __all__ = ["ExactAverages"]
 

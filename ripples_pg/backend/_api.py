@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, ContextManager, Dict, Iterator, List, Optional, Sequence
 
@@ -9,7 +10,7 @@ from .attribution import attribution
 
 # torch and the C extension (_C) are imported inside the functions that need them: torch's
 # backend autoload imports this package inside `import torch` (ripples_pg/__init__.py), and the
-# extension loads with the first group (ripples_pg/_extension.py checks it first).
+# extension loads with the first group (ripples_pg/backend/_extension.py checks it first).
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
@@ -26,7 +27,7 @@ def partial(enabled: bool = True) -> Iterator[None]:
     ``world_size / |group|`` times the group's sum. Non-floating tensors and other ops stay
     exact. Blocks nest; leaving one restores the mode outside it.
     """
-    from . import _C
+    from .. import _C
 
     prev = _C._set_partial_mode(_PARTIAL if enabled else _EXACT)
     try:
@@ -45,7 +46,7 @@ def _ripples_backend(group: Any = None):
     import torch
     import torch.distributed as dist
 
-    from . import _C
+    from .. import _C
 
     if not dist.is_initialized():
         raise RuntimeError("ripples_pg: torch.distributed is not initialized "
@@ -215,7 +216,6 @@ def partial_all_reduce(tensors: Sequence[torch.Tensor], *old_positional: Any,
 def _old_positional(values: tuple, op: Any, group: Any, async_op: bool) -> tuple:
     """(op, group, async_op) from arguments passed in the old positional order (group, op,
     async_op), with a DeprecationWarning; a TypeError where that order cannot be meant."""
-    import warnings
 
     import torch.distributed as dist
 

@@ -35,7 +35,7 @@ import re
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .whatif import ExactPart, combine, line as whatif_line
+from ..training.whatif import ExactPart, combine, line as whatif_line
 
 LOG_GLOB = "ripples-rank*.jsonl"
 # At most this many points per worker in the step-time picture (spread evenly over its steps).

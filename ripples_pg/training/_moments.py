@@ -44,7 +44,7 @@ __all__ = ["GroupSecondMoment", "adam_groups"]
 
 
 def _optimizers(optimizer) -> List[torch.optim.Optimizer]:
-    inner = getattr(optimizer, "optimizers", None)  # ripples_pg._optimizers.OptimizerList
+    inner = getattr(optimizer, "optimizers", None)  # ripples_pg.training._optimizers.OptimizerList
     if isinstance(inner, (list, tuple)):
         return [o for o in inner if isinstance(o, torch.optim.Optimizer)]
     return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []

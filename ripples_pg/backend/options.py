@@ -17,6 +17,7 @@ import ipaddress
 import math
 import os
 import re
+import textwrap
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -617,7 +618,6 @@ def _markdown_to_rst(text: str) -> str:
 
 def _class_doc() -> str:
     """``Options.__doc__``: the entries come from the field table, as docs/options.md's do."""
-    import textwrap
 
     head = textwrap.dedent("""\
         Options of a ``ripples`` process group (``pg_options=`` of ``init_process_group`` /

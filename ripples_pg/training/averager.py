@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
 
-from ._api import partial_all_reduce
+from ..backend._api import partial_all_reduce
 from ._args import (LEVELS, check_bool, check_int, check_state_keys,  # noqa: F401 (re-exported)
                     check_warmup_straggler, parse_levels)
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
@@ -354,7 +354,7 @@ class RipplesAverager(ModelAverager):
     exact until a straggler makes partial averaging pay (``warmup_steps=None``,
     ``warmup_straggler=1.05``) and overlaps its rounds: the averager's warm-up means something
     only together with a comm hook's, which ``wrap()`` builds and links (the reasons and the
-    one table: ``ripples_pg/_args.py``).
+    one table: ``ripples_pg/training/_args.py``).
     """
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
@@ -372,7 +372,7 @@ class RipplesAverager(ModelAverager):
         self._round: Optional[OverlappedRound] = None
         super().__init__(process_group)
         who = "ripples_pg.RipplesAverager"
-        # the checks wrap() and RipplesStrategy run too (ripples_pg/_args.py): a bad value
+        # the checks wrap() and RipplesStrategy run too (ripples_pg/training/_args.py): a bad value
         # gets the same error wherever it is given
         self.warmup_straggler = float(
             check_warmup_straggler(who, "warmup_straggler", warmup_straggler) or 0)
@@ -402,7 +402,7 @@ class RipplesAverager(ModelAverager):
         self.detached = False
         self.optimizer = optimizer
         self.average_optimizer_state = average_optimizer_state
-        # Adam's second moment from the group's mean gradient (ripples_pg._moments)
+        # Adam's second moment from the group's mean gradient (ripples_pg.training._moments)
         self._moments: Optional[GroupSecondMoment] = \
             GroupSecondMoment(optimizer) if group_second_moment else None
         self.world_group = world_group if world_group is not None else self.process_group

@@ -7,6 +7,8 @@ immune to a broken build of the extension.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
@@ -148,8 +150,6 @@ def _core_secret(job_secret: str, job_id: str) -> str:
     """The secret the core keys this group's links and seals with: HMAC-SHA256(job_secret,
     "ripples-core-secret/1/" + job_id), hex. It binds the link salt's seal, and everything
     sealed after it, to this group and incarnation."""
-    import hashlib
-    import hmac
 
     return hmac.new(job_secret.encode(), b"ripples-core-secret/1/" + job_id.encode(),
                     hashlib.sha256).hexdigest()

@@ -15,8 +15,8 @@ import argparse
 import sys
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
-from . import _gg
-from ._args import RENAMED_FLAGS
+from ..backend import _gg
+from ..training._args import RENAMED_FLAGS
 
 # coordinator/cli.c's bounds that have no _gg constant (RPL_SCHED_MAX_WORKERS, and its
 # "1 << 30" for counts and milliseconds)
@@ -99,7 +99,7 @@ def _bounded(flag: Flag):
 
 
 class _RenamedFlag(argparse.Action):
-    """An old flag name (ripples_pg._args.RENAMED_FLAGS): stores as the new one, with a
+    """An old flag name (ripples_pg.training._args.RENAMED_FLAGS): stores as the new one, with a
     warning on stderr naming it."""
 
     def __call__(self, parser, namespace, values, option_string=None):

@@ -24,6 +24,8 @@ import io
 from typing import Any, Dict
 
 import torch
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ._wrap import RipplesOptimizer
@@ -109,9 +111,6 @@ class TrainingState:
         self.average = average
 
     def state_dict(self) -> Dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
         opt = self.optimizer
         if self.average and not opt.unwrapped:
             opt.average_replicas()
@@ -124,9 +123,6 @@ class TrainingState:
                 "ripples": _encode(opt._ripples_state_dict())}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
         missing = [k for k in ("model", "optim", "ripples") if k not in state_dict]
         if missing:
             raise ValueError(f"ripples_pg.checkpoint.TrainingState: the state has no "

@@ -23,7 +23,7 @@ import random
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from . import _gg
+from ..backend import _gg
 from ._gg_cli import add_layout_args, add_policy_args, host_labels
 
 Round = List[List[int]]

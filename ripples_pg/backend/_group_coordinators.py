@@ -2,10 +2,11 @@
 found or started when the group is created (``find``), kept until interpreter exit, then
 drained and stopped once the group's other workers have left (``_stop_embedded``).
 
-The creator (_backend.py) calls ``find``; nothing else here is public.
+The creator (_register.py) calls ``find``; nothing else here is public.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ def _leave_own_schedules() -> None:
         import torch
         from torch.distributed import distributed_c10d as c10d
 
-        from . import _C  # loaded by the groups this exit handler shuts down
+        from .. import _C  # loaded by the groups this exit handler shuts down
 
         groups = list(getattr(c10d._world, "pg_map", {}))
     except Exception:  # noqa: BLE001 - torch's internals moved: destroy_process_group is the way
@@ -126,8 +127,6 @@ def find(store: Any, rank: int, size: int, opts: Options, host_of: list, timeout
 
     def keep(c) -> None:
         if not _embedded_coordinators:
-            import atexit
-
             atexit.register(_stop_embedded)
         _embedded_coordinators.append((c, timeout_s, rank))
 

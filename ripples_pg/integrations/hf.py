@@ -69,10 +69,10 @@ if not hasattr(Trainer, "set_initial_training_values"):  # pragma: no cover - ol
     raise ImportError(f"ripples_pg.hf needs transformers >= 4.57 (found "
                       f"{transformers.__version__}; tested with 5.24)")
 
-from ._args import TRAINER_OWNS, check_names, resolve  # noqa: E402
-from ._wrap import wrap  # noqa: E402
-from .lr import follow_job  # noqa: E402
-from .whatif import metrics as whatif_metrics  # noqa: E402
+from ..training._args import TRAINER_OWNS, check_names, resolve  # noqa: E402
+from ..training._wrap import wrap  # noqa: E402
+from ..training.lr import follow_job  # noqa: E402
+from ..training.whatif import metrics as whatif_metrics  # noqa: E402
 
 __all__ = ["RipplesTrainer", "RipplesTrainerMixin"]
 
@@ -251,7 +251,7 @@ class RipplesTrainerMixin:
 
     @staticmethod
     def _check_ripples_options(ripples: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-        """wrap()'s keywords, checked now by wrap()'s own checks (ripples_pg/_args.py), so that
+        """wrap()'s keywords, checked now by wrap()'s own checks (ripples_pg/training/_args.py), so that
         a typo or a bad value fails at construction rather than when training begins."""
         who = "RipplesTrainer"
         if ripples is None:

@@ -1,5 +1,5 @@
 """Loading the C extension ``ripples_pg._C``: the package's lowest layer, imported by the
-backend's creator (_backend.py) and the coordinator's binding (_gg.py).
+backend's creator (_register.py) and the coordinator's binding (_gg.py).
 
 Nothing here loads the extension or torch at import time: torch's backend autoload imports
 this package inside ``import torch`` (ripples_pg/__init__.py), so both are imported inside the
@@ -23,7 +23,7 @@ def torch_version_error() -> Optional[str]:
     the build records in ``ripples_pg/_build_info.py``. A checkout without a build has no
     record (loading the extension then reports that it is missing)."""
     try:
-        from . import _build_info
+        from .. import _build_info
     except ImportError:
         return None
     import torch
@@ -81,7 +81,7 @@ def load_extension():
     import torch  # noqa: F401  (first: the extension links against the libraries torch loads)
 
     try:
-        from . import _C
+        from .. import _C
     except (ImportError, OSError) as exc:
         raise ImportError(_load_error_message(exc)) from exc
     return _C

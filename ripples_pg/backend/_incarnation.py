@@ -31,6 +31,8 @@ The job id, and through it the coordinator token and every sealed record, includ
 """
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import re
 import secrets
@@ -93,7 +95,6 @@ def agree_record(store: Any, rank: int, size: int, timeout_s: float) -> tuple:
 
 def digest(record: str) -> str:
     """32 hex digits naming an agreed record (SHA-256)."""
-    import hashlib
 
     return hashlib.sha256(record.encode()).hexdigest()[:32]
 
@@ -239,7 +240,6 @@ def sweep_dead_segments(shm_dir: str = SHM_DIR, min_age_s: float = SHM_MIN_AGE_S
 
 def _locked(path: str) -> bool:
     """Whether another process holds a record lock on the file (True when it cannot tell)."""
-    import fcntl
 
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)

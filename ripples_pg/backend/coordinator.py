@@ -28,6 +28,8 @@ The coordinator writes one line on stderr when a worker becomes persistently slo
 when it recovers ("ripples: rank 3 on host b is 4.8x slower than the median since step
 120"), rate-limited (``coordinator/coord_straggler.h``).
 """
+import hashlib
+import hmac
 import os
 import socket
 import sys
@@ -131,8 +133,6 @@ def derive_token(job_secret: str, job_id: str) -> str:
     """The coordinator token every rank of one job computes alike from the job's secret:
     the first 32 hex digits of HMAC-SHA256(job_secret, "ripples-coordinator-token/" +
     job_id). Nothing of it goes through the c10d store."""
-    import hashlib
-    import hmac
 
     mac = hmac.new(job_secret.encode(), b"ripples-coordinator-token/" + job_id.encode(),
                    hashlib.sha256)

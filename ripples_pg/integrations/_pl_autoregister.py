@@ -25,7 +25,7 @@ _TARGETS = frozenset({"pytorch_lightning.strategies", "lightning.pytorch.strateg
 
 def _register() -> None:
     try:
-        import ripples_pg.lightning  # noqa: F401  (registers on import)
+        from . import lightning  # noqa: F401  (registers on import)
     except Exception as exc:  # noqa: BLE001 - must never break importing Lightning
         warnings.warn(f"ripples_pg: could not register the Lightning strategy 'ripples' "
                       f"({exc!r}); 'import ripples_pg.lightning' to see the error",

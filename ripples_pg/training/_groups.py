@@ -9,7 +9,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from ._api import exact, host_of
+from ..backend._api import exact, host_of
 
 
 def is_ripples(group) -> bool:

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler as TorchSampler
 
-from ._groups import exact_if_ripples
+from ..training._groups import exact_if_ripples
 from ._pl import FITTING, sub
-from .lr import JobLRScheduler
-from .sampler import DEFAULT_CLAIM_SIZE, DistributedSampler
+from ..training.lr import JobLRScheduler
+from ..training.sampler import DEFAULT_CLAIM_SIZE, DistributedSampler
 
 __all__ = ["JobProgress", "EXACT_STOP_EVERY"]
 

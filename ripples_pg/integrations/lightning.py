@@ -35,20 +35,20 @@ from torch.nn.parallel import DistributedDataParallel
 from ._pl import pl, sub as _sub  # imports Lightning (tests read pl)
 
 # Only the strategies module at import time: the automatic registration
-# (ripples_pg._pl_autoregister) imports this module right after Lightning's strategies module
+# (ripples_pg.integrations._pl_autoregister) imports this module right after Lightning's strategies module
 # has loaded, possibly while the rest of Lightning is still being imported.
 DDPStrategy = _sub("strategies").DDPStrategy
 StrategyRegistry = _sub("strategies").StrategyRegistry
 
 import ripples_pg  # noqa: E402
 
-from ._args import (ARGS, STRATEGY_OWNS, check_choice, check_group_options,  # noqa: E402
+from ..training._args import (ARGS, STRATEGY_OWNS, check_choice, check_group_options,  # noqa: E402
                     check_int, keyword_parameters, resolve)
 from ._pl import FITTING as _FITTING  # noqa: E402
 from ._pl_checkpoint import ExactAverages  # noqa: E402
 from ._pl_progress import JobProgress  # noqa: E402
-from ._wrap import RipplesOptimizer, wrap  # noqa: E402
-from .whatif import metrics as whatif_metrics  # noqa: E402
+from ..training._wrap import RipplesOptimizer, wrap  # noqa: E402
+from ..training.whatif import metrics as whatif_metrics  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
 
@@ -129,7 +129,7 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
 
     Ripples arguments: every keyword option of :func:`ripples_pg.wrap` but ``group`` and
     ``sampler`` (the strategy creates both itself, and refuses them), with wrap's defaults and
-    checks: they come from one table (``ripples_pg/_args.py``; listed in docs/options.md,
+    checks: they come from one table (``ripples_pg/training/_args.py``; listed in docs/options.md,
     "Training options", and in this signature). ``None`` for an Options field = the
     ``RIPPLES_*`` environment, else wrap's default. A bad value raises here, as wrap() would,
     not in ``fit``. Other keywords go to ``DDPStrategy`` and on to
@@ -167,9 +167,9 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
     hooks and ``model_averaging_period`` are refused (the strategy registers its own).
 
     The class holds its options, the setup of the partial group and the training hooks; what
-    the Trainer's budgets count comes from ``JobProgress`` (``ripples_pg/_pl_progress.py``)
+    the Trainer's budgets count comes from ``JobProgress`` (``ripples_pg/integrations/_pl_progress.py``)
     and the exact averages at checkpoints from ``ExactAverages``
-    (``ripples_pg/_pl_checkpoint.py``).
+    (``ripples_pg/integrations/_pl_checkpoint.py``).
     """
 
     strategy_name = STRATEGY_NAME
@@ -179,7 +179,7 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
                  process_group_backend: Optional[str] = STRATEGY_NAME,
                  timeout: Optional[Union[timedelta, float]] = None,
                  round_timeout: Optional[float] = None, **kwargs: Any) -> None:
-        # kwargs: wrap()'s options (the table, ripples_pg/_args.py), then DDPStrategy's and
+        # kwargs: wrap()'s options (the table, ripples_pg/training/_args.py), then DDPStrategy's and
         # DistributedDataParallel's; the signature help() shows lists them (_signature below).
         _check_strategy_kwargs(process_group_backend, kwargs)
         options = {n: kwargs.pop(n) for n in list(kwargs) if n in ARGS}
@@ -397,7 +397,7 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
 
 def _signature() -> inspect.Signature:
     """``RipplesStrategy.__init__``'s signature as help() and editors show it: wrap()'s options
-    from the table (ripples_pg/_args.py), then the strategy's own, then ``**kwargs``."""
+    from the table (ripples_pg/training/_args.py), then the strategy's own, then ``**kwargs``."""
     params = list(inspect.signature(RipplesStrategy.__init__).parameters.values())
     options = keyword_parameters([n for n in _TAKEN if n != "timeout"])  # timeout: own
     return inspect.Signature([params[0], *options, *params[1:]], return_annotation=None)

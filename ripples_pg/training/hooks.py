@@ -62,7 +62,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from ._api import exact
+from ..backend._api import exact
 from ._args import POST_WARMUP_MODES, check_choice, check_int
 from ._groups import host_group  # public here: ripples_pg.hooks.host_group
 
@@ -415,7 +415,7 @@ def register(ddp_model, state: RipplesHookState, native: bool = True) -> bool:
     if not native or reducer is None or not isinstance(pg, dist.ProcessGroup):
         ddp_model.register_comm_hook(state, ripples_hook)
         return False
-    from . import _C  # loaded since the DDP model's ripples group was created
+    from .. import _C  # loaded since the DDP model's ripples group was created
 
     check = getattr(ddp_model, "_check_comm_hook", None)
     if check is not None:

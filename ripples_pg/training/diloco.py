@@ -36,7 +36,7 @@ from typing import Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ._api import _ripples_backend
+from ..backend._api import _ripples_backend
 from ._args import (ON_ALONE, OuterSpec, check_on_alone, check_outer_optimizer,  # noqa: F401
                     resolve_sync_levels)  # (re-exported: the DiLoCo API names them here)
 from .averager import RipplesAverager, _params_of

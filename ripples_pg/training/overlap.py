@@ -44,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._api import partial_all_reduce
+from ..backend._api import partial_all_reduce
 
 __all__ = ["OverlappedRound", "joined"]
 
