@@ -1,0 +1,9 @@
+"""``ripples_pg.coordinator``: the public path of :mod:`ripples_pg.backend.coordinator` (ripples_pg/_public.py)."""
+from typing import TYPE_CHECKING
+
+from ._public import alias
+
+if TYPE_CHECKING:  # what editors and type checkers read
+    from .backend.coordinator import *  # noqa: F401,F403
+
+alias(__name__, "ripples_pg.backend.coordinator")

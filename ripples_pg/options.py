@@ -1,0 +1,9 @@
+"""``ripples_pg.options``: the public path of :mod:`ripples_pg.backend.options` (ripples_pg/_public.py)."""
+from typing import TYPE_CHECKING
+
+from ._public import alias
+
+if TYPE_CHECKING:  # what editors and type checkers read
+    from .backend.options import *  # noqa: F401,F403
+
+alias(__name__, "ripples_pg.backend.options")

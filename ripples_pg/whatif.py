@@ -1,0 +1,9 @@
+"""``ripples_pg.whatif``: the public path of :mod:`ripples_pg.training.whatif` (ripples_pg/_public.py)."""
+from typing import TYPE_CHECKING
+
+from ._public import alias
+
+if TYPE_CHECKING:  # what editors and type checkers read
+    from .training.whatif import *  # noqa: F401,F403
+
+alias(__name__, "ripples_pg.training.whatif")
