@@ -1,4 +1,4 @@
-"""``ripples_pg.hooks``: the public path of :mod:`ripples_pg.training.hooks` (ripples_pg/_public.py)."""
+"""The public path of :mod:`ripples_pg.training.hooks` (ripples_pg/_public.py)."""
 from typing import TYPE_CHECKING
 
 from ._public import alias

@@ -1,4 +1,4 @@
-"""``ripples_pg.options``: the public path of :mod:`ripples_pg.backend.options` (ripples_pg/_public.py)."""
+"""The public path of :mod:`ripples_pg.backend.options` (ripples_pg/_public.py)."""
 from typing import TYPE_CHECKING
 
 from ._public import alias

@@ -1,8 +1,8 @@
-"""One source of names, defaults and checks (ripples_pg/training/_args.py, docs/options.md "One table of
-defaults"): ``wrap()``, ``RipplesStrategy`` and ``RipplesAverager`` agree with the table and
-with each other; a bad value gets the same exception and message from each (after the
-caller's name); the strategy takes every ``wrap()`` option and refuses what it does not take
-at construction; old names still work and warn."""
+"""One source of names, defaults and checks (ripples_pg/training/_args.py, docs/options.md
+"One table of defaults"): ``wrap()``, ``RipplesStrategy`` and ``RipplesAverager`` agree with
+the table and with each other; a bad value gets the same exception and message from each
+(after the caller's name); the strategy takes every ``wrap()`` option and refuses what it does
+not take at construction; old names still work and warn."""
 import inspect
 import os
 import math

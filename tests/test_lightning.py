@@ -649,8 +649,10 @@ def test_autoregister_when_lightning_comes_first_and_opt_out():
 
 
 def test_autoregister_failure_never_breaks_lightning_import():
-    # ripples_pg.lightning made unimportable: Lightning still imports, with a warning
+    # ripples_pg.lightning made unimportable (its public path and the module in its folder):
+    # Lightning still imports, with a warning
     _py("import sys, warnings, ripples_pg\nsys.modules['ripples_pg.lightning'] = None\n"
+        "sys.modules['ripples_pg.integrations.lightning'] = None\n"
         "with warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter('always')\n"
         + "\n".join("    " + line for line in _PL_IMPORT.splitlines()) + "\n"
         "assert any('import ripples_pg.lightning' in str(x.message) for x in w), "

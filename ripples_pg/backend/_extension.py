@@ -46,7 +46,7 @@ def torch_version_error() -> Optional[str]:
 def _load_error_message(exc: BaseException) -> str:
     """A message naming the cause of a failure to load ``ripples_pg._C``."""
     text = str(exc)
-    if isinstance(exc, ModuleNotFoundError) and exc.name == f"{__package__}._C":
+    if isinstance(exc, ModuleNotFoundError) and exc.name == "ripples_pg._C":
         return (f"ripples_pg: the C extension ripples_pg._C is not built ({text}). In a source "
                 f"checkout build it with: pip install --no-build-isolation -e . (or python "
                 f"setup.py build_ext --inplace).")

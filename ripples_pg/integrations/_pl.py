@@ -3,9 +3,9 @@
 Either ``lightning`` (``lightning.pytorch``) or ``pytorch_lightning``; if both are installed,
 the one already imported wins, else ``lightning``. Importing this module imports Lightning's
 top package only: ``sub(name)`` imports one of its modules when asked, because the automatic
-registration (``ripples_pg.integrations._pl_autoregister``) imports ``ripples_pg.lightning`` right after
-Lightning's strategies module has loaded, possibly while the rest of Lightning is still being
-imported.
+registration (``ripples_pg.integrations._pl_autoregister``) imports ``ripples_pg.lightning``
+right after Lightning's strategies module has loaded, possibly while the rest of Lightning is
+still being imported.
 """
 from __future__ import annotations
 

@@ -251,8 +251,9 @@ class RipplesTrainerMixin:
 
     @staticmethod
     def _check_ripples_options(ripples: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-        """wrap()'s keywords, checked now by wrap()'s own checks (ripples_pg/training/_args.py), so that
-        a typo or a bad value fails at construction rather than when training begins."""
+        """wrap()'s keywords, checked now by wrap()'s own checks
+        (ripples_pg/training/_args.py), so that a typo or a bad value fails at construction
+        rather than when training begins."""
         who = "RipplesTrainer"
         if ripples is None:
             return {}

@@ -35,8 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ._pl import pl, sub as _sub  # imports Lightning (tests read pl)
 
 # Only the strategies module at import time: the automatic registration
-# (ripples_pg.integrations._pl_autoregister) imports this module right after Lightning's strategies module
-# has loaded, possibly while the rest of Lightning is still being imported.
+# (ripples_pg.integrations._pl_autoregister) imports this module right after Lightning's
+# strategies module has loaded, possibly while the rest of Lightning is still being imported.
 DDPStrategy = _sub("strategies").DDPStrategy
 StrategyRegistry = _sub("strategies").StrategyRegistry
 
@@ -52,7 +52,7 @@ from ..training.whatif import metrics as whatif_metrics  # noqa: E402
 
 __all__ = ["RipplesStrategy", "STRATEGY_NAME"]
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("ripples_pg.lightning")  # the public path's name: what users configure
 
 STRATEGY_NAME = "ripples"
 DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
@@ -167,9 +167,9 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
     hooks and ``model_averaging_period`` are refused (the strategy registers its own).
 
     The class holds its options, the setup of the partial group and the training hooks; what
-    the Trainer's budgets count comes from ``JobProgress`` (``ripples_pg/integrations/_pl_progress.py``)
-    and the exact averages at checkpoints from ``ExactAverages``
-    (``ripples_pg/integrations/_pl_checkpoint.py``).
+    the Trainer's budgets count comes from ``JobProgress``
+    (``ripples_pg/integrations/_pl_progress.py``) and the exact averages at checkpoints from
+    ``ExactAverages`` (``ripples_pg/integrations/_pl_checkpoint.py``).
     """
 
     strategy_name = STRATEGY_NAME

@@ -105,7 +105,7 @@ from .whatif import ExactPart, StepLog
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ripples_pg.averager")  # the public path's name: what users configure
 
 # Warm-up exit (warmup_straggler): how many exact steps one check covers, and how many checks
 # in a row must find the gain (one slow window -- a checkpoint written, a page cache miss, an

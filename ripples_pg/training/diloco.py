@@ -44,7 +44,7 @@ from .averager import RipplesAverager, _params_of
 __all__ = ["DiLoCoAverager", "OUTER_NESTEROV", "ON_ALONE", "resolve_sync_levels",
            "make_outer_optimizer"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ripples_pg.diloco")  # the public path's name: what users configure
 
 # The DiLoCo paper's outer optimizer (and torchft's examples): Nesterov SGD, lr 0.7, mu 0.9.
 OUTER_NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}

@@ -68,7 +68,7 @@ from ._groups import host_group  # public here: ripples_pg.hooks.host_group
 
 __all__ = ["RipplesHookState", "ripples_hook", "register", "host_group", "POST_WARMUP_MODES"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ripples_pg.hooks")  # the public path's name: what users configure
 
 
 # ----------------------------------------------------------------------------- state

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 __all__ = ["JobLRScheduler", "follow_job"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ripples_pg.lr")  # the public path's name: what users configure
 
 # Scheduler steps one step() call takes at most: a job step that leaps (a forged store
 # counter, a checkpoint loaded into the optimizer alone) is caught up over later calls, never

@@ -49,7 +49,7 @@ from ._groups import exact_if_ripples
 
 __all__ = ["JobClock", "SHARED", "LOCKSTEP", "STORE_TIMEOUT_S"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ripples_pg.progress")  # the public path's name: what users configure
 
 SHARED, LOCKSTEP = "shared", "lockstep"
 # A request to the store that takes longer than this is a failed store (the clock then

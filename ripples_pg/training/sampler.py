@@ -50,7 +50,7 @@ from ._groups import exact_if_ripples
 
 __all__ = ["DistributedSampler", "DEFAULT_CLAIM_SIZE"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ripples_pg.sampler")  # the public path's name: what users configure
 
 # Rows per store request: a request costs ~0.1 ms on one host, so 16 keeps it to a few
 # microseconds per sample, while an epoch's end stays within a batch or two across workers.
