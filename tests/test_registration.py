@@ -217,6 +217,37 @@ def test_options_docs_come_from_the_field_table():
         assert f"\n    {name}: " in doc, name
 
 
+def test_generated_parts_follow_the_training_options_table(monkeypatch):
+    """What options_doc.py writes from ARGS reads every part from the row: a changed default,
+    help or note reaches wrap()'s signature and docstring, docs/options.md's table of defaults
+    and docs/lightning.md's table, so the --check above fails until they are written again."""
+    import dataclasses
+    import importlib.util
+
+    from ripples_pg.training import _args
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "scripts")
+    monkeypatch.syspath_prepend(scripts)  # the script imports gendoc from there
+    spec = importlib.util.spec_from_file_location("options_doc",
+                                                  os.path.join(scripts, "options_doc.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    fresh = gen.generate()
+    changed = dict(_args.ARGS)
+    changed["warmup_straggler"] = dataclasses.replace(
+        changed["warmup_straggler"], default=1.25, help="Zyzzyva.", note="quux")
+    stale = gen.generate(changed)
+    assert {p.name for p in fresh if fresh[p] != stale[p]} == \
+        {"options.md", "lightning.md", "_wrap.py"}
+    wrap = stale[gen.WRAP]
+    assert "warmup_straggler: Optional[float] = 1.25," in wrap  # the signature
+    assert "warmup_straggler: Zyzzyva. Default: ``1.25`` (quux)." in wrap  # the docstring
+    for page in (gen.DOC, gen.LIGHTNING):  # the tables
+        assert "| `warmup_straggler` |" in stale[page] and "`1.25` (quux)" in stale[page]
+    assert "| Zyzzyva. |" in stale[gen.LIGHTNING]
+
+
 def test_options_take_keywords_only():
     import inspect
 

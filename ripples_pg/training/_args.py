@@ -115,15 +115,18 @@ def check_state_keys(who: str, name: str, value: Any):
 
 @dataclass(frozen=True)
 class Arg:
-    """One keyword option of ``wrap()`` and ``RipplesStrategy``."""
+    """One keyword option of ``wrap()`` and ``RipplesStrategy``. ``help`` and ``note`` are
+    Markdown: ``scripts/options_doc.py`` writes them into ``wrap()``'s docstring and the tables
+    of docs/options.md and docs/lightning.md, each next to the default it reads from here."""
 
     name: str
     default: Any  # what a call that does not set it gets (see group_option)
-    help: str
+    help: str  # what it does (not its default: the generated text adds that)
     # An Options field of the partial group: None in a signature means "not given" (then
     # RIPPLES_<NAME>, then ``default``); Options validates it.
     group_option: bool = False
     annotation: str = "Any"  # its type, as signatures show it
+    note: str = ""  # what the default means, or where wrap() changes it
 
     @property
     def signature_default(self) -> Any:
@@ -165,52 +168,124 @@ WRAP_GROUP_DEFAULTS = {"schedule": "smart", "group_size": 3, "on_failure": "skip
 BLOCKING_PERIOD_MAX = 2
 
 
-def _group(name: str, help: str, annotation: str) -> Arg:
+def _group(name: str, help: str, annotation: str, note: str = "") -> Arg:
     default = WRAP_GROUP_DEFAULTS.get(name, _FIELDS[name].default)
-    return Arg(name, default, help, group_option=True, annotation=f"Optional[{annotation}]")
+    return Arg(name, default, help, group_option=True, annotation=f"Optional[{annotation}]",
+               note=note)
 
 
 ARGS: Dict[str, Arg] = {a.name: a for a in (
-    _group("schedule", "where partial groups come from", "str"),
-    _group("group_size", "workers per partial group", "int"),
-    _group("c_thres", "the smart schedule's slowdown filter (None: the coordinator's, 4)",
+    _group("schedule", "Where partial groups come from: `smart` (straggler-aware), `random` or "
+                       "`adpsgd` (a coordinator forms them), or `static` (computed in each "
+                       "worker, no coordinator).", "str"),
+    _group("group_size", "Workers per partial group (`random`, `smart`; `adpsgd` always uses "
+                         "pairs).", "int"),
+    _group("c_thres", "The smart schedule's slowdown filter threshold, in requests (`-1`: off).",
            "int"),
-    _group("inter_intra", "smart: Inter and Intra groups", "bool"),
-    _group("coordinator", "'embedded' or standalone coordinators' endpoints", "str"),
-    _group("timeout", "seconds per partial round (None: the DDP group's timeout)",
-           "Union[float, timedelta]"),
-    _group("on_failure", "a failed partial round: 'skip' it or 'raise'", "str"),
-    _group("seed", "the coordinator's random seed (None: random)", "int"),
-    _group("trace", "keep a per-round trace", "bool"),
-    _group("period_max", "the coordinator's adaptive period (2 with overlap=False)", "int"),
-    _group("compression", "quantise partial rounds across hosts", "str"),
+    _group("inter_intra", "`smart` only: an Inter group (across hosts) and an Intra group "
+                          "(within a host) per worker.", "bool"),
+    _group("coordinator", "`\"embedded\"` (rank 0 of the group runs it) or the endpoint "
+                          "`tcp://HOST:PORT` of a standalone `ripples-coordinator`, standbys "
+                          "after a comma.", "str"),
+    _group("timeout", "Seconds (or a `timedelta`) a partial round may take.",
+           "Union[float, timedelta]",
+           note="the DDP group's timeout, `init_process_group(timeout=...)`; "
+                "`RipplesStrategy`'s `timeout` bounds both of its groups, `round_timeout` the "
+                "rounds alone"),
+    _group("on_failure", "A partial round that fails (a partner died, the coordinator was "
+                         "lost): `\"skip\"` it, one missed averaging step with the buffers left "
+                         "as they were, counted in `ripples_pg.stats()`, not the end of every "
+                         "survivor's training; or `\"raise\"`. Exact collectives raise either "
+                         "way.", "str"),
+    _group("seed", "Seed of the coordinator's random choices.", "int"),
+    _group("trace", "Keep a per-round trace, read with `ripples_pg.trace()`.", "bool"),
+    _group("period_max", "The coordinator's adaptive period: while the job keeps its pace, a "
+                         "worker averages only every `period_max`-th step, and a straggler "
+                         "averages at every one with whoever is due; `1`: every step, as in "
+                         "the paper.", "int",
+           note=f"{BLOCKING_PERIOD_MAX} with `overlap=False`"),
+    _group("compression", "Quantise partial rounds across hosts: `none`, `bf16`, `fp16` or "
+                          "`int8` ([compression.md](compression.md)); `int8` is refused for a "
+                          "model with floating-point buffers or with `average_optimizer_state`.",
+           "str"),
     Arg("warmup_steps", DEFAULT_WARMUP_STEPS,
-        "exact steps first: at most this many (None: until a straggler ends warm-up)",
-        annotation="Optional[int]"),
+        "Steps of exact synchronous SGD (plain DDP) before model averaging starts. `None`: no "
+        "fixed end -- training stays exact, and as good as DDP, while the workers are even, and "
+        "averages partially from the step a straggler makes that pay (`warmup_straggler`), at "
+        "any point of the job. An `int`: at most that many exact steps (`0`: none), ended "
+        "earlier by a straggler the same way. With `sync_every` or `compression` (asked for "
+        "because the links are slow, not the workers) `None` means at most "
+        f"{SLOW_LINK_WARMUP_STEPS} steps.",
+        annotation="Optional[int]", note="no fixed end: exact while the workers are even"),
     Arg("warmup_straggler", DEFAULT_WARMUP_STRAGGLER,
-        "end warm-up once all-reduce is this many times slower than never waiting (None/0: "
-        "never)", annotation="Optional[float]"),
-    Arg("levels", None, "{period: level}; None: {1: 'partial'} ({H: 'partial'} with "
-                        "sync_every=H)",
-        annotation="Optional[Union[Mapping[int, str], str]]"),
-    Arg("post_warmup", "local", "gradients after warm-up: 'local' or 'host'", annotation="str"),
-    Arg("average_optimizer_state", False, "also average optimizer state",
-        annotation="Union[bool, Sequence[str]]"),
-    Arg("group_second_moment", False, "Adam/AdamW: the moments of the group's mean "
-                                      "gradient (the round carries the gradients too)",
-        annotation="bool"),
-    Arg("overlap", None, "run each partial round behind the next step (None: unless an "
-                         "outer_optimizer is given)",
-        annotation="Optional[bool]"),
-    Arg("outer_optimizer", None, "partial DiLoCo's outer optimizer",
-        annotation="Optional[Union[str, Callable[..., torch.optim.Optimizer]]]"),
-    Arg("sync_every", None, "partial DiLoCo: steps between averaging steps",
-        annotation="Optional[int]"),
-    Arg("on_alone", "defer", "partial DiLoCo: a round with nobody: 'defer' or 'local_step'",
+        "End warm-up, on every worker after the same step, once waiting for the slowest worker "
+        "makes the exact steps this many times as long as workers that never wait would take "
+        "(all-reduce's time, each step's slowest compute, over the harmonic mean of each "
+        "worker's own), in two checks in a row; checked every 2 exact steps, so at the earliest "
+        "after step 4. A worker 2x slow among 4 is a gain of 1.75. `None` or `0`: warm-up "
+        "always runs `warmup_steps` steps (which must then be a number).",
+        annotation="Optional[float]",
+        note="the gain over all-reduce that ends warm-up; `None`: never"),
+    Arg("levels", None,
+        "The averager's `{period: level}`, levels `partial`, `host` and `world` (see "
+        "`ripples_pg.RipplesAverager`): add e.g. `64: \"world\"` to bound drift with an exact "
+        "average every 64 steps, at the price of waiting for the slowest worker then.",
+        annotation="Optional[Union[Mapping[int, str], str]]",
+        note="`{1: \"partial\"}`; `{H: \"partial\"}` with `sync_every=H`"),
+    Arg("post_warmup", "local", "Gradients after warm-up: `\"local\"`, or `\"host\"` (an exact "
+                                "average among the workers of the same host).",
         annotation="str"),
-    Arg("group", None, "an existing ripples group for the rounds",
+    Arg("average_optimizer_state", False,
+        "Also average optimizer state (momentum buffers, Adam's moments) in each round: "
+        "`True`, or the state keys to average (e.g. `[\"momentum_buffer\"]`).",
+        annotation="Union[bool, Sequence[str]]"),
+    Arg("group_second_moment", False,
+        "For `torch.optim.Adam` and `AdamW`: each partial round also carries the workers' "
+        "gradients, and every member's moments (`exp_avg`, `exp_avg_sq`) then count the "
+        "group's mean gradient instead of its own, as DDP's Adam counts the mean over every "
+        "worker's batch (`ripples_pg.training._moments`). A step is worth more, but a round moves twice "
+        "the bytes (measured: [limitations.md](limitations.md)). Other optimizers are left "
+        "alone.",
+        annotation="bool", note="Adam and AdamW only; ignored with `sync_every`"),
+    Arg("overlap", None,
+        "Run each partial round in the background while the next step computes, and apply it "
+        "one step late: the group's average of the parameters it started from plus the local "
+        "update made since (one step of staleness, as in overlap-SGP). Measured faster on "
+        "every replayed production trace ([benchmarks.md](benchmarks.md)); it costs two more "
+        "copies of the flat parameters, and if they cannot be allocated the default falls "
+        "back to blocking rounds with a warning. Call `optimizer.flush()` before evaluating or "
+        "saving the model at the end; `unwrap()` does it too. Not with `outer_optimizer`.",
+        annotation="Optional[bool]", note="on, unless `outer_optimizer` is given"),
+    Arg("outer_optimizer", None,
+        "Partial DiLoCo's outer optimizer ([diloco.md](diloco.md)): `\"nesterov\"` "
+        "(`torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)`, the DiLoCo paper's), or a "
+        "callable `params -> "
+        "torch.optim.Optimizer` (any torch optimizer; it gets float32 anchors shaped like the "
+        "parameters). Every `sync_every` steps after warm-up, one partial round averages the "
+        "model within the Group Generator's group, then each worker steps its own anchor with "
+        "`anchor - average` as gradient and restarts from it. `None`: plain Ripples.",
+        annotation="Optional[Union[str, Callable[..., torch.optim.Optimizer]]]"),
+    Arg("sync_every", None,
+        "`H`, local steps between averaging steps (counted from the end of warm-up); `levels` "
+        "then defaults to `{H: \"partial\"}`, and given levels must have `H` as smallest period "
+        "and only multiples of it (`{H: \"partial\", 8*H: \"world\"}`: every 8th outer step "
+        "is global DiLoCo). Without `outer_optimizer`: plain partial model averaging every `H` "
+        "steps.",
+        annotation="Optional[int]"),
+    Arg("on_alone", "defer",
+        "With `outer_optimizer`, a round that averaged with nobody (a group of one, a skipped, "
+        "failed or passed round): `\"defer\"` takes no outer step (the anchor and outer state "
+        "stay, the model keeps its local progress, the next real round covers it); "
+        "`\"local_step\"` takes one on the worker's own pseudo-gradient.",
+        annotation="str"),
+    Arg("group", None,
+        "An existing `ripples` group for the partial rounds instead of a new one (then the "
+        "partial group's options, those that read `RIPPLES_*`, must not be given).",
         annotation="Optional[dist.ProcessGroup]"),
-    Arg("sampler", None, "a ripples_pg.DistributedSampler linked to the optimizer",
+    Arg("sampler", None,
+        "A `ripples_pg.DistributedSampler` (the training loader's): linked to this optimizer, "
+        "it hands each epoch out job-wide during partial training, so fast workers take more of "
+        "it and every worker's epoch ends together ([progress.md](progress.md)).",
         annotation="Optional[DistributedSampler]"),
 )}
 
