@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import random
@@ -42,6 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workloads  # noqa: E402
+from result_files import store  # noqa: E402
 from workloads import loss_fn  # noqa: E402
 
 RULES = ("ddp", "params_group", "params_all", "params_group_v", "params_group_mv",
@@ -240,12 +240,9 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(text)
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump({"config": vars(args), "curves": {r: {str(s): c for s, c in v.items()}
-                                                        for r, v in res.items()}}, f, indent=1)
+        store(args.out, "results", text, {
+            "config": vars(args),
+            "curves": {r: {str(s): c for s, c in v.items()} for r, v in res.items()}})
 
 
 if __name__ == "__main__":

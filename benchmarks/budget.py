@@ -45,7 +45,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)  # train.py beside this file, also when loaded by path (the tests)
-from train import end_session  # noqa: E402
+from train import end_session, outcome, run_line, show_logs  # noqa: E402
 
 # workload -> script, the budget's arguments, the quick (smoke) arguments, the quality metric
 WORKLOADS = {
@@ -172,12 +172,6 @@ def launch(cmd: list, out_path: str, err_path: str, timeout: float):
     return rc, time.perf_counter() - t0
 
 
-def tail(path: str, n: int = 40) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
 
 
 def workload_args(args, wl: str) -> list:
@@ -203,7 +197,7 @@ def calibrate(args, wl: str) -> float:
                 if line.startswith("{") and '"calibration"' in line:
                     rec = json.loads(line)
     if rec is None:
-        sys.stderr.write(f"---- {out}\n{tail(out)}---- {err}\n{tail(err)}")
+        show_logs(out, err, 40)
         raise SystemExit(f"calibration of {wl} failed (exit status {rc})")
     return float(rec["compute_s"])
 
@@ -258,7 +252,7 @@ def run_one(args, rep: int, wl: str, sc: str, st: str, compute_s) -> dict:
     res["ranks"] = ranks
     if "error" in res:
         log(f"FAILED {wl}/{sc}/{st}#{rep}: {res['error']}")
-        sys.stderr.write(f"---- {d}.out\n{tail(d + '.out')}---- {d}.err\n{tail(d + '.err')}")
+        show_logs(d + ".out", d + ".err", 40)
     else:
         res["metrics"] = metrics(res, wl)
     return res
@@ -543,18 +537,18 @@ def write(out: dict, dirname: str) -> None:
 
 
 def describe(res: dict) -> str:
-    if res.get("error"):
-        return f"FAILED ({res['error']})"
-    m = res["metrics"]
-    pct = WORKLOADS[res["workload"]]["higher_is_better"]
-    q = m["quality"]
-    qs = "-" if q is None else (f"{100 * q:.2f} %" if pct else f"{q:.4f}")
-    ss = m["singleton_share_max"]
-    return (f"job {m['job_s']:.1f} s (first rank done {m['first_done_s']:.1f} s), "
-            f"{WORKLOADS[res['workload']]['quality_label']} {qs}, steps "
-            f"{'/'.join(map(str, m['steps']))}, groups of one "
-            f"{'-' if ss is None else f'{100 * ss:.0f} %'}, consensus {fmt(m['consensus'], '.2g')}"
-            f", launch {res['launch_s']:.0f} s")
+    wl = WORKLOADS[res["workload"]]
+
+    def measured(m):
+        q = m["quality"]
+        qs = "-" if q is None else (f"{100 * q:.2f} %" if wl["higher_is_better"] else f"{q:.4f}")
+        ss = m["singleton_share_max"]
+        return (f"job {m['job_s']:.1f} s (first rank done {m['first_done_s']:.1f} s), "
+                f"{wl['quality_label']} {qs}, steps {'/'.join(map(str, m['steps']))}, groups "
+                f"of one {'-' if ss is None else f'{100 * ss:.0f} %'}, consensus "
+                f"{fmt(m['consensus'], '.2g')}")
+
+    return run_line(res, measured)
 
 
 def main(argv=None) -> int:
@@ -602,12 +596,8 @@ def main(argv=None) -> int:
     out["total_s"] = round(time.perf_counter() - t_start, 1)
     out["load_end"] = loadavg()
     write(out, args.out)
-    failed = [r for r in out["results"] if r.get("error")]
-    if failed:
-        log(f"{len(failed)} run(s) failed (logs under {args.out}/logs)")
-        return 1
-    log(f"all {n} runs finished in {out['total_s']:.0f} s; results in {args.out}")
-    return 0
+    failed = sum(1 for r in out["results"] if r.get("error"))
+    return outcome(log, f"{failed} run(s) failed" if failed else "", n, out["total_s"], args.out)
 
 
 if __name__ == "__main__":

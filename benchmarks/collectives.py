@@ -34,7 +34,6 @@ Run ``python benchmarks/collectives.py --help``; see benchmarks/README.md.
 
 import argparse
 import datetime as _dt
-import json
 import math
 import os
 import platform
@@ -42,6 +41,9 @@ import queue as _queue
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded by path
+from result_files import store  # noqa: E402
 
 OPS = ("allreduce", "broadcast", "allgather")
 # Backend names the benchmark knows beyond torch's own: ripples with some Options changed.
@@ -767,11 +769,7 @@ def main(argv=None):
     log("")
     log(md)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "collectives.md"), "w") as f:
-            f.write(md)
-        with open(os.path.join(args.out, "collectives.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        store(args.out, "collectives", md, result)
         log(f"wrote {args.out}/collectives.md and collectives.json")
     wrong = any(row[nm]["check"] != "ok" for row in rows for nm in backends)
     return 1 if (errors or wrong) else 0

@@ -279,6 +279,12 @@ def tail(path: str, n: int = 60) -> str:
         return ""
 
 
+def show_logs(out_path: str, err_path: str, n: int = 60) -> None:
+    """The last ``n`` lines of a failed launch's stdout and stderr files on our stderr, so the
+    failure reads without opening them (budget.py shows its launches' the same way)."""
+    sys.stderr.write(f"---- {out_path}\n{tail(out_path, n)}---- {err_path}\n{tail(err_path, n)}")
+
+
 def end_session(proc) -> None:
     """Ends a launch started with ``start_new_session=True``: SIGTERM to its whole process
     group (torchrun and its workers), SIGKILL if it is still there 10 s later."""
@@ -377,7 +383,7 @@ def calibrate(args, workload: str) -> dict:
     rc, _ = launch(args, train_args, out_path, err_path, 300)
     rec = json_event(out_path, "calibration") if rc == 0 else None
     if rec is None:
-        sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")
+        show_logs(out_path, err_path)
         raise SystemExit(f"calibration of workload {workload} failed (exit status {rc})")
     return {"compute_s": float(rec["compute_s"]), "step_s": float(rec["step_s"]),
             "parameters": rec.get("parameters")}
@@ -452,7 +458,7 @@ def run_one(args, workload: str, scenario: str, strategy: str, repeat: int,
     res["whatif"] = whatif_of(rank_dir)
     if "error" in res:
         log(f"FAILED {workload}/{scenario}/{strategy}#{repeat}: {res['error']}; log tail:")
-        sys.stderr.write(f"---- {out_path}\n{tail(out_path)}---- {err_path}\n{tail(err_path)}")
+        show_logs(out_path, err_path)
         sys.stderr.flush()
     return res
 
@@ -573,18 +579,26 @@ def run_cell(args, wl: str, sc: str, st: str, rep: int, calib: dict, cfg: dict) 
     return res
 
 
-def describe(res: dict) -> str:
+def run_line(res: dict, measured) -> str:
+    """A finished run's progress line: why it failed, or ``measured(its metrics)`` and the
+    launch time. budget.py's runs end the same way; only what they measure differs."""
     if res.get("error"):
         return f"FAILED ({res['error']})"
-    m = res["metrics"]
+    return f"{measured(res['metrics'])}, launch {res['launch_s']:.0f} s"
+
+
+def measured(m: dict) -> str:
     share = m["singleton_share_max"]
     return (f"avg model at target {fmt(m['time_to_loss_avg'])} s (rank 0 "
             f"{fmt(m['time_to_loss_r0'])}, slowest {fmt(m['time_to_loss_slowest'])}), final "
             f"acc {fmt(m['final_acc'], '.3f')}, test loss {fmt(m['final_loss'], '.3f')}, "
             f"steps/s {m['steps_per_s']}, groups of one "
             f"{fmt(None if share is None else 100 * share, '.0f')} %, consensus "
-            f"{fmt(m['consensus'], '.2g')} (max {fmt(m['consensus_max'], '.2g')}), launch "
-            f"{res['launch_s']:.0f} s")
+            f"{fmt(m['consensus'], '.2g')} (max {fmt(m['consensus_max'], '.2g')})")
+
+
+def describe(res: dict) -> str:
+    return run_line(res, measured)
 
 
 def main(argv=None) -> int:
@@ -658,10 +672,17 @@ def _main(args) -> int:
     print("\n".join(report(args, out)))
     failed = [f"{r['workload']}/{r['scenario']}/{r['strategy']}#{r['repeat']}"
               for r in results if r.get("error")]
+    return outcome(log, f"FAILED runs: {', '.join(failed)}" if failed else "", n, total, args.out)
+
+
+def outcome(log, failed: str, n: int, total_s: float, out: str) -> int:
+    """A batch's exit status and last line, through the runner's own ``log`` (budget.py ends
+    its batches the same way): ``failed`` says which runs failed (empty: none); every run's
+    logs are under ``out``/logs."""
     if failed:
-        log(f"FAILED runs: {', '.join(failed)} (logs under {args.out}/logs)")
+        log(f"{failed} (logs under {out}/logs)")
         return 1
-    log(f"all {n} runs finished in {total:.0f} s; results in {args.out}")
+    log(f"all {n} runs finished in {total_s:.0f} s; results in {out}")
     return 0
 
 

@@ -434,19 +434,26 @@ void bindFunctions(py::module_& m) {
         "SIGINT/SIGTERM, whose handlers it replaces for the run");
 }
 
+// fillPolicy's knobs as Python spells them (keyword, default), written once for both classes
+// that take them: GroupGenerator and Coordinator. Each takes them in two runs, the
+// Coordinator's own timings between (the positional order is the API, so it stays).
+#define POLICY_DOC_HEAD "host_of=None, group_size=0, c_thres=0, inter_intra=False, seed=0, "
+#define POLICY_DOC_TAIL "partner_wait_ms=0, max_isolated=0, period_max=0"
+#define POLICY_ARGS_HEAD                                                                 \
+  py::arg("host_of") = py::none(), py::arg("group_size") = 0, py::arg("c_thres") = 0,   \
+      py::arg("inter_intra") = false, py::arg("seed") = 0
+#define POLICY_ARGS_TAIL \
+  py::arg("partner_wait_ms") = 0, py::arg("max_isolated") = 0, py::arg("period_max") = 0
+
 void bindPolicy(py::module_& m) {
   py::class_<GroupGenerator>(
       m, "GroupGenerator",
-      "GroupGenerator(policy, nworkers, host_of=None, group_size=0, c_thres=0, "
-      "inter_intra=False, seed=0, partner_wait_ms=0, max_isolated=0, period_max=0): the policy "
+      "GroupGenerator(policy, nworkers, " POLICY_DOC_HEAD POLICY_DOC_TAIL "): the policy "
       "state machine, no I/O (advance() moves its clock; the adaptive period needs it). "
       "period_max: 0 = default (DEFAULT_PERIOD_MAX), 1 or negative = average at every request.")
       .def(py::init<const std::string&, int, const Hosts&, int, int, bool, const py::int_&, int,
                     int, int>(),
-           py::arg("policy"), py::arg("nworkers"), py::arg("host_of") = py::none(),
-           py::arg("group_size") = 0, py::arg("c_thres") = 0, py::arg("inter_intra") = false,
-           py::arg("seed") = 0, py::arg("partner_wait_ms") = 0, py::arg("max_isolated") = 0,
-           py::arg("period_max") = 0)
+           py::arg("policy"), py::arg("nworkers"), POLICY_ARGS_HEAD, POLICY_ARGS_TAIL)
       .def("request", &GroupGenerator::request, "request(worker, round): ask for a group")
       .def("done", &GroupGenerator::done, "done(worker, group_id)")
       .def("fence", [](GroupGenerator& g, int w) { g.workerOp(rpl_gg_fence, w); },
@@ -475,9 +482,8 @@ void bindPolicy(py::module_& m) {
 void bindCoordinator(py::module_& m) {
   py::class_<Coordinator>(
       m, "Coordinator",
-      "Coordinator(nworkers, policy='smart', bind=None, token=None, host_of=None, "
-      "group_size=0, c_thres=0, inter_intra=False, seed=0, heartbeat_ms=0, dead_ms=0, "
-      "join_ms=0, partner_wait_ms=0, max_isolated=0, period_max=0, standby=False, "
+      "Coordinator(nworkers, policy='smart', bind=None, token=None, " POLICY_DOC_HEAD
+      "heartbeat_ms=0, dead_ms=0, join_ms=0, " POLICY_DOC_TAIL ", standby=False, "
       "host_names=None): the Group Generator service (bound at construction; period_max: the "
       "adaptive period, see GroupGenerator; standby: a failover coordinator, every worker out "
       "until it registers; host_names: each rank's host name, for the status and the "
@@ -487,12 +493,9 @@ void bindCoordinator(py::module_& m) {
                     const py::int_&, int, int, int, int, int, int, bool,
                     const std::optional<std::vector<std::optional<std::string>>>&>(),
            py::arg("nworkers"), py::arg("policy") = "smart", py::arg("bind") = py::none(),
-           py::arg("token") = py::none(), py::arg("host_of") = py::none(),
-           py::arg("group_size") = 0, py::arg("c_thres") = 0, py::arg("inter_intra") = false,
-           py::arg("seed") = 0, py::arg("heartbeat_ms") = 0, py::arg("dead_ms") = 0,
-           py::arg("join_ms") = 0, py::arg("partner_wait_ms") = 0, py::arg("max_isolated") = 0,
-           py::arg("period_max") = 0, py::arg("standby") = false,
-           py::arg("host_names") = py::none())
+           py::arg("token") = py::none(), POLICY_ARGS_HEAD, py::arg("heartbeat_ms") = 0,
+           py::arg("dead_ms") = 0, py::arg("join_ms") = 0, POLICY_ARGS_TAIL,
+           py::arg("standby") = false, py::arg("host_names") = py::none())
       .def("active_workers", &Coordinator::activeWorkers, py::arg("except_rank") = -1,
            "active_workers(except_rank=-1): workers neither left nor dead")
       .def("start", &Coordinator::start, "serve on a background thread")
@@ -503,6 +506,11 @@ void bindCoordinator(py::module_& m) {
       .def_property_readonly("endpoint", &Coordinator::endpoint, "endpoint clients connect to")
       .def_property_readonly("token", &Coordinator::token, "job token (hex)");
 }
+
+#undef POLICY_DOC_HEAD
+#undef POLICY_DOC_TAIL
+#undef POLICY_ARGS_HEAD
+#undef POLICY_ARGS_TAIL
 
 void bindClient(py::module_& m) {
   py::class_<Client>(
