@@ -111,6 +111,12 @@ CELLS = [
      "works, but the job then ends when the straggler has done as many steps as the others: "
      "count `optimizer.job_step` instead ([progress.md](progress.md))",
      ["test_progress.py::test_budget_ends_every_worker_within_one_step"]),
+    ("Sharded models", None, None, None),
+    ("FSDP2 `fully_shard(model)`, FSDP1, tensor parallelism (`DTensor` parameters)", REFUSED,
+     "`wrap()` and `RipplesAverager` raise `TypeError` naming the kind of sharding, before "
+     "touching a parameter: Ripples averages whole replicas under DDP, not shards yet "
+     "([limitations.md](limitations.md#sharded-models))",
+     ["test_optimizer_compat.py::test_sharded_models_are_refused"]),
     ("Frameworks", None, None, None),
     ("transformers' `Trainer`", WORKS,
      "`ripples_pg.hf.RipplesTrainer` (or `RipplesTrainerMixin` in front of a `Trainer` "

@@ -612,3 +612,40 @@ def task_param_groups_and_two_optimizers(ctx):
 
 def test_param_groups_and_two_optimizers(pool):
     pool.run(task_param_groups_and_two_optimizers)
+
+
+def task_sharded_models_refused(ctx):
+    # FSDP2 shards each parameter across the ranks: wrap() and the averager must refuse it by
+    # name, never average the shards as whole parameters or re-point FSDP's storage
+    from torch.distributed.fsdp import fully_shard
+
+    import ripples_pg
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+    fully_shard(net)
+    before = [p.to_local().clone() for p in net.parameters()]
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    errors = {}
+    for name, call in {
+            "wrap": lambda: ripples_pg.wrap(net, opt, timeout=ctx.pg_timeout),
+            "averager module": lambda: ripples_pg.RipplesAverager(module=net, optimizer=opt),
+            "averager params": lambda: ripples_pg.RipplesAverager(
+                warmup_steps=0).average_parameters(net.parameters())}.items():
+        try:
+            call()
+            errors[name] = None
+        except TypeError as exc:
+            errors[name] = str(exc)
+    untouched = all(torch.equal(b, p.to_local()) for b, p in zip(before, net.parameters()))
+    return errors, untouched
+
+
+def test_sharded_models_are_refused(pool):
+    errors, untouched = pool.run(task_sharded_models_refused)[0]
+    assert untouched
+    assert "ripples_pg.wrap: a model sharded with FSDP2 (fully_shard)" in errors["wrap"], errors
+    assert "ripples_pg.RipplesAverager: a model sharded with FSDP2" in errors["averager module"]
+    assert "DTensor parameters" in errors["averager params"], errors
+    for err in errors.values():
+        assert "DistributedDataParallel" in err and "limitations.md" in err, err

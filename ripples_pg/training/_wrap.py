@@ -45,6 +45,7 @@ from ._args import (ARGS, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, WRAP_G
 from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
+from ._models import refuse_sharded
 from .hooks import RipplesHookState
 from ._optimizers import OptimizerList
 from .sampler import DistributedSampler
@@ -668,6 +669,8 @@ def _check_model(ddp_model, optimizer):
     """wrap()'s model and optimizer checked: returns the DDP model (under ``torch.compile``'s
     wrapper, if any) and one optimizer (an ``OptimizerList`` for a list)."""
     ddp_model = _ddp_of(ddp_model)
+    refuse_sharded("ripples_pg.wrap", ddp_model if isinstance(ddp_model, torch.nn.Module)
+                   else None)
     if not isinstance(ddp_model, DistributedDataParallel):
         raise TypeError(
             f"ripples_pg.wrap: the model must be a torch.nn.parallel.DistributedDataParallel, "

@@ -98,6 +98,7 @@ from ..backend._api import partial_all_reduce
 from ._args import (LEVELS, check_bool, check_int, check_state_keys,  # noqa: F401 (re-exported)
                     check_warmup_straggler, parse_levels)
 from ._groups import exact_if_ripples, host_group as _host_group, is_ripples
+from ._models import refuse_sharded
 from ._schedstat import SchedClock
 from ._moments import GroupSecondMoment
 from .overlap import OverlappedRound, joined
@@ -206,6 +207,8 @@ class _Layout:
     def __init__(self, params: List[torch.Tensor], extras: List[torch.Tensor]):
         self.params = params
         self.extras = extras
+        # the parameters become views into the flat buffers: never a shard FSDP reads itself
+        refuse_sharded("ripples_pg.RipplesAverager", tensors=params + extras)
         by_dtype: "OrderedDict[torch.dtype, List[torch.Tensor]]" = OrderedDict()
         for t in params + extras:
             by_dtype.setdefault(t.dtype, []).append(t)
@@ -306,6 +309,8 @@ def _check_links(optimizer, module, average_optimizer_state, group_second_moment
     if module is not None and not isinstance(module, torch.nn.Module):
         raise TypeError(f"ripples_pg.RipplesAverager: module must be a torch.nn.Module "
                         f"(for DDP, ddp_model.module), got {type(module).__name__}")
+    if module is not None:
+        refuse_sharded("ripples_pg.RipplesAverager", module)
 
 
 class RipplesAverager(ModelAverager):
