@@ -66,7 +66,7 @@ def has_ucx() -> bool:
 
 def is_registered() -> bool:
     """Whether ``"ripples"`` is registered with torch.distributed."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # late: the backend autoload imports us inside `import torch`
 
     return dist.is_available() and hasattr(dist.Backend, "RIPPLES")
 

@@ -190,6 +190,30 @@ def test_function_level_imports_only_where_they_must_wait():
     assert any(t == "torch" and inside and ext for _, t, inside, ext in imports)
 
 
+def test_function_level_imports_say_why():
+    # each late import says why it waits, on its line or on the import just above it (a run
+    # of imports shares one reason)
+    import ast
+
+    silent = []
+    for m, path in _modules().items():
+        if path is None:
+            continue
+        lines = path.read_text().splitlines()
+        for fn in ast.walk(ast.parse("\n".join(lines))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    n = node.lineno - 1
+                    while "#" not in lines[n] and n > 0 and \
+                            lines[n - 1].strip().startswith(("import ", "from ")):
+                        n -= 1
+                    if "#" not in lines[n]:
+                        silent.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not silent, f"imports inside functions that do not say why they wait: {silent}"
+
+
 def test_layers_import_downward_only():
     mods, imports = _package_imports()
     unplaced = sorted(m for m in mods if _layer(m) not in LAYERS)

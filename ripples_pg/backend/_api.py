@@ -27,7 +27,7 @@ def partial(enabled: bool = True) -> Iterator[None]:
     ``world_size / |group|`` times the group's sum. Non-floating tensors and other ops stay
     exact. Blocks nest; leaving one restores the mode outside it.
     """
-    from .. import _C
+    from .. import _C  # late: loaded with the first group
 
     prev = _C._set_partial_mode(_PARTIAL if enabled else _EXACT)
     try:
@@ -43,10 +43,10 @@ def exact() -> ContextManager[None]:
 
 
 def _ripples_backend(group: Any = None):
-    import torch
+    import torch  # late: the backend autoload imports us inside `import torch`
     import torch.distributed as dist
 
-    from .. import _C
+    from .. import _C  # late: loaded with the first group
 
     if not dist.is_initialized():
         raise RuntimeError("ripples_pg: torch.distributed is not initialized "
@@ -197,7 +197,7 @@ def partial_all_reduce(tensors: Sequence[torch.Tensor], *old_positional: Any,
     world). ``async_op=True`` returns the round's ``Work`` (wait on it); else None once done.
     The old order ``partial_all_reduce(tensors, group, op)`` still works but warns.
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # late: the backend autoload imports us inside `import torch`
 
     if old_positional:
         op, group, async_op = _old_positional(old_positional, op, group, async_op)
@@ -217,7 +217,7 @@ def _old_positional(values: tuple, op: Any, group: Any, async_op: bool) -> tuple
     """(op, group, async_op) from arguments passed in the old positional order (group, op,
     async_op), with a DeprecationWarning; a TypeError where that order cannot be meant."""
 
-    import torch.distributed as dist
+    import torch.distributed as dist  # late: the backend autoload imports us inside `import torch`
 
     who = "ripples_pg.partial_all_reduce"
     if len(values) > len(_OLD_POSITIONAL):

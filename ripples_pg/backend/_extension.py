@@ -23,10 +23,10 @@ def torch_version_error() -> Optional[str]:
     the build records in ``ripples_pg/_build_info.py``. A checkout without a build has no
     record (loading the extension then reports that it is missing)."""
     try:
-        from .. import _build_info
+        from .. import _build_info  # late: written by the build, absent without one
     except ImportError:
         return None
-    import torch
+    import torch  # late: the backend autoload imports us inside `import torch`
 
     built, running = _build_info.TORCH_VERSION, _major_minor(torch.__version__)
     if built == running:
@@ -51,7 +51,7 @@ def _load_error_message(exc: BaseException) -> str:
                 f"checkout build it with: pip install --no-build-isolation -e . (or python "
                 f"setup.py build_ext --inplace).")
     if "undefined symbol" in text:
-        import torch
+        import torch  # late: the backend autoload imports us inside `import torch`
 
         return (f"ripples_pg: the C extension does not match the installed torch "
                 f"{torch.__version__} ({text}); it was built against another torch build. "
@@ -81,7 +81,7 @@ def load_extension():
     import torch  # noqa: F401  (first: the extension links against the libraries torch loads)
 
     try:
-        from .. import _C
+        from .. import _C  # late: after the version check
     except (ImportError, OSError) as exc:
         raise ImportError(_load_error_message(exc)) from exc
     return _C

@@ -29,7 +29,7 @@ def _leave_own_schedules() -> None:
     would, so that their workers leave the Group Generator instead of looking idle to it (a
     coordinator would otherwise group the others with a worker that never asks again)."""
     try:
-        import torch
+        import torch  # late: the backend autoload imports us inside `import torch`
         from torch.distributed import distributed_c10d as c10d
 
         from .. import _C  # loaded by the groups this exit handler shuts down

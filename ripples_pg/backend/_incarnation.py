@@ -62,7 +62,7 @@ def _wait_key(store: Any, key: str, deadline: float, what: str) -> None:
     left = deadline - time.monotonic()
     if left <= 0:
         raise IncarnationError(what)
-    import torch.distributed as dist
+    import torch.distributed as dist  # late: the backend autoload imports us inside `import torch`
     expired = getattr(dist, "DistStoreError", RuntimeError)  # older torch: a RuntimeError
     try:
         store.wait([key], timedelta(seconds=left))
@@ -184,7 +184,7 @@ def _parse(record: str, rank: int) -> tuple:
 def namespaced(store: Any, rank: int, size: int, timeout_s: float) -> tuple:
     """(``store`` under this incarnation's prefix, the incarnation, its digest): what the
     group publishes from here on goes there."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # late: the backend autoload imports us inside `import torch`
 
     epoch, record = agree_record(store, rank, size, timeout_s)
     return dist.PrefixStore(f"ripples/{epoch}", store), epoch, digest(record)

@@ -30,7 +30,7 @@ def register() -> bool:
 
     Returns True if the backend is registered after the call (False when torch was built
     without distributed support)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # late: the backend autoload imports us inside `import torch`
 
     if not dist.is_available():
         return False

@@ -234,9 +234,9 @@ def plot(run: Run, path: str, points: int = 40) -> None:
     """Each worker's step compute over time, and the waste, saved and recovered shares over
     time (with rank 0's online views as dots, where logged), as a PNG at ``path``."""
     try:
-        import matplotlib
+        import matplotlib  # optional: only --png draws
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after use("Agg"): no display needed
     except ImportError:
         raise RuntimeError("ripples_pg.report: drawing needs matplotlib (pip install "
                            "matplotlib), or pass --no-png for the table alone") from None
