@@ -88,7 +88,7 @@ def parse_args(argv=None):
                    help="exact synchronous steps before local steps (every strategy but "
                         "all-reduce): a number, or 'wrap' (default): ripples_pg.wrap()'s "
                         "own default, what a user gets (torch's local and hierarchical SGD "
-                        "then take the same number, ripples_pg.DEFAULT_WARMUP_STEPS)")
+                        "then take the same number, DEFAULT_WARMUP_STEPS in ripples_pg/training/_args.py)")
     p.add_argument("--group-size", type=int, default=3, help="ripples group size (<= workers)")
     p.add_argument("--outer-every", type=int, default=None,
                    help="DiLoCo's H for the DiLoCo strategies (torchft_diloco, diloco*): "

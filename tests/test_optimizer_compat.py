@@ -614,10 +614,26 @@ def test_param_groups_and_two_optimizers(pool):
     pool.run(task_param_groups_and_two_optimizers)
 
 
+def _type_errors(calls):
+    """{name: the TypeError's message, or None if the call raised nothing}."""
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except TypeError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
 def task_sharded_models_refused(ctx):
     # FSDP2 shards each parameter across the ranks: wrap() and the averager must refuse it by
     # name, never average the shards as whole parameters or re-point FSDP's storage
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     import ripples_pg
 
@@ -626,17 +642,17 @@ def task_sharded_models_refused(ctx):
     fully_shard(net)
     before = [p.to_local().clone() for p in net.parameters()]
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    errors = {}
-    for name, call in {
-            "wrap": lambda: ripples_pg.wrap(net, opt, timeout=ctx.pg_timeout),
-            "averager module": lambda: ripples_pg.RipplesAverager(module=net, optimizer=opt),
-            "averager params": lambda: ripples_pg.RipplesAverager(
-                warmup_steps=0).average_parameters(net.parameters())}.items():
-        try:
-            call()
-            errors[name] = None
-        except TypeError as exc:
-            errors[name] = str(exc)
+    # FSDP1 (on CPU given device_id): its flat shards, reached through .module or the
+    # optimizer's parameters, are refused too
+    fsdp1 = FSDP(nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3)), device_id=torch.device("cpu"))
+    errors = _type_errors({
+        "wrap": lambda: ripples_pg.wrap(net, opt, timeout=ctx.pg_timeout),
+        "averager module": lambda: ripples_pg.RipplesAverager(module=net, optimizer=opt),
+        "averager params": lambda: ripples_pg.RipplesAverager(
+            warmup_steps=0).average_parameters(net.parameters()),
+        "fsdp1 inner module": lambda: ripples_pg.RipplesAverager(module=fsdp1.module),
+        "fsdp1 params": lambda: ripples_pg.RipplesAverager(
+            warmup_steps=0).average_parameters(fsdp1.parameters())})
     untouched = all(torch.equal(b, p.to_local()) for b, p in zip(before, net.parameters()))
     return errors, untouched
 
@@ -647,5 +663,7 @@ def test_sharded_models_are_refused(pool):
     assert "ripples_pg.wrap: a model sharded with FSDP2 (fully_shard)" in errors["wrap"], errors
     assert "ripples_pg.RipplesAverager: a model sharded with FSDP2" in errors["averager module"]
     assert "DTensor parameters" in errors["averager params"], errors
+    assert "FSDP (FullyShardedDataParallel)" in errors["fsdp1 inner module"], errors
+    assert "FSDP (FullyShardedDataParallel)" in errors["fsdp1 params"], errors
     for err in errors.values():
         assert "DistributedDataParallel" in err and "limitations.md" in err, err

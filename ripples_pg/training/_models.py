@@ -6,32 +6,18 @@ those slices as if they were whole parameters, or pointing them at the averager'
 would silently corrupt the model (FSDP reads its shards from buffers of its own). Until Ripples
 averages between replica groups of a sharded model (docs/limitations.md), such a model is
 refused by name wherever one could come in.
+
+The classes are looked up in ``sys.modules``, never imported: a model cannot be sharded
+unless its sharding module is loaded, and importing FSDP costs every worker over half a second.
+Their places moved between torch releases (torch>=2.4 is accepted), so each is looked up in
+every place it has had.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import sys
+from typing import Iterable, Optional, Tuple
 
 import torch
-
-# Each where the running torch has it (its place moved between releases; torch>=2.4 accepted).
-try:
-    from torch.distributed.fsdp import FullyShardedDataParallel as _FSDP1
-except ImportError:  # torch built without distributed
-    _FSDP1 = ()
-try:
-    from torch.distributed.fsdp import FSDPModule as _FSDP2
-except ImportError:
-    try:
-        from torch.distributed._composable.fsdp import FSDPModule as _FSDP2
-    except ImportError:
-        _FSDP2 = ()
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:
-    try:
-        from torch.distributed._tensor import DTensor as _DTensor
-    except ImportError:
-        _DTensor = ()
 
 SHARDED_HELP = (
     "Ripples averages whole replicas of a model that every worker holds (DDP) and does not "
@@ -40,18 +26,37 @@ SHARDED_HELP = (
     "trains with FSDP alone, without Ripples.")
 
 
+def _classes(places: Tuple[Tuple[str, str], ...]) -> tuple:
+    """The classes named by (module, attribute) pairs whose module is loaded."""
+    found = []
+    for module, name in places:
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
 def sharded_kind(module: Optional[torch.nn.Module] = None,
                  tensors: Iterable[torch.Tensor] = ()) -> Optional[str]:
     """What makes ``module`` (or any of ``tensors``) sharded, in words, or None."""
+    fsdp2 = _classes((("torch.distributed.fsdp", "FSDPModule"),
+                      ("torch.distributed._composable.fsdp", "FSDPModule")))
+    fsdp1 = _classes((("torch.distributed.fsdp", "FullyShardedDataParallel"),))
+    dtensor = _classes((("torch.distributed.tensor", "DTensor"),
+                        ("torch.distributed._tensor", "DTensor")))
+    tensors = list(tensors)
     if module is not None:
         for m in module.modules():
-            if _FSDP2 and isinstance(m, _FSDP2):
+            if fsdp2 and isinstance(m, fsdp2):
                 return "a model sharded with FSDP2 (fully_shard)"
-            if _FSDP1 and isinstance(m, _FSDP1):
+            if fsdp1 and isinstance(m, fsdp1):
                 return "a model wrapped in FSDP (FullyShardedDataParallel)"
-        tensors = list(tensors) + list(module.parameters())
-    if _DTensor and any(isinstance(t, _DTensor) for t in tensors):
-        return "a model with DTensor parameters (FSDP2 or tensor parallelism)"
+        tensors += list(module.parameters())
+    for t in tensors:
+        if dtensor and isinstance(t, dtensor):
+            return "a model with DTensor parameters (FSDP2 or tensor parallelism)"
+        if getattr(t, "_fsdp_flattened", False):  # FSDP1's flat shards, and its parameters
+            return "a model wrapped in FSDP (FullyShardedDataParallel)"
     return None
 
 
