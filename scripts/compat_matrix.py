@@ -112,11 +112,26 @@ CELLS = [
      "count `optimizer.job_step` instead ([progress.md](progress.md))",
      ["test_progress.py::test_budget_ends_every_worker_within_one_step"]),
     ("Sharded models", None, None, None),
-    ("FSDP2 `fully_shard(model)`, FSDP1, tensor parallelism (`DTensor` parameters)", REFUSED,
+    ("FSDP2 `fully_shard(model)` given to `wrap()` or `RipplesAverager`, FSDP1, tensor "
+     "parallelism (`DTensor` parameters)", REFUSED,
      "`wrap()` and `RipplesAverager` raise `TypeError` naming the kind of sharding, before "
-     "touching a parameter: Ripples averages whole replicas under DDP, not shards yet "
-     "([limitations.md](limitations.md#sharded-models))",
+     "touching a parameter: they average whole replicas under DDP; an FSDP2 model goes to "
+     "`ripples_pg.fsdp.wrap()` ([limitations.md](limitations.md#sharded-models))",
      ["test_optimizer_compat.py::test_sharded_models_are_refused"]),
+    ("FSDP2 replica groups (`fully_shard` over `mesh['shard']`), static schedule", WORKS,
+     "`ripples_pg.fsdp.wrap(model, optimizer, mesh)`: exact warm-up (= HSDP), partial rounds "
+     "atomic across a replica group, `unwrap()` ends with one model ([fsdp.md](fsdp.md))",
+     ["test_fsdp.py::test_warmup_matches_hsdp_on_gloo",
+      "test_fsdp.py::test_partial_rounds_average_each_shard_with_its_own",
+      "test_fsdp.py::test_a_round_applies_on_every_shard_of_a_replica_group_or_on_none"]),
+    ("FSDP2 sharded checkpoints through DCP", WORKS,
+     "`planner=ripples_pg.fsdp.save_planner()` keeps replica group 0's model; loads into "
+     "plain FSDP2 and back ([fsdp.md](fsdp.md#checkpoints))",
+     ["test_fsdp.py::test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back"]),
+    ("FSDP2 with `smart`/`random` and several shards per replica group, HSDP models", REFUSED,
+     "`ripples_pg.fsdp.wrap()` raises `ValueError` naming the cause: the straggler-aware "
+     "schedules across shard ranks are not built yet ([fsdp.md](fsdp.md))",
+     ["test_fsdp.py::test_what_is_not_supported_is_refused_by_name"]),
     ("Frameworks", None, None, None),
     ("transformers' `Trainer`", WORKS,
      "`ripples_pg.hf.RipplesTrainer` (or `RipplesTrainerMixin` in front of a `Trainer` "

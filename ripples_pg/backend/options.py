@@ -19,6 +19,7 @@ import os
 import re
 import textwrap
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
 __all__ = ["Options"]
@@ -489,10 +490,15 @@ _CONFIG_FROM_OPTIONS: dict[str, Callable[["Options"], Any]] = {
 }
 
 
+_SLOT = "_f_"  # the slots of Options' fields
+
+
 class Options:
     # The docstring, with every field's entry, is generated from _FIELDS (_class_doc below).
 
-    __slots__ = tuple("_" + n for n in _FIELDS)
+    # Fields live in slots named "_f_<field>", not "_<field>": torch reads ``_timeout`` of a
+    # backend's options as a timedelta (init_device_mesh's backend_override), see _timeout.
+    __slots__ = tuple(_SLOT + n for n in _FIELDS)
 
     def __init__(self, *args: Any, **fields: Any) -> None:
         # Keywords only: 26 fields in a fixed order are a trap for positional calls, and the
@@ -512,7 +518,7 @@ class Options:
     # Attribute access goes through the field table, so assignment validates too.
     def __getattr__(self, name: str) -> Any:
         if name in _FIELDS:
-            return object.__getattribute__(self, "_" + name)
+            return object.__getattribute__(self, _SLOT + name)
         raise AttributeError(f"'Options' object has no attribute {name!r}")
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -521,7 +527,7 @@ class Options:
                 f"ripples_pg.Options has no field {name!r}; fields: {', '.join(_FIELDS)}")
         if value is not None:
             value = _FIELDS[name].parse(name, value, False)
-        object.__setattr__(self, "_" + name, value)
+        object.__setattr__(self, _SLOT + name, value)
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
@@ -536,7 +542,7 @@ class Options:
         for name, field in _FIELDS.items():
             raw = env.get(field.env)
             if raw is not None and raw.strip() != "":
-                object.__setattr__(opts, "_" + name, field.parse(name, raw, True))
+                object.__setattr__(opts, _SLOT + name, field.parse(name, raw, True))
         return opts
 
     def set_fields(self) -> dict[str, Any]:
@@ -560,7 +566,7 @@ class Options:
                 setattr(merged, name, value)
         for name, field in _FIELDS.items():
             if getattr(merged, name) is None and field.default is not None:
-                object.__setattr__(merged, "_" + name, field.default)
+                object.__setattr__(merged, _SLOT + name, field.default)
         return merged
 
     def _core_config(self, config: Any, **found: Any) -> Any:
@@ -603,6 +609,13 @@ class Options:
 
     def __reduce__(self):
         return (_rebuild_options, (self.set_fields(),))
+
+    @property
+    def _timeout(self) -> Optional[timedelta]:
+        """``timeout`` as c10d's own options hold it: torch's ``init_device_mesh`` passes a
+        backend override's ``_timeout`` to ``new_group``, which takes a timedelta."""
+        t = self.timeout
+        return None if t is None else timedelta(seconds=t)
 
 
 def _rebuild_options(values: dict) -> Options:

@@ -3,9 +3,9 @@
 A sharded model (FSDP2's ``fully_shard``, FSDP1's ``FullyShardedDataParallel``, tensor
 parallelism's ``DTensor`` parameters) holds a slice of each parameter per worker: averaging
 those slices as if they were whole parameters, or pointing them at the averager's flat buffer,
-would silently corrupt the model (FSDP reads its shards from buffers of its own). Until Ripples
-averages between replica groups of a sharded model (docs/limitations.md), such a model is
-refused by name wherever one could come in.
+would silently corrupt the model (FSDP reads its shards from buffers of its own). Such a model
+is refused by name wherever one could come in; an FSDP2 model's replica groups are averaged by
+``ripples_pg.fsdp`` (docs/fsdp.md), which uses ``sharded_kind`` to recognise one.
 
 The classes are looked up in ``sys.modules``, never imported: a model cannot be sharded
 unless its sharding module is loaded, and importing FSDP costs every worker over half a second.
@@ -20,10 +20,11 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 SHARDED_HELP = (
-    "Ripples averages whole replicas of a model that every worker holds (DDP) and does not "
-    "average sharded models yet (docs/limitations.md). Where the model fits in one worker, "
-    "wrap it with DistributedDataParallel on a 'ripples' group instead; a sharded model "
-    "trains with FSDP alone, without Ripples.")
+    "Ripples averages whole replicas of a model that every worker holds (DDP) here; a model "
+    "sharded with FSDP2 averages between its replica groups with ripples_pg.fsdp.wrap() "
+    "(docs/fsdp.md), and FSDP1 and tensor parallelism are not supported "
+    "(docs/limitations.md). Where the model fits in one worker, wrap it with "
+    "DistributedDataParallel on a 'ripples' group instead.")
 
 
 def _classes(places: Tuple[Tuple[str, str], ...]) -> tuple:

@@ -1,0 +1,416 @@
+"""Partial averaging between the replica groups of an FSDP2 model (docs/fsdp.md).
+
+FSDP2 (``fully_shard``) shards a model inside a *replica group*: there every collective stays
+exact (FSDP's all-gather and reduce-scatter). Between replica groups, where HSDP would
+all-reduce every gradient, :func:`wrap` averages exactly during a warm-up and then runs partial
+rounds: each rank averages its local shards (parameters, floating-point buffers, optionally the
+optimizer's state) with the ranks holding the same shard in the other replica groups of its
+round's group.
+
+The mesh is 2-D, ``(replicate, shard)`` (:func:`init_mesh`); the model is sharded over the
+``shard`` dimension only, and the ``replicate`` dimension's group, one per shard index with the
+replica's index as its rank, runs on ``ripples``. Every shard rank of a replica group must be
+told the same group in the same round, and apply the round on all its shard ranks or on none:
+
+* the groups come from the static schedule, which every shard group computes alike when the
+  replica groups sit on the hosts alike (checked when wrapping). A coordinator per shard index
+  would not agree (docs/design.md, section 10), so the coordinator's schedules are refused
+  while a replica group has more than one shard;
+* a round's result lands in a flat copy of the shards; the replica group's shard ranks agree
+  on its outcome (one integer, a MIN over the replica group) before any of them writes it back.
+
+Not yet here (docs/fsdp.md says what to use instead): the straggler-aware schedules across
+shard ranks, the overlapped rounds, job-wide progress and the sampler, partial DiLoCo and
+compressed rounds.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.device_mesh import init_device_mesh
+
+from ..backend._api import _ripples_backend, host_of, partial_all_reduce, stats
+from ..backend.options import Options
+from ._groups import exact_if_ripples, is_ripples
+from ._models import sharded_kind
+
+__all__ = ["init_mesh", "save_planner", "wrap", "ShardedRipplesOptimizer"]
+
+logger = logging.getLogger("ripples_pg.fsdp")
+
+REPLICATE, SHARD = "replicate", "shard"
+_WHO = "ripples_pg.fsdp.wrap"
+
+
+def init_mesh(replicas: int, shards: int, *, device_type: str = "cpu",
+              options: Optional[Options] = None,
+              shard_backend: Optional[str] = None):
+    """A ``(replicate, shard)`` device mesh of ``replicas`` x ``shards`` ranks (the world, in
+    rank order: replica group ``r`` holds ranks ``r*shards .. r*shards+shards-1``) whose
+    ``replicate`` dimension runs on ``ripples``.
+
+    ``options``: the replicate groups' :class:`ripples_pg.Options` (default: the static
+    schedule, failed rounds skipped). ``shard_backend``: the backend of FSDP's own groups
+    (default: the default group's, e.g. ``nccl`` or ``gloo``). Every rank must call it, as
+    ``init_device_mesh``.
+    """
+    for name, value in (("replicas", replicas), ("shards", shards)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"ripples_pg.fsdp.init_mesh: {name} must be a positive integer, "
+                             f"got {value!r}")
+    if not dist.is_initialized():
+        raise RuntimeError("ripples_pg.fsdp.init_mesh: torch.distributed is not initialized "
+                           "(call dist.init_process_group first)")
+    world = dist.get_world_size()
+    if replicas * shards != world:
+        raise ValueError(f"ripples_pg.fsdp.init_mesh: {replicas} replicas x {shards} shards = "
+                         f"{replicas * shards} ranks, but the world has {world}")
+    if options is None:
+        options = Options(schedule="static", on_failure="skip")
+    override = {REPLICATE: ("ripples", options)}
+    if shard_backend is not None:
+        override[SHARD] = shard_backend
+    return init_device_mesh(device_type, (replicas, shards),
+                            mesh_dim_names=(REPLICATE, SHARD), backend_override=override)
+
+
+def save_planner():
+    """A DCP save planner that keeps one replica group's model: the copy of each shard on the
+    lowest rank holding it (replica group 0's), where DCP's default picks a copy per tensor
+    and so, while the replica groups differ, mixes them tensor by tensor.
+    ``dcp.save(state, checkpoint_id=..., planner=ripples_pg.fsdp.save_planner())``; after
+    ``average_replicas()`` (or ``unwrap()``) every copy is the same and any planner does."""
+    try:
+        return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    except TypeError as exc:  # torch without the option
+        raise RuntimeError(
+            f"ripples_pg.fsdp.save_planner: this torch's DefaultSavePlanner cannot keep the "
+            f"lowest rank's copy ({exc}); call optimizer.average_replicas() before "
+            f"dcp.save instead") from exc
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (the tensor FSDP reads, not a copy), or ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _mesh_ranks(mesh) -> List[int]:
+    return [int(r) for r in mesh.mesh.reshape(-1).tolist()]
+
+
+def _check_model(model, mesh, shard_mesh) -> List[Tuple[str, torch.nn.Parameter]]:
+    """The model's parameters, each a DTensor sharded over ``shard_mesh`` alone; TypeError or
+    ValueError naming what else the model is."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{_WHO}: model must be an nn.Module, got {type(model).__name__}")
+    kind = sharded_kind(model)
+    if kind is None or "FSDP2" not in kind:
+        what = kind or "a model that is not sharded"
+        raise TypeError(f"{_WHO}: expects a model sharded with FSDP2 "
+                        f"(fully_shard(model, mesh=mesh['shard'])), got {what}. A model every "
+                        f"worker holds whole is wrapped with DDP and ripples_pg.wrap()")
+    want = _mesh_ranks(shard_mesh)
+    params = list(model.named_parameters())
+    for name, p in params:
+        spec_mesh = getattr(p, "device_mesh", None)
+        if spec_mesh is None:
+            raise TypeError(f"{_WHO}: parameter {name!r} is not sharded (a plain tensor): "
+                            f"apply fully_shard to the model's root module as well")
+        if spec_mesh.ndim != 1:
+            hsdp = all(type(pl).__name__ in ("Replicate", "Shard") for pl in p.placements)
+            cause = ("the model is HSDP (sharded over the whole 2-D mesh): FSDP then "
+                     "all-reduces every gradient across the replica groups itself"
+                     if hsdp and spec_mesh.ndim == 2 else
+                     f"it is placed on a {spec_mesh.ndim}-D mesh ({p.placements}); tensor "
+                     f"parallelism is not supported")
+            raise ValueError(f"{_WHO}: parameter {name!r}: {cause}. Shard over the shard "
+                             f"dimension only: fully_shard(module, mesh=mesh['shard'])")
+        if _mesh_ranks(spec_mesh) != want:
+            raise ValueError(f"{_WHO}: parameter {name!r} is sharded over ranks "
+                             f"{_mesh_ranks(spec_mesh)}, not over this rank's shard group "
+                             f"{want} of the mesh given: pass the mesh the model was sharded "
+                             f"with (fully_shard(module, mesh=mesh['shard']))")
+        if any(type(pl).__name__ != "Shard" for pl in p.placements):
+            raise ValueError(f"{_WHO}: parameter {name!r} has placements {p.placements}; only "
+                             f"FSDP2's Shard placements are supported (no tensor parallelism)")
+    return params
+
+
+def _check_optimizer(optimizer, params) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{_WHO}: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    mine = {id(p) for _, p in params}
+    theirs = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    stray = theirs - mine
+    if stray:
+        raise ValueError(f"{_WHO}: the optimizer holds {len(stray)} tensor(s) that are not "
+                         f"parameters of the model; pass the optimizer of this model")
+    missing = [n for n, p in params if p.requires_grad and id(p) not in theirs]
+    if missing:
+        raise ValueError(f"{_WHO}: the optimizer does not train {missing[:3]}"
+                         f"{' ...' if len(missing) > 3 else ''}; every trainable parameter "
+                         f"must be in it, or the replica groups drift apart unaveraged")
+
+
+def _check_layout(group, shards: int) -> None:
+    """Every shard index's replicate group must see the replica groups on the hosts alike, or
+    their static schedules disagree and a replica group's shard ranks take different groups."""
+    mine = [int(h) for h in host_of(group)]
+    # dense relabelling: the same shape of hosts is the same schedule
+    seen: Dict[int, int] = {}
+    shape = [seen.setdefault(h, len(seen)) for h in mine]
+    everyone: List[Optional[List[int]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shape)
+    if any(other != shape for other in everyone):
+        raise ValueError(
+            f"{_WHO}: the replica groups sit on the hosts differently for different shard "
+            f"indexes ({sorted({tuple(o) for o in everyone})}), so the static schedule would "
+            f"give a replica group's shard ranks different groups. Place each replica group's "
+            f"ranks on the hosts the same way (e.g. whole replica groups per host, or one "
+            f"replica group per host)")
+
+
+class ShardedRipplesOptimizer:
+    """The optimizer :func:`wrap` returns: ``step()`` steps the inner optimizer and averages
+    between replica groups (exact gradients during the warm-up, partial rounds of the local
+    shards after it). ``unwrap()`` ends with an exact average and returns the inner optimizer.
+    Everything else (``zero_grad``, ``param_groups``, ``state``, ``state_dict``) is the inner
+    optimizer's."""
+
+    def __init__(self, model, optimizer, mesh, *, warmup_steps: int,
+                 average_optimizer_state: bool) -> None:
+        self.model = model
+        self.optim = optimizer
+        self.mesh = mesh
+        self.group = mesh.get_group(REPLICATE)
+        self.shard_group = mesh.get_group(SHARD)
+        self.shards = mesh.size(mesh.mesh_dim_names.index(SHARD))
+        self.warmup_steps = warmup_steps
+        self.average_optimizer_state = average_optimizer_state
+        self.step_count = 0
+        self.unwrapped = False
+        self.counts = {"exact_steps": 0, "rounds": 0, "applied": 0, "discarded": 0}
+
+    # -- the inner optimizer's face
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        sd = self.optim.state_dict()
+        sd["ripples_fsdp"] = {"step": self.step_count, "warmup_steps": self.warmup_steps,
+                              "counts": dict(self.counts)}
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        state_dict = dict(state_dict)
+        mine = state_dict.pop("ripples_fsdp", None)
+        self.optim.load_state_dict(state_dict)
+        if mine is not None:
+            self.step_count = int(mine["step"])
+            self.counts.update(mine.get("counts", {}))
+
+    # -- what is averaged
+    def _params(self) -> List[torch.Tensor]:
+        return [p for g in self.optim.param_groups for p in g["params"]
+                if p.is_floating_point()]
+
+    def _buffers(self) -> List[torch.Tensor]:
+        # FSDP2 leaves buffers whole on every rank; each rank averages its own with the same
+        # shard index's ranks, so each keeps what FSDP alone would let it hold
+        return [b for b in self.model.buffers() if b.is_floating_point()]
+
+    def _state(self, every: bool) -> List[torch.Tensor]:
+        if not (every or self.average_optimizer_state):
+            return []
+        out = []
+        for p in self._params():
+            st = self.optim.state.get(p) or {}
+            for k in sorted(st, key=str):
+                v = st[k]
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and \
+                        _local(v).shape == _local(p).shape:
+                    out.append(v)
+        return out
+
+    def _tensors(self, every_state: bool = False) -> List[torch.Tensor]:
+        return [_local(t) for t in self._params() + self._buffers()
+                + self._state(every_state)]
+
+    # -- a step
+    def step(self, closure=None):
+        if self.unwrapped:
+            raise RuntimeError("ripples_pg.fsdp: step() after unwrap(); step the optimizer "
+                               "unwrap() returned")
+        if self.step_count < self.warmup_steps:
+            self._average_gradients()
+            loss = self.optim.step(closure) if closure is not None else self.optim.step()
+            self.counts["exact_steps"] += 1
+        else:
+            loss = self.optim.step(closure) if closure is not None else self.optim.step()
+            self._partial_round()
+        self.step_count += 1
+        return loss
+
+    def _average_gradients(self) -> None:
+        """The warm-up: HSDP's step (FSDP averaged the gradients in the replica group; this
+        averages them across the replica groups, exactly)."""
+        grads = [_local(p.grad) for p in self._params() if p.grad is not None]
+        with exact_if_ripples(self.group), torch.no_grad():
+            for flat, parts in _flats(grads):
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
+                _unpack(flat, parts)
+
+    def _partial_round(self) -> None:
+        tensors = self._tensors()
+        be = _ripples_backend(self.group)
+        before = be.partial_stats()
+        packed = _flats(tensors)
+        failure: Optional[BaseException] = None
+        with torch.no_grad():
+            try:
+                partial_all_reduce([flat for flat, _ in packed], group=self.group,
+                                   op=dist.ReduceOp.AVG)
+            except RuntimeError as exc:  # on_failure="raise"; agreed on before raising
+                failure = exc
+            after = be.partial_stats()
+            done = failure is None and \
+                after["reduced"] + after["singletons"] > before["reduced"] + before["singletons"]
+            moved = after["reduced"] > before["reduced"]
+            self.counts["rounds"] += 1
+            if self.shards > 1:
+                done = self._agree(done)
+            if done and moved:
+                for flat, parts in packed:
+                    _unpack(flat, parts)
+                self.counts["applied"] += 1
+            elif not done:
+                self.counts["discarded"] += 1
+                logger.info("ripples_pg.fsdp: round %d not completed on every shard rank of "
+                            "this replica group: left unapplied", self.step_count)
+        if failure is not None:
+            raise failure
+
+    def _agree(self, done: bool) -> bool:
+        """Whether every shard rank of this replica group completed its round."""
+        device = self._params()[0].device if self._params() else torch.device("cpu")
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=device)
+        with exact_if_ripples(self.shard_group):
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.shard_group)
+        return bool(flag.item())
+
+    # -- the end
+    def average_replicas(self) -> None:
+        """Exact average over the replica groups of the local shards of the parameters, the
+        floating-point buffers and every optimizer state tensor shaped like its parameter:
+        afterwards the replica groups hold one model. Every rank must call it."""
+        with exact_if_ripples(self.group), torch.no_grad():
+            for flat, parts in _flats(self._tensors(every_state=True)):
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
+                _unpack(flat, parts)
+
+    def unwrap(self, average: bool = True) -> torch.optim.Optimizer:
+        """Ends Ripples: an exact average (``average=True``), then the inner optimizer."""
+        if not self.unwrapped and average:
+            self.average_replicas()
+        self.unwrapped = True
+        return self.optim
+
+    def stats(self) -> dict:
+        """``ripples_pg.stats()`` of the replicate group, with this wrapper's ``exact_steps``,
+        ``rounds``, ``applied`` (rounds that changed the shards) and ``discarded`` (rounds not
+        completed on every shard rank of the replica group, so applied on none)."""
+        out = stats(self.group)
+        out.update({f"fsdp_{k}": v for k, v in self.counts.items()})
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ShardedRipplesOptimizer({type(self.optim).__name__}, "
+                f"mesh={tuple(self.mesh.mesh.shape)}, warmup_steps={self.warmup_steps}, "
+                f"step={self.step_count})")
+
+
+def _flats(tensors: Iterable[torch.Tensor]):
+    """One flat copy per (dtype, device) with the tensors it came from."""
+    by_kind: "OrderedDict[tuple, List[torch.Tensor]]" = OrderedDict()
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    return [(torch.cat([t.detach().reshape(-1) for t in ts]), ts) for ts in by_kind.values()]
+
+
+def _unpack(flat: torch.Tensor, parts: List[torch.Tensor]) -> None:
+    off = 0
+    for t in parts:
+        n = t.numel()
+        t.detach().copy_(flat[off:off + n].view(t.shape))
+        off += n
+
+
+def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
+         warmup_steps: int = 50,
+         average_optimizer_state: bool = False) -> ShardedRipplesOptimizer:
+    """Averages an FSDP2 model between its replica groups with Ripples; returns the optimizer
+    to step.
+
+    Args:
+        model: the model, sharded with ``fully_shard(..., mesh=mesh["shard"])`` (FSDP2; not
+            HSDP, not FSDP1, not tensor parallelism).
+        optimizer: its optimizer (every trainable parameter in it).
+        mesh: the 2-D ``(replicate, shard)`` mesh (:func:`init_mesh`), whose ``replicate``
+            groups run on ``ripples``.
+        warmup_steps: steps of exact averaging first (HSDP's step: the gradients averaged over
+            every replica group before the optimizer step). Default 50.
+        average_optimizer_state: also average the optimizer's state tensors shaped like their
+            parameter (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) in partial rounds.
+
+    Every rank must call it at the same point (it checks the layout with a collective).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(f"{_WHO}: torch.distributed is not initialized")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"{_WHO}: warmup_steps must be a non-negative integer, got "
+                         f"{warmup_steps!r}")
+    if not isinstance(average_optimizer_state, bool):
+        raise TypeError(f"{_WHO}: average_optimizer_state must be a bool, got "
+                        f"{average_optimizer_state!r}")
+    names = getattr(mesh, "mesh_dim_names", None)
+    if getattr(mesh, "ndim", None) != 2 or not names or set(names) != {REPLICATE, SHARD}:
+        raise ValueError(f"{_WHO}: mesh must be a 2-D DeviceMesh with dimensions "
+                         f"({REPLICATE!r}, {SHARD!r}) (ripples_pg.fsdp.init_mesh), got "
+                         f"{mesh!r}")
+    group = mesh.get_group(REPLICATE)
+    if not is_ripples(group):
+        raise ValueError(f"{_WHO}: the mesh's {REPLICATE!r} dimension runs on "
+                         f"{dist.get_backend(group)!r}, not 'ripples': create the mesh with "
+                         f"ripples_pg.fsdp.init_mesh(replicas, shards) (or init_device_mesh's "
+                         f"backend_override={{'replicate': ('ripples', ripples_pg.Options(...))}})")
+    params = _check_model(model, mesh, mesh[SHARD])
+    _check_optimizer(optimizer, params)
+    shards = mesh.size(names.index(SHARD))
+    schedule = _ripples_backend(group).schedule
+    if shards > 1 and schedule != "static":
+        raise ValueError(f"{_WHO}: schedule {schedule!r} with {shards} shards per replica group "
+                         f"is not supported yet: a coordinator per shard index would give a "
+                         f"replica group's shard ranks different groups (docs/fsdp.md). Use "
+                         f"Options(schedule='static') for the replicate dimension")
+    _check_layout(group, shards)
+    return ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
+                                   average_optimizer_state=average_optimizer_state)

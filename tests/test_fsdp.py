@@ -1,0 +1,337 @@
+"""ripples_pg.fsdp: FSDP2 inside a replica group, Ripples between replica groups (docs/fsdp.md).
+
+Four real processes as 2 replica groups x 2 shards. The reference is HSDP on gloo: FSDP2 over
+the whole 2-D mesh, which all-reduces every gradient across the replica groups.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+pytest.importorskip("torch.distributed.fsdp")
+
+
+@pytest.fixture(scope="module")
+def ws():
+    return 4
+
+
+R, S = 2, 2
+
+
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) * self.scale.mean()
+
+
+def _net(mesh):
+    torch.manual_seed(0)
+    net = _Net()
+    shard = _fully_shard()
+    shard(net.a, mesh=mesh)
+    shard(net.b, mesh=mesh)
+    shard(net, mesh=mesh)
+    return net
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _train(net, opt, rank, steps):
+    for i in range(steps):
+        x, y = _batch(rank, i)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+
+
+def _full(net):
+    return [p.full_tensor().detach().clone() for p in net.parameters()]
+
+
+def task_warmup_is_hsdp(ctx, steps):
+    # exact steps: FSDP averages inside the replica group, Ripples across them = HSDP
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S)
+    net = _net(mesh["shard"])
+    opt = rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh,
+                     warmup_steps=steps)
+    _train(net, opt, ctx.rank, steps)
+    ref_mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"),
+                                backend_override={"replicate": "gloo", "shard": "gloo"})
+    ref = _net(ref_mesh)  # HSDP
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    _train(ref, ref_opt, ctx.rank, steps)
+    diff = max((a - b).abs().max().item() for a, b in zip(_full(net), _full(ref)))
+    moved = max((a - b).abs().max().item() for a, b in zip(_full(net), _full(_net(mesh["shard"]))))
+    return diff, moved, opt.stats()["fsdp_exact_steps"]
+
+
+def test_warmup_matches_hsdp_on_gloo(pool):
+    for diff, moved, exact in pool.run(task_warmup_is_hsdp, 4):
+        assert exact == 4
+        assert moved > 1e-3  # the model trained
+        assert diff < 1e-6, diff
+
+
+def _perturbed(mesh, replica):
+    """The seeded net, each replica group's parameters and buffer moved by its index."""
+    net = _net(mesh["shard"])
+    with torch.no_grad():
+        for p in net.parameters():
+            p.to_local().add_(float(replica))
+        net.scale.fill_(float(replica))
+    return net
+
+
+def task_rounds_average_shards(ctx, steps):
+    # lr 0: the steps leave the parameters alone and only the rounds move them. On one host
+    # the static schedule's rounds 1 and 3 hold both replica groups: afterwards each shard is
+    # the mean of the replica groups' shards, and FSDP computes with it
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S)
+    replica = ctx.rank // S
+    net = _perturbed(mesh, replica)
+    locals_before = [p.to_local().data_ptr() for p in net.parameters()]
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0)
+    _train(net, opt, ctx.rank, steps)
+    base = _net(mesh["shard"])
+    err = max((a - b - 0.5).abs().max().item() for a, b in zip(_full(net), _full(base)))
+    same_storage = locals_before == [p.to_local().data_ptr() for p in net.parameters()]
+    x, _ = _batch(99, 0)
+    with torch.no_grad():
+        out, want = net(x), _shifted_plain(base, 0.5)(x)
+    st = opt.stats()
+    return (err, same_storage, net.scale.tolist(), (out - want).abs().max().item(),
+            {k: st[k] for k in ("fsdp_rounds", "fsdp_applied", "fsdp_discarded", "reduced")})
+
+
+def _shifted_plain(sharded, shift):
+    """An unsharded copy of the seeded net with every parameter moved by ``shift`` and the
+    buffer set to it."""
+    torch.manual_seed(0)
+    plain = _Net()
+    with torch.no_grad():
+        for p, full in zip(plain.parameters(), _full(sharded)):
+            p.copy_(full + shift)
+        plain.scale.fill_(shift)
+    return plain
+
+
+def test_partial_rounds_average_each_shard_with_its_own(pool):
+    for err, same_storage, scale, out_err, counts in pool.run(task_rounds_average_shards, 4):
+        assert err < 1e-6, err
+        assert same_storage  # FSDP's own shards were written, never re-pointed
+        assert scale == [0.5, 0.5, 0.5]
+        assert out_err < 1e-5, out_err
+        assert counts["fsdp_rounds"] == 4 and counts["fsdp_discarded"] == 0, counts
+        assert counts["fsdp_applied"] == 2 and counts["reduced"] == 2, counts
+
+
+def task_round_failed_on_one_shard(ctx):
+    # the replica group (ranks 0, 1) loses round 1 on shard 1 (rank 1 stalls past the
+    # deadline, so rank 3 fails it too): rank 0's completed round must not be applied
+    # either, or replica group 0 would hold half a round
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    if ctx.rank == 1:
+        os.environ["RIPPLES_TEST_FAULT"] = "stall:1:0"
+    try:
+        mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+            schedule="static", on_failure="skip", timeout=2))
+    finally:
+        os.environ.pop("RIPPLES_TEST_FAULT", None)
+    replica = ctx.rank // S
+    net = _perturbed(mesh, replica)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0)
+    _train(net, opt, ctx.rank, 2)
+    base = _net(mesh["shard"])
+    err = max((a - b - replica).abs().max().item() for a, b in zip(_full(net), _full(base)))
+    st = opt.stats()
+    return err, net.scale.tolist(), st["fsdp_discarded"], st["reduced"]
+
+
+def test_a_round_applies_on_every_shard_of_a_replica_group_or_on_none(pool):
+    res = pool.run(task_round_failed_on_one_shard)
+    for rank, (err, scale, discarded, reduced) in enumerate(res):
+        replica = rank // S
+        assert err < 1e-6, (rank, err)
+        assert scale == [float(replica)] * 3
+        assert discarded == 1
+    assert res[0][3] == 1 and res[2][3] == 1  # shard 0's round itself completed
+
+
+def task_unwrap_ends_with_one_model(ctx):
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S)
+    net = _perturbed(mesh, ctx.rank // S)
+    opt = rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh, warmup_steps=1,
+                     average_optimizer_state=True)
+    _train(net, opt, ctx.rank, 3)
+    inner = opt.unwrap()
+    full = _full(net)
+    moments = [opt.optim.state[p]["exp_avg"].full_tensor() for p in net.parameters()]
+    everyone = [None] * ctx.ws
+    dist.all_gather_object(everyone, (full, moments, net.scale.tolist()), group=ctx.ref)
+    return all(all(torch.equal(a, b) for a, b in zip(everyone[0][0] + everyone[0][1],
+                                                     o[0] + o[1])) and o[2] == everyone[0][2]
+               for o in everyone), isinstance(inner, torch.optim.AdamW)
+
+
+def test_unwrap_leaves_every_replica_group_the_same_model(pool):
+    for same, is_inner in pool.run(task_unwrap_ends_with_one_model):
+        assert same and is_inner
+
+
+def _error(call, kind):
+    try:
+        call()
+    except kind as exc:
+        return str(exc)
+    return None
+
+
+def task_refusals(ctx):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S)
+    # the same ranks, transposed: its shard groups are not those the model is sharded over
+    transposed = DeviceMesh("cpu", torch.arange(R * S).reshape(R, S).T.contiguous(),
+                            mesh_dim_names=("replicate", "shard"))
+    net = _net(mesh["shard"])
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1)
+    plain = _Net()
+    hsdp_mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"),
+                                 backend_override={"replicate": "ripples", "shard": "gloo"})
+    hsdp = _net(hsdp_mesh)
+    gloo_mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"),
+                                 backend_override={"replicate": "gloo", "shard": "gloo"})
+    gloo_net = _net(gloo_mesh["shard"])
+    random_mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(schedule="random"))
+    random_net = _net(random_mesh["shard"])
+    return {
+        "plain": _error(lambda: rfsdp.wrap(plain, torch.optim.SGD(plain.parameters(), lr=0.1),
+                                           mesh), TypeError),
+        "hsdp": _error(lambda: rfsdp.wrap(hsdp, torch.optim.SGD(hsdp.parameters(), lr=0.1),
+                                          hsdp_mesh), ValueError),
+        "other mesh": _error(lambda: rfsdp.wrap(net, sgd, transposed), ValueError),
+        "gloo": _error(lambda: rfsdp.wrap(gloo_net, torch.optim.SGD(gloo_net.parameters(),
+                                                                    lr=0.1), gloo_mesh),
+                       ValueError),
+        "1-D": _error(lambda: rfsdp.wrap(net, sgd, mesh["shard"]), ValueError),
+        "optimizer": _error(lambda: rfsdp.wrap(net, torch.optim.SGD(
+            list(net.parameters())[:1], lr=0.1), mesh), ValueError),
+        "random": _error(lambda: rfsdp.wrap(random_net, torch.optim.SGD(
+            random_net.parameters(), lr=0.1), random_mesh), ValueError),
+        "warmup": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_steps=-1), ValueError),
+        "mesh size": _error(lambda: rfsdp.init_mesh(3, 2), ValueError),
+        "ddp wrap": _error(lambda: ripples_pg.wrap(net, sgd), TypeError),
+    }
+
+
+def test_what_is_not_supported_is_refused_by_name(pool):
+    errors = pool.run(task_refusals)[0]
+    assert "expects a model sharded with FSDP2" in errors["plain"], errors
+    assert "HSDP" in errors["hsdp"], errors
+    assert "not over this rank's shard group" in errors["other mesh"], errors
+    assert "not 'ripples'" in errors["gloo"] and "init_mesh" in errors["gloo"], errors
+    assert "2-D DeviceMesh" in errors["1-D"], errors
+    assert "does not train" in errors["optimizer"], errors
+    assert "'random'" in errors["random"] and "static" in errors["random"], errors
+    assert "warmup_steps" in errors["warmup"], errors
+    assert "3 replicas x 2 shards" in errors["mesh size"], errors
+    assert "ripples_pg.fsdp.wrap" in errors["ddp wrap"], errors
+
+
+def task_layout_disagrees(ctx):
+    # ranks 0-2 on one host, rank 3 on another: shard 0's replicate group (ranks 0, 2) sits
+    # on one host, shard 1's (ranks 1, 3) on two, so their static schedules would differ
+    import ripples_pg.fsdp as rfsdp
+
+    os.environ["RIPPLES_HOST_ID"] = "b" if ctx.rank == 3 else "a"
+    try:
+        mesh = rfsdp.init_mesh(R, S)
+    finally:
+        os.environ.pop("RIPPLES_HOST_ID", None)
+    net = _net(mesh["shard"])
+    return _error(lambda: rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), mesh),
+                  ValueError)
+
+
+def test_replica_groups_placed_unlike_on_the_hosts_are_refused(pool):
+    for err in pool.run(task_layout_disagrees):
+        assert err and "sit on the hosts differently" in err, err
+
+
+def task_checkpoint_round_trip(ctx, path):
+    # saved under Ripples mid-run (replica groups differ), with DCP's planner keeping the
+    # lowest rank's copy of each shard: plain HSDP loads replica group 0's model, and a model
+    # under Ripples loads what plain HSDP saved
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S)
+    net = _perturbed(mesh, ctx.rank // S)
+    opt = rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh, warmup_steps=0)
+    _train(net, opt, ctx.rank, 1)  # round 0: groups of one, the replica groups still differ
+    mine = _full(net)
+    dcp.save({"model": get_model_state_dict(net)}, checkpoint_id=f"{path}/ripples",
+             planner=rfsdp.save_planner())
+    everyone = [None] * ctx.ws
+    dist.all_gather_object(everyone, mine, group=ctx.ref)
+    ref_mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"),
+                                backend_override={"replicate": "gloo", "shard": "gloo"})
+    hsdp = _net(ref_mesh)
+    sd = get_model_state_dict(hsdp)
+    dcp.load({"model": sd}, checkpoint_id=f"{path}/ripples")
+    set_model_state_dict(hsdp, sd)
+    into_hsdp = all(torch.equal(a, b) for a, b in zip(_full(hsdp), everyone[0]))
+    differed = not all(torch.equal(a, b) for a, b in zip(everyone[0], everyone[-1]))
+    with torch.no_grad():
+        for p in hsdp.parameters():
+            p.to_local().mul_(2.0)
+    dcp.save({"model": get_model_state_dict(hsdp)}, checkpoint_id=f"{path}/hsdp")
+    back = _net(mesh["shard"])
+    sd = get_model_state_dict(back)
+    dcp.load({"model": sd}, checkpoint_id=f"{path}/hsdp")
+    set_model_state_dict(back, sd)
+    into_ripples = all(torch.equal(a, 2 * b) for a, b in zip(_full(back), everyone[0]))
+    return into_hsdp, differed, into_ripples
+
+
+def test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back(pool, tmp_path):
+    for into_hsdp, differed, into_ripples in pool.run(task_checkpoint_round_trip,
+                                                      str(tmp_path)):
+        assert differed  # the replica groups differed when saved
+        assert into_hsdp and into_ripples
