@@ -462,3 +462,28 @@ void rpl_comm_partial_stats(const rpl_comm *c, rpl_partial_stats *out) {
 size_t rpl_comm_trace(const rpl_comm *c, uint64_t from, rpl_trace_entry *out, size_t cap) {
   return c->partial ? rpl_partial_get_trace(c->partial, from, out, cap) : 0;
 }
+
+int rpl_comm_partial_last(const rpl_comm *c, rpl_round_outcome *out, int *members, int cap) {
+  return c->partial ? rpl_partial_last(c->partial, out, members, cap) : 0;
+}
+
+rpl_status rpl_comm_partial_give(rpl_comm *c, const int *members, int n, uint64_t group_id,
+                                 rpl_error *err) {
+  /* Under mu, so that no round is submitted between the check and the give: the next round
+   * submitted takes the group. (The partial's lock nests inside mu here; nothing takes them
+   * the other way round.) */
+  pthread_mutex_lock(&c->mu);
+  rpl_status st = RPL_OK;
+  if (!c->partial)
+    st = rpl_fail(err, RPL_ERR_INVALID, "partial rounds are not enabled on this group");
+  else if (c->closing)
+    st = rpl_fail(err, RPL_ERR_CLOSED, "the process group was shut down");
+  else if (partial_pending(c))
+    st = rpl_fail(err, RPL_ERR_INVALID,
+                  "a partial round is still queued or running on this group, and it would "
+                  "take the given group: give it once that round has completed");
+  else
+    st = rpl_partial_give(c->partial, members, n, group_id, err);
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}

@@ -52,10 +52,15 @@ struct rpl_partial {
   uint64_t fault_round;
   rpl_run *fault_run;
 
-  pthread_mutex_t mu;       /* guards stats and the trace */
+  pthread_mutex_t mu;       /* guards stats, the trace, the last outcome and the given group */
   rpl_partial_stats stats;
   rpl_trace_entry *trace;   /* TRACE_SLOTS ring, NULL when tracing is off */
   uint64_t trace_next;      /* index of the next entry */
+  rpl_round_outcome last;   /* the last round (valid once stats.rounds > 0) */
+  int *last_members;        /* size entries */
+  int *given;               /* size entries: the next round's group when given_n > 0 */
+  int given_n;
+  uint64_t given_gid;
 };
 
 int rpl_partial_eligible(const rpl_op_desc *d) {
@@ -114,7 +119,9 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
   p->compression = cfg->compression;
   parse_fault(p);
   p->members = calloc((size_t)size, sizeof(int));
-  if (!p->members) {
+  p->last_members = calloc((size_t)size, sizeof(int));
+  p->given = calloc((size_t)size, sizeof(int));
+  if (!p->members || !p->last_members || !p->given) {
     st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
     goto fail;
   }
@@ -176,6 +183,8 @@ void rpl_partial_destroy(rpl_partial *p) {
   if (p->client) rpl_gg_client_destroy(p->client);
   rpl_layout_destroy(p->layout);
   free(p->members);
+  free(p->last_members);
+  free(p->given);
   free(p->host_of);
   free(p->resid);
   free(p->next);
@@ -370,14 +379,32 @@ typedef struct round_info {
   size_t bytes;      /* the buffers' payload bytes */
   uint64_t wire;     /* bytes this rank sent reducing them */
   int moved, compressed, fellback;
+  int given;         /* the group came from rpl_partial_give */
   double t0, t1, t2, t3; /* start, group known, signatures agreed, reduced */
   double tconf;          /* in confirm_whole */
 } round_info;
 
-/* The round's group, from the coordinator or the static schedule, into p->members[0..n). */
+/* The group given for this round, if any, into p->members[0..n); clears it. */
+static int take_given(rpl_partial *p, round_info *r) {
+  pthread_mutex_lock(&p->mu);
+  r->given = p->given_n > 0;
+  if (r->given) {
+    memcpy(p->members, p->given, sizeof(int) * (size_t)p->given_n);
+    r->n = p->given_n;
+    r->gid = p->given_gid;
+    p->given_n = 0;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return r->given;
+}
+
+/* The round's group -- given, from the coordinator or the static schedule -- into
+ * p->members[0..n). */
 static rpl_status get_group(rpl_partial *p, round_info *r, rpl_error *err) {
-  rpl_status st;
-  if (p->dynamic) {
+  rpl_status st = RPL_OK;
+  if (take_given(p, r)) {
+    /* no schedule asked; checked by rpl_partial_give */
+  } else if (p->dynamic) {
     rpl_fence_before_request(&p->fence);
     st = rpl_gg_client_request(p->client, r->round, p->members, p->size, &r->n, &r->gid, err);
     rpl_fence_after_request(&p->fence);
@@ -433,13 +460,14 @@ static rpl_status prepare_and_agree(rpl_partial *p, rpl_run *run, const rpl_op_d
    * moments -- unless it died while handing it out: a member that never received it is not
    * coming, and the others would wait for it until the round's deadline. Once our client
    * has lost that coordinator, they stop waiting (no data has moved yet). */
-  if (p->dynamic) {
+  int handed = p->dynamic && !r->given; /* a given group came from no coordinator */
+  if (handed) {
     run->give_up = coordinator_lost;
     run->give_up_arg = p->client;
   }
   st = check_signatures(run, d, r->gid, p->compression, flags, flags_or, err);
   run->give_up = NULL;
-  if (st == RPL_ERR_PEER && p->dynamic && rpl_gg_client_lost(p->client))
+  if (st == RPL_ERR_PEER && handed && rpl_gg_client_lost(p->client))
     st = rpl_fail(err, RPL_ERR_PEER,
                   "partial all-reduce group %llu (round %llu): the group generator was lost "
                   "while handing it out, and not every member came; nothing was averaged",
@@ -546,11 +574,13 @@ static rpl_status reduce_group(rpl_partial *p, rpl_run *run, const rpl_op_desc *
  * failure on_failure = SKIP absorbs. */
 static rpl_status account(rpl_partial *p, const round_info *r, rpl_status st) {
   int skip = st != RPL_OK && p->on_failure == RPL_ON_FAILURE_SKIP && st != RPL_ERR_CLOSED;
-  int passed = p->dynamic && st == RPL_OK && r->gid == 0; /* the adaptive period: no group */
-  int n = r->n;
+  /* the adaptive period: no group (a given group of one is one) */
+  int passed = p->dynamic && !r->given && st == RPL_OK && r->gid == 0;
+  int n = r->n, kept = st == RPL_OK || r->gid ? n : 0; /* members the trace names */
   pthread_mutex_lock(&p->mu);
   rpl_partial_stats *s = &p->stats;
   s->rounds++;
+  s->given += (uint64_t)r->given;
   if (passed) {
     s->passed++; /* neither a group of one nor the end of a run of them */
   } else {
@@ -575,7 +605,10 @@ static rpl_status account(rpl_partial *p, const round_info *r, rpl_status st) {
   s->wait_s += r->t2 - r->t1;
   s->reduce_s += r->t3 - r->t2;
   s->confirm_s += r->tconf;
-  record(p, r->round, r->gid, p->members, st == RPL_OK || r->gid ? n : 0, st);
+  record(p, r->round, r->gid, p->members, kept, st);
+  p->last = (rpl_round_outcome){.round = r->round, .group_id = r->gid, .status = (int)st,
+                                .nmembers = kept, .moved = r->moved, .given = r->given};
+  if (kept) memcpy(p->last_members, p->members, sizeof(int) * (size_t)kept);
   pthread_mutex_unlock(&p->mu);
   return skip ? RPL_OK : st;
 }
@@ -591,7 +624,7 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
     for (int i = 0; i < d->nin; i++)
       rpl_scale(d->in[i].ptr, d->in[i].count, d->in[i].dtype, (double)p->size);
   }
-  if (p->dynamic && r.gid) {
+  if (p->dynamic && r.gid && !r.given) { /* a given group is none of the coordinator's */
     rpl_error e2;
     rpl_gg_client_done(p->client, r.gid, st == RPL_OK ? 0u : (uint32_t)st, &e2);
   }
@@ -625,4 +658,71 @@ size_t rpl_partial_get_trace(const rpl_partial *p, uint64_t from, rpl_trace_entr
   }
   pthread_mutex_unlock(&m->mu);
   return k;
+}
+
+int rpl_partial_last(const rpl_partial *p, rpl_round_outcome *out, int *members, int cap) {
+  rpl_partial *m = (rpl_partial *)p;
+  pthread_mutex_lock(&m->mu);
+  int have = p->stats.rounds > 0; /* every round is accounted, and only rounds are */
+  if (have) {
+    *out = p->last;
+    for (int i = 0; i < p->last.nmembers && i < cap; i++) members[i] = p->last_members[i];
+  }
+  pthread_mutex_unlock(&m->mu);
+  return have;
+}
+
+/* Checked on the caller's thread, where a refusal can be raised at once: a round never
+ * meets a group it cannot run. */
+static rpl_status check_given(const rpl_partial *p, const int *members, int n,
+                              uint64_t group_id, rpl_error *err) {
+  if (n < 1 || n > p->size)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "a given group has %d members; it must have 1 to %d (the group's size)", n,
+                    p->size);
+  if (!members) return rpl_fail(err, RPL_ERR_INVALID, "a given group's members are NULL");
+  int mine = 0;
+  for (int i = 0; i < n; i++) {
+    if (members[i] < 0 || members[i] >= p->size)
+      return rpl_fail(err, RPL_ERR_INVALID,
+                      "given member %d (position %d) is out of range: group ranks are 0 to %d",
+                      members[i], i, p->size - 1);
+    if (i > 0 && members[i] <= members[i - 1])
+      return rpl_fail(err, RPL_ERR_INVALID,
+                      "given members must be sorted and distinct: %d follows %d (position %d)",
+                      members[i], members[i - 1], i);
+    mine |= members[i] == p->rank;
+  }
+  if (!mine)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "this rank (%d) is not among the %d given members: a rank can only give "
+                    "its own group", p->rank, n);
+  if (n > 1 && group_id == 0)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "a given group of %d members needs a nonzero group id, the same on every "
+                    "member", n);
+  return RPL_OK;
+}
+
+rpl_status rpl_partial_give(rpl_partial *p, const int *members, int n, uint64_t group_id,
+                            rpl_error *err) {
+  rpl_status st = check_given(p, members, n, group_id, err);
+  if (st != RPL_OK) return st;
+  pthread_mutex_lock(&p->mu);
+  /* Refused rather than replaced: a second give means a round the caller meant to give a
+   * group to never ran, and averaging with the wrong members would go unnoticed. */
+  int pending = p->given_n;
+  uint64_t pending_gid = p->given_gid;
+  if (!pending) {
+    memcpy(p->given, members, sizeof(int) * (size_t)n);
+    p->given_n = n;
+    p->given_gid = group_id;
+  }
+  pthread_mutex_unlock(&p->mu);
+  if (pending)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "a group given earlier (id %llu, %d members) has not had its partial round "
+                    "yet: give one group per round, after the previous round ran",
+                    (unsigned long long)pending_gid, pending);
+  return RPL_OK;
 }

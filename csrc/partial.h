@@ -1,8 +1,8 @@
 /*
  * partial.h - partial all-reduce rounds of one communicator (internal to csrc/).
  *
- * Owns where groups come from (the static schedule, or the coordinator client), the round
- * counter, the per-round statistics and trace. The engine calls in from its progress thread;
+ * Owns where groups come from (the static schedule, the coordinator client, or the caller:
+ * rpl_partial_give), the round counter, the per-round statistics and trace. The engine calls in from its progress thread;
  * statistics may be read from any thread. A round reduces its group's buffers with the exact
  * all-reduce (algorithms/algorithms.h) over a run (ctx.h) narrowed to the group. Each
  * schedule's fence at the coordinator, and its fence domain, are in fence.h.
@@ -38,5 +38,10 @@ rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, r
 void rpl_partial_get_stats(const rpl_partial *p, rpl_partial_stats *out);
 size_t rpl_partial_get_trace(const rpl_partial *p, uint64_t from, rpl_trace_entry *out,
                              size_t cap);
+/* rpl_comm_partial_last and rpl_comm_partial_give (ripples.h), once partial rounds are on.
+ * The engine refuses a give while a round is queued or running; this refuses a second one. */
+int rpl_partial_last(const rpl_partial *p, rpl_round_outcome *out, int *members, int cap);
+rpl_status rpl_partial_give(rpl_partial *p, const int *members, int n, uint64_t group_id,
+                            rpl_error *err);
 
 #endif /* RPL_PARTIAL_H */

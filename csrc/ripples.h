@@ -336,6 +336,9 @@ rpl_status rpl_comm_enable_partial(rpl_comm *comm, const rpl_partial_config *cfg
   X(uint64_t, singletons, "rounds in a group of one")                                        \
   X(uint64_t, passed, "rounds the coordinator's adaptive period passed (no averaging "       \
                       "meant; not counted as groups of one)")                                \
+  X(uint64_t, given, "rounds over a group given to them (give_group(), "                   \
+                     "rpl_comm_partial_give) instead of the schedule's; counted as any "     \
+                     "round in the other keys too")                                          \
   X(uint32_t, period, "the adaptive period in the coordinator's last answer (1: every "      \
                       "round averages; 0: no answer yet, or the static schedule)")           \
   X(uint64_t, skipped, "failed rounds absorbed by on_failure='skip'")                        \
@@ -383,6 +386,34 @@ typedef struct rpl_trace_entry {
 /* Copies trace entries with index >= `from` (indices count every round since tracing began;
  * the oldest are dropped past RPL_TRACE_CAPACITY) into out[0..cap); returns how many. */
 size_t rpl_comm_trace(const rpl_comm *comm, uint64_t from, rpl_trace_entry *out, size_t cap);
+
+/* How this rank's last partial round ended, kept whether tracing is on or not. */
+typedef struct rpl_round_outcome {
+  uint64_t round;    /* this rank's partial-round number, from 0 */
+  uint64_t group_id; /* as the trace's */
+  int status;        /* rpl_status of the round (before on_failure = SKIP absorbed it) */
+  int nmembers;      /* as the trace's: 0 when the round failed before it had a group */
+  int moved;         /* 1 if data moved between members and was written back */
+  int given;         /* 1 if its group was given (rpl_comm_partial_give) */
+} rpl_round_outcome;
+
+/* Copies the last partial round's outcome into *out and its first `cap` members (sorted group
+ * ranks; cap = rpl_comm_size() holds them all) into members[]. Returns 0, writing nothing,
+ * before the first round (or with partial rounds off), else 1. Safe from any thread. */
+int rpl_comm_partial_last(const rpl_comm *comm, rpl_round_outcome *out, int *members, int cap);
+
+/* Gives this rank's next partial round its group: members[0..n) (group ranks, strictly
+ * increasing, this rank among them) and group_id (the run's sequence on the wire: every
+ * member passes the same, nonzero when n > 1). That round asks no schedule and no coordinator
+ * (and tells the coordinator nothing); everything else is a round's as above, and it counts
+ * as one (its round number included). Used to make several groups average with the same
+ * members: one runs its schedule's round, the others are given its outcome
+ * (rpl_comm_partial_last). A round takes the group from the moment it starts, so the call is
+ * refused (RPL_ERR_INVALID) while a partial round is queued or running, and while a group
+ * given earlier waits for its round; a call that falls back to an exact all-reduce (see above)
+ * leaves it for the next round. Safe from any thread. */
+rpl_status rpl_comm_partial_give(rpl_comm *comm, const int *members, int n, uint64_t group_id,
+                                 rpl_error *err);
 
 #ifdef __cplusplus
 }

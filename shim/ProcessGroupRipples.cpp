@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 
 #include "Errors.hpp"
@@ -203,6 +204,29 @@ std::vector<rpl_trace_entry> ProcessGroupRipples::trace(uint64_t from) const {
       return out;
     }
     from += n;
+  }
+}
+
+bool ProcessGroupRipples::lastRound(rpl_round_outcome* out, std::vector<int>* members) const {
+  if (comm_ == nullptr) {
+    return false;
+  }
+  members->assign(static_cast<size_t>(getSize()), 0);
+  if (rpl_comm_partial_last(comm_, out, members->data(), getSize()) == 0) {
+    return false;
+  }
+  members->resize(static_cast<size_t>(std::min(out->nmembers, getSize())));
+  return true;
+}
+
+void ProcessGroupRipples::giveGroup(const std::vector<int>& members, uint64_t groupId) {
+  checkOpen("give_group");
+  // Past the group's size the core refuses by count, before reading any member.
+  const int n = static_cast<int>(std::min<size_t>(members.size(), INT_MAX));
+  rpl_error err;
+  rpl_status st = rpl_comm_partial_give(comm_, members.data(), n, groupId, &err);
+  if (st != RPL_OK) {
+    throwRefused(group_->name, "give_group", st, err.msg);
   }
 }
 

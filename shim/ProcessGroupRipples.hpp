@@ -178,6 +178,13 @@ class ProcessGroupRipples : public c10d::Backend {
   }
   rpl_partial_stats partialStats() const;
   std::vector<rpl_trace_entry> trace(uint64_t from) const;
+  // The last partial round's outcome and every one of its members (rpl_comm_partial_last);
+  // false before the first round.
+  bool lastRound(rpl_round_outcome* out, std::vector<int>* members) const;
+  // Gives the next partial round its group (rpl_comm_partial_give): group ranks, sorted.
+  // Raises ValueError for invalid members or id, a group still waiting for its round, or a
+  // round still queued or running.
+  void giveGroup(const std::vector<int>& members, uint64_t groupId);
   const Config& config() const {
     return cfg_;
   }

@@ -8,6 +8,7 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <utility>
+#include <vector>
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
@@ -146,6 +147,28 @@ py::list traceList(const PG& pg, uint64_t from) {
   return out;
 }
 
+// The last partial round as a dict, or None before the first one.
+py::object lastRoundDict(const PG& pg) {
+  rpl_round_outcome o;
+  std::vector<int> members;
+  bool have;
+  {
+    py::gil_scoped_release nogil;  // never holds other Python threads up
+    have = pg.lastRound(&o, &members);
+  }
+  if (!have) {
+    return py::none();
+  }
+  return dictOf({
+      {"round", py::cast(o.round)},
+      {"group_id", py::cast(o.group_id)},
+      {"members", py::cast(members)},
+      {"status", py::cast(o.status)},
+      {"moved", py::cast(o.moved != 0)},
+      {"given", py::cast(o.given != 0)},
+  });
+}
+
 // The configuration the group was created with, as read-only properties.
 void bindConfigProperties(py::class_<PG, c10::intrusive_ptr<PG>, c10d::Backend>& c) {
   c.def_property_readonly(
@@ -182,7 +205,20 @@ void bindBackend(py::module_& m) {
            "slowest ranks; coordinator/PROTOCOL.md); blocks up to timeout_ms per endpoint of "
            "the failover list. Raises if none answers. See ripples_pg.stats.")
       .def("trace", &traceList, py::arg("start") = 0,
-           "Per-round trace entries from index `start` (needs Options(trace=True)).");
+           "Per-round trace entries from index `start` (needs Options(trace=True)).")
+      .def("last_round", &lastRoundDict,
+           "This rank's last partial round, traced or not: {round, group_id, members (group "
+           "ranks, sorted; all of them), status (0 = done), moved (data moved between "
+           "members), given (its group came from give_group)}; None before the first.")
+      .def("give_group", &PG::giveGroup, py::arg("members"), py::arg("group_id"),
+           // Takes the core's lock only briefly; no Python object is touched.
+           py::call_guard<py::gil_scoped_release>(),
+           "Gives this rank's next partial round its group instead of the schedule's: "
+           "`members` (group ranks, strictly increasing, this rank among them) and `group_id` "
+           "(the same on every member, nonzero for two or more members). No schedule or "
+           "coordinator is asked for that round. Raises ValueError for invalid arguments, a "
+           "group given earlier that has not had its round, or a round still queued or "
+           "running (give once it completed).");
 }
 
 

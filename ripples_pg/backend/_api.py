@@ -106,7 +106,8 @@ def stats(group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
 
     Partial rounds: ``rounds``, ``reduced`` (rounds that moved data), ``singletons`` (groups
     of one), ``passed`` (rounds the coordinator's adaptive period passed: no averaging meant,
-    not groups of one), ``period`` (the adaptive period in the coordinator's last answer: 1 =
+    not groups of one), ``given`` (rounds over a group given with the backend's
+    ``give_group()`` instead of the schedule's), ``period`` (the adaptive period in the coordinator's last answer: 1 =
     every round averages, k = every k-th; 0 before the first answer and for the static
     schedule), ``singleton_share`` (``singletons / (rounds - passed)``, None before the first
     averaging round),

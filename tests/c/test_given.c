@@ -1,0 +1,162 @@
+/*
+ * test_given.c - partial rounds over a group the caller gives (rpl_comm_partial_give), and the
+ * last round's outcome (rpl_comm_partial_last).
+ *
+ * Four ranks as threads, the static schedule underneath: a given round averages exactly the
+ * members given (three of four here, the fourth alone), asks no schedule, and leaves the next
+ * round to the schedule at the next round number; invalid groups, a second give and a give
+ * while a round is queued are refused with a message naming why.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "harness.h"
+#include "ripples.h"
+#include "sched/rpl_sched.h"
+
+#define N 4
+#define LEN 300 /* above the harness's small-message threshold: ring paths run */
+
+static double input(int r, int i) { return (double)(r * 1000 + i % 13) * 0.25; }
+
+static int give(rpl_comm *c, const int *m, int n, uint64_t gid, const char *want) {
+  rpl_error err = {RPL_OK, ""};
+  rpl_status st = rpl_comm_partial_give(c, m, n, gid, &err);
+  if (!want) {
+    CHECK(st == RPL_OK, "give: %s", err.msg);
+    return st == RPL_OK;
+  }
+  CHECK(st == RPL_ERR_INVALID && strstr(err.msg, want), "want '%s', got %s: %s", want,
+        rpl_status_name(st), err.msg);
+  return 0;
+}
+
+static rpl_status round_avg(rpl_comm *c, double *x, rpl_redop op) {
+  rpl_buf b = {x, LEN, RPL_FLOAT64};
+  rpl_op_desc d = {.kind = RPL_OP_PARTIAL_ALLREDUCE, .redop = op, .in = &b, .nin = 1};
+  rpl_error err;
+  rpl_status st = run_op(c, d, &err);
+  CHECK(st == RPL_OK, "round: %s", err.msg);
+  return st;
+}
+
+/* x must hold the mean over members[0..n) of the inputs. */
+static void check_mean(const double *x, const int *members, int n, const char *what) {
+  int bad = 0;
+  for (int i = 0; i < LEN; i++) {
+    double mean = 0;
+    for (int k = 0; k < n; k++) mean += input(members[k], i) / n;
+    bad += fabs(x[i] - mean) > 1e-9 * (1 + fabs(mean));
+  }
+  CHECK(bad == 0, "%s: %d elements are not the members' mean", what, bad);
+}
+
+/* The last round: its number, id, members, and whether it moved data and was given. */
+static void check_last(rpl_comm *c, uint64_t round, uint64_t gid, const int *m, int n,
+                       int moved, int given) {
+  rpl_round_outcome o;
+  int got[N];
+  REQUIRE(rpl_comm_partial_last(c, &o, got, N) == 1, "a last round");
+  CHECK(o.round == round && o.group_id == gid && o.status == RPL_OK && o.nmembers == n &&
+            o.moved == moved && o.given == given,
+        "last: round %llu gid %llu status %d n %d moved %d given %d",
+        (unsigned long long)o.round, (unsigned long long)o.group_id, o.status, o.nmembers,
+        o.moved, o.given);
+  for (int k = 0; k < n && k < o.nmembers; k++) CHECK(got[k] == m[k], "last member %d", k);
+  rpl_trace_entry e; /* the trace says the same */
+  REQUIRE(rpl_comm_trace(c, round, &e, 1) == 1, "trace entry %llu", (unsigned long long)round);
+  CHECK(e.round == o.round && e.group_id == o.group_id && e.nmembers == o.nmembers &&
+            memcmp(e.members, got, sizeof(int) * (size_t)n) == 0,
+        "trace and last differ");
+}
+
+static void refusals(rpl_comm *c, int r) {
+  int m4[N + 1] = {0, 1, 2, 3, 3};
+  give(c, m4, 0, 5, "1 to 4");
+  give(c, m4, N + 1, 5, "1 to 4");
+  int out[2] = {r, N};
+  give(c, out, 2, 5, "out of range");
+  int neg[2] = {-1, r};
+  give(c, neg, 2, 5, "out of range");
+  int unsorted[2] = {r == 0 ? 1 : r, r == 0 ? 0 : 0};
+  give(c, unsorted, 2, 5, "sorted and distinct");
+  int dup[2] = {r, r};
+  give(c, dup, 2, 5, "sorted and distinct");
+  int other[1] = {(r + 1) % N};
+  give(c, other, 1, 5, "not among");
+  int pair[2] = {r < 2 ? r : 0, r < 2 ? 2 : r};
+  give(c, pair, 2, 0, "nonzero group id");
+}
+
+static void body_given(job *j, rpl_comm *c) {
+  int r = j->rank;
+  int one[1] = {r};
+  give(c, one, 1, 0, "not enabled");
+  rpl_partial_config pc = {.schedule = "static", .trace = 1, .timeout_s = 20};
+  OK(rpl_comm_enable_partial(c, &pc, &e_));
+  rpl_round_outcome o;
+  int got[N];
+  CHECK(rpl_comm_partial_last(c, &o, got, N) == 0, "no last round before the first");
+  refusals(c, r);
+
+  /* Round 0: ranks 0-2 given one group, rank 3 alone; rank 0 gives twice. */
+  static const int three[3] = {0, 1, 2};
+  double x[LEN];
+  for (int i = 0; i < LEN; i++) x[i] = input(r, i);
+  if (r < 3) give(c, three, 3, 77, NULL);
+  else give(c, one, 1, 0, NULL);
+  if (r == 0) give(c, three, 3, 78, "id 77, 3 members");
+  round_avg(c, x, RPL_AVG);
+  if (r < 3) {
+    check_mean(x, three, 3, "given round of three");
+    check_last(c, 0, 77, three, 3, 1, 1);
+  } else {
+    check_mean(x, one, 1, "given group of one");
+    check_last(c, 0, 0, one, 1, 0, 1);
+  }
+
+  /* Round 1: the schedule again, at round number 1. */
+  for (int i = 0; i < LEN; i++) x[i] = input(r, i);
+  round_avg(c, x, RPL_AVG);
+  int sched[N], n = 0;
+  uint64_t gid = 0;
+  rpl_layout *l;
+  OK(rpl_layout_create(N, NULL, &l, &e_));
+  OK(rpl_static_group(l, r, 1, sched, N, &n, &gid, &e_));
+  rpl_layout_destroy(l);
+  check_mean(x, sched, n, "the schedule's round after a given one");
+  check_last(c, 1, gid, sched, n, n > 1, 0);
+
+  /* Round 2: pairs {0,1} and {2,3}; rank 1 comes late, so rank 0's round is still queued or
+   * running when it tries to give again. SUM: size/|G| times the pair's sum. */
+  int pair[2] = {r < 2 ? 0 : 2, r < 2 ? 1 : 3};
+  for (int i = 0; i < LEN; i++) x[i] = input(r, i);
+  if (r == 1) sleep_s(0.3);
+  give(c, pair, 2, 100 + (uint64_t)pair[0], NULL);
+  rpl_buf b = {x, LEN, RPL_FLOAT64};
+  rpl_op_desc d = {.kind = RPL_OP_PARTIAL_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
+  req q;
+  submit(c, d, &q);
+  if (r == 0) give(c, pair, 2, 100, "still queued or running");
+  CHECK(wait_for(&q, 30) == 0 && q.st == RPL_OK, "given SUM round: %s", q.err.msg);
+  req_free(&q);
+  for (int i = 0; i < LEN; i++) x[i] /= N; /* the SUM's size/|G| scaling, undone to a mean */
+  check_mean(x, pair, 2, "given pair, SUM");
+  check_last(c, 2, 100 + (uint64_t)pair[0], pair, 2, 1, 1);
+
+  rpl_partial_stats s;
+  rpl_comm_partial_stats(c, &s);
+  CHECK(s.rounds == 3 && s.given == 2 && s.failed == 0, "rounds %llu given %llu failed %llu",
+        (unsigned long long)s.rounds, (unsigned long long)s.given,
+        (unsigned long long)s.failed);
+  CHECK(s.reduced + s.singletons == 3, "reduced %llu singletons %llu",
+        (unsigned long long)s.reduced, (unsigned long long)s.singletons);
+}
+
+int main(void) {
+  g_layout = (world_layout){.hosts = 2}; /* rings and sockets in the same group */
+  run_world(N, 30, body_given, NULL);
+  g_layout = (world_layout){.hosts = 1};
+  run_world(N, 30, body_given, NULL);
+  return report("given");
+}
