@@ -264,7 +264,7 @@ def test_what_is_not_supported_is_refused_by_name(pool):
     assert "not 'ripples'" in errors["gloo"] and "init_mesh" in errors["gloo"], errors
     assert "2-D DeviceMesh" in errors["1-D"], errors
     assert "does not train" in errors["optimizer"], errors
-    assert "'random'" in errors["random"] and "static" in errors["random"], errors
+    assert errors["random"] is None, errors  # led by shard 0 (test below)
     assert "warmup_steps" in errors["warmup"], errors
     assert "3 replicas x 2 shards" in errors["mesh size"], errors
     assert "ripples_pg.fsdp.wrap" in errors["ddp wrap"], errors
@@ -335,3 +335,48 @@ def test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back(pool, 
                                                       str(tmp_path)):
         assert differed  # the replica groups differed when saved
         assert into_hsdp and into_ripples
+
+
+def task_smart_led_by_shard_0(ctx, budget):
+    # a coordinator's schedule: shard 0's group asks it, the other shard ranks run the round
+    # over the members they are told. Replica group 1 is slower, so replica group 0 steps
+    # more; each replica group's shard ranks still stop after the same step (the job step
+    # comes with the round) and end with one model
+    import time
+
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+        schedule="smart", on_failure="skip", group_size=2))
+    replica = ctx.rank // S
+    net = _perturbed(mesh, replica)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=2)
+    steps, job_steps = 0, []
+    while opt.job_step < budget:
+        x, y = _batch(ctx.rank, steps)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        if replica == 1:
+            time.sleep(0.03)
+        opt.step()
+        steps += 1
+        job_steps.append(opt.job_step)
+    st = opt.stats()
+    base = _net(mesh["shard"])
+    err = max((a - b - 0.5).abs().max().item() for a, b in zip(_full(net), _full(base)))
+    opt.unwrap()
+    return (steps, job_steps, err, st["fsdp_applied"], st["fsdp_discarded"], st["reduced"],
+            st["given"])
+
+
+def test_smart_schedule_with_shards_is_led_by_shard_0(pool):
+    res = pool.run(task_smart_led_by_shard_0, 12)
+    for rank, (steps, job_steps, err, applied, discarded, reduced, given) in enumerate(res):
+        # shard 0 (even ranks) asks the coordinator; shard 1 only runs the rounds it is given
+        assert given == (0 if rank % S == 0 else reduced), (rank, given, reduced)
+        partner = res[rank ^ 1]  # the other shard rank of the same replica group
+        assert steps == partner[0] and job_steps == partner[1], (rank, steps, partner[0])
+        assert job_steps[-1] >= 12
+        assert discarded == 0 and applied >= 1 and reduced >= 1, (rank, applied, reduced)
+        assert err < 1e-6, (rank, err)  # lr 0: every applied round leaves the mean

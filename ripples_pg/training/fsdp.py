@@ -12,16 +12,17 @@ The mesh is 2-D, ``(replicate, shard)`` (:func:`init_mesh`); the model is sharde
 replica's index as its rank, runs on ``ripples``. Every shard rank of a replica group must be
 told the same group in the same round, and apply the round on all its shard ranks or on none:
 
-* the groups come from the static schedule, which every shard group computes alike when the
-  replica groups sit on the hosts alike (checked when wrapping). A coordinator per shard index
-  would not agree (docs/design.md, section 10), so the coordinator's schedules are refused
-  while a replica group has more than one shard;
+* the static schedule: every shard index computes the same groups when the replica groups
+  sit on the hosts alike (checked when wrapping), and all shard ranks run their rounds at once;
+* a coordinator's schedule (``smart``, ``random``, ``adpsgd``): a coordinator per shard index
+  would not agree (docs/design.md, section 10), so only shard 0's group asks its coordinator;
+  shard 0 then hands the round's group (and the job step) to its replica group's other shard
+  ranks, which run their rounds over the members given (``give_group``, no coordinator);
 * a round's result lands in a flat copy of the shards; the replica group's shard ranks agree
   on its outcome (one integer, a MIN over the replica group) before any of them writes it back.
 
-Not yet here (docs/fsdp.md says what to use instead): the straggler-aware schedules across
-shard ranks, the overlapped rounds, job-wide progress and the sampler, partial DiLoCo and
-compressed rounds.
+Not yet here (docs/fsdp.md says what to use instead): overlapped rounds, the sampler,
+partial DiLoCo and compressed rounds.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from ..backend._api import _ripples_backend, host_of, partial_all_reduce, stats
 from ..backend.options import Options
 from ._groups import exact_if_ripples, is_ripples
 from ._models import sharded_kind
+from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
 
 __all__ = ["init_mesh", "save_planner", "wrap", "ShardedRipplesOptimizer"]
 
@@ -159,7 +161,7 @@ def _check_optimizer(optimizer, params) -> None:
                          f"must be in it, or the replica groups drift apart unaveraged")
 
 
-def _check_layout(group, shards: int) -> None:
+def _check_layout(group) -> None:
     """Every shard index's replicate group must see the replica groups on the hosts alike, or
     their static schedules disagree and a replica group's shard ranks take different groups."""
     mine = [int(h) for h in host_of(group)]
@@ -192,6 +194,21 @@ class ShardedRipplesOptimizer:
         self.group = mesh.get_group(REPLICATE)
         self.shard_group = mesh.get_group(SHARD)
         self.shards = mesh.size(mesh.mesh_dim_names.index(SHARD))
+        self.replicas = mesh.size(mesh.mesh_dim_names.index(REPLICATE))
+        self.shard_rank = mesh.get_local_rank(SHARD)
+        self.replica = mesh.get_local_rank(REPLICATE)
+        # a coordinator's schedule with several shards: shard 0 leads (docs/fsdp.md)
+        self._led = self.shards > 1 and _ripples_backend(self.group).schedule != "static"
+        # The job step (docs/progress.md): the static schedule steps every replica group in
+        # lockstep, so it is the own count; a coordinator's schedule lets fast replica groups
+        # step more, counted in the store by each shard 0 (one worker per replica group) and
+        # handed to its shard ranks with each round, so that all stop after the same step.
+        self.clock: Optional[JobClock] = None
+        self._job_step = 0
+        if _ripples_backend(self.group).schedule != "static":
+            key = _namespace(None) + "fsdp-steps"  # one collective over the world
+            self.clock = JobClock(self.replicas, SHARED if self.shard_rank == 0 else LOCKSTEP,
+                                  _job_store() if self.shard_rank == 0 else None, key)
         self.warmup_steps = warmup_steps
         self.average_optimizer_state = average_optimizer_state
         self.step_count = 0
@@ -210,6 +227,15 @@ class ShardedRipplesOptimizer:
     @property
     def defaults(self):
         return self.optim.defaults
+
+    @property
+    def job_step(self) -> int:
+        """The job's step: every replica group's steps over the number of replica groups (as
+        ``RipplesOptimizer.job_step``); the same on every shard rank of a replica group, so a
+        loop ``while optimizer.job_step < budget`` stops them all after the same step."""
+        if self.clock is None:
+            return self.step_count
+        return self.clock.job_step if self.shard_rank == 0 else self._job_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
@@ -260,12 +286,16 @@ class ShardedRipplesOptimizer:
         if self.unwrapped:
             raise RuntimeError("ripples_pg.fsdp: step() after unwrap(); step the optimizer "
                                "unwrap() returned")
-        if self.step_count < self.warmup_steps:
+        exact = self.step_count < self.warmup_steps
+        if exact:
             self._average_gradients()
-            loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        if self.clock is not None:
+            self.clock.tick(exact=exact)
+        if exact:
             self.counts["exact_steps"] += 1
+            self._job_step = self.step_count + 1  # every replica group stepped together
         else:
-            loss = self.optim.step(closure) if closure is not None else self.optim.step()
             self._partial_round()
         self.step_count += 1
         return loss
@@ -280,21 +310,16 @@ class ShardedRipplesOptimizer:
                 _unpack(flat, parts)
 
     def _partial_round(self) -> None:
-        tensors = self._tensors()
+        """One round of the local shards, applied on every shard rank of this replica group
+        or on none of them."""
         be = _ripples_backend(self.group)
-        before = be.partial_stats()
-        packed = _flats(tensors)
+        packed = _flats(self._tensors())
         failure: Optional[BaseException] = None
         with torch.no_grad():
-            try:
-                partial_all_reduce([flat for flat, _ in packed], group=self.group,
-                                   op=dist.ReduceOp.AVG)
-            except RuntimeError as exc:  # on_failure="raise"; agreed on before raising
-                failure = exc
-            after = be.partial_stats()
-            done = failure is None and \
-                after["reduced"] + after["singletons"] > before["reduced"] + before["singletons"]
-            moved = after["reduced"] > before["reduced"]
+            if self._led:
+                done, moved, failure = self._led_round(be, packed)
+            else:  # static: every shard index computes the same group
+                done, moved, failure = _run_round(be, self.group, packed)
             self.counts["rounds"] += 1
             if self.shards > 1:
                 done = self._agree(done)
@@ -309,10 +334,49 @@ class ShardedRipplesOptimizer:
         if failure is not None:
             raise failure
 
+    def _led_round(self, be, packed) -> Tuple[bool, bool, Optional[BaseException]]:
+        """A dynamic schedule's round: shard 0 runs it with the group its coordinator gives;
+        the replica group's other shard ranks are told that group and run theirs over it."""
+        r = self.replicas
+        # done, moved, the group id's two 32-bit halves (ids are unsigned 64-bit), the job
+        # step, members
+        msg = torch.full((5 + r,), -1, dtype=torch.int64)
+        failure = None
+        if self.shard_rank == 0:
+            msg[4] = self.clock.job_step if self.clock is not None else self.step_count + 1
+            done, moved, failure = _run_round(be, self.group, packed)
+            last = be.last_round() if done and moved else None
+            msg[0], msg[1] = int(done), int(moved)
+            if last is not None:
+                members = list(last["members"])
+                gid = int(last["group_id"])
+                msg[2], msg[3] = gid >> 32, gid & 0xFFFFFFFF
+                msg[5:5 + len(members)] = torch.tensor(members, dtype=torch.int64)
+        device = self._device()
+        msg = msg.to(device)
+        with exact_if_ripples(self.shard_group):
+            dist.broadcast(msg, src=dist.get_global_rank(self.shard_group, 0),
+                           group=self.shard_group)
+        msg = msg.cpu()
+        if self.shard_rank == 0:
+            return done, moved, failure
+        self._job_step = max(self._job_step, int(msg[4]))
+        done, moved = bool(msg[0]), bool(msg[1])
+        if not (done and moved):
+            return done, False, None
+        members = [int(m) for m in msg[5:].tolist() if m >= 0]
+        if not 1 < len(members) <= r or self.replica not in members:
+            return False, False, None  # not a group this rank could be in: refuse the round
+        be.give_group(members, (int(msg[2]) << 32) | int(msg[3]))
+        return _run_round(be, self.group, packed)
+
+    def _device(self) -> torch.device:
+        params = self._params()
+        return params[0].device if params else torch.device("cpu")
+
     def _agree(self, done: bool) -> bool:
         """Whether every shard rank of this replica group completed its round."""
-        device = self._params()[0].device if self._params() else torch.device("cpu")
-        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=device)
+        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=self._device())
         with exact_if_ripples(self.shard_group):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.shard_group)
         return bool(flag.item())
@@ -346,6 +410,20 @@ class ShardedRipplesOptimizer:
         return (f"ShardedRipplesOptimizer({type(self.optim).__name__}, "
                 f"mesh={tuple(self.mesh.mesh.shape)}, warmup_steps={self.warmup_steps}, "
                 f"step={self.step_count})")
+
+
+def _run_round(be, group, packed) -> Tuple[bool, bool, Optional[BaseException]]:
+    """One partial round over the flats: (completed, moved data, the exception of a round
+    that raised). A round ``on_failure="skip"`` absorbed is not completed."""
+    before = be.partial_stats()
+    failure: Optional[BaseException] = None
+    try:
+        partial_all_reduce([flat for flat, _ in packed], group=group, op=dist.ReduceOp.AVG)
+    except RuntimeError as exc:  # on_failure="raise": agreed on before it is raised
+        failure = exc
+    after = be.partial_stats()
+    failed = after["skipped"] + after["failed"] > before["skipped"] + before["failed"]
+    return failure is None and not failed, after["reduced"] > before["reduced"], failure
 
 
 def _flats(tensors: Iterable[torch.Tensor]):
@@ -404,13 +482,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
                          f"backend_override={{'replicate': ('ripples', ripples_pg.Options(...))}})")
     params = _check_model(model, mesh, mesh[SHARD])
     _check_optimizer(optimizer, params)
-    shards = mesh.size(names.index(SHARD))
-    schedule = _ripples_backend(group).schedule
-    if shards > 1 and schedule != "static":
-        raise ValueError(f"{_WHO}: schedule {schedule!r} with {shards} shards per replica group "
-                         f"is not supported yet: a coordinator per shard index would give a "
-                         f"replica group's shard ranks different groups (docs/fsdp.md). Use "
-                         f"Options(schedule='static') for the replicate dimension")
-    _check_layout(group, shards)
+    if _ripples_backend(group).schedule == "static":
+        _check_layout(group)  # a coordinator's groups are handed on by shard 0
     return ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
                                    average_optimizer_state=average_optimizer_state)
