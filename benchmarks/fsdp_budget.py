@@ -63,6 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--compute-s", type=float, default=0.08,
                    help="emulated accelerator time of one step, every rank")
     p.add_argument("--slow", type=float, default=5.0)
+    p.add_argument("--group-size", type=int, default=2, help="smart's workers per group")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=32)
@@ -115,7 +116,8 @@ def worker(rank, world, port, args, strategy, slow_replica, out_path):
         model = _model(args, VOCAB[0], mesh)
     else:
         mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
-            schedule=strategy, on_failure="skip", timeout=120))
+            schedule=strategy, on_failure="skip", timeout=120,
+            group_size=args.group_size if strategy == "smart" else None))
         model = _model(args, VOCAB[0], mesh["shard"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if strategy != "hsdp":

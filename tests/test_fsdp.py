@@ -150,10 +150,9 @@ def test_partial_rounds_average_each_shard_with_its_own(pool):
         assert counts["fsdp_applied"] == 2 and counts["reduced"] == 2, counts
 
 
-def task_round_failed_on_one_shard(ctx):
-    # the replica group (ranks 0, 1) loses round 1 on shard 1 (rank 1 stalls past the
-    # deadline, so rank 3 fails it too): rank 0's completed round must not be applied
-    # either, or replica group 0 would hold half a round
+def _stalled_on_rank_1(ctx, on_failure):
+    """(net, optimizer, mesh) at lr 0 with replica groups moved apart, where rank 1 (replica
+    group 0, shard 1) stalls in round 1 past the 5 s deadline, so rank 3 fails it too."""
     import ripples_pg
     import ripples_pg.fsdp as rfsdp
 
@@ -161,12 +160,20 @@ def task_round_failed_on_one_shard(ctx):
         os.environ["RIPPLES_TEST_FAULT"] = "stall:1:0"
     try:
         mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
-            schedule="static", on_failure="skip", timeout=2))
+            schedule="static", on_failure=on_failure, timeout=5))
     finally:
         os.environ.pop("RIPPLES_TEST_FAULT", None)
-    replica = ctx.rank // S
-    net = _perturbed(mesh, replica)
+    net = _perturbed(mesh, ctx.rank // S)
     opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0)
+    return net, opt, mesh
+
+
+def task_round_failed_on_one_shard(ctx):
+    # the replica group (ranks 0, 1) loses round 1 on shard 1 (rank 1 stalls past the
+    # deadline, so rank 3 fails it too): rank 0's completed round must not be applied
+    # either, or replica group 0 would hold half a round
+    net, opt, mesh = _stalled_on_rank_1(ctx, "skip")
+    replica = ctx.rank // S
     _train(net, opt, ctx.rank, 2)
     base = _net(mesh["shard"])
     err = max((a - b - replica).abs().max().item() for a, b in zip(_full(net), _full(base)))
@@ -380,3 +387,62 @@ def test_smart_schedule_with_shards_is_led_by_shard_0(pool):
         assert job_steps[-1] >= 12
         assert discarded == 0 and applied >= 1 and reduced >= 1, (rank, applied, reduced)
         assert err < 1e-6, (rank, err)  # lr 0: every applied round leaves the mean
+
+
+def task_raise_on_every_shard_rank(ctx):
+    # on_failure="raise": rank 1's round fails (it stalls past the deadline), rank 0's
+    # completes; both raise, or rank 0 would go on into FSDP's next collective alone
+    net, opt, _ = _stalled_on_rank_1(ctx, "raise")
+    try:
+        _train(net, opt, ctx.rank, 2)
+    except RuntimeError as exc:
+        return str(exc), opt.stats()["fsdp_discarded"]
+    return None, opt.stats()["fsdp_discarded"]
+
+
+def test_a_round_that_raises_raises_on_every_shard_rank(pool):
+    res = pool.run(task_raise_on_every_shard_rank)
+    for rank, (err, discarded) in enumerate(res):
+        assert err is not None and discarded == 1, (rank, err)
+    assert "another shard rank of this replica group" in res[0][0], res[0]
+    assert "another shard rank" in res[2][0], res[2]  # rank 3 failed, rank 2 completed
+
+
+def task_resume_keeps_one_job_step(ctx):
+    # a checkpoint mid-run under smart: loaded into a fresh wrap(), every shard rank of a
+    # replica group goes on from the same job step and stops after the same step
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    def make():
+        mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+            schedule="smart", on_failure="skip", group_size=2))
+        net = _net(mesh["shard"])
+        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh,
+                               warmup_steps=2)
+
+    net, opt = make()
+    _train(net, opt, ctx.rank, 5)
+    saved = opt.state_dict()
+    at_save = opt.job_step
+    net2, opt2 = make()
+    opt2.load_state_dict(saved)
+    resumed = opt2.job_step
+    steps = 0
+    while opt2.job_step < at_save + 6:
+        x, y = _batch(ctx.rank, 100 + steps)
+        opt2.zero_grad()
+        nn.functional.mse_loss(net2(x), y).backward()
+        opt2.step()
+        steps += 1
+    opt2.unwrap()
+    return at_save, resumed, steps, opt2.job_step
+
+
+def test_a_resumed_job_keeps_one_job_step_per_replica_group(pool):
+    res = pool.run(task_resume_keeps_one_job_step)
+    for rank, (at_save, resumed, steps, end) in enumerate(res):
+        assert resumed == at_save and at_save >= 2, (rank, at_save, resumed)
+        partner = res[rank ^ 1]
+        assert (steps, end) == (partner[2], partner[3]), (rank, steps, partner)
+        assert end >= at_save + 6

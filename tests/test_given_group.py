@@ -9,7 +9,6 @@ shard 0's group runs its schedule's round and the other shards' groups are given
   a ValueError that names the problem; a refused give changes nothing.
 * ``last_round()`` after a schedule's round says what its trace entry says.
 """
-import time
 
 import pytest
 import torch
@@ -118,15 +117,17 @@ def _t_refusals(ctx):
     chk.equal(x, _input(r), "a group of one moves nothing")
     last = be.last_round()
     chk.true(last["members"] == [r] and last["given"] and not last["moved"], "last", str(last))
-    # A give while this rank's round waits for its partner (ranks 2 and 3 come late).
+    # A give while this rank's round waits for its partner: ranks 2 and 3 come only once
+    # ranks 0 and 1 have tried (a store key, not a sleep: a loaded machine may delay anyone)
     pair = _pair(r)
     if r >= 2:
-        time.sleep(0.5)
+        ctx.store.wait([ctx.key(f"tried{r - 2}")])
     be.give_group(pair, 50 + pair[0])
     work = ripples_pg.partial_all_reduce([x], group=g, async_op=True)
     if r < 2:
         chk.raises("give while queued", lambda: be.give_group(pair, 9), ValueError,
                    r"still queued or running")
+        ctx.store.set(ctx.key(f"tried{r}"), "1")
     work.wait()
     chk.close(x, (_input(pair[0]) + _input(pair[1])) / 2, "the pair's mean", 1e-6, 1e-6)
     chk.true(be.last_round()["group_id"] == 50 + pair[0], "the first give's id",

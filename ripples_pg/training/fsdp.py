@@ -46,6 +46,8 @@ __all__ = ["init_mesh", "save_planner", "wrap", "ShardedRipplesOptimizer"]
 logger = logging.getLogger("ripples_pg.fsdp")
 
 REPLICATE, SHARD = "replicate", "shard"
+# A round's outcome on one shard rank, agreed as the MIN over its replica group
+_RAISED, _FAILED, _DONE = 0, 1, 2
 _WHO = "ripples_pg.fsdp.wrap"
 
 
@@ -161,22 +163,34 @@ def _check_optimizer(optimizer, params) -> None:
                          f"must be in it, or the replica groups drift apart unaveraged")
 
 
-def _check_layout(group) -> None:
-    """Every shard index's replicate group must see the replica groups on the hosts alike, or
-    their static schedules disagree and a replica group's shard ranks take different groups."""
-    mine = [int(h) for h in host_of(group)]
-    # dense relabelling: the same shape of hosts is the same schedule
+def _host_shape(group) -> List[int]:
+    """The replicate group's hosts, relabelled densely: the same shape is the same static
+    schedule."""
     seen: Dict[int, int] = {}
-    shape = [seen.setdefault(h, len(seen)) for h in mine]
-    everyone: List[Optional[List[int]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, shape)
-    if any(other != shape for other in everyone):
+    return [seen.setdefault(int(h), len(seen)) for h in host_of(group)]
+
+
+def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]]) -> None:
+    """One collective over the world: raises on every rank if any rank refused (so no rank
+    goes on to wait for the others in a collective), or if the shard indexes' replicate
+    groups sit on the hosts differently (their static schedules would disagree)."""
+    everyone: List[Optional[tuple]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (None if error is None else str(error), shape))
+    if error is not None:
+        raise error
+    refused = [(rank, msg) for rank, (msg, _) in enumerate(everyone) if msg is not None]
+    if refused:
+        rank, msg = refused[0]
+        raise RuntimeError(f"{_WHO}: rank {rank} refused to wrap ({msg}); every rank must wrap "
+                           f"the same way")
+    shapes = {tuple(sh) for _, sh in everyone if sh is not None}
+    if len(shapes) > 1:
         raise ValueError(
             f"{_WHO}: the replica groups sit on the hosts differently for different shard "
-            f"indexes ({sorted({tuple(o) for o in everyone})}), so the static schedule would "
-            f"give a replica group's shard ranks different groups. Place each replica group's "
-            f"ranks on the hosts the same way (e.g. whole replica groups per host, or one "
-            f"replica group per host)")
+            f"indexes ({sorted(shapes)}), so the static schedule would give a replica group's "
+            f"shard ranks different groups. Place each replica group's ranks on the hosts the "
+            f"same way (e.g. whole replica groups per host, or one replica group per host), or "
+            f"use a coordinator's schedule (Options(schedule='smart')), which shard 0 leads")
 
 
 class ShardedRipplesOptimizer:
@@ -203,10 +217,14 @@ class ShardedRipplesOptimizer:
         # lockstep, so it is the own count; a coordinator's schedule lets fast replica groups
         # step more, counted in the store by each shard 0 (one worker per replica group) and
         # handed to its shard ranks with each round, so that all stop after the same step.
+        # Every shard rank reads the value fixed at its last step() (shard 0's clock, read
+        # once per step and broadcast with the round), never a live read of the clock: a read
+        # between steps (a checkpoint's) must not move one shard rank's job step alone.
         self.clock: Optional[JobClock] = None
         self._job_step = 0
         if _ripples_backend(self.group).schedule != "static":
-            key = _namespace(None) + "fsdp-steps"  # one collective over the world
+            # the replicate group's own nonce (on ripples, CPU): only shard 0's group counts
+            key = _namespace(self.group) + "fsdp-steps"
             self.clock = JobClock(self.replicas, SHARED if self.shard_rank == 0 else LOCKSTEP,
                                   _job_store() if self.shard_rank == 0 else None, key)
         self.warmup_steps = warmup_steps
@@ -233,26 +251,32 @@ class ShardedRipplesOptimizer:
         """The job's step: every replica group's steps over the number of replica groups (as
         ``RipplesOptimizer.job_step``); the same on every shard rank of a replica group, so a
         loop ``while optimizer.job_step < budget`` stops them all after the same step."""
-        if self.clock is None:
-            return self.step_count
-        return self.clock.job_step if self.shard_rank == 0 else self._job_step
+        return self._job_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
+        """The inner optimizer's state dict, with Ripples' part under ``"ripples_fsdp"``: the
+        step (where the warm-up stands), the job step and the counters."""
         sd = self.optim.state_dict()
-        sd["ripples_fsdp"] = {"step": self.step_count, "warmup_steps": self.warmup_steps,
-                              "counts": dict(self.counts)}
+        sd["ripples_fsdp"] = {"step": self.step_count, "job_step": self._job_step,
+                              "warmup_steps": self.warmup_steps, "counts": dict(self.counts)}
         return sd
 
     def load_state_dict(self, state_dict) -> None:
+        """Loads a state dict of :meth:`state_dict` (or the inner optimizer's alone). Every
+        rank loads at the same point, the shard ranks of a replica group what was saved at the
+        same step, so they go on with one job step."""
         state_dict = dict(state_dict)
         mine = state_dict.pop("ripples_fsdp", None)
         self.optim.load_state_dict(state_dict)
         if mine is not None:
             self.step_count = int(mine["step"])
+            self._job_step = int(mine.get("job_step", self.step_count))
             self.counts.update(mine.get("counts", {}))
+            if self.clock is not None:
+                self.clock.rebase(self._job_step)
 
     # -- what is averaged
     def _params(self) -> List[torch.Tensor]:
@@ -290,11 +314,13 @@ class ShardedRipplesOptimizer:
         if exact:
             self._average_gradients()
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
-        if self.clock is not None:
+        if self.clock is not None and self.shard_rank == 0:
             self.clock.tick(exact=exact)
+            self._job_step = self.clock.job_step  # handed to the other shard ranks below
+        elif exact or self.clock is None:
+            self._job_step += 1  # in lockstep: as shard 0's clock counts
         if exact:
             self.counts["exact_steps"] += 1
-            self._job_step = self.step_count + 1  # every replica group stepped together
         else:
             self._partial_round()
         self.step_count += 1
@@ -322,7 +348,16 @@ class ShardedRipplesOptimizer:
                 done, moved, failure = _run_round(be, self.group, packed)
             self.counts["rounds"] += 1
             if self.shards > 1:
-                done = self._agree(done)
+                # every shard rank raises, or none: one that went on alone would wait in
+                # FSDP's next collective for the others
+                outcome = self._agree(_RAISED if failure is not None else
+                                      _DONE if done else _FAILED)
+                done = outcome == _DONE
+                if outcome == _RAISED and failure is None:
+                    failure = RuntimeError(
+                        "ripples_pg.fsdp: a partial round failed on another shard rank of "
+                        "this replica group (on_failure='raise'); its error is in that "
+                        "rank's log")
             if done and moved:
                 for flat, parts in packed:
                     _unpack(flat, parts)
@@ -343,9 +378,12 @@ class ShardedRipplesOptimizer:
         msg = torch.full((5 + r,), -1, dtype=torch.int64)
         failure = None
         if self.shard_rank == 0:
-            msg[4] = self.clock.job_step if self.clock is not None else self.step_count + 1
+            msg[4] = self._job_step
             done, moved, failure = _run_round(be, self.group, packed)
-            last = be.last_round() if done and moved else None
+            try:
+                last = be.last_round() if done and moved else None
+            except Exception as exc:  # noqa: BLE001 - the others wait in the broadcast
+                done, last, failure = False, None, failure or exc
             msg[0], msg[1] = int(done), int(moved)
             if last is not None:
                 members = list(last["members"])
@@ -360,26 +398,33 @@ class ShardedRipplesOptimizer:
         msg = msg.cpu()
         if self.shard_rank == 0:
             return done, moved, failure
-        self._job_step = max(self._job_step, int(msg[4]))
+        self._job_step = int(msg[4])
         done, moved = bool(msg[0]), bool(msg[1])
         if not (done and moved):
             return done, False, None
         members = [int(m) for m in msg[5:].tolist() if m >= 0]
         if not 1 < len(members) <= r or self.replica not in members:
             return False, False, None  # not a group this rank could be in: refuse the round
-        be.give_group(members, (int(msg[2]) << 32) | int(msg[3]))
+        try:
+            be.give_group(members, (int(msg[2]) << 32) | int(msg[3]))
+        except Exception as exc:  # noqa: BLE001 - agreed on first, then raised on every rank
+            return False, False, exc
         return _run_round(be, self.group, packed)
 
     def _device(self) -> torch.device:
-        params = self._params()
-        return params[0].device if params else torch.device("cpu")
+        """Where the shard group's small tensors go: the mesh's device (the parameters may be
+        offloaded to the CPU while FSDP's group runs on NCCL)."""
+        kind = self.mesh.device_type
+        if kind == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(kind)
 
-    def _agree(self, done: bool) -> bool:
-        """Whether every shard rank of this replica group completed its round."""
-        flag = torch.tensor([1 if done else 0], dtype=torch.int32, device=self._device())
+    def _agree(self, outcome: int) -> int:
+        """The worst outcome of this round over the replica group's shard ranks."""
+        flag = torch.tensor([outcome], dtype=torch.int32, device=self._device())
         with exact_if_ripples(self.shard_group):
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.shard_group)
-        return bool(flag.item())
+        return int(flag.item())
 
     # -- the end
     def average_replicas(self) -> None:
@@ -419,8 +464,8 @@ def _run_round(be, group, packed) -> Tuple[bool, bool, Optional[BaseException]]:
     failure: Optional[BaseException] = None
     try:
         partial_all_reduce([flat for flat, _ in packed], group=group, op=dist.ReduceOp.AVG)
-    except RuntimeError as exc:  # on_failure="raise": agreed on before it is raised
-        failure = exc
+    except Exception as exc:  # noqa: BLE001 - on_failure="raise" and the like: agreed on
+        failure = exc          # by the replica group's shard ranks first, then raised
     after = be.partial_stats()
     failed = after["skipped"] + after["failed"] > before["skipped"] + before["failed"]
     return failure is None and not failed, after["reduced"] > before["reduced"], failure
@@ -459,7 +504,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         average_optimizer_state: also average the optimizer's state tensors shaped like their
             parameter (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) in partial rounds.
 
-    Every rank must call it at the same point (it checks the layout with a collective).
+    Every rank must call it at the same point: it agrees with the others in one collective,
+    so that a refusal on any rank raises on every rank.
     """
     if not dist.is_initialized():
         raise RuntimeError(f"{_WHO}: torch.distributed is not initialized")
@@ -469,6 +515,23 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     if not isinstance(average_optimizer_state, bool):
         raise TypeError(f"{_WHO}: average_optimizer_state must be a bool, got "
                         f"{average_optimizer_state!r}")
+    error: Optional[Exception] = None
+    shape: Optional[List[int]] = None
+    try:
+        _check_wrap(model, optimizer, mesh)
+        group = mesh.get_group(REPLICATE)
+        if _ripples_backend(group).schedule == "static":
+            shape = _host_shape(group)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    _agree_on_wrap(error, shape)
+    return ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
+                                   average_optimizer_state=average_optimizer_state)
+
+
+def _check_wrap(model, optimizer, mesh) -> None:
+    """What wrap() checks on this rank: the mesh, its replicate groups, the model, the
+    optimizer."""
     names = getattr(mesh, "mesh_dim_names", None)
     if getattr(mesh, "ndim", None) != 2 or not names or set(names) != {REPLICATE, SHARD}:
         raise ValueError(f"{_WHO}: mesh must be a 2-D DeviceMesh with dimensions "
@@ -480,9 +543,4 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
                          f"{dist.get_backend(group)!r}, not 'ripples': create the mesh with "
                          f"ripples_pg.fsdp.init_mesh(replicas, shards) (or init_device_mesh's "
                          f"backend_override={{'replicate': ('ripples', ripples_pg.Options(...))}})")
-    params = _check_model(model, mesh, mesh[SHARD])
-    _check_optimizer(optimizer, params)
-    if _ripples_backend(group).schedule == "static":
-        _check_layout(group)  # a coordinator's groups are handed on by shard 0
-    return ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
-                                   average_optimizer_state=average_optimizer_state)
+    _check_optimizer(optimizer, _check_model(model, mesh, mesh[SHARD]))
