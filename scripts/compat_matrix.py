@@ -118,19 +118,23 @@ CELLS = [
      "touching a parameter: they average whole replicas under DDP; an FSDP2 model goes to "
      "`ripples_pg.fsdp.wrap()` ([limitations.md](limitations.md#sharded-models))",
      ["test_optimizer_compat.py::test_sharded_models_are_refused"]),
-    ("FSDP2 replica groups (`fully_shard` over `mesh['shard']`), static schedule", WORKS,
+    ("FSDP2 replica groups (`fully_shard` over `mesh['shard']`)", WORKS,
      "`ripples_pg.fsdp.wrap(model, optimizer, mesh)`: exact warm-up (= HSDP), partial rounds "
-     "atomic across a replica group, `unwrap()` ends with one model ([fsdp.md](fsdp.md))",
+     "atomic across a replica group (static schedule, or `smart`/`random` led by shard 0), "
+     "`job_step`, `unwrap()` ends with one model ([fsdp.md](fsdp.md))",
      ["test_fsdp.py::test_warmup_matches_hsdp_on_gloo",
       "test_fsdp.py::test_partial_rounds_average_each_shard_with_its_own",
-      "test_fsdp.py::test_a_round_applies_on_every_shard_of_a_replica_group_or_on_none"]),
-    ("FSDP2 sharded checkpoints through DCP", WORKS,
+      "test_fsdp.py::test_a_round_applies_on_every_shard_of_a_replica_group_or_on_none",
+      "test_fsdp.py::test_smart_schedule_with_shards_is_led_by_shard_0"]),
+    ("FSDP2 sharded checkpoints through DCP, resuming", WORKS,
      "`planner=ripples_pg.fsdp.save_planner()` keeps replica group 0's model; loads into "
-     "plain FSDP2 and back ([fsdp.md](fsdp.md#checkpoints))",
-     ["test_fsdp.py::test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back"]),
-    ("FSDP2 with `smart`/`random` and several shards per replica group, HSDP models", REFUSED,
-     "`ripples_pg.fsdp.wrap()` raises `ValueError` naming the cause: the straggler-aware "
-     "schedules across shard ranks are not built yet ([fsdp.md](fsdp.md))",
+     "plain FSDP2 and back; `optimizer.state_dict()` carries the step and the job step "
+     "([fsdp.md](fsdp.md#checkpoints))",
+     ["test_fsdp.py::test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back",
+      "test_fsdp.py::test_a_resumed_job_keeps_one_job_step_per_replica_group"]),
+    ("HSDP models, FSDP2 on other meshes, a replicate dimension not on `ripples`", REFUSED,
+     "`ripples_pg.fsdp.wrap()` raises naming the cause and what to do, on every rank "
+     "([fsdp.md](fsdp.md#refused-by-name))",
      ["test_fsdp.py::test_what_is_not_supported_is_refused_by_name"]),
     ("Frameworks", None, None, None),
     ("transformers' `Trainer`", WORKS,
