@@ -122,12 +122,18 @@ int gg_stopped(rpl_gg *gg, const gg_worker *x) {
     return 0; /* other policies' groups are fixed when drawn: dropping a member breaks them */
   gg_bulk_refresh(gg);
   double step = x->comp > gg->comp_med ? x->comp : gg->comp_med;
-  /* Nothing measured yet, and x has never asked: every group that holds it waits, so nothing
-   * would ever be measured (the job's first rounds). The longest partner wait is then the
-   * scale: 2 s, far beyond the spread of first requests that leave warm-up's last exact step
-   * together, yet a bound. */
-  if (step <= 0 && !x->counted) step = RPL_GG_MAX_PARTNER_WAIT;
-  return step > 0 && gg->now - since > GG_OVERDUE * step;
+  /* No compute step known: exact collectives between every two rounds (FSDP's shard group,
+   * a loss all-reduced each step) end each step in a fence, which is no compute step. The
+   * step from a group handed to the next request (x's, or the bulk's if longer) is the scale
+   * then. Without it a worker that had asked once was never taken for stopped, and a worker
+   * left training waited for it without end (its rounds to their timeout). */
+  if (step <= 0) step = x->iv > gg->iv_med ? x->iv : gg->iv_med;
+  /* Nothing measured at all (the job's first rounds: every group that holds a worker that
+   * has never asked waits, so nothing would ever be): the longest partner wait -- 2 s, far
+   * beyond the spread of first requests that leave warm-up's last exact step together, yet a
+   * bound. */
+  if (step <= 0) step = RPL_GG_MAX_PARTNER_WAIT;
+  return gg->now - since > GG_OVERDUE * step;
 }
 
 /* Whether x (live, smart) is worth waiting for, at most `wait`: a worker of the bulk's speed

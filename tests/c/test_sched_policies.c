@@ -914,6 +914,7 @@ typedef struct tick_sim {
   int waiting[4];
   int nstopped;
   double stop_at;
+  int fence_each_step; /* an exact collective after every round (FSDP's shard group's, say) */
 } tick_sim;
 
 /* Advances the clock to t and has every worker that is due ask for its next round. */
@@ -935,6 +936,10 @@ static void sim_answered(rpl_gg *gg, tick_sim *s, const rpl_gg_event *ev, double
   s->round[w]++;
   s->next_ask[w] = t + s->step[w];
   if (ev->kind == RPL_EV_GROUP) OK(rpl_gg_done(gg, w, ev->group_id, &e_));
+  if (s->fence_each_step) {
+    OK(rpl_gg_fence(gg, w, &e_));
+    OK(rpl_gg_unfence(gg, w, &e_));
+  }
 }
 
 /* The arrival filter: a division by a fast worker leaves out a slow worker that is computing
@@ -1141,9 +1146,10 @@ static void test_fenced_after_me_not_coming(void) {
 /* Workers below `nstopped` ask only before `stop_at` (never, if 0); the others train on, at
  * 10 ms steps (1 ms ticks), for 1 s past `settled`, when nothing is left to wait for: each of
  * them must go on running rounds then, none waiting long for a partner. */
-static void stopped_case(int nstopped, double stop_at, double settled) {
+static void stopped_case(int nstopped, double stop_at, double settled, int fence_each_step) {
   rpl_gg *gg = make_smart(4, 3, 10);
-  tick_sim s = {.step = {0.01, 0.01, 0.01, 0.01}, .nstopped = nstopped, .stop_at = stop_at};
+  tick_sim s = {.step = {0.01, 0.01, 0.01, 0.01}, .nstopped = nstopped, .stop_at = stop_at,
+                .fence_each_step = fence_each_step};
   double worst_wait = 0;
   uint64_t late_rounds[4] = {0};
   for (int tick = 0; tick <= (int)((settled + 1.0) * 1000); tick++) {
@@ -1178,10 +1184,15 @@ static void stopped_case(int nstopped, double stop_at, double settled) {
 
 static void test_stopped_workers_not_waited_for(void) {
   /* their steps done: after GG_OVERDUE steps, the last worker trains on alone */
-  stopped_case(3, 0.2, 0.25);
+  stopped_case(3, 0.2, 0.25, 0);
   /* never asked once (a long first step after warm-up), nothing measured yet since every
    * group holds it: after GG_OVERDUE longest partner waits */
-  stopped_case(1, 0.0, 4 * RPL_GG_MAX_PARTNER_WAIT + 0.05); /* GG_OVERDUE: 4 */
+  stopped_case(1, 0.0, 4 * RPL_GG_MAX_PARTNER_WAIT + 0.05, 0); /* GG_OVERDUE: 4 */
+  /* an exact collective between every two rounds (FSDP's shard group's): no compute step is
+   * ever measured, yet stopped workers are not waited for -- after GG_OVERDUE of their steps
+   * from a group handed to the next request. They used to be waited for without end. */
+  stopped_case(3, 0.2, 0.25, 1);
+  stopped_case(2, 0.2, 0.25, 1);
 }
 
 int main(void) {
