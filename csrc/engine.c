@@ -467,6 +467,23 @@ int rpl_comm_partial_last(const rpl_comm *c, rpl_round_outcome *out, int *member
   return c->partial ? rpl_partial_last(c->partial, out, members, cap) : 0;
 }
 
+rpl_status rpl_comm_fence_alone(rpl_comm *c, rpl_error *err) {
+  /* Under mu, and only while nothing is queued or running: the fence of a collective in
+   * flight would otherwise be taken in the domain and lifted outside it. */
+  pthread_mutex_lock(&c->mu);
+  rpl_status st = RPL_OK;
+  if (c->closing)
+    st = rpl_fail(err, RPL_ERR_CLOSED, "the process group was shut down");
+  else if (c->head || c->executing || c->running_partial)
+    st = rpl_fail(err, RPL_ERR_INVALID,
+                  "an operation is still queued or running on this group: take it out of the "
+                  "fence domain once its operations have completed");
+  else if (c->partial)
+    rpl_partial_fence_alone(c->partial);
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
 rpl_status rpl_comm_partial_give(rpl_comm *c, const int *members, int n, uint64_t group_id,
                                  rpl_error *err) {
   /* Under mu, so that no round is submitted between the check and the give: the next round

@@ -57,6 +57,14 @@ void rpl_fence_leave(rpl_fence *f) {
   pthread_mutex_unlock(&d->mu);
 }
 
+static void unfence_one(rpl_fence *f);
+
+void rpl_fence_go_alone(rpl_fence *f) {
+  rpl_fence_leave(f);
+  f->domain = NULL;
+  unfence_one(f); /* a fence the domain's collective set is this schedule's no more */
+}
+
 static void fence_one(rpl_fence *f) {
   if (!f->client || f->left || !__atomic_load_n(&f->armed, __ATOMIC_ACQUIRE)) return;
   if (__atomic_exchange_n(&f->fenced, 1, __ATOMIC_ACQ_REL)) return; /* already fenced */

@@ -33,6 +33,10 @@ typedef struct rpl_fence {
 rpl_status rpl_fence_join(rpl_fence *f, rpl_domain *d, rpl_error *err);
 /* Leaves the domain, if any (before the owner is freed). */
 void rpl_fence_leave(rpl_fence *f);
+/* Leaves the domain for good while the owner lives on: its exact collectives fence only its
+ * own schedule from then on, and the others' no longer fence it (unfenced now if they had).
+ * The caller makes sure nothing of the owner runs (no exact collective, no request). */
+void rpl_fence_go_alone(rpl_fence *f);
 
 /* Before an exact collective: fences every schedule of the domain (or this one alone). */
 void rpl_fence_before_exact(rpl_fence *f);

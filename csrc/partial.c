@@ -203,6 +203,8 @@ void rpl_partial_before_exact(rpl_partial *p) { rpl_fence_before_exact(&p->fence
 
 void rpl_partial_after_exact(rpl_partial *p, int more) { rpl_fence_after_exact(&p->fence, more); }
 
+void rpl_partial_fence_alone(rpl_partial *p) { rpl_fence_go_alone(&p->fence); }
+
 /* ---- one round ------------------------------------------------------------------------- */
 
 static uint64_t sig_hash(const rpl_op_desc *d) {

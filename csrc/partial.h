@@ -31,6 +31,9 @@ void rpl_partial_before_exact(rpl_partial *p);
  * (another is queued right behind, so the fence spans both: two messages, not four). */
 void rpl_partial_after_exact(rpl_partial *p, int more);
 
+/* rpl_comm_fence_alone (ripples.h): this schedule leaves its fence domain. */
+void rpl_partial_fence_alone(rpl_partial *p);
+
 /* One round. `run` comes with the communicator's transport and sizes; this fills in the group.
  * Failures never break the communicator: connections to the group are reset instead. */
 rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, rpl_error *err);

@@ -415,6 +415,15 @@ int rpl_comm_partial_last(const rpl_comm *comm, rpl_round_outcome *out, int *mem
 rpl_status rpl_comm_partial_give(rpl_comm *comm, const int *members, int n, uint64_t group_id,
                                  rpl_error *err);
 
+/* Takes this communicator out of its fence domain: its exact collectives stop fencing the
+ * other communicators' dynamic schedules, and theirs stop fencing its own. Only for a group
+ * whose collectives no partial round of another group can wait for: FSDP's shard group, whose
+ * ranks reach their partial rounds together (ripples_pg.fsdp). Its fences would otherwise end
+ * every compute step the coordinator measures and cancel the groups pending for its ranks.
+ * Refused (RPL_ERR_INVALID) while an operation is queued or running; RPL_ERR_CLOSED after
+ * shutdown. A no-op where partial rounds are off (such a group fences nothing). */
+rpl_status rpl_comm_fence_alone(rpl_comm *comm, rpl_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -230,6 +230,15 @@ void ProcessGroupRipples::giveGroup(const std::vector<int>& members, uint64_t gr
   }
 }
 
+void ProcessGroupRipples::fenceAlone() {
+  checkOpen("fence_alone");
+  rpl_error err;
+  rpl_status st = rpl_comm_fence_alone(comm_, &err);
+  if (st != RPL_OK) {
+    throwRefused(group_->name, "fence_alone", st, err.msg);
+  }
+}
+
 rpl_domain* processFenceDomain() {
   // One per process, on purpose: an exact collective on any ripples group must fence the
   // dynamic schedules of all of them (docs/design.md §3). It lives as long as the process.

@@ -218,7 +218,13 @@ void bindBackend(py::module_& m) {
            "(the same on every member, nonzero for two or more members). No schedule or "
            "coordinator is asked for that round. Raises ValueError for invalid arguments, a "
            "group given earlier that has not had its round, or a round still queued or "
-           "running (give once it completed).");
+           "running (give once it completed).")
+      .def("fence_alone", &PG::fenceAlone, py::call_guard<py::gil_scoped_release>(),
+           "Takes this group out of the process's fence domain: its exact collectives stop "
+           "fencing the other ripples groups' dynamic schedules (and theirs stop fencing its "
+           "own). Only for a group whose collectives no other group's partial round can wait "
+           "for, such as FSDP's shard group under ripples_pg.fsdp. Raises ValueError while an "
+           "operation is queued or running on it.");
 }
 
 

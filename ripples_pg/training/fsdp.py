@@ -213,6 +213,8 @@ class ShardedRipplesOptimizer:
         self.replica = mesh.get_local_rank(REPLICATE)
         # a coordinator's schedule with several shards: shard 0 leads (docs/fsdp.md)
         self._led = self.shards > 1 and _ripples_backend(self.group).schedule != "static"
+        if self.shards > 1 and is_ripples(self.shard_group):
+            self._fence_alone()
         # The job step (docs/progress.md): the static schedule steps every replica group in
         # lockstep, so it is the own count; a coordinator's schedule lets fast replica groups
         # step more, counted in the store by each shard 0 (one worker per replica group) and
@@ -232,6 +234,19 @@ class ShardedRipplesOptimizer:
         self.step_count = 0
         self.unwrapped = False
         self.counts = {"exact_steps": 0, "rounds": 0, "applied": 0, "discarded": 0}
+
+    def _fence_alone(self) -> None:
+        """FSDP's shard group on ripples: its collectives (FSDP's gathers and scatters, the
+        round's agreement) must not fence the replicate group's coordinator. Each fence ends
+        the compute step the coordinator measures and cancels the groups pending for this
+        rank, so a coordinator's schedule would never learn the replica groups' speeds. No
+        partial round of the replicate group can wait for them: a replica group's shard ranks
+        reach each round together and leave it together (the agreement)."""
+        try:
+            _ripples_backend(self.shard_group).fence_alone()
+        except (ValueError, RuntimeError) as exc:  # an op in flight: correct, only blinder
+            logger.warning("ripples_pg.fsdp: the shard group's collectives still fence the "
+                           "replicate group's schedule (%s)", exc)
 
     # -- the inner optimizer's face
     @property

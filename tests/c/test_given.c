@@ -5,7 +5,8 @@
  * Four ranks as threads, the static schedule underneath: a given round averages exactly the
  * members given (three of four here, the fourth alone), asks no schedule, and leaves the next
  * round to the schedule at the next round number; invalid groups, a second give and a give
- * while a round is queued are refused with a message naming why.
+ * while a round is queued are refused with a message naming why. Also rpl_comm_fence_alone:
+ * refused while a round is queued, and rounds go on after it.
  */
 #include <math.h>
 #include <string.h>
@@ -92,7 +93,10 @@ static void body_given(job *j, rpl_comm *c) {
   int r = j->rank;
   int one[1] = {r};
   give(c, one, 1, 0, "not enabled");
-  rpl_partial_config pc = {.schedule = "static", .trace = 1, .timeout_s = 20};
+  OK(rpl_comm_fence_alone(c, &e_)); /* partial rounds off: nothing to leave */
+  rpl_domain *dom;
+  OK(rpl_domain_create(&dom, &e_));
+  rpl_partial_config pc = {.schedule = "static", .trace = 1, .timeout_s = 20, .domain = dom};
   OK(rpl_comm_enable_partial(c, &pc, &e_));
   rpl_round_outcome o;
   int got[N];
@@ -137,7 +141,13 @@ static void body_given(job *j, rpl_comm *c) {
   rpl_op_desc d = {.kind = RPL_OP_PARTIAL_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
   req q;
   submit(c, d, &q);
-  if (r == 0) give(c, pair, 2, 100, "still queued or running");
+  if (r == 0) {
+    give(c, pair, 2, 100, "still queued or running");
+    rpl_error err = {RPL_OK, ""};
+    rpl_status st = rpl_comm_fence_alone(c, &err);
+    CHECK(st == RPL_ERR_INVALID && strstr(err.msg, "still queued or running"),
+          "fence_alone with a round queued: %s: %s", rpl_status_name(st), err.msg);
+  }
   CHECK(wait_for(&q, 30) == 0 && q.st == RPL_OK, "given SUM round: %s", q.err.msg);
   req_free(&q);
   for (int i = 0; i < LEN; i++) x[i] /= N; /* the SUM's size/|G| scaling, undone to a mean */
@@ -151,6 +161,16 @@ static void body_given(job *j, rpl_comm *c) {
         (unsigned long long)s.failed);
   CHECK(s.reduced + s.singletons == 3, "reduced %llu singletons %llu",
         (unsigned long long)s.reduced, (unsigned long long)s.singletons);
+
+  /* Out of the fence domain, the domain can go before the communicator, and rounds go on. */
+  OK(rpl_comm_fence_alone(c, &e_));
+  rpl_domain_destroy(dom);
+  for (int i = 0; i < LEN; i++) x[i] = input(r, i);
+  round_avg(c, x, RPL_AVG);
+  OK(rpl_layout_create(N, NULL, &l, &e_));
+  OK(rpl_static_group(l, r, 3, sched, N, &n, &gid, &e_));
+  rpl_layout_destroy(l);
+  check_mean(x, sched, n, "a round after leaving the fence domain");
 }
 
 int main(void) {
