@@ -95,6 +95,61 @@ def test_warmup_matches_hsdp_on_gloo(pool):
         assert diff < 1e-6, diff
 
 
+def task_warmup_exit(ctx, slow_replica, pause_s, steps, straggler, schedule="static"):
+    # each rank's "compute" a pause after its step; the slow replica group's 5x as long
+    import time
+
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(schedule=schedule,
+                                                            on_failure="skip"))
+    net = _net(mesh["shard"])
+    kw = {} if straggler == "default" else {"warmup_straggler": straggler}
+    opt = rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh, **kw)
+    slow = ctx.rank // S == slow_replica
+    for i in range(steps):
+        x, y = _batch(ctx.rank, i)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        time.sleep(pause_s * (5 if slow else 1))
+    st = opt.stats()
+    out = {k: st["fsdp_" + k] for k in ("exact_steps", "rounds", "warmup_ended_early",
+                                        "warmup_gain")}
+    out["saved"] = opt.state_dict()["ripples_fsdp"]["warmup_ended_early"]
+    out["job_step"] = opt.job_step
+    opt.unwrap()
+    return out
+
+
+# Even replica groups are compared against a gain of 1.5, as tests/test_warmup.py does for DDP:
+# the default (1.05) is met by the jitter of short sleeps on a loaded machine. The 5x slow
+# replica group of two is a gain of 3.
+EVEN = 1.5
+
+
+@pytest.mark.parametrize("schedule", ["static", "smart"])
+def test_a_straggling_replica_group_ends_the_warmup(pool, schedule):
+    # wrap()'s default: no fixed end, ended by the straggler after the same step everywhere
+    res = pool.run(task_warmup_exit, 1, 0.01, 16, "default", schedule)
+    ended = {r["warmup_ended_early"] for r in res}
+    assert len(ended) == 1 and None not in ended, res
+    end = ended.pop()
+    assert 4 <= end < 16, res
+    for r in res:
+        assert r["exact_steps"] == end and r["rounds"] == 16 - end, r
+        assert r["saved"] == end and r["warmup_gain"] >= 1.05, r
+
+
+def test_even_replica_groups_stay_exact(pool):
+    res = pool.run(task_warmup_exit, -1, 0.005, 30, EVEN)
+    for r in res:
+        assert r["warmup_ended_early"] is None and r["rounds"] == 0, r
+        assert r["exact_steps"] == 30 == r["job_step"], r
+        assert r["warmup_gain"] is not None and r["warmup_gain"] < EVEN, r
+
+
 def _perturbed(mesh, replica):
     """The seeded net, each replica group's parameters and buffer moved by its index."""
     net = _net(mesh["shard"])
@@ -258,6 +313,10 @@ def task_refusals(ctx):
         "random": _error(lambda: rfsdp.wrap(random_net, torch.optim.SGD(
             random_net.parameters(), lr=0.1), random_mesh), ValueError),
         "warmup": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_steps=-1), ValueError),
+        "no check": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_straggler=None),
+                           ValueError),
+        "straggler": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_straggler=0.5),
+                            ValueError),
         "mesh size": _error(lambda: rfsdp.init_mesh(3, 2), ValueError),
         "ddp wrap": _error(lambda: ripples_pg.wrap(net, sgd), TypeError),
     }
@@ -273,6 +332,8 @@ def test_what_is_not_supported_is_refused_by_name(pool):
     assert "does not train" in errors["optimizer"], errors
     assert errors["random"] is None, errors  # led by shard 0 (test below)
     assert "warmup_steps" in errors["warmup"], errors
+    assert "needs warmup_straggler" in errors["no check"], errors
+    assert "warmup_straggler" in errors["straggler"], errors
     assert "3 replicas x 2 shards" in errors["mesh size"], errors
     assert "ripples_pg.fsdp.wrap" in errors["ddp wrap"], errors
 

@@ -149,6 +149,36 @@ def warmup_window(step: int) -> int:
     return WARMUP_CHECK_EVERY if step + 1 <= WARMUP_QUICK_STEPS else WARMUP_CHECK_LATER
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); the
+# package supports torch releases that have only the old one.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def warmup_row(times: List[float], crowd: List[Tuple[float, float, float]],
+               k: int) -> torch.Tensor:
+    """One worker's row for a warm-up check: its compute times of the last ``k`` steps (-1: a
+    step not timed), then the shares of its steps' time it waited for a core and ran on one
+    (``crowd``: per step, (waited, ran, wall))."""
+    waited, ran, walls = (sum(c[i] for c in crowd) for i in range(3))
+    row = ([-1.0] * k + list(times))[-k:]
+    row += [waited / walls if walls > 0 else 0.0, ran / walls if walls > 0 else 0.0]
+    return torch.tensor(row, dtype=torch.float64)
+
+
+def gather_warmup_rows(row: torch.Tensor, k: int, group) -> Tuple[List[List[float]], float, float]:
+    """One tiny exact all-gather of every worker's ``warmup_row`` over ``group``: returns
+    ``(times[w][t], waiting, busy)``, the same on every worker, with the crowd shares averaged
+    over the workers."""
+    n = dist.get_world_size(group)
+    out = torch.empty(n * (k + 2), dtype=torch.float64)
+    with exact_if_ripples(group):
+        _all_gather_single(out, row.to(out.device), group=group)
+    flat = out.tolist()
+    rows = [flat[w * (k + 2):(w + 1) * (k + 2)] for w in range(n)]
+    return ([r[:k] for r in rows], sum(r[k] for r in rows) / n,
+            sum(r[k + 1] for r in rows) / n)
+
+
 def straggler_gain(times: Sequence[Sequence[float]]) -> Tuple[float, float, int]:
     """``times[w][t]``: worker ``w``'s compute time at step ``t`` of a window. Returns
     ``(gain, excess, slowest)``: all-reduce's time over the window (the sum of every step's
@@ -160,11 +190,6 @@ def straggler_gain(times: Sequence[Sequence[float]]) -> Tuple[float, float, int]
     free = n / sum(1.0 / x for x in totals)
     slowest = max(range(n), key=lambda w: totals[w])
     return allreduce / free, allreduce - free, slowest
-
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns); the
-# package supports torch releases that have only the old one.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _params_of(params) -> List[torch.Tensor]:
@@ -748,19 +773,10 @@ class RipplesAverager(ModelAverager):
         if n < 2:
             return None
         k = warmup_window(self.step)
-        mine = ([-1.0] * k + self._warm_times)[-k:]  # -1: a step not timed
-        waited = sum(c[0] for c in self._warm_crowd)
-        ran = sum(c[1] for c in self._warm_crowd)
-        walls = sum(c[2] for c in self._warm_crowd)
+        mine = warmup_row(self._warm_times, self._warm_crowd, k)
         self._warm_times, self._warm_crowd = [], []
-        mine += [waited / walls if walls > 0 else 0.0, ran / walls if walls > 0 else 0.0]
-        out = torch.empty(n * (k + 2), dtype=torch.float64)
-        with exact_if_ripples(group):
-            _all_gather_single(out, torch.tensor(mine, dtype=torch.float64), group=group)
-        flat = out.tolist()
-        rows = [flat[w * (k + 2):(w + 1) * (k + 2)] for w in range(n)]
+        times, waiting, busy = gather_warmup_rows(mine, k, group)
         # the same on every worker: running averages over the checks (one check is noisy)
-        waiting, busy = sum(r[k] for r in rows) / n, sum(r[k + 1] for r in rows) / n
         if self._warm_crowd_avg is None:
             self._warm_crowd_avg, self._warm_busy_avg = waiting, busy
         else:
@@ -768,7 +784,6 @@ class RipplesAverager(ModelAverager):
             self._warm_busy_avg += (busy - self._warm_busy_avg) / 4
         crowded = self._warm_crowd_avg >= WARMUP_CROWDED and \
             self._warm_busy_avg >= WARMUP_CPU_BOUND
-        times = [r[:k] for r in rows]
         return (None if min(min(t) for t in times) <= 0 else times), crowded
 
     @property

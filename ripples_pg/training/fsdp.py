@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from contextlib import nullcontext
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -37,6 +38,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..backend._api import _ripples_backend, host_of, partial_all_reduce, stats
 from ..backend.options import Options
+from ._args import check_warmup_straggler
+from ._fsdp_warmup import ReplicaWarmup
 from ._groups import exact_if_ripples, is_ripples
 from ._models import sharded_kind
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
@@ -49,6 +52,13 @@ REPLICATE, SHARD = "replicate", "shard"
 # A round's outcome on one shard rank, agreed as the MIN over its replica group
 _RAISED, _FAILED, _DONE = 0, 1, 2
 _WHO = "ripples_pg.fsdp.wrap"
+# wrap()'s warmup_straggler: higher than the DDP path's 1.05, because a partial round costs a
+# replica group more than HSDP's exact all-reduce (a coordinator's rounds of shards other than
+# 0 follow shard 0's, then the shard ranks agree: 0.92-0.96x HSDP's pace with nobody slow,
+# benchmarks/fsdp_budget.py), so waiting must cost more before partial rounds pay; and even
+# replica groups read as 1.02-1.07 by jitter alone (6 ranks on 2 cores, checks of 2 steps).
+# A replica group 1.4x slow among 3 is a gain of 1.2; 5x slow, 3.7.
+FSDP_WARMUP_STRAGGLER = 1.2
 
 
 def init_mesh(replicas: int, shards: int, *, device_type: str = "cpu",
@@ -200,8 +210,9 @@ class ShardedRipplesOptimizer:
     Everything else (``zero_grad``, ``param_groups``, ``state``, ``state_dict``) is the inner
     optimizer's."""
 
-    def __init__(self, model, optimizer, mesh, *, warmup_steps: int,
-                 average_optimizer_state: bool) -> None:
+    def __init__(self, model, optimizer, mesh, *, warmup_steps: Optional[int],
+                 average_optimizer_state: bool,
+                 warmup_straggler: Optional[float] = None) -> None:
         self.model = model
         self.optim = optimizer
         self.mesh = mesh
@@ -229,7 +240,13 @@ class ShardedRipplesOptimizer:
             key = _namespace(self.group) + "fsdp-steps"
             self.clock = JobClock(self.replicas, SHARED if self.shard_rank == 0 else LOCKSTEP,
                                   _job_store() if self.shard_rank == 0 else None, key)
+        # warm-up: exact steps up to warmup_steps (None: no fixed end), ended earlier, after
+        # the same step on every rank, by a replica group straggling enough (warmup_straggler)
         self.warmup_steps = warmup_steps
+        self.warmup_limit = warmup_steps
+        self.warmup_ended_early: Optional[int] = None
+        self._warm = ReplicaWarmup(self.group, self.shard_group, self.shards, self._device(),
+                                   warmup_straggler) if warmup_straggler else None
         self.average_optimizer_state = average_optimizer_state
         self.step_count = 0
         self.unwrapped = False
@@ -276,7 +293,9 @@ class ShardedRipplesOptimizer:
         step (where the warm-up stands), the job step and the counters."""
         sd = self.optim.state_dict()
         sd["ripples_fsdp"] = {"step": self.step_count, "job_step": self._job_step,
-                              "warmup_steps": self.warmup_steps, "counts": dict(self.counts)}
+                              "warmup_steps": self.warmup_steps,
+                              "warmup_ended_early": self.warmup_ended_early,
+                              "counts": dict(self.counts)}
         return sd
 
     def load_state_dict(self, state_dict) -> None:
@@ -290,6 +309,11 @@ class ShardedRipplesOptimizer:
             self.step_count = int(mine["step"])
             self._job_step = int(mine.get("job_step", self.step_count))
             self.counts.update(mine.get("counts", {}))
+            ended = mine.get("warmup_ended_early")
+            if ended is not None:  # partial rounds had started: they go on
+                self.warmup_ended_early = int(ended)
+                self.warmup_steps = int(ended) if self.warmup_steps is None else \
+                    min(self.warmup_steps, int(ended))
             if self.clock is not None:
                 self.clock.rebase(self._job_step)
 
@@ -325,10 +349,12 @@ class ShardedRipplesOptimizer:
         if self.unwrapped:
             raise RuntimeError("ripples_pg.fsdp: step() after unwrap(); step the optimizer "
                                "unwrap() returned")
-        exact = self.step_count < self.warmup_steps
+        exact = self._exact()
         if exact:
             self._average_gradients()
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        if exact and self._warm is not None:
+            self._warmup_check()
         if self.clock is not None and self.shard_rank == 0:
             self.clock.tick(exact=exact)
             self._job_step = self.clock.job_step  # handed to the other shard ranks below
@@ -341,11 +367,35 @@ class ShardedRipplesOptimizer:
         self.step_count += 1
         return loss
 
+    def _exact(self) -> bool:
+        """Whether this step is a warm-up step (exact)."""
+        return self.warmup_steps is None or self.step_count < self.warmup_steps
+
+    def _warmup_check(self) -> None:
+        """After an exact step's optimizer step: times it, and at a check's step ends warm-up
+        here, on every rank, if a replica group straggles enough. The check's exchange is
+        left out of the next step's time."""
+        warm = self._warm
+        warm.step_done()
+        step = self.step_count
+        if self.warmup_limit is None or step + 1 < self.warmup_limit:
+            hit = warm.check(step)
+            if hit is not None:
+                gain, slow = hit
+                bound = "" if self.warmup_limit is None else f" instead of {self.warmup_limit}"
+                logger.warning("ripples_pg.fsdp: waiting for the slowest replica group (%d) "
+                               "makes the exact steps %.2fx as long as replica groups that "
+                               "never wait; warm-up ends at step %d%s and partial rounds "
+                               "start", slow, gain, step + 1, bound)
+                self.warmup_steps = self.warmup_ended_early = step + 1
+        warm.restart()
+
     def _average_gradients(self) -> None:
         """The warm-up: HSDP's step (FSDP averaged the gradients in the replica group; this
         averages them across the replica groups, exactly)."""
         grads = [_local(p.grad) for p in self._params() if p.grad is not None]
-        with exact_if_ripples(self.group), torch.no_grad():
+        waiting = self._warm.waiting() if self._warm is not None else nullcontext()
+        with waiting, exact_if_ripples(self.group), torch.no_grad():
             for flat, parts in _flats(grads):
                 dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
                 _unpack(flat, parts)
@@ -456,14 +506,21 @@ class ShardedRipplesOptimizer:
         if not self.unwrapped and average:
             self.average_replicas()
         self.unwrapped = True
+        if self._warm is not None:
+            self._warm.close()  # its scheduler statistics file
         return self.optim
 
     def stats(self) -> dict:
         """``ripples_pg.stats()`` of the replicate group, with this wrapper's ``exact_steps``,
         ``rounds``, ``applied`` (rounds that changed the shards) and ``discarded`` (rounds not
-        completed on every shard rank of the replica group, so applied on none)."""
+        completed on every shard rank of the replica group, so applied on none), and the
+        warm-up exit's ``warmup_ended_early`` (the step partial rounds started at when a
+        straggling replica group ended warm-up, else None) and ``warmup_gain`` (the last
+        check's gain over all-reduce, None before the first)."""
         out = stats(self.group)
         out.update({f"fsdp_{k}": v for k, v in self.counts.items()})
+        out["fsdp_warmup_ended_early"] = self.warmup_ended_early
+        out["fsdp_warmup_gain"] = self._warm.gain if self._warm is not None else None
         return out
 
     def __repr__(self) -> str:
@@ -503,7 +560,8 @@ def _unpack(flat: torch.Tensor, parts: List[torch.Tensor]) -> None:
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
-         warmup_steps: int = 50,
+         warmup_steps: Optional[int] = None,
+         warmup_straggler: Optional[float] = FSDP_WARMUP_STRAGGLER,
          average_optimizer_state: bool = False) -> ShardedRipplesOptimizer:
     """Averages an FSDP2 model between its replica groups with Ripples; returns the optimizer
     to step.
@@ -515,7 +573,18 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         mesh: the 2-D ``(replicate, shard)`` mesh (:func:`init_mesh`), whose ``replicate``
             groups run on ``ripples``.
         warmup_steps: steps of exact averaging first (HSDP's step: the gradients averaged over
-            every replica group before the optimizer step). Default 50.
+            every replica group before the optimizer step). ``None`` (the default): no fixed
+            end -- the job stays exact, and as good as HSDP, while its replica groups are
+            even, and starts partial rounds when one straggles enough (``warmup_straggler``),
+            at any step. An ``int``: at most that many exact steps (``0``: none), ended
+            earlier by a straggler the same way.
+        warmup_straggler: end warm-up, on every rank after the same step, once waiting for
+            the slowest replica group makes the exact steps this many times as long as replica
+            groups that never wait would take, in two checks in a row (every 2 exact steps,
+            every 8 after step 24); the rule of ``ripples_pg.wrap()``'s ``warmup_straggler``,
+            with a replica group as slow as its slowest rank. Default 1.2 (the DDP path's is
+            1.05: a partial round costs a replica group more than an exact step). ``None`` or
+            ``0``: warm-up always runs ``warmup_steps`` steps (which must then be a number).
         average_optimizer_state: also average the optimizer's state tensors shaped like their
             parameter (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) in partial rounds.
 
@@ -524,9 +593,15 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     """
     if not dist.is_initialized():
         raise RuntimeError(f"{_WHO}: torch.distributed is not initialized")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"{_WHO}: warmup_steps must be a non-negative integer, got "
+    if warmup_steps is not None and (isinstance(warmup_steps, bool) or
+                                     not isinstance(warmup_steps, int) or warmup_steps < 0):
+        raise ValueError(f"{_WHO}: warmup_steps must be None or a non-negative integer, got "
                          f"{warmup_steps!r}")
+    warmup_straggler = check_warmup_straggler(_WHO, "warmup_straggler", warmup_straggler)
+    if not warmup_straggler and warmup_steps is None:
+        raise ValueError(f"{_WHO}: warmup_steps=None (exact until a straggling replica group "
+                         f"ends warm-up) needs warmup_straggler, the gain that ends it; give "
+                         f"warmup_steps a number of steps to turn the straggler check off")
     if not isinstance(average_optimizer_state, bool):
         raise TypeError(f"{_WHO}: average_optimizer_state must be a bool, got "
                         f"{average_optimizer_state!r}")
@@ -541,6 +616,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         error = exc
     _agree_on_wrap(error, shape)
     return ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
+                                   warmup_straggler=warmup_straggler or None,
                                    average_optimizer_state=average_optimizer_state)
 
 
