@@ -12,8 +12,12 @@ processes on this machine. Strategies:
   and hands each round's group to its replica group's other shard ranks).
 
 Each step pauses ``--compute-s`` seconds on every rank (the accelerator's share of a step,
-emulated: 6 processes on 2 cores would otherwise share the cores instead of waiting) and a
-replica group made ``--slow`` times slower pauses that many times longer. The budget is
+emulated: 6 processes on 2 cores would otherwise share the cores instead of waiting). The slow
+replica group pauses ``--slow`` - 1 calibrated HSDP steps more (an HSDP run on gloo with
+nobody slow, ``--calibrate-iters`` steps, before the others; the same for every run), so its
+step takes about ``--slow`` HSDP steps, as the DDP budget benchmark's straggler does. (A pause
+of ``--slow`` x ``--compute-s`` alone made a step only ~2x as long: most of a step here is the
+6 processes' CPU work and collectives on 2 cores, which a slow accelerator does not stretch.) The budget is
 ``--iters`` job steps: each rank's own count under HSDP and the static schedule (lockstep),
 ``optimizer.job_step`` (all replica groups' steps over their number) under ``smart``. Reported: the wall time of the loop, the final validation
 loss of the model the job ends with (replica group 0's after HSDP, the exact average after
@@ -59,7 +63,14 @@ def parse_args(argv=None):
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--iters", type=int, default=150, help="steps of every rank")
-    p.add_argument("--warmup-steps", type=int, default=10, help="Ripples' exact steps")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="Ripples' exact steps at most (default: wrap()'s, no fixed end: exact "
+                        "until a straggling replica group ends warm-up)")
+    p.add_argument("--warmup-straggler", type=float, default=None,
+                   help="wrap()'s warmup_straggler (default: wrap()'s)")
+    p.add_argument("--calibrate-iters", type=int, default=30,
+                   help="steps of the HSDP calibration run (0: none, the slow replica group "
+                        "pauses --slow x --compute-s)")
     p.add_argument("--compute-s", type=float, default=0.08,
                    help="emulated accelerator time of one step, every rank")
     p.add_argument("--slow", type=float, default=5.0)
@@ -121,12 +132,17 @@ def worker(rank, world, port, args, strategy, slow_replica, out_path):
         model = _model(args, VOCAB[0], mesh["shard"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if strategy != "hsdp":
-        opt = rfsdp.wrap(model, opt, mesh, warmup_steps=args.warmup_steps)
+        kw = {} if args.warmup_straggler is None else \
+            {"warmup_straggler": args.warmup_straggler or None}
+        opt = rfsdp.wrap(model, opt, mesh, warmup_steps=args.warmup_steps, **kw)
     data, val = DATA
     gen = torch.Generator().manual_seed(args.seed + 1000 * rank)
     B, T = args.batch_size, args.block_size
-    pause = args.compute_s * (args.slow if replica == slow_replica else 1.0)
-    losses = []
+    pause = args.compute_s
+    if replica == slow_replica:
+        pause = (args.compute_s + (args.slow - 1) * args.hsdp_step_s if args.hsdp_step_s
+                 else args.slow * args.compute_s)
+    losses, ends = [], []
     dist.barrier()
     t0 = time.perf_counter()
     while (opt.job_step if strategy != "hsdp" else len(losses)) < args.iters:
@@ -139,7 +155,14 @@ def worker(rank, world, port, args, strategy, slow_replica, out_path):
         loss.backward()
         opt.step()
         losses.append(loss.item())
+        ends.append(time.perf_counter())
     t_loop = time.perf_counter() - t0
+    if args.calibrating:  # the median HSDP step after the first 5 (set-up, caches)
+        steps_s = [b - a for a, b in zip(ends[4:], ends[5:])]
+        with open(out_path % rank, "w") as f:
+            json.dump({"rank": rank, "step_s": statistics.median(steps_s)}, f)
+        dist.destroy_process_group()
+        return
     rec = {"rank": rank, "strategy": strategy, "loop_s": t_loop, "steps": len(losses),
            "train_loss_end":
            statistics.mean(losses[-10:])}
@@ -149,6 +172,8 @@ def worker(rank, world, port, args, strategy, slow_replica, out_path):
         rec["singletons"] = st["singletons"]
         rec["rounds"] = st["fsdp_rounds"]
         rec["discarded"] = st["fsdp_discarded"]
+        rec["warmup_ended_early"] = st["fsdp_warmup_ended_early"]
+        rec["warmup_gain"] = st["fsdp_warmup_gain"]
         opt.unwrap()
     full = gpt.GPT(VOCAB[0], T, args.n_layer, args.n_head, args.n_embd)
     sd = {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -189,6 +214,19 @@ def _spawn_entry(rank, world, port, args, strategy, slow_replica, out_path):
     worker(rank, world, port, args, strategy, slow_replica, out_path)
 
 
+def calibrate(args) -> float:
+    """The median step of HSDP on gloo with nobody slow (the slowest rank's): the unit of the
+    slow replica group's extra pause."""
+    cal = argparse.Namespace(**vars(args))
+    cal.iters, cal.calibrating, cal.hsdp_step_s = args.calibrate_iters, True, None
+    world = args.replicas * args.shards
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rank%d.json")
+        mp.spawn(_spawn_entry, args=(world, _free_port(), cal, "hsdp", -1, out_path),
+                 nprocs=world, join=True)
+        return max(json.load(open(out_path % r))["step_s"] for r in range(world))
+
+
 def run_one(args, strategy, scenario) -> dict:
     world = args.replicas * args.shards
     slow_replica = args.replicas - 1 if scenario == "slow" else -1
@@ -208,18 +246,28 @@ def run_one(args, strategy, scenario) -> dict:
         rec["singleton_share"] = sum(r["singletons"] for r in recs) / max(1, rounds)
         rec["consensus"] = recs[0]["consensus"]
         rec["discarded"] = sum(r["discarded"] for r in recs)
+        rec["warmup_ended_early"] = recs[0]["warmup_ended_early"]
+        rec["warmup_gain"] = recs[0]["warmup_gain"]
     print(json.dumps(rec), flush=True)
     return rec
 
 
 def table(args, results) -> str:
     lines = [f"<!-- generated by: python benchmarks/fsdp_budget.py {' '.join(sys.argv[1:])} -->",
-             "", f"{args.replicas} replica groups x {args.shards} shards, {args.iters} steps, "
-             f"emulated compute {args.compute_s} s/step, slow replica group {args.slow}x; "
-             f"medians of {args.repeats}", "",
+             "", f"{args.replicas} replica groups x {args.shards} shards, {args.iters} job "
+             f"steps, emulated compute {args.compute_s} s/step on every rank; the slow replica "
+             f"group's step {args.slow}x "
+             + (f"a calibrated HSDP step ({args.hsdp_step_s:.3f} s: it pauses "
+                f"{args.compute_s + (args.slow - 1) * args.hsdp_step_s:.3f} s)"
+                if args.hsdp_step_s else f"the emulated compute (pauses {args.slow}x)")
+             + f"; medians of {args.repeats}. Warm-up: "
+             + ("wrap()'s default (no fixed end: exact until a straggling replica group ends "
+                "it)" if args.warmup_steps is None else f"{args.warmup_steps} exact steps")
+             + "; `partial from`: the step partial rounds started at (- : exact throughout)",
+             "",
              "| scenario | strategy | loop s | speed-up over HSDP | final val loss | "
-             "vs HSDP | groups of one | consensus | steps per replica group |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "vs HSDP | groups of one | consensus | partial from | steps per replica group |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for sc in args.scenarios.split(","):
         cell = {}
         for st in args.strategies.split(","):
@@ -228,20 +276,27 @@ def table(args, results) -> str:
                 cell[st] = {k: statistics.median(r[k] for r in rs)
                             for k in rs[0] if isinstance(rs[0][k], (int, float))}
                 cell[st]["steps"] = rs[0]["steps"]  # the first repeat's
+                cell[st]["ends"] = [r.get("warmup_ended_early") for r in rs]
         base = cell.get("hsdp")
         for st, c in cell.items():
             sp = f"{base['loop_s'] / c['loop_s']:.2f}x" if base else "-"
             dv = f"{c['final_val_loss'] - base['final_val_loss']:+.3f}" if base else "-"
             g1 = f"{100 * c['singleton_share']:.0f} %" if "singleton_share" in c else "-"
             cs = f"{c['consensus']:.4f}" if "consensus" in c else "0"
+            pf = "-" if st == "hsdp" else ", ".join("-" if e is None else str(e)
+                                                    for e in c["ends"])
             lines.append(f"| {sc} | {st} | {c['loop_s']:.1f} | {sp} | "
-                         f"{c['final_val_loss']:.3f} | {dv} | {g1} | {cs} | "
+                         f"{c['final_val_loss']:.3f} | {dv} | {g1} | {cs} | {pf} | "
                          f"{', '.join(map(str, c['steps']))} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.calibrating, args.hsdp_step_s = False, None
+    if args.calibrate_iters and "slow" in args.scenarios.split(","):
+        args.hsdp_step_s = calibrate(args)
+        print(f"calibrated HSDP step: {args.hsdp_step_s:.4f} s", flush=True)
     results = []
     for rep in range(args.repeats):
         for sc in args.scenarios.split(","):
