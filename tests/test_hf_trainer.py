@@ -77,6 +77,13 @@ def test_construction_refuses_what_would_break(tmp_path):
         RipplesTrainer(**_trainer_kwargs(tmp_path, ddp_find_unused_parameters=True))
     with pytest.raises(ValueError, match="include_num_input_tokens_seen"):
         RipplesTrainer(**_trainer_kwargs(tmp_path, include_num_input_tokens_seen="all"))
+    # sharding would replace DDP, and fail only when training begins: refused now, naming the way
+    with pytest.raises(ValueError, match=r"shards the model with FSDP.*ripples_pg\.fsdp\.wrap"):
+        RipplesTrainer(**_trainer_kwargs(tmp_path, fsdp=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ACCELERATE_USE_FSDP", "true")
+        with pytest.raises(ValueError, match="ACCELERATE_USE_FSDP turns on FSDP"):
+            RipplesTrainer(**_trainer_kwargs(tmp_path))
     with pytest.raises(TypeError, match="pass args="):
         RipplesTrainer(model=_trainer_kwargs(tmp_path)["model"])
     # everything else in order: no process group is the one thing left

@@ -204,6 +204,25 @@ class _RipplesTrainerCallback(TrainerCallback):
         return control
 
 
+_SHARDED = ("ripples_pg.hf: {what}, which RipplesTrainer does not support: it averages whole "
+            "model replicas under DDP. For a model sharded with FSDP2, train in a loop of your "
+            "own with ripples_pg.fsdp.wrap() (Ripples between replica groups, docs/fsdp.md); "
+            "to use RipplesTrainer, turn it off")
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _refuse_sharding(a: Any) -> None:
+    """FSDP and DeepSpeed, asked for through the arguments or Accelerate's environment: the
+    Trainer would wrap the model in them instead of DDP, and fail only when training begins."""
+    if getattr(a, "fsdp", None):
+        raise ValueError(_SHARDED.format(what=f"fsdp={a.fsdp!r} shards the model with FSDP"))
+    if getattr(a, "deepspeed", None):
+        raise ValueError(_SHARDED.format(what="deepspeed= hands the model to DeepSpeed"))
+    for var, what in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if os.environ.get(var, "").strip().lower() in _TRUE:
+            raise ValueError(_SHARDED.format(what=f"{var} turns on {what}"))
+
+
 class RipplesTrainerMixin:
     """Mix in front of ``transformers.Trainer`` (or a trainer built on it) to train with
     Ripples' partial averaging, counting the job's steps (see the module docstring).
@@ -238,6 +257,11 @@ class RipplesTrainerMixin:
         self._ripples_check_args(targs)
         self._ripples_check_process_group()
         super().__init__(*args, **kwargs)
+        if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+            # an Accelerate config file can turn them on where the arguments did not
+            raise ValueError(_SHARDED.format(
+                what="the Accelerate configuration enables "
+                     + ("FSDP" if getattr(self, "is_fsdp_enabled", False) else "DeepSpeed")))
         # Accelerate broadcasts rank 0's RNG state whenever a prepared DataLoader starts an
         # epoch; ranks run different numbers of epochs under Ripples, so those broadcasts would
         # stop pairing up. Trainer's seedable sampler orders each epoch the same on every rank
@@ -280,6 +304,7 @@ class RipplesTrainerMixin:
         """Settings that would put an exact collective into every step: each is a barrier at
         the slowest rank's pace, and it would no longer pair up with the collectives of
         logging, evaluation and checkpoints, which ranks reach at different steps."""
+        _refuse_sharding(a)
         if a.ddp_find_unused_parameters is None:
             # Trainer's default for a PreTrainedModel without activation checkpointing is True
             a.ddp_find_unused_parameters = False
