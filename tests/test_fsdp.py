@@ -512,3 +512,77 @@ def test_a_resumed_job_keeps_one_job_step_per_replica_group(pool):
         partner = res[rank ^ 1]
         assert (steps, end) == (partner[2], partner[3]), (rank, steps, partner)
         assert end >= at_save + 6
+
+
+# ---------------------------------------------- a rank that dies (workers spawned directly)
+
+DEATH_R, DEATH_STEPS, VICTIM, KILL_AT = 3, 60, 3, 20  # rank 3: replica group 1, shard 1
+
+
+def _death_worker(rank, port, out):
+    """3 replica groups x 2 shards, smart pairs; VICTIM SIGKILLs itself at its step KILL_AT,
+    past warm-up. Reports how its loop and its unwrap() ended."""
+    import signal
+    import time
+    from datetime import timedelta
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    torch.set_num_threads(1)
+    step = -1
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=DEATH_R * S,
+                                timeout=timedelta(seconds=120))
+        mesh = rfsdp.init_mesh(DEATH_R, S, options=ripples_pg.Options(
+            schedule="smart", on_failure="skip", group_size=2, timeout=2))
+        net = _net(mesh["shard"])
+        opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05), mesh, warmup_steps=5)
+        x, y = _batch(rank // S, 0)  # one batch per replica group: its loss must fall
+        loss0 = float(nn.functional.mse_loss(net(x), y))
+        step = 0
+        while opt.job_step < DEATH_STEPS:
+            if rank == VICTIM and step == KILL_AT:
+                os.kill(os.getpid(), signal.SIGKILL)
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            step += 1
+        loss = float(nn.functional.mse_loss(net(x), y))
+        applied = opt.stats()["fsdp_applied"]
+        t0 = time.monotonic()
+        try:
+            opt.unwrap()
+            end = ("unwrapped", "")
+        except Exception as e:  # noqa: BLE001 - judged by the parent
+            end = (type(e).__name__, str(e))
+        out.send(("finished", step, loss0, loss, applied, end, time.monotonic() - t0))
+    except Exception as e:  # noqa: BLE001 - judged by the parent
+        out.send(("raised", step, type(e).__name__, str(e)[:500]))
+    out.close()
+    os._exit(0)  # no teardown beside a dead rank: the test judges what each rank saw
+
+
+def test_a_dead_rank_takes_its_replica_group_out_and_the_others_go_on():
+    """A shard rank's death: its replica group's other shard rank raises in FSDP's own
+    collective (not a hang), the other replica groups go on averaging with each other to the
+    job's budget, and the exact average at the end raises naming the dead rank, as an exact
+    collective does on the DDP path (docs/fault-tolerance.md)."""
+    import _dist
+
+    procs, conns = _dist.start_direct(_death_worker, DEATH_R * S)
+    reports = _dist.collect_direct(procs, conns, timeout_s=240)
+    assert reports.get(VICTIM) == ("dead",), reports
+    partner = reports.get(VICTIM - 1)  # shard 0 of the dead rank's replica group
+    assert partner and partner[0] == "raised" and partner[1] >= KILL_AT - 1, reports
+    for rank in (0, 1, 4, 5):
+        rep = reports.get(rank)
+        assert rep and rep[0] == "finished", (rank, reports)
+        _, steps, loss0, loss, applied, (kind, msg), _ = rep
+        # the budget counts the job's steps: the two survivors' replica groups did more
+        assert steps > DEATH_STEPS, (rank, steps)
+        assert loss < 0.8 * loss0, (rank, loss0, loss)
+        assert applied >= steps - KILL_AT, (rank, steps, applied)  # rounds went on after
+        assert kind in ("DistBackendError", "RuntimeError") and "exited or was killed" in msg, \
+            (rank, kind, msg)
