@@ -42,6 +42,7 @@ StrategyRegistry = _sub("strategies").StrategyRegistry
 
 import ripples_pg  # noqa: E402
 
+from ..training._models import SHARDED_HELP, sharded_kind  # noqa: E402
 from ..training._args import (ARGS, STRATEGY_OWNS, check_choice, check_group_options,  # noqa: E402
                     check_int, keyword_parameters, resolve)
 from ._pl import FITTING as _FITTING  # noqa: E402
@@ -265,7 +266,20 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
         if self.time_limit is not None:
             self._check_free(trainer, job=False)
 
+    def _refuse_sharded(self) -> None:
+        """A model sharded in ``configure_model`` (which Lightning calls before ``setup``)
+        cannot go into DDP; refused by name on every rank (each checks its own model, no
+        collective) before DDP's first broadcast would fail obscurely on its DTensors."""
+        kind = sharded_kind(self.model)
+        if kind is not None:
+            raise TypeError(
+                f"RipplesStrategy: {kind} is not supported (sharded in configure_model?). "
+                f"{SHARDED_HELP} Under Lightning: do not shard the model in configure_model, "
+                f"or train it sharded with ripples_pg.fsdp.wrap() in a plain training loop "
+                f"(Lightning's FSDPStrategy and ModelParallelStrategy do not use Ripples).")
+
     def setup(self, trainer) -> None:
+        self._refuse_sharded()
         fitting = trainer.state.fn == _FITTING
         if fitting:
             self._check_fit(trainer)
