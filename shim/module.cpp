@@ -184,6 +184,9 @@ void bindConfigProperties(py::class_<PG, c10::intrusive_ptr<PG>, c10d::Backend>&
       .def_property_readonly(
           "partial_by_default", [](const PG& pg) { return pg.config().partial_by_default; })
       .def_property_readonly(
+          "compression", [](const PG& pg) { return pg.config().compression; },
+          "Partial rounds' wire format across hosts: none, bf16, fp16 or int8.")
+      .def_property_readonly(
           "host_of", [](const PG& pg) { return pg.config().host_of; },
           "Dense host index of every rank of the group.");
 }

@@ -183,6 +183,47 @@ def task_rounds_average_shards(ctx, steps):
             {k: st[k] for k in ("fsdp_rounds", "fsdp_applied", "fsdp_discarded", "reduced")})
 
 
+def task_compressed_rounds_across_hosts(ctx, steps):
+    # each replica group on a (simulated) host of its own, so the replicate groups' rounds
+    # cross hosts: Options(compression=...) sends them quantised. lr 0, as above
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    replica = ctx.rank // S
+
+    def mesh_with(mode):
+        return rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+            schedule="static", on_failure="skip", compression=mode, host_id=f"h{replica}"))
+
+    mesh = mesh_with("int8")  # _Net has a floating-point buffer: refused, on every rank
+    net = _perturbed(mesh, replica)
+    refused = ""
+    try:
+        rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0)
+    except ValueError as exc:
+        refused = str(exc)
+    mesh = mesh_with("bf16")
+    net = _perturbed(mesh, replica)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0)
+    _train(net, opt, ctx.rank, steps)
+    base = _net(mesh["shard"])
+    err = max((a - b - 0.5).abs().max().item() for a, b in zip(_full(net), _full(base)))
+    st = opt.stats()
+    opt.unwrap()
+    return refused, err, net.scale.tolist(), {k: st[k] for k in ("fsdp_applied", "compressed")}
+
+
+def test_compressed_rounds_across_hosts(pool):
+    for refused, err, scale, counts in pool.run(task_compressed_rounds_across_hosts, 4):
+        assert "compression='int8' would quantise the model's floating-point buffers (scale)" \
+            in refused, refused
+        # every applied round went quantised, and still averaged (bf16: ~3 significant digits)
+        assert counts["fsdp_applied"] >= 2 and counts["compressed"] >= counts["fsdp_applied"], \
+            counts
+        assert err < 2e-2, err
+        assert max(abs(v - 0.5) for v in scale) < 2e-2, scale
+
+
 def _shifted_plain(sharded, shift):
     """An unsharded copy of the seeded net with every parameter moved by ``shift`` and the
     buffer set to it."""
@@ -313,6 +354,9 @@ def task_refusals(ctx):
         "random": _error(lambda: rfsdp.wrap(random_net, torch.optim.SGD(
             random_net.parameters(), lr=0.1), random_mesh), ValueError),
         "warmup": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_steps=-1), ValueError),
+        "warmup type": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_steps=2.5), TypeError),
+        "differ": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_steps=3 + ctx.rank),
+                         ValueError),
         "no check": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_straggler=None),
                            ValueError),
         "straggler": _error(lambda: rfsdp.wrap(net, sgd, mesh, warmup_straggler=0.5),
@@ -332,6 +376,8 @@ def test_what_is_not_supported_is_refused_by_name(pool):
     assert "does not train" in errors["optimizer"], errors
     assert errors["random"] is None, errors  # led by shard 0 (test below)
     assert "warmup_steps" in errors["warmup"], errors
+    assert "warmup_steps" in errors["warmup type"], errors
+    assert "every rank must pass the same" in errors["differ"], errors
     assert "needs warmup_straggler" in errors["no check"], errors
     assert "warmup_straggler" in errors["straggler"], errors
     assert "3 replicas x 2 shards" in errors["mesh size"], errors
@@ -480,17 +526,18 @@ def task_resume_keeps_one_job_step(ctx):
     import ripples_pg
     import ripples_pg.fsdp as rfsdp
 
-    def make():
+    def make(**kw):
         mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
             schedule="smart", on_failure="skip", group_size=2))
         net = _net(mesh["shard"])
-        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh,
-                               warmup_steps=2)
+        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh, **kw)
 
-    net, opt = make()
+    net, opt = make(warmup_steps=2)
     _train(net, opt, ctx.rank, 5)
     saved = opt.state_dict()
     at_save = opt.job_step
+    # resumed with the default (no fixed end): the partial rounds that had started go on
+    # (an exact step now would pair with a partner's round in a replica group at another step)
     net2, opt2 = make()
     opt2.load_state_dict(saved)
     resumed = opt2.job_step
@@ -501,13 +548,15 @@ def task_resume_keeps_one_job_step(ctx):
         nn.functional.mse_loss(net2(x), y).backward()
         opt2.step()
         steps += 1
+    exact = opt2.stats()["fsdp_exact_steps"]
     opt2.unwrap()
-    return at_save, resumed, steps, opt2.job_step
+    return at_save, resumed, steps, opt2.job_step, exact
 
 
 def test_a_resumed_job_keeps_one_job_step_per_replica_group(pool):
     res = pool.run(task_resume_keeps_one_job_step)
-    for rank, (at_save, resumed, steps, end) in enumerate(res):
+    for rank, (at_save, resumed, steps, end, exact) in enumerate(res):
+        assert exact == 2, (rank, exact)  # the 2 warm-up steps before the save, none after
         assert resumed == at_save and at_save >= 2, (rank, at_save, resumed)
         partner = res[rank ^ 1]
         assert (steps, end) == (partner[2], partner[3]), (rank, steps, partner)

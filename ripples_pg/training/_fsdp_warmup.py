@@ -60,6 +60,12 @@ class ReplicaWarmup:
     @contextmanager
     def waiting(self):
         """Around the exact all-reduce across the replica groups: not compute."""
+        if self.device.type == "cuda":
+            # the host runs ahead of the device: this step's compute ends when its stream
+            # has run (FSDP's reduce-scatter joined it), not when the all-reduce is called;
+            # only the wait for the other replica groups after that is waiting. Not yet run
+            # on a GPU (docs/cuda.md)
+            torch.cuda.current_stream(self.device).synchronize()
         t0, rq0 = time.perf_counter(), self.sched.waited()
         try:
             yield

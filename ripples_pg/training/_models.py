@@ -67,3 +67,22 @@ def refuse_sharded(who: str, module: Optional[torch.nn.Module] = None,
     kind = sharded_kind(module, tensors)
     if kind is not None:
         raise TypeError(f"{who}: {kind} is not supported. {SHARDED_HELP}")
+
+
+def check_int8_extras(who: str, mode: str, module: torch.nn.Module,
+                      average_optimizer_state: bool) -> None:
+    """int8 rounds quantise with an absolute error per block (docs/compression.md): averaged
+    with the parameters, a BatchNorm running variance or an Adam second moment near zero could
+    come back negative -- NaN later, silently. Refused until such tensors can travel exactly in
+    a compressed round; bf16/fp16 errors are relative to each value and keep them positive."""
+    if mode != "int8":
+        return
+    bufs = [n for n, b in module.named_buffers() if b.is_floating_point()]
+    if bufs or average_optimizer_state:
+        more = ", ..." if len(bufs) > 3 else ""
+        what = f"floating-point buffers ({', '.join(bufs[:3])}{more})" if bufs else \
+            "optimizer state (average_optimizer_state)"
+        raise ValueError(f"{who}: compression='int8' would quantise the model's {what} "
+                         f"together with the parameters, with an absolute error that can turn "
+                         f"a variance near zero negative; use compression='bf16' (or 'fp16'), "
+                         f"whose error is relative to each value (docs/compression.md)")

@@ -45,7 +45,7 @@ from ._args import (ARGS, DEFAULT_WARMUP_STEPS, DEFAULT_WARMUP_STRAGGLER, WRAP_G
 from .averager import RipplesAverager
 from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
-from ._models import refuse_sharded
+from ._models import check_int8_extras, refuse_sharded
 from .hooks import RipplesHookState
 from ._optimizers import OptimizerList
 from .sampler import DistributedSampler
@@ -455,24 +455,6 @@ def _group_timeout(group) -> Optional[float]:
     return t if t > 0 else None
 
 
-def _check_int8_extras(mode, ddp_model, average_optimizer_state) -> None:
-    """int8 rounds quantise with an absolute error per block (docs/compression.md): averaged
-    with the parameters, a BatchNorm running variance or an Adam second moment near zero could
-    come back negative -- NaN later, silently. Refused until such tensors can travel exactly in
-    a compressed round; bf16/fp16 errors are relative to each value and keep them positive."""
-    if mode != "int8":
-        return
-    bufs = [n for n, b in ddp_model.module.named_buffers() if b.is_floating_point()]
-    if bufs or average_optimizer_state:
-        more = ", ..." if len(bufs) > 3 else ""
-        what = f"floating-point buffers ({', '.join(bufs[:3])}{more})" if bufs else \
-            "optimizer state (average_optimizer_state)"
-        raise ValueError(f"ripples_pg.wrap: compression='int8' would quantise the model's {what} "
-                         f"together with the parameters, with an absolute error that can turn "
-                         f"a variance near zero negative; use compression='bf16' (or 'fp16'), "
-                         f"whose error is relative to each value (docs/compression.md)")
-
-
 def _ddp_of(model):
     """The DistributedDataParallel inside ``torch.compile(ddp_model)`` (an OptimizedModule
     keeps the module it compiled as ``_orig_mod``; its hooks and process group are that
@@ -737,7 +719,8 @@ def _partial_group(ddp_model, cfg: Resolved):
             raise ValueError(f"ripples_pg.wrap: group= must be a 'ripples' process group, "
                              f"got backend {str(dist.get_backend(cfg.group))!r}")
         return cfg.group
-    _check_int8_extras(cfg.compression, ddp_model, cfg.average_optimizer_state)
+    check_int8_extras("ripples_pg.wrap", cfg.compression, ddp_model.module,
+                      cfg.average_optimizer_state)
     ranks = dist.get_process_group_ranks(ddp_model.process_group)
     return dist.new_group(ranks=ranks, backend="ripples", pg_options=cfg.group_options)
 

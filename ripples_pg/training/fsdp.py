@@ -27,6 +27,8 @@ partial DiLoCo and compressed rounds.
 from __future__ import annotations
 
 import logging
+import numbers
+import operator
 from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -38,10 +40,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..backend._api import _ripples_backend, host_of, partial_all_reduce, stats
 from ..backend.options import Options
-from ._args import check_warmup_straggler
+from ._args import check_int, check_warmup_straggler
 from ._fsdp_warmup import ReplicaWarmup
 from ._groups import exact_if_ripples, is_ripples
-from ._models import sharded_kind
+from ._models import check_int8_extras, sharded_kind
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
 
 __all__ = ["init_mesh", "save_planner", "wrap", "ShardedRipplesOptimizer"]
@@ -180,20 +182,32 @@ def _host_shape(group) -> List[int]:
     return [seen.setdefault(int(h), len(seen)) for h in host_of(group)]
 
 
-def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]]) -> None:
+def _is_integer(value) -> bool:
+    """An integer of any kind (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]],
+                   settings: tuple) -> None:
     """One collective over the world: raises on every rank if any rank refused (so no rank
-    goes on to wait for the others in a collective), or if the shard indexes' replicate
+    goes on to wait for the others in a collective), if the ranks' warm-up settings differ
+    (their exact steps and checks would stop pairing up), or if the shard indexes' replicate
     groups sit on the hosts differently (their static schedules would disagree)."""
     everyone: List[Optional[tuple]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (None if error is None else str(error), shape))
+    dist.all_gather_object(everyone, (None if error is None else str(error), shape, settings))
     if error is not None:
         raise error
-    refused = [(rank, msg) for rank, (msg, _) in enumerate(everyone) if msg is not None]
+    refused = [(rank, msg) for rank, (msg, _, _) in enumerate(everyone) if msg is not None]
     if refused:
         rank, msg = refused[0]
         raise RuntimeError(f"{_WHO}: rank {rank} refused to wrap ({msg}); every rank must wrap "
                            f"the same way")
-    shapes = {tuple(sh) for _, sh in everyone if sh is not None}
+    odd = [rank for rank, (_, _, st) in enumerate(everyone) if st != settings]
+    if odd:
+        raise ValueError(
+            f"{_WHO}: ranks {odd} wrap with other (warmup_steps, warmup_straggler, "
+            f"average_optimizer_state) than this rank's {settings}; every rank must pass the same")
+    shapes = {tuple(sh) for _, sh, _ in everyone if sh is not None}
     if len(shapes) > 1:
         raise ValueError(
             f"{_WHO}: the replica groups sit on the hosts differently for different shard "
@@ -245,8 +259,10 @@ class ShardedRipplesOptimizer:
         self.warmup_steps = warmup_steps
         self.warmup_limit = warmup_steps
         self.warmup_ended_early: Optional[int] = None
+        # (one replica group has nobody to wait for: no checks)
         self._warm = ReplicaWarmup(self.group, self.shard_group, self.shards, self._device(),
-                                   warmup_straggler) if warmup_straggler else None
+                                   warmup_straggler) \
+            if warmup_straggler and self.replicas > 1 else None
         self.average_optimizer_state = average_optimizer_state
         self.step_count = 0
         self.unwrapped = False
@@ -310,12 +326,20 @@ class ShardedRipplesOptimizer:
             self._job_step = int(mine.get("job_step", self.step_count))
             self.counts.update(mine.get("counts", {}))
             ended = mine.get("warmup_ended_early")
-            if ended is not None:  # partial rounds had started: they go on
+            saved_end = mine.get("warmup_steps")
+            if ended is not None:  # a straggler had ended warm-up: partial rounds go on
                 self.warmup_ended_early = int(ended)
-                self.warmup_steps = int(ended) if self.warmup_steps is None else \
-                    min(self.warmup_steps, int(ended))
+                self._end_warmup_at(int(ended))
+            elif saved_end is not None and self.step_count >= int(saved_end):
+                # partial rounds had started at a fixed end: they go on too. Replica groups
+                # now stand at different steps, so no rank may go back to exact steps (their
+                # collectives would no longer pair up)
+                self._end_warmup_at(int(saved_end))
             if self.clock is not None:
                 self.clock.rebase(self._job_step)
+
+    def _end_warmup_at(self, step: int) -> None:
+        self.warmup_steps = step if self.warmup_steps is None else min(self.warmup_steps, step)
 
     # -- what is averaged
     def _params(self) -> List[torch.Tensor]:
@@ -503,11 +527,13 @@ class ShardedRipplesOptimizer:
 
     def unwrap(self, average: bool = True) -> torch.optim.Optimizer:
         """Ends Ripples: an exact average (``average=True``), then the inner optimizer."""
-        if not self.unwrapped and average:
-            self.average_replicas()
+        try:
+            if not self.unwrapped and average:
+                self.average_replicas()
+        finally:
+            if self._warm is not None:
+                self._warm.close()  # its scheduler statistics file, even if the average raised
         self.unwrapped = True
-        if self._warm is not None:
-            self._warm.close()  # its scheduler statistics file
         return self.optim
 
     def stats(self) -> dict:
@@ -593,10 +619,10 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     """
     if not dist.is_initialized():
         raise RuntimeError(f"{_WHO}: torch.distributed is not initialized")
-    if warmup_steps is not None and (isinstance(warmup_steps, bool) or
-                                     not isinstance(warmup_steps, int) or warmup_steps < 0):
-        raise ValueError(f"{_WHO}: warmup_steps must be None or a non-negative integer, got "
-                         f"{warmup_steps!r}")
+    if warmup_steps is not None:
+        warmup_steps = check_int(_WHO, "warmup_steps (None: no fixed end)",
+                                 operator.index(warmup_steps)
+                                 if _is_integer(warmup_steps) else warmup_steps, 0)
     warmup_straggler = check_warmup_straggler(_WHO, "warmup_straggler", warmup_straggler)
     if not warmup_straggler and warmup_steps is None:
         raise ValueError(f"{_WHO}: warmup_steps=None (exact until a straggling replica group "
@@ -610,11 +636,15 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     try:
         _check_wrap(model, optimizer, mesh)
         group = mesh.get_group(REPLICATE)
+        # the replicate groups' Options(compression=...): rounds across hosts, quantised
+        check_int8_extras(_WHO, getattr(_ripples_backend(group), "compression", "none"), model,
+                          average_optimizer_state)
         if _ripples_backend(group).schedule == "static":
             shape = _host_shape(group)
     except (TypeError, ValueError) as exc:
         error = exc
-    _agree_on_wrap(error, shape)
+    _agree_on_wrap(error, shape, (warmup_steps, warmup_straggler or None,
+                                  average_optimizer_state))
     return ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
                                    warmup_straggler=warmup_straggler or None,
                                    average_optimizer_state=average_optimizer_state)
