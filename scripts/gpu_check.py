@@ -861,8 +861,11 @@ def step_train(step):
     md = os.path.join(check.logdir, "train.md")
     with open(md, "w") as f:
         f.write("## Training on %s: digits MLP, %d workers, worker %d 5x slower, %d steps\n\n"
-                "| strategy | final acc | train time (s) | steps/s per rank |\n"
-                "|---|---:|---:|---|\n" % (check.dev, nproc, nproc - 1, steps))
+                "(exact steps: the warm-up wrap() ran before a straggler ended it -- on a GPU, "
+                "whether the step timing sees the straggler at all)\n\n"
+                "| strategy | final acc | train time (s) | steps/s per rank | exact steps | "
+                "warm-up gain |\n"
+                "|---|---:|---:|---|---:|---:|\n" % (check.dev, nproc, nproc - 1, steps))
     for strat in ("ripples --schedule smart", "allreduce --backend gloo"):
         cmd = [check.python, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=%d" % nproc, TRAIN_SCRIPT, "--device", check.dev,
@@ -912,8 +915,11 @@ def train_row(path, name, floor, md):
         return "no final record in %s" % path
     f = final[-1]
     with open(md, "a") as out:
-        out.write("| %s | %.3f | %.1f | %s |\n" % (name, f["acc"], f["train_time"],
-                                                    f["steps_per_s"]))
+        gain = f.get("warmup_gain")
+        out.write("| %s | %.3f | %.1f | %s | %s | %s |\n" % (
+            name, f["acc"], f["train_time"], f["steps_per_s"],
+            "-" if f.get("warmup_run") is None else f["warmup_run"],
+            "-" if gain is None else "%.2f" % gain))
     if f["acc"] < floor:
         return "final accuracy %s below %s" % (f["acc"], floor)
     return None
