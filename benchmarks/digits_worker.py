@@ -289,6 +289,7 @@ class Straggler:
         self.factor_sum = 0.0  # a trace replay: the sum of the factors applied
         self.trace = None
         self.cost = 1.0  # tokens: this step's batch cost (workloads.doc_cost)
+        self.gpu_cycles_per_s = 0.0  # --straggle-on device: the delay spins the GPU instead
         if self.who == "trace":
             self.trace, self.factor = self.factor, 1.0
         elif self.who == "tokens":
@@ -345,9 +346,26 @@ class Straggler:
         elif self.slowed(step):
             d += (self.factor - 1.0) * (self.step_s or self.compute_s)
             self.slowed_steps += 1
-        if d > 0:  # one sleep: two would overshoot twice
+        if d > 0 and self.gpu_cycles_per_s > 0:
+            # queued on the stream and returns at once: the host runs ahead, as with a slow
+            # accelerator, and the next collective's wait holds the delay
+            torch.cuda._sleep(int(d * self.gpu_cycles_per_s))
+            self.slept += d
+        elif d > 0:  # one sleep: two would overshoot twice
             time.sleep(d)
             self.slept += d
+
+    def spin_on_device(self) -> None:
+        """--straggle-on device: measure how many GPU cycles torch.cuda._sleep spins a
+        second, so that the delays keep their length."""
+        probe = 50_000_000
+        torch.cuda._sleep(1000)  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        self.gpu_cycles_per_s = probe / max(1e-6, start.elapsed_time(end) / 1000.0)
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -586,6 +604,10 @@ def parse_args(argv=None):
     p.add_argument("--c-thres", type=float, default=None)
     p.add_argument("--trace", action="store_true", help="keep the per-round trace (ripples)")
     p.add_argument("--straggler", default=None, help="R:F, p:F or pX:F (see above)")
+    p.add_argument("--straggle-on", choices=("host", "device"), default="host",
+                   help="where the delays and pauses are spent: host sleeps (default), or, on "
+                        "CUDA, the GPU spinning on the stream (torch.cuda._sleep) while the host "
+                        "runs ahead, as a slow accelerator does; on the CPU, host sleeps")
     p.add_argument("--pause-s", type=float, default=0.0,
                    help="every worker sleeps this long after each of its steps (a stand-in "
                         "for a longer step: short-step experiments with a tiny model); a "
@@ -827,6 +849,8 @@ def make_straggler(args, module: nn.Module, xs, ys, bs: int, rank: int, world: i
         straggler.compute_s = c.item() / world
     straggler.step_s = args.step_s
     straggler.pause_s = args.pause_s
+    if args.straggle_on == "device" and args.device == "cuda":
+        straggler.spin_on_device()
     return straggler
 
 
