@@ -119,13 +119,33 @@ CELLS = [
      "`ripples_pg.fsdp.wrap()` ([limitations.md](limitations.md#sharded-models))",
      ["test_optimizer_compat.py::test_sharded_models_are_refused"]),
     ("FSDP2 replica groups (`fully_shard` over `mesh['shard']`)", WORKS,
-     "`ripples_pg.fsdp.wrap(model, optimizer, mesh)`: exact warm-up (= HSDP), partial rounds "
-     "atomic across a replica group (static schedule, or `smart`/`random` led by shard 0), "
-     "`job_step`, `unwrap()` ends with one model ([fsdp.md](fsdp.md))",
+     "`ripples_pg.fsdp.wrap(model, optimizer, mesh)`: exact (= HSDP) while the replica groups "
+     "keep an even pace, partial rounds from the step one straggles, atomic across a replica "
+     "group (static schedule, or `smart`/`random` led by shard 0), `job_step`, `unwrap()` "
+     "ends with one model ([fsdp.md](fsdp.md))",
      ["test_fsdp.py::test_warmup_matches_hsdp_on_gloo",
       "test_fsdp.py::test_partial_rounds_average_each_shard_with_its_own",
       "test_fsdp.py::test_a_round_applies_on_every_shard_of_a_replica_group_or_on_none",
-      "test_fsdp.py::test_smart_schedule_with_shards_is_led_by_shard_0"]),
+      "test_fsdp.py::test_smart_schedule_with_shards_is_led_by_shard_0",
+      "test_fsdp.py::test_a_straggling_replica_group_ends_the_warmup",
+      "test_fsdp.py::test_even_replica_groups_stay_exact"]),
+    ("FSDP2 replica groups on different hosts, `init_mesh(options=Options(compression="
+     "\"bf16\"))`", WORKS,
+     "rounds across hosts sent quantised with error feedback; `int8` refused for "
+     "floating-point buffers or averaged optimizer state "
+     "([fsdp.md](fsdp.md#what-is-averaged))",
+     ["test_fsdp.py::test_compressed_rounds_across_hosts"]),
+    ("FSDP2 replica groups, a shard rank dies (a launcher that lets the others go on)", WORKS,
+     "as on the DDP path: its replica group's other shard ranks raise in FSDP's next "
+     "collective; the other replica groups average on to the job's budget; the exact average "
+     "at the end raises naming the dead rank ([fsdp.md](fsdp.md#a-rank-that-dies))",
+     ["test_fsdp.py::test_a_dead_rank_takes_its_replica_group_out_and_the_others_go_on"]),
+    ("FSDP2 under `RipplesStrategy` (`fully_shard` in `configure_model`), `RipplesTrainer` "
+     "with `fsdp=` / DeepSpeed", REFUSED,
+     "`TypeError` at setup on every rank / `ValueError` at construction, naming "
+     "`ripples_pg.fsdp.wrap()` in a loop of your own ([fsdp.md](fsdp.md))",
+     ["test_lightning_fsdp.py::test_fully_shard_in_configure_model_is_refused_on_every_rank",
+      "test_hf_trainer.py::test_construction_refuses_what_would_break"]),
     ("FSDP2 sharded checkpoints through DCP, resuming", WORKS,
      "`planner=ripples_pg.fsdp.save_planner()` keeps replica group 0's model; loads into "
      "plain FSDP2 and back; `optimizer.state_dict()` carries the step and the job step "
