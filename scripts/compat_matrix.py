@@ -152,6 +152,11 @@ CELLS = [
      "([fsdp.md](fsdp.md#checkpoints))",
      ["test_fsdp.py::test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back",
       "test_fsdp.py::test_a_resumed_job_keeps_one_job_step_per_replica_group"]),
+    ("FSDP2 epochs over `ripples_pg.DistributedSampler` (`fsdp.wrap(..., sampler=)`)", WORKS,
+     "each epoch handed out job-wide a replica group at a time: every sample once, fast "
+     "replica groups take more, a replica group's shard ranks run as many batches "
+     "([fsdp.md](fsdp.md#job-epochs))",
+     ["test_fsdp.py::test_the_sampler_hands_out_each_epoch_job_wide_a_replica_group_at_a_time"]),
     ("HSDP models, FSDP2 on other meshes, a replicate dimension not on `ripples`", REFUSED,
      "`ripples_pg.fsdp.wrap()` raises naming the cause and what to do, on every rank "
      "([fsdp.md](fsdp.md#refused-by-name))",

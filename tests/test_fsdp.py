@@ -363,6 +363,14 @@ def task_refusals(ctx):
                             ValueError),
         "mesh size": _error(lambda: rfsdp.init_mesh(3, 2), ValueError),
         "ddp wrap": _error(lambda: ripples_pg.wrap(net, sgd), TypeError),
+        "torch sampler": _error(lambda: rfsdp.wrap(net, sgd, mesh, sampler=(
+            torch.utils.data.DistributedSampler(range(8), R * S, ctx.rank))), TypeError),
+        "sampler size": _error(lambda: rfsdp.wrap(net, sgd, mesh, sampler=(
+            ripples_pg.DistributedSampler(range(8), num_replicas=S, rank=ctx.rank % S))),
+            ValueError),
+        "sampler on one rank": _error(lambda: rfsdp.wrap(net, sgd, mesh, sampler=(
+            ripples_pg.DistributedSampler(range(8), R * S, ctx.rank) if ctx.rank == 0
+            else None)), ValueError),
     }
 
 
@@ -382,6 +390,9 @@ def test_what_is_not_supported_is_refused_by_name(pool):
     assert "warmup_straggler" in errors["straggler"], errors
     assert "3 replicas x 2 shards" in errors["mesh size"], errors
     assert "ripples_pg.fsdp.wrap" in errors["ddp wrap"], errors
+    assert "ripples_pg.DistributedSampler" in errors["torch sampler"], errors
+    assert "num_replicas=2 but the FSDP job has 4 ranks" in errors["sampler size"], errors
+    assert "a sampler given" in errors["sampler on one rank"], errors
 
 
 def task_layout_disagrees(ctx):
@@ -561,6 +572,133 @@ def test_a_resumed_job_keeps_one_job_step_per_replica_group(pool):
         partner = res[rank ^ 1]
         assert (steps, end) == (partner[2], partner[3]), (rank, steps, partner)
         assert end >= at_save + 6
+
+
+N_SAMPLES, CLAIM = 160, 4  # 40 rows per rank's column, one claim per batch of 4
+
+
+def task_sampler_hands_out_the_job_epoch(ctx):
+    # ripples_pg.DistributedSampler linked to the FSDP optimizer: a replica group's rows are
+    # claimed by its shard 0 and replayed by its shard 1. Replica group 1 stops after its
+    # first batch of epoch 0 until replica group 0 has ended that epoch: replica group 0 takes
+    # its own column and then every row of replica group 1's but the first claim (kept for its
+    # owner), so the numbers below follow from the rules, not from timing
+    from torch.utils.data import DataLoader
+
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+        schedule="smart", on_failure="skip", group_size=2, timeout=5))
+    replica = ctx.rank // S
+    net = _net(mesh["shard"])
+    data = list(range(N_SAMPLES))
+    sampler = ripples_pg.DistributedSampler(data, num_replicas=ctx.ws, rank=ctx.rank, seed=3,
+                                            claim_size=CLAIM)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.01), mesh, warmup_steps=0,
+                     sampler=sampler)
+    loader = DataLoader(data, batch_size=CLAIM, sampler=sampler)
+    seen = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        mine = []
+        for i, idx in enumerate(loader):
+            mine += idx.tolist()
+            g = torch.Generator().manual_seed(int(idx[0]))
+            x, y = torch.randn(len(idx), 8, generator=g), torch.randn(len(idx), 4, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            if epoch == 0 and i == 0 and replica == 1:
+                ctx.store.wait([ctx.key("replica 0 ended epoch 0")])
+        if epoch == 0 and replica == 0 and ctx.rank % S == 0:
+            ctx.store.set(ctx.key("replica 0 ended epoch 0"), "1")
+        seen.append(mine)
+    stolen = sampler.stolen
+    opt.unwrap()
+    return seen, stolen, sampler.state_dict()
+
+
+def test_the_sampler_hands_out_each_epoch_job_wide_a_replica_group_at_a_time(pool):
+    import ripples_pg
+
+    res = pool.run(task_sampler_hands_out_the_job_epoch)
+    rows = N_SAMPLES // (R * S)
+    for epoch in range(2):
+        # torch's order of the epoch: rank r's column is order[r::world]
+        order = ripples_pg.DistributedSampler(list(range(N_SAMPLES)), num_replicas=R * S,
+                                              rank=0, seed=3)
+        order.set_epoch(epoch)
+        position = {i: p for p, i in enumerate(order._order())}
+        every = sorted(i for seen, _, _ in res for i in seen[epoch])
+        assert every == list(range(N_SAMPLES)), epoch  # every sample once, none twice
+        for rank, (seen, _, _) in enumerate(res):
+            # a replica group's shard ranks run as many batches, each from its own shard
+            assert len(seen[epoch]) == len(res[rank ^ 1][0][epoch]), (epoch, rank)
+            assert {position[i] % (R * S) % S for i in seen[epoch]} == {rank % S}, rank
+    for rank, (seen, stolen, state) in enumerate(res):
+        if rank // S == 0:  # its own column, then all of replica group 1's but one claim
+            assert len(seen[0]) == 2 * rows - CLAIM, (rank, len(seen[0]))
+            assert stolen >= rows - CLAIM, (rank, stolen)
+        else:
+            assert len(seen[0]) == CLAIM, (rank, len(seen[0]))
+        # unwrap() agreed on the job's place in its epochs: every rank saves the same state
+        assert state == res[0][2], rank
+        assert state["epoch"] == 1 and state["shards"] == S
+
+
+class _ShardedJob:
+    """What a sampler linked to ripples_pg.fsdp asks of its optimizer (partial training)."""
+
+    def __init__(self, rank):
+        self.replicas, self.shards = R, S
+        self.replica, self.shard_rank = divmod(rank, S)
+
+    def _sampler_wide(self):
+        return True
+
+    def _sampler_free(self):
+        return True
+
+
+def _linked_samplers(store):
+    import ripples_pg
+
+    out = []
+    for rank in range(R * S):
+        s = ripples_pg.DistributedSampler(list(range(N_SAMPLES)), num_replicas=R * S,
+                                          rank=rank, shuffle=False, claim_size=CLAIM)
+        s._job = _ShardedJob(rank)  # (the link holds a weak reference)
+        s._link_sharded(s._job, store, "p/")
+        out.append(s)
+    return out
+
+
+def test_shard_ranks_replay_their_shard_0s_rows_and_refuse_a_written_record(caplog):
+    """One process, one store: replica group 0's shard 0 takes its column and all of replica
+    group 1's but the first claim; its shard 1 then hands out the same rows of its own shard.
+    A record someone else wrote (the store is unauthenticated) is refused by range: the shard
+    rank finishes on its own shard, logging why, instead of indexing out of range or
+    hanging."""
+    rows = N_SAMPLES // (R * S)
+    samplers = _linked_samplers(dist.HashStore())
+    lead0 = list(samplers[0])
+    lead1 = list(samplers[2])
+    assert len(lead0) == 2 * rows - CLAIM and len(lead1) == CLAIM
+    follow0, follow1 = list(samplers[1]), list(samplers[3])
+    # torch's column r (shuffle off): r, r + 4, ...; shard 1's rows are shard 0's plus one
+    assert follow0 == [i + 1 for i in lead0] and follow1 == [i + 1 for i in lead1]
+    assert sorted(lead0 + lead1 + follow0 + follow1) == list(range(N_SAMPLES))
+    assert samplers[1].stolen == rows - CLAIM == samplers[0].stolen
+
+    store = dist.HashStore()
+    samplers = _linked_samplers(store)
+    lead0 = list(samplers[0])
+    store.set("p/e0.0/r0/1", "0,0,4000")  # the first claim's record, overwritten
+    with caplog.at_level("ERROR", logger="ripples_pg.sampler"):
+        follow0 = list(samplers[1])
+    assert follow0 == list(range(1, N_SAMPLES, R * S)), follow0  # its own shard, once
+    assert "refused" in caplog.text and "0,0,4000" in caplog.text
 
 
 # ---------------------------------------------- a rank that dies (workers spawned directly)

@@ -724,6 +724,12 @@ class _PartialJob:
     def in_free_phase(self):
         return True
 
+    def _sampler_wide(self):
+        return True
+
+    def _sampler_free(self):
+        return True
+
 
 def _sampler_on(store, rank, n=64, world=2):
     import weakref

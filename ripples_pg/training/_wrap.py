@@ -290,6 +290,15 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         return self.job_clock.mode == SHARED and not self.unwrapped and not av.detached and \
             av.step >= av.warmup_steps
 
+    def _sampler_wide(self) -> bool:
+        """Whether a linked sampler's epochs go through the job's counters: a shared job
+        clock that has not failed."""
+        return self.job_clock.mode == SHARED and self.job_clock.failed is None
+
+    def _sampler_free(self) -> bool:
+        """Whether a linked sampler may take rows of other workers' columns now."""
+        return self.in_free_phase() and self.job_clock.failed is None
+
     def flush(self) -> None:
         """With ``wrap(overlap=True)``: waits for the partial round in flight and applies it,
         so that the parameters hold its average (call it before evaluating or saving the model

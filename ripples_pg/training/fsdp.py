@@ -21,8 +21,7 @@ told the same group in the same round, and apply the round on all its shard rank
 * a round's result lands in a flat copy of the shards; the replica group's shard ranks agree
   on its outcome (one integer, a MIN over the replica group) before any of them writes it back.
 
-Not yet here (docs/fsdp.md says what to use instead): overlapped rounds, the sampler,
-partial DiLoCo and compressed rounds.
+Not yet here (docs/fsdp.md says what to use instead): overlapped rounds and partial DiLoCo.
 """
 from __future__ import annotations
 
@@ -45,6 +44,7 @@ from ._fsdp_warmup import ReplicaWarmup
 from ._groups import exact_if_ripples, is_ripples
 from ._models import check_int8_extras, sharded_kind
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
+from .sampler import DistributedSampler
 
 __all__ = ["init_mesh", "save_planner", "wrap", "ShardedRipplesOptimizer"]
 
@@ -206,7 +206,8 @@ def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]],
     if odd:
         raise ValueError(
             f"{_WHO}: ranks {odd} wrap with other (warmup_steps, warmup_straggler, "
-            f"average_optimizer_state) than this rank's {settings}; every rank must pass the same")
+            f"average_optimizer_state, a sampler given) than this rank's {settings}; every rank "
+            f"must pass the same")
     shapes = {tuple(sh) for _, sh, _ in everyone if sh is not None}
     if len(shapes) > 1:
         raise ValueError(
@@ -249,9 +250,11 @@ class ShardedRipplesOptimizer:
         # between steps (a checkpoint's) must not move one shard rank's job step alone.
         self.clock: Optional[JobClock] = None
         self._job_step = 0
+        self._ns = ""  # the job's keys of shard 0's replicate group (a sampler's too)
         if _ripples_backend(self.group).schedule != "static":
             # the replicate group's own nonce (on ripples, CPU): only shard 0's group counts
-            key = _namespace(self.group) + "fsdp-steps"
+            self._ns = _namespace(self.group)
+            key = self._ns + "fsdp-steps"
             self.clock = JobClock(self.replicas, SHARED if self.shard_rank == 0 else LOCKSTEP,
                                   _job_store() if self.shard_rank == 0 else None, key)
         # warm-up: exact steps up to warmup_steps (None: no fixed end), ended earlier, after
@@ -267,6 +270,8 @@ class ShardedRipplesOptimizer:
         self.step_count = 0
         self.unwrapped = False
         self.counts = {"exact_steps": 0, "rounds": 0, "applied": 0, "discarded": 0}
+        self.sampler: Optional[DistributedSampler] = None
+        self._samplers = 0  # samplers linked so far (each one's keys)
 
     def _fence_alone(self) -> None:
         """FSDP's shard group on ripples: its collectives (FSDP's gathers and scatters, the
@@ -303,6 +308,60 @@ class ShardedRipplesOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
+
+    # -- the job-wide sampler
+    def attach_sampler(self, sampler: DistributedSampler) -> None:
+        """Links a :class:`ripples_pg.DistributedSampler` (made with the world's size and this
+        rank, as for HSDP) to this optimizer, as ``wrap(..., sampler=...)`` does: under a
+        coordinator's schedule its epochs are then handed out job-wide, a replica group's rows
+        at a time, so that fast replica groups take more of each epoch and every replica
+        group's epoch ends together. Every rank must call it at the same point (its shard 0
+        tells the others where the job's keys are)."""
+        if not isinstance(sampler, DistributedSampler):
+            raise TypeError(f"{_WHO}: sampler must be a ripples_pg.DistributedSampler, got "
+                            f"{type(sampler).__module__}.{type(sampler).__qualname__}")
+        error: Optional[Exception] = None
+        try:
+            sampler._check_sharded(self.replicas, self.shards, self.replica, self.shard_rank,
+                                   self)
+        except ValueError as exc:
+            error = exc
+        store, prefix = None, None
+        if self.clock is not None:
+            # shard 0's keys (every shard rank of a replica group reads its shard 0's
+            # records), and whether any shard rank refused, in one sum over the replica group
+            told = torch.zeros(2, dtype=torch.int64, device=self._device())
+            told[0] = int(error is not None)
+            if self.shard_rank == 0:
+                told[1] = int(self._ns.rstrip("/").rsplit("/", 1)[1], 16)
+            if self.shards > 1:
+                with exact_if_ripples(self.shard_group):
+                    dist.all_reduce(told, group=self.shard_group)
+            told = told.cpu()
+            if error is None and told[0] > 0:
+                error = ValueError(f"{_WHO}: another shard rank of this replica group refused "
+                                   f"the sampler (its log says why)")
+            nonce = int(told[1])
+            store = _job_store()
+            prefix = f"ripples/job/{nonce:x}/fsdp-sampler{self._samplers}/"
+        if error is not None:
+            raise error
+        self._samplers += 1
+        sampler._link_sharded(self, store, prefix)
+        self.sampler = sampler
+
+    def in_free_phase(self) -> bool:
+        """Whether replica groups now run different numbers of steps: partial rounds under a
+        coordinator's schedule, before ``unwrap()``."""
+        return self.clock is not None and not self.unwrapped and not self._exact()
+
+    def _sampler_wide(self) -> bool:
+        # asked on shard 0 only (the others follow its records): its clock is the shared one
+        return self.clock is not None and self.clock.mode == SHARED and \
+            self.clock.failed is None
+
+    def _sampler_free(self) -> bool:
+        return self.in_free_phase()
 
     def state_dict(self):
         """The inner optimizer's state dict, with Ripples' part under ``"ripples_fsdp"``: the
@@ -529,6 +588,8 @@ class ShardedRipplesOptimizer:
         """Ends Ripples: an exact average (``average=True``), then the inner optimizer."""
         try:
             if not self.unwrapped and average:
+                if self.sampler is not None:  # every rank from the job's place in the epoch
+                    self.sampler._agree(None, device=self._device())
                 self.average_replicas()
         finally:
             if self._warm is not None:
@@ -588,7 +649,8 @@ def _unpack(flat: torch.Tensor, parts: List[torch.Tensor]) -> None:
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
          warmup_steps: Optional[int] = None,
          warmup_straggler: Optional[float] = FSDP_WARMUP_STRAGGLER,
-         average_optimizer_state: bool = False) -> ShardedRipplesOptimizer:
+         average_optimizer_state: bool = False,
+         sampler: Optional[DistributedSampler] = None) -> ShardedRipplesOptimizer:
     """Averages an FSDP2 model between its replica groups with Ripples; returns the optimizer
     to step.
 
@@ -613,6 +675,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
             ``0``: warm-up always runs ``warmup_steps`` steps (which must then be a number).
         average_optimizer_state: also average the optimizer's state tensors shaped like their
             parameter (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``) in partial rounds.
+        sampler: a :class:`ripples_pg.DistributedSampler` made with the world's size and this
+            rank (``DistributedSampler(dataset, dist.get_world_size(), dist.get_rank())``):
+            linked (:meth:`ShardedRipplesOptimizer.attach_sampler`), its epochs are the job's.
 
     Every rank must call it at the same point: it agrees with the others in one collective,
     so that a refusal on any rank raises on every rank.
@@ -634,7 +699,16 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     error: Optional[Exception] = None
     shape: Optional[List[int]] = None
     try:
+        if sampler is not None and not isinstance(sampler, DistributedSampler):
+            raise TypeError(f"{_WHO}: sampler must be a ripples_pg.DistributedSampler, got "
+                            f"{type(sampler).__module__}.{type(sampler).__qualname__} (torch's "
+                            f"gives every rank a fixed shard, so an epoch would end when the "
+                            f"slowest replica group's does)")
         _check_wrap(model, optimizer, mesh)
+        if sampler is not None:  # before any rank waits for another in attach_sampler
+            sampler._check_sharded(mesh.size(mesh.mesh_dim_names.index(REPLICATE)),
+                                   mesh.size(mesh.mesh_dim_names.index(SHARD)),
+                                   mesh.get_local_rank(REPLICATE), mesh.get_local_rank(SHARD))
         group = mesh.get_group(REPLICATE)
         # the replicate groups' Options(compression=...): rounds across hosts, quantised
         check_int8_extras(_WHO, getattr(_ripples_backend(group), "compression", "none"), model,
@@ -644,10 +718,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     except (TypeError, ValueError) as exc:
         error = exc
     _agree_on_wrap(error, shape, (warmup_steps, warmup_straggler or None,
-                                  average_optimizer_state))
-    return ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
-                                   warmup_straggler=warmup_straggler or None,
-                                   average_optimizer_state=average_optimizer_state)
+                                  average_optimizer_state, sampler is not None))
+    opt = ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
+                                  warmup_straggler=warmup_straggler or None,
+                                  average_optimizer_state=average_optimizer_state)
+    if sampler is not None:
+        opt.attach_sampler(sampler)
+    return opt
 
 
 def _check_wrap(model, optimizer, mesh) -> None:

@@ -34,12 +34,21 @@ else (the store is unauthenticated): the owner stops using the counters for the 
 finishes its own column from where its own count says (as when the store fails), and a worker
 taking from a column's back leaves that column alone. So a store writer can still end an epoch
 early (rows skipped), but not make a worker hand out rows of its column twice.
+
+Replica groups (``ripples_pg.fsdp.wrap(..., sampler=...)``). An FSDP2 replica group's ranks
+must run the same number of batches, so the replica group is the worker: one column per replica
+group, whose row ``j`` is torch's row ``j`` of each of its ranks' shards. Only its shard 0
+claims rows, as above, one claim per request (no requests ahead during exact phases, so there
+is nothing to give back); it writes each range it hands out to a numbered record in the store,
+and the replica group's other shard ranks read the records in order and hand out the same rows
+of their own shards. A record out of range (someone else wrote it) is refused like a counter.
 """
 from __future__ import annotations
 
 import logging
 import math
 import weakref
+from datetime import timedelta
 from typing import Iterator, List, Mapping, Optional
 
 import torch
@@ -78,6 +87,10 @@ _PASS_SPAN = 1 << 16
 # request costs no balance: nobody takes from a column's back before its own is used up, long
 # after every worker has given back.
 _EXACT_CLAIMS = 64
+# How long a replica group's shard rank waits for its shard 0's next record (ripples_pg.fsdp).
+# They step in lockstep (FSDP's collectives), so a record is at most a step away; a shard 0
+# that is gone ends the job in FSDP's collectives long before this.
+_FOLLOW_TIMEOUT_S = 600.0
 
 
 class DistributedSampler(_TorchDistributedSampler):
@@ -94,7 +107,8 @@ class DistributedSampler(_TorchDistributedSampler):
             which a model with BatchNorm may need: a worker's last batch of an epoch can be
             as small as one sample).
 
-    Link it to the optimizer with ``ripples_pg.wrap(..., sampler=sampler)``; call
+    Link it to the optimizer with ``ripples_pg.wrap(..., sampler=sampler)`` (FSDP2:
+    ``ripples_pg.fsdp.wrap(..., sampler=sampler)``, one column per replica group); call
     ``set_epoch(epoch)`` before each epoch as with torch's. Unlinked, or under a schedule that
     pairs every worker's k-th step, it is exactly torch's sampler.
 
@@ -123,6 +137,13 @@ class DistributedSampler(_TorchDistributedSampler):
         self.samples_yielded = 0  # indices handed to the loader, all epochs
         self.stolen = 0  # of which rows taken from other workers' columns
         self.epoch_samples = 0  # handed out by this worker in the current epoch
+        # ripples_pg.fsdp (_link_sharded): ranks per replica group. A replica group's ranks
+        # take one column's rows together: its shard 0 claims them (the leader) and publishes
+        # each range it hands out; the others replay the ranges (shard s: torch column
+        # column * shards + s, row by row), so all run the same number of batches
+        self._shards = 1
+        self._lead = True
+        self._pub: Optional[dict] = None  # the pass's records: key prefix, next number
 
     # -- linking
     def _link(self, optimizer) -> None:
@@ -151,17 +172,68 @@ class DistributedSampler(_TorchDistributedSampler):
         self._store = clock.store
         self._prefix = None if self._store is None else f"{clock.namespace}sampler{index}/"
 
+    def _check_sharded(self, replicas: int, shards: int, replica: int, shard: int,
+                       optimizer=None) -> None:
+        """What linking to ``ripples_pg.fsdp`` needs, checked before any rank waits for
+        another: the world's size and this rank, a mesh in rank order, no other link."""
+        world = replicas * shards
+        who = "ripples_pg.DistributedSampler"
+        if self.num_replicas != world:
+            raise ValueError(f"{who}: num_replicas={self.num_replicas} but the FSDP job has "
+                             f"{world} ranks ({replicas} replica groups x {shards} shards); "
+                             f"create the sampler with dist.get_world_size()")
+        me = dist.get_rank()
+        if self.rank != me:
+            raise ValueError(f"{who}: rank={self.rank} but this is rank {me}; create the "
+                             f"sampler with dist.get_rank()")
+        if (replica, shard) != divmod(me, shards):
+            raise ValueError(f"{who}: the mesh does not hold the ranks in order (rank {me} is "
+                             f"replica group {replica}, shard {shard}); create it with "
+                             f"ripples_pg.fsdp.init_mesh")
+        linked = self._opt() if self._opt is not None else None
+        if linked is not None and linked is not optimizer:
+            raise ValueError(f"{who}: already linked to another optimizer")
+        if self._resume is not None and self._resume.get("shards", 1) != shards:
+            raise ValueError(f"{who}: the state loaded was saved with "
+                             f"{self._resume.get('shards', 1)} shards per replica group, this "
+                             f"job has {shards}")
+
+    def _link_sharded(self, optimizer, store, prefix: Optional[str]) -> None:
+        """Called by ``ShardedRipplesOptimizer.attach_sampler`` (``ripples_pg.fsdp.wrap(...,
+        sampler=...)``) once :meth:`_check_sharded` passed: one column per replica group,
+        ``store``/``prefix`` the job's (None: the static schedule, whose replica groups step
+        in lockstep: torch's shards)."""
+        shards = optimizer.shards
+        self._opt = weakref.ref(optimizer)
+        self._shards = shards
+        self._lead = optimizer.shard_rank == 0
+        self._store = store
+        self._prefix = prefix if store is not None else None
+
+    @property
+    def _cols(self) -> int:
+        """The epoch's columns: one per worker, or per replica group (ripples_pg.fsdp)."""
+        return self.num_replicas // self._shards
+
+    @property
+    def _me(self) -> int:
+        """This worker's (replica group's) column."""
+        return self.rank // self._shards
+
+    def _mine(self, indices: List[int], col: int) -> List[int]:
+        """This rank's indices of a column's rows (its shard's torch column)."""
+        return self._column(indices, col * self._shards + self.rank % self._shards)
+
     def _job_wide(self) -> bool:
         """Whether this epoch goes through the job's counters (a shared job clock)."""
         opt = self._opt() if self._opt is not None else None
-        return opt is not None and self._prefix is not None and \
-            opt.job_clock.mode == "shared" and opt.job_clock.failed is None
+        return opt is not None and self._prefix is not None and opt._sampler_wide()
 
     def _free(self) -> bool:
         """Whether workers now run different numbers of steps (rows may be taken from other
         workers' columns)."""
         opt = self._opt() if self._opt is not None else None
-        return opt is not None and opt.in_free_phase() and opt.job_clock.failed is None
+        return opt is not None and opt._sampler_free()
 
     # -- the epoch's order (torch's)
     def _order(self) -> List[int]:
@@ -196,6 +268,10 @@ class DistributedSampler(_TorchDistributedSampler):
         resume = self._resume if self._resume is not None and \
             self._resume.get("epoch") == epoch else None
         self._resume = None
+        if resume is not None and resume.get("shards", 1) != self._shards:
+            raise ValueError(f"ripples_pg.DistributedSampler: the state loaded was saved with "
+                             f"{resume.get('shards', 1)} shards per replica group; link the "
+                             f"sampler (ripples_pg.fsdp.wrap(..., sampler=...)) before iterating")
         self.epoch_samples = 0
         indices = self._order()
         rows = self.num_samples
@@ -211,21 +287,45 @@ class DistributedSampler(_TorchDistributedSampler):
                     self.epoch_samples += 1
                     yield i
                 return
-        if not self._job_wide():
-            start, end = 0, rows
-            if resume is not None:
-                f, b = resume["columns"][self.rank]
-                start, end = min(f, rows), max(0, rows - b)
-            self._live = None
-            for i in self._column(indices, self.rank)[start:end]:
-                self.samples_yielded += 1
-                self.epoch_samples += 1
-                yield i
-            return
         key = f"{self._prefix}e{epoch}.{npass}/c"
+        sharded = self._shards > 1 and self._prefix is not None
+        # a replica group's records of this pass (ripples_pg.fsdp): its shard 0 writes, the
+        # others read
+        self._pub = {"key": f"{self._prefix}e{epoch}.{npass}/r{self._me}/", "n": 0} \
+            if sharded else None
+        start = 0 if resume is None else min(resume["columns"][self._me][0], rows)
+        if not self._pass_is_wide(sharded, start):
+            end = rows
+            if resume is not None:
+                end = max(0, rows - resume["columns"][self._me][1])
+            self._live = None
+            yield from self._own_rows(indices, start, end)
+            return
         # "free": a claim of this epoch was made during partial training (state_dict)
         self._live = {"key": key, "epoch": epoch, "pass": npass, "free": False}
+        yield from self._wide_pass(indices, key, rows, resume, start, sharded)
+
+    def _pass_is_wide(self, sharded: bool, start: int) -> bool:
+        """Whether this pass goes through the job's counters: this worker's call, or, for a
+        replica group's other shard ranks, their shard 0's (its first record)."""
         try:
+            if sharded and not self._lead:
+                return self._read(start) == "s"
+            wide = self._job_wide()
+            if sharded:
+                self._publish("s" if wide else "o", start)
+            return wide
+        except _StoreFailed as exc:
+            self._store_failed(exc)
+            return False
+
+    def _wide_pass(self, indices, key: str, rows: int, resume, start: int,
+                   sharded: bool) -> Iterator[int]:
+        """A pass through the job's counters: the own column, then others' backs."""
+        try:
+            if sharded and not self._lead:
+                yield from self._follow(indices, rows, start)
+                return
             base = (0, 0)  # the own column's counter before this worker's first request
             if resume is not None:
                 # Every worker writes every column's saved counters unless one already did
@@ -235,40 +335,119 @@ class DistributedSampler(_TorchDistributedSampler):
                     try:
                         v = self._store.compare_set(f"{key}{c}", "", str(_pack(f, b)))
                     except Exception as exc:  # noqa: BLE001
-                        raise _StoreFailed(exc, resume["columns"][self.rank][0]) from exc
-                    if c == self.rank:
+                        raise _StoreFailed(exc, start) from exc
+                    if c == self._me:
                         base = _unpack(int(v))
                         if base[0] > rows or base[1] > rows:
                             raise _StoreFailed(_CounterRefused(
                                 f"{key}{c} holds front {base[0]} and back {base[1]} for a "
-                                f"column of {rows} rows"), resume["columns"][c][0])
+                                f"column of {rows} rows"), start)
             yield from self._own_column(indices, key, rows, base)
             if self._free():
                 yield from self._steal(indices, key, rows)
+            if sharded:
+                self._publish("end", rows)
         except _StoreFailed as exc:
             # Never leave the loop hanging on a dead store: finish on this worker's own
             # column alone (a remote worker may have taken some of it: rows may be used
             # twice, none lost).
-            if isinstance(exc.reason, _CounterRefused):
-                logger.error("ripples_pg.DistributedSampler: refused the job's counter: %s. "
-                             "Someone else wrote it (the c10d store is unauthenticated); this "
-                             "epoch goes on with this worker's own shard", exc.reason)
-            else:
-                logger.warning("ripples_pg.DistributedSampler: the job's store failed (%s); "
-                               "this epoch goes on with this worker's own shard", exc)
-            for i in self._column(indices, self.rank)[exc.front:]:
+            self._store_failed(exc)
+            if sharded and self._lead:
+                try:  # the replica group's other ranks finish the same way
+                    self._publish(f"f{exc.front}", exc.front)
+                except _StoreFailed:
+                    pass  # they find the store failed too
+            yield from self._own_rows(indices, exc.front, rows)
+
+    def _own_rows(self, indices, start: int, end: int) -> Iterator[int]:
+        """Rows ``start`` to ``end`` of this worker's own column, claimed from nobody."""
+        for i in self._mine(indices, self._me)[start:end]:
+            self.samples_yielded += 1
+            self.epoch_samples += 1
+            yield i
+
+    @staticmethod
+    def _store_failed(exc: "_StoreFailed") -> None:
+        if isinstance(exc.reason, _CounterRefused):
+            logger.error("ripples_pg.DistributedSampler: refused the job's counter: %s. "
+                         "Someone else wrote it (the c10d store is unauthenticated); this "
+                         "epoch goes on with this worker's own shard", exc.reason)
+        else:
+            logger.warning("ripples_pg.DistributedSampler: the job's store failed (%s); "
+                           "this epoch goes on with this worker's own shard", exc)
+
+    # -- a replica group's records (ripples_pg.fsdp)
+    def _publish(self, record: str, front: int) -> None:
+        """Shard 0: the replica group's next record -- "s"/"o" (this pass goes through the
+        job's counters, or each rank takes its own column), "c,lo,hi" (rows lo to hi of column
+        c, handed out now), "f<row>" (the counters failed: own column from that row on),
+        "end"."""
+        pub = self._pub
+        if pub is None:
+            return
+        try:
+            self._store.set(f"{pub['key']}{pub['n']}", record)
+        except Exception as exc:  # noqa: BLE001
+            raise _StoreFailed(exc, front) from exc
+        pub["n"] += 1
+
+    def _read(self, front: int) -> str:
+        """Another shard rank: the replica group's next record, once its shard 0 has written
+        it; read by every other shard rank, then deleted by the last."""
+        pub = self._pub
+        key = f"{pub['key']}{pub['n']}"
+        try:
+            self._store.wait([key], timedelta(seconds=_FOLLOW_TIMEOUT_S))
+            record = self._store.get(key).decode()
+        except Exception as exc:  # noqa: BLE001
+            raise _StoreFailed(exc, front) from exc
+        pub["n"] += 1
+        try:
+            if self._shards == 2 or int(self._store.add(f"{key}#", 1)) >= self._shards - 1:
+                self._store.delete_key(key)
+                if self._shards > 2:
+                    self._store.delete_key(f"{key}#")
+        except Exception:  # noqa: BLE001 - a record left behind costs a few bytes
+            pass
+        return record
+
+    def _follow(self, indices, rows: int, front: int) -> Iterator[int]:
+        """Another shard rank of a replica group: the rows its shard 0 hands out, record by
+        record, each of this rank's shard."""
+        while True:
+            record = self._read(front)
+            if record == "end":
+                return
+            if record.startswith("f"):
+                # shard 0 finishes on its own column from there: so does this rank
+                raise _StoreFailed(RuntimeError("shard 0 of this replica group stopped using "
+                                                "the job's counters"),
+                                   min(max(_int_or(record[1:], front), 0), rows))
+            try:
+                c, lo, hi = (int(x) for x in record.split(","))
+            except ValueError:
+                c = lo = hi = -1
+            if not (0 <= c < self._cols and 0 <= lo <= hi <= rows):
+                raise _StoreFailed(_CounterRefused(
+                    f"a record of this replica group says {record[:40]!r} (columns "
+                    f"{self._cols}, rows {rows})"), front)
+            if self._live is not None and not self._live["free"] and self._free():
+                self._live["free"] = True
+            for i in self._mine(indices, c)[lo:hi]:
                 self.samples_yielded += 1
                 self.epoch_samples += 1
+                if c != self._me:
+                    self.stolen += 1
                 yield i
+            if c == self._me:
+                front = hi
 
     def _deal(self, indices, columns) -> List[int]:
         """This worker's share of the rows no worker has taken (``columns``: front and back
         counts per column), dealt round-robin in column order, padded (or, with
         ``drop_last``, cut) to a multiple of the world size as torch pads an epoch."""
-        rows, world = self.num_samples, self.num_replicas
-        left = []
-        for c, (f, b) in enumerate(columns):
-            left += self._column(indices, c)[f:rows - b]
+        rows, world = self.num_samples, self._cols
+        left = [(c, j) for c, (f, b) in enumerate(columns) for j in range(f, rows - b)]
         if not left:
             return []
         if self.drop_last:
@@ -276,7 +455,9 @@ class DistributedSampler(_TorchDistributedSampler):
         elif len(left) % world:
             pad = world - len(left) % world
             left += (left * math.ceil(pad / len(left)))[:pad]
-        return left[self.rank::world]
+        mine: dict = {}
+        return [mine.setdefault(c, self._mine(indices, c))[j]
+                for c, j in left[self._me::world]]
 
     def _add(self, key: str, value: int, front: int) -> tuple:
         if self._live is not None and not self._live["free"] and self._free():
@@ -290,17 +471,18 @@ class DistributedSampler(_TorchDistributedSampler):
     def _back_limit(self, rows: int) -> int:
         """The most a column's back can say: every other worker's last claim may pass the
         column's rows by one claim."""
-        return rows + self.num_replicas * self.claim_size
+        return rows + self._cols * self.claim_size
 
     def _own_column(self, indices, key, rows, base=(0, 0)) -> Iterator[int]:
-        col = self._column(indices, self.rank)
+        col = self._mine(indices, self._me)
         k = self.claim_size
-        own = f"{key}{self.rank}"
-        front = 0  # rows of the own column handed out so far (for the store-failure path)
+        own = f"{key}{self._me}"
+        front = base[0]  # rows of the own column handed out so far (the store-failure path)
         reserved = min(k, rows)  # never taken from the back (_steal)
         last_f, last_b = base  # only this worker moves its front; nobody moves a back down
         while True:
-            want = k if self._free() else k * _EXACT_CLAIMS
+            # (a replica group's shard 0 publishes each claim: no requests ahead, see _give_back)
+            want = k if self._free() or self._pub is not None else k * _EXACT_CLAIMS
             f, b = self._add(own, want, front)
             if f != last_f + want or b < last_b or b > self._back_limit(rows):
                 raise _StoreFailed(_CounterRefused(
@@ -309,6 +491,8 @@ class DistributedSampler(_TorchDistributedSampler):
                     f"{self._back_limit(rows)})"), front)
             last_f, last_b = f, b
             lo, hi = max(f - want, 0), min(f, max(rows - b, reserved))
+            if hi > lo:
+                self._publish(f"{self._me},{lo},{hi}", front)
             # an exact phase's request: given back at the switch to partial training
             chunk = self._chunk = {"key": own, "f": f, "b": b, "pos": lo, "back": False} \
                 if want > k else None
@@ -355,7 +539,7 @@ class DistributedSampler(_TorchDistributedSampler):
         # claim of every epoch, however slow, so per-epoch work (a trainer's validation at
         # its epoch's last batch) runs on every worker.
         reserved = min(k, rows)
-        others = [(self.rank + j) % self.num_replicas for j in range(1, self.num_replicas)]
+        others = [(self._me + j) % self._cols for j in range(1, self._cols)]
         seen = {}  # column -> its back after this worker's last claim of it
         while others:
             for c in list(others):
@@ -377,7 +561,8 @@ class DistributedSampler(_TorchDistributedSampler):
                 if hi <= lo:
                     others.remove(c)  # used up
                     continue
-                col = self._column(indices, c)
+                self._publish(f"{c},{lo},{hi}", rows)
+                col = self._mine(indices, c)
                 for i in col[lo:hi]:
                     self.samples_yielded += 1
                     self.epoch_samples += 1
@@ -385,7 +570,7 @@ class DistributedSampler(_TorchDistributedSampler):
                     yield i
 
     # -- the job's position at unwrap()
-    def _agree(self, group) -> None:
+    def _agree(self, group, device=None) -> None:
         """Called by ``unwrap()`` on every worker of ``group``, after the job clock's
         agreement (so every worker's loop has stopped and the counters are still): every
         worker takes the job's position -- the newest epoch (and pass) any worker has begun --
@@ -399,7 +584,7 @@ class DistributedSampler(_TorchDistributedSampler):
         # (epoch, pass + 1) as one number: pass 0 = this worker never began this epoch
         npass = live["pass"] + 1 if live is not None else 0
         mine = float(self.epoch) * _PASS_SPAN + min(npass, _PASS_SPAN - 1)
-        t = torch.tensor([mine], dtype=torch.float64)
+        t = torch.tensor([mine], dtype=torch.float64, device=device)
         with exact_if_ripples(group):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         newest = t.item()
@@ -407,7 +592,8 @@ class DistributedSampler(_TorchDistributedSampler):
         # the newest epoch's "free" flag and (exact phases: every worker at the same row) the
         # rows handed out, from the workers that are in it
         t = torch.tensor([float(at and live is not None and live["free"]),
-                          float(self.epoch_samples if at else 0)], dtype=torch.float64)
+                          float(self.epoch_samples if at else 0)], dtype=torch.float64,
+                         device=device)
         with exact_if_ripples(group):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if at:
@@ -438,7 +624,7 @@ class DistributedSampler(_TorchDistributedSampler):
         state loaded."""
         resume = self._resume
         if resume is not None and resume["epoch"] == self.epoch:
-            return self._state(resume["columns"])
+            return self._state(resume["columns"], resume.get("shards", self._shards))
         cols = None
         live = self._live
         if live is not None and live["epoch"] == self.epoch and self._store is not None:
@@ -446,7 +632,7 @@ class DistributedSampler(_TorchDistributedSampler):
                 cols = []
                 rows = self.num_samples
                 reserved = min(self.claim_size, rows)
-                for c in range(self.num_replicas):
+                for c in range(self._cols):
                     v = int(self._store.add(f"{live['key']}{c}", 0))
                     f, b = _unpack(v)
                     # the rows really handed out: the counters also count claims that came
@@ -462,13 +648,14 @@ class DistributedSampler(_TorchDistributedSampler):
                 cols = None  # every claim of this epoch so far was in an exact phase
         if cols is None:
             pos = min(self.epoch_samples, self.num_samples)
-            cols = [[pos, 0] for _ in range(self.num_replicas)]
+            cols = [[pos, 0] for _ in range(self._cols)]
         return self._state(cols)
 
-    def _state(self, cols) -> dict:
+    def _state(self, cols, shards: Optional[int] = None) -> dict:
         return {"epoch": self.epoch, "num_replicas": self.num_replicas,
                 "num_samples": self.num_samples, "seed": self.seed, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "columns": [list(c) for c in cols]}
+                "drop_last": self.drop_last, "shards": shards or self._shards,
+                "columns": [list(c) for c in cols]}
 
     def load_state_dict(self, sd: Mapping) -> None:
         """Resumes mid-epoch: sets the epoch; its next iteration uses only the rows no worker
@@ -480,16 +667,24 @@ class DistributedSampler(_TorchDistributedSampler):
                                  f"{name}={sd[name]!r}, this sampler has "
                                  f"{getattr(self, name)!r} (the dataset or the job changed)")
         cols = [[int(f), int(b)] for f, b in sd["columns"]]
-        if len(cols) != self.num_replicas or any(f < 0 or b < 0 or f + b > self.num_samples
+        shards = int(sd.get("shards", 1))
+        if shards < 1 or len(cols) * shards != self.num_replicas or any(f < 0 or b < 0 or f + b > self.num_samples
                                                  for f, b in cols):
             raise ValueError("ripples_pg.DistributedSampler: malformed state (columns)")
         self.epoch = int(sd["epoch"])
-        self._resume = {"epoch": self.epoch, "columns": cols}
+        self._resume = {"epoch": self.epoch, "columns": cols, "shards": shards}
 
     def __repr__(self) -> str:
         linked = "linked" if self._opt is not None and self._opt() is not None else "unlinked"
         return (f"ripples_pg.DistributedSampler(num_replicas={self.num_replicas}, "
                 f"rank={self.rank}, epoch={self.epoch}, shuffle={self.shuffle}, {linked})")
+
+
+def _int_or(text: str, default: int) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        return default
 
 
 class _CounterRefused(RuntimeError):
