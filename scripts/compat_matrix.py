@@ -152,6 +152,13 @@ CELLS = [
      "([fsdp.md](fsdp.md#checkpoints))",
      ["test_fsdp.py::test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back",
       "test_fsdp.py::test_a_resumed_job_keeps_one_job_step_per_replica_group"]),
+    ("FSDP2 partial DiLoCo (`fsdp.wrap(..., sync_every=H, outer_optimizer=\"nesterov\")`)",
+     WORKS,
+     "a round every `H` steps, then an outer step of each rank's anchor shards, together on a "
+     "replica group's shard ranks; anchors and outer state saved as DTensors "
+     "([fsdp.md](fsdp.md#what-is-averaged)); not yet measured on a model that learns",
+     ["test_fsdp.py::test_partial_diloco_steps_each_shards_anchor_after_every_hth_round",
+      "test_fsdp.py::test_partial_diloco_state_resumes_the_outer_steps"]),
     ("FSDP2 epochs over `ripples_pg.DistributedSampler` (`fsdp.wrap(..., sampler=)`)", WORKS,
      "each epoch handed out job-wide a replica group at a time: every sample once, fast "
      "replica groups take more, a replica group's shard ranks run as many batches "

@@ -368,6 +368,11 @@ def task_refusals(ctx):
         "sampler size": _error(lambda: rfsdp.wrap(net, sgd, mesh, sampler=(
             ripples_pg.DistributedSampler(range(8), num_replicas=S, rank=ctx.rank % S))),
             ValueError),
+        "outer alone": _error(lambda: rfsdp.wrap(net, sgd, mesh, outer_optimizer="nesterov"),
+                              ValueError),
+        "outer instance": _error(lambda: rfsdp.wrap(net, sgd, mesh, sync_every=4,
+                                                    outer_optimizer=sgd), TypeError),
+        "sync_every": _error(lambda: rfsdp.wrap(net, sgd, mesh, sync_every=0), ValueError),
         "sampler on one rank": _error(lambda: rfsdp.wrap(net, sgd, mesh, sampler=(
             ripples_pg.DistributedSampler(range(8), R * S, ctx.rank) if ctx.rank == 0
             else None)), ValueError),
@@ -393,6 +398,9 @@ def test_what_is_not_supported_is_refused_by_name(pool):
     assert "ripples_pg.DistributedSampler" in errors["torch sampler"], errors
     assert "num_replicas=2 but the FSDP job has 4 ranks" in errors["sampler size"], errors
     assert "a sampler given" in errors["sampler on one rank"], errors
+    assert "needs sync_every" in errors["outer alone"], errors
+    assert "not an optimizer instance" in errors["outer instance"], errors
+    assert "sync_every" in errors["sync_every"], errors
 
 
 def task_layout_disagrees(ctx):
@@ -462,7 +470,7 @@ def test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back(pool, 
         assert into_hsdp and into_ripples
 
 
-def task_smart_led_by_shard_0(ctx, budget):
+def task_smart_led_by_shard_0(ctx, budget, h=1):
     # a coordinator's schedule: shard 0's group asks it, the other shard ranks run the round
     # over the members they are told. Replica group 1 is slower, so replica group 0 steps
     # more; each replica group's shard ranks still stop after the same step (the job step
@@ -476,7 +484,8 @@ def task_smart_led_by_shard_0(ctx, budget):
         schedule="smart", on_failure="skip", group_size=2))
     replica = ctx.rank // S
     net = _perturbed(mesh, replica)
-    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=2)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=2,
+                     sync_every=h)
     steps, job_steps = 0, []
     while opt.job_step < budget:
         x, y = _batch(ctx.rank, steps)
@@ -495,8 +504,10 @@ def task_smart_led_by_shard_0(ctx, budget):
             st["given"], st["fences"])
 
 
-def test_smart_schedule_with_shards_is_led_by_shard_0(pool):
-    res = pool.run(task_smart_led_by_shard_0, 12)
+@pytest.mark.parametrize("h", [1, 3])
+def test_smart_schedule_with_shards_is_led_by_shard_0(pool, h):
+    # h: a round every h steps; between rounds the job step stands still on every shard rank
+    res = pool.run(task_smart_led_by_shard_0, 12, h)
     for rank, (steps, job_steps, err, applied, discarded, reduced, given, fences) in \
             enumerate(res):
         # shard 0 (even ranks) asks the coordinator; shard 1 only runs the rounds it is given
@@ -572,6 +583,97 @@ def test_a_resumed_job_keeps_one_job_step_per_replica_group(pool):
         partner = res[rank ^ 1]
         assert (steps, end) == (partner[2], partner[3]), (rank, steps, partner)
         assert end >= at_save + 6
+
+
+def task_diloco_between_replica_groups(ctx, steps, h):
+    # lr 0: the inner steps leave the model alone, so only rounds and outer steps move it.
+    # Replica group r starts at the seeded net + r (the anchors: warm-up 0). An outer SGD step
+    # (lr 0.7, no momentum) after a round of both replica groups moves each anchor 0.7 of the
+    # way to their mean: the mean stays at +0.5 and the gap shrinks to 0.3 of itself; a round
+    # alone is deferred. So after n outer steps each replica group is at +0.5 -+ 0.5 * 0.3^n
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S)  # static: the same rounds on every run
+    replica = ctx.rank // S
+    net = _perturbed(mesh, replica)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0,
+                     sync_every=h,
+                     outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7))
+    _train(net, opt, ctx.rank, steps)
+    st = opt.stats()
+    base = _net(mesh["shard"])
+    n = st["fsdp_outer_steps"]
+    want = 0.5 + (0.5 if replica else -0.5) * 0.3 ** n
+    err = max((a - b - want).abs().max().item() for a, b in zip(_full(net), _full(base)))
+    sd = opt.state_dict()["ripples_fsdp"]["diloco"]
+    from torch.distributed.tensor import DTensor
+    layout = all(isinstance(a, DTensor) and a.shape == p.shape
+                 for a, p in zip(sd["anchors"], net.parameters()))
+    opt.unwrap()
+    return (err, {k: st[k] for k in ("fsdp_rounds", "fsdp_applied", "fsdp_outer_steps",
+                                     "fsdp_deferred_outer_steps", "fsdp_alone_rounds")}, layout)
+
+
+def test_partial_diloco_steps_each_shards_anchor_after_every_hth_round(pool):
+    res = pool.run(task_diloco_between_replica_groups, 12, 3)
+    for rank, (err, st, layout) in enumerate(res):
+        assert st["fsdp_rounds"] == 4, (rank, st)  # after local steps 3, 6, 9 and 12
+        assert st["fsdp_outer_steps"] + st["fsdp_deferred_outer_steps"] == 4, (rank, st)
+        assert st["fsdp_outer_steps"] == st["fsdp_applied"] >= 1, (rank, st)
+        assert err < 1e-5, (rank, err, st)
+        assert layout, rank  # anchors saved as DTensors laid out like their parameters
+        assert st == res[rank ^ 1][1], rank  # the replica group's shard ranks step together
+
+
+def task_diloco_state_round_trip(ctx):
+    # Nesterov's momentum and the anchors carry the outer steps' history: a job resumed from
+    # the state saved after 8 steps (model shards and optimizer state) ends where the job that
+    # went on did; resumed without the DiLoCo part (anchors taken anew) it would not. (The
+    # static schedule's rounds alternate: 4 rounds before the save keep the resumed mesh's
+    # rounds in step with the continued one's.)
+    import copy
+
+    import ripples_pg.fsdp as rfsdp
+
+    replica = ctx.rank // S
+
+    def run(resume=None, keep=True):
+        mesh = rfsdp.init_mesh(R, S)
+        net = _perturbed(mesh, replica)
+        opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh,
+                         warmup_steps=0, sync_every=2, outer_optimizer="nesterov")
+        saved = None
+        if resume is not None:
+            shards, state = resume
+            with torch.no_grad():
+                for p, t in zip(net.parameters(), shards):
+                    p.to_local().copy_(t)
+            if not keep:
+                state = copy.deepcopy(state)
+                del state["ripples_fsdp"]["diloco"]
+            opt.load_state_dict(state)
+        else:
+            _train(net, opt, ctx.rank, 8)
+            saved = ([p.to_local().detach().clone() for p in net.parameters()],
+                     copy.deepcopy(opt.state_dict()))
+        _train(net, opt, ctx.rank, 8)
+        out = _full(net)
+        st = opt.stats()
+        opt.unwrap(average=False)
+        return out, saved, (st["fsdp_applied"], st["fsdp_outer_steps"])
+
+    went_on, saved, _ = run()
+    resumed, _, counts = run(saved)
+    fresh, _, _ = run(saved, keep=False)
+    diff = max((a - b).abs().max().item() for a, b in zip(went_on, resumed))
+    moved = max((a - b).abs().max().item() for a, b in zip(went_on, fresh))
+    return diff, moved, counts
+
+
+def test_partial_diloco_state_resumes_the_outer_steps(pool):
+    for rank, (diff, moved, counts) in enumerate(pool.run(task_diloco_state_round_trip)):
+        assert diff < 1e-6, (rank, diff, counts)
+        assert moved > 1e-3, (rank, moved)  # (the check can fail: the state matters)
 
 
 N_SAMPLES, CLAIM = 160, 4  # 40 rows per rank's column, one claim per batch of 4

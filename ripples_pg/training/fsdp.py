@@ -21,7 +21,7 @@ told the same group in the same round, and apply the round on all its shard rank
 * a round's result lands in a flat copy of the shards; the replica group's shard ranks agree
   on its outcome (one integer, a MIN over the replica group) before any of them writes it back.
 
-Not yet here (docs/fsdp.md says what to use instead): overlapped rounds and partial DiLoCo.
+Not yet here (docs/fsdp.md): overlapped rounds and levels.
 """
 from __future__ import annotations
 
@@ -39,10 +39,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..backend._api import _ripples_backend, host_of, partial_all_reduce, stats
 from ..backend.options import Options
-from ._args import check_int, check_warmup_straggler
+from ._args import OuterSpec, check_int, check_on_alone, check_outer_optimizer, \
+    check_warmup_straggler
 from ._fsdp_warmup import ReplicaWarmup
 from ._groups import exact_if_ripples, is_ripples
 from ._models import check_int8_extras, sharded_kind
+from ._fsdp_diloco import ShardAnchors
+from .diloco import make_outer_optimizer
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
 from .sampler import DistributedSampler
 
@@ -206,8 +209,8 @@ def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]],
     if odd:
         raise ValueError(
             f"{_WHO}: ranks {odd} wrap with other (warmup_steps, warmup_straggler, "
-            f"average_optimizer_state, a sampler given) than this rank's {settings}; every rank "
-            f"must pass the same")
+            f"average_optimizer_state, a sampler given, sync_every, outer_optimizer, on_alone) "
+            f"than this rank's {settings}; every rank must pass the same")
     shapes = {tuple(sh) for _, sh, _ in everyone if sh is not None}
     if len(shapes) > 1:
         raise ValueError(
@@ -227,7 +230,8 @@ class ShardedRipplesOptimizer:
 
     def __init__(self, model, optimizer, mesh, *, warmup_steps: Optional[int],
                  average_optimizer_state: bool,
-                 warmup_straggler: Optional[float] = None) -> None:
+                 warmup_straggler: Optional[float] = None, sync_every: int = 1,
+                 outer_optimizer: OuterSpec = None, on_alone: str = "defer") -> None:
         self.model = model
         self.optim = optimizer
         self.mesh = mesh
@@ -271,6 +275,12 @@ class ShardedRipplesOptimizer:
         self.unwrapped = False
         self.counts = {"exact_steps": 0, "rounds": 0, "applied": 0, "discarded": 0}
         self.sampler: Optional[DistributedSampler] = None
+        # partial DiLoCo / periodic averaging: a round every sync_every local steps, an outer
+        # step of the anchors after each (_fsdp_diloco.py)
+        self.sync_every = sync_every
+        self.local_steps = 0  # steps since warm-up
+        self._diloco = ShardAnchors(outer_optimizer, on_alone) \
+            if outer_optimizer is not None else None
         self._samplers = 0  # samplers linked so far (each one's keys)
 
     def _fence_alone(self) -> None:
@@ -365,12 +375,17 @@ class ShardedRipplesOptimizer:
 
     def state_dict(self):
         """The inner optimizer's state dict, with Ripples' part under ``"ripples_fsdp"``: the
-        step (where the warm-up stands), the job step and the counters."""
+        step (where the warm-up stands), the job step and the counters; with partial DiLoCo
+        the anchors and the outer optimizer's state, as DTensors laid out like the parameters
+        (so DCP saves each shard rank's own)."""
         sd = self.optim.state_dict()
         sd["ripples_fsdp"] = {"step": self.step_count, "job_step": self._job_step,
                               "warmup_steps": self.warmup_steps,
                               "warmup_ended_early": self.warmup_ended_early,
+                              "local_steps": self.local_steps,
                               "counts": dict(self.counts)}
+        if self._diloco is not None:
+            sd["ripples_fsdp"]["diloco"] = self._diloco.state_dict(self._params())
         return sd
 
     def load_state_dict(self, state_dict) -> None:
@@ -384,6 +399,13 @@ class ShardedRipplesOptimizer:
             self.step_count = int(mine["step"])
             self._job_step = int(mine.get("job_step", self.step_count))
             self.counts.update(mine.get("counts", {}))
+            self.local_steps = int(mine.get("local_steps", 0))
+            if self._diloco is not None:
+                saved = mine.get("diloco")
+                if saved is None and self.step_count > 0:
+                    logger.warning("ripples_pg.fsdp: the state has no DiLoCo part; the anchors "
+                                   "are taken anew from the model at the next step")
+                self._diloco.load_state_dict(saved or {})
             ended = mine.get("warmup_ended_early")
             saved_end = mine.get("warmup_steps")
             if ended is not None:  # a straggler had ended warm-up: partial rounds go on
@@ -435,20 +457,34 @@ class ShardedRipplesOptimizer:
         exact = self._exact()
         if exact:
             self._average_gradients()
+        elif self._diloco is not None and self._diloco.wanted:
+            self._diloco.take(self._locals())  # the model before the first local step
         loss = self.optim.step(closure) if closure is not None else self.optim.step()
         if exact and self._warm is not None:
             self._warmup_check()
+        if not exact:
+            self.local_steps += 1
+        round_now = not exact and self.local_steps % self.sync_every == 0
         if self.clock is not None and self.shard_rank == 0:
             self.clock.tick(exact=exact)
-            self._job_step = self.clock.job_step  # handed to the other shard ranks below
+            # what every shard rank reads: shard 0's clock, handed over with each round (so
+            # between rounds it stays where the last round left it on all of them)
+            if exact or round_now:
+                self._job_step = self.clock.job_step
         elif exact or self.clock is None:
             self._job_step += 1  # in lockstep: as shard 0's clock counts
         if exact:
             self.counts["exact_steps"] += 1
-        else:
-            self._partial_round()
+        elif round_now:
+            averaged = self._partial_round()
+            if self._diloco is not None:
+                self._diloco.after_round(self._locals(), averaged)
         self.step_count += 1
         return loss
+
+    def _locals(self) -> List[torch.Tensor]:
+        """The local shards of the floating-point parameters (DiLoCo's model)."""
+        return [_local(p).detach() for p in self._params()]
 
     def _exact(self) -> bool:
         """Whether this step is a warm-up step (exact)."""
@@ -483,9 +519,10 @@ class ShardedRipplesOptimizer:
                 dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
                 _unpack(flat, parts)
 
-    def _partial_round(self) -> None:
+    def _partial_round(self) -> bool:
         """One round of the local shards, applied on every shard rank of this replica group
-        or on none of them."""
+        or on none of them; whether it was applied and averaged with another replica group
+        (the same answer on every shard rank)."""
         be = _ripples_backend(self.group)
         packed = _flats(self._tensors())
         failure: Optional[BaseException] = None
@@ -516,6 +553,7 @@ class ShardedRipplesOptimizer:
                             "this replica group: left unapplied", self.step_count)
         if failure is not None:
             raise failure
+        return done and moved
 
     def _led_round(self, be, packed) -> Tuple[bool, bool, Optional[BaseException]]:
         """A dynamic schedule's round: shard 0 runs it with the group its coordinator gives;
@@ -608,6 +646,8 @@ class ShardedRipplesOptimizer:
         out.update({f"fsdp_{k}": v for k, v in self.counts.items()})
         out["fsdp_warmup_ended_early"] = self.warmup_ended_early
         out["fsdp_warmup_gain"] = self._warm.gain if self._warm is not None else None
+        if self._diloco is not None:
+            out.update({f"fsdp_{k}": v for k, v in self._diloco.stats().items()})
         return out
 
     def __repr__(self) -> str:
@@ -650,7 +690,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
          warmup_steps: Optional[int] = None,
          warmup_straggler: Optional[float] = FSDP_WARMUP_STRAGGLER,
          average_optimizer_state: bool = False,
-         sampler: Optional[DistributedSampler] = None) -> ShardedRipplesOptimizer:
+         sampler: Optional[DistributedSampler] = None,
+         sync_every: Optional[int] = None, outer_optimizer: OuterSpec = None,
+         on_alone: str = "defer") -> ShardedRipplesOptimizer:
     """Averages an FSDP2 model between its replica groups with Ripples; returns the optimizer
     to step.
 
@@ -678,6 +720,16 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         sampler: a :class:`ripples_pg.DistributedSampler` made with the world's size and this
             rank (``DistributedSampler(dataset, dist.get_world_size(), dist.get_rank())``):
             linked (:meth:`ShardedRipplesOptimizer.attach_sampler`), its epochs are the job's.
+        sync_every: ``H``, local steps between partial rounds after warm-up (default 1: a
+            round every step).
+        outer_optimizer: partial DiLoCo (docs/diloco.md): ``"nesterov"`` (SGD, lr 0.7,
+            momentum 0.9, Nesterov) or a callable ``params -> torch.optim.Optimizer`` over
+            float32 anchors of the local shards; after each round (every ``sync_every`` steps)
+            every rank steps its anchors on ``anchor - average`` and restarts from them.
+            Needs ``sync_every``. ``None`` (default): the rounds average the model.
+        on_alone: with ``outer_optimizer``, a round that averaged with no other replica
+            group: ``"defer"`` (no outer step; the model keeps its local progress) or
+            ``"local_step"`` (an outer step on the rank's own pseudo-gradient).
 
     Every rank must call it at the same point: it agrees with the others in one collective,
     so that a refusal on any rank raises on every rank.
@@ -696,6 +748,16 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     if not isinstance(average_optimizer_state, bool):
         raise TypeError(f"{_WHO}: average_optimizer_state must be a bool, got "
                         f"{average_optimizer_state!r}")
+    check_outer_optimizer(outer_optimizer, _WHO)
+    check_on_alone(on_alone, _WHO, outer_optimizer)
+    if sync_every is not None:
+        sync_every = check_int(_WHO, "sync_every", operator.index(sync_every)
+                               if _is_integer(sync_every) else sync_every, 1)
+    elif outer_optimizer is not None:
+        raise ValueError(f"{_WHO}: outer_optimizer needs sync_every=H, the number of local "
+                         f"steps per outer step (DiLoCo uses tens to hundreds)")
+    outer_name = outer_optimizer if outer_optimizer is None or \
+        isinstance(outer_optimizer, str) else "callable"
     error: Optional[Exception] = None
     shape: Optional[List[int]] = None
     try:
@@ -705,6 +767,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
                             f"gives every rank a fixed shard, so an epoch would end when the "
                             f"slowest replica group's does)")
         _check_wrap(model, optimizer, mesh)
+        if callable(outer_optimizer):  # fails here, on every rank, not after warm-up
+            make_outer_optimizer(outer_optimizer, [torch.zeros(1)])
         if sampler is not None:  # before any rank waits for another in attach_sampler
             sampler._check_sharded(mesh.size(mesh.mesh_dim_names.index(REPLICATE)),
                                    mesh.size(mesh.mesh_dim_names.index(SHARD)),
@@ -718,10 +782,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     except (TypeError, ValueError) as exc:
         error = exc
     _agree_on_wrap(error, shape, (warmup_steps, warmup_straggler or None,
-                                  average_optimizer_state, sampler is not None))
+                                  average_optimizer_state, sampler is not None,
+                                  sync_every or 1, outer_name, on_alone))
     opt = ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
                                   warmup_straggler=warmup_straggler or None,
-                                  average_optimizer_state=average_optimizer_state)
+                                  average_optimizer_state=average_optimizer_state,
+                                  sync_every=sync_every or 1, outer_optimizer=outer_optimizer,
+                                  on_alone=on_alone)
     if sampler is not None:
         opt.attach_sampler(sampler)
     return opt
