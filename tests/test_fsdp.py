@@ -781,7 +781,8 @@ def test_shard_ranks_replay_their_shard_0s_rows_and_refuse_a_written_record(capl
     group 1's but the first claim; its shard 1 then hands out the same rows of its own shard.
     A record someone else wrote (the store is unauthenticated) is refused by range: the shard
     rank finishes on its own shard, logging why, instead of indexing out of range or
-    hanging."""
+    hanging. A shard 0 that gave up on the counters says where it goes on from and how many
+    rows its pass hands out: the other shard rank hands out as many."""
     rows = N_SAMPLES // (R * S)
     samplers = _linked_samplers(dist.HashStore())
     lead0 = list(samplers[0])
@@ -796,11 +797,20 @@ def test_shard_ranks_replay_their_shard_0s_rows_and_refuse_a_written_record(capl
     store = dist.HashStore()
     samplers = _linked_samplers(store)
     lead0 = list(samplers[0])
-    store.set("p/e0.0/r0/1", "0,0,4000")  # the first claim's record, overwritten
+    # records: the saved state (none), the pass's choice, then the first claim, overwritten
+    assert store.get("p/e0.0/r0/0") == b"Rnull" and store.get("p/e0.0/r0/1") == b"s"
+    store.set("p/e0.0/r0/2", "0,0,4000")
     with caplog.at_level("ERROR", logger="ripples_pg.sampler"):
         follow0 = list(samplers[1])
     assert follow0 == list(range(1, N_SAMPLES, R * S)), follow0  # its own shard, once
     assert "refused" in caplog.text and "0,0,4000" in caplog.text
+
+    store = dist.HashStore()
+    samplers = _linked_samplers(store)
+    store.set("p/e0.0/r0/f", "36,10")  # shard 0 wrote no record: it goes on from row 36
+    follow0 = list(samplers[1])
+    own = list(range(1, N_SAMPLES, R * S))
+    assert follow0 == own[36:] + own[:6], follow0  # 10 rows in all, as shard 0's pass
 
 
 # ---------------------------------------------- a rank that dies (workers spawned directly)

@@ -69,11 +69,8 @@ class ShardAnchors:
         """The anchors: a loaded state's, else the model now (the end of warm-up, where the
         replica groups are identical)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is not None:  # (shapes checked when it was loaded)
             saved = [_local(t) for t in pending["anchors"]]
-            if [tuple(t.shape) for t in saved] != [tuple(s.shape) for s in shards]:
-                raise ValueError("ripples_pg.fsdp: the saved DiLoCo anchors are not shaped "
-                                 "like this rank's shards (saved by another layout?)")
             self.anchors = [t.detach().to(s.device, torch.float32).clone()
                             for t, s in zip(saved, shards)]
         else:
@@ -127,8 +124,18 @@ class ShardAnchors:
             d.update({k: self._pending[k] for k in ("anchors", "outer") if k in self._pending})
         return d
 
-    def load_state_dict(self, d: Mapping) -> None:
-        """Restores the counts now, the anchors at the next local step (:meth:`take`)."""
+    def load_state_dict(self, d: Mapping, shards: List[torch.Tensor]) -> None:
+        """Restores the counts now, the anchors at the next local step (:meth:`take`);
+        ``shards``: this rank's local shards, which the saved anchors must be shaped like."""
+        if "anchors" in d:
+            saved = [tuple(_local(t).shape) for t in d["anchors"]]
+            if saved != [tuple(s.shape) for s in shards]:
+                raise ValueError("ripples_pg.fsdp: the saved DiLoCo anchors are not shaped "
+                                 "like this rank's shards (saved with another mesh or model?)")
+        elif int(d.get("outer_steps", 0)) > 0:
+            logger.warning("ripples_pg.fsdp: the state has outer steps but no DiLoCo anchors "
+                           "(a template without them, as DCP loads into before the first "
+                           "step?); the anchors and the outer optimizer's state start anew")
         for k in ("outer_steps", "alone_rounds", "deferred_outer_steps"):
             setattr(self, k, int(d.get(k, 0)))
         self.anchors, self.outer = None, None

@@ -55,7 +55,8 @@ logger = logging.getLogger("ripples_pg.fsdp")
 
 REPLICATE, SHARD = "replicate", "shard"
 # A round's outcome on one shard rank, agreed as the MIN over its replica group
-_RAISED, _FAILED, _DONE = 0, 1, 2
+# a round's outcome on a shard rank, worst first (agreed by a MIN over the replica group)
+_RAISED, _FAILED, _DONE, _MOVED = 0, 1, 2, 3
 _WHO = "ripples_pg.fsdp.wrap"
 # wrap()'s warmup_straggler: higher than the DDP path's 1.05, because a partial round costs a
 # replica group more than HSDP's exact all-reduce (a coordinator's rounds of shards other than
@@ -405,7 +406,7 @@ class ShardedRipplesOptimizer:
                 if saved is None and self.step_count > 0:
                     logger.warning("ripples_pg.fsdp: the state has no DiLoCo part; the anchors "
                                    "are taken anew from the model at the next step")
-                self._diloco.load_state_dict(saved or {})
+                self._diloco.load_state_dict(saved or {}, self._locals())
             ended = mine.get("warmup_ended_early")
             saved_end = mine.get("warmup_steps")
             if ended is not None:  # a straggler had ended warm-up: partial rounds go on
@@ -535,9 +536,11 @@ class ShardedRipplesOptimizer:
             if self.shards > 1:
                 # every shard rank raises, or none: one that went on alone would wait in
                 # FSDP's next collective for the others
-                outcome = self._agree(_RAISED if failure is not None else
-                                      _DONE if done else _FAILED)
-                done = outcome == _DONE
+                # (and whether it averaged with anyone: applied, and an outer step, on all
+                # of them or on none)
+                outcome = self._agree(_RAISED if failure is not None else _FAILED if not done
+                                      else _MOVED if moved else _DONE)
+                done, moved = outcome >= _DONE, outcome == _MOVED
                 if outcome == _RAISED and failure is None:
                     failure = RuntimeError(
                         "ripples_pg.fsdp: a partial round failed on another shard rank of "
@@ -768,7 +771,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
                             f"slowest replica group's does)")
         _check_wrap(model, optimizer, mesh)
         if callable(outer_optimizer):  # fails here, on every rank, not after warm-up
-            make_outer_optimizer(outer_optimizer, [torch.zeros(1)])
+            try:
+                make_outer_optimizer(outer_optimizer, [torch.zeros(1)])
+            except (TypeError, ValueError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - agreed on below like the others
+                raise TypeError(f"{_WHO}: outer_optimizer(params) raised {exc!r}") from exc
         if sampler is not None:  # before any rank waits for another in attach_sampler
             sampler._check_sharded(mesh.size(mesh.mesh_dim_names.index(REPLICATE)),
                                    mesh.size(mesh.mesh_dim_names.index(SHARD)),

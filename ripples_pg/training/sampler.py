@@ -41,12 +41,19 @@ group, whose row ``j`` is torch's row ``j`` of each of its ranks' shards. Only i
 claims rows, as above, one claim per request (no requests ahead during exact phases, so there
 is nothing to give back); it writes each range it hands out to a numbered record in the store,
 and the replica group's other shard ranks read the records in order and hand out the same rows
-of their own shards. A record out of range (someone else wrote it) is refused like a counter.
+of their own shards. Each pass opens with shard 0's choices (the saved state it resumes, then
+the job's counters or its own shard), so the ranks never decide apart; a shard 0 whose request
+fails writes, under a key of its own, the row it finishes its own shard from and the rows its
+pass hands out in all, and the others hand out as many. A shard rank never goes on alone while
+its shard 0 is silent (it raises after ``_FOLLOW_TIMEOUT_S``). A record out of range (someone
+else wrote it) is refused like a counter.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import time
 import weakref
 from datetime import timedelta
 from typing import Iterator, List, Mapping, Optional
@@ -87,10 +94,14 @@ _PASS_SPAN = 1 << 16
 # request costs no balance: nobody takes from a column's back before its own is used up, long
 # after every worker has given back.
 _EXACT_CLAIMS = 64
-# How long a replica group's shard rank waits for its shard 0's next record (ripples_pg.fsdp).
-# They step in lockstep (FSDP's collectives), so a record is at most a step away; a shard 0
-# that is gone ends the job in FSDP's collectives long before this.
-_FOLLOW_TIMEOUT_S = 600.0
+# How long a replica group's shard rank waits for its shard 0's next record (ripples_pg.fsdp):
+# they step in lockstep (FSDP's collectives), so a record is at most a step away, unless shard
+# 0 is busy between epochs (its own evaluation, a checkpoint): as long as torch's default
+# process-group timeout, then an error (never a pass of its own: the ranks would fall out of
+# step). It polls, to see a shard 0 that gave up on the counters (_fall_back).
+_FOLLOW_TIMEOUT_S = 1800.0
+_FOLLOW_POLL_S = 2.0
+_FOLLOW_WARN_S = 300.0
 
 
 class DistributedSampler(_TorchDistributedSampler):
@@ -275,63 +286,75 @@ class DistributedSampler(_TorchDistributedSampler):
         self.epoch_samples = 0
         indices = self._order()
         rows = self.num_samples
-        if resume is not None and not self._free():
-            left = {rows - f - b for f, b in resume["columns"]}
-            if len(left) > 1:
-                # An exact phase (every worker's k-th step paired with the others') resuming
-                # an epoch that partial training had shared unevenly: deal what is left out
-                # so that every worker gets as many rows as the others.
-                self._live = None
-                for i in self._deal(indices, resume["columns"]):
-                    self.samples_yielded += 1
-                    self.epoch_samples += 1
-                    yield i
-                return
         key = f"{self._prefix}e{epoch}.{npass}/c"
         sharded = self._shards > 1 and self._prefix is not None
         # a replica group's records of this pass (ripples_pg.fsdp): its shard 0 writes, the
         # others read
         self._pub = {"key": f"{self._prefix}e{epoch}.{npass}/r{self._me}/", "n": 0} \
             if sharded else None
-        start = 0 if resume is None else min(resume["columns"][self._me][0], rows)
-        if not self._pass_is_wide(sharded, start):
-            end = rows
-            if resume is not None:
-                end = max(0, rows - resume["columns"][self._me][1])
+        cols = None if resume is None else resume["columns"]
+        if sharded and not self._lead:
+            yield from self._follow_pass(indices, key, epoch, npass, rows, cols)
+            return
+        try:
+            # the replica group's shard ranks go on from shard 0's state (each rank's saved
+            # state read the counters at its own moment)
+            self._publish("R" + json.dumps(cols), 0)
+            wide = self._job_wide()
+            if not self._dealt(cols):
+                self._publish("s" if wide else "o", 0)
+        except _StoreFailed as exc:
+            self._store_failed(exc)
+            start, end = self._own_span(cols, rows)
+            self._fall_back(start, end - start)
+            self._live = None
+            yield from self._own_rows(indices, start, end)
+            return
+        if self._dealt(cols):
+            self._live = None
+            yield from self._deal_rows(indices, cols)
+            return
+        start, end = self._own_span(cols, rows)
+        if not wide:
             self._live = None
             yield from self._own_rows(indices, start, end)
             return
         # "free": a claim of this epoch was made during partial training (state_dict)
         self._live = {"key": key, "epoch": epoch, "pass": npass, "free": False}
-        yield from self._wide_pass(indices, key, rows, resume, start, sharded)
+        yield from self._wide_pass(indices, key, rows, cols, start, sharded)
 
-    def _pass_is_wide(self, sharded: bool, start: int) -> bool:
-        """Whether this pass goes through the job's counters: this worker's call, or, for a
-        replica group's other shard ranks, their shard 0's (its first record)."""
-        try:
-            if sharded and not self._lead:
-                return self._read(start) == "s"
-            wide = self._job_wide()
-            if sharded:
-                self._publish("s" if wide else "o", start)
-            return wide
-        except _StoreFailed as exc:
-            self._store_failed(exc)
-            return False
+    def _dealt(self, cols) -> bool:
+        """An exact phase (every worker's k-th step paired with the others') resuming an
+        epoch that partial training had shared unevenly: what is left is dealt out, so that
+        every worker gets as many rows as the others."""
+        rows = self.num_samples
+        return cols is not None and not self._free() and \
+            len({rows - f - b for f, b in cols}) > 1
 
-    def _wide_pass(self, indices, key: str, rows: int, resume, start: int,
+    def _deal_rows(self, indices, cols) -> Iterator[int]:
+        for i in self._deal(indices, cols):
+            self.samples_yielded += 1
+            self.epoch_samples += 1
+            yield i
+
+    def _own_span(self, cols, rows: int) -> tuple:
+        """The rows of this worker's own column that a resumed pass has left (all of them
+        in a fresh pass)."""
+        if cols is None:
+            return 0, rows
+        f, b = cols[self._me]
+        return min(f, rows), max(0, rows - b)
+
+    def _wide_pass(self, indices, key: str, rows: int, cols, start: int,
                    sharded: bool) -> Iterator[int]:
         """A pass through the job's counters: the own column, then others' backs."""
         try:
-            if sharded and not self._lead:
-                yield from self._follow(indices, rows, start)
-                return
             base = (0, 0)  # the own column's counter before this worker's first request
-            if resume is not None:
+            if cols is not None:
                 # Every worker writes every column's saved counters unless one already did
                 # (the first writer wins; all load the same checkpoint), before its first
                 # request.
-                for c, (f, b) in enumerate(resume["columns"]):
+                for c, (f, b) in enumerate(cols):
                     try:
                         v = self._store.compare_set(f"{key}{c}", "", str(_pack(f, b)))
                     except Exception as exc:  # noqa: BLE001
@@ -352,11 +375,8 @@ class DistributedSampler(_TorchDistributedSampler):
             # column alone (a remote worker may have taken some of it: rows may be used
             # twice, none lost).
             self._store_failed(exc)
-            if sharded and self._lead:
-                try:  # the replica group's other ranks finish the same way
-                    self._publish(f"f{exc.front}", exc.front)
-                except _StoreFailed:
-                    pass  # they find the store failed too
+            if sharded:  # the replica group's other ranks run as many batches
+                self._fall_back(exc.front, self.epoch_samples + rows - exc.front)
             yield from self._own_rows(indices, exc.front, rows)
 
     def _own_rows(self, indices, start: int, end: int) -> Iterator[int]:
@@ -378,29 +398,74 @@ class DistributedSampler(_TorchDistributedSampler):
 
     # -- a replica group's records (ripples_pg.fsdp)
     def _publish(self, record: str, front: int) -> None:
-        """Shard 0: the replica group's next record -- "s"/"o" (this pass goes through the
-        job's counters, or each rank takes its own column), "c,lo,hi" (rows lo to hi of column
-        c, handed out now), "f<row>" (the counters failed: own column from that row on),
-        "end"."""
+        """Shard 0: the replica group's next record -- "R<json>" (the saved state the pass
+        resumes, or null), "s"/"o" (this pass goes through the job's counters, or each rank
+        takes its own column), "c,lo,hi" (rows lo to hi of column c, handed out now),
+        "end". (No-op without records.)"""
         pub = self._pub
         if pub is None:
             return
-        try:
-            self._store.set(f"{pub['key']}{pub['n']}", record)
-        except Exception as exc:  # noqa: BLE001
-            raise _StoreFailed(exc, front) from exc
-        pub["n"] += 1
-
-    def _read(self, front: int) -> str:
-        """Another shard rank: the replica group's next record, once its shard 0 has written
-        it; read by every other shard rank, then deleted by the last."""
-        pub = self._pub
         key = f"{pub['key']}{pub['n']}"
         try:
-            self._store.wait([key], timedelta(seconds=_FOLLOW_TIMEOUT_S))
-            record = self._store.get(key).decode()
+            self._store.set(key, record)
         except Exception as exc:  # noqa: BLE001
-            raise _StoreFailed(exc, front) from exc
+            # a request that timed out may still have been written, and read: if it was, it
+            # stands (the others may be handing its rows out already)
+            try:
+                landed = self._store.get(key).decode() == record
+            except Exception:  # noqa: BLE001
+                landed = False
+            if not landed:
+                raise _StoreFailed(exc, front) from exc
+        pub["n"] += 1
+
+    def _fall_back(self, start: int, total: int) -> None:
+        """Shard 0 gave up on the counters (a store request failed): its replica group's
+        other shard ranks are told where it goes on from and how many rows its pass will
+        have handed out in all, under a key of its own (the failed request may have written
+        its record after all). Tried once: a dead store fails the others' reads too."""
+        if self._pub is None:
+            return
+        try:
+            self._store.set(f"{self._pub['key']}f", f"{start},{total}")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _read(self) -> str:
+        """Another shard rank: the replica group's next record, once its shard 0 has written
+        it; read by every other shard rank, then deleted by the last. Raises
+        :class:`_FellBack` if shard 0 gave up on the counters, :class:`_StoreFailed` if the
+        store is gone, and RuntimeError if shard 0 writes nothing for ``_FOLLOW_TIMEOUT_S``
+        (never goes on alone: a replica group's ranks must run as many batches)."""
+        pub = self._pub
+        key, fkey = f"{pub['key']}{pub['n']}", f"{pub['key']}f"
+        began = warned = time.monotonic()
+        while True:
+            asked = time.monotonic()
+            try:
+                self._store.wait([key], timedelta(seconds=_FOLLOW_POLL_S))
+                record = self._store.get(key).decode()
+                break
+            except Exception as exc:  # noqa: BLE001 - a timeout, or a store that is gone
+                try:
+                    fell_back = self._store.check([fkey])
+                except Exception as gone:  # noqa: BLE001
+                    raise _StoreFailed(gone, 0) from exc
+                if fell_back:
+                    raise _FellBack(self._store.get(fkey).decode()) from None
+                # (a wait that failed at once is no poll: never spin)
+                time.sleep(max(0.0, _FOLLOW_POLL_S - (time.monotonic() - asked)))
+            now = time.monotonic()
+            waited = now - began
+            if waited >= _FOLLOW_TIMEOUT_S:
+                raise RuntimeError(
+                    f"ripples_pg.DistributedSampler: shard 0 of replica group {self._me} "
+                    f"wrote nothing for {waited:.0f} s (it is gone or stalled); this rank "
+                    f"cannot go on alone, its replica group must run as many batches")
+            if now - warned >= _FOLLOW_WARN_S:
+                warned = now
+                logger.warning("ripples_pg.DistributedSampler: waiting %.0f s for shard 0 of "
+                               "replica group %d to hand out the next rows", waited, self._me)
         pub["n"] += 1
         try:
             if self._shards == 2 or int(self._store.add(f"{key}#", 1)) >= self._shards - 1:
@@ -411,36 +476,83 @@ class DistributedSampler(_TorchDistributedSampler):
             pass
         return record
 
-    def _follow(self, indices, rows: int, front: int) -> Iterator[int]:
-        """Another shard rank of a replica group: the rows its shard 0 hands out, record by
-        record, each of this rank's shard."""
-        while True:
-            record = self._read(front)
-            if record == "end":
+    def _follow_pass(self, indices, key: str, epoch: int, npass: int, rows: int,
+                     own_cols) -> Iterator[int]:
+        """Another shard rank of a replica group: the pass as its shard 0 runs it -- the same
+        resumed state, the same choice, then the rows it hands out, record by record, each
+        of this rank's shard."""
+        front = 0
+        try:
+            cols = self._shared_cols(self._read(), rows)
+            if self._dealt(cols):
+                self._live = None
+                yield from self._deal_rows(indices, cols)
                 return
-            if record.startswith("f"):
-                # shard 0 finishes on its own column from there: so does this rank
-                raise _StoreFailed(RuntimeError("shard 0 of this replica group stopped using "
-                                                "the job's counters"),
-                                   min(max(_int_or(record[1:], front), 0), rows))
-            try:
-                c, lo, hi = (int(x) for x in record.split(","))
-            except ValueError:
-                c = lo = hi = -1
-            if not (0 <= c < self._cols and 0 <= lo <= hi <= rows):
-                raise _StoreFailed(_CounterRefused(
-                    f"a record of this replica group says {record[:40]!r} (columns "
-                    f"{self._cols}, rows {rows})"), front)
-            if self._live is not None and not self._live["free"] and self._free():
-                self._live["free"] = True
-            for i in self._mine(indices, c)[lo:hi]:
+            start, end = self._own_span(cols, rows)
+            front = start
+            if self._read() != "s":
+                self._live = None
+                yield from self._own_rows(indices, start, end)
+                return
+            self._live = {"key": key, "epoch": epoch, "pass": npass, "free": False}
+            while True:
+                record = self._read()
+                if record == "end":
+                    return
+                c, lo, hi = self._range(record, rows)
+                if not self._live["free"] and self._free():
+                    self._live["free"] = True
+                for i in self._mine(indices, c)[lo:hi]:
+                    self.samples_yielded += 1
+                    self.epoch_samples += 1
+                    if c != self._me:
+                        self.stolen += 1
+                    yield i
+                if c == self._me:
+                    front = hi
+        except _FellBack as fb:
+            # shard 0 finishes on its own column: this rank hands out as many rows in all
+            start, total = fb.parse(rows, self._cols)
+            logger.warning("ripples_pg.DistributedSampler: shard 0 of this replica group "
+                           "stopped using the job's counters; this epoch goes on with this "
+                           "rank's own shard")
+            col = self._mine(indices, self._me)
+            pos = start
+            while self.epoch_samples < total and col:
                 self.samples_yielded += 1
                 self.epoch_samples += 1
-                if c != self._me:
-                    self.stolen += 1
-                yield i
-            if c == self._me:
-                front = hi
+                yield col[pos % len(col)]
+                pos += 1
+        except _StoreFailed as exc:
+            self._store_failed(exc)
+            yield from self._own_rows(indices, front, rows)
+
+    def _shared_cols(self, record: str, rows: int):
+        """Shard 0's "R" record: the saved state its pass resumes (None: a fresh pass)."""
+        try:
+            cols = json.loads(record[1:]) if record.startswith("R") else "bad"
+            if cols is not None:
+                cols = [[int(f), int(b)] for f, b in cols]
+                if len(cols) != self._cols or any(f < 0 or b < 0 or f + b > rows
+                                                  for f, b in cols):
+                    raise ValueError
+        except (ValueError, TypeError):
+            raise _StoreFailed(_CounterRefused(
+                f"a record of this replica group says {record[:40]!r} where its saved state "
+                f"belongs"), 0) from None
+        return cols
+
+    def _range(self, record: str, rows: int) -> tuple:
+        """A "c,lo,hi" record, checked against the epoch's columns and rows."""
+        try:
+            c, lo, hi = (int(x) for x in record.split(","))
+        except ValueError:
+            c = lo = hi = -1
+        if not (0 <= c < self._cols and 0 <= lo <= hi <= rows):
+            raise _StoreFailed(_CounterRefused(
+                f"a record of this replica group says {record[:40]!r} (columns "
+                f"{self._cols}, rows {rows})"), 0)
+        return c, lo, hi
 
     def _deal(self, indices, columns) -> List[int]:
         """This worker's share of the rows no worker has taken (``columns``: front and back
@@ -668,8 +780,8 @@ class DistributedSampler(_TorchDistributedSampler):
                                  f"{getattr(self, name)!r} (the dataset or the job changed)")
         cols = [[int(f), int(b)] for f, b in sd["columns"]]
         shards = int(sd.get("shards", 1))
-        if shards < 1 or len(cols) * shards != self.num_replicas or any(f < 0 or b < 0 or f + b > self.num_samples
-                                                 for f, b in cols):
+        if shards < 1 or len(cols) * shards != self.num_replicas or \
+                any(f < 0 or b < 0 or f + b > self.num_samples for f, b in cols):
             raise ValueError("ripples_pg.DistributedSampler: malformed state (columns)")
         self.epoch = int(sd["epoch"])
         self._resume = {"epoch": self.epoch, "columns": cols, "shards": shards}
@@ -685,6 +797,19 @@ def _int_or(text: str, default: int) -> int:
         return int(text)
     except ValueError:
         return default
+
+
+class _FellBack(Exception):
+    """Shard 0 of this replica group finishes its pass on its own column (``_fall_back``)."""
+
+    def __init__(self, record: str):
+        super().__init__(record)
+        self.record = record
+
+    def parse(self, rows: int, cols: int) -> tuple:
+        """(the row it goes on from, the rows its pass hands out in all), bounded."""
+        start, total = (_int_or(x, 0) for x in (self.record.split(",") + ["0"])[:2])
+        return min(max(start, 0), rows), min(max(total, 0), rows * cols)
 
 
 class _CounterRefused(RuntimeError):
