@@ -776,13 +776,13 @@ def _linked_samplers(store):
     return out
 
 
-def test_shard_ranks_replay_their_shard_0s_rows_and_refuse_a_written_record(caplog):
+def test_shard_ranks_replay_their_shard_0s_rows_and_refuse_a_written_record():
     """One process, one store: replica group 0's shard 0 takes its column and all of replica
     group 1's but the first claim; its shard 1 then hands out the same rows of its own shard.
     A record someone else wrote (the store is unauthenticated) is refused by range: the shard
-    rank finishes on its own shard, logging why, instead of indexing out of range or
-    hanging. A shard 0 that gave up on the counters says where it goes on from and how many
-    rows its pass hands out: the other shard rank hands out as many."""
+    rank raises, naming it, instead of indexing out of range or going on alone. A shard 0
+    that gave up on the counters says where it goes on from and how many rows its pass hands
+    out: the other shard rank hands out as many."""
     rows = N_SAMPLES // (R * S)
     samplers = _linked_samplers(dist.HashStore())
     lead0 = list(samplers[0])
@@ -798,19 +798,70 @@ def test_shard_ranks_replay_their_shard_0s_rows_and_refuse_a_written_record(capl
     samplers = _linked_samplers(store)
     lead0 = list(samplers[0])
     # records: the saved state (none), the pass's choice, then the first claim, overwritten
-    assert store.get("p/e0.0/r0/0") == b"Rnull" and store.get("p/e0.0/r0/1") == b"s"
-    store.set("p/e0.0/r0/2", "0,0,4000")
-    with caplog.at_level("ERROR", logger="ripples_pg.sampler"):
-        follow0 = list(samplers[1])
-    assert follow0 == list(range(1, N_SAMPLES, R * S)), follow0  # its own shard, once
-    assert "refused" in caplog.text and "0,0,4000" in caplog.text
+    assert store.get("p/e0.0/r0/i1/0") == b"Rnull" and store.get("p/e0.0/r0/i1/1") == b"s"
+    store.set("p/e0.0/r0/i1/2", "0,0,4000")
+    with pytest.raises(RuntimeError, match="'0,0,4000'.*someone else wrote it"):
+        list(samplers[1])
 
     store = dist.HashStore()
     samplers = _linked_samplers(store)
-    store.set("p/e0.0/r0/f", "36,10")  # shard 0 wrote no record: it goes on from row 36
+    store.set("p/e0.0/r0/i1/f", "36,10")  # shard 0 wrote no record: it goes on from row 36
     follow0 = list(samplers[1])
     own = list(range(1, N_SAMPLES, R * S))
     assert follow0 == own[36:] + own[:6], follow0  # 10 rows in all, as shard 0's pass
+
+
+class _FlakyStore:
+    """A store that times out now and then: the first write of a record of column 1's rows
+    lands but reports a failure (and the first read of it fails too), and the first two
+    waits and the first check fail."""
+
+    def __init__(self, store):
+        self.store, self.failed_key, self.failed = store, None, {"wait": 0, "check": 0}
+
+    def set(self, key, value):
+        self.store.set(key, value)
+        if self.failed_key is None and "/r0/" in key and str(value).startswith("1,"):
+            self.failed_key = key
+            raise RuntimeError("timed out")
+
+    def get(self, key):
+        if key == self.failed_key and not self.failed.get("get"):
+            self.failed["get"] = 1
+            raise RuntimeError("timed out")
+        return self.store.get(key)
+
+    def wait(self, keys, timeout):
+        if self.failed["wait"] < 2:
+            self.failed["wait"] += 1
+            raise RuntimeError("connection reset")
+        return self.store.wait(keys, timeout)
+
+    def check(self, keys):
+        if self.failed["check"] < 1:
+            self.failed["check"] += 1
+            raise RuntimeError("connection reset")
+        return self.store.check(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_a_replica_groups_shard_ranks_hand_out_as_many_rows_when_the_store_fails(monkeypatch):
+    """Replica group 0's shard 0 takes rows of replica group 1's column; its record of them is
+    written but reported failed, so shard 0 finishes on its own column and says how many rows
+    its pass hands out; shard 1 meanwhile had two requests fail and waited them out. Both
+    hand out as many rows (FSDP's collectives would hang otherwise)."""
+    from ripples_pg.training import sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_FOLLOW_POLL_S", 0.05)
+    store = _FlakyStore(dist.HashStore())
+    samplers = _linked_samplers(store)
+    other = iter(samplers[2])
+    [next(other) for _ in range(CLAIM)]  # replica group 1 takes its first claim only
+    lead, follow = list(samplers[0]), list(samplers[1])
+    assert len(lead) == len(follow) > N_SAMPLES // (R * S), (len(lead), len(follow))
+    assert store.failed_key is not None and store.failed == {"wait": 2, "check": 1, "get": 1}
 
 
 # ---------------------------------------------- a rank that dies (workers spawned directly)

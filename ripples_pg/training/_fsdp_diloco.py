@@ -124,15 +124,22 @@ class ShardAnchors:
             d.update({k: self._pending[k] for k in ("anchors", "outer") if k in self._pending})
         return d
 
-    def load_state_dict(self, d: Mapping, shards: List[torch.Tensor]) -> None:
-        """Restores the counts now, the anchors at the next local step (:meth:`take`);
-        ``shards``: this rank's local shards, which the saved anchors must be shaped like."""
-        if "anchors" in d:
-            saved = [tuple(_local(t).shape) for t in d["anchors"]]
-            if saved != [tuple(s.shape) for s in shards]:
-                raise ValueError("ripples_pg.fsdp: the saved DiLoCo anchors are not shaped "
-                                 "like this rank's shards (saved with another mesh or model?)")
-        elif int(d.get("outer_steps", 0)) > 0:
+    @staticmethod
+    def refusal(d: Mapping, shards: List[torch.Tensor]) -> Optional[str]:
+        """Why a saved state cannot be loaded on this rank (anchors not shaped like its local
+        ``shards``), or None."""
+        if "anchors" not in d:
+            return None
+        saved = [tuple(_local(t).shape) for t in d["anchors"]]
+        if saved != [tuple(s.shape) for s in shards]:
+            return ("ripples_pg.fsdp: the saved DiLoCo anchors are not shaped like this rank's "
+                    "shards (saved with another mesh or model?)")
+        return None
+
+    def load_state_dict(self, d: Mapping) -> None:
+        """Restores the counts now, the anchors at the next local step (:meth:`take`); check
+        :meth:`refusal` first."""
+        if "anchors" not in d and int(d.get("outer_steps", 0)) > 0:
             logger.warning("ripples_pg.fsdp: the state has outer steps but no DiLoCo anchors "
                            "(a template without them, as DCP loads into before the first "
                            "step?); the anchors and the outer optimizer's state start anew")

@@ -392,9 +392,13 @@ class ShardedRipplesOptimizer:
     def load_state_dict(self, state_dict) -> None:
         """Loads a state dict of :meth:`state_dict` (or the inner optimizer's alone). Every
         rank loads at the same point, the shard ranks of a replica group what was saved at the
-        same step, so they go on with one job step."""
+        same step, so they go on with one job step. With partial DiLoCo it agrees first, in
+        one collective over the world, that every rank's saved anchors fit its shards."""
         state_dict = dict(state_dict)
         mine = state_dict.pop("ripples_fsdp", None)
+        if self._diloco is not None:
+            self._agree_on_load(ShardAnchors.refusal((mine or {}).get("diloco") or {},
+                                                     self._locals()))
         self.optim.load_state_dict(state_dict)
         if mine is not None:
             self.step_count = int(mine["step"])
@@ -406,7 +410,7 @@ class ShardedRipplesOptimizer:
                 if saved is None and self.step_count > 0:
                     logger.warning("ripples_pg.fsdp: the state has no DiLoCo part; the anchors "
                                    "are taken anew from the model at the next step")
-                self._diloco.load_state_dict(saved or {}, self._locals())
+                self._diloco.load_state_dict(saved or {})
             ended = mine.get("warmup_ended_early")
             saved_end = mine.get("warmup_steps")
             if ended is not None:  # a straggler had ended warm-up: partial rounds go on
@@ -419,6 +423,19 @@ class ShardedRipplesOptimizer:
                 self._end_warmup_at(int(saved_end))
             if self.clock is not None:
                 self.clock.rebase(self._job_step)
+
+    def _agree_on_load(self, refusal: Optional[str]) -> None:
+        """Raises on every rank, before anything is loaded, if any rank cannot load its part
+        (one collective over the world: no rank goes on to wait for the others)."""
+        flag = torch.tensor([int(refusal is not None)], dtype=torch.int32,
+                            device=self._device())
+        with exact_if_ripples(None):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if refusal is not None:
+            raise ValueError(refusal)
+        if int(flag.item()):
+            raise ValueError("ripples_pg.fsdp: another rank cannot load its part of the state "
+                             "(its error says why); nothing was loaded")
 
     def _end_warmup_at(self, step: int) -> None:
         self.warmup_steps = step if self.warmup_steps is None else min(self.warmup_steps, step)
@@ -532,6 +549,7 @@ class ShardedRipplesOptimizer:
                 done, moved, failure = self._led_round(be, packed)
             else:  # static: every shard index computes the same group
                 done, moved, failure = _run_round(be, self.group, packed)
+            averaged_here = done and moved
             self.counts["rounds"] += 1
             if self.shards > 1:
                 # every shard rank raises, or none: one that went on alone would wait in
@@ -550,7 +568,7 @@ class ShardedRipplesOptimizer:
                 for flat, parts in packed:
                     _unpack(flat, parts)
                 self.counts["applied"] += 1
-            elif not done:
+            elif not done or averaged_here:  # (averaged here, not on every shard rank)
                 self.counts["discarded"] += 1
                 logger.info("ripples_pg.fsdp: round %d not completed on every shard rank of "
                             "this replica group: left unapplied", self.step_count)

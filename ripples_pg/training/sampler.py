@@ -43,10 +43,11 @@ is nothing to give back); it writes each range it hands out to a numbered record
 and the replica group's other shard ranks read the records in order and hand out the same rows
 of their own shards. Each pass opens with shard 0's choices (the saved state it resumes, then
 the job's counters or its own shard), so the ranks never decide apart; a shard 0 whose request
-fails writes, under a key of its own, the row it finishes its own shard from and the rows its
-pass hands out in all, and the others hand out as many. A shard rank never goes on alone while
-its shard 0 is silent (it raises after ``_FOLLOW_TIMEOUT_S``). A record out of range (someone
-else wrote it) is refused like a counter.
+fails hands out the range it was about to (its record may have landed), then writes, under a
+key of its own, the row it finishes its own shard from and the rows its pass hands out in all,
+and the others hand out as many. A shard rank never goes on alone while its shard 0 (or the
+store) is silent: it raises after ``_FOLLOW_TIMEOUT_S``, as it does for a record out of range
+(someone else wrote it).
 """
 from __future__ import annotations
 
@@ -102,6 +103,7 @@ _EXACT_CLAIMS = 64
 _FOLLOW_TIMEOUT_S = 1800.0
 _FOLLOW_POLL_S = 2.0
 _FOLLOW_WARN_S = 300.0
+_FALL_BACK_TRIES = 5
 
 
 class DistributedSampler(_TorchDistributedSampler):
@@ -155,6 +157,7 @@ class DistributedSampler(_TorchDistributedSampler):
         self._shards = 1
         self._lead = True
         self._pub: Optional[dict] = None  # the pass's records: key prefix, next number
+        self._iterations = 0  # passes begun (all epochs): the records' keys
 
     # -- linking
     def _link(self, optimizer) -> None:
@@ -290,32 +293,33 @@ class DistributedSampler(_TorchDistributedSampler):
         sharded = self._shards > 1 and self._prefix is not None
         # a replica group's records of this pass (ripples_pg.fsdp): its shard 0 writes, the
         # others read
-        self._pub = {"key": f"{self._prefix}e{epoch}.{npass}/r{self._me}/", "n": 0} \
-            if sharded else None
+        # (keyed by this sampler's iterations, which a replica group's ranks count alike: a
+        # pass continued after unwrap() never meets an earlier iteration's records)
+        self._iterations += 1
+        self._pub = {"key": f"{self._prefix}e{epoch}.{npass}/r{self._me}/i{self._iterations}/",
+                     "n": 0} if sharded else None
         cols = None if resume is None else resume["columns"]
         if sharded and not self._lead:
-            yield from self._follow_pass(indices, key, epoch, npass, rows, cols)
+            yield from self._follow_pass(indices, key, epoch, npass, rows)
             return
+        # the pass's plan; the replica group's other shard ranks follow it: shard 0's saved
+        # state (each rank's own read the counters at its own moment) and its choice
+        choice = "d" if self._dealt(cols) else "s" if self._job_wide() else "o"
+        start, end = self._own_span(cols, rows)
         try:
-            # the replica group's shard ranks go on from shard 0's state (each rank's saved
-            # state read the counters at its own moment)
-            self._publish("R" + json.dumps(cols), 0)
-            wide = self._job_wide()
-            if not self._dealt(cols):
-                self._publish("s" if wide else "o", 0)
+            self._publish("R" + json.dumps(cols))
+            self._publish(choice)
         except _StoreFailed as exc:
             self._store_failed(exc)
-            start, end = self._own_span(cols, rows)
-            self._fall_back(start, end - start)
-            self._live = None
-            yield from self._own_rows(indices, start, end)
-            return
-        if self._dealt(cols):
+            if choice == "s":  # no counters then: its own column, as a store failure would
+                choice = "o"
+            self._fall_back(start, len(self._deal(indices, cols)) if choice == "d"
+                            else end - start)
+        if choice == "d":
             self._live = None
             yield from self._deal_rows(indices, cols)
             return
-        start, end = self._own_span(cols, rows)
-        if not wide:
+        if choice == "o":
             self._live = None
             yield from self._own_rows(indices, start, end)
             return
@@ -369,7 +373,10 @@ class DistributedSampler(_TorchDistributedSampler):
             if self._free():
                 yield from self._steal(indices, key, rows)
             if sharded:
-                self._publish("end", rows)
+                try:
+                    self._publish("end")
+                except _StoreFailed as exc:  # every row is handed out: nothing is left
+                    raise _StoreFailed(exc.reason, rows) from exc
         except _StoreFailed as exc:
             # Never leave the loop hanging on a dead store: finish on this worker's own
             # column alone (a remote worker may have taken some of it: rows may be used
@@ -397,7 +404,7 @@ class DistributedSampler(_TorchDistributedSampler):
                            "this epoch goes on with this worker's own shard", exc)
 
     # -- a replica group's records (ripples_pg.fsdp)
-    def _publish(self, record: str, front: int) -> None:
+    def _publish(self, record: str) -> None:
         """Shard 0: the replica group's next record -- "R<json>" (the saved state the pass
         resumes, or null), "s"/"o" (this pass goes through the job's counters, or each rank
         takes its own column), "c,lo,hi" (rows lo to hi of column c, handed out now),
@@ -405,63 +412,66 @@ class DistributedSampler(_TorchDistributedSampler):
         pub = self._pub
         if pub is None:
             return
-        key = f"{pub['key']}{pub['n']}"
         try:
-            self._store.set(key, record)
+            self._store.set(f"{pub['key']}{pub['n']}", record)
         except Exception as exc:  # noqa: BLE001
-            # a request that timed out may still have been written, and read: if it was, it
-            # stands (the others may be handing its rows out already)
-            try:
-                landed = self._store.get(key).decode() == record
-            except Exception:  # noqa: BLE001
-                landed = False
-            if not landed:
-                raise _StoreFailed(exc, front) from exc
+            raise _StoreFailed(exc, 0) from exc
         pub["n"] += 1
+
+    def _publish_range(self, col: int, lo: int, hi: int) -> Optional[BaseException]:
+        """A range about to be handed out. On failure the range is handed out all the same
+        (a request that timed out may have been written, and read): the caller falls back
+        after it, and tells the others how many rows its pass hands out in all."""
+        try:
+            self._publish(f"{col},{lo},{hi}")
+        except _StoreFailed as exc:
+            return exc.reason
+        return None
 
     def _fall_back(self, start: int, total: int) -> None:
         """Shard 0 gave up on the counters (a store request failed): its replica group's
         other shard ranks are told where it goes on from and how many rows its pass will
         have handed out in all, under a key of its own (the failed request may have written
-        its record after all). Tried once: a dead store fails the others' reads too."""
+        its record after all). Tried a few times over a few seconds."""
         if self._pub is None:
             return
-        try:
-            self._store.set(f"{self._pub['key']}f", f"{start},{total}")
-        except Exception:  # noqa: BLE001
-            pass
+        for attempt in range(_FALL_BACK_TRIES):
+            try:
+                self._store.set(f"{self._pub['key']}f", f"{start},{total}")
+                return
+            except Exception as exc:  # noqa: BLE001
+                if attempt == _FALL_BACK_TRIES - 1:
+                    logger.error("ripples_pg.DistributedSampler: could not tell this replica "
+                                 "group's other shard ranks that shard 0 finishes on its own "
+                                 "shard (%s); they will raise after waiting for it", exc)
+                else:
+                    time.sleep(1.0)
 
     def _read(self) -> str:
         """Another shard rank: the replica group's next record, once its shard 0 has written
         it; read by every other shard rank, then deleted by the last. Raises
-        :class:`_FellBack` if shard 0 gave up on the counters, :class:`_StoreFailed` if the
-        store is gone, and RuntimeError if shard 0 writes nothing for ``_FOLLOW_TIMEOUT_S``
-        (never goes on alone: a replica group's ranks must run as many batches)."""
+        :class:`_FellBack` if shard 0 gave up on the counters, and RuntimeError if shard 0
+        writes nothing for ``_FOLLOW_TIMEOUT_S``. A store that fails this rank's requests is
+        waited out like a silent shard 0: this rank never goes on alone (its replica group
+        must run as many batches)."""
         pub = self._pub
         key, fkey = f"{pub['key']}{pub['n']}", f"{pub['key']}f"
         began = warned = time.monotonic()
         while True:
             asked = time.monotonic()
-            try:
-                self._store.wait([key], timedelta(seconds=_FOLLOW_POLL_S))
-                record = self._store.get(key).decode()
+            record = self._poll(key, fkey)
+            if record is not None:
                 break
-            except Exception as exc:  # noqa: BLE001 - a timeout, or a store that is gone
-                try:
-                    fell_back = self._store.check([fkey])
-                except Exception as gone:  # noqa: BLE001
-                    raise _StoreFailed(gone, 0) from exc
-                if fell_back:
-                    raise _FellBack(self._store.get(fkey).decode()) from None
-                # (a wait that failed at once is no poll: never spin)
-                time.sleep(max(0.0, _FOLLOW_POLL_S - (time.monotonic() - asked)))
+            # (a request that failed at once is no poll: never spin)
+            time.sleep(max(0.0, _FOLLOW_POLL_S - (time.monotonic() - asked)))
             now = time.monotonic()
             waited = now - began
             if waited >= _FOLLOW_TIMEOUT_S:
                 raise RuntimeError(
                     f"ripples_pg.DistributedSampler: shard 0 of replica group {self._me} "
-                    f"wrote nothing for {waited:.0f} s (it is gone or stalled); this rank "
-                    f"cannot go on alone, its replica group must run as many batches")
+                    f"wrote nothing for {waited:.0f} s (it is gone or stalled, or the store "
+                    f"is); this rank cannot go on alone, its replica group must run as many "
+                    f"batches")
             if now - warned >= _FOLLOW_WARN_S:
                 warned = now
                 logger.warning("ripples_pg.DistributedSampler: waiting %.0f s for shard 0 of "
@@ -476,24 +486,42 @@ class DistributedSampler(_TorchDistributedSampler):
             pass
         return record
 
-    def _follow_pass(self, indices, key: str, epoch: int, npass: int, rows: int,
-                     own_cols) -> Iterator[int]:
-        """Another shard rank of a replica group: the pass as its shard 0 runs it -- the same
-        resumed state, the same choice, then the rows it hands out, record by record, each
-        of this rank's shard."""
-        front = 0
+    def _poll(self, key: str, fkey: str) -> Optional[str]:
+        """One wait for the next record: it, or None (not yet, or the store failed the
+        request); raises :class:`_FellBack` when shard 0 has given up on the counters."""
+        try:
+            self._store.wait([key], timedelta(seconds=_FOLLOW_POLL_S))
+            return self._store.get(key).decode()
+        except Exception:  # noqa: BLE001 - not yet, or a request that failed: wait on
+            pass
+        try:  # (every record shard 0 wrote comes before its fall-back key)
+            if self._store.check([key]):
+                return self._store.get(key).decode()
+            fell_back = self._store.check([fkey]) and self._store.get(fkey).decode()
+        except Exception:  # noqa: BLE001
+            return None
+        if fell_back:
+            raise _FellBack(fell_back)
+        return None
+
+    def _follow_pass(self, indices, key: str, epoch: int, npass: int,
+                     rows: int) -> Iterator[int]:
+        """Another shard rank of a replica group: the pass as its shard 0 runs it -- its
+        saved state, its choice, then the rows it hands out, record by record, each of this
+        rank's shard."""
+        self._live = None
         try:
             cols = self._shared_cols(self._read(), rows)
-            if self._dealt(cols):
-                self._live = None
+            choice = self._read()
+            if choice == "d":
                 yield from self._deal_rows(indices, cols)
                 return
             start, end = self._own_span(cols, rows)
-            front = start
-            if self._read() != "s":
-                self._live = None
+            if choice == "o":
                 yield from self._own_rows(indices, start, end)
                 return
+            if choice != "s":
+                raise self._refused(choice, "a pass's choice")
             self._live = {"key": key, "epoch": epoch, "pass": npass, "free": False}
             while True:
                 record = self._read()
@@ -508,8 +536,6 @@ class DistributedSampler(_TorchDistributedSampler):
                     if c != self._me:
                         self.stolen += 1
                     yield i
-                if c == self._me:
-                    front = hi
         except _FellBack as fb:
             # shard 0 finishes on its own column: this rank hands out as many rows in all
             start, total = fb.parse(rows, self._cols)
@@ -523,9 +549,13 @@ class DistributedSampler(_TorchDistributedSampler):
                 self.epoch_samples += 1
                 yield col[pos % len(col)]
                 pos += 1
-        except _StoreFailed as exc:
-            self._store_failed(exc)
-            yield from self._own_rows(indices, front, rows)
+
+    def _refused(self, record: str, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"ripples_pg.DistributedSampler: a record of replica group {self._me} says "
+            f"{record[:40]!r} where {what} belongs: someone else wrote it (the c10d store is "
+            f"unauthenticated). This rank cannot tell what its shard 0 hands out, and must not "
+            f"go on alone")
 
     def _shared_cols(self, record: str, rows: int):
         """Shard 0's "R" record: the saved state its pass resumes (None: a fresh pass)."""
@@ -537,9 +567,7 @@ class DistributedSampler(_TorchDistributedSampler):
                                                   for f, b in cols):
                     raise ValueError
         except (ValueError, TypeError):
-            raise _StoreFailed(_CounterRefused(
-                f"a record of this replica group says {record[:40]!r} where its saved state "
-                f"belongs"), 0) from None
+            raise self._refused(record, "its saved state") from None
         return cols
 
     def _range(self, record: str, rows: int) -> tuple:
@@ -549,9 +577,7 @@ class DistributedSampler(_TorchDistributedSampler):
         except ValueError:
             c = lo = hi = -1
         if not (0 <= c < self._cols and 0 <= lo <= hi <= rows):
-            raise _StoreFailed(_CounterRefused(
-                f"a record of this replica group says {record[:40]!r} (columns "
-                f"{self._cols}, rows {rows})"), 0)
+            raise self._refused(record, f"a range of rows (columns {self._cols}, rows {rows})")
         return c, lo, hi
 
     def _deal(self, indices, columns) -> List[int]:
@@ -603,8 +629,7 @@ class DistributedSampler(_TorchDistributedSampler):
                     f"{self._back_limit(rows)})"), front)
             last_f, last_b = f, b
             lo, hi = max(f - want, 0), min(f, max(rows - b, reserved))
-            if hi > lo:
-                self._publish(f"{self._me},{lo},{hi}", front)
+            failed = self._publish_range(self._me, lo, hi) if hi > lo else None
             # an exact phase's request: given back at the switch to partial training
             chunk = self._chunk = {"key": own, "f": f, "b": b, "pos": lo, "back": False} \
                 if want > k else None
@@ -621,6 +646,8 @@ class DistributedSampler(_TorchDistributedSampler):
                 self.epoch_samples += 1
                 yield i
             self._chunk = None
+            if failed is not None:
+                raise _StoreFailed(failed, front)
             if hi < f:
                 return  # met the back (or the end): this column is used up
 
@@ -673,13 +700,15 @@ class DistributedSampler(_TorchDistributedSampler):
                 if hi <= lo:
                     others.remove(c)  # used up
                     continue
-                self._publish(f"{c},{lo},{hi}", rows)
+                failed = self._publish_range(c, lo, hi)
                 col = self._mine(indices, c)
                 for i in col[lo:hi]:
                     self.samples_yielded += 1
                     self.epoch_samples += 1
                     self.stolen += 1
                     yield i
+                if failed is not None:
+                    raise _StoreFailed(failed, rows)
 
     # -- the job's position at unwrap()
     def _agree(self, group, device=None) -> None:
