@@ -39,8 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..backend._api import _ripples_backend, host_of, partial_all_reduce, stats
 from ..backend.options import Options
-from ._args import OuterSpec, check_int, check_on_alone, check_outer_optimizer, \
-    check_warmup_straggler
+from ._args import OuterSpec, check_int, check_on_alone, check_warmup_straggler, \
+    resolve_sync_levels
 from ._fsdp_warmup import ReplicaWarmup
 from ._groups import exact_if_ripples, is_ripples
 from ._models import check_int8_extras, sharded_kind
@@ -769,14 +769,11 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     if not isinstance(average_optimizer_state, bool):
         raise TypeError(f"{_WHO}: average_optimizer_state must be a bool, got "
                         f"{average_optimizer_state!r}")
-    check_outer_optimizer(outer_optimizer, _WHO)
     check_on_alone(on_alone, _WHO, outer_optimizer)
-    if sync_every is not None:
-        sync_every = check_int(_WHO, "sync_every", operator.index(sync_every)
-                               if _is_integer(sync_every) else sync_every, 1)
-    elif outer_optimizer is not None:
-        raise ValueError(f"{_WHO}: outer_optimizer needs sync_every=H, the number of local "
-                         f"steps per outer step (DiLoCo uses tens to hundreds)")
+    # the DDP path's rules for outer_optimizer and sync_every (one level: the partial rounds)
+    _, sync_every = resolve_sync_levels(
+        outer_optimizer, operator.index(sync_every) if _is_integer(sync_every) else sync_every,
+        None, False, _WHO)
     outer_name = outer_optimizer if outer_optimizer is None or \
         isinstance(outer_optimizer, str) else "callable"
     error: Optional[Exception] = None
