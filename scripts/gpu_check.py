@@ -71,6 +71,15 @@ ripples_pg.load_extension() if hasattr(ripples_pg, "load_extension") else None
 from ripples_pg import _C
 print("ripples_pg", ripples_pg.__version__, "from", ripples_pg.__file__, "torch", torch.__version__)
 print("extension", _C.__file__)
+# A group of one on a HashStore, one all-reduce: an extension that loads but crashes once it
+# runs (a libstdc++ other than torch's linked in) fails here, in the build step, by name.
+dist.init_process_group("ripples", store=dist.HashStore(), rank=0, world_size=1)
+for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+    t = torch.arange(4.0, device=dev)
+    dist.all_reduce(t)
+    assert t.tolist() == [0.0, 1.0, 2.0, 3.0], (dev, t)
+dist.destroy_process_group()
+print("group of one: all_reduce ok")
 '''
 
 
@@ -650,14 +659,32 @@ def build_extension(step, torchv):
         os.environ["RIPPLES_CMAKE_ARGS"] = "-DRIPPLES_WITH_UCX=OFF"
     env = dict(os.environ, RIPPLES_BUILD_BASE=check.work + "/build",
                MAX_JOBS=os.environ.get("MAX_JOBS") or nproc())
+    system_compilers(step, env)
     rc = step.run([check.python, "setup.py", "-q", "build_ext", "--inplace"], env=env)
     if rc:
         errs = "".join(l[:300] + " " for l in grep_lines(step.log_path, "error:|Error |FATAL", 3))
         step.hint = ("the extension did not build against this machine's torch %s (CI builds "
                      "against 2.13): %s" % (torchv, errs or "exit %d, see build.log" % rc))
         return False
-    step.note = "built against torch " + torchv
+    step.note += "built against torch " + torchv
     return True
+
+
+def system_compilers(step, env):
+    """On the GPU machine, the system's cc and c++ instead of the image's CC/CXX: its
+    /opt/gcc links libstdc++ into the extension, whose own copy then crashes in the first
+    string it formats (seen 2026-12-04) while torch runs on the system's libstdc++."""
+    if step.check.mode != "gpu":
+        return
+    given = {v: env.pop(v) for v in ("CC", "CXX", "LDSHARED") if env.get(v)}
+    for var, tool in (("CC", "/usr/bin/cc"), ("CXX", "/usr/bin/c++")):
+        if os.path.exists(tool):
+            env[var] = tool
+    step.echo("compilers: image's %s; build uses CC=%s CXX=%s" % (
+        given or "none set", env.get("CC", "default"), env.get("CXX", "default")))
+    if given:
+        step.note += "the image's %s replaced by the system's compilers; " % (
+            ", ".join("%s=%s" % kv for kv in sorted(given.items())))
 
 
 def nproc():

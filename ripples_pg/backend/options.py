@@ -460,8 +460,9 @@ _FIELDS: dict[str, _Field] = {
                doc="CUDA tensors only: an exact all-reduce or broadcast of more than this many "
                    "bytes is staged through host memory in chunks of this size, one core "
                    "operation each, so that the copies to and from the device overlap the "
-                   "transfer (docs/cuda.md). `0` (the default, until it is measured on a GPU) = "
-                   "whole tensors, the unpipelined path; `4M` is the setting to try. Partial "
+                   "transfer (docs/cuda.md). `0` (the default, since a job mixing CPU and CUDA "
+                   "workers fails with it on) = whole tensors, the unpipelined path; `4M` made "
+                   "all-reduces of 128 MiB and more 1.2-1.5x faster on one H200. Partial "
                    "rounds and other collectives are not cut. Every rank must set the same value."),
     )
 }
