@@ -233,6 +233,29 @@ def test_exact_steps_reach_the_counter_in_one_add():
     assert store.calls == 2 and clock.job_step == 6  # 13 worker-steps of a world of 2
 
 
+def test_job_samples_count_every_worker_during_warmup_and_never_go_back():
+    # while every step is exact the counter hears nothing, yet every worker took as many
+    # samples as this one; at the first partial step the counter holds only this worker's
+    from ripples_pg.progress import JobClock
+
+    store = dist.HashStore()
+    a, b = (JobClock(2, "shared", store=store, key="ripples/job/x/steps") for _ in range(2))
+    for clock in (a, b):
+        clock.samples_known = True
+    for _ in range(3):
+        a.tick(samples=4, exact=True)
+        b.tick(samples=4, exact=True)
+    assert a.job_samples == b.job_samples == 24
+    a.tick(samples=4)  # the counter: a's 16 samples, b's 12 not sent yet
+    assert a.job_samples == 24
+    b.tick(samples=4)
+    assert b.job_samples == 32
+    a.tick(samples=4)
+    assert a.job_samples == 36
+    a.rebase(10.0, job_samples=100)  # a load: counts from the checkpoint's value
+    assert a.job_samples == 100
+
+
 def test_a_forged_counter_is_refused(caplog):
     """Issue 51, finding 7: a writer on the store (TCPStore is unauthenticated) sets the job
     step counter beyond what the job's workers could have stepped, to end every worker's

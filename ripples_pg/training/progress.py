@@ -134,6 +134,7 @@ class JobClock:
         self._own_samples_at_total = 0
         self._lockstep_run = True  # every step so far was exact (all workers step together)
         self._floor = 0  # the last job step returned (reads never go back)
+        self._floor_samples = 0  # ... and the last job samples
         self._failed: Optional[str] = None
         self._samples_ok = True
         self._counted = False  # tick() was called since this clock was made
@@ -232,11 +233,17 @@ class JobClock:
         :class:`ripples_pg.DistributedSampler` reports them (or past the counter's range)."""
         if not self.samples_known or not self._samples_ok:
             return None
-        if self.mode == LOCKSTEP or self._failed is not None:
-            # every worker takes as many samples as the others (exact phases' shards)
-            return self._base_samples + self._own_samples * self.world_size
-        own_new = self._own_samples - self._own_samples_at_total
-        return self._base_samples + self._total_samples - self._origin_samples + own_new
+        if self.mode == LOCKSTEP or self._lockstep_run or self._failed is not None:
+            # every worker takes as many samples as the others (exact phases' shards); while
+            # every step has been exact the counter has not heard of any (see tick())
+            value = self._base_samples + self._own_samples * self.world_size
+        else:
+            own_new = self._own_samples - self._own_samples_at_total
+            value = self._base_samples + self._total_samples - self._origin_samples + own_new
+        # never back: at the first partial step the counter holds only the workers' exact
+        # steps that have reported so far, less than the warm-up's count above
+        self._floor_samples = max(self._floor_samples, value)
+        return self._floor_samples
 
     @property
     def store(self) -> Optional[Any]:
@@ -284,6 +291,7 @@ class JobClock:
         self._own_samples = self._own_samples_at_total = 0
         self._lockstep_run = True
         self._floor = int(math.floor(self._base + 1e-9))
+        self._floor_samples = self._base_samples
         if lockstep:
             self.mode = LOCKSTEP
         if self.mode == SHARED and self._failed is None and self._counted:
