@@ -403,6 +403,46 @@ def test_what_is_not_supported_is_refused_by_name(pool):
     assert "sync_every" in errors["sync_every"], errors
 
 
+def task_timeouts(ctx):
+    import logging
+
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+    from ripples_pg.training._groups import timeout_s
+
+    seen = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logging.getLogger("ripples_pg.fsdp").addHandler(_Catch())
+    env = os.environ.pop("RIPPLES_TIMEOUT", None)  # the test pool's; an explicit one counts
+    try:
+        default = rfsdp.init_mesh(R, S)  # no timeout given: a third of the shard group's
+    finally:
+        if env is not None:
+            os.environ["RIPPLES_TIMEOUT"] = env
+    rounds = timeout_s(default.get_group("replicate"))
+    shard = timeout_s(default.get_group("shard"))
+    net = _net(default["shard"])
+    rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), default)
+    quiet = list(seen)
+    late = rfsdp.init_mesh(R, S, options=ripples_pg.Options(timeout=shard + 1))
+    net = _net(late["shard"])
+    rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), late)
+    return rounds, shard, quiet, seen[len(quiet):]
+
+
+def test_rounds_give_up_before_the_shard_group_or_wrap_says_so(pool):
+    for rounds, shard, quiet, warned in pool.run(task_timeouts):
+        # a third of the smaller of the world's timeout and the shard backend's default
+        assert shard and 0 < rounds <= shard / 3 + 1e-6, (rounds, shard)
+        assert quiet == [], quiet
+        assert len(warned) == 1 and "gives up after %.0f s" % shard in warned[0] and \
+            "init_mesh(options=ripples_pg.Options(timeout=" in warned[0], warned
+
+
 def task_layout_disagrees(ctx):
     # ranks 0-2 on one host, rank 3 on another: shard 0's replicate group (ranks 0, 2) sits
     # on one host, shard 1's (ranks 1, 3) on two, so their static schedules would differ
@@ -717,8 +757,9 @@ def task_sampler_hands_out_the_job_epoch(ctx):
             ctx.store.set(ctx.key("replica 0 ended epoch 0"), "1")
         seen.append(mine)
     stolen = sampler.stolen
+    before = opt.job_samples
     opt.unwrap()
-    return seen, stolen, sampler.state_dict()
+    return seen, stolen, sampler.state_dict(), (before, opt.job_samples, opt.job_step)
 
 
 def test_the_sampler_hands_out_each_epoch_job_wide_a_replica_group_at_a_time(pool):
@@ -732,13 +773,20 @@ def test_the_sampler_hands_out_each_epoch_job_wide_a_replica_group_at_a_time(poo
                                               rank=0, seed=3)
         order.set_epoch(epoch)
         position = {i: p for p, i in enumerate(order._order())}
-        every = sorted(i for seen, _, _ in res for i in seen[epoch])
+        every = sorted(i for seen, _, _, _ in res for i in seen[epoch])
         assert every == list(range(N_SAMPLES)), epoch  # every sample once, none twice
-        for rank, (seen, _, _) in enumerate(res):
+        for rank, (seen, _, _, _) in enumerate(res):
             # a replica group's shard ranks run as many batches, each from its own shard
             assert len(seen[epoch]) == len(res[rank ^ 1][0][epoch]), (epoch, rank)
             assert {position[i] % (R * S) % S for i in seen[epoch]} == {rank % S}, rank
-    for rank, (seen, stolen, state) in enumerate(res):
+    # job samples: the same on a replica group's shard ranks; each replica group's shard 0
+    # had counted at least its own group's samples (shards x its own); unwrap() agrees on the
+    # furthest count, within the two epochs' samples
+    for rank, (seen, _, _, (before, after, _)) in enumerate(res):
+        assert before == res[rank ^ 1][3][0], (rank, before, res[rank ^ 1][3][0])
+        assert S * (len(seen[0]) + len(seen[1])) <= before <= 2 * N_SAMPLES, (rank, before)
+        assert after == res[0][3][1] and after >= before and res[rank][3][2] == res[0][3][2]
+    for rank, (seen, stolen, state, _) in enumerate(res):
         if rank // S == 0:  # its own column, then all of replica group 1's but one claim
             assert len(seen[0]) == 2 * rows - CLAIM, (rank, len(seen[0]))
             assert stolen >= rows - CLAIM, (rank, stolen)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from typing import Dict, List, Optional
 
+import torch
 import torch.distributed as dist
 
 from ..backend._api import exact, host_of
@@ -23,6 +24,20 @@ def exact_if_ripples(group) -> contextlib.AbstractContextManager:
     """:func:`ripples_pg.exact` for a ``ripples`` group (exact even inside a caller's
     ``ripples_pg.partial()`` block), nothing for any other backend."""
     return exact() if is_ripples(group) else contextlib.nullcontext()
+
+
+def timeout_s(group, device_type: str = "cpu") -> Optional[float]:
+    """The seconds after which ``group``'s collectives on ``device_type`` give up (ripples'
+    own, gloo's or NCCL's setting), or None where the backend does not say."""
+    try:
+        backend = group._get_backend(torch.device(device_type))
+    except Exception:  # noqa: BLE001 - no backend for that device: nothing to say
+        return None
+    value = getattr(backend, "timeout_s", None)  # ripples
+    if value is None:
+        value = getattr(getattr(backend, "options", None), "_timeout", None)  # gloo, NCCL
+        value = value.total_seconds() if hasattr(value, "total_seconds") else None
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 _HOST_GROUPS: Dict[tuple, tuple] = {}

@@ -42,7 +42,7 @@ from ..backend.options import Options
 from ._args import OuterSpec, check_int, check_on_alone, check_warmup_straggler, \
     resolve_sync_levels
 from ._fsdp_warmup import ReplicaWarmup
-from ._groups import exact_if_ripples, is_ripples
+from ._groups import exact_if_ripples, is_ripples, timeout_s
 from ._models import check_int8_extras, sharded_kind
 from ._fsdp_diloco import ShardAnchors
 from .diloco import make_outer_optimizer
@@ -75,7 +75,9 @@ def init_mesh(replicas: int, shards: int, *, device_type: str = "cpu",
     ``replicate`` dimension runs on ``ripples``.
 
     ``options``: the replicate groups' :class:`ripples_pg.Options` (default: the static
-    schedule, failed rounds skipped). ``shard_backend``: the backend of FSDP's own groups
+    schedule, failed rounds skipped; without a timeout, a third of the shard group's, so that
+    a round gives up before a shard rank waiting for it does: docs/fsdp.md, Timeouts).
+    ``shard_backend``: the backend of FSDP's own groups
     (default: the default group's, e.g. ``nccl`` or ``gloo``). Every rank must call it, as
     ``init_device_mesh``.
     """
@@ -92,11 +94,31 @@ def init_mesh(replicas: int, shards: int, *, device_type: str = "cpu",
                          f"{replicas * shards} ranks, but the world has {world}")
     if options is None:
         options = Options(schedule="static", on_failure="skip")
+    options = _rounds_inside_shard_timeout(options, shard_backend, device_type)
     override = {REPLICATE: ("ripples", options)}
     if shard_backend is not None:
         override[SHARD] = shard_backend
     return init_device_mesh(device_type, (replicas, shards),
                             mesh_dim_names=(REPLICATE, SHARD), backend_override=override)
+
+
+def _rounds_inside_shard_timeout(options: Options, shard_backend: Optional[str],
+                                 device_type: str) -> Options:
+    """``options`` with a timeout a third of the shard group's, where neither the options nor
+    the environment set one: a shard rank waits for its shard 0's round in a collective of
+    the shard group, which must not give up first (ShardedRipplesOptimizer._check_timeouts).
+    The shard group gets torch's default for its backend or the world's timeout (a split of
+    the world's group): the smaller of the two counts."""
+    if options.resolve().timeout is not None:
+        return options
+    backend = shard_backend or dist.get_backend()
+    limits = [timeout_s(dist.group.WORLD, device_type)]
+    try:
+        limits.append(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
+    except Exception:  # noqa: BLE001 - a backend (or a torch) with no such default
+        pass
+    limits = [t for t in limits if t]
+    return options.replace(timeout=min(limits) / 3) if limits else options
 
 
 def save_planner():
@@ -246,6 +268,8 @@ class ShardedRipplesOptimizer:
         self._led = self.shards > 1 and _ripples_backend(self.group).schedule != "static"
         if self.shards > 1 and is_ripples(self.shard_group):
             self._fence_alone()
+        if self.shards > 1:
+            self._check_timeouts()
         # The job step (docs/progress.md): the static schedule steps every replica group in
         # lockstep, so it is the own count; a coordinator's schedule lets fast replica groups
         # step more, counted in the store by each shard 0 (one worker per replica group) and
@@ -283,6 +307,10 @@ class ShardedRipplesOptimizer:
         self._diloco = ShardAnchors(outer_optimizer, on_alone) \
             if outer_optimizer is not None else None
         self._samplers = 0  # samplers linked so far (each one's keys)
+        # job samples (docs/progress.md): a linked sampler's, fixed like the job step; a
+        # replica group's shard ranks take as many samples per step (rows of its column)
+        self._job_samples: Optional[int] = None
+        self._sampler_seen = 0
 
     def _fence_alone(self) -> None:
         """FSDP's shard group on ripples: its collectives (FSDP's gathers and scatters, the
@@ -296,6 +324,20 @@ class ShardedRipplesOptimizer:
         except (ValueError, RuntimeError) as exc:  # an op in flight: correct, only blinder
             logger.warning("ripples_pg.fsdp: the shard group's collectives still fence the "
                            "replicate group's schedule (%s)", exc)
+
+    def _check_timeouts(self) -> None:
+        """Warns if FSDP's shard group gives up no later than a round may take: a shard rank
+        waits for its shard 0's round in a collective of that group, which would then fail
+        (NCCL's watchdog ends the process) where the round itself would only be skipped."""
+        rounds = timeout_s(self.group, "cpu")
+        shard = timeout_s(self.shard_group, self.mesh.device_type)
+        if rounds is not None and shard is not None and shard <= rounds:
+            logger.warning(
+                "ripples_pg.fsdp: the shard group gives up after %.0f s, the replicate groups' "
+                "rounds after %.0f s: a shard rank waiting for a round that times out would "
+                "fail in the shard group first. Set the replicate groups' timeout lower "
+                "(init_mesh(options=ripples_pg.Options(timeout=...)), say %.0f s) or the "
+                "shard group's higher (docs/fsdp.md, Timeouts)", shard, rounds, shard / 3)
 
     # -- the inner optimizer's face
     @property
@@ -316,6 +358,13 @@ class ShardedRipplesOptimizer:
         ``RipplesOptimizer.job_step``); the same on every shard rank of a replica group, so a
         loop ``while optimizer.job_step < budget`` stops them all after the same step."""
         return self._job_step
+
+    @property
+    def job_samples(self) -> Optional[int]:
+        """Samples handed out to the job's ranks so far (every replica group's, each shard
+        rank's counted), through the sampler given to ``wrap(sampler=...)``; None without
+        one. Fixed as :attr:`job_step` is: the same on every shard rank of a replica group."""
+        return self._job_samples
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
@@ -360,6 +409,11 @@ class ShardedRipplesOptimizer:
         self._samplers += 1
         sampler._link_sharded(self, store, prefix)
         self.sampler = sampler
+        self._sampler_seen = sampler.samples_yielded
+        if self._job_samples is None:
+            self._job_samples = 0
+        if self.clock is not None:
+            self.clock.samples_known = True
 
     def in_free_phase(self) -> bool:
         """Whether replica groups now run different numbers of steps: partial rounds under a
@@ -381,6 +435,7 @@ class ShardedRipplesOptimizer:
         (so DCP saves each shard rank's own)."""
         sd = self.optim.state_dict()
         sd["ripples_fsdp"] = {"step": self.step_count, "job_step": self._job_step,
+                              "job_samples": self._job_samples,
                               "warmup_steps": self.warmup_steps,
                               "warmup_ended_early": self.warmup_ended_early,
                               "local_steps": self.local_steps,
@@ -403,6 +458,8 @@ class ShardedRipplesOptimizer:
         if mine is not None:
             self.step_count = int(mine["step"])
             self._job_step = int(mine.get("job_step", self.step_count))
+            if mine.get("job_samples") is not None:
+                self._job_samples = int(mine["job_samples"])
             self.counts.update(mine.get("counts", {}))
             self.local_steps = int(mine.get("local_steps", 0))
             if self._diloco is not None:
@@ -422,7 +479,7 @@ class ShardedRipplesOptimizer:
                 # collectives would no longer pair up)
                 self._end_warmup_at(int(saved_end))
             if self.clock is not None:
-                self.clock.rebase(self._job_step)
+                self.clock.rebase(self._job_step, self._job_samples or 0)
 
     def _agree_on_load(self, refusal: Optional[str]) -> None:
         """Raises on every rank, before anything is loaded, if any rank cannot load its part
@@ -483,14 +540,19 @@ class ShardedRipplesOptimizer:
         if not exact:
             self.local_steps += 1
         round_now = not exact and self.local_steps % self.sync_every == 0
+        samples = self._new_samples()
         if self.clock is not None and self.shard_rank == 0:
-            self.clock.tick(exact=exact)
+            self.clock.tick(samples=samples, exact=exact)
             # what every shard rank reads: shard 0's clock, handed over with each round (so
             # between rounds it stays where the last round left it on all of them)
             if exact or round_now:
                 self._job_step = self.clock.job_step
+                if self.sampler is not None:
+                    self._job_samples = self.clock.job_samples
         elif exact or self.clock is None:
             self._job_step += 1  # in lockstep: as shard 0's clock counts
+            if self.sampler is not None and self._job_samples is not None:
+                self._job_samples += samples * self.replicas
         if exact:
             self.counts["exact_steps"] += 1
         elif round_now:
@@ -499,6 +561,15 @@ class ShardedRipplesOptimizer:
                 self._diloco.after_round(self._locals(), averaged)
         self.step_count += 1
         return loss
+
+    def _new_samples(self) -> int:
+        """The samples this replica group took since the last step: this rank's times the
+        shards (each shard rank takes one row's share of the same rows)."""
+        if self.sampler is None:
+            return 0
+        seen = self.sampler.samples_yielded
+        new, self._sampler_seen = seen - self._sampler_seen, seen
+        return new * self.shards
 
     def _locals(self) -> List[torch.Tensor]:
         """The local shards of the floating-point parameters (DiLoCo's model)."""
@@ -581,11 +652,13 @@ class ShardedRipplesOptimizer:
         the replica group's other shard ranks are told that group and run theirs over it."""
         r = self.replicas
         # done, moved, the group id's two 32-bit halves (ids are unsigned 64-bit), the job
-        # step, members
-        msg = torch.full((5 + r,), -1, dtype=torch.int64)
+        # step, the job samples (-1: none), members
+        msg = torch.full((6 + r,), -1, dtype=torch.int64)
         failure = None
         if self.shard_rank == 0:
             msg[4] = self._job_step
+            if self._job_samples is not None:
+                msg[5] = self._job_samples
             done, moved, failure = _run_round(be, self.group, packed)
             try:
                 last = be.last_round() if done and moved else None
@@ -596,7 +669,7 @@ class ShardedRipplesOptimizer:
                 members = list(last["members"])
                 gid = int(last["group_id"])
                 msg[2], msg[3] = gid >> 32, gid & 0xFFFFFFFF
-                msg[5:5 + len(members)] = torch.tensor(members, dtype=torch.int64)
+                msg[6:6 + len(members)] = torch.tensor(members, dtype=torch.int64)
         device = self._device()
         msg = msg.to(device)
         with exact_if_ripples(self.shard_group):
@@ -606,10 +679,12 @@ class ShardedRipplesOptimizer:
         if self.shard_rank == 0:
             return done, moved, failure
         self._job_step = int(msg[4])
+        if int(msg[5]) >= 0:
+            self._job_samples = int(msg[5])
         done, moved = bool(msg[0]), bool(msg[1])
         if not (done and moved):
             return done, False, None
-        members = [int(m) for m in msg[5:].tolist() if m >= 0]
+        members = [int(m) for m in msg[6:].tolist() if m >= 0]
         if not 1 < len(members) <= r or self.replica not in members:
             return False, False, None  # not a group this rank could be in: refuse the round
         try:
@@ -649,12 +724,29 @@ class ShardedRipplesOptimizer:
             if not self.unwrapped and average:
                 if self.sampler is not None:  # every rank from the job's place in the epoch
                     self.sampler._agree(None, device=self._device())
+                self._agree_progress()
                 self.average_replicas()
         finally:
             if self._warm is not None:
                 self._warm.close()  # its scheduler statistics file, even if the average raised
         self.unwrapped = True
         return self.optim
+
+    def _agree_progress(self) -> None:
+        """Every rank from the furthest job step and job samples any rank knows (as
+        ``RipplesOptimizer.unwrap()`` does): from here on the replica groups step together."""
+        if self.clock is None:
+            return  # the static schedule: every rank counted the same in lockstep
+        # over the replicate group (exact): a replica group's shard ranks hold the same
+        # values, so every shard index's group finds the same; a dead rank fails it with
+        # ripples' error naming that rank, as the average after it would
+        t = torch.tensor([self._job_step, self._job_samples or 0], dtype=torch.float64)
+        with exact_if_ripples(self.group):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        self._job_step = int(t[0].item())
+        if self._job_samples is not None:
+            self._job_samples = int(t[1].item())
+        self.clock.rebase(self._job_step, self._job_samples or 0, lockstep=True)
 
     def stats(self) -> dict:
         """``ripples_pg.stats()`` of the replicate group, with this wrapper's ``exact_steps``,
