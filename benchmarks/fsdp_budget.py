@@ -9,7 +9,9 @@ processes on this machine. Strategies:
 * ``static``: ``ripples_pg.fsdp.wrap()`` with the static schedule (exact warm-up, then one
   partial round per step);
 * ``smart``: the same with the straggler-aware schedule (shard 0's group asks the coordinator
-  and hands each round's group to its replica group's other shard ranks).
+  and hands each round's group to its replica group's other shard ranks);
+* ``diloco``: ``smart`` with partial DiLoCo: a round every ``--sync-every`` steps, then the
+  outer step (Nesterov, lr 0.7, momentum 0.9) of each rank's float32 anchors.
 
 Each step pauses ``--compute-s`` seconds on every rank (the accelerator's share of a step,
 emulated: 6 processes on 2 cores would otherwise share the cores instead of waiting). The slow
@@ -51,7 +53,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import budget_gpt as gpt  # noqa: E402
 import result_files  # noqa: E402
 
-STRATEGIES = ("hsdp", "static", "smart")
+STRATEGIES = ("hsdp", "static", "smart", "diloco")
 SCENARIOS = {"none": None, "slow": "the last replica group --slow times slower"}
 
 
@@ -75,6 +77,8 @@ def parse_args(argv=None):
                    help="emulated accelerator time of one step, every rank")
     p.add_argument("--slow", type=float, default=5.0)
     p.add_argument("--group-size", type=int, default=2, help="smart's workers per group")
+    p.add_argument("--sync-every", type=int, default=5,
+                   help="diloco: local steps per round and outer step (default 5)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=32)
@@ -126,14 +130,17 @@ def worker(rank, world, port, args, strategy, slow_replica, out_path):
         mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
         model = _model(args, VOCAB[0], mesh)
     else:
+        schedule = "smart" if strategy == "diloco" else strategy
         mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
-            schedule=strategy, on_failure="skip", timeout=120,
-            group_size=args.group_size if strategy == "smart" else None))
+            schedule=schedule, on_failure="skip", timeout=120,
+            group_size=args.group_size if schedule == "smart" else None))
         model = _model(args, VOCAB[0], mesh["shard"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     if strategy != "hsdp":
         kw = {} if args.warmup_straggler is None else \
             {"warmup_straggler": args.warmup_straggler or None}
+        if strategy == "diloco":
+            kw.update(sync_every=args.sync_every, outer_optimizer="nesterov")
         opt = rfsdp.wrap(model, opt, mesh, warmup_steps=args.warmup_steps, **kw)
     data, val = DATA
     gen = torch.Generator().manual_seed(args.seed + 1000 * rank)
