@@ -680,6 +680,9 @@ def system_compilers(step, env):
     for var, tool in (("CC", "/usr/bin/cc"), ("CXX", "/usr/bin/c++")):
         if os.path.exists(tool):
             env[var] = tool
+    if "CC" in env:  # also over a CMake cache that an earlier build made with another
+        env["RIPPLES_CMAKE_ARGS"] = "-DCMAKE_C_COMPILER=%s %s" % (
+            env["CC"], env.get("RIPPLES_CMAKE_ARGS", ""))
     step.echo("compilers: image's %s; build uses CC=%s CXX=%s" % (
         given or "none set", env.get("CC", "default"), env.get("CXX", "default")))
     if given:

@@ -419,7 +419,7 @@ def task_timeouts(ctx):
     logging.getLogger("ripples_pg.fsdp").addHandler(_Catch())
     env = os.environ.pop("RIPPLES_TIMEOUT", None)  # the test pool's; an explicit one counts
     try:
-        default = rfsdp.init_mesh(R, S)  # no timeout given: a third of the shard group's
+        default = rfsdp.init_mesh(R, S)  # no timeout given: four fifths of the shard group's
     finally:
         if env is not None:
             os.environ["RIPPLES_TIMEOUT"] = env
@@ -436,8 +436,8 @@ def task_timeouts(ctx):
 
 def test_rounds_give_up_before_the_shard_group_or_wrap_says_so(pool):
     for rounds, shard, quiet, warned in pool.run(task_timeouts):
-        # a third of the smaller of the world's timeout and the shard backend's default
-        assert shard and 0 < rounds <= shard / 3 + 1e-6, (rounds, shard)
+        # four fifths of the smaller of the world's timeout and the shard backend's default
+        assert shard and 0 < rounds <= shard * 0.8 + 1e-6, (rounds, shard)
         assert quiet == [], quiet
         assert len(warned) == 1 and "gives up after %.0f s" % shard in warned[0] and \
             "init_mesh(options=ripples_pg.Options(timeout=" in warned[0], warned
@@ -541,15 +541,17 @@ def task_smart_led_by_shard_0(ctx, budget, h=1):
     err = max((a - b - 0.5).abs().max().item() for a, b in zip(_full(net), _full(base)))
     opt.unwrap()
     return (steps, job_steps, err, st["fsdp_applied"], st["fsdp_discarded"], st["reduced"],
-            st["given"], st["fences"])
+            st["given"], st["fences"], opt.job_step)
 
 
 @pytest.mark.parametrize("h", [1, 3])
 def test_smart_schedule_with_shards_is_led_by_shard_0(pool, h):
     # h: a round every h steps; between rounds the job step stands still on every shard rank
     res = pool.run(task_smart_led_by_shard_0, 12, h)
-    for rank, (steps, job_steps, err, applied, discarded, reduced, given, fences) in \
+    for rank, (steps, job_steps, err, applied, discarded, reduced, given, fences, end) in \
             enumerate(res):
+        # unwrap() agrees on the furthest job step any shard 0's clock had counted
+        assert end == res[0][8] and end >= job_steps[-1], (rank, end, job_steps[-1])
         # shard 0 (even ranks) asks the coordinator; shard 1 only runs the rounds it is given
         assert given == (0 if rank % S == 0 else reduced), (rank, given, reduced)
         # the shard group runs on ripples here (the world's backend), yet FSDP's collectives

@@ -58,6 +58,10 @@ REPLICATE, SHARD = "replicate", "shard"
 # a round's outcome on a shard rank, worst first (agreed by a MIN over the replica group)
 _RAISED, _FAILED, _DONE, _MOVED = 0, 1, 2, 3
 _WHO = "ripples_pg.fsdp.wrap"
+# The replicate groups' default timeout, a share of the shard group's: a round must give up
+# before a shard rank waiting for it in the shard group does, while the exact steps (warm-up,
+# unwrap) keep close to HSDP's own timeout over the replicate dimension.
+_ROUND_SHARE = 0.8
 # wrap()'s warmup_straggler: higher than the DDP path's 1.05, because a partial round costs a
 # replica group more than HSDP's exact all-reduce (a coordinator's rounds of shards other than
 # 0 follow shard 0's, then the shard ranks agree: 0.92-0.96x HSDP's pace with nobody slow,
@@ -75,7 +79,7 @@ def init_mesh(replicas: int, shards: int, *, device_type: str = "cpu",
     ``replicate`` dimension runs on ``ripples``.
 
     ``options``: the replicate groups' :class:`ripples_pg.Options` (default: the static
-    schedule, failed rounds skipped; without a timeout, a third of the shard group's, so that
+    schedule, failed rounds skipped; without a timeout, four fifths of the shard group's, so that
     a round gives up before a shard rank waiting for it does: docs/fsdp.md, Timeouts).
     ``shard_backend``: the backend of FSDP's own groups
     (default: the default group's, e.g. ``nccl`` or ``gloo``). Every rank must call it, as
@@ -104,7 +108,7 @@ def init_mesh(replicas: int, shards: int, *, device_type: str = "cpu",
 
 def _rounds_inside_shard_timeout(options: Options, shard_backend: Optional[str],
                                  device_type: str) -> Options:
-    """``options`` with a timeout a third of the shard group's, where neither the options nor
+    """``options`` with a timeout four fifths of the shard group's, where neither the options nor
     the environment set one: a shard rank waits for its shard 0's round in a collective of
     the shard group, which must not give up first (ShardedRipplesOptimizer._check_timeouts).
     The shard group gets torch's default for its backend or the world's timeout (a split of
@@ -118,7 +122,7 @@ def _rounds_inside_shard_timeout(options: Options, shard_backend: Optional[str],
     except Exception:  # noqa: BLE001 - a backend (or a torch) with no such default
         pass
     limits = [t for t in limits if t]
-    return options.replace(timeout=min(limits) / 3) if limits else options
+    return options.replace(timeout=min(limits) * _ROUND_SHARE) if limits else options
 
 
 def save_planner():
@@ -337,7 +341,8 @@ class ShardedRipplesOptimizer:
                 "rounds after %.0f s: a shard rank waiting for a round that times out would "
                 "fail in the shard group first. Set the replicate groups' timeout lower "
                 "(init_mesh(options=ripples_pg.Options(timeout=...)), say %.0f s) or the "
-                "shard group's higher (docs/fsdp.md, Timeouts)", shard, rounds, shard / 3)
+                "shard group's higher (docs/fsdp.md, Timeouts)", shard, rounds,
+                shard * _ROUND_SHARE)
 
     # -- the inner optimizer's face
     @property
@@ -364,7 +369,7 @@ class ShardedRipplesOptimizer:
         """Samples handed out to the job's ranks so far (every replica group's, each shard
         rank's counted), through the sampler given to ``wrap(sampler=...)``; None without
         one. Fixed as :attr:`job_step` is: the same on every shard rank of a replica group."""
-        return self._job_samples
+        return self._job_samples if self.sampler is not None else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
@@ -652,13 +657,15 @@ class ShardedRipplesOptimizer:
         the replica group's other shard ranks are told that group and run theirs over it."""
         r = self.replicas
         # done, moved, the group id's two 32-bit halves (ids are unsigned 64-bit), the job
-        # step, the job samples (-1: none), members
+        # step, the job samples (-1: no sampler, -2: no longer counted), members
         msg = torch.full((6 + r,), -1, dtype=torch.int64)
         failure = None
         if self.shard_rank == 0:
             msg[4] = self._job_step
             if self._job_samples is not None:
                 msg[5] = self._job_samples
+            elif self.sampler is not None:
+                msg[5] = -2  # past the clock's range: None on every shard rank
             done, moved, failure = _run_round(be, self.group, packed)
             try:
                 last = be.last_round() if done and moved else None
@@ -679,8 +686,8 @@ class ShardedRipplesOptimizer:
         if self.shard_rank == 0:
             return done, moved, failure
         self._job_step = int(msg[4])
-        if int(msg[5]) >= 0:
-            self._job_samples = int(msg[5])
+        if int(msg[5]) != -1:
+            self._job_samples = int(msg[5]) if int(msg[5]) >= 0 else None
         done, moved = bool(msg[0]), bool(msg[1])
         if not (done and moved):
             return done, False, None
@@ -741,6 +748,16 @@ class ShardedRipplesOptimizer:
         # values, so every shard index's group finds the same; a dead rank fails it with
         # ripples' error naming that rank, as the average after it would
         t = torch.tensor([self._job_step, self._job_samples or 0], dtype=torch.float64)
+        if self.shard_rank == 0:  # shard 0's clock as it stands (steps since the last round)
+            t[0] = self.clock.job_step
+            if self.sampler is not None:
+                t[1] = self.clock.job_samples or 0
+        if self.shards > 1:
+            t = t.to(self._device())
+            with exact_if_ripples(self.shard_group):
+                dist.broadcast(t, src=dist.get_global_rank(self.shard_group, 0),
+                               group=self.shard_group)
+            t = t.cpu()
         with exact_if_ripples(self.group):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         self._job_step = int(t[0].item())

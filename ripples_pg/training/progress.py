@@ -146,6 +146,10 @@ class JobClock:
         """Counts one optimizer step of this worker (``samples``: its samples, if known).
         ``exact``: the step was an exact collective step (warm-up, or after ``unwrap()``),
         which every worker took together."""
+        if not exact and self._lockstep_run:
+            # the lockstep counts become floors before the counter, which has heard of no
+            # worker's exact steps yet, takes over (whether or not anyone read them)
+            _ = (self.job_step, self.job_samples)  # read for their floors
         self._own += 1
         self._counted = True
         self._own_samples += int(samples)
