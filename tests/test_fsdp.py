@@ -764,6 +764,43 @@ def task_sampler_hands_out_the_job_epoch(ctx):
     return seen, stolen, sampler.state_dict(), (before, opt.job_samples, opt.job_step)
 
 
+def task_samples_past_the_clocks_range(ctx):
+    # shard 0's clock stops counting samples after the first steps (as past 2^31 - 1): every
+    # shard rank of its replica group reads None from the next round on, not a stale count
+    from torch.utils.data import DataLoader
+
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+        schedule="smart", on_failure="skip", group_size=2, timeout=5))
+    net = _net(mesh["shard"])
+    data = list(range(256))  # 16 batches of its own per rank: none is left with one
+    sampler = ripples_pg.DistributedSampler(data, num_replicas=ctx.ws, rank=ctx.rank, seed=3,
+                                            claim_size=4)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.01), mesh, warmup_steps=0,
+                     sampler=sampler)
+    seen = []
+    for i, idx in enumerate(DataLoader(data, batch_size=4, sampler=sampler)):
+        x, y = _batch(ctx.rank, i)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x[:len(idx)]), y[:len(idx)]).backward()
+        opt.step()
+        seen.append(opt.job_samples)
+        if i == 0 and ctx.rank % S == 0:
+            opt.clock._samples_ok = False
+    opt.unwrap()
+    return seen, opt.job_samples
+
+
+def test_job_samples_past_the_clocks_range_read_none_on_every_shard_rank(pool):
+    res = pool.run(task_samples_past_the_clocks_range)
+    for rank, (seen, end) in enumerate(res):
+        assert seen == res[rank ^ 1][0], (rank, seen, res[rank ^ 1][0])
+        assert seen[0] is not None and seen[0] > 0 and len(seen) >= 2, seen
+        assert all(v is None for v in seen[1:]) and end is None, (rank, seen, end)
+
+
 def test_the_sampler_hands_out_each_epoch_job_wide_a_replica_group_at_a_time(pool):
     import ripples_pg
 
