@@ -23,6 +23,7 @@ from _dist import free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 JOB = os.path.join(HERE, "_elastic_job.py")
+FSDP_JOB = os.path.join(HERE, "_elastic_fsdp_job.py")
 
 
 def _env(**extra):
@@ -196,6 +197,34 @@ def test_torchrun_restart_finishes_the_second_attempt(tmp_path):
     assert _records(out, 0) == []  # the first attempt ended at the failure
     _check_resumed(_records(out, 1), 4, 100, min_start=10)
     _no_segments_of(_pids(out, 0))
+
+
+@pytest.mark.slow
+def test_torchrun_restart_of_an_fsdp2_job_resumes_its_checkpoint(tmp_path):
+    """FSDP2 under ripples_pg.fsdp, 2 replica groups x 2 shards: rank 2 exits at step 12 of the
+    first attempt; torchrun restarts the whole job, which loads its last DCP checkpoint (step
+    10) and Ripples' part of the optimizer's state, and finishes with one model."""
+    out, ckpt = str(tmp_path), str(tmp_path / "ckpt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", "4", "--max-restarts", "1", FSDP_JOB, "--out", out,
+           "--ckpt", ckpt, "--steps", "30", "--fail-rank", "2", "--fail-step", "12"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    assert "failing on purpose" in res.stderr
+    recs = []
+    for f in sorted(glob.glob(os.path.join(out, "fsdp-a*-r*.json"))):
+        with open(f) as fh:
+            recs.append(json.load(fh))
+    assert len(recs) == 4 and {r["attempt"] for r in recs} == {1}, recs  # no 1st-attempt end
+    for r in recs:
+        # the last checkpoint before the failure, on every rank, with the wrapper's state
+        assert r["start_step"] == 10 and r["steps_run"] == 20, r
+        assert r["restored"] == {"step": 10, "job_step": 10, "warmup_steps": 2}, r
+        assert r["job_step"] == 30, r
+        assert r["checksum"] == recs[0]["checksum"], recs  # one model after unwrap()
+        # it resumed the trained model and went on training it
+        assert r["loss_restored"] < 0.5 * r["loss_fresh"], r
+        assert r["loss_end"] < r["loss_restored"], r
 
 
 def _launch(out, port, ws, attempt, args):
