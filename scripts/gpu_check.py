@@ -64,6 +64,7 @@ PREREQS = ("env", "deps", "build")
 RESERVE = {"tests": 120, "bench": 90, "train": 90}
 KILL_AFTER = 10  # seconds between SIGTERM and SIGKILL when a command runs past its limit
 TRAIN_SCRIPT = "benchmarks/digits_worker.py"  # the training step's worker
+LATENCY_SCRIPT = "benchmarks/staged_latency.py"  # the bench step's small-tensor split
 
 LOAD_CODE = '''
 import torch, torch.distributed as dist, ripples_pg
@@ -805,7 +806,32 @@ def step_bench(step):
         step.note = "pipelined and unpipelined (RIPPLES_STAGE_CHUNK_BYTES=0) staging"
     else:
         step.note = "staged (this build has no RIPPLES_STAGE_CHUNK_BYTES)"
+    if check.dev == "cuda" and os.path.isfile(os.path.join(ROOT, LATENCY_SCRIPT)):
+        staged_latency(step, md)
     return True
+
+
+def staged_latency(step, md):
+    """benchmarks/staged_latency.py: where a small CUDA all-reduce's time goes; its JSON to
+    $OUT, its lines to bench.md (a failure is only logged: the collectives ran)."""
+    check = step.check
+    out = os.path.join(check.outdir, "staged-latency.json")
+    step.echo("=== %s --out %s" % (LATENCY_SCRIPT, out))
+    if step.run([check.python, LATENCY_SCRIPT, "--out", out], limit=90):
+        step.echo("the staged-latency run failed; see bench.log")
+        return
+    try:
+        rows = json.load(open(out))["rows"]
+        cols = [k for k in rows[0] if k != "bytes"]
+        L = ["", "### Small CUDA all-reduces, 2 processes: median us per call "
+             "(benchmarks/staged_latency.py)", "",
+             "| bytes | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
+        L += ["| %d | " % r["bytes"] + " | ".join("%.0f" % r[c] for c in cols) + " |"
+              for r in rows]
+        with open(md, "a") as f:
+            f.write("".join(l + "\n" for l in L))
+    except Exception:
+        step.log.write(traceback.format_exc())
 
 
 def bench_runs(check):

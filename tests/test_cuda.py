@@ -274,3 +274,45 @@ def _t_train(ctx):
 @needs_cuda
 def test_ddp_wrap_trains_on_cuda_like_on_cpu():
     run_spawn(_t_train, 2, timeout=600)
+
+
+def _t_fsdp(ctx, steps):
+    """FSDP2 on a (replicate, shard) mesh of CUDA tensors, 2 x 2 (docs/fsdp.md): FSDP's
+    all-gather and reduce-scatter run on ripples (the world's backend, staged), the replicate
+    groups' partial rounds too; the same model as the same steps on CPU, and one model on every
+    replica group after unwrap()."""
+    import torch.nn as nn
+
+    import ripples_pg.fsdp as rfsdp
+    from test_fsdp import _batch, _net
+
+    ck = Checker(ctx)
+    dev = _device(ctx)
+    full = {}
+    for where in ("cpu", dev.type):
+        mesh = rfsdp.init_mesh(2, ctx.ws // 2, device_type=where)
+        net = _net(mesh["shard"])  # fully_shard moves the parameters to the mesh's device
+        opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.05), mesh, warmup_steps=2)
+        for i in range(steps):
+            x, y = (t.to(where) for t in _batch(ctx.rank, i))
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+        st = opt.stats()
+        ck.true(st["fsdp_exact_steps"] == 2 and st["fsdp_rounds"] > 0,
+                f"{where}: two exact steps, then partial rounds", str(st))
+        opt.unwrap()
+        full[where] = [p.full_tensor().detach().cpu() for p in net.parameters()]
+        ck.true(all(p.device.type == where for p in net.parameters()), f"{where}: stayed there")
+    for i, (a, b) in enumerate(zip(full[dev.type], full["cpu"])):
+        ck.close(a, b, f"parameter {i} on {dev.type} as on cpu", atol=1e-5, rtol=1e-4)
+    mine = torch.cat([p.flatten() for p in full[dev.type]]).to(dev)
+    theirs = mine.clone()
+    dist.broadcast(theirs, 0)
+    ck.close(mine.cpu(), theirs.cpu(), "one model after unwrap()", atol=0, rtol=0)
+    return ck.finish()
+
+
+def test_fsdp2_partial_rounds_on_cuda_match_cpu():
+    pytest.importorskip("torch.distributed.fsdp")
+    run_spawn(_t_fsdp, 4, 8, timeout=300)
