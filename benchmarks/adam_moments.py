@@ -22,14 +22,20 @@ warm-up as ``wrap()``'s (the mean gradient of every worker), each rule runs:
 
 It reports the validation loss every ``--every`` steps and the *step worth*: the steps DDP
 needs to reach the rule's final loss, over the steps taken (interpolated; 1.0 = as good as
-DDP's). Usage::
+DDP's), and the *noise ratio* of the exact warm-up: the workers' mean squared gradient norm
+over the squared norm of their mean gradient (1 = every worker's gradient is the mean; W = as
+noisy as W independent draws), the median over the warm-up's second half. ``--workers`` and
+``--batch-size`` take comma lists: one table row per rule and combination. Usage::
 
     python benchmarks/adam_moments.py --out benchmarks/results/adam_second_moment
+    python benchmarks/adam_moments.py --workers 2,4,8,16 --batch-size 4,16 \
+        --rules ddp,params_group --seeds 0,1,2 --out benchmarks/results/adam_worth_by_world
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import platform
 import random
@@ -51,16 +57,19 @@ BETA1, BETA2 = 0.9, 0.999
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", default="8", help="comma list of worker counts")
     p.add_argument("--group-size", type=int, default=3)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--warmup", type=int, default=50, help="exact steps first")
     p.add_argument("--every", type=int, default=50, help="steps between evaluations")
-    p.add_argument("--batch-size", type=int, default=4, help="documents per worker and step")
+    p.add_argument("--batch-size", default="4",
+                   help="comma list of documents per worker and step")
     p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--rules", default=",".join(RULES))
     p.add_argument("--out", default=None, help="folder for results.md and results.json")
+    p.add_argument("--table-only", action="store_true",
+                   help="rewrite --out's results.md from its results.json (runs nothing)")
     return p.parse_args(argv)
 
 
@@ -117,8 +126,13 @@ def _fix_moments(models, opts, sent, groups, k, first):
                 off += n
 
 
-def run(rule, data, args, seed):
-    W, bs = args.workers, args.batch_size
+def _noise_ratio(grads):
+    """The workers' mean squared gradient norm over their mean gradient's squared norm."""
+    return (grads.square().sum(1).mean() / grads.mean(0).square().sum().clamp(min=1e-30)).item()
+
+
+def run(rule, data, args, seed, W, bs):
+    """(validation loss every ``--every`` steps, the warm-up's noise ratios)."""
     torch.manual_seed(seed)
     base = data.make_model()
     models = [copy.deepcopy(base) for _ in range(W)]
@@ -126,7 +140,7 @@ def run(rule, data, args, seed):
     gen = torch.Generator().manual_seed(1000 + seed)
     rng = random.Random(seed)
     pending = None  # overlapped round: (snapshots, their group averages, gradients, groups)
-    curve = {}
+    curve, ratios = {}, []
     for t in range(args.steps):
         rows = torch.randint(0, len(data.xtr), (W * bs,), generator=gen)
         for i, m in enumerate(models):
@@ -136,7 +150,10 @@ def run(rule, data, args, seed):
         exact = t < args.warmup or rule == "ddp"
         groups = _groups(rng, W, W if rule == "params_all" else args.group_size)
         if exact:
-            mean = torch.stack([_grad(m) for m in models]).mean(0)
+            grads = torch.stack([_grad(m) for m in models])
+            mean = grads.mean(0)
+            if t >= args.warmup // 2 and t < args.warmup:
+                ratios.append(_noise_ratio(grads))
             for m in models:
                 _set_grad(m, mean)
         elif rule == "grads_group":
@@ -174,7 +191,7 @@ def run(rule, data, args, seed):
             _set_flat(ev, torch.stack([_flat(m) for m in models]).mean(0))
             with torch.no_grad():
                 curve[t + 1] = loss_fn(ev(data.xte), data.yte).item()
-    return curve
+    return curve, ratios
 
 
 def step_worth(ddp, curve):
@@ -190,8 +207,104 @@ def step_worth(ddp, curve):
     return pts[0][0] / steps
 
 
+def _ints(text, what):
+    try:
+        out = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise SystemExit(f"adam_moments.py: {what} must be a comma list of positive integers, "
+                         f"got {text!r}")
+    return out
+
+
+def _median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    # (step_worth's None, a rule ending below DDP's final loss, is counted as 1 by the caller)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else
+                                (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def _sweep(args, rules, seeds):
+    """{(workers, batch): {rule: {seed: (curve, ratios)}}}, printing one line per run."""
+    torch.set_num_threads(1)
+    res = {}
+    for bs in _ints(args.batch_size, "--batch-size"):
+        wl = argparse.Namespace(workload="docs", width=64, layers=2, context=64,
+                                batch_size=bs, seed=0)
+        data = workloads.load_docs(wl)
+        for W in _ints(args.workers, "--workers"):
+            cell = res[(W, bs)] = {r: {} for r in rules}
+            for seed in seeds:
+                for r in rules:
+                    t0 = time.time()
+                    cell[r][seed] = run(r, data, args, seed, W, bs)
+                    c = cell[r][seed][0]
+                    print(f"{W} workers x {bs}: seed {seed} {r:15s} final {c[max(c)]:.3f} "
+                          f"({time.time() - t0:.0f} s)", flush=True)
+    return res
+
+
+def _command(args):
+    """The options that made these runs (those not at their defaults), for the table's head:
+    the same line whether the runs were made now or read back with --table-only."""
+    dflt = vars(parse_args([]))
+    opts = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k in dflt and k not in ("out", "table_only") and v != dflt[k]]
+    return " ".join(opts + ([f"--out {args.out}"] if args.out else []))
+
+
+def _table(args, rules, seeds, res):
+    lines = [
+        "# AdamW's step worth under model averaging (docs workload, one process)",
+        "",
+        f"<!-- generated by: python benchmarks/adam_moments.py {_command(args)} -->",
+        "",
+        f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node() or 'host'}, torch "
+        f"{torch.__version__}. Every worker's replica stepped in lockstep on the same batches "
+        f"(the batch column: documents per worker and step), AdamW lr {args.lr}, "
+        f"{args.warmup} exact steps, then {args.steps - args.warmup} under each rule; groups of "
+        f"{args.group_size} drawn at random every step. Validation loss of the workers' mean "
+        f"model after {args.steps} steps; *step worth*: the steps DDP needs to reach it, over "
+        f"{args.steps} (1.0 = DDP's; >1: below DDP's final loss, counted as 1 in the median); "
+        f"*noise ratio*: the workers' mean squared gradient norm "
+        f"over their mean gradient's, in the second half of the exact warm-up (the same for "
+        f"every rule). Seeds {args.seeds}; each cell lists them in order, then their median. "
+        f"The rules are described in the script's docstring.",
+        "",
+        "| workers | batch | rule | final validation loss | step worth | noise ratio |",
+        "|---:|---:|---|---|---|---|",
+    ]
+    for (W, bs), cell in res.items():
+        for r in rules:
+            finals = [cell[r][s][0][max(cell[r][s][0])] for s in seeds]
+            worths = [step_worth(cell["ddp"][s][0], cell[r][s][0]) for s in seeds]
+            noise = [_median(cell[r][s][1]) for s in seeds]
+            fmt = lambda xs, f: " / ".join(">1" if x is None else f % x for x in xs)  # noqa: E731
+            med = _median([1.0 if w is None else w for w in worths])
+            lines.append(f"| {W} | {bs} | `{r}` | {fmt(finals, '%.3f')} | {fmt(worths, '%.2f')}"
+                         f" ({med:.2f}) | {fmt(noise, '%.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _stored(out, rules, seeds):
+    """The runs of ``out``'s results.json as _sweep returns them (--table-only)."""
+    if not out:
+        raise SystemExit("adam_moments.py: --table-only needs --out, the folder to read")
+    with open(os.path.join(out, "results.json")) as f:
+        cells = json.load(f)["cells"]
+    return {(c["workers"], c["batch"]): {r: {s: ({int(k): v for k, v in
+                                                 c["curves"][r][str(s)].items()},
+                                                c["noise_ratios"][str(s)]) for s in seeds}
+                                         for r in rules} for c in cells}
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.table_only:  # the runs' own options, read back
+        with open(os.path.join(args.out or ".", "results.json")) as f:
+            vars(args).update({k: v for k, v in json.load(f)["config"].items()
+                               if k not in ("out", "table_only")})
     rules = [r for r in args.rules.split(",") if r]
     bad = sorted(set(rules) - set(RULES))
     if bad:
@@ -199,50 +312,17 @@ def main(argv=None):
     if "ddp" not in rules:
         rules.insert(0, "ddp")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    torch.set_num_threads(1)
-    wl = argparse.Namespace(workload="docs", width=64, layers=2, context=64,
-                            batch_size=args.batch_size, seed=0)
-    data = workloads.load_docs(wl)
-    res = {r: {} for r in rules}
-    for seed in seeds:
-        for r in rules:
-            t0 = time.time()
-            res[r][seed] = run(r, data, args, seed)
-            c = res[r][seed]
-            print(f"seed {seed} {r:15s} final {c[max(c)]:.3f} ({time.time() - t0:.0f} s)",
-                  flush=True)
-    rows = []
-    for r in rules:
-        finals = [res[r][s][max(res[r][s])] for s in seeds]
-        worths = [step_worth(res["ddp"][s], res[r][s]) for s in seeds]
-        rows.append((r, finals, worths))
-    lines = [
-        "# AdamW's step worth under model averaging (docs workload, one process)",
-        "",
-        f"<!-- generated by: python benchmarks/adam_moments.py "
-        f"{' '.join(sys.argv[1:]) if argv is None else ' '.join(argv)} -->",
-        "",
-        f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node() or 'host'}, torch "
-        f"{torch.__version__}. {args.workers} workers' replicas stepped in lockstep on the "
-        f"same batches ({args.batch_size} documents each), AdamW lr {args.lr}, {args.warmup} "
-        f"exact steps, then {args.steps - args.warmup} under each rule; groups of "
-        f"{args.group_size} drawn at random every step. Validation loss of the workers' mean "
-        f"model after {args.steps} steps; *step worth*: the steps DDP needs to reach it, over "
-        f"{args.steps} (1.0 = DDP's). Seeds {args.seeds}; each cell lists them in order. The "
-        f"rules are described in the script's docstring.",
-        "",
-        "| rule | final validation loss | step worth |",
-        "|---|---|---|",
-    ]
-    for r, finals, worths in rows:
-        fw = " / ".join("-" if w is None else f"{w:.2f}" for w in worths)
-        lines.append(f"| `{r}` | {' / '.join(f'{f:.3f}' for f in finals)} | {fw} |")
-    text = "\n".join(lines) + "\n"
+    res = _stored(args.out, rules, seeds) if args.table_only else _sweep(args, rules, seeds)
+    text = _table(args, rules, seeds, res)
     print(text)
     if args.out:
         store(args.out, "results", text, {
-            "config": vars(args),
-            "curves": {r: {str(s): c for s, c in v.items()} for r, v in res.items()}})
+            "config": {k: v for k, v in vars(args).items() if k not in ("out", "table_only")},
+            "cells": [{"workers": W, "batch": bs,
+                       "curves": {r: {str(s): c for s, (c, _) in v.items()}
+                                  for r, v in cell.items()},
+                       "noise_ratios": {str(s): n for s, (_, n) in cell["ddp"].items()}}
+                      for (W, bs), cell in res.items()]})
 
 
 if __name__ == "__main__":
