@@ -129,6 +129,11 @@ CELLS = [
       "test_fsdp.py::test_smart_schedule_with_shards_is_led_by_shard_0",
       "test_fsdp.py::test_a_straggling_replica_group_ends_the_warmup",
       "test_fsdp.py::test_even_replica_groups_stay_exact"]),
+    ("FSDP2 replica groups on CUDA tensors (`init_mesh(..., device_type=\"cuda\")`)", WORKS,
+     "run on one GPU (the GPU check) with `ripples` as the world's backend: the same parameters "
+     "as the same steps on CPU, one model after `unwrap()`; NCCL shard groups need a GPU per "
+     "rank and have not run ([fsdp.md](fsdp.md#on-gpus))",
+     ["test_cuda.py::test_fsdp2_partial_rounds_on_cuda_match_cpu"]),
     ("FSDP2 replica groups on different hosts, `init_mesh(options=Options(compression="
      "\"bf16\"))`", WORKS,
      "rounds across hosts sent quantised with error feedback; `int8` refused for "
