@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -219,10 +220,10 @@ def _ints(text, what):
 
 
 def _median(xs):
-    xs = sorted(x for x in xs if x is not None)
-    # (step_worth's None, a rule ending below DDP's final loss, is counted as 1 by the caller)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else
-                                (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+    """The median of the values that are not None (step_worth's None, a rule ending below
+    DDP's final loss, is counted as 1 by the caller); None if there are none."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def _sweep(args, rules, seeds):
