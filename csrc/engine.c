@@ -467,6 +467,11 @@ int rpl_comm_partial_last(const rpl_comm *c, rpl_round_outcome *out, int *member
   return c->partial ? rpl_partial_last(c->partial, out, members, cap) : 0;
 }
 
+int rpl_comm_partial_group(const rpl_comm *c, uint64_t round, double timeout_s,
+                           rpl_round_outcome *out, int *members, int cap) {
+  return c->partial ? rpl_partial_group(c->partial, round, timeout_s, out, members, cap) : 0;
+}
+
 rpl_status rpl_comm_fence_alone(rpl_comm *c, rpl_error *err) {
   /* Under mu, and only while nothing is queued or running: the fence of a collective in
    * flight would otherwise be taken in the domain and lifted outside it. */

@@ -3,6 +3,7 @@
  * account. The fence around exact collectives is in fence.c. */
 #include "partial.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,7 +53,8 @@ struct rpl_partial {
   uint64_t fault_round;
   rpl_run *fault_run;
 
-  pthread_mutex_t mu;       /* guards stats, the trace, the last outcome and the given group */
+  pthread_mutex_t mu;       /* guards stats, the trace, the outcomes and the given group */
+  pthread_cond_t known_cv;  /* a round's group became known, or a round ended */
   rpl_partial_stats stats;
   rpl_trace_entry *trace;   /* TRACE_SLOTS ring, NULL when tracing is off */
   uint64_t trace_next;      /* index of the next entry */
@@ -61,6 +63,11 @@ struct rpl_partial {
   int *given;               /* size entries: the next round's group when given_n > 0 */
   int given_n;
   uint64_t given_gid;
+  /* The group of the newest round that has one, published before its data moves
+   * (rpl_partial_group): valid for round `known_rounds` - 1 once known_rounds > 0. */
+  uint64_t known_rounds;    /* rounds whose group became known */
+  rpl_round_outcome known;
+  int *known_members;       /* size entries */
 };
 
 int rpl_partial_eligible(const rpl_op_desc *d) {
@@ -112,6 +119,7 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
   rpl_partial *p = calloc(1, sizeof *p);
   if (!p) return rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
   pthread_mutex_init(&p->mu, NULL);
+  pthread_cond_init(&p->known_cv, NULL);
   p->rank = rank;
   p->size = size;
   p->timeout_s = timeout_s;
@@ -121,7 +129,8 @@ rpl_status rpl_partial_create(const rpl_partial_config *cfg, int rank, int size,
   p->members = calloc((size_t)size, sizeof(int));
   p->last_members = calloc((size_t)size, sizeof(int));
   p->given = calloc((size_t)size, sizeof(int));
-  if (!p->members || !p->last_members || !p->given) {
+  p->known_members = calloc((size_t)size, sizeof(int));
+  if (!p->members || !p->last_members || !p->given || !p->known_members) {
     st = rpl_fail(err, RPL_ERR_NOMEM, "out of memory enabling partial rounds");
     goto fail;
   }
@@ -185,10 +194,12 @@ void rpl_partial_destroy(rpl_partial *p) {
   free(p->members);
   free(p->last_members);
   free(p->given);
+  free(p->known_members);
   free(p->host_of);
   free(p->resid);
   free(p->next);
   free(p->trace);
+  pthread_cond_destroy(&p->known_cv);
   pthread_mutex_destroy(&p->mu);
   free(p);
 }
@@ -400,6 +411,17 @@ static int take_given(rpl_partial *p, round_info *r) {
   return r->given;
 }
 
+/* Makes the round's group known to rpl_partial_group's waiters, before any data moves. */
+static void publish_group(rpl_partial *p, const round_info *r) {
+  pthread_mutex_lock(&p->mu);
+  p->known = (rpl_round_outcome){
+      .round = r->round, .group_id = r->gid, .nmembers = r->n, .given = r->given};
+  memcpy(p->known_members, p->members, sizeof(int) * (size_t)r->n);
+  p->known_rounds = r->round + 1;
+  pthread_cond_broadcast(&p->known_cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
 /* The round's group -- given, from the coordinator or the static schedule -- into
  * p->members[0..n). */
 static rpl_status get_group(rpl_partial *p, round_info *r, rpl_error *err) {
@@ -421,6 +443,7 @@ static rpl_status get_group(rpl_partial *p, round_info *r, rpl_error *err) {
   if (st == RPL_OK && r->me < 0)
     st = rpl_fail(err, RPL_ERR_INVALID, "the group generator left rank %d out of its own group",
                   p->rank);
+  if (st == RPL_OK) publish_group(p, r);
   return st;
 }
 
@@ -611,6 +634,7 @@ static rpl_status account(rpl_partial *p, const round_info *r, rpl_status st) {
   p->last = (rpl_round_outcome){.round = r->round, .group_id = r->gid, .status = (int)st,
                                 .nmembers = kept, .moved = r->moved, .given = r->given};
   if (kept) memcpy(p->last_members, p->members, sizeof(int) * (size_t)kept);
+  pthread_cond_broadcast(&p->known_cv); /* a round that ended without a group wakes them too */
   pthread_mutex_unlock(&p->mu);
   return skip ? RPL_OK : st;
 }
@@ -672,6 +696,37 @@ int rpl_partial_last(const rpl_partial *p, rpl_round_outcome *out, int *members,
   }
   pthread_mutex_unlock(&m->mu);
   return have;
+}
+
+int rpl_partial_group(const rpl_partial *p, uint64_t round, double timeout_s,
+                      rpl_round_outcome *out, int *members, int cap) {
+  rpl_partial *m = (rpl_partial *)p; /* the mutex and condition are not the logical state */
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
+  double s = timeout_s > 0 ? RPL_MIN(timeout_s, 1e6) : 0;
+  long ns = until.tv_nsec + (long)((s - (double)(long)s) * 1e9);
+  until.tv_sec += (time_t)(long)s + ns / 1000000000L;
+  until.tv_nsec = ns % 1000000000L;
+  pthread_mutex_lock(&m->mu);
+  int rc = -1, timed_out = 0;
+  for (;;) {
+    if (m->known_rounds > round) { /* known: this round's group, unless a later one's */
+      rc = m->known.round == round;
+      break;
+    }
+    if (m->stats.rounds > round) { /* ended without a group */
+      rc = 0;
+      break;
+    }
+    if (timed_out) break;
+    timed_out = pthread_cond_timedwait(&m->known_cv, &m->mu, &until) == ETIMEDOUT;
+  }
+  if (rc == 1) {
+    *out = m->known;
+    for (int i = 0; i < m->known.nmembers && i < cap; i++) members[i] = m->known_members[i];
+  }
+  pthread_mutex_unlock(&m->mu);
+  return rc;
 }
 
 /* Checked on the caller's thread, where a refusal can be raised at once: a round never

@@ -402,6 +402,18 @@ typedef struct rpl_round_outcome {
  * before the first round (or with partial rounds off), else 1. Safe from any thread. */
 int rpl_comm_partial_last(const rpl_comm *comm, rpl_round_outcome *out, int *members, int cap);
 
+/* The group of this rank's partial round number `round` (as rpl_round_outcome.round counts;
+ * while no partial round is queued or running, the next one's number is the `rounds`
+ * statistic), as soon as the round has it -- before its data moves. Waits up to timeout_s.
+ * Returns 1 with *out (round, group_id, nmembers, given; status 0 and moved 0, whatever the
+ * round's end) and its first `cap` members; 0 when that round ended without a group (a failed
+ * request: rpl_comm_partial_last says why) or a later round's group is already known; -1 when
+ * the wait timed out. A group of one and the adaptive period's pass (group_id 0) are groups
+ * too. Lets one process hand a round's group to others (rpl_comm_partial_give) while its own
+ * round still moves data. Safe from any thread. */
+int rpl_comm_partial_group(const rpl_comm *comm, uint64_t round, double timeout_s,
+                           rpl_round_outcome *out, int *members, int cap);
+
 /* Gives this rank's next partial round its group: members[0..n) (group ranks, strictly
  * increasing, this rank among them) and group_id (the run's sequence on the wire: every
  * member passes the same, nonzero when n > 1). That round asks no schedule and no coordinator

@@ -219,6 +219,17 @@ bool ProcessGroupRipples::lastRound(rpl_round_outcome* out, std::vector<int>* me
   return true;
 }
 
+int ProcessGroupRipples::roundGroup(uint64_t round, double timeoutS, rpl_round_outcome* out,
+                                    std::vector<int>* members) const {
+  if (comm_ == nullptr) {
+    return 0;
+  }
+  members->assign(static_cast<size_t>(getSize()), 0);
+  int rc = rpl_comm_partial_group(comm_, round, timeoutS, out, members->data(), getSize());
+  members->resize(rc == 1 ? static_cast<size_t>(std::min(out->nmembers, getSize())) : 0);
+  return rc;
+}
+
 void ProcessGroupRipples::giveGroup(const std::vector<int>& members, uint64_t groupId) {
   checkOpen("give_group");
   // Past the group's size the core refuses by count, before reading any member.

@@ -181,6 +181,10 @@ class ProcessGroupRipples : public c10d::Backend {
   // The last partial round's outcome and every one of its members (rpl_comm_partial_last);
   // false before the first round.
   bool lastRound(rpl_round_outcome* out, std::vector<int>* members) const;
+  // The group of partial round `round` once known, before its data moves
+  // (rpl_comm_partial_group): 1 with it, 0 ended without one, -1 timed out. Blocks.
+  int roundGroup(uint64_t round, double timeoutS, rpl_round_outcome* out,
+                 std::vector<int>* members) const;
   // Gives the next partial round its group (rpl_comm_partial_give): group ranks, sorted.
   // Raises ValueError for invalid members or id, a group still waiting for its round, or a
   // round still queued or running.

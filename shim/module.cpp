@@ -169,6 +169,36 @@ py::object lastRoundDict(const PG& pg) {
   });
 }
 
+// The group of partial round `round` once it is known (before its data moves): a dict, None
+// when the round ended without one, TimeoutError past timeout_s.
+py::object roundGroupDict(const PG& pg, uint64_t round, double timeoutS) {
+  if (!(timeoutS >= 0)) {
+    throw py::value_error("round_group: timeout_s must be a number >= 0");
+  }
+  rpl_round_outcome o;
+  std::vector<int> members;
+  int rc;
+  {
+    py::gil_scoped_release nogil;  // blocks until the round has its group
+    rc = pg.roundGroup(round, timeoutS, &o, &members);
+  }
+  if (rc < 0) {
+    PyErr_SetString(PyExc_TimeoutError,
+                    "round_group: the partial round had no group within timeout_s (not "
+                    "started yet, or waiting for its coordinator)");
+    throw py::error_already_set();
+  }
+  if (rc == 0) {
+    return py::none();
+  }
+  return dictOf({
+      {"round", py::cast(o.round)},
+      {"group_id", py::cast(o.group_id)},
+      {"members", py::cast(members)},
+      {"given", py::cast(o.given != 0)},
+  });
+}
+
 // The configuration the group was created with, as read-only properties.
 void bindConfigProperties(py::class_<PG, c10::intrusive_ptr<PG>, c10d::Backend>& c) {
   c.def_property_readonly(
@@ -213,6 +243,13 @@ void bindBackend(py::module_& m) {
            "This rank's last partial round, traced or not: {round, group_id, members (group "
            "ranks, sorted; all of them), status (0 = done), moved (data moved between "
            "members), given (its group came from give_group)}; None before the first.")
+      .def("round_group", &roundGroupDict, py::arg("round"), py::arg("timeout_s"),
+           "The group of this rank's partial round number `round` (as last_round()'s "
+           "`round`; while no round is queued or running, the next one's number is "
+           "partial_stats()['rounds']) as soon as the round has it, before its data moves: "
+           "{round, group_id, members, given}, a group of one included. None when that round "
+           "ended without a group (last_round() says why) or a later round's is known; "
+           "TimeoutError when it has none within timeout_s.")
       .def("give_group", &PG::giveGroup, py::arg("members"), py::arg("group_id"),
            // Takes the core's lock only briefly; no Python object is touched.
            py::call_guard<py::gil_scoped_release>(),

@@ -287,6 +287,53 @@ def test_a_round_applies_on_every_shard_of_a_replica_group_or_on_none(pool):
     assert res[0][3] == 1 and res[2][3] == 1  # shard 0's round itself completed
 
 
+def task_led_round_failed_on_shard_0(ctx):
+    # a coordinator's schedule: shard 0 hands its round's group on before its own data
+    # moves, so shard 1 runs its round while shard 0's is in flight. Rank 2 (replica group 1,
+    # shard 0) stalls in round 0 past the deadline: both shard 0 rounds fail, both shard 1
+    # rounds (ranks 1 and 3, given the group) complete, and no rank applies its round
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    if ctx.rank == 2:
+        os.environ["RIPPLES_TEST_FAULT"] = "stall:0:0"
+    try:
+        mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+            schedule="random", on_failure="skip", group_size=2, timeout=5))
+    finally:
+        os.environ.pop("RIPPLES_TEST_FAULT", None)
+    replica = ctx.rank // S
+    net = _perturbed(mesh, replica)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0)
+    base = _full(_net(mesh["shard"]))
+    trail = []
+    for _ in range(2):  # round 0 fails on shard 0, round 1 averages
+        _train(net, opt, ctx.rank, 1)
+        st = opt.stats()
+        # how far each parameter moved from the seeded net: its extremes
+        moved = [((a - b).min().item(), (a - b).max().item()) for a, b in zip(_full(net), base)]
+        trail.append((st["fsdp_applied"], st["fsdp_discarded"], st["reduced"],
+                      st["failed"] + st["skipped"], st["given"], moved))
+    return trail
+
+
+def test_a_led_round_applies_on_every_shard_or_on_none(pool):
+    res = pool.run(task_led_round_failed_on_shard_0)
+    for rank, (first, second) in enumerate(res):
+        replica, shard = divmod(rank, S)
+        applied, discarded, reduced, failed, given, moved = first
+        # shard 0's round failed; shard 1's, given the group early, completed
+        assert (reduced, failed, given) == ((0, 1, 0) if shard == 0 else (1, 0, 1)), \
+            (rank, first)
+        # ... and was not applied: every shard still holds its replica group's own values
+        assert applied == 0 and discarded == 1, (rank, first)
+        assert all(abs(m - replica) < 1e-6 for mm in moved for m in mm), (rank, moved)
+        applied, discarded, reduced, failed, given, moved = second
+        assert applied == 1 and discarded == 1 and failed == (1 - shard), (rank, second)
+        # the replica groups' mean
+        assert all(abs(m - 0.5) < 1e-6 for mm in moved for m in mm), (rank, moved)
+
+
 def task_unwrap_ends_with_one_model(ctx):
     import ripples_pg.fsdp as rfsdp
 

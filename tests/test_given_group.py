@@ -8,6 +8,9 @@ shard 0's group runs its schedule's round and the other shards' groups are given
 * Invalid members or ids, a second give, and a give while a round is queued are refused with
   a ValueError that names the problem; a refused give changes nothing.
 * ``last_round()`` after a schedule's round says what its trace entry says.
+* ``round_group()`` tells a round's group while the round still waits for its members (so a
+  leader can hand it on before its own data moves), the coordinator's group as the round then
+  runs it, and raises TimeoutError for a round that has not started.
 """
 
 import pytest
@@ -197,3 +200,56 @@ def _t_last_equals_trace(ctx):
 
 
 test_last_round_equals_trace = _dist.pool_test(_t_last_equals_trace)
+
+
+def _t_round_group(ctx):
+    """round_group(): the group of a round in flight, before any data moved; the same group
+    afterwards; TimeoutError for a round not started; the coordinator's group under smart."""
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    g = _dist.ripples_group(ctx, schedule="smart", seed=7)
+    be = _backend(g)
+    r = ctx.rank
+    chk.raises("no round yet", lambda: be.round_group(0, 0.05), TimeoutError, r"no group")
+    chk.raises("negative timeout", lambda: be.round_group(0, -1.0), ValueError, r"timeout_s")
+    # Ranks 0 and 1 learn their round's group while their partners (2 and 3) have not even
+    # started theirs: the group is known before any data moves (a store key, not a sleep).
+    pair = _pair(r)
+    if r >= 2:
+        ctx.store.wait([ctx.key(f"known{r - 2}")])
+    be.give_group(pair, 70 + pair[0])
+    x = _input(r)
+    work = ripples_pg.partial_all_reduce([x], group=g, async_op=True)
+    if r < 2:
+        got = be.round_group(0, 60.0)
+        chk.true(got == {"round": 0, "group_id": 70 + pair[0], "members": pair, "given": True},
+                 "the group of a round still waiting for its partner", str(got))
+        chk.equal(x, _input(r), "nothing moved yet")
+        ctx.store.set(ctx.key(f"known{r}"), "1")
+    work.wait()
+    chk.close(x, (_input(pair[0]) + _input(pair[1])) / 2, "the pair's mean", 1e-6, 1e-6)
+    chk.true(be.round_group(0, 0.0) == {"round": 0, "group_id": 70 + pair[0],
+                                        "members": pair, "given": True},
+             "the group stays known once the round ended", str(be.round_group(0, 0.0)))
+    chk.raises("round 1 not started", lambda: be.round_group(1, 0.05), TimeoutError,
+               r"no group")
+    # The coordinator's round: its number is the rounds count, and round_group() names the
+    # group the round then averages over.
+    nxt = ripples_pg.stats(g)["rounds"]
+    x = torch.randn(16, generator=torch.Generator().manual_seed(r + 11))
+    pre = _gather(ctx, x)
+    work = ripples_pg.partial_all_reduce([x], group=g, async_op=True)
+    got = be.round_group(nxt, 60.0)
+    work.wait()
+    last = be.last_round()
+    chk.true(got is not None and got["round"] == nxt == last["round"] and not got["given"]
+             and got["members"] == last["members"] and got["group_id"] == last["group_id"],
+             "the coordinator's group, as the round ran it", f"{got} / {last}")
+    chk.close(x, torch.stack([pre[m] for m in last["members"]]).mean(0),
+              "the mean over that group", 1e-5, 1e-5)
+    dist.destroy_process_group(g)
+    return chk.finish()
+
+
+test_round_group = _dist.pool_test(_t_round_group)

@@ -17,7 +17,8 @@ told the same group in the same round, and apply the round on all its shard rank
 * a coordinator's schedule (``smart``, ``random``, ``adpsgd``): a coordinator per shard index
   would not agree (docs/design.md, section 10), so only shard 0's group asks its coordinator;
   shard 0 then hands the round's group (and the job step) to its replica group's other shard
-  ranks, which run their rounds over the members given (``give_group``, no coordinator);
+  ranks as soon as its coordinator gave it (``round_group``), and they run their rounds over
+  the members given (``give_group``, no coordinator) while shard 0's own round moves its data;
 * a round's result lands in a flat copy of the shards; the replica group's shard ranks agree
   on its outcome (one integer, a MIN over the replica group) before any of them writes it back.
 
@@ -57,14 +58,18 @@ REPLICATE, SHARD = "replicate", "shard"
 # A round's outcome on one shard rank, agreed as the MIN over its replica group
 # a round's outcome on a shard rank, worst first (agreed by a MIN over the replica group)
 _RAISED, _FAILED, _DONE, _MOVED = 0, 1, 2, 3
+# what shard 0 hands its replica group's other shard ranks about its round (_led_round)
+_NO_GROUP, _ALONE, _GROUP = 0, 1, 2
+# beyond the round's own deadline, how long shard 0 waits for its round's group
+_GROUP_WAIT_MARGIN_S = 5.0
 _WHO = "ripples_pg.fsdp.wrap"
 # The replicate groups' default timeout, a share of the shard group's: a round must give up
 # before a shard rank waiting for it in the shard group does, while the exact steps (warm-up,
 # unwrap) keep close to HSDP's own timeout over the replicate dimension.
 _ROUND_SHARE = 0.8
 # wrap()'s warmup_straggler: higher than the DDP path's 1.05, because a partial round costs a
-# replica group more than HSDP's exact all-reduce (a coordinator's rounds of shards other than
-# 0 follow shard 0's, then the shard ranks agree: 0.92-0.96x HSDP's pace with nobody slow,
+# replica group more than HSDP's exact all-reduce (shard 0 asks the coordinator and hands the
+# group on, then the shard ranks agree: 0.92-0.96x HSDP's pace with nobody slow on 2 cores,
 # benchmarks/fsdp_budget.py), so waiting must cost more before partial rounds pay; and even
 # replica groups read as 1.02-1.07 by jitter alone (6 ranks on 2 cores, checks of 2 steps).
 # A replica group 1.4x slow among 3 is a gain of 1.2; 5x slow, 3.7.
@@ -653,52 +658,63 @@ class ShardedRipplesOptimizer:
         return done and moved
 
     def _led_round(self, be, packed) -> Tuple[bool, bool, Optional[BaseException]]:
-        """A dynamic schedule's round: shard 0 runs it with the group its coordinator gives;
-        the replica group's other shard ranks are told that group and run theirs over it."""
-        r = self.replicas
-        # done, moved, the group id's two 32-bit halves (ids are unsigned 64-bit), the job
-        # step, the job samples (-1: no sampler, -2: no longer counted), members
-        msg = torch.full((6 + r,), -1, dtype=torch.int64)
-        failure = None
+        """A dynamic schedule's round: shard 0 starts it with the group its coordinator gives
+        and hands that group to the replica group's other shard ranks as soon as it is known,
+        so that every shard rank moves its data at the same time."""
+        # state (_NO_GROUP, _ALONE, _GROUP), the group id's two 32-bit halves (ids are
+        # unsigned 64-bit), the job step, the job samples (-1: no sampler, -2: no longer
+        # counted), members
+        msg = torch.full((5 + self.replicas,), -1, dtype=torch.int64)
+        msg[0] = _NO_GROUP
         if self.shard_rank == 0:
-            msg[4] = self._job_step
+            msg[3] = self._job_step
             if self._job_samples is not None:
-                msg[5] = self._job_samples
+                msg[4] = self._job_samples
             elif self.sampler is not None:
-                msg[5] = -2  # past the clock's range: None on every shard rank
-            done, moved, failure = _run_round(be, self.group, packed)
+                msg[4] = -2  # past the clock's range: None on every shard rank
+            started = _start_round(be, self.group, packed)
             try:
-                last = be.last_round() if done and moved else None
-            except Exception as exc:  # noqa: BLE001 - the others wait in the broadcast
-                done, last, failure = False, None, failure or exc
-            msg[0], msg[1] = int(done), int(moved)
-            if last is not None:
-                members = list(last["members"])
-                gid = int(last["group_id"])
-                msg[2], msg[3] = gid >> 32, gid & 0xFFFFFFFF
-                msg[6:6 + len(members)] = torch.tensor(members, dtype=torch.int64)
-        device = self._device()
-        msg = msg.to(device)
-        with exact_if_ripples(self.shard_group):
-            dist.broadcast(msg, src=dist.get_global_rank(self.shard_group, 0),
-                           group=self.shard_group)
-        msg = msg.cpu()
-        if self.shard_rank == 0:
-            return done, moved, failure
-        self._job_step = int(msg[4])
-        if int(msg[5]) != -1:
-            self._job_samples = int(msg[5]) if int(msg[5]) >= 0 else None
-        done, moved = bool(msg[0]), bool(msg[1])
-        if not (done and moved):
-            return done, False, None
-        members = [int(m) for m in msg[6:].tolist() if m >= 0]
-        if not 1 < len(members) <= r or self.replica not in members:
+                _describe_group(msg, self._round_group(be, started))
+            finally:  # the others wait in the broadcast: it goes out whatever happened here
+                self._hand_over(msg)
+            return _finish_round(be, *started)
+        msg = self._hand_over(msg)
+        self._job_step = int(msg[3])
+        if int(msg[4]) != -1:
+            self._job_samples = int(msg[4]) if int(msg[4]) >= 0 else None
+        state = int(msg[0])
+        if state != _GROUP:  # shard 0 alone (done, nothing moved), or without a group
+            return state == _ALONE, False, None
+        members = [int(m) for m in msg[5:].tolist() if m >= 0]
+        if not 1 < len(members) <= self.replicas or self.replica not in members:
             return False, False, None  # not a group this rank could be in: refuse the round
         try:
-            be.give_group(members, (int(msg[2]) << 32) | int(msg[3]))
+            be.give_group(members, (int(msg[1]) << 32) | int(msg[2]))
         except Exception as exc:  # noqa: BLE001 - agreed on first, then raised on every rank
             return False, False, exc
         return _run_round(be, self.group, packed)
+
+    @staticmethod
+    def _round_group(be, started) -> Optional[dict]:
+        """The group of shard 0's round in flight, once its coordinator gave it; None when the
+        round failed to start or ended without one (it then says why when waited on)."""
+        round_no, work, failure = started[1], started[2], started[3]
+        if work is None or failure is not None:
+            return None
+        try:  # the round's own deadline comes first; the margin only covers a stuck thread
+            return be.round_group(round_no, be.timeout_s + _GROUP_WAIT_MARGIN_S)
+        except Exception as exc:  # noqa: BLE001 - the others run no round; ours says why
+            logger.warning("ripples_pg.fsdp: round %d's group not known (%s): this replica "
+                           "group's other shard ranks skip it", round_no, exc)
+            return None
+
+    def _hand_over(self, msg: torch.Tensor) -> torch.Tensor:
+        """Shard 0's round message to every shard rank of the replica group."""
+        msg = msg.to(self._device())
+        with exact_if_ripples(self.shard_group):
+            dist.broadcast(msg, src=dist.get_global_rank(self.shard_group, 0),
+                           group=self.shard_group)
+        return msg.cpu()
 
     def _device(self) -> torch.device:
         """Where the shard group's small tensors go: the mesh's device (the parameters may be
@@ -786,18 +802,50 @@ class ShardedRipplesOptimizer:
                 f"step={self.step_count})")
 
 
-def _run_round(be, group, packed) -> Tuple[bool, bool, Optional[BaseException]]:
-    """One partial round over the flats: (completed, moved data, the exception of a round
-    that raised). A round ``on_failure="skip"`` absorbed is not completed."""
+def _start_round(be, group, packed) -> tuple:
+    """Starts one partial round over the flats: (the counters before it, its round number,
+    its Work or None, the exception of a round that could not start)."""
     before = be.partial_stats()
-    failure: Optional[BaseException] = None
     try:
-        partial_all_reduce([flat for flat, _ in packed], group=group, op=dist.ReduceOp.AVG)
-    except Exception as exc:  # noqa: BLE001 - on_failure="raise" and the like: agreed on
-        failure = exc          # by the replica group's shard ranks first, then raised
+        work = partial_all_reduce([flat for flat, _ in packed], group=group,
+                                  op=dist.ReduceOp.AVG, async_op=True)
+    except Exception as exc:  # noqa: BLE001 - agreed on by the replica group's shard ranks
+        return before, before["rounds"], None, exc
+    return before, before["rounds"], work, None
+
+
+def _finish_round(be, before, _round_no, work, failure) -> Tuple[bool, bool,
+                                                                 Optional[BaseException]]:
+    """Waits for a round _start_round started: (completed, moved data, the exception of a
+    round that raised). A round ``on_failure="skip"`` absorbed is not completed."""
+    if work is not None:
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - on_failure="raise" and the like: agreed on
+            failure = exc          # by the replica group's shard ranks first, then raised
     after = be.partial_stats()
     failed = after["skipped"] + after["failed"] > before["skipped"] + before["failed"]
     return failure is None and not failed, after["reduced"] > before["reduced"], failure
+
+
+def _run_round(be, group, packed) -> Tuple[bool, bool, Optional[BaseException]]:
+    """One partial round over the flats, waited for."""
+    return _finish_round(be, *_start_round(be, group, packed))
+
+
+def _describe_group(msg: torch.Tensor, group: Optional[dict]) -> None:
+    """Shard 0's round message: the group its round runs over (state _GROUP), alone
+    (_ALONE: a group of one, or the adaptive period's pass) or none (_NO_GROUP)."""
+    if group is None:
+        return
+    members, gid = list(group["members"]), int(group["group_id"])
+    if len(members) < 2 or gid == 0:
+        msg[0] = _ALONE
+        return
+    msg[0] = _GROUP
+    msg[1], msg[2] = gid >> 32, gid & 0xFFFFFFFF
+    msg[5:5 + len(members)] = torch.tensor(members, dtype=torch.int64)
+
 
 
 def _flats(tensors: Iterable[torch.Tensor]):

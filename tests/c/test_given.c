@@ -6,7 +6,9 @@
  * members given (three of four here, the fourth alone), asks no schedule, and leaves the next
  * round to the schedule at the next round number; invalid groups, a second give and a give
  * while a round is queued are refused with a message naming why. Also rpl_comm_fence_alone:
- * refused while a round is queued, and rounds go on after it.
+ * refused while a round is queued, and rounds go on after it. And rpl_comm_partial_group: a
+ * round's group while the round is in flight, none for a round not started (timeout) or one
+ * whose group a later round's replaced.
  */
 #include <math.h>
 #include <string.h>
@@ -71,6 +73,20 @@ static void check_last(rpl_comm *c, uint64_t round, uint64_t gid, const int *m, 
         "trace and last differ");
 }
 
+/* rpl_comm_partial_group: round `round` has this group (waiting up to 10 s for it). */
+static void check_group(rpl_comm *c, uint64_t round, uint64_t gid, const int *m, int n,
+                        int given) {
+  rpl_round_outcome o;
+  int got[N];
+  int rc = rpl_comm_partial_group(c, round, 10, &o, got, N);
+  REQUIRE(rc == 1, "round %llu's group: rc %d", (unsigned long long)round, rc);
+  CHECK(o.round == round && o.group_id == gid && o.nmembers == n && o.given == given &&
+            o.status == RPL_OK && o.moved == 0,
+        "group: round %llu gid %llu n %d given %d", (unsigned long long)o.round,
+        (unsigned long long)o.group_id, o.nmembers, o.given);
+  for (int k = 0; k < n && k < o.nmembers; k++) CHECK(got[k] == m[k], "group member %d", k);
+}
+
 static void refusals(rpl_comm *c, int r) {
   int m4[N + 1] = {0, 1, 2, 3, 3};
   give(c, m4, 0, 5, "1 to 4");
@@ -101,6 +117,7 @@ static void body_given(job *j, rpl_comm *c) {
   rpl_round_outcome o;
   int got[N];
   CHECK(rpl_comm_partial_last(c, &o, got, N) == 0, "no last round before the first");
+  CHECK(rpl_comm_partial_group(c, 0, 0.01, &o, got, N) == -1, "no group before the first");
   refusals(c, r);
 
   /* Round 0: ranks 0-2 given one group, rank 3 alone; rank 0 gives twice. */
@@ -130,6 +147,8 @@ static void body_given(job *j, rpl_comm *c) {
   rpl_layout_destroy(l);
   check_mean(x, sched, n, "the schedule's round after a given one");
   check_last(c, 1, gid, sched, n, n > 1, 0);
+  check_group(c, 1, gid, sched, n, 0);
+  CHECK(rpl_comm_partial_group(c, 0, 0, &o, got, N) == 0, "round 0's group was replaced");
 
   /* Round 2: pairs {0,1} and {2,3}; rank 1 comes late, so rank 0's round is still queued or
    * running when it tries to give again. SUM: size/|G| times the pair's sum. */
@@ -141,6 +160,7 @@ static void body_given(job *j, rpl_comm *c) {
   rpl_op_desc d = {.kind = RPL_OP_PARTIAL_ALLREDUCE, .redop = RPL_SUM, .in = &b, .nin = 1};
   req q;
   submit(c, d, &q);
+  check_group(c, 2, 100 + (uint64_t)pair[0], pair, 2, 1); /* rank 1 may not have come yet */
   if (r == 0) {
     give(c, pair, 2, 100, "still queued or running");
     rpl_error err = {RPL_OK, ""};
@@ -153,6 +173,7 @@ static void body_given(job *j, rpl_comm *c) {
   for (int i = 0; i < LEN; i++) x[i] /= N; /* the SUM's size/|G| scaling, undone to a mean */
   check_mean(x, pair, 2, "given pair, SUM");
   check_last(c, 2, 100 + (uint64_t)pair[0], pair, 2, 1, 1);
+  CHECK(rpl_comm_partial_group(c, 3, 0.01, &o, got, N) == -1, "round 3 has not started");
 
   rpl_partial_stats s;
   rpl_comm_partial_stats(c, &s);
