@@ -86,17 +86,9 @@ def _run_link(rate, nbytes, reps):
     import _hosts
 
     with _hosts.TestHosts(2, rate_mbit=rate or None) as th, tempfile.TemporaryDirectory() as outdir:
-        port = _dist.free_port()
-        procs = []
-        for r in range(2):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR=th.addr(0),
-                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-            argv = [sys.executable, os.path.abspath(__file__), "--worker", outdir,
-                    "--bytes", str(nbytes), "--reps", str(reps)]
-            procs.append(th.popen(r, argv, env=env, cwd=ROOT))
-        for p in procs:
-            if p.wait(timeout=1200) != 0:
-                raise RuntimeError(f"a benchmark worker exited with {p.returncode}")
+        argv = [sys.executable, os.path.abspath(__file__), "--worker", outdir,
+                "--bytes", str(nbytes), "--reps", str(reps)]
+        th.run_world(argv, _dist.free_port(), ROOT, timeout=1200)
         with open(os.path.join(outdir, "rows.json")) as f:
             return json.load(f)
 

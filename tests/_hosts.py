@@ -204,6 +204,20 @@ class TestHosts:
     def popen(self, i: int, argv: Sequence[str], **kw) -> subprocess.Popen:
         return subprocess.Popen(self.command(i, argv), **kw)
 
+    def run_world(self, argv: Sequence[str], port: int, cwd: str,
+                  timeout: float = 1800) -> None:
+        """``argv`` as a torch.distributed job of one rank per host (RANK, WORLD_SIZE, the
+        store on host 0 at ``port``); waits for every rank and raises if one failed."""
+        n = len(self._ns)
+        procs = []
+        for r in range(n):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR=self.addr(0),
+                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            procs.append(self.popen(r, argv, env=env, cwd=cwd))
+        for p in procs:
+            if p.wait(timeout=timeout) != 0:
+                raise RuntimeError(f"a rank of {' '.join(argv[:2])} exited with {p.returncode}")
+
 
 def _main(args: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description="network-namespace test hosts on this machine")
