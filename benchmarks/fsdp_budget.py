@@ -10,6 +10,8 @@ processes on this machine. Strategies:
   partial round per step);
 * ``smart``: the same with the straggler-aware schedule (shard 0's group asks the coordinator
   and hands each round's group to its replica group's other shard ranks);
+* ``overlap``: ``smart`` with overlapped rounds (``wrap(overlap=True)``: each round runs
+  while the next step computes and lands at its end);
 * ``diloco``: ``smart`` with partial DiLoCo: a round every ``--sync-every`` steps, then the
   outer step (Nesterov, lr 0.7, momentum 0.9) of each rank's float32 anchors.
 
@@ -53,7 +55,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import budget_gpt as gpt  # noqa: E402
 import result_files  # noqa: E402
 
-STRATEGIES = ("hsdp", "static", "smart", "diloco")
+STRATEGIES = ("hsdp", "static", "smart", "overlap", "diloco")
 SCENARIOS = {"none": None, "slow": "the last replica group --slow times slower"}
 
 
@@ -130,7 +132,7 @@ def worker(rank, world, port, args, strategy, slow_replica, out_path):
         mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
         model = _model(args, VOCAB[0], mesh)
     else:
-        schedule = "smart" if strategy == "diloco" else strategy
+        schedule = "smart" if strategy in ("diloco", "overlap") else strategy
         mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
             schedule=schedule, on_failure="skip", timeout=120,
             group_size=args.group_size if schedule == "smart" else None))
@@ -141,6 +143,8 @@ def worker(rank, world, port, args, strategy, slow_replica, out_path):
             {"warmup_straggler": args.warmup_straggler or None}
         if strategy == "diloco":
             kw.update(sync_every=args.sync_every, outer_optimizer="nesterov")
+        if strategy == "overlap":
+            kw.update(overlap=True)
         opt = rfsdp.wrap(model, opt, mesh, warmup_steps=args.warmup_steps, **kw)
     data, val = DATA
     gen = torch.Generator().manual_seed(args.seed + 1000 * rank)

@@ -276,6 +276,7 @@ void rpl_comm_shutdown(rpl_comm *c) {
   pthread_cond_broadcast(&c->cv);
   pthread_mutex_unlock(&c->mu);
   if (was_closing) return;
+  if (c->partial) rpl_partial_interrupt(c->partial);
   if (c->tr) rpl_tr_interrupt(c->tr);
   if (c->thread_started) pthread_join(c->thread, NULL);
   c->thread_started = 0;
@@ -467,6 +468,30 @@ int rpl_comm_partial_last(const rpl_comm *c, rpl_round_outcome *out, int *member
   return c->partial ? rpl_partial_last(c->partial, out, members, cap) : 0;
 }
 
+/* Under mu: partial rounds are enabled and the communicator is open. */
+static rpl_status partial_open(const rpl_comm *c, rpl_error *err) {
+  if (!c->partial)
+    return rpl_fail(err, RPL_ERR_INVALID, "partial rounds are not enabled on this group");
+  if (c->closing) return rpl_fail(err, RPL_ERR_CLOSED, "the process group was shut down");
+  return RPL_OK;
+}
+
+rpl_status rpl_comm_partial_expect(rpl_comm *c, rpl_error *err) {
+  /* Under mu, as a give: the round submitted next is the one that waits. */
+  pthread_mutex_lock(&c->mu);
+  rpl_status st = partial_open(c, err);
+  if (st != RPL_OK) {
+    /* refused: not enabled, or shut down */
+  } else if (partial_pending(c))
+    st = rpl_fail(err, RPL_ERR_INVALID,
+                  "a partial round is still queued or running on this group: expect a group "
+                  "for the next round before submitting it");
+  else
+    st = rpl_partial_expect(c->partial, err);
+  pthread_mutex_unlock(&c->mu);
+  return st;
+}
+
 int rpl_comm_partial_group(const rpl_comm *c, uint64_t round, double timeout_s,
                            rpl_round_outcome *out, int *members, int cap) {
   return c->partial ? rpl_partial_group(c->partial, round, timeout_s, out, members, cap) : 0;
@@ -495,12 +520,10 @@ rpl_status rpl_comm_partial_give(rpl_comm *c, const int *members, int n, uint64_
    * submitted takes the group. (The partial's lock nests inside mu here; nothing takes them
    * the other way round.) */
   pthread_mutex_lock(&c->mu);
-  rpl_status st = RPL_OK;
-  if (!c->partial)
-    st = rpl_fail(err, RPL_ERR_INVALID, "partial rounds are not enabled on this group");
-  else if (c->closing)
-    st = rpl_fail(err, RPL_ERR_CLOSED, "the process group was shut down");
-  else if (partial_pending(c))
+  rpl_status st = partial_open(c, err);
+  if (st != RPL_OK) {
+    /* refused: not enabled, or shut down */
+  } else if (partial_pending(c) && !rpl_partial_expecting(c->partial))
     st = rpl_fail(err, RPL_ERR_INVALID,
                   "a partial round is still queued or running on this group, and it would "
                   "take the given group: give it once that round has completed");

@@ -65,6 +65,9 @@ struct rpl_partial {
   uint64_t given_gid;
   /* The group of the newest round that has one, published before its data moves
    * (rpl_partial_group): valid for round `known_rounds` - 1 once known_rounds > 0. */
+  int expecting;            /* the next round waits for its given group (rpl_partial_expect) */
+  int lapsed;               /* an expecting round gave up: the late give is refused */
+  int interrupted;          /* shutdown: a round waiting for its given group gives up */
   uint64_t known_rounds;    /* rounds whose group became known */
   rpl_round_outcome known;
   int *known_members;       /* size entries */
@@ -397,18 +400,43 @@ typedef struct round_info {
   double tconf;          /* in confirm_whole */
 } round_info;
 
-/* The group given for this round, if any, into p->members[0..n); clears it. */
-static int take_given(rpl_partial *p, round_info *r) {
+/* Under mu: waits on known_cv until `deadline` (or a broadcast). */
+static void wait_until(rpl_partial *p, double deadline) {
+  double left = deadline - rpl_now();
+  if (left <= 0) return;
+  struct timespec until;
+  clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
+  long ns = until.tv_nsec + (long)((left - (double)(long)left) * 1e9);
+  until.tv_sec += (time_t)(long)left + ns / 1000000000L;
+  until.tv_nsec = ns % 1000000000L;
+  pthread_cond_timedwait(&p->known_cv, &p->mu, &until);
+}
+
+/* The group given for this round, if any, into p->members[0..n); clears it. A round that
+ * expects one (rpl_partial_expect) waits for it until `deadline`. */
+static rpl_status take_given(rpl_partial *p, round_info *r, double deadline, rpl_error *err) {
+  rpl_status st = RPL_OK;
   pthread_mutex_lock(&p->mu);
+  while (p->expecting && p->given_n == 0 && !p->interrupted && rpl_now() < deadline)
+    wait_until(p, deadline);
   r->given = p->given_n > 0;
   if (r->given) {
     memcpy(p->members, p->given, sizeof(int) * (size_t)p->given_n);
     r->n = p->given_n;
     r->gid = p->given_gid;
     p->given_n = 0;
+  } else if (p->expecting) {
+    p->lapsed = 1;
+    st = p->interrupted
+             ? rpl_fail(err, RPL_ERR_CLOSED, "partial round %llu: the process group was shut "
+                        "down while it waited for its group", (unsigned long long)r->round)
+             : rpl_fail(err, RPL_ERR_TIMEOUT, "partial round %llu: the group it expected "
+                        "(rpl_comm_partial_expect) was not given before its deadline",
+                        (unsigned long long)r->round);
   }
+  p->expecting = 0;
   pthread_mutex_unlock(&p->mu);
-  return r->given;
+  return st;
 }
 
 /* Makes the round's group known to rpl_partial_group's waiters, before any data moves. */
@@ -424,10 +452,10 @@ static void publish_group(rpl_partial *p, const round_info *r) {
 
 /* The round's group -- given, from the coordinator or the static schedule -- into
  * p->members[0..n). */
-static rpl_status get_group(rpl_partial *p, round_info *r, rpl_error *err) {
-  rpl_status st = RPL_OK;
-  if (take_given(p, r)) {
-    /* no schedule asked; checked by rpl_partial_give */
+static rpl_status get_group(rpl_partial *p, round_info *r, double deadline, rpl_error *err) {
+  rpl_status st = take_given(p, r, deadline, err);
+  if (st != RPL_OK || r->given) {
+    /* no schedule asked; a given group was checked by rpl_partial_give */
   } else if (p->dynamic) {
     rpl_fence_before_request(&p->fence);
     st = rpl_gg_client_request(p->client, r->round, p->members, p->size, &r->n, &r->gid, err);
@@ -642,7 +670,7 @@ static rpl_status account(rpl_partial *p, const round_info *r, rpl_status st) {
 rpl_status rpl_partial_run(rpl_partial *p, rpl_run *run, const rpl_op_desc *d, rpl_error *err) {
   round_info r = {.round = p->round++, .t0 = rpl_now()};
   run->deadline = r.t0 + (d->timeout_s > 0 ? d->timeout_s : p->timeout_s);
-  rpl_status st = get_group(p, &r, err);
+  rpl_status st = get_group(p, &r, run->deadline, err);
   if (st == RPL_OK && r.n > 1) {
     st = reduce_group(p, run, d, &r, err);
   } else if (st == RPL_OK && d->redop == RPL_SUM && p->size > 1) {
@@ -768,18 +796,54 @@ rpl_status rpl_partial_give(rpl_partial *p, const int *members, int n, uint64_t 
   pthread_mutex_lock(&p->mu);
   /* Refused rather than replaced: a second give means a round the caller meant to give a
    * group to never ran, and averaging with the wrong members would go unnoticed. */
-  int pending = p->given_n;
+  int pending = p->given_n, lapsed = p->lapsed;
   uint64_t pending_gid = p->given_gid;
-  if (!pending) {
+  p->lapsed = 0;
+  if (!pending && !lapsed) {
     memcpy(p->given, members, sizeof(int) * (size_t)n);
     p->given_n = n;
     p->given_gid = group_id;
+    pthread_cond_broadcast(&p->known_cv); /* a round that expects it may be waiting */
   }
   pthread_mutex_unlock(&p->mu);
+  if (lapsed)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "the partial round that expected this group (rpl_comm_partial_expect) has "
+                    "already ended without it (its deadline passed); the group was not kept");
   if (pending)
     return rpl_fail(err, RPL_ERR_INVALID,
                     "a group given earlier (id %llu, %d members) has not had its partial round "
                     "yet: give one group per round, after the previous round ran",
                     (unsigned long long)pending_gid, pending);
   return RPL_OK;
+}
+
+rpl_status rpl_partial_expect(rpl_partial *p, rpl_error *err) {
+  pthread_mutex_lock(&p->mu);
+  int busy = p->expecting || p->given_n;
+  if (!busy) {
+    p->expecting = 1;
+    p->lapsed = 0;
+  }
+  pthread_mutex_unlock(&p->mu);
+  if (busy)
+    return rpl_fail(err, RPL_ERR_INVALID,
+                    "the next partial round already has or expects a given group: expect one "
+                    "group per round");
+  return RPL_OK;
+}
+
+int rpl_partial_expecting(const rpl_partial *p) {
+  rpl_partial *m = (rpl_partial *)p;
+  pthread_mutex_lock(&m->mu);
+  int e = p->expecting;
+  pthread_mutex_unlock(&m->mu);
+  return e;
+}
+
+void rpl_partial_interrupt(rpl_partial *p) {
+  pthread_mutex_lock(&p->mu);
+  p->interrupted = 1;
+  pthread_cond_broadcast(&p->known_cv);
+  pthread_mutex_unlock(&p->mu);
 }

@@ -44,6 +44,10 @@ size_t rpl_partial_get_trace(const rpl_partial *p, uint64_t from, rpl_trace_entr
 /* rpl_comm_partial_last and rpl_comm_partial_give (ripples.h), once partial rounds are on.
  * The engine refuses a give while a round is queued or running; this refuses a second one. */
 int rpl_partial_last(const rpl_partial *p, rpl_round_outcome *out, int *members, int cap);
+rpl_status rpl_partial_expect(rpl_partial *p, rpl_error *err);
+int rpl_partial_expecting(const rpl_partial *p);
+/* Shutdown: a round waiting for its given group stops waiting (RPL_ERR_CLOSED). */
+void rpl_partial_interrupt(rpl_partial *p);
 int rpl_partial_group(const rpl_partial *p, uint64_t round, double timeout_s,
                       rpl_round_outcome *out, int *members, int cap);
 rpl_status rpl_partial_give(rpl_partial *p, const int *members, int n, uint64_t group_id,

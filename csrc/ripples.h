@@ -422,10 +422,20 @@ int rpl_comm_partial_group(const rpl_comm *comm, uint64_t round, double timeout_
  * members: one runs its schedule's round, the others are given its outcome
  * (rpl_comm_partial_last). A round takes the group from the moment it starts, so the call is
  * refused (RPL_ERR_INVALID) while a partial round is queued or running, and while a group
- * given earlier waits for its round; a call that falls back to an exact all-reduce (see above)
- * leaves it for the next round. Safe from any thread. */
+ * given earlier waits for its round (except for the round rpl_comm_partial_expect announced);
+ * a call that falls back to an exact all-reduce (see above) leaves it for the next round. Safe
+ * from any thread. */
 rpl_status rpl_comm_partial_give(rpl_comm *comm, const int *members, int n, uint64_t group_id,
                                  rpl_error *err);
+
+/* Makes this rank's next partial round take its group from rpl_comm_partial_give even when
+ * the group is given after the round was submitted: the round waits for it, up to its
+ * deadline (then RPL_ERR_TIMEOUT; a give after that is refused), instead of asking its
+ * schedule. Lets a caller submit the round in order with its other operations on the group
+ * before it knows the group (FSDP's shard ranks, whose group shard 0 hands over later).
+ * Refused (RPL_ERR_INVALID) while a partial round is queued or running, or when the next
+ * round already has or expects a given group. Safe from any thread. */
+rpl_status rpl_comm_partial_expect(rpl_comm *comm, rpl_error *err);
 
 /* Takes this communicator out of its fence domain: its exact collectives stop fencing the
  * other communicators' dynamic schedules, and theirs stop fencing its own. Only for a group

@@ -129,6 +129,13 @@ CELLS = [
       "test_fsdp.py::test_smart_schedule_with_shards_is_led_by_shard_0",
       "test_fsdp.py::test_a_straggling_replica_group_ends_the_warmup",
       "test_fsdp.py::test_even_replica_groups_stay_exact"]),
+    ("FSDP2 overlapped rounds (`fsdp.wrap(..., overlap=True)`)", WORKS,
+     "each round runs while the next step computes and lands at its end, on top of that step "
+     "(one step stale, as on the DDP path); atomic across a replica group as blocking rounds; "
+     "refused with `outer_optimizer`; off by default ([fsdp.md](fsdp.md#overlapped-rounds))",
+     ["test_fsdp.py::test_overlapped_rounds_land_a_step_late_on_top_of_the_local_steps",
+      "test_fsdp.py::test_a_led_round_applies_on_every_shard_or_on_none",
+      "test_fsdp.py::test_what_is_not_supported_is_refused_by_name"]),
     ("FSDP2 replica groups on CUDA tensors (`init_mesh(..., device_type=\"cuda\")`)", WORKS,
      "run on one GPU (the GPU check) with `ripples` as the world's backend: the same parameters "
      "as the same steps on CPU, one model after `unwrap()`; NCCL shard groups need a GPU per "

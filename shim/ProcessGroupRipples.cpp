@@ -241,6 +241,15 @@ void ProcessGroupRipples::giveGroup(const std::vector<int>& members, uint64_t gr
   }
 }
 
+void ProcessGroupRipples::expectGroup() {
+  checkOpen("expect_group");
+  rpl_error err;
+  rpl_status st = rpl_comm_partial_expect(comm_, &err);
+  if (st != RPL_OK) {
+    throwRefused(group_->name, "expect_group", st, err.msg);
+  }
+}
+
 void ProcessGroupRipples::fenceAlone() {
   checkOpen("fence_alone");
   rpl_error err;

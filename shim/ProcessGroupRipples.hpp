@@ -189,6 +189,8 @@ class ProcessGroupRipples : public c10d::Backend {
   // Raises ValueError for invalid members or id, a group still waiting for its round, or a
   // round still queued or running.
   void giveGroup(const std::vector<int>& members, uint64_t groupId);
+  // rpl_comm_partial_expect: the next partial round waits for the group given to it.
+  void expectGroup();
   // rpl_comm_fence_alone: this group's exact collectives stop fencing the other groups.
   void fenceAlone();
   const Config& config() const {

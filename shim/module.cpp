@@ -259,6 +259,13 @@ void bindBackend(py::module_& m) {
            "coordinator is asked for that round. Raises ValueError for invalid arguments, a "
            "group given earlier that has not had its round, or a round still queued or "
            "running (give once it completed).")
+      .def("expect_group", &PG::expectGroup, py::call_guard<py::gil_scoped_release>(),
+           "Makes this rank's next partial round wait for the group give_group() gives it, "
+           "even when given after the round was submitted (up to the round's deadline, then "
+           "the round fails as timed out and a later give is refused), instead of asking its "
+           "schedule: the round keeps its place among the group's operations before its group "
+           "is known. Raises ValueError while a round is queued or running, or when the next "
+           "round already has or expects a given group.")
       .def("fence_alone", &PG::fenceAlone, py::call_guard<py::gil_scoped_release>(),
            "Takes this group out of the process's fence domain: its exact collectives stop "
            "fencing the other ripples groups' dynamic schedules (and theirs stop fencing its "

@@ -287,7 +287,7 @@ def test_a_round_applies_on_every_shard_of_a_replica_group_or_on_none(pool):
     assert res[0][3] == 1 and res[2][3] == 1  # shard 0's round itself completed
 
 
-def task_led_round_failed_on_shard_0(ctx):
+def task_led_round_failed_on_shard_0(ctx, overlap):
     # a coordinator's schedule: shard 0 hands its round's group on before its own data
     # moves, so shard 1 runs its round while shard 0's is in flight. Rank 2 (replica group 1,
     # shard 0) stalls in round 0 past the deadline: both shard 0 rounds fail, both shard 1
@@ -304,34 +304,97 @@ def task_led_round_failed_on_shard_0(ctx):
         os.environ.pop("RIPPLES_TEST_FAULT", None)
     replica = ctx.rank // S
     net = _perturbed(mesh, replica)
-    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0,
+                     overlap=overlap)
     base = _full(_net(mesh["shard"]))
     trail = []
-    for _ in range(2):  # round 0 fails on shard 0, round 1 averages
+    # round 0 fails on shard 0, round 1 averages (each landing a step later when overlapped)
+    for _ in range(2 + overlap):
         _train(net, opt, ctx.rank, 1)
         st = opt.stats()
         # how far each parameter moved from the seeded net: its extremes
         moved = [((a - b).min().item(), (a - b).max().item()) for a, b in zip(_full(net), base)]
-        trail.append((st["fsdp_applied"], st["fsdp_discarded"], st["reduced"],
-                      st["failed"] + st["skipped"], st["given"], moved))
-    return trail
+        trail.append((st["fsdp_applied"], st["fsdp_discarded"], moved))
+    opt.unwrap(average=False)  # lands an overlapped round still in flight
+    st = opt.stats()  # the core's counts once no round is in flight
+    return trail[overlap:], (st["reduced"], st["failed"] + st["skipped"], st["given"])
 
 
-def test_a_led_round_applies_on_every_shard_or_on_none(pool):
-    res = pool.run(task_led_round_failed_on_shard_0)
-    for rank, (first, second) in enumerate(res):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_led_round_applies_on_every_shard_or_on_none(pool, overlap):
+    res = pool.run(task_led_round_failed_on_shard_0, overlap)
+    rounds = 2 + overlap
+    for rank, ((first, second), counts) in enumerate(res):
         replica, shard = divmod(rank, S)
-        applied, discarded, reduced, failed, given, moved = first
-        # shard 0's round failed; shard 1's, given the group early, completed
-        assert (reduced, failed, given) == ((0, 1, 0) if shard == 0 else (1, 0, 1)), \
-            (rank, first)
+        # shard 0's round 0 failed; shard 1's, given the group early, completed (shard 1
+        # never failed a round, and ran every round over a group given to it)
+        assert counts == ((rounds - 1, 1, 0) if shard == 0 else (rounds, 0, rounds)), \
+            (rank, counts)
         # ... and was not applied: every shard still holds its replica group's own values
+        applied, discarded, moved = first
         assert applied == 0 and discarded == 1, (rank, first)
         assert all(abs(m - replica) < 1e-6 for mm in moved for m in mm), (rank, moved)
-        applied, discarded, reduced, failed, given, moved = second
-        assert applied == 1 and discarded == 1 and failed == (1 - shard), (rank, second)
+        applied, discarded, moved = second
+        assert applied == 1 and discarded == 1, (rank, second)
         # the replica groups' mean
         assert all(abs(m - 0.5) < 1e-6 for mm in moved for m in mm), (rank, moved)
+
+
+def task_overlapped_rounds(ctx, schedule):
+    # overlap=True, lr 0, replica groups moved apart: a round lands a step after it started,
+    # as its change to the snapshot it started from, on top of what changed since (here a
+    # local update of 10 x (replica + 1) made while round 0 is in flight)
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
+        schedule=schedule, on_failure="skip", group_size=2))
+    replica = ctx.rank // S
+    net = _perturbed(mesh, replica)
+    base = _full(_net(mesh["shard"]))
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0,
+                     overlap=True)
+
+    def moved():  # each parameter's offset from the seeded net (min, max over its entries)
+        return [(round((a - b).min().item(), 4), round((a - b).max().item(), 4))
+                for a, b in zip(_full(net), base)]
+
+    trail, job_steps, sums = [], [], []
+    for i in range(3):
+        _train(net, opt, ctx.rank, 1)
+        trail.append(moved())
+        job_steps.append(opt.job_step)
+        # a collective of the loop's own on the replicate group while a round is in flight:
+        # it must not overtake the round (the round is submitted before step() returns)
+        t = torch.tensor([float(replica + 1)])
+        dist.all_reduce(t, group=mesh["replicate"].get_group())
+        sums.append(t.item())
+        if i == 0:
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.to_local().add_(10.0 * (replica + 1))
+    st = opt.stats()
+    opt.unwrap()
+    return trail, moved(), job_steps, st["fsdp_applied"], st["fsdp_discarded"], sums
+
+
+@pytest.mark.parametrize("schedule", ["random", "static"])
+def test_overlapped_rounds_land_a_step_late_on_top_of_the_local_steps(pool, schedule):
+    res = pool.run(task_overlapped_rounds, schedule)
+    for rank, (trail, end, job_steps, applied, discarded, sums) in enumerate(res):
+        replica = rank // S
+        assert sums == [3.0] * 3, (rank, sums)
+        flat = [v for mm in trail[0] for v in mm]
+        assert all(abs(v - replica) < 1e-4 for v in flat), (rank, trail[0])  # in flight
+        # the final exact average holds either way: every replica group moved by 10 and 20
+        assert all(abs(v - 15.5) < 1e-4 for mm in end for v in mm), (rank, end)
+        assert discarded == 0, (rank, discarded)
+        assert job_steps == res[rank ^ 1][2], (rank, job_steps)  # shard ranks step alike
+        if schedule == "random":  # a pair in every round: round 0 lands at step 2
+            want = 0.5 + 10.0 * (replica + 1)
+            assert all(abs(v - want) < 1e-4 for mm in trail[1] for v in mm), (rank, trail)
+            assert all(abs(v - 15.5) < 1e-4 for mm in trail[2] for v in mm), (rank, trail)
+            assert applied == 2, (rank, applied)
 
 
 def task_unwrap_ends_with_one_model(ctx):
@@ -420,6 +483,9 @@ def task_refusals(ctx):
         "outer instance": _error(lambda: rfsdp.wrap(net, sgd, mesh, sync_every=4,
                                                     outer_optimizer=sgd), TypeError),
         "sync_every": _error(lambda: rfsdp.wrap(net, sgd, mesh, sync_every=0), ValueError),
+        "overlap outer": _error(lambda: rfsdp.wrap(net, sgd, mesh, overlap=True, sync_every=2,
+                                                   outer_optimizer="nesterov"), ValueError),
+        "overlap type": _error(lambda: rfsdp.wrap(net, sgd, mesh, overlap=1), TypeError),
         "sampler on one rank": _error(lambda: rfsdp.wrap(net, sgd, mesh, sampler=(
             ripples_pg.DistributedSampler(range(8), R * S, ctx.rank) if ctx.rank == 0
             else None)), ValueError),
@@ -448,6 +514,8 @@ def test_what_is_not_supported_is_refused_by_name(pool):
     assert "needs sync_every" in errors["outer alone"], errors
     assert "not an optimizer instance" in errors["outer instance"], errors
     assert "sync_every" in errors["sync_every"], errors
+    assert "overlap=True does not combine with outer_optimizer" in errors["overlap outer"], errors
+    assert "overlap must be a bool" in errors["overlap type"], errors
 
 
 def task_timeouts(ctx):
@@ -631,9 +699,10 @@ def test_a_round_that_raises_raises_on_every_shard_rank(pool):
     assert "another shard rank" in res[2][0], res[2]  # rank 3 failed, rank 2 completed
 
 
-def task_resume_keeps_one_job_step(ctx):
+def task_resume_keeps_one_job_step(ctx, overlap):
     # a checkpoint mid-run under smart: loaded into a fresh wrap(), every shard rank of a
-    # replica group goes on from the same job step and stops after the same step
+    # replica group goes on from the same job step and stops after the same step (overlapped:
+    # state_dict() lands the round in flight first, on every rank)
     import ripples_pg
     import ripples_pg.fsdp as rfsdp
 
@@ -641,7 +710,8 @@ def task_resume_keeps_one_job_step(ctx):
         mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(
             schedule="smart", on_failure="skip", group_size=2))
         net = _net(mesh["shard"])
-        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh, **kw)
+        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh,
+                               overlap=overlap, **kw)
 
     net, opt = make(warmup_steps=2)
     _train(net, opt, ctx.rank, 5)
@@ -664,8 +734,9 @@ def task_resume_keeps_one_job_step(ctx):
     return at_save, resumed, steps, opt2.job_step, exact
 
 
-def test_a_resumed_job_keeps_one_job_step_per_replica_group(pool):
-    res = pool.run(task_resume_keeps_one_job_step)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_resumed_job_keeps_one_job_step_per_replica_group(pool, overlap):
+    res = pool.run(task_resume_keeps_one_job_step, overlap)
     for rank, (at_save, resumed, steps, end, exact) in enumerate(res):
         assert exact == 2, (rank, exact)  # the 2 warm-up steps before the save, none after
         assert resumed == at_save and at_save >= 2, (rank, at_save, resumed)

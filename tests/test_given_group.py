@@ -8,6 +8,8 @@ shard 0's group runs its schedule's round and the other shards' groups are given
 * Invalid members or ids, a second give, and a give while a round is queued are refused with
   a ValueError that names the problem; a refused give changes nothing.
 * ``last_round()`` after a schedule's round says what its trace entry says.
+* ``expect_group()``: a round submitted before its group is known waits for the give, and
+  the refusals name why.
 * ``round_group()`` tells a round's group while the round still waits for its members (so a
   leader can hand it on before its own data moves), the coordinator's group as the round then
   runs it, and raises TimeoutError for a round that has not started.
@@ -253,3 +255,33 @@ def _t_round_group(ctx):
 
 
 test_round_group = _dist.pool_test(_t_round_group)
+
+
+def _t_expect_group(ctx):
+    """expect_group(): the round is submitted first and given its group afterwards; a second
+    expect and an expect with a round queued are refused."""
+    import ripples_pg
+
+    chk = _dist.Checker(ctx)
+    g = _dist.ripples_group(ctx, schedule="smart", seed=9)
+    be = _backend(g)
+    r = ctx.rank
+    pair = _pair(r)
+    be.expect_group()
+    chk.raises("second expect", lambda: be.expect_group(), ValueError, r"already has or expects")
+    x = _input(r)
+    work = ripples_pg.partial_all_reduce([x], group=g, async_op=True)
+    chk.raises("expect with a round queued", lambda: be.expect_group(), ValueError,
+               r"still queued or running")
+    chk.equal(x, _input(r), "the round waits for its group")
+    be.give_group(pair, 90 + pair[0])  # given after the round was submitted
+    work.wait()
+    chk.close(x, (_input(pair[0]) + _input(pair[1])) / 2, "the pair's mean", 1e-6, 1e-6)
+    last = be.last_round()
+    chk.true(last["given"] and last["members"] == pair and last["group_id"] == 90 + pair[0],
+             "the given group", str(last))
+    dist.destroy_process_group(g)
+    return chk.finish()
+
+
+test_expect_group = _dist.pool_test(_t_expect_group)

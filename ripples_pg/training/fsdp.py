@@ -22,15 +22,19 @@ told the same group in the same round, and apply the round on all its shard rank
 * a round's result lands in a flat copy of the shards; the replica group's shard ranks agree
   on its outcome (one integer, a MIN over the replica group) before any of them writes it back.
 
-Not yet here (docs/fsdp.md): overlapped rounds and levels.
+With ``overlap=True`` a round runs while the next step computes and lands at its end, as its
+change to the shards it started from (shard 0's hand-over then runs on a thread, over a gloo
+group of the replica group's own). Not yet here (docs/fsdp.md): levels.
 """
 from __future__ import annotations
 
 import logging
 import numbers
 import operator
+import threading
 from collections import OrderedDict
 from contextlib import nullcontext
+from datetime import timedelta
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -58,7 +62,7 @@ REPLICATE, SHARD = "replicate", "shard"
 # A round's outcome on one shard rank, agreed as the MIN over its replica group
 # a round's outcome on a shard rank, worst first (agreed by a MIN over the replica group)
 _RAISED, _FAILED, _DONE, _MOVED = 0, 1, 2, 3
-# what shard 0 hands its replica group's other shard ranks about its round (_led_round)
+# what shard 0 hands its replica group's other shard ranks about its round (_begin_led)
 _NO_GROUP, _ALONE, _GROUP = 0, 1, 2
 # beyond the round's own deadline, how long shard 0 waits for its round's group
 _GROUP_WAIT_MARGIN_S = 5.0
@@ -241,8 +245,8 @@ def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]],
     if odd:
         raise ValueError(
             f"{_WHO}: ranks {odd} wrap with other (warmup_steps, warmup_straggler, "
-            f"average_optimizer_state, a sampler given, sync_every, outer_optimizer, on_alone) "
-            f"than this rank's {settings}; every rank must pass the same")
+            f"average_optimizer_state, a sampler given, sync_every, outer_optimizer, on_alone, "
+            f"overlap) than this rank's {settings}; every rank must pass the same")
     shapes = {tuple(sh) for _, sh, _ in everyone if sh is not None}
     if len(shapes) > 1:
         raise ValueError(
@@ -263,7 +267,8 @@ class ShardedRipplesOptimizer:
     def __init__(self, model, optimizer, mesh, *, warmup_steps: Optional[int],
                  average_optimizer_state: bool,
                  warmup_straggler: Optional[float] = None, sync_every: int = 1,
-                 outer_optimizer: OuterSpec = None, on_alone: str = "defer") -> None:
+                 outer_optimizer: OuterSpec = None, on_alone: str = "defer",
+                 overlap: bool = False) -> None:
         self.model = model
         self.optim = optimizer
         self.mesh = mesh
@@ -320,6 +325,12 @@ class ShardedRipplesOptimizer:
         # replica group's shard ranks take as many samples per step (rows of its column)
         self._job_samples: Optional[int] = None
         self._sampler_seen = 0
+        # overlapped rounds: the round in flight, applied at the next step; shard 0's clock
+        # read for it (taken by every shard rank with the round, so that they step alike)
+        self.overlap = overlap
+        self._inflight: Optional[_Pending] = None
+        self._fresh: Optional[Tuple[int, Optional[int]]] = None
+        self._side = self._side_channel() if overlap and self._led else None
 
     def _fence_alone(self) -> None:
         """FSDP's shard group on ripples: its collectives (FSDP's gathers and scatters, the
@@ -348,6 +359,21 @@ class ShardedRipplesOptimizer:
                 "(init_mesh(options=ripples_pg.Options(timeout=...)), say %.0f s) or the "
                 "shard group's higher (docs/fsdp.md, Timeouts)", shard, rounds,
                 shard * _ROUND_SHARE)
+
+    def _side_channel(self):
+        """A gloo group per replica group (its shard ranks), for overlapped rounds' hand-over:
+        it runs on a thread of its own while FSDP's collectives run on the shard group, whose
+        order every rank must keep. Every rank creates every one, in the same order."""
+        shard_dim = self.mesh.mesh_dim_names.index(SHARD)
+        rows = self.mesh.mesh.movedim(shard_dim, -1).reshape(-1, self.shards).tolist()
+        mine = None
+        limit = timeout_s(self.shard_group, self.mesh.device_type)
+        kw = {"timeout": timedelta(seconds=limit)} if limit else {}
+        for row in rows:
+            group = dist.new_group(row, backend="gloo", **kw)
+            if dist.get_rank() in row:
+                mine = group
+        return mine
 
     # -- the inner optimizer's face
     @property
@@ -443,6 +469,7 @@ class ShardedRipplesOptimizer:
         step (where the warm-up stands), the job step and the counters; with partial DiLoCo
         the anchors and the outer optimizer's state, as DTensors laid out like the parameters
         (so DCP saves each shard rank's own)."""
+        self._settle()  # an overlapped round in flight lands first: what is saved is whole
         sd = self.optim.state_dict()
         sd["ripples_fsdp"] = {"step": self.step_count, "job_step": self._job_step,
                               "job_samples": self._job_samples,
@@ -459,6 +486,7 @@ class ShardedRipplesOptimizer:
         rank loads at the same point, the shard ranks of a replica group what was saved at the
         same step, so they go on with one job step. With partial DiLoCo it agrees first, in
         one collective over the world, that every rank's saved anchors fit its shards."""
+        self._settle()  # an overlapped round in flight must not land on the loaded state
         state_dict = dict(state_dict)
         mine = state_dict.pop("ripples_fsdp", None)
         if self._diloco is not None:
@@ -556,15 +584,22 @@ class ShardedRipplesOptimizer:
             # what every shard rank reads: shard 0's clock, handed over with each round (so
             # between rounds it stays where the last round left it on all of them)
             if exact or round_now:
-                self._job_step = self.clock.job_step
-                if self.sampler is not None:
-                    self._job_samples = self.clock.job_samples
+                fresh = (self.clock.job_step, self.clock.job_samples
+                         if self.sampler is not None else self._job_samples)
+                if self._led and not exact:  # taken by every shard rank with the round
+                    self._fresh = fresh
+                else:
+                    self._job_step, self._job_samples = fresh
         elif exact or self.clock is None:
             self._job_step += 1  # in lockstep: as shard 0's clock counts
             if self.sampler is not None and self._job_samples is not None:
                 self._job_samples += samples * self.replicas
         if exact:
             self.counts["exact_steps"] += 1
+        elif self.overlap:
+            self._settle()  # the last round lands a step late, on top of this step
+            if round_now:
+                self._start_overlapped()
         elif round_now:
             averaged = self._partial_round()
             if self._diloco is not None:
@@ -624,75 +659,172 @@ class ShardedRipplesOptimizer:
         (the same answer on every shard rank)."""
         be = _ripples_backend(self.group)
         packed = _flats(self._tensors())
-        failure: Optional[BaseException] = None
         with torch.no_grad():
             if self._led:
-                done, moved, failure = self._led_round(be, packed)
+                finish, msg = self._begin_led(be, packed, self._round_msg(),
+                                              self.shard_group, self._device())
+                self._take_progress(msg)
             else:  # static: every shard index computes the same group
-                done, moved, failure = _run_round(be, self.group, packed)
-            averaged_here = done and moved
-            self.counts["rounds"] += 1
-            if self.shards > 1:
-                # every shard rank raises, or none: one that went on alone would wait in
-                # FSDP's next collective for the others
-                # (and whether it averaged with anyone: applied, and an outer step, on all
-                # of them or on none)
-                outcome = self._agree(_RAISED if failure is not None else _FAILED if not done
-                                      else _MOVED if moved else _DONE)
-                done, moved = outcome >= _DONE, outcome == _MOVED
-                if outcome == _RAISED and failure is None:
-                    failure = RuntimeError(
-                        "ripples_pg.fsdp: a partial round failed on another shard rank of "
-                        "this replica group (on_failure='raise'); its error is in that "
-                        "rank's log")
-            if done and moved:
-                for flat, parts in packed:
+                started = _start_round(be, self.group, packed)
+                finish = lambda: _finish_round(be, *started)  # noqa: E731
+            return self._conclude(*finish(), packed)
+
+    def _start_overlapped(self) -> None:
+        """Starts a round on a copy of the local shards, to land at the next step (overlap):
+        shard 0's hand-over runs on a thread, over the side channel, while the next step
+        computes."""
+        be = _ripples_backend(self.group)
+        rnd = _Pending(_flats(self._tensors()))
+        if self._led:
+            msg, cpu = self._round_msg(), torch.device("cpu")
+            # submitted here, in order with this thread's other operations on the group (a
+            # collective of the caller's own must not overtake it); the other shard ranks'
+            # round waits for the group the hand-over gives it
+            started = None
+            if self.shard_rank != 0:
+                try:
+                    be.expect_group()
+                except Exception as exc:  # noqa: BLE001 - no round submitted: agreed, raised
+                    started = (be.partial_stats(), None, None, exc)
+            if started is None:
+                started = _start_round(be, self.group, rnd.packed)
+
+            def lead() -> None:
+                try:
+                    rnd.finish, rnd.msg = self._begin_led(be, rnd.packed, msg, self._side, cpu,
+                                                          started)
+                except BaseException as exc:  # noqa: BLE001 - raised when the round lands
+                    rnd.error = exc
+            rnd.thread = threading.Thread(target=lead, name="ripples-fsdp-round", daemon=True)
+            rnd.thread.start()
+        else:
+            started = _start_round(be, self.group, rnd.packed)
+            rnd.finish = lambda: _finish_round(be, *started)
+        self._inflight = rnd
+
+    def _settle(self) -> bool:
+        """Waits for the round in flight (overlap) and applies it, as a round's change to
+        its snapshot, on every shard rank of the replica group or on none; False when none
+        was in flight."""
+        rnd, self._inflight = self._inflight, None
+        if rnd is None:
+            return False
+        if rnd.thread is not None:
+            rnd.thread.join()
+        if rnd.msg is not None:
+            self._take_progress(rnd.msg)
+        outcome = (False, False, rnd.error) if rnd.error is not None else rnd.finish()
+        with torch.no_grad():
+            return self._conclude(*outcome, rnd.packed, rnd.snaps)
+
+    def _conclude(self, done: bool, moved: bool, failure: Optional[BaseException], packed,
+                  snaps: Optional[List[torch.Tensor]] = None) -> bool:
+        """Agrees on a round's outcome over the replica group's shard ranks and applies it on
+        all of them or on none: the average itself, or with ``snaps`` (an overlapped round's
+        snapshots) the change it made to them, on top of the steps taken since."""
+        averaged_here = done and moved
+        self.counts["rounds"] += 1
+        if self.shards > 1:
+            # every shard rank raises, or none: one that went on alone would wait in
+            # FSDP's next collective for the others
+            # (and whether it averaged with anyone: applied, and an outer step, on all
+            # of them or on none)
+            outcome = self._agree(_RAISED if failure is not None else _FAILED if not done
+                                  else _MOVED if moved else _DONE)
+            done, moved = outcome >= _DONE, outcome == _MOVED
+            if outcome == _RAISED and failure is None:
+                failure = RuntimeError(
+                    "ripples_pg.fsdp: a partial round failed on another shard rank of "
+                    "this replica group (on_failure='raise'); its error is in that "
+                    "rank's log")
+        if done and moved:
+            for i, (flat, parts) in enumerate(packed):
+                if snaps is None:
                     _unpack(flat, parts)
-                self.counts["applied"] += 1
-            elif not done or averaged_here:  # (averaged here, not on every shard rank)
-                self.counts["discarded"] += 1
-                logger.info("ripples_pg.fsdp: round %d not completed on every shard rank of "
-                            "this replica group: left unapplied", self.step_count)
+                else:
+                    _unpack(flat.sub_(snaps[i]), parts, add=True)
+            self.counts["applied"] += 1
+        elif not done or averaged_here:  # (averaged here, not on every shard rank)
+            self.counts["discarded"] += 1
+            logger.info("ripples_pg.fsdp: round %d not completed on every shard rank of "
+                        "this replica group: left unapplied", self.step_count)
         if failure is not None:
             raise failure
         return done and moved
 
-    def _led_round(self, be, packed) -> Tuple[bool, bool, Optional[BaseException]]:
-        """A dynamic schedule's round: shard 0 starts it with the group its coordinator gives
-        and hands that group to the replica group's other shard ranks as soon as it is known,
-        so that every shard rank moves its data at the same time."""
-        # state (_NO_GROUP, _ALONE, _GROUP), the group id's two 32-bit halves (ids are
-        # unsigned 64-bit), the job step, the job samples (-1: no sampler, -2: no longer
-        # counted), members
+    def _round_msg(self) -> torch.Tensor:
+        """What shard 0 hands its replica group's other shard ranks with a round: state
+        (_NO_GROUP, _ALONE, _GROUP), the group id's two 32-bit halves (ids are unsigned
+        64-bit), the job step, the job samples (-1: no sampler, -2: no longer counted),
+        members. Shard 0 fills in its clock here, the group once it is known."""
         msg = torch.full((5 + self.replicas,), -1, dtype=torch.int64)
         msg[0] = _NO_GROUP
         if self.shard_rank == 0:
-            msg[3] = self._job_step
-            if self._job_samples is not None:
-                msg[4] = self._job_samples
+            job_step, job_samples = self._fresh if self._fresh is not None else \
+                (self._job_step, self._job_samples)
+            self._fresh = None
+            msg[3] = job_step
+            if job_samples is not None:
+                msg[4] = job_samples
             elif self.sampler is not None:
                 msg[4] = -2  # past the clock's range: None on every shard rank
-            started = _start_round(be, self.group, packed)
-            try:
-                _describe_group(msg, self._round_group(be, started))
-            finally:  # the others wait in the broadcast: it goes out whatever happened here
-                self._hand_over(msg)
-            return _finish_round(be, *started)
-        msg = self._hand_over(msg)
+        return msg
+
+    def _take_progress(self, msg: torch.Tensor) -> None:
+        """The job step and samples shard 0 handed over with a round, on every shard rank."""
         self._job_step = int(msg[3])
         if int(msg[4]) != -1:
             self._job_samples = int(msg[4]) if int(msg[4]) >= 0 else None
+
+    def _begin_led(self, be, packed, msg: torch.Tensor, channel, device,
+                   started=None) -> tuple:
+        """A dynamic schedule's round: shard 0 starts it with the group its coordinator gives
+        and hands that group (in ``msg``, over ``channel``) to the replica group's other shard
+        ranks as soon as it is known, so that every shard rank moves its data at the same
+        time. Returns (a callable that waits for this rank's round: (completed, moved data,
+        the exception of a round that raised)), the message handed over). ``started``: this
+        rank's round, already submitted (overlap)."""
+        if self.shard_rank == 0:
+            if started is None:
+                started = _start_round(be, self.group, packed)
+            try:
+                _describe_group(msg, self._round_group(be, started))
+            finally:  # the others wait in the broadcast: it goes out whatever happened here
+                msg = self._hand_over(msg, channel, device)
+            return (lambda: _finish_round(be, *started)), msg
+        return self._follow(be, packed, msg, channel, device, started)
+
+    def _follow(self, be, packed, msg: torch.Tensor, channel, device, started=None) -> tuple:
+        """Shard ranks other than 0: takes shard 0's message and runs this rank's round over
+        the group it names. With ``started`` (overlap: a round submitted before the group was
+        known, waiting for it: ``expect_group``) gives that round its group, or a group of
+        one that releases it where shard 0 has no group to hand on. Returns as _begin_led."""
+        msg = self._hand_over(msg, channel, device)
+        if started is not None and started[2] is None:  # no round was submitted: nothing to give
+            return (lambda: _finish_round(be, *started)), msg
         state = int(msg[0])
-        if state != _GROUP:  # shard 0 alone (done, nothing moved), or without a group
-            return state == _ALONE, False, None
-        members = [int(m) for m in msg[5:].tolist() if m >= 0]
-        if not 1 < len(members) <= self.replicas or self.replica not in members:
-            return False, False, None  # not a group this rank could be in: refuse the round
+        members = [int(m) for m in msg[5:].tolist() if m >= 0] if state == _GROUP else []
+        # (not a group this rank could be in: the round is refused)
+        valid = 1 < len(members) <= self.replicas and self.replica in members
+        if started is None and not valid:  # shard 0 alone (done, nothing moved), or no group
+            return (lambda: (state == _ALONE, False, None)), msg
         try:
-            be.give_group(members, (int(msg[1]) << 32) | int(msg[2]))
+            if valid:
+                be.give_group(members, (int(msg[1]) << 32) | int(msg[2]))
+            else:
+                be.give_group([self.replica], 0)
         except Exception as exc:  # noqa: BLE001 - agreed on first, then raised on every rank
-            return False, False, exc
-        return _run_round(be, self.group, packed)
+            if started is None:
+                return (lambda: (False, False, exc)), msg
+            # the round that expected the group has ended without it: it reports why itself
+        if started is None:
+            started = _start_round(be, self.group, packed)
+
+        def finish() -> Tuple[bool, bool, Optional[BaseException]]:
+            done, moved, failure = _finish_round(be, *started)
+            return (done, moved, failure) if valid else (done and state == _ALONE, False,
+                                                         failure)
+        return finish, msg
 
     @staticmethod
     def _round_group(be, started) -> Optional[dict]:
@@ -708,12 +840,12 @@ class ShardedRipplesOptimizer:
                            "group's other shard ranks skip it", round_no, exc)
             return None
 
-    def _hand_over(self, msg: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _hand_over(msg: torch.Tensor, channel, device) -> torch.Tensor:
         """Shard 0's round message to every shard rank of the replica group."""
-        msg = msg.to(self._device())
-        with exact_if_ripples(self.shard_group):
-            dist.broadcast(msg, src=dist.get_global_rank(self.shard_group, 0),
-                           group=self.shard_group)
+        msg = msg.to(device)
+        with exact_if_ripples(channel):
+            dist.broadcast(msg, src=dist.get_global_rank(channel, 0), group=channel)
         return msg.cpu()
 
     def _device(self) -> torch.device:
@@ -736,6 +868,7 @@ class ShardedRipplesOptimizer:
         """Exact average over the replica groups of the local shards of the parameters, the
         floating-point buffers and every optimizer state tensor shaped like its parameter:
         afterwards the replica groups hold one model. Every rank must call it."""
+        self._settle()  # an overlapped round in flight lands first
         with exact_if_ripples(self.group), torch.no_grad():
             for flat, parts in _flats(self._tensors(every_state=True)):
                 dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
@@ -744,6 +877,8 @@ class ShardedRipplesOptimizer:
     def unwrap(self, average: bool = True) -> torch.optim.Optimizer:
         """Ends Ripples: an exact average (``average=True``), then the inner optimizer."""
         try:
+            if not self.unwrapped:
+                self._settle()  # an overlapped round in flight lands first
             if not self.unwrapped and average:
                 if self.sampler is not None:  # every rank from the job's place in the epoch
                     self.sampler._agree(None, device=self._device())
@@ -802,6 +937,19 @@ class ShardedRipplesOptimizer:
                 f"step={self.step_count})")
 
 
+class _Pending:
+    """An overlapped round in flight: the copy it reduces, the snapshot it started from, and
+    how it ends (``finish``; set by the hand-over's thread where shard 0 leads)."""
+
+    def __init__(self, packed) -> None:
+        self.packed = packed
+        self.snaps = [flat.clone() for flat, _ in packed]
+        self.finish = None
+        self.msg: Optional[torch.Tensor] = None
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+
+
 def _start_round(be, group, packed) -> tuple:
     """Starts one partial round over the flats: (the counters before it, its round number,
     its Work or None, the exception of a round that could not start)."""
@@ -856,11 +1004,13 @@ def _flats(tensors: Iterable[torch.Tensor]):
     return [(torch.cat([t.detach().reshape(-1) for t in ts]), ts) for ts in by_kind.values()]
 
 
-def _unpack(flat: torch.Tensor, parts: List[torch.Tensor]) -> None:
+def _unpack(flat: torch.Tensor, parts: List[torch.Tensor], add: bool = False) -> None:
+    """Writes the flat's slices into the tensors it came from (``add``: adds them)."""
     off = 0
     for t in parts:
         n = t.numel()
-        t.detach().copy_(flat[off:off + n].view(t.shape))
+        piece = flat[off:off + n].view(t.shape)
+        t.detach().add_(piece) if add else t.detach().copy_(piece)
         off += n
 
 
@@ -870,7 +1020,7 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
          average_optimizer_state: bool = False,
          sampler: Optional[DistributedSampler] = None,
          sync_every: Optional[int] = None, outer_optimizer: OuterSpec = None,
-         on_alone: str = "defer") -> ShardedRipplesOptimizer:
+         on_alone: str = "defer", overlap: bool = False) -> ShardedRipplesOptimizer:
     """Averages an FSDP2 model between its replica groups with Ripples; returns the optimizer
     to step.
 
@@ -908,6 +1058,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         on_alone: with ``outer_optimizer``, a round that averaged with no other replica
             group: ``"defer"`` (no outer step; the model keeps its local progress) or
             ``"local_step"`` (an outer step on the rank's own pseudo-gradient).
+        overlap: run each partial round while the next step computes and apply it at that
+            step's end, as the round's change to the shards it started from (one step
+            stale, as ``ripples_pg.wrap()``'s overlapped rounds; docs/fsdp.md). Not with
+            ``outer_optimizer``. ``state_dict()``, ``load_state_dict()``,
+            ``average_replicas()`` and ``unwrap()`` land the round in flight first, so every
+            rank must call them (as FSDP2's own state dicts need anyway).
 
     Every rank must call it at the same point: it agrees with the others in one collective,
     so that a refusal on any rank raises on every rank.
@@ -923,9 +1079,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         raise ValueError(f"{_WHO}: warmup_steps=None (exact until a straggling replica group "
                          f"ends warm-up) needs warmup_straggler, the gain that ends it; give "
                          f"warmup_steps a number of steps to turn the straggler check off")
-    if not isinstance(average_optimizer_state, bool):
-        raise TypeError(f"{_WHO}: average_optimizer_state must be a bool, got "
-                        f"{average_optimizer_state!r}")
+    for name, flag in (("average_optimizer_state", average_optimizer_state),
+                       ("overlap", overlap)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{_WHO}: {name} must be a bool, got {flag!r}")
+    if overlap and outer_optimizer is not None:
+        raise ValueError(f"{_WHO}: overlap=True does not combine with outer_optimizer: the "
+                         f"outer step needs its round's average at once. Pass one of them")
     check_on_alone(on_alone, _WHO, outer_optimizer)
     # the DDP path's rules for outer_optimizer and sync_every (one level: the partial rounds)
     _, sync_every = resolve_sync_levels(
@@ -963,12 +1123,12 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         error = exc
     _agree_on_wrap(error, shape, (warmup_steps, warmup_straggler or None,
                                   average_optimizer_state, sampler is not None,
-                                  sync_every or 1, outer_name, on_alone))
+                                  sync_every or 1, outer_name, on_alone, overlap))
     opt = ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
                                   warmup_straggler=warmup_straggler or None,
                                   average_optimizer_state=average_optimizer_state,
                                   sync_every=sync_every or 1, outer_optimizer=outer_optimizer,
-                                  on_alone=on_alone)
+                                  on_alone=on_alone, overlap=overlap)
     if sampler is not None:
         opt.attach_sampler(sampler)
     return opt

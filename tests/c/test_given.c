@@ -105,6 +105,46 @@ static void refusals(rpl_comm *c, int r) {
   give(c, pair, 2, 0, "nonzero group id");
 }
 
+/* rpl_comm_partial_expect, from round 4: a round submitted before its group is known waits
+ * for the give; one whose give never comes fails at its deadline, and the late give is
+ * refused; the schedule's rounds go on after. */
+static void expected_rounds(rpl_comm *c, int r) {
+  rpl_error err = {RPL_OK, ""};
+  double x[LEN];
+  int pair[2] = {r < 2 ? 0 : 2, r < 2 ? 1 : 3};
+  for (int i = 0; i < LEN; i++) x[i] = input(r, i);
+  OK(rpl_comm_partial_expect(c, &e_));
+  rpl_status st = rpl_comm_partial_expect(c, &err);
+  CHECK(st == RPL_ERR_INVALID && strstr(err.msg, "already has or expects"), "expect twice: %s",
+        err.msg);
+  rpl_buf b = {x, LEN, RPL_FLOAT64};
+  rpl_op_desc d = {.kind = RPL_OP_PARTIAL_ALLREDUCE, .redop = RPL_AVG, .in = &b, .nin = 1};
+  req q;
+  submit(c, d, &q);
+  st = rpl_comm_partial_expect(c, &err);
+  CHECK(st == RPL_ERR_INVALID && strstr(err.msg, "still queued or running"),
+        "expect with a round queued: %s", err.msg);
+  sleep_s(0.05); /* the round is waiting for its group by now, most likely: give it late */
+  give(c, pair, 2, 300 + (uint64_t)pair[0], NULL);
+  CHECK(wait_for(&q, 30) == 0 && q.st == RPL_OK, "expected round: %s", q.err.msg);
+  req_free(&q);
+  check_mean(x, pair, 2, "a round given its group after it was submitted");
+  check_last(c, 4, 300 + (uint64_t)pair[0], pair, 2, 1, 1);
+
+  /* Round 5: expected, never given: it fails at its own (short) deadline. */
+  OK(rpl_comm_partial_expect(c, &e_));
+  d.timeout_s = 0.2;
+  st = run_op(c, d, &err);
+  CHECK(st == RPL_ERR_TIMEOUT && strstr(err.msg, "was not given before its deadline"),
+        "an expected round without a give: %s: %s", rpl_status_name(st), err.msg);
+  int one[1] = {r};
+  give(c, one, 1, 0, "already ended without it");
+  give(c, one, 1, 0, NULL); /* refused once; then a give is a give again */
+  d.timeout_s = 0;
+  round_avg(c, x, RPL_AVG); /* round 6 takes that group of one */
+  check_last(c, 6, 0, one, 1, 0, 1);
+}
+
 static void body_given(job *j, rpl_comm *c) {
   int r = j->rank;
   int one[1] = {r};
@@ -192,6 +232,7 @@ static void body_given(job *j, rpl_comm *c) {
   OK(rpl_static_group(l, r, 3, sched, N, &n, &gid, &e_));
   rpl_layout_destroy(l);
   check_mean(x, sched, n, "a round after leaving the fence domain");
+  expected_rounds(c, r);
 }
 
 int main(void) {
