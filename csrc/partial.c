@@ -3,7 +3,6 @@
  * account. The fence around exact collectives is in fence.c. */
 #include "partial.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -729,14 +728,9 @@ int rpl_partial_last(const rpl_partial *p, rpl_round_outcome *out, int *members,
 int rpl_partial_group(const rpl_partial *p, uint64_t round, double timeout_s,
                       rpl_round_outcome *out, int *members, int cap) {
   rpl_partial *m = (rpl_partial *)p; /* the mutex and condition are not the logical state */
-  struct timespec until;
-  clock_gettime(CLOCK_REALTIME, &until); /* the condition variable's clock */
-  double s = timeout_s > 0 ? RPL_MIN(timeout_s, 1e6) : 0;
-  long ns = until.tv_nsec + (long)((s - (double)(long)s) * 1e9);
-  until.tv_sec += (time_t)(long)s + ns / 1000000000L;
-  until.tv_nsec = ns % 1000000000L;
+  double deadline = rpl_now() + (timeout_s > 0 ? RPL_MIN(timeout_s, 1e6) : 0);
   pthread_mutex_lock(&m->mu);
-  int rc = -1, timed_out = 0;
+  int rc = -1;
   for (;;) {
     if (m->known_rounds > round) { /* known: this round's group, unless a later one's */
       rc = m->known.round == round;
@@ -746,8 +740,8 @@ int rpl_partial_group(const rpl_partial *p, uint64_t round, double timeout_s,
       rc = 0;
       break;
     }
-    if (timed_out) break;
-    timed_out = pthread_cond_timedwait(&m->known_cv, &m->mu, &until) == ETIMEDOUT;
+    if (rpl_now() >= deadline) break;
+    wait_until(m, deadline);
   }
   if (rc == 1) {
     *out = m->known;
