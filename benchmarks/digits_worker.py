@@ -1128,6 +1128,8 @@ class Training:
                  # time the workers waited for a core (ripples_pg.averager)
                  "warmup_gain": getattr(getattr(optimizer, "averager", None), "warmup_gain",
                                         None),
+                 "warmup_need": getattr(getattr(optimizer, "averager", None), "warmup_need",
+                                        None),
                  "warmup_crowding": getattr(getattr(optimizer, "averager", None),
                                             "warmup_crowding", None),
                  "acc": round(final_acc, 5), "loss": round(final_loss, 5),

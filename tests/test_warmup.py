@@ -31,7 +31,7 @@ def ws():
 
 
 def task_warmup(ctx, slow_rank, pause_s, steps, straggler, where="after", bn=False,
-                warmup=WARMUP, slow_from=0):
+                warmup=WARMUP, slow_from=0, optim="sgd"):
     import ripples_pg
 
     torch.manual_seed(0)
@@ -40,7 +40,8 @@ def task_warmup(ctx, slow_rank, pause_s, steps, straggler, where="after", bn=Fal
     else:
         net = nn.Linear(16, 4)
     model = DDP(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01) if optim == "sgd" else \
+        torch.optim.AdamW(model.parameters(), lr=0.01)
     # the "compute" of a step: the straggler pauses 5x as long
     step = [0]
 
@@ -71,7 +72,7 @@ def task_warmup(ctx, slow_rank, pause_s, steps, straggler, where="after", bn=Fal
             pause_now()
     av = wrapped.averager
     out = {"ended": av.warmup_ended_early, "warmup_steps": av.warmup_steps,
-           "limit": av.warmup_limit, "gain": av.warmup_gain,
+           "limit": av.warmup_limit, "gain": av.warmup_gain, "need": av.warmup_need,
            "hook_warmup": wrapped.hook_state.warmup_steps,
            "partial": av.counts.get("partial", 0),
            "saved": av.state_dict().get("warmup_ended_early"),
@@ -94,8 +95,19 @@ def _assert_ended_early(res, steps):
         assert r["fwd_hooks_before"] == r["fwd_hooks"] == 0, r
 
 
-def test_straggler_ends_warmup_early(pool):
-    _assert_ended_early(pool.run(task_warmup, 3, 0.01, 35, "default"), 35)
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_straggler_ends_warmup_early(pool, optim):
+    from ripples_pg.training._worth import partial_step_worth
+
+    res = pool.run(task_warmup, 3, 0.01, 35, "default", optim=optim)
+    _assert_ended_early(res, 35)
+    # the bar: wrap()'s 1.05 in time to the same model, over what a partial step is worth --
+    # a step of DDP's with SGD, less with AdamW (ripples_pg/training/_worth.py)
+    worth = partial_step_worth(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]), WS)
+    need = 1.05 if optim == "sgd" else 1.05 / worth
+    assert worth < 1.0
+    for r in res:
+        assert r["need"] == pytest.approx(need) and r["gain"] >= need, r
 
 
 @pytest.mark.parametrize("where", WHERE[1:])

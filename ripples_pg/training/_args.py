@@ -222,8 +222,13 @@ ARGS: Dict[str, Arg] = {a.name: a for a in (
         "makes the exact steps this many times as long as workers that never wait would take "
         "(all-reduce's time, each step's slowest compute, over the harmonic mean of each "
         "worker's own), in two checks in a row; checked every 2 exact steps, so at the earliest "
-        "after step 4. A worker 2x slow among 4 is a gain of 1.75. `None` or `0`: warm-up "
-        "always runs `warmup_steps` steps (which must then be a number).",
+        "after step 4. A worker 2x slow among 4 is a gain of 1.75. With an optimizer that "
+        "divides each coordinate by its own gradient history (Adam, AdamW, Adagrad, RMSprop) "
+        "a partial step is worth less than DDP's, the less the more workers, so the gain "
+        "needed is this over that worth (1.05 becomes 1.13 at 4 workers, 1.33 at 8, 1.46 at "
+        "16; `warmup_need` in the averager); a round every `sync_every` steps keeps it as "
+        "given. `None` or `0`: warm-up always runs `warmup_steps` steps (which must then be a "
+        "number).",
         annotation="Optional[float]",
         note="the gain over all-reduce that ends warm-up; `None`: never"),
     Arg("levels", None,

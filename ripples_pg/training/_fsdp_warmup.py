@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,16 @@ class ReplicaWarmup:
     used from the training thread only."""
 
     def __init__(self, replicate_group, shard_group, shards: int, device: torch.device,
-                 need: float) -> None:
+                 straggler: float, worth: Optional[Callable[[], float]] = None) -> None:
         self.group = replicate_group
         self.shard_group = shard_group if shards > 1 else None
         self.device = device
-        self.need = need
+        # the gain in steps per second that ends warm-up: `straggler`, a gain in time to the
+        # same model, over what a partial step is worth (`worth`, read at each check: an
+        # optimizer's state tells its kind once it has stepped; ripples_pg.training._worth)
+        self.straggler = straggler
+        self.worth = worth
+        self.need = straggler
         self.sched = SchedClock()
         self.gain: Optional[float] = None  # the last check's
         self.crowding: Optional[float] = None  # running average of the share waiting for a core
@@ -104,6 +109,7 @@ class ReplicaWarmup:
             return None
         gain, excess, slow = straggler_gain(times)
         self.gain = gain
+        self.need = self.straggler / (self.worth() if self.worth is not None else 1.0)
         need, row = ((max(self.need, WARMUP_CROWDED_GAIN), WARMUP_CROWDED_IN_A_ROW) if crowded
                      else (self.need, WARMUP_CHECKS_IN_A_ROW))
         self._hits = self._hits + 1 if gain >= need and excess >= WARMUP_MIN_EXCESS_S else 0

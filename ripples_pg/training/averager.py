@@ -20,10 +20,12 @@ all-gather) and compute, all from the same numbers, the *gain* partial averaging
 would have had over them -- all-reduce's time, the sum over steps of the slowest worker's
 compute, over the time of workers that never wait, the harmonic mean of the workers' own totals
 (the ideal speed-up of ``benchmarks/trace_replay.py``, measured online). When two checks in a
-row (``WARMUP_CHECKS_IN_A_ROW``) find a gain of at least ``warmup_straggler`` and the slowest
-worker at least ``WARMUP_MIN_EXCESS_S`` above the others' pace, every worker ends warm-up after
-the same step. So a persistent straggler ends it after four steps, and a different worker slowed
-at almost every step (sequence lengths) as soon as that costs the job ``warmup_straggler``.
+row (``WARMUP_CHECKS_IN_A_ROW``) find a gain of at least ``warmup_straggler`` -- over what a
+partial step is worth against DDP's, which is less with an adaptive optimizer the more workers
+there are (``ripples_pg/training/_worth.py``) -- and the slowest worker at least
+``WARMUP_MIN_EXCESS_S`` above the others' pace, every worker ends warm-up after the same step. So
+a persistent straggler ends it after four steps, and a different worker slowed at almost every
+step (sequence lengths) as soon as that costs the job ``warmup_straggler``.
 
 ``warmup_steps`` bounds warm-up: an ``int`` ends it after that many steps whatever the speeds
 (``0``: none); ``None`` (``wrap()``'s default) has no fixed end -- the job stays exact, and as
@@ -102,6 +104,7 @@ from ._models import refuse_sharded
 from ._schedstat import SchedClock
 from ._moments import GroupSecondMoment
 from .overlap import OverlappedRound, joined
+from ._worth import partial_step_worth
 from .whatif import ExactPart, StepLog
 
 __all__ = ["RipplesAverager", "LEVELS", "parse_levels"]
@@ -387,6 +390,10 @@ class RipplesAverager(ModelAverager):
     one table: ``ripples_pg/training/_args.py``).
     """
 
+    # Whether what a partial step is worth raises the warm-up exit's bar (_warmup_need): measured
+    # for a round after every step; DiLoCo's outer steps are another regime.
+    WORTH_COUNTS = True
+
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
                  levels: Optional[Union[Mapping[int, str], str]] = None,
                  warmup_steps: Optional[int] = 0, *,
@@ -487,6 +494,7 @@ class RipplesAverager(ModelAverager):
         self._warm_hits = 0
         self.warmup_ended_early: Optional[int] = None
         self.warmup_gain: Optional[float] = None  # the last check's gain
+        self.warmup_need: Optional[float] = None  # ... and the gain it needed (_warmup_need)
         self.whatif_exact = ExactPart()  # what waiting cost the exact steps (ripples_pg.whatif)
         self._last_compute: Optional[float] = None  # the last warm-up-timed step's compute
 
@@ -710,9 +718,9 @@ class RipplesAverager(ModelAverager):
         # Workers waiting for cores (more CPU-bound workers than the host has): the steps'
         # differences are mostly that competition, which averaging partially cannot remove --
         # it adds no cores -- so only a clear straggler counts then.
-        need, row = (max(self.warmup_straggler, WARMUP_CROWDED_GAIN),
+        need, row = (max(self._warmup_need(), WARMUP_CROWDED_GAIN),
                      WARMUP_CROWDED_IN_A_ROW) if crowded else \
-            (self.warmup_straggler, WARMUP_CHECKS_IN_A_ROW)
+            (self._warmup_need(), WARMUP_CHECKS_IN_A_ROW)
         if gain < need or excess < WARMUP_MIN_EXCESS_S:
             self._warm_hits = 0
         else:
@@ -724,11 +732,22 @@ class RipplesAverager(ModelAverager):
         ranks = dist.get_process_group_ranks(self.world_group)
         bound = "" if self.warmup_limit is None else f" instead of {self.warmup_limit}"
         logger.warning("ripples_pg: waiting for the slowest worker (rank %d) makes the exact "
-                       "steps %.2fx as long as workers that never wait; warm-up ends at step "
-                       "%d%s and partial averaging starts", ranks[slow], gain, end, bound)
+                       "steps %.2fx as long as workers that never wait (%.2fx needed); warm-up "
+                       "ends at step %d%s and partial averaging starts", ranks[slow], gain, need,
+                       end, bound)
         self.warmup_ended_early = end
         self._set_warmup_end(end)
         self.whatif_exact.restart_clock()
+
+    def _warmup_need(self) -> float:
+        """The gain in steps per second that ends warm-up: ``warmup_straggler``, a gain in time
+        to the same model, over what a partial step is worth with this optimizer and job
+        (``ripples_pg.training._worth``; 1.0 without an optimizer given). The same on every
+        worker: one optimizer class and world size."""
+        worth = partial_step_worth(self.optimizer, dist.get_world_size(self.world_group)) \
+            if self.WORTH_COUNTS else 1.0
+        self.warmup_need = self.warmup_straggler / worth
+        return self.warmup_need
 
     def _take_hook_windows(self) -> None:
         """The waiting windows a C++ comm hook (``ripples_pg.hooks.register``) recorded in this

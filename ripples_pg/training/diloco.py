@@ -84,6 +84,8 @@ class DiLoCoAverager(RipplesAverager):
     ``"local_step"`` they are among ``outer_steps``.
     """
 
+    WORTH_COUNTS = False  # measured for a round after every step only (RipplesAverager's)
+
     def __init__(self, process_group=None, levels=None, warmup_steps: int = 0, *,
                  outer_optimizer: OuterSpec = "nesterov", sync_every: Optional[int] = None,
                  on_alone: str = "defer", **kwargs):

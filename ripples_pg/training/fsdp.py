@@ -47,6 +47,7 @@ from ..backend.options import Options
 from ._args import OuterSpec, check_int, check_on_alone, check_warmup_straggler, \
     resolve_sync_levels
 from ._fsdp_warmup import ReplicaWarmup
+from ._worth import partial_step_worth
 from ._groups import exact_if_ripples, is_ripples, timeout_s
 from ._models import check_int8_extras, sharded_kind
 from ._fsdp_diloco import ShardAnchors
@@ -305,9 +306,12 @@ class ShardedRipplesOptimizer:
         self.warmup_steps = warmup_steps
         self.warmup_limit = warmup_steps
         self.warmup_ended_early: Optional[int] = None
-        # (one replica group has nobody to wait for: no checks)
+        # (one replica group has nobody to wait for: no checks). What a partial step is worth
+        # raises the bar for a round after every step (measured there only, as on DDP's path)
+        worth = (lambda: partial_step_worth(optimizer, self.replicas)) if sync_every == 1 \
+            else None
         self._warm = ReplicaWarmup(self.group, self.shard_group, self.shards, self._device(),
-                                   warmup_straggler) \
+                                   warmup_straggler, worth) \
             if warmup_straggler and self.replicas > 1 else None
         self.average_optimizer_state = average_optimizer_state
         self.step_count = 0
@@ -921,12 +925,14 @@ class ShardedRipplesOptimizer:
         ``rounds``, ``applied`` (rounds that changed the shards) and ``discarded`` (rounds not
         completed on every shard rank of the replica group, so applied on none), and the
         warm-up exit's ``warmup_ended_early`` (the step partial rounds started at when a
-        straggling replica group ended warm-up, else None) and ``warmup_gain`` (the last
-        check's gain over all-reduce, None before the first)."""
+        straggling replica group ended warm-up, else None), ``warmup_gain`` (the last
+        check's gain over all-reduce, None before the first) and ``warmup_need`` (the gain it
+        needed: ``warmup_straggler`` over what a partial step is worth)."""
         out = stats(self.group)
         out.update({f"fsdp_{k}": v for k, v in self.counts.items()})
         out["fsdp_warmup_ended_early"] = self.warmup_ended_early
         out["fsdp_warmup_gain"] = self._warm.gain if self._warm is not None else None
+        out["fsdp_warmup_need"] = self._warm.need if self._warm is not None else None
         if self._diloco is not None:
             out.update({f"fsdp_{k}": v for k, v in self._diloco.stats().items()})
         return out
