@@ -226,8 +226,9 @@ ARGS: Dict[str, Arg] = {a.name: a for a in (
         "divides each coordinate by its own gradient history (Adam, AdamW, Adagrad, RMSprop) "
         "a partial step is worth less than DDP's, the less the more workers, so the gain "
         "needed is this over that worth (1.05 becomes 1.13 at 4 workers, 1.33 at 8, 1.46 at "
-        "16; `warmup_need` in the averager); a round every `sync_every` steps keeps it as "
-        "given. `None` or `0`: warm-up always runs `warmup_steps` steps (which must then be a "
+        "16; `warmup_need` in the averager). That is measured for a partial round after every "
+        "step, the default: with `sync_every` or partial levels further apart the bar stays "
+        "as given. `None` or `0`: warm-up always runs `warmup_steps` steps (which must then be a "
         "number).",
         annotation="Optional[float]",
         note="the gain over all-reduce that ends warm-up; `None`: never"),

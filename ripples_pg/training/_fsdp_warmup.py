@@ -37,11 +37,11 @@ class ReplicaWarmup:
         self.shard_group = shard_group if shards > 1 else None
         self.device = device
         # the gain in steps per second that ends warm-up: `straggler`, a gain in time to the
-        # same model, over what a partial step is worth (`worth`, read at each check: an
-        # optimizer's state tells its kind once it has stepped; ripples_pg.training._worth)
+        # same model, over what a partial step is worth (`worth`, read at each check and sent
+        # with it, the largest penalty taken: ripples_pg.training._worth)
         self.straggler = straggler
         self.worth = worth
-        self.need = straggler
+        self.need: Optional[float] = None  # the last check's
         self.sched = SchedClock()
         self.gain: Optional[float] = None  # the last check's
         self.crowding: Optional[float] = None  # running average of the share waiting for a core
@@ -103,37 +103,39 @@ class ReplicaWarmup:
         k = warmup_window(step)
         if (step + 1) % k:
             return None
-        times, crowded = self._gather(k)
+        times, crowded, penalty = self._gather(k)
         if times is None:
             self._hits = 0
             return None
         gain, excess, slow = straggler_gain(times)
         self.gain = gain
-        self.need = self.straggler / (self.worth() if self.worth is not None else 1.0)
+        self.need = self.straggler * penalty
         need, row = ((max(self.need, WARMUP_CROWDED_GAIN), WARMUP_CROWDED_IN_A_ROW) if crowded
                      else (self.need, WARMUP_CHECKS_IN_A_ROW))
         self._hits = self._hits + 1 if gain >= need and excess >= WARMUP_MIN_EXCESS_S else 0
         return (gain, slow) if self._hits >= row else None
 
     def _gather(self, k: int):
-        """``(times[replica group][step], crowded)``: each replica group's compute at the last
-        ``k`` steps (its slowest shard rank's; None if a step was not timed) and whether the
-        ranks are CPU-bound and waiting for cores (running averages over the checks)."""
-        row = warmup_row(self._times, self._crowd, k)
+        """``(times[replica group][step], crowded, penalty)``: each replica group's compute at
+        the last ``k`` steps (its slowest shard rank's; None if a step was not timed), whether
+        the ranks are CPU-bound and waiting for cores (running averages over the checks) and
+        the largest worth penalty any rank sent (one over ``worth()``)."""
+        penalty = 1.0 / self.worth() if self.worth is not None else 1.0
+        row = warmup_row(self._times, self._crowd, k, penalty)
         self._times, self._crowd = [], []
         if self.shard_group is not None:  # a replica group is as slow as its slowest rank
             row = row.to(self.device)
             with exact_if_ripples(self.shard_group):
                 dist.all_reduce(row, op=dist.ReduceOp.MAX, group=self.shard_group)
             row = row.cpu()
-        times, waiting, busy = gather_warmup_rows(row, k, self.group)
+        times, waiting, busy, penalty = gather_warmup_rows(row, k, self.group)
         if self.crowding is None:
             self.crowding, self._busy = waiting, busy
         else:
             self.crowding += (waiting - self.crowding) / 4
             self._busy += (busy - self._busy) / 4
         crowded = self.crowding >= WARMUP_CROWDED and self._busy >= WARMUP_CPU_BOUND
-        return (None if min(min(t) for t in times) <= 0 else times), crowded
+        return (None if min(min(t) for t in times) <= 0 else times), crowded, penalty
 
     def close(self) -> None:
         self.sched.close()

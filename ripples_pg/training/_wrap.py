@@ -562,8 +562,9 @@ def wrap(ddp_model: DistributedDataParallel,
             optimizer that divides each coordinate by its own gradient history (Adam, AdamW,
             Adagrad, RMSprop) a partial step is worth less than DDP's, the less the more
             workers, so the gain needed is this over that worth (1.05 becomes 1.13 at 4 workers,
-            1.33 at 8, 1.46 at 16; ``warmup_need`` in the averager); a round every
-            ``sync_every`` steps keeps it as given. ``None`` or ``0``: warm-up always runs
+            1.33 at 8, 1.46 at 16; ``warmup_need`` in the averager). That is measured for a
+            partial round after every step, the default: with ``sync_every`` or partial levels
+            further apart the bar stays as given. ``None`` or ``0``: warm-up always runs
             ``warmup_steps`` steps (which must then be a number). Default: ``1.05`` (the gain
             over all-reduce that ends warm-up; ``None``: never).
         levels: The averager's ``{period: level}``, levels ``partial``, ``host`` and ``world``

@@ -158,28 +158,31 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def warmup_row(times: List[float], crowd: List[Tuple[float, float, float]],
-               k: int) -> torch.Tensor:
+               k: int, penalty: float = 1.0) -> torch.Tensor:
     """One worker's row for a warm-up check: its compute times of the last ``k`` steps (-1: a
     step not timed), then the shares of its steps' time it waited for a core and ran on one
-    (``crowd``: per step, (waited, ran, wall))."""
+    (``crowd``: per step, (waited, ran, wall)), then ``penalty``: one over what a partial step
+    is worth by this worker's optimizer (``ripples_pg.training._worth``)."""
     waited, ran, walls = (sum(c[i] for c in crowd) for i in range(3))
     row = ([-1.0] * k + list(times))[-k:]
-    row += [waited / walls if walls > 0 else 0.0, ran / walls if walls > 0 else 0.0]
+    row += [waited / walls if walls > 0 else 0.0, ran / walls if walls > 0 else 0.0, penalty]
     return torch.tensor(row, dtype=torch.float64)
 
 
-def gather_warmup_rows(row: torch.Tensor, k: int, group) -> Tuple[List[List[float]], float, float]:
+def gather_warmup_rows(row: torch.Tensor, k: int,
+                       group) -> Tuple[List[List[float]], float, float, float]:
     """One tiny exact all-gather of every worker's ``warmup_row`` over ``group``: returns
-    ``(times[w][t], waiting, busy)``, the same on every worker, with the crowd shares averaged
-    over the workers."""
-    n = dist.get_world_size(group)
-    out = torch.empty(n * (k + 2), dtype=torch.float64)
+    ``(times[w][t], waiting, busy, penalty)``, the same on every worker, with the crowd shares
+    averaged over the workers and the largest penalty (so every worker asks the same gain,
+    whatever its own optimizer's state says)."""
+    n, w = dist.get_world_size(group), k + 3
+    out = torch.empty(n * w, dtype=torch.float64)
     with exact_if_ripples(group):
         _all_gather_single(out, row.to(out.device), group=group)
     flat = out.tolist()
-    rows = [flat[w * (k + 2):(w + 1) * (k + 2)] for w in range(n)]
+    rows = [flat[i * w:(i + 1) * w] for i in range(n)]
     return ([r[:k] for r in rows], sum(r[k] for r in rows) / n,
-            sum(r[k + 1] for r in rows) / n)
+            sum(r[k + 1] for r in rows) / n, max(r[k + 2] for r in rows))
 
 
 def straggler_gain(times: Sequence[Sequence[float]]) -> Tuple[float, float, int]:
@@ -390,8 +393,8 @@ class RipplesAverager(ModelAverager):
     one table: ``ripples_pg/training/_args.py``).
     """
 
-    # Whether what a partial step is worth raises the warm-up exit's bar (_warmup_need): measured
-    # for a round after every step; DiLoCo's outer steps are another regime.
+    # Whether what a partial step is worth raises the warm-up exit's bar (_worth_penalty):
+    # measured for a round after every step; DiLoCo's outer steps are another regime.
     WORTH_COUNTS = True
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None,
@@ -494,7 +497,7 @@ class RipplesAverager(ModelAverager):
         self._warm_hits = 0
         self.warmup_ended_early: Optional[int] = None
         self.warmup_gain: Optional[float] = None  # the last check's gain
-        self.warmup_need: Optional[float] = None  # ... and the gain it needed (_warmup_need)
+        self.warmup_need: Optional[float] = None  # ... and the gain it needed
         self.whatif_exact = ExactPart()  # what waiting cost the exact steps (ripples_pg.whatif)
         self._last_compute: Optional[float] = None  # the last warm-up-timed step's compute
 
@@ -707,7 +710,7 @@ class RipplesAverager(ModelAverager):
         gathered = self._warm_gather()
         if gathered is None:
             return
-        times, crowded = gathered
+        times, crowded, penalty = gathered
         if times is None:  # someone has no measurement yet (every worker sees the same)
             self._warm_hits = 0
             self._keep_warm()
@@ -718,9 +721,12 @@ class RipplesAverager(ModelAverager):
         # Workers waiting for cores (more CPU-bound workers than the host has): the steps'
         # differences are mostly that competition, which averaging partially cannot remove --
         # it adds no cores -- so only a clear straggler counts then.
-        need, row = (max(self._warmup_need(), WARMUP_CROWDED_GAIN),
+        # The bar: warmup_straggler, a gain in time to the same model, over what a partial
+        # step is worth (the largest penalty any worker sent: the same on every worker).
+        self.warmup_need = self.warmup_straggler * penalty
+        need, row = (max(self.warmup_need, WARMUP_CROWDED_GAIN),
                      WARMUP_CROWDED_IN_A_ROW) if crowded else \
-            (self._warmup_need(), WARMUP_CHECKS_IN_A_ROW)
+            (self.warmup_need, WARMUP_CHECKS_IN_A_ROW)
         if gain < need or excess < WARMUP_MIN_EXCESS_S:
             self._warm_hits = 0
         else:
@@ -739,15 +745,14 @@ class RipplesAverager(ModelAverager):
         self._set_warmup_end(end)
         self.whatif_exact.restart_clock()
 
-    def _warmup_need(self) -> float:
-        """The gain in steps per second that ends warm-up: ``warmup_straggler``, a gain in time
-        to the same model, over what a partial step is worth with this optimizer and job
-        (``ripples_pg.training._worth``; 1.0 without an optimizer given). The same on every
-        worker: one optimizer class and world size."""
-        worth = partial_step_worth(self.optimizer, dist.get_world_size(self.world_group)) \
-            if self.WORTH_COUNTS else 1.0
-        self.warmup_need = self.warmup_straggler / worth
-        return self.warmup_need
+    def _worth_penalty(self) -> float:
+        """One over what a partial step is worth against DDP's with this worker's optimizer and
+        job (``ripples_pg.training._worth``): measured for a partial round after every step,
+        so 1.0 for any other period, for DiLoCo's outer steps and without an optimizer given."""
+        partial = [p for p, kind in self.levels.items() if kind == "partial"]
+        if not self.WORTH_COUNTS or not partial or min(partial) != 1:
+            return 1.0
+        return 1.0 / partial_step_worth(self.optimizer, dist.get_world_size(self.world_group))
 
     def _take_hook_windows(self) -> None:
         """The waiting windows a C++ comm hook (``ripples_pg.hooks.register``) recorded in this
@@ -783,18 +788,19 @@ class RipplesAverager(ModelAverager):
     def _warm_gather(self):
         """One tiny exact all-gather of every worker's compute times of the last
         ``warmup_window`` steps and its share of them spent waiting for a core. Returns None
-        alone in the group, else ``(times, crowded)``: ``times[w][t]`` (None if a worker missed
-        a step) and whether the workers are crowded: CPU-bound (running on a core
+        alone in the group, else ``(times, crowded, penalty)``: ``times[w][t]`` (None if a worker
+        missed a step), whether the workers are crowded: CPU-bound (running on a core
         WARMUP_CPU_BOUND of their steps' time) and waiting for cores WARMUP_CROWDED of it
-        (running averages over the checks: one check's shares are noisy)."""
+        (running averages over the checks: one check's shares are noisy), and the largest
+        worth penalty (``_worth_penalty``) any worker sent."""
         group = self.world_group
         n = dist.get_world_size(group)
         if n < 2:
             return None
         k = warmup_window(self.step)
-        mine = warmup_row(self._warm_times, self._warm_crowd, k)
+        mine = warmup_row(self._warm_times, self._warm_crowd, k, self._worth_penalty())
         self._warm_times, self._warm_crowd = [], []
-        times, waiting, busy = gather_warmup_rows(mine, k, group)
+        times, waiting, busy, penalty = gather_warmup_rows(mine, k, group)
         # the same on every worker: running averages over the checks (one check is noisy)
         if self._warm_crowd_avg is None:
             self._warm_crowd_avg, self._warm_busy_avg = waiting, busy
@@ -803,7 +809,7 @@ class RipplesAverager(ModelAverager):
             self._warm_busy_avg += (busy - self._warm_busy_avg) / 4
         crowded = self._warm_crowd_avg >= WARMUP_CROWDED and \
             self._warm_busy_avg >= WARMUP_CPU_BOUND
-        return (None if min(min(t) for t in times) <= 0 else times), crowded
+        return (None if min(min(t) for t in times) <= 0 else times), crowded, penalty
 
     @property
     def warmup_crowding(self) -> Optional[float]:

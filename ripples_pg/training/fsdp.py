@@ -307,9 +307,10 @@ class ShardedRipplesOptimizer:
         self.warmup_limit = warmup_steps
         self.warmup_ended_early: Optional[int] = None
         # (one replica group has nobody to wait for: no checks). What a partial step is worth
-        # raises the bar for a round after every step (measured there only, as on DDP's path)
-        worth = (lambda: partial_step_worth(optimizer, self.replicas)) if sync_every == 1 \
-            else None
+        # raises the bar for a round after every step with no outer step (measured there only,
+        # as on DDP's path)
+        worth = (lambda: partial_step_worth(optimizer, self.replicas)) \
+            if sync_every == 1 and outer_optimizer is None else None
         self._warm = ReplicaWarmup(self.group, self.shard_group, self.shards, self._device(),
                                    warmup_straggler, worth) \
             if warmup_straggler and self.replicas > 1 else None
