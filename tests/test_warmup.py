@@ -165,6 +165,54 @@ def test_no_fixed_end_a_straggler_appears_late(pool):
         assert r["partial"] == 70 - end and r["gain"] >= EVEN, r
 
 
+def task_calm_checks(ctx, steps, slow_from):
+    # rank 3 turns 5x slow at slow_from; which steps the warm-up clock timed, and what the
+    # forward hooks were doing meanwhile
+    import ripples_pg
+
+    torch.manual_seed(0)
+    net = nn.Linear(16, 4)
+    model = DDP(net)
+    wrapped = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                              warmup_straggler=EVEN)
+    av = wrapped.averager
+    g = torch.Generator().manual_seed(ctx.rank)
+    timed, hooks = [], set()
+    for step in range(steps):
+        timed.append(av._warm_timing())
+        hooks.add(len(model._forward_pre_hooks) + len(net._forward_pre_hooks))
+        wrapped.zero_grad()
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        wrapped.step()
+        time.sleep(0.005 * (5 if ctx.rank == 3 and step >= slow_from else 1))
+    return {"ended": av.warmup_ended_early, "timed": timed, "hooks": sorted(hooks)}
+
+
+def test_calm_checks_spread_out_and_still_see_a_late_straggler(pool):
+    # While the workers are even, each check is twice as far from the last (up to
+    # WARMUP_CHECK_CALM_MAX steps) and only the WARMUP_CHECK_LATER steps before it are timed;
+    # a straggler that appears then is still seen at the next check.
+    from ripples_pg.averager import WARMUP_CHECK_CALM_MAX, WARMUP_CHECK_LATER, \
+        WARMUP_QUICK_STEPS
+
+    slow_from = 100
+    res = pool.run(task_calm_checks, 200, slow_from)
+    ended = {r["ended"] for r in res}
+    assert len(ended) == 1, res
+    end = ended.pop()
+    assert end is not None and \
+        slow_from < end <= slow_from + WARMUP_CHECK_CALM_MAX + 2 * WARMUP_CHECK_LATER, res
+    for r in res:
+        assert all(r["timed"][:WARMUP_QUICK_STEPS + WARMUP_CHECK_LATER]), r
+        even = r["timed"][WARMUP_QUICK_STEPS + WARMUP_CHECK_LATER:slow_from]
+        # checks at 31, 47 and 79 (8, 16, 32 steps apart): 16 of these 68 steps timed
+        assert 0 < sum(even) <= 2 * WARMUP_CHECK_LATER, r
+        assert not any(r["timed"][end:]), r
+        # the clock's two forward hooks stay over the untimed steps (torch.compile would
+        # recompile a model whose hooks come and go), and leave with warm-up
+        assert r["hooks"] == [0, 2], r
+
+
 def test_default_is_no_fixed_end(pool):
     import ripples_pg
 

@@ -50,6 +50,26 @@ def test_exact_part_is_the_traces_ideal(name, workers):
     assert sum(part.cost) == pytest.approx(lead, rel=1e-12)
 
 
+def test_exact_part_sampled_windows_stand_for_the_steps_between():
+    # calm warm-up checks time only the last 8 of the steps since the previous check: those
+    # stand for all of them, so the ratio is a coverage-weighted one and the steps are counted
+    slow = [[0.3] * 8] + [[0.1] * 8] * 3  # rank 0 3x slow
+    even = [[0.1] * 8] * 4
+    part = whatif.ExactPart()
+    part.add(even, now=0.0)
+    part.add(slow, now=1.0, steps=8)
+    part.add(even, now=4.0, steps=56)  # 56 steps, 8 timed, each standing for 7
+    assert part.steps == 64
+    assert part.wall == pytest.approx(4.0)
+    # 8 slow steps (2.4 s for all-reduce; free: the harmonic mean of the totals 2.4, 0.8, 0.8,
+    # 0.8, 0.96 s) and 56 even ones (5.6 s both)
+    assert part.allreduce == pytest.approx(2.4 + 5.6)
+    assert part.free == pytest.approx(0.96 + 5.6)
+    assert sum(part.cost) == pytest.approx(8 * 0.2)
+    v = whatif.combine(part, None)
+    assert v["exact_steps"] == 64 and v["waste"] == pytest.approx(1 - 6.56 / 8.0)
+
+
 def test_combine_edge_cases():
     assert whatif.combine(None, None) is None
     assert whatif.combine(whatif.ExactPart(), {"gain": 0.0}) is None  # nothing measured yet

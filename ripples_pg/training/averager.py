@@ -15,7 +15,8 @@ averages gradients exactly then, so the replicas stay identical and training is 
 synchronous DDP. Exact averaging runs at the slowest worker's pace, and partial averaging exists
 to stop waiting for it, so with ``warmup_straggler`` the workers measure what waiting costs:
 every ``WARMUP_CHECK_EVERY`` exact steps (``WARMUP_CHECK_LATER`` after the first
-``WARMUP_QUICK_STEPS``) they exchange their compute time of each of those steps (one tiny exact
+``WARMUP_QUICK_STEPS``, spreading out to ``WARMUP_CHECK_CALM_MAX`` while the workers are even)
+they exchange their compute time of each of the last of those steps (one tiny exact
 all-gather) and compute, all from the same numbers, the *gain* partial averaging
 would have had over them -- all-reduce's time, the sum over steps of the slowest worker's
 compute, over the time of workers that never wait, the harmonic mean of the workers' own totals
@@ -125,6 +126,14 @@ WARMUP_CHECKS_IN_A_ROW = 2
 # two or three such windows.
 WARMUP_QUICK_STEPS = 24
 WARMUP_CHECK_LATER = 8
+# ... and while those checks find no gain, each check twice as far from the last as the one
+# before, up to WARMUP_CHECK_CALM_MAX steps apart, with only the WARMUP_CHECK_LATER steps before
+# each one timed: timing a step costs the training thread about half a millisecond of CPU (the
+# forward hooks, the scheduler statistics, the windows), which on a host with more CPU-bound
+# workers than cores slowed even jobs 5 % below DDP (8 workers on 2 cores). A check that finds
+# the gain brings the next one back to WARMUP_CHECK_LATER steps, so a straggler that appears
+# late is seen within WARMUP_CHECK_CALM_MAX + 2 x WARMUP_CHECK_LATER steps.
+WARMUP_CHECK_CALM_MAX = 64
 # ... and only when the slowest worker's excess over the others' pace is at least this much per
 # step: with steps of a fraction of a millisecond, a worker descheduled once reads as slow, and
 # waiting for it costs next to nothing anyway.
@@ -495,6 +504,8 @@ class RipplesAverager(ModelAverager):
         self._warm_rqw: List[list] = []
         self._warm_fwd_rq: Optional[float] = None
         self._warm_hits = 0
+        self._warm_calm_reset()
+        self._warm_timed = False  # whether the step under way is timed
         self.warmup_ended_early: Optional[int] = None
         self.warmup_gain: Optional[float] = None  # the last check's gain
         self.warmup_need: Optional[float] = None  # ... and the gain it needed
@@ -642,15 +653,48 @@ class RipplesAverager(ModelAverager):
             self.step_log.step(step, self._warm_end - prev_end, compute, partial)
 
     # -- warm-up exit (warmup_straggler)
-    def _warm_timing(self) -> bool:
-        """Whether this step is timed for the warm-up exit."""
+    def _warm_clock_on(self) -> bool:
+        """Whether warm-up may still end early at a check (the clock's forward hooks stay)."""
         return bool(self.warmup_straggler) and self.step < self.warmup_steps and \
             not self.detached
+
+    def _warm_timing(self) -> bool:
+        """Whether this step is timed for the warm-up exit: every step until the checks spread
+        out (``WARMUP_CHECK_CALM_MAX``), then the ``WARMUP_CHECK_LATER`` before each check."""
+        nxt = self._warm_next
+        return self._warm_clock_on() and (nxt is None or self.step > nxt - WARMUP_CHECK_LATER)
+
+    def _warm_calm_reset(self) -> None:
+        """Checks at the fixed cadence again (``warmup_window``): at the start and on restore,
+        so that every worker keeps the same schedule."""
+        self._warm_next: Optional[int] = None  # the step whose end runs the next check
+        self._warm_spacing = WARMUP_CHECK_LATER
+        self._warm_last_check: Optional[int] = None
+
+    def _warm_check_due(self) -> bool:
+        nxt = self._warm_next
+        if nxt is not None:
+            return self.step >= nxt
+        return (self.step + 1) % warmup_window(self.step) == 0
+
+    def _warm_schedule(self, hit: bool) -> int:
+        """After a check at this step: where the next one is (past the first
+        ``WARMUP_QUICK_STEPS``: sooner after a check that found the gain, farther after a calm
+        one). Returns the steps since the last check (the what-if's weight of this one)."""
+        since = self.step - self._warm_last_check if self._warm_last_check is not None else \
+            warmup_window(self.step)
+        self._warm_last_check = self.step
+        if self.step + 1 > WARMUP_QUICK_STEPS:
+            self._warm_spacing = WARMUP_CHECK_LATER if hit else \
+                min(2 * self._warm_spacing, WARMUP_CHECK_CALM_MAX)
+            self._warm_next = self.step + self._warm_spacing
+        return since
 
     def _warm_restart(self) -> None:
         """A step has ended: the next one's clock starts now, with no waiting yet."""
         self._warm_end = time.perf_counter()
-        self._warm_rq = self._sched.waited() if self._warm_timing() else None
+        self._warm_timed = self._warm_timing()
+        self._warm_rq = self._sched.waited() if self._warm_timed else None
         self._warm_cpu = self._sched.ran() if self._warm_rq is not None else None
         self._warm_rqw = []  # the run queue clock at each waiting window's start and end
         for st in getattr(self, "_hook_states", ()):
@@ -704,8 +748,7 @@ class RipplesAverager(ModelAverager):
 
     def _warmup_check(self) -> None:
         self._warm_time_step(time.perf_counter())
-        if (self.step + 1) % warmup_window(self.step) != 0 or \
-                self.step + 1 >= self.warmup_steps:
+        if not self._warm_check_due() or self.step + 1 >= self.warmup_steps:
             return
         gathered = self._warm_gather()
         if gathered is None:
@@ -713,11 +756,11 @@ class RipplesAverager(ModelAverager):
         times, crowded, penalty = gathered
         if times is None:  # someone has no measurement yet (every worker sees the same)
             self._warm_hits = 0
+            self._warm_schedule(hit=False)
             self._keep_warm()
             return
         gain, excess, slow = straggler_gain(times)
         self.warmup_gain = gain
-        self.whatif_exact.add(times)
         # Workers waiting for cores (more CPU-bound workers than the host has): the steps'
         # differences are mostly that competition, which averaging partially cannot remove --
         # it adds no cores -- so only a clear straggler counts then.
@@ -727,10 +770,9 @@ class RipplesAverager(ModelAverager):
         need, row = (max(self.warmup_need, WARMUP_CROWDED_GAIN),
                      WARMUP_CROWDED_IN_A_ROW) if crowded else \
             (self.warmup_need, WARMUP_CHECKS_IN_A_ROW)
-        if gain < need or excess < WARMUP_MIN_EXCESS_S:
-            self._warm_hits = 0
-        else:
-            self._warm_hits += 1
+        hit = gain >= need and excess >= WARMUP_MIN_EXCESS_S
+        self._warm_hits = self._warm_hits + 1 if hit else 0
+        self.whatif_exact.add(times, steps=self._warm_schedule(hit))
         if self._warm_hits < row:
             self._keep_warm()
             return
@@ -767,7 +809,7 @@ class RipplesAverager(ModelAverager):
         exact collectives and for a core) and how much of its time outside those collectives
         it spent waiting for a core."""
         self._take_hook_windows()
-        if self._warm_end is None or now <= self._warm_end:
+        if not self._warm_timed or self._warm_end is None or now <= self._warm_end:
             return
         wait = _covered(self._warm_wins, self._warm_end, now)
         rq = self._sched.waited()
@@ -821,7 +863,9 @@ class RipplesAverager(ModelAverager):
     def _keep_warm(self) -> None:
         """No straggler now: with no fixed end, warm-up goes on past the next check."""
         if self.warmup_limit is None:
-            self._set_warmup_end(max(self.warmup_steps, self.step + 1 + WARMUP_HORIZON))
+            ahead = WARMUP_HORIZON if self._warm_next is None else \
+                self._warm_next - self.step + WARMUP_HORIZON - WARMUP_CHECK_LATER
+            self._set_warmup_end(max(self.warmup_steps, self.step + 1 + ahead))
 
     def _set_warmup_end(self, end: int) -> None:
         """The end of warm-up in force, for this averager and the hook states linked to it
@@ -993,6 +1037,7 @@ class RipplesAverager(ModelAverager):
         if self._round is not None and self._round.pending:
             self._discard_round()  # it started from the parameters being replaced
         step = int(sd["step"])
+        self._warm_calm_reset()
         ended = sd.get("warmup_ended_early")
         saved_end = sd.get("warmup_steps")
         if ended is not None:

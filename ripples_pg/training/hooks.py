@@ -200,7 +200,11 @@ class RipplesHookState:
         clock = exact and not self._synchronous and timing is not None and bool(timing())
         # the run-queue wait of this thread: the training loop's (this runs in its step)
         sw.set(exact, clock, threading.get_native_id() if clock else 0)
-        if clock:
+        # The forward hooks stay while warm-up may end, also over the steps it does not time
+        # (they return at once then): adding and removing them would make torch.compile
+        # recompile the model.
+        on = getattr(av, "_warm_clock_on", timing)
+        if clock or (exact and not self._synchronous and on is not None and bool(on())):
             self._install_forward_clock()
         elif self._fwd_handles:
             self._remove_forward_clock()
@@ -245,8 +249,9 @@ class RipplesHookState:
         its all-reduce completes (None if the averager does not time this step)."""
         note = getattr(self.averager, "note_gradient_bucket", None)
         done = note(bucket.is_last()) if note is not None else None
-        if done is not None:
-            self._install_forward_clock()
+        on = getattr(self.averager, "_warm_clock_on", None)
+        if done is not None or (on is not None and on()):
+            self._install_forward_clock()  # kept over untimed steps: see _sync_switch
         elif self._fwd_handles:
             self._remove_forward_clock()
         return done

@@ -120,10 +120,13 @@ class ExactPart:
         self.cost: List[float] = []  # per worker: its lead over the second slowest, summed
         self._last: Optional[float] = None
 
-    def add(self, times: Sequence[Sequence[float]], now: Optional[float] = None) -> None:
+    def add(self, times: Sequence[Sequence[float]], now: Optional[float] = None,
+            steps: Optional[int] = None) -> None:
         """One check's window: ``times[w][t]`` every worker's compute of each of its steps.
         The wall time is measured from the previous window's end; the first window, whose
-        start is not known, only starts the clock."""
+        start is not known, only starts the clock. ``steps``: the steps since the previous
+        window, where only the last of them were timed (default: as many as were timed); the
+        timed ones stand for them all."""
         now = time.perf_counter() if now is None else now
         last, self._last = self._last, now
         n, k = len(times), len(times[0]) if times else 0
@@ -134,14 +137,15 @@ class ExactPart:
         totals = [sum(ts) for ts in times]
         if min(totals) <= 0:
             return
+        weight = 1.0 if steps is None else max(1.0, steps / k)
         for t in range(k):
             col = sorted(((times[w][t], w) for w in range(n)), reverse=True)
-            self.allreduce += col[0][0]
+            self.allreduce += weight * col[0][0]
             if n > 1:
-                self.cost[col[0][1]] += col[0][0] - col[1][0]
-        self.free += n / sum(1.0 / x for x in totals)
+                self.cost[col[0][1]] += weight * (col[0][0] - col[1][0])
+        self.free += weight * n / sum(1.0 / x for x in totals)
         self.wall += now - last
-        self.steps += k
+        self.steps += k if steps is None else max(k, steps)
 
     def restart_clock(self) -> None:
         """Warm-up ended (or the windows stopped): the next window's start is unknown."""
