@@ -253,3 +253,15 @@ def test_report_edge_cases(tmp_path, capsys):
     with open(tmp_path / "ripples-rank0.jsonl", "a") as f:
         f.write('{"event": "start", "rank": 0, "world": 2, "t": 1.0}\n')
     assert report.Run(str(tmp_path)).earlier_starts == 1
+
+
+def test_report_weights_timed_runs_like_the_live_view():
+    # the offline report (python -m ripples_pg.report): a run of timed exact steps stands for
+    # itself and the untimed ones before it; untimed steps after the last run count in no ratio
+    from ripples_pg.tools.report import _timed_weights
+
+    timed = set(range(4)) | set(range(12, 16))
+    w = _timed_weights(range(21), timed)
+    assert set(w) == timed
+    assert all(w[k] == 1.0 for k in range(4))
+    assert all(w[k] == 3.0 for k in range(12, 16))  # 4 timed + 8 untimed before them

@@ -133,12 +133,33 @@ def account(run: Run, until: Optional[float] = None) -> Tuple[Optional[dict], Di
     return combine(exact, partial, cost if len(ranks) > 1 else None), per
 
 
-def _lead(col: Sequence[Tuple[float, int]], cost: Dict[int, float]) -> float:
-    """The slowest of one step's computes; its lead over the second slowest goes to its cost."""
+def _lead(col: Sequence[Tuple[float, int]], cost: Dict[int, float],
+          weight: float = 1.0) -> float:
+    """The slowest of one step's computes; its lead over the second slowest goes to its cost
+    (both counted ``weight`` times: the steps it stands for)."""
     top = max(col)
     if len(col) > 1:
-        cost[top[1]] += top[0] - max(c for c in col if c is not top)[0]
-    return top[0]
+        cost[top[1]] += weight * (top[0] - max(c for c in col if c is not top)[0])
+    return weight * top[0]
+
+
+def _timed_weights(steps: Sequence[int], timed: set) -> Dict[int, float]:
+    """Each timed exact step's weight: calm warm-up checks time only the steps before them
+    (``ripples_pg.averager``, ``WARMUP_CHECK_CALM_MAX``), so a run of timed steps stands for
+    itself and the untimed steps before it, as the live what-if weights its windows."""
+    weights: Dict[int, float] = {}
+    pending, run = 0, []
+    for k in list(steps) + [None]:
+        if k is not None and k in timed:
+            run.append(k)
+            continue
+        if run:
+            w = (len(run) + pending) / len(run)
+            weights.update((j, w) for j in run)
+            pending, run = 0, []
+        if k is not None:
+            pending += 1
+    return weights
 
 
 def _exact_part(ranks, recs, cost) -> Optional[ExactPart]:
@@ -153,12 +174,13 @@ def _exact_part(ranks, recs, cost) -> Optional[ExactPart]:
     part.wall = sum(max(b[k]["wall"] or 0.0 for b in by_step) for k in common)
     timed = sorted(k for k in common if all(b[k]["compute"] is not None for b in by_step))
     if timed:
+        weights = _timed_weights(sorted(common), set(timed))
         totals = [0.0] * len(ranks)
         for k in timed:
             col = [(b[k]["compute"], r) for b, r in zip(by_step, ranks)]
-            part.allreduce += _lead(col, cost)
+            part.allreduce += _lead(col, cost, weights[k])
             for i, (c, _) in enumerate(col):
-                totals[i] += c
+                totals[i] += weights[k] * c
         part.free = len(ranks) / sum(1.0 / t for t in totals)
     else:  # nothing timed: the exact steps count with no waste (as combine has no ratio)
         part.allreduce = part.free = part.wall

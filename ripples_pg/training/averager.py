@@ -524,6 +524,8 @@ class RipplesAverager(ModelAverager):
         if rnd is not None and rnd.pending and value != rnd.step + 1:
             # A restored step: the round in flight started from other parameters.
             self._discard_round()
+        if hasattr(self, "_warm_next") and value != self._step + 1:
+            self._warm_calm_reset()  # a step set, not taken: the checks' fixed cadence again
         self._step = value
         for st in getattr(self, "_hook_states", ()):
             st.step = self._step  # also switches the DDP buffer broadcast (warm-up or not)
@@ -677,16 +679,18 @@ class RipplesAverager(ModelAverager):
             return self.step >= nxt
         return (self.step + 1) % warmup_window(self.step) == 0
 
-    def _warm_schedule(self, hit: bool) -> int:
+    def _warm_schedule(self, hit: Optional[bool]) -> int:
         """After a check at this step: where the next one is (past the first
         ``WARMUP_QUICK_STEPS``: sooner after a check that found the gain, farther after a calm
-        one). Returns the steps since the last check (the what-if's weight of this one)."""
+        one, as far after one that measured nothing: ``hit=None``). Returns the steps since the
+        last check (the what-if's weight of this one)."""
         since = self.step - self._warm_last_check if self._warm_last_check is not None else \
             warmup_window(self.step)
         self._warm_last_check = self.step
         if self.step + 1 > WARMUP_QUICK_STEPS:
-            self._warm_spacing = WARMUP_CHECK_LATER if hit else \
-                min(2 * self._warm_spacing, WARMUP_CHECK_CALM_MAX)
+            if hit is not None:
+                self._warm_spacing = WARMUP_CHECK_LATER if hit else \
+                    min(2 * self._warm_spacing, WARMUP_CHECK_CALM_MAX)
             self._warm_next = self.step + self._warm_spacing
         return since
 
@@ -756,7 +760,7 @@ class RipplesAverager(ModelAverager):
         times, crowded, penalty = gathered
         if times is None:  # someone has no measurement yet (every worker sees the same)
             self._warm_hits = 0
-            self._warm_schedule(hit=False)
+            self._warm_schedule(hit=None)
             self._keep_warm()
             return
         gain, excess, slow = straggler_gain(times)
@@ -1038,6 +1042,7 @@ class RipplesAverager(ModelAverager):
             self._discard_round()  # it started from the parameters being replaced
         step = int(sd["step"])
         self._warm_calm_reset()
+        self._warm_times, self._warm_crowd = [], []  # the next check's: from restored steps
         ended = sd.get("warmup_ended_early")
         saved_end = sd.get("warmup_steps")
         if ended is not None:
@@ -1052,6 +1057,7 @@ class RipplesAverager(ModelAverager):
             else:
                 self._set_warmup_end(step + WARMUP_HORIZON)  # still exact: check again
         self.step = step
+        self._warm_timed = False  # the step under way was not timed from its start
         if "counts" in sd:
             self.counts.update(sd["counts"])
 
