@@ -35,7 +35,7 @@ import threading
 from collections import OrderedDict
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -474,17 +474,21 @@ class ShardedRipplesOptimizer:
         step (where the warm-up stands), the job step and the counters; with partial DiLoCo
         the anchors and the outer optimizer's state, as DTensors laid out like the parameters
         (so DCP saves each shard rank's own)."""
-        self._settle()  # an overlapped round in flight lands first: what is saved is whole
         sd = self.optim.state_dict()
-        sd["ripples_fsdp"] = {"step": self.step_count, "job_step": self._job_step,
-                              "job_samples": self._job_samples,
-                              "warmup_steps": self.warmup_steps,
-                              "warmup_ended_early": self.warmup_ended_early,
-                              "local_steps": self.local_steps,
-                              "counts": dict(self.counts)}
-        if self._diloco is not None:
-            sd["ripples_fsdp"]["diloco"] = self._diloco.state_dict(self._params())
+        sd["ripples_fsdp"] = self.ripples_state()
         return sd
+
+    def ripples_state(self) -> dict:
+        """Ripples' part of :meth:`state_dict` alone (what a trainer that saves the inner
+        optimizer's state itself keeps beside it)."""
+        self._settle()  # an overlapped round in flight lands first: what is saved is whole
+        mine = {"step": self.step_count, "job_step": self._job_step,
+                "job_samples": self._job_samples, "warmup_steps": self.warmup_steps,
+                "warmup_ended_early": self.warmup_ended_early,
+                "local_steps": self.local_steps, "counts": dict(self.counts)}
+        if self._diloco is not None:
+            mine["diloco"] = self._diloco.state_dict(self._params())
+        return mine
 
     def load_state_dict(self, state_dict) -> None:
         """Loads a state dict of :meth:`state_dict` (or the inner optimizer's alone). Every
@@ -499,30 +503,43 @@ class ShardedRipplesOptimizer:
                                                      self._locals()))
         self.optim.load_state_dict(state_dict)
         if mine is not None:
-            self.step_count = int(mine["step"])
-            self._job_step = int(mine.get("job_step", self.step_count))
-            if mine.get("job_samples") is not None:
-                self._job_samples = int(mine["job_samples"])
-            self.counts.update(mine.get("counts", {}))
-            self.local_steps = int(mine.get("local_steps", 0))
-            if self._diloco is not None:
-                saved = mine.get("diloco")
-                if saved is None and self.step_count > 0:
-                    logger.warning("ripples_pg.fsdp: the state has no DiLoCo part; the anchors "
-                                   "are taken anew from the model at the next step")
-                self._diloco.load_state_dict(saved or {})
-            ended = mine.get("warmup_ended_early")
-            saved_end = mine.get("warmup_steps")
-            if ended is not None:  # a straggler had ended warm-up: partial rounds go on
-                self.warmup_ended_early = int(ended)
-                self._end_warmup_at(int(ended))
-            elif saved_end is not None and self.step_count >= int(saved_end):
-                # partial rounds had started at a fixed end: they go on too. Replica groups
-                # now stand at different steps, so no rank may go back to exact steps (their
-                # collectives would no longer pair up)
-                self._end_warmup_at(int(saved_end))
-            if self.clock is not None:
-                self.clock.rebase(self._job_step, self._job_samples or 0)
+            self._load_ripples(mine)
+
+    def load_ripples_state(self, mine: Mapping) -> None:
+        """Loads Ripples' part alone (:meth:`ripples_state`), beside an inner optimizer state
+        the trainer has loaded itself; every rank at the same point, as
+        :meth:`load_state_dict`."""
+        self._settle()
+        if self._diloco is not None:
+            self._agree_on_load(ShardAnchors.refusal(mine.get("diloco") or {},
+                                                     self._locals()))
+        self._load_ripples(mine)
+
+    def _load_ripples(self, mine: Mapping) -> None:
+        self.step_count = int(mine["step"])
+        self._job_step = int(mine.get("job_step", self.step_count))
+        if mine.get("job_samples") is not None:
+            self._job_samples = int(mine["job_samples"])
+        self.counts.update(mine.get("counts", {}))
+        self.local_steps = int(mine.get("local_steps", 0))
+        if self._diloco is not None:
+            saved = mine.get("diloco")
+            if saved is None and self.step_count > 0:
+                logger.warning("ripples_pg.fsdp: the state has no DiLoCo part; the anchors "
+                               "are taken anew from the model at the next step")
+            self._diloco.load_state_dict(saved or {})
+        ended = mine.get("warmup_ended_early")
+        saved_end = mine.get("warmup_steps")
+        if ended is not None:  # a straggler had ended warm-up: partial rounds go on
+            self.warmup_ended_early = int(ended)
+            self._end_warmup_at(int(ended))
+        elif saved_end is not None and self.step_count >= int(saved_end):
+            # partial rounds had started at a fixed end: they go on too. Replica groups now
+            # stand at different steps, so no rank may go back to exact steps (their
+            # collectives would no longer pair up)
+            self._end_warmup_at(int(saved_end))
+        if self.clock is not None:
+            self.clock.rebase(self._job_step, self._job_samples or 0)
 
     def _agree_on_load(self, refusal: Optional[str]) -> None:
         """Raises on every rank, before anything is loaded, if any rank cannot load its part
@@ -572,12 +589,16 @@ class ShardedRipplesOptimizer:
         if self.unwrapped:
             raise RuntimeError("ripples_pg.fsdp: step() after unwrap(); step the optimizer "
                                "unwrap() returned")
+        loss = None
+        if closure is not None:  # the gradients first: they are averaged before the step
+            with torch.enable_grad():
+                loss = closure()
         exact = self._exact()
         if exact:
             self._average_gradients()
         elif self._diloco is not None and self._diloco.wanted:
             self._diloco.take(self._locals())  # the model before the first local step
-        loss = self.optim.step(closure) if closure is not None else self.optim.step()
+        self.optim.step()
         if exact and self._warm is not None:
             self._warmup_check()
         if not exact:
@@ -885,15 +906,22 @@ class ShardedRipplesOptimizer:
             if not self.unwrapped:
                 self._settle()  # an overlapped round in flight lands first
             if not self.unwrapped and average:
-                if self.sampler is not None:  # every rank from the job's place in the epoch
-                    self.sampler._agree(None, device=self._device())
-                self._agree_progress()
+                self.agree()
                 self.average_replicas()
         finally:
             if self._warm is not None:
                 self._warm.close()  # its scheduler statistics file, even if the average raised
         self.unwrapped = True
         return self.optim
+
+    def agree(self) -> None:
+        """Every rank takes the job's place: the linked sampler's in its epoch and the furthest
+        job step any rank knows; from here on the replica groups step together (what
+        :meth:`unwrap` does before its average). Every rank must call it."""
+        self._settle()
+        if self.sampler is not None:
+            self.sampler._agree(None, device=self._device())
+        self._agree_progress()
 
     def _agree_progress(self) -> None:
         """Every rank from the furthest job step and job samples any rank knows (as
@@ -1021,6 +1049,35 @@ def _unpack(flat: torch.Tensor, parts: List[torch.Tensor], add: bool = False) ->
         off += n
 
 
+def check_wrap_options(warmup_steps, warmup_straggler, average_optimizer_state, sync_every,
+                       outer_optimizer, on_alone, overlap) -> tuple:
+    """:func:`wrap`'s options that need no model or group, checked as it checks them (also by
+    a trainer's strategy when it is made). Returns ``(warmup_steps, warmup_straggler,
+    sync_every)`` resolved."""
+    if warmup_steps is not None:
+        warmup_steps = check_int(_WHO, "warmup_steps (None: no fixed end)",
+                                 operator.index(warmup_steps)
+                                 if _is_integer(warmup_steps) else warmup_steps, 0)
+    warmup_straggler = check_warmup_straggler(_WHO, "warmup_straggler", warmup_straggler)
+    if not warmup_straggler and warmup_steps is None:
+        raise ValueError(f"{_WHO}: warmup_steps=None (exact until a straggling replica group "
+                         f"ends warm-up) needs warmup_straggler, the gain that ends it; give "
+                         f"warmup_steps a number of steps to turn the straggler check off")
+    for name, flag in (("average_optimizer_state", average_optimizer_state),
+                       ("overlap", overlap)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{_WHO}: {name} must be a bool, got {flag!r}")
+    if overlap and outer_optimizer is not None:
+        raise ValueError(f"{_WHO}: overlap=True does not combine with outer_optimizer: the "
+                         f"outer step needs its round's average at once. Pass one of them")
+    check_on_alone(on_alone, _WHO, outer_optimizer)
+    # the DDP path's rules for outer_optimizer and sync_every (one level: the partial rounds)
+    _, sync_every = resolve_sync_levels(
+        outer_optimizer, operator.index(sync_every) if _is_integer(sync_every) else sync_every,
+        None, False, _WHO)
+    return warmup_steps, warmup_straggler, sync_every
+
+
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
          warmup_steps: Optional[int] = None,
          warmup_straggler: Optional[float] = FSDP_WARMUP_STRAGGLER,
@@ -1077,27 +1134,9 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
     """
     if not dist.is_initialized():
         raise RuntimeError(f"{_WHO}: torch.distributed is not initialized")
-    if warmup_steps is not None:
-        warmup_steps = check_int(_WHO, "warmup_steps (None: no fixed end)",
-                                 operator.index(warmup_steps)
-                                 if _is_integer(warmup_steps) else warmup_steps, 0)
-    warmup_straggler = check_warmup_straggler(_WHO, "warmup_straggler", warmup_straggler)
-    if not warmup_straggler and warmup_steps is None:
-        raise ValueError(f"{_WHO}: warmup_steps=None (exact until a straggling replica group "
-                         f"ends warm-up) needs warmup_straggler, the gain that ends it; give "
-                         f"warmup_steps a number of steps to turn the straggler check off")
-    for name, flag in (("average_optimizer_state", average_optimizer_state),
-                       ("overlap", overlap)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{_WHO}: {name} must be a bool, got {flag!r}")
-    if overlap and outer_optimizer is not None:
-        raise ValueError(f"{_WHO}: overlap=True does not combine with outer_optimizer: the "
-                         f"outer step needs its round's average at once. Pass one of them")
-    check_on_alone(on_alone, _WHO, outer_optimizer)
-    # the DDP path's rules for outer_optimizer and sync_every (one level: the partial rounds)
-    _, sync_every = resolve_sync_levels(
-        outer_optimizer, operator.index(sync_every) if _is_integer(sync_every) else sync_every,
-        None, False, _WHO)
+    warmup_steps, warmup_straggler, sync_every = check_wrap_options(
+        warmup_steps, warmup_straggler, average_optimizer_state, sync_every, outer_optimizer,
+        on_alone, overlap)
     outer_name = outer_optimizer if outer_optimizer is None or \
         isinstance(outer_optimizer, str) else "callable"
     error: Optional[Exception] = None
