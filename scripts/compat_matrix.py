@@ -152,10 +152,22 @@ CELLS = [
      "collective; the other replica groups average on to the job's budget; the exact average "
      "at the end raises naming the dead rank ([fsdp.md](fsdp.md#a-rank-that-dies))",
      ["test_fsdp.py::test_a_dead_rank_takes_its_replica_group_out_and_the_others_go_on"]),
+    ("FSDP2 under Lightning: `RipplesFSDPStrategy` (`fully_shard` over "
+     "`self.device_mesh['shard']` in `configure_model`)", WORKS,
+     "exact steps = Lightning's own HSDP; `max_steps` and epochs count the job's work under a "
+     "coordinator's schedule; checkpoints (DCP) hold the replica groups' average and Ripples' "
+     "part, and resume; `fit` ends with one model; an HSDP-sharded model and manual "
+     "optimization refused on every rank ([lightning.md](lightning.md#sharded-models-"
+     "ripplesfsdpstrategy))",
+     ["test_lightning_fsdp_strategy.py::test_exact_steps_match_lightnings_own_hsdp",
+      "test_lightning_fsdp_strategy.py::"
+      "test_a_straggling_replica_group_ends_warmup_and_the_fit_ends_averaged",
+      "test_lightning_fsdp_strategy.py::test_misuse_is_refused_on_every_rank"]),
     ("FSDP2 under `RipplesStrategy` (`fully_shard` in `configure_model`), `RipplesTrainer` "
      "with `fsdp=` / DeepSpeed", REFUSED,
-     "`TypeError` at setup on every rank / `ValueError` at construction, naming "
-     "`ripples_pg.fsdp.wrap()` in a loop of your own ([fsdp.md](fsdp.md))",
+     "`TypeError` at setup on every rank (naming `RipplesFSDPStrategy`) / `ValueError` at "
+     "construction (naming `ripples_pg.fsdp.wrap()` in a loop of your own; "
+     "[fsdp.md](fsdp.md))",
      ["test_lightning_fsdp.py::test_fully_shard_in_configure_model_is_refused_on_every_rank",
       "test_hf_trainer.py::test_construction_refuses_what_would_break"]),
     ("FSDP2 sharded checkpoints through DCP, resuming", WORKS,

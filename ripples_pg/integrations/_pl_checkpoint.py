@@ -24,16 +24,42 @@ class ExactAverages:
         every rank, if any rank stepped since the last one (one tiny exact all-reduce decides,
         so averaging identical replicas again cannot change them by a rounding). Every rank
         must call it at the same point; it is the fence after a rank's last partial round."""
-        ropt = self._ropt
-        group = ropt.hook_state.process_group
-        flag = torch.tensor([1 if self._dirty else 0], dtype=torch.int32)
+        group = self._fence_group()
+        flag = torch.tensor([1 if self._dirty else 0], dtype=torch.int32,
+                            device=self._fence_device())
         with exact_if_ripples(group):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()):
-            self.consensus = self._consensus(ropt, group)
+            self.consensus = self._replica_consensus()
             self._log_metrics({"ripples/consensus": self.consensus})
-            ropt.averager.synchronize(ropt.param_groups, group=group)
+            self._synchronize()
         self._dirty = False
+
+    # What the strategy averages, and over which group (RipplesStrategy's DDP replicas here;
+    # RipplesFSDPStrategy overrides them for replica groups of shards).
+    def _fence_group(self):
+        """The group every rank of the job meets in (exact collectives)."""
+        return self._ropt.hook_state.process_group
+
+    def _fence_device(self) -> torch.device:
+        """Where that group's tensors live (ripples takes CPU tensors; NCCL needs CUDA)."""
+        return torch.device("cpu")
+
+    def _own_step(self) -> int:
+        """This rank's optimizer steps so far."""
+        return self._ropt.averager.step
+
+    def _replica_consensus(self) -> float:
+        return self._consensus(self._ropt, self._fence_group())
+
+    def _synchronize(self) -> None:
+        """The exact average of the replicas (parameters, buffers, optimizer state)."""
+        ropt = self._ropt
+        ropt.averager.synchronize(ropt.param_groups, group=self._fence_group())
+
+    def _lockstep_hint(self) -> str:
+        """How to make every rank run the same steps (the alternative an error names)."""
+        return 'pass progress="worker" (every rank runs the same steps)'
 
     @staticmethod
     def _consensus(ropt, group) -> float:
@@ -61,16 +87,22 @@ class ExactAverages:
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=trainer.global_step)
 
+    @staticmethod
+    def _numbers(stats: dict, keys) -> dict:
+        """``ripples/<key>`` for each of ``keys`` whose statistic is a number."""
+        return {f"ripples/{k}": float(stats[k]) for k in keys
+                if isinstance(stats.get(k), (int, float)) and not isinstance(stats[k], bool)}
+
     def lightning_module_state_dict(self) -> dict:
         # Called on every rank by Trainer.save_checkpoint (before its barrier): the checkpoint
         # holds the average of the replicas, not rank 0's own.
         if self._ropt is not None and not self._ropt.unwrapped:
             if self._free_running and self._job_mode and self._in_batch():
                 raise RuntimeError(
-                    "RipplesStrategy(progress=\"job\"): a checkpoint was requested inside a "
-                    "training step; the ranks run different numbers of steps and would not "
-                    "meet at the same point. Save at epoch ends (ModelCheckpoint's default) "
-                    "and at the end of fit (save_last), or pass progress=\"worker\"")
+                    f"{type(self).__name__}(progress=\"job\"): a checkpoint was requested "
+                    f"inside a training step; the ranks run different numbers of steps and "
+                    f"would not meet at the same point. Save at epoch ends (ModelCheckpoint's "
+                    f"default) and at the end of fit (save_last), or {self._lockstep_hint()}")
             if self._free_running and not self._job_mode:
                 raise RuntimeError(
                     "RipplesStrategy(time_limit=...): a checkpoint was requested while this "

@@ -126,13 +126,13 @@ class JobProgress:
         ranks run different numbers of steps: under ``time_limit`` (``job=False``) or
         ``progress="job"`` with a shared job clock (``job=True``)."""
         mode = 'progress="job"' if job else "time_limit=..."
-        alt = ('pass progress="worker" (every rank runs the same steps)' if job else
-               "use max_steps instead of time_limit")
+        alt = self._lockstep_hint() if job else "use max_steps instead of time_limit"
+        me = type(self).__name__
         _callbacks = sub("callbacks")
         ModelCheckpoint, Timer = _callbacks.ModelCheckpoint, _callbacks.Timer
         if not job and any(isinstance(cb, Timer) for cb in trainer.callbacks):
             raise ValueError(
-                "RipplesStrategy(time_limit=...) and Trainer(max_time=...)/Timer cannot be "
+                f"{me}(time_limit=...) and Trainer(max_time=...)/Timer cannot be "
                 "combined: the Timer broadcasts rank 0's decision at every step (a global "
                 "barrier at the straggler's pace); time_limit stops each rank on its own "
                 "clock. Trainer(max_time=...) alone (without time_limit) ends every rank on "
@@ -142,7 +142,7 @@ class JobProgress:
                     getattr(cb, "_every_n_train_steps", 0) or
                     getattr(cb, "_train_time_interval", None) is not None):
                 raise ValueError(
-                    f"RipplesStrategy({mode}): ModelCheckpoint(every_n_train_steps=... or "
+                    f"{me}({mode}): ModelCheckpoint(every_n_train_steps=... or "
                     f"train_time_interval=...) cannot be used: ranks run different numbers of "
                     f"steps, so step- or time-triggered checkpoints (collectives) would not "
                     f"match across ranks. Checkpoint at epoch ends (every_n_epochs) and at the "
@@ -150,17 +150,17 @@ class JobProgress:
         limit = trainer.limit_train_batches
         if isinstance(limit, int) or limit != 1.0 or trainer.overfit_batches:
             raise ValueError(
-                f"RipplesStrategy({mode}): limit_train_batches/overfit_batches would end "
+                f"{me}({mode}): limit_train_batches/overfit_batches would end "
                 f"epochs after a number of each rank's own batches, and ranks take different "
                 f"numbers of batches; {alt}")
         if job and trainer.fit_loop.min_steps:
             raise ValueError(
-                f"RipplesStrategy({mode}): min_steps counts each rank's own steps, which "
+                f"{me}({mode}): min_steps counts each rank's own steps, which "
                 f"differ: a rank past it would stop while one short of it went on into "
                 f"collectives nobody else joins. Use min_epochs (the job's epochs), or {alt}")
         if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) and job:
             raise ValueError(
-                f"RipplesStrategy({mode}): reload_dataloaders_every_n_epochs is not supported "
+                f"{me}({mode}): reload_dataloaders_every_n_epochs is not supported "
                 f"(the job-wide sampler is linked once per fit); {alt}")
         val_int = trainer.val_check_interval
         if trainer.limit_val_batches != 0 and (
@@ -168,7 +168,7 @@ class JobProgress:
                 isinstance(val_int, int) or val_int != 1.0):
             where = "at each epoch's end" if job else "once, at the stop"
             raise ValueError(
-                f"RipplesStrategy({mode}): validation during an epoch (val_check_interval) "
+                f"{me}({mode}): validation during an epoch (val_check_interval) "
                 f"would run after a different number of batches on each rank; validation "
                 f"runs {where} (keep val_check_interval=1.0), or set limit_val_batches=0, or "
                 f"{alt}")
@@ -264,7 +264,7 @@ class JobProgress:
                         strategy._allowed = False
                 if _timer._duration is not None and _timer.time_elapsed() >= _timer._duration:
                     trainer_.should_stop = True
-                    strategy.stopped_at = ropt.averager.step
+                    strategy.stopped_at = strategy._own_step()
 
             timer._check_time_remaining = check
 
@@ -290,13 +290,26 @@ class JobProgress:
         inside the epoch on one rank), so no rank starts an epoch the others never join."""
         if not self._epoch_agreement or self._ropt is None or self._ropt.unwrapped:
             return
-        group = self._ropt.hook_state.process_group
-        flag = torch.tensor([1 if trainer.should_stop else 0], dtype=torch.int32)
+        group = self._fence_group()
+        flag = torch.tensor([1 if trainer.should_stop else 0], dtype=torch.int32,
+                            device=self._fence_device())
         with exact_if_ripples(group):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         if int(flag.item()) and not trainer.should_stop:
             trainer.should_stop = True
-            self.stopped_at = self._ropt.averager.step
+            self.stopped_at = self._own_step()
+
+    def teardown(self) -> None:
+        self._end_job_progress()  # also after an exception in fit
+        super().teardown()
+
+    def on_train_end(self) -> None:
+        # after the callbacks' on_train_end (ModelCheckpoint's last checkpoint)
+        super().on_train_end()
+        self._free_running = False
+        self._end_job_progress()
+        if self._ropt is not None and not self._ropt.unwrapped:
+            self._end_fit(self._ropt)  # the strategy's exact average and unwrap
 
     def _end_job_progress(self) -> None:
         """Gives the Trainer back its own max_steps and callbacks (the end of fit, or its
@@ -382,16 +395,16 @@ class JobProgress:
             return
         if self._free_running and self._job_mode and self._in_batch():
             raise RuntimeError(
-                f"RipplesStrategy(progress=\"job\"): {what} was called inside a training "
+                f"{type(self).__name__}(progress=\"job\"): {what} was called inside a training "
                 f"step (e.g. self.log(..., sync_dist=True) or self.all_gather in "
                 f"training_step, or a callback's on_train_batch_end). The ranks run "
                 f"different numbers of steps, so it cannot match across ranks (and it would "
                 f"make every rank wait for the straggler). Log with sync_dist=False in "
-                f"training_step (epoch-end reductions are fine), or pass "
-                f"progress=\"worker\"")
+                f"training_step (epoch-end reductions are fine), or "
+                f"{self._lockstep_hint()}")
         if self._free_running and not self._job_mode:
             raise RuntimeError(
-                f"RipplesStrategy(time_limit=...): {what} was called during training (e.g. "
+                f"{type(self).__name__}(time_limit=...): {what} was called during training (e.g. "
                 f"self.log(..., sync_dist=True) or self.all_gather in training_step, or a "
                 f"callback). The ranks run different numbers of steps, so it cannot match "
                 f"across ranks (and it would make every rank wait for the straggler). Log with "
@@ -420,6 +433,18 @@ class JobProgress:
     def broadcast(self, obj, src: int = 0):
         self._refuse_collective("a broadcast")
         return super().broadcast(obj, src)
+    def _after_step(self, trainer, ropt, step: int) -> None:
+        """After an optimizer step through Ripples (``step``: this rank's, this one included):
+        the replicas now differ, the statistics every ``stats_every_n_steps``, and whether
+        this rank stops here."""
+        self._dirty = True
+        every = self.stats_every_n_steps
+        if every is None:
+            every = trainer.log_every_n_steps
+        if every and step % every == 0 and self.is_global_zero and trainer.loggers:
+            self._log_stats(trainer, step)
+        self._stop_on_budget(trainer, ropt, step)
+
     def _stop_on_budget(self, trainer, ropt, step: int) -> None:
         """After an optimizer step: whether this rank stops here, on the job's step budget
         (``progress="job"``) or on its own clock (``time_limit``)."""

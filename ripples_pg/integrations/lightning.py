@@ -51,7 +51,7 @@ from ._pl_progress import JobProgress  # noqa: E402
 from ..training._wrap import RipplesOptimizer, wrap  # noqa: E402
 from ..training.whatif import metrics as whatif_metrics  # noqa: E402
 
-__all__ = ["RipplesStrategy", "STRATEGY_NAME"]
+__all__ = ["RipplesStrategy", "STRATEGY_NAME", "RipplesFSDPStrategy", "FSDP_STRATEGY_NAME"]
 
 log = logging.getLogger("ripples_pg.lightning")  # the public path's name: what users configure
 
@@ -274,9 +274,9 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
         if kind is not None:
             raise TypeError(
                 f"RipplesStrategy: {kind} is not supported (sharded in configure_model?). "
-                f"{SHARDED_HELP} Under Lightning: do not shard the model in configure_model, "
-                f"or train it sharded with ripples_pg.fsdp.wrap() in a plain training loop "
-                f"(Lightning's FSDPStrategy and ModelParallelStrategy do not use Ripples).")
+                f"{SHARDED_HELP} Under Lightning: train a model sharded in configure_model "
+                f"with RipplesFSDPStrategy (ripples_pg.fsdp.wrap()'s averaging between replica "
+                f"groups; docs/lightning.md), or do not shard it.")
 
     def setup(self, trainer) -> None:
         self._refuse_sharded()
@@ -345,15 +345,8 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
         ropt = self._ropt
         if ropt is None or ropt.unwrapped:
             return out
-        self._dirty = True
-        trainer = self.lightning_module.trainer
-        step = ropt.averager.step  # optimizer steps taken, this one included
-        every = self.stats_every_n_steps
-        if every is None:
-            every = trainer.log_every_n_steps
-        if every and step % every == 0 and self.is_global_zero and trainer.loggers:
-            self._log_stats(trainer, step)
-        self._stop_on_budget(trainer, ropt, step)
+        # optimizer steps taken, this one included
+        self._after_step(self.lightning_module.trainer, ropt, ropt.averager.step)
         return out
 
     def ripples_stats(self) -> dict:
@@ -374,11 +367,9 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
         av = self._ropt.averager
         m = {"ripples/step": float(step), "ripples/in_warmup": float(step < av.warmup_steps),
              "ripples/job_step": float(self._ropt.job_step)}
-        for k in ("rounds", "singletons", "skipped", "failed", "passed", "period",
-                  "singleton_share", "slowdown", "rounds_since_group"):
-            v = st.get(k)
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                m[f"ripples/{k}"] = float(v)
+        m.update(self._numbers(st, ("rounds", "singletons", "skipped", "failed", "passed",
+                                    "period", "singleton_share", "slowdown",
+                                    "rounds_since_group")))
         slow = [e for e in st.get("slowest") or [] if e.get("slow")]
         m["ripples/slow_ranks"] = float(len(slow))
         if slow and slow[0].get("rank") is not None:
@@ -389,25 +380,14 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
         m.update(whatif_metrics(self._ropt.whatif(st), "ripples/"))
         self._log_metrics(m)
 
-    def teardown(self) -> None:
-        self._end_job_progress()  # also after an exception in fit
-        super().teardown()
-
-    def on_train_end(self) -> None:
-        # After the callbacks' on_train_end (ModelCheckpoint's last checkpoint): that
-        # checkpoint was averaged as it was written, so this is a no-op unless a rank stepped
-        # since.
-        super().on_train_end()
-        ropt = self._ropt
-        self._free_running = False
-        self._end_job_progress()
-        if ropt is not None and not ropt.unwrapped:
-            self._average_replicas()
-            if self._job_mode:  # every rank: the same job step from here on
-                ropt.job_clock.agree(ropt.hook_state.process_group)
-                self._last_job_step = ropt.job_clock.job_step_float
-            ropt.unwrap(average=False)  # replicas identical: plain synchronous DDP from here
-
+    def _end_fit(self, ropt) -> None:
+        # that last checkpoint was averaged as it was written, so this averages only if a rank
+        # stepped since
+        self._average_replicas()
+        if self._job_mode:  # every rank: the same job step from here on
+            ropt.job_clock.agree(ropt.hook_state.process_group)
+            self._last_job_step = ropt.job_clock.job_step_float
+        ropt.unwrap(average=False)  # replicas identical: plain synchronous DDP from here
 
 def _signature() -> inspect.Signature:
     """``RipplesStrategy.__init__``'s signature as help() and editors show it: wrap()'s options
@@ -423,3 +403,8 @@ RipplesStrategy.__init__.__signature__ = _signature()
 # Lightning has no entry-point discovery for external strategies: registering on import is the
 # way to make Trainer(strategy="ripples") work (docs/lightning.md).
 RipplesStrategy.register_strategies(StrategyRegistry)
+
+# FSDP2 models: replica groups of shards (ripples_pg/integrations/_pl_fsdp.py)
+from ._pl_fsdp import FSDP_STRATEGY_NAME, RipplesFSDPStrategy  # noqa: E402
+
+RipplesFSDPStrategy.register_strategies(StrategyRegistry)
