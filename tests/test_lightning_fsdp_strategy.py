@@ -32,7 +32,7 @@ WORLD = 4
 def _module_cls(pl, slow_group=-1, sleep_s=0.0, hsdp=False, manual=False):
     import torch
     import torch.nn.functional as F
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     class ShardedNet(pl.LightningModule):
         def __init__(self):
@@ -44,6 +44,8 @@ def _module_cls(pl, slow_group=-1, sleep_s=0.0, hsdp=False, manual=False):
             self.automatic_optimization = not manual
 
         def configure_model(self):
+            if isinstance(self, FSDPModule):  # a second fit: sharded already
+                return
             mesh = self.device_mesh if hsdp else self.device_mesh["shard"]
             for layer in self.net:
                 if isinstance(layer, torch.nn.Linear):
@@ -101,11 +103,13 @@ def _exact_job(pl, rl, hsdp_reference):
     if hsdp_reference:  # Lightning's own: HSDP over its (data_parallel, tensor_parallel) mesh
         strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=WORLD // SHARDS,
                                                        tensor_parallel_size=SHARDS)
-    else:  # every step exact: HSDP's step
-        strategy = rl.RipplesFSDPStrategy(SHARDS, warmup_steps=100)
+    else:  # every step exact, whatever the machine's load: HSDP's step
+        strategy = rl.RipplesFSDPStrategy(SHARDS, warmup_steps=100, warmup_straggler=None)
     module = _module_cls(pl, hsdp=hsdp_reference)()
     init = {k: v.detach().clone().double() for k, v in module.state_dict().items()}
-    trainer = _trainer(pl, strategy, max_steps=12, use_distributed_sampler=False)
+    # clipped gradients: after the exact average, as HSDP clips its averaged gradients
+    trainer = _trainer(pl, strategy, max_steps=12, use_distributed_sampler=False,
+                       gradient_clip_val=0.05)
     trainer.fit(module, _loader(own_shards=True))
     return {"params": _full_params(module), "init": init, "global_step": trainer.global_step}
 
@@ -140,6 +144,13 @@ def _straggler_job(pl, rl, out_dir):
     g0 = torch.tensor([trainer.global_step])
     dist.broadcast(g0, 0)
     budget = int(g0.item()) + 3
+    # a second fit on the same Trainer: every rank goes on from one step (the ranks ended
+    # the first at different own steps) and from the job step the first fit agreed on
+    trainer.fit_loop.epoch_loop.max_steps = budget
+    trainer.fit(module, _loader())
+    again = strategy.ripples_optimizer
+    out.update(again_job_step=again.job_step, again_steps=again.step_count,
+               again_own=trainer.global_step)
     strategy2 = rl.RipplesFSDPStrategy(SHARDS, options=opts)
     trainer2 = _trainer(pl, strategy2, max_steps=budget)
     trainer2.fit(_module_cls(pl, slow_group=1, sleep_s=0.15)(), _loader(), ckpt_path=ckpt)
@@ -155,11 +166,12 @@ def _full_checkpoint_job(pl, rl, out_dir):
     """A full-state checkpoint (save_distributed_checkpoint=False) has no Ripples part: the
     resumed fit goes on from its global step, in warm-up."""
     ckpt = os.path.join(out_dir, "full.ckpt")
-    first = _trainer(pl, rl.RipplesFSDPStrategy(SHARDS, save_distributed_checkpoint=False),
-                     max_steps=8)
+    # exact steps throughout, whatever the machine's load (no straggler check)
+    kw = dict(save_distributed_checkpoint=False, warmup_steps=100, warmup_straggler=None)
+    first = _trainer(pl, rl.RipplesFSDPStrategy(SHARDS, **kw), max_steps=8)
     first.fit(_module_cls(pl)(), _loader())
     first.save_checkpoint(ckpt)
-    strategy = rl.RipplesFSDPStrategy(SHARDS, save_distributed_checkpoint=False)
+    strategy = rl.RipplesFSDPStrategy(SHARDS, **kw)
     second = _trainer(pl, strategy, max_steps=12)
     second.fit(_module_cls(pl)(), _loader(), ckpt_path=ckpt)
     ropt = strategy.ripples_optimizer
@@ -254,6 +266,10 @@ def test_a_straggling_replica_group_ends_warmup_and_the_fit_ends_averaged(tmp_pa
             "ripples/consensus"} <= logged, logged
     # the epoch's checkpoint and the last one, written by every rank together
     assert len(fast["saved"]) >= 2 and any(n.startswith("last") for n in fast["saved"]), fast
+    # the second fit on the same Trainer started every rank from the fast ranks' step
+    for r in res:
+        assert r["again_job_step"] >= r["budget"], r
+        assert r["again_steps"] - fast["global_step"] == r["again_own"] - r["global_step"], r
     # resumed from the checkpoint written at the end: Ripples' part came back with it
     for r in res:
         assert r["resumed_loaded"], r
@@ -309,6 +325,22 @@ def test_construction_checks_and_registration():
     assert "ripples_fsdp" in rl.StrategyRegistry
     assert isinstance(rl.StrategyRegistry.get("ripples_fsdp"), rl.RipplesFSDPStrategy)
     rl.RipplesFSDPStrategy.register_strategies(rl.StrategyRegistry)  # idempotent
+
+
+def test_a_lightning_without_model_parallel_keeps_the_ddp_strategy():
+    # Lightning before 2.3 has no ModelParallelStrategy: RipplesStrategy still imports and
+    # registers, and RipplesFSDPStrategy says why it is missing when asked for
+    out = tl._py(tl._PL_IMPORT +
+                 "import importlib\n"
+                 "strategies = importlib.import_module(pl.__name__ + '.strategies')\n"
+                 "del strategies.ModelParallelStrategy\n"
+                 "import ripples_pg.lightning as rl\n"
+                 "assert 'ripples' in rl.StrategyRegistry\n"
+                 "assert 'RipplesFSDPStrategy' not in rl.__all__\n"
+                 "try:\n    rl.RipplesFSDPStrategy\n"
+                 "except ImportError as exc:\n    print('refused:', exc)\n",
+                 TORCH_DEVICE_BACKEND_AUTOLOAD="0", RIPPLES_LIGHTNING_AUTOREGISTER="0")
+    assert "refused: RipplesFSDPStrategy needs Lightning's ModelParallelStrategy" in out, out
 
 
 if __name__ == "__main__":

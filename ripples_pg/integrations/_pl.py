@@ -13,9 +13,10 @@ import sys
 from types import ModuleType
 from typing import Tuple
 
-__all__ = ["NAME", "pl", "sub", "FITTING"]
+__all__ = ["NAME", "pl", "sub", "FITTING", "FSDP_STRATEGY_NAME"]
 
 FITTING = "fit"  # TrainerFn.FITTING (a str enum)
+FSDP_STRATEGY_NAME = "ripples_fsdp"  # RipplesFSDPStrategy's name (lightning.py may lack it)
 
 
 def _import_lightning() -> Tuple[str, ModuleType]:

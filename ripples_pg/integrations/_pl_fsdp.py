@@ -26,7 +26,7 @@ from ..backend.options import Options
 from ..training import fsdp as rfsdp
 from ..training._args import WRAP_GROUP_DEFAULTS
 from ..training._groups import exact_if_ripples
-from ._pl import FITTING, sub
+from ._pl import FITTING, FSDP_STRATEGY_NAME, sub
 from ._pl_checkpoint import ExactAverages
 from ._pl_progress import JobProgress
 
@@ -34,8 +34,10 @@ __all__ = ["RipplesFSDPStrategy", "FSDP_STRATEGY_NAME"]
 
 log = logging.getLogger("ripples_pg.lightning")
 
-FSDP_STRATEGY_NAME = "ripples_fsdp"
-ModelParallelStrategy = sub("strategies").ModelParallelStrategy
+ModelParallelStrategy = getattr(sub("strategies"), "ModelParallelStrategy", None)
+if ModelParallelStrategy is None:  # Lightning before 2.3
+    raise ImportError("RipplesFSDPStrategy needs Lightning's ModelParallelStrategy (Lightning "
+                      "2.3 or later, with torch 2.4 or later); this Lightning has none")
 _RIPPLES_KEY = "ripples_fsdp"  # Ripples' part of a distributed checkpoint's optimizer state
 _WHO = "RipplesFSDPStrategy"
 
@@ -145,6 +147,7 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         self._job_trainer = None
         self._ropt: Optional[rfsdp.ShardedRipplesOptimizer] = None
         self._ripples_loaded = False  # a checkpoint's Ripples part was loaded in this fit
+        self._last_job_step: Optional[int] = None  # agreed at the end of the last fit
         self._dirty = False
         self._t0: Optional[float] = None
         self._free_running = False
@@ -236,12 +239,15 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         trainer = self.lightning_module.trainer
         ropt = self._ropt
         if ropt is not None and not self._ripples_loaded and trainer.global_step > 0:
-            # a checkpoint without Ripples' part (plain FSDP2, or a full-state one): go on
-            # from its step, in warm-up
+            # A checkpoint without Ripples' part (plain FSDP2, a full-state one), or a second
+            # fit on this Trainer, whose ranks ended at different own steps: every rank goes
+            # on from the same step (the largest; every rank is here), so that their warm-up
+            # checks pair up, and from the job step the last fit agreed on
+            step = self._agreed_max(trainer.global_step)
+            job = self._last_job_step if self._last_job_step is not None else step
             log.info("ripples_pg.lightning: no Ripples state in the checkpoint; Ripples "
-                     "continues at global step %d", trainer.global_step)
-            ropt.load_ripples_state({"step": trainer.global_step,
-                                     "job_step": trainer.global_step})
+                     "continues at step %d (job step %d)", step, job)
+            ropt.load_ripples_state({"step": step, "job_step": job})
         self._silence_sigterm_broadcast(trainer)
         self._free_running = self._job_mode
         if self._job_mode:
@@ -253,8 +259,17 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         if ropt is None or ropt.unwrapped:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         model = model or self.lightning_module
+
+        def averaged():
+            # the backward, then (an exact step) the gradients averaged over the replica
+            # groups, then what Lightning runs after the closure (on_before_optimizer_step,
+            # gradient clipping): on the averaged gradients, as under HSDP
+            result = closure()
+            ropt.exact_gradients()
+            return result
+
         out = self.precision_plugin.optimizer_step(_RipplesStep(ropt, optimizer), model=model,
-                                                   closure=closure, **kwargs)
+                                                   closure=averaged, **kwargs)
         self._after_step(self.lightning_module.trainer, ropt, ropt.step_count)
         return out
 
@@ -283,6 +298,7 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
 
     def _end_fit(self, ropt) -> None:
         ropt.agree()  # every rank: the job's step and place in its epoch
+        self._last_job_step = ropt.job_step
         self._average_replicas()
         ropt.unwrap(average=False)  # replica groups identical: plain FSDP2 from here
 
@@ -300,6 +316,7 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         """max over replica groups of ||x_r - mean|| / ||mean||, x_r = replica group r's whole
         model (its ranks' shards together): 0 when all hold the same model."""
         ropt = self._ropt
+        ropt._settle()  # an overlapped round in flight lands first (as the average's does)
         device = ropt._device()
         with torch.no_grad():
             x = torch.cat([rfsdp._local(t).detach().reshape(-1).to(device=device,
@@ -336,18 +353,33 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         path = Path(self.broadcast(checkpoint_path))
-        if self._ropt is not None and path.is_dir():
+        lm = self.lightning_module
+        fitting = lm is not None and lm.trainer is not None and \
+            lm.trainer.state.fn == FITTING
+        # (validate/test after a fit load the model only: the last fit's Ripples is over)
+        if fitting and self._ropt is not None and not self._ropt.unwrapped and path.is_dir():
             self._ripples_loaded = self._load_ripples_part(path)
         return checkpoint
 
+    def _agreed_max(self, value: int) -> int:
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self._fence_device())
+        with exact_if_ripples(None):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
     def _load_ripples_part(self, path: Path) -> bool:
         """Ripples' part of a distributed checkpoint (``optimizer_0.ripples_fsdp``), if it has
-        one (every rank reads the same metadata, so all load it or none)."""
+        one (every rank reads the same metadata, so all load it or none): the step, where
+        warm-up stands, the job step and the counters. Partial DiLoCo's anchors are not
+        loaded: they are taken anew from the model at the next round (as without them)."""
         prefix = f"optimizer_0.{_RIPPLES_KEY}."
         keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        if not any(k.startswith(prefix) for k in keys):
+        saved = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
+        if "step" not in saved:
             return False
-        mine = self._ropt.ripples_state()  # the template DCP fills in
+        # the template DCP fills in: what this optimizer has and the checkpoint holds
+        mine = {k: v for k, v in self._ropt.ripples_state().items()
+                if k in saved and k != "diloco"}
         state = {"optimizer_0": {_RIPPLES_KEY: mine}}
         dcp.load(state, checkpoint_id=str(path))
         self._ropt.load_ripples_state(state["optimizer_0"][_RIPPLES_KEY])

@@ -45,7 +45,7 @@ import ripples_pg  # noqa: E402
 from ..training._models import SHARDED_HELP, sharded_kind  # noqa: E402
 from ..training._args import (ARGS, STRATEGY_OWNS, check_choice, check_group_options,  # noqa: E402
                     check_int, keyword_parameters, resolve)
-from ._pl import FITTING as _FITTING  # noqa: E402
+from ._pl import FITTING as _FITTING, FSDP_STRATEGY_NAME  # noqa: E402
 from ._pl_checkpoint import ExactAverages  # noqa: E402
 from ._pl_progress import JobProgress  # noqa: E402
 from ..training._wrap import RipplesOptimizer, wrap  # noqa: E402
@@ -404,7 +404,19 @@ RipplesStrategy.__init__.__signature__ = _signature()
 # way to make Trainer(strategy="ripples") work (docs/lightning.md).
 RipplesStrategy.register_strategies(StrategyRegistry)
 
-# FSDP2 models: replica groups of shards (ripples_pg/integrations/_pl_fsdp.py)
-from ._pl_fsdp import FSDP_STRATEGY_NAME, RipplesFSDPStrategy  # noqa: E402
+# FSDP2 models: replica groups of shards (ripples_pg/integrations/_pl_fsdp.py), where this
+# Lightning has ModelParallelStrategy (2.3+); RipplesStrategy works without it
+try:
+    from ._pl_fsdp import RipplesFSDPStrategy  # noqa: E402
+except ImportError as _exc:  # said when the name is used (__getattr__ below)
+    _FSDP_UNAVAILABLE: Optional[str] = str(_exc)
+    __all__.remove("RipplesFSDPStrategy")
+else:
+    _FSDP_UNAVAILABLE = None
+    RipplesFSDPStrategy.register_strategies(StrategyRegistry)
 
-RipplesFSDPStrategy.register_strategies(StrategyRegistry)
+
+def __getattr__(name: str):
+    if name == "RipplesFSDPStrategy" and _FSDP_UNAVAILABLE is not None:
+        raise ImportError(_FSDP_UNAVAILABLE)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -317,6 +317,7 @@ class ShardedRipplesOptimizer:
         self.average_optimizer_state = average_optimizer_state
         self.step_count = 0
         self.unwrapped = False
+        self._grads_averaged = False  # this step's, by exact_gradients() before step()
         self.counts = {"exact_steps": 0, "rounds": 0, "applied": 0, "discarded": 0}
         self.sampler: Optional[DistributedSampler] = None
         # partial DiLoCo / periodic averaging: a round every sync_every local steps, an outer
@@ -594,10 +595,11 @@ class ShardedRipplesOptimizer:
             with torch.enable_grad():
                 loss = closure()
         exact = self._exact()
-        if exact:
+        if exact and not self._grads_averaged:
             self._average_gradients()
-        elif self._diloco is not None and self._diloco.wanted:
+        elif not exact and self._diloco is not None and self._diloco.wanted:
             self._diloco.take(self._locals())  # the model before the first local step
+        self._grads_averaged = False
         self.optim.step()
         if exact and self._warm is not None:
             self._warmup_check()
@@ -632,6 +634,18 @@ class ShardedRipplesOptimizer:
                 self._diloco.after_round(self._locals(), averaged)
         self.step_count += 1
         return loss
+
+    def exact_gradients(self) -> bool:
+        """If this step is exact, averages its gradients over the replica groups now (HSDP's
+        all-reduce) instead of in :meth:`step`, so that what runs between the backward pass
+        and the step -- gradient clipping, a hook reading the gradients -- sees them averaged,
+        as under HSDP. Returns whether the step is exact. Every rank calls it at the same
+        point of the same step."""
+        exact = self._exact()
+        if exact and not self._grads_averaged:
+            self._average_gradients()
+            self._grads_averaged = True
+        return exact
 
     def _new_samples(self) -> int:
         """The samples this replica group took since the last step: this rank's times the
