@@ -95,6 +95,56 @@ def test_warmup_matches_hsdp_on_gloo(pool):
         assert diff < 1e-6, diff
 
 
+def _train_clipped(net, opt, rank, steps, mode):
+    """Exact steps with the gradients clipped (``exact``: ``exact_gradients()`` before the
+    clip, as docs/fsdp.md says), or stepped with a closure (``closure``), or plain HSDP."""
+    for i in range(steps):
+        x, y = _batch(rank, i)
+
+        def backward():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            return loss
+
+        if mode == "closure":
+            opt.step(backward)
+            continue
+        backward()
+        if mode == "exact":
+            assert opt.exact_gradients()  # an exact step: averaged now
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+
+
+def task_clipped_and_closure_steps_are_hsdp(ctx, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S)
+    ref_mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"),
+                                backend_override={"replicate": "gloo", "shard": "gloo"})
+    out = {}
+    for mode in ("exact", "closure"):
+        net = _net(mesh["shard"])
+        opt = rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh,
+                         warmup_steps=steps, warmup_straggler=None)
+        _train_clipped(net, opt, ctx.rank, steps, mode)
+        ref = _net(ref_mesh)  # HSDP: clips (or not) what its all-reduce averaged
+        _train_clipped(ref, torch.optim.AdamW(ref.parameters(), lr=0.01), ctx.rank, steps,
+                       "closure" if mode == "closure" else "hsdp")
+        out[mode] = max((a - b).abs().max().item() for a, b in zip(_full(net), _full(ref)))
+    return out
+
+
+def test_clipped_and_closure_exact_steps_are_hsdps(pool):
+    # the clip sees the averaged gradients after exact_gradients(); step(closure) averages
+    # the closure's gradients (it used to run the closure after the average)
+    for out in pool.run(task_clipped_and_closure_steps_are_hsdp, 4):
+        assert out["exact"] < 1e-6 and out["closure"] < 1e-6, out
+
+
 def task_warmup_exit(ctx, slow_replica, pause_s, steps, straggler, schedule="static"):
     # each rank's "compute" a pause after its step; the slow replica group's 5x as long
     import time
