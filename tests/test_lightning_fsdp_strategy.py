@@ -299,6 +299,29 @@ def test_misuse_is_refused_on_every_rank(tmp_path, scenario, needle):
     assert len({r["error"] for r in res}) == 1
 
 
+@pytest.mark.slow
+def test_the_example_under_torchrun(tmp_path):
+    """examples/lightning_fsdp_gpt.py as its docstring launches it (2 x 2, a few seconds)."""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           os.path.join(tl.ROOT, "examples", "lightning_fsdp_gpt.py"), "--shards", "2",
+           "--straggler", "1:0.2", "--max-steps", "24", "--ckpt-dir", str(tmp_path / "ck")]
+    out = subprocess.run(cmd, env=tl._env(), cwd=str(tmp_path), timeout=tl.PROC_TIMEOUT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    by_rank = {d["rank"]: d for d in (json.loads(line) for line in out.stdout.splitlines()
+                                      if line.startswith("{"))}
+    assert sorted(by_rank) == [0, 1, 2, 3], out.stdout[-3000:]
+    # one model everywhere at the end; the job's 24 steps, the fast replica group doing more
+    assert len({d["validation_loss"] for d in by_rank.values()}) == 1, by_rank
+    assert all(d["job_step"] >= 24 for d in by_rank.values()), by_rank
+    assert by_rank[0]["steps"] == by_rank[1]["steps"] > by_rank[2]["steps"] == \
+        by_rank[3]["steps"], by_rank
+    assert os.path.exists(tmp_path / "ck" / "last.ckpt")
+
+
 def test_construction_checks_and_registration():
     import ripples_pg
     import ripples_pg.lightning as rl
