@@ -347,7 +347,9 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
     def optimizer_state(self, optimizer) -> dict:
         state = super().optimizer_state(optimizer)
         if self._ropt is not None and self._save_distributed_checkpoint:
-            state[_RIPPLES_KEY] = self._ropt.ripples_state()
+            # (partial DiLoCo's anchors left out: a resumed fit takes them anew)
+            state[_RIPPLES_KEY] = {k: v for k, v in self._ropt.ripples_state().items()
+                                   if k != "diloco"}
         return state
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
