@@ -63,6 +63,7 @@ def test_fully_shard_in_configure_model_is_refused_on_every_rank(tmp_path):
         assert err is not None and err.startswith("TypeError: RipplesStrategy: "), r
         assert "sharded with FSDP2 (fully_shard)" in err and "configure_model" in err, err
         assert "ripples_pg.fsdp.wrap()" in err and "docs/fsdp.md" in err, err
+        assert "RipplesFSDPStrategy" in err, err  # the Lightning strategy that trains it
         assert "got mixed torch.Tensor and DTensor" not in err, err  # not DDP's error
     assert res[0] == res[1]
 

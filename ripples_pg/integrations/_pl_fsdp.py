@@ -34,11 +34,10 @@ __all__ = ["RipplesFSDPStrategy", "FSDP_STRATEGY_NAME"]
 
 log = logging.getLogger("ripples_pg.lightning")
 
-ModelParallelStrategy = getattr(sub("strategies"), "ModelParallelStrategy", None)
-if ModelParallelStrategy is None:  # Lightning before 2.3
-    raise ImportError("RipplesFSDPStrategy needs Lightning's ModelParallelStrategy (Lightning "
-                      "2.3 or later, with torch 2.4 or later); this Lightning has none")
+# Lightning 2.3+ (lightning.py imports this module only where it exists)
+ModelParallelStrategy = sub("strategies").ModelParallelStrategy
 _RIPPLES_KEY = "ripples_fsdp"  # Ripples' part of a distributed checkpoint's optimizer state
+_CHUNK = 1 << 20  # elements per float64 temporary of the consensus
 _WHO = "RipplesFSDPStrategy"
 
 
@@ -238,16 +237,17 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         super().on_train_start()
         trainer = self.lightning_module.trainer
         ropt = self._ropt
-        if ropt is not None and not self._ripples_loaded and trainer.global_step > 0:
+        if ropt is not None and not self._ripples_loaded:
             # A checkpoint without Ripples' part (plain FSDP2, a full-state one), or a second
             # fit on this Trainer, whose ranks ended at different own steps: every rank goes
-            # on from the same step (the largest; every rank is here), so that their warm-up
-            # checks pair up, and from the job step the last fit agreed on
+            # on from the same step (the largest: agreed by all, every rank is here), so that
+            # their warm-up checks pair up, and from the job step the last fit agreed on
             step = self._agreed_max(trainer.global_step)
-            job = self._last_job_step if self._last_job_step is not None else step
-            log.info("ripples_pg.lightning: no Ripples state in the checkpoint; Ripples "
-                     "continues at step %d (job step %d)", step, job)
-            ropt.load_ripples_state({"step": step, "job_step": job})
+            if step > 0:
+                job = self._last_job_step if self._last_job_step is not None else step
+                log.info("ripples_pg.lightning: no Ripples state to restore; Ripples goes on "
+                         "at step %d (job step %d)", step, job)
+                ropt.load_ripples_state({"step": step, "job_step": job})
         self._silence_sigterm_broadcast(trainer)
         self._free_running = self._job_mode
         if self._job_mode:
@@ -318,15 +318,16 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         ropt = self._ropt
         ropt._settle()  # an overlapped round in flight lands first (as the average's does)
         device = ropt._device()
+        sq = torch.zeros(2, dtype=torch.float64, device=device)  # ||x - mean||^2, ||mean||^2
         with torch.no_grad():
-            x = torch.cat([rfsdp._local(t).detach().reshape(-1).to(device=device,
-                                                                  dtype=torch.float64)
-                           for t in ropt._params()] or
-                          [torch.zeros(0, dtype=torch.float64, device=device)])
-            mean = x.clone()
-            with exact_if_ripples(ropt.group):
-                dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=ropt.group)
-            sq = torch.stack([(x - mean).square().sum(), mean.square().sum()])
+            # one flat copy per dtype (as average_replicas makes), squares summed in chunks
+            for flat, _ in rfsdp._flats([rfsdp._local(t) for t in ropt._params()]):
+                mean = flat.clone()
+                with exact_if_ripples(ropt.group):
+                    dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=ropt.group)
+                for a, m in zip(flat.split(_CHUNK), mean.split(_CHUNK)):
+                    sq[0] += (a - m).double().square().sum()
+                    sq[1] += m.double().square().sum()
             if ropt.shards > 1:  # the whole model: the replica group's shards together
                 with exact_if_ripples(ropt.shard_group):
                     dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=ropt.shard_group)

@@ -433,6 +433,7 @@ class JobProgress:
     def broadcast(self, obj, src: int = 0):
         self._refuse_collective("a broadcast")
         return super().broadcast(obj, src)
+
     def _after_step(self, trainer, ropt, step: int) -> None:
         """After an optimizer step through Ripples (``step``: this rank's, this one included):
         the replicas now differ, the statistics every ``stats_every_n_steps``, and whether

@@ -389,6 +389,7 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
             self._last_job_step = ropt.job_clock.job_step_float
         ropt.unwrap(average=False)  # replicas identical: plain synchronous DDP from here
 
+
 def _signature() -> inspect.Signature:
     """``RipplesStrategy.__init__``'s signature as help() and editors show it: wrap()'s options
     from the table (ripples_pg/training/_args.py), then the strategy's own, then ``**kwargs``."""
@@ -406,14 +407,16 @@ RipplesStrategy.register_strategies(StrategyRegistry)
 
 # FSDP2 models: replica groups of shards (ripples_pg/integrations/_pl_fsdp.py), where this
 # Lightning has ModelParallelStrategy (2.3+); RipplesStrategy works without it
-try:
+_FSDP_UNAVAILABLE: Optional[str] = None  # why RipplesFSDPStrategy is missing, if it is
+if hasattr(_sub("strategies"), "ModelParallelStrategy"):
     from ._pl_fsdp import RipplesFSDPStrategy  # noqa: E402
-except ImportError as _exc:  # said when the name is used (__getattr__ below)
-    _FSDP_UNAVAILABLE: Optional[str] = str(_exc)
-    __all__.remove("RipplesFSDPStrategy")
-else:
-    _FSDP_UNAVAILABLE = None
+
     RipplesFSDPStrategy.register_strategies(StrategyRegistry)
+else:  # said when the name is used (__getattr__ below)
+    _FSDP_UNAVAILABLE = ("RipplesFSDPStrategy needs Lightning's ModelParallelStrategy "
+                         "(Lightning 2.3 or later, with torch 2.4 or later); this Lightning "
+                         "has none")
+    __all__.remove("RipplesFSDPStrategy")
 
 
 def __getattr__(name: str):

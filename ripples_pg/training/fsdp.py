@@ -410,6 +410,7 @@ class ShardedRipplesOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
+        self._grads_averaged = False  # new gradients: exact_gradients() has not seen them
 
     # -- the job-wide sampler
     def attach_sampler(self, sampler: DistributedSampler) -> None:
