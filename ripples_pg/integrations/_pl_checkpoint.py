@@ -2,7 +2,8 @@
 average of the replicas, and ``fit`` ends with one, each with the consensus distance it
 removed logged (docs/lightning.md, "Checkpoints").
 
-``ExactAverages`` is a mixin of ``RipplesStrategy`` (before ``DDPStrategy``): it reads the fit's
+``ExactAverages`` is a mixin of ``RipplesStrategy`` and ``RipplesFSDPStrategy`` (before Lightning's
+strategy class; each names its group, step and average): it reads the fit's
 state the strategy keeps (``_ropt``, ``_dirty``, ``_free_running``, ``_job_mode``;
 ``RipplesStrategy._init_fit_state``) and ``JobProgress._in_batch``.
 """

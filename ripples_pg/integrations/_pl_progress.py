@@ -9,7 +9,8 @@ and the SIGTERM flag's broadcasts, ``sync_dist`` logging) would pair one rank's 
 another's, so they are replaced or refused here, and the ranks agree on stopping where they
 meet (an epoch's end, a warm-up step).
 
-``JobProgress`` is a mixin of ``RipplesStrategy`` (before ``DDPStrategy``): it reads the fit's
+``JobProgress`` is a mixin of ``RipplesStrategy`` and ``RipplesFSDPStrategy`` (before Lightning's
+strategy class; each names its group, step and average): it reads the fit's
 state the strategy keeps (``_ropt``, ``_job_mode``, ``_free_running``, ``_job_max_steps``,
 ``_t0``, ``time_limit``, ``progress``; ``RipplesStrategy._init_fit_state``).
 """
