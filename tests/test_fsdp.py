@@ -685,6 +685,70 @@ def test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back(pool, 
         assert into_hsdp and into_ripples
 
 
+def task_training_state_round_trip(ctx, path, outer):
+    # ripples_pg.checkpoint.TrainingState with DCP, saved after partial rounds began (and with
+    # partial DiLoCo: anchors and Nesterov momentum, each rank's own shards): a fresh job loads
+    # it and ends where the job that went on did, at its step and job step. DCP's own
+    # get_state_dict(model, optimizer) is refused naming TrainingState. (4 partial steps
+    # before the save keep the fresh mesh's static rounds in step with the continued one's.)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import ripples_pg.fsdp as rfsdp
+    from ripples_pg.checkpoint import TrainingState
+
+    kw = dict(warmup_steps=2)
+    if outer:
+        kw.update(sync_every=2, outer_optimizer="nesterov")
+
+    def job():
+        mesh = rfsdp.init_mesh(R, S)
+        net = _perturbed(mesh, ctx.rank // S)  # the replica groups differ
+        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh, **kw)
+
+    net, opt = job()
+    _train(net, opt, ctx.rank, 6)
+    dcp.save({"app": TrainingState(net, opt)}, checkpoint_id=path)  # averages them first
+    refused = []
+    for misuse in (lambda: get_state_dict(net, opt),
+                   lambda: TrainingState(_net(opt.mesh["shard"]), opt)):
+        try:
+            misuse()
+            refused.append("")
+        except (TypeError, ValueError) as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
+    _train(net, opt, ctx.rank, 4)
+    went_on = _full(net), opt.step_count, opt.job_step, opt.stats()["fsdp_exact_steps"]
+    outer_steps = [opt.stats().get("fsdp_outer_steps")]
+    opt.unwrap(average=False)
+    net2, opt2 = job()
+    dcp.load({"app": TrainingState(net2, opt2)}, checkpoint_id=path)
+    loaded = (opt2.step_count, opt2._exact())
+    outer_steps.append(opt2.stats().get("fsdp_outer_steps"))
+    _train(net2, opt2, ctx.rank, 4)
+    outer_steps.append(opt2.stats().get("fsdp_outer_steps"))
+    diff = max((a - b).abs().max().item() for a, b in zip(went_on[0], _full(net2)))
+    resumed = opt2.step_count, opt2.job_step, opt2.stats()["fsdp_exact_steps"]
+    opt2.unwrap(average=False)
+    return diff, went_on[1:], resumed, loaded, refused, outer_steps
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["plain", "diloco"])
+def test_training_state_resumes_a_sharded_job_where_it_stood(pool, tmp_path, outer):
+    for rank, (diff, went_on, resumed, loaded, refused, outer_steps) in enumerate(
+            pool.run(task_training_state_round_trip, str(tmp_path / "ckpt"), outer)):
+        assert loaded == (6, False), (rank, loaded)  # step 6, partial rounds going on
+        assert resumed == went_on == (10, 10, 2), (rank, resumed, went_on)
+        assert diff < 1e-6, (rank, diff)
+        dcp_helper, other_model = refused
+        assert dcp_helper.startswith("TypeError") and "TrainingState" in dcp_helper and \
+            "optimizer.optim" in dcp_helper, dcp_helper
+        assert other_model.startswith("ValueError") and "not the FSDP2 model" in other_model
+        if outer:  # the outer steps' count came back with the anchors, and went on
+            went, at_load, after = outer_steps
+            assert went == after and 0 < at_load < after, (rank, outer_steps)
+
+
 def task_smart_led_by_shard_0(ctx, budget, h=1):
     # a coordinator's schedule: shard 0's group asks it, the other shard ranks run the round
     # over the members they are told. Replica group 1 is slower, so replica group 0 steps

@@ -17,18 +17,25 @@ differ slightly, so by default ``state_dict()`` first averages them exactly
 (``optimizer.average_replicas()``): the checkpoint is one consensus model, not a mix of
 tensors from different ranks. Ripples' part is one rank's (DCP keeps one copy), and every rank
 loads the same one, as with a ``torch.save`` checkpoint written by rank 0.
+
+The same object serves an FSDP2 model under :func:`ripples_pg.fsdp.wrap`: the model's and the
+inner optimizer's sharded state dicts (DCP saves each shard once and can reshard them), the
+replica groups averaged first (``optimizer.average_replicas()``), Ripples' part as above, and
+with partial DiLoCo each rank's anchors under a key of its own (they are its local shards).
 """
 from __future__ import annotations
 
 import io
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ._wrap import RipplesOptimizer
+from .fsdp import ShardedRipplesOptimizer
 
 __all__ = ["TrainingState"]
 
@@ -70,39 +77,49 @@ def _decode(blob: Any) -> Dict[str, Any]:
 
 
 class TrainingState:
-    """A DCP ``Stateful`` of a Ripples training job: the DDP model, the optimizer
-    :func:`ripples_pg.wrap` returned (in DCP's own formats, ``get_model_state_dict`` and
-    ``get_optimizer_state_dict``) and Ripples' part of the optimizer's state (the averager's
-    step, warm-up and levels, the job clock).
+    """A DCP ``Stateful`` of a Ripples training job: the model, the optimizer
+    :func:`ripples_pg.wrap` (or :func:`ripples_pg.fsdp.wrap`) returned, in DCP's own formats
+    (``get_model_state_dict`` and ``get_optimizer_state_dict``), and Ripples' part of the
+    optimizer's state (the step, so where warm-up stands, the job step, the levels' phase).
 
     Args:
-        model: the ``DistributedDataParallel`` model given to ``wrap()``.
-        optimizer: what ``wrap()`` returned.
-        average: average the replicas exactly before saving (default), so that the
-            checkpoint is one consensus model. It is a collective: every rank calls
+        model: the ``DistributedDataParallel`` model given to ``wrap()``, or the FSDP2 model
+            given to ``ripples_pg.fsdp.wrap()``.
+        optimizer: what that ``wrap()`` returned.
+        average: average the replicas (the replica groups) exactly before saving (default),
+            so that the checkpoint is one consensus model. It is a collective: every rank calls
             ``dcp.save`` (and ``dcp.load``, which reads this object's state first) at the same
             point; never call ``state_dict()`` on some ranks only. Off, DCP keeps each tensor
-            of one rank or another.
+            of one rank or another (under FSDP2, pass ``planner=ripples_pg.fsdp.save_planner()``
+            to ``dcp.save`` to keep replica group 0's).
 
     Which keys must be in the checkpoint is DCP's planner's decision (by default all of
     them). Ripples' part is one opaque entry: with partial DiLoCo it holds the outer anchors
     and the outer optimizer's state, 2-3x the model in float32, serialised in memory on every
-    rank at every save.
+    rank at every save. Under FSDP2 those are each rank's own shards, saved under
+    ``"ripples_diloco_rank<N>"``: a checkpoint with them resumes on the same mesh.
     """
 
     def __init__(self, model: Any, optimizer: Any, *, average: bool = True):
-        if not isinstance(optimizer, RipplesOptimizer):
+        self.sharded = isinstance(optimizer, ShardedRipplesOptimizer)
+        if not self.sharded and not isinstance(optimizer, RipplesOptimizer):
             raise TypeError(f"ripples_pg.checkpoint.TrainingState: optimizer must be what "
-                            f"ripples_pg.wrap() returned, got {type(optimizer).__name__}")
-        inner = getattr(model, "_orig_mod", model)  # torch.compile'd DDP
-        if not isinstance(inner, DDP):
-            raise TypeError(f"ripples_pg.checkpoint.TrainingState: model must be the "
-                            f"DistributedDataParallel model given to wrap(), got "
-                            f"{type(model).__name__}")
-        wrapped = getattr(optimizer.hook_state, "ddp_model", None)
-        if wrapped is not None and wrapped is not inner:
-            raise ValueError("ripples_pg.checkpoint.TrainingState: model is not the DDP model "
-                             "this optimizer was wrapped with")
+                            f"ripples_pg.wrap() or ripples_pg.fsdp.wrap() returned, got "
+                            f"{type(optimizer).__name__}")
+        inner = getattr(model, "_orig_mod", model)  # torch.compile'd
+        if self.sharded:
+            if inner is not optimizer.model:
+                raise ValueError("ripples_pg.checkpoint.TrainingState: model is not the FSDP2 "
+                                 "model this optimizer was wrapped with")
+        else:
+            if not isinstance(inner, DDP):
+                raise TypeError(f"ripples_pg.checkpoint.TrainingState: model must be the "
+                                f"DistributedDataParallel model given to wrap(), got "
+                                f"{type(model).__name__}")
+            wrapped = getattr(optimizer.hook_state, "ddp_model", None)
+            if wrapped is not None and wrapped is not inner:
+                raise ValueError("ripples_pg.checkpoint.TrainingState: model is not the DDP "
+                                 "model this optimizer was wrapped with")
         if not isinstance(average, bool):
             raise TypeError(f"ripples_pg.checkpoint.TrainingState: average must be a bool, got "
                             f"{average!r}")
@@ -118,9 +135,17 @@ class TrainingState:
         # they take a step with zero gradients to create its state (torch's
         # _init_optim_state), which on the wrapped optimizer would also count on the averager
         # and the job clock
-        return {"model": get_model_state_dict(self.model),
-                "optim": get_optimizer_state_dict(self.model, opt.optim),
-                "ripples": _encode(opt._ripples_state_dict())}
+        state = {"model": get_model_state_dict(self.model),
+                 "optim": get_optimizer_state_dict(self.model, opt.optim)}
+        if not self.sharded:
+            state["ripples"] = _encode(opt._ripples_state_dict())
+            return state
+        part = opt.ripples_state()
+        diloco = part.pop("diloco", None)
+        state["ripples"] = _encode(part)
+        if diloco is not None:  # this rank's shards: a key of its own (DCP keeps one copy
+            state[_diloco_key()] = _encode(_locals(diloco))  # of a key all ranks save)
+        return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         missing = [k for k in ("model", "optim", "ripples") if k not in state_dict]
@@ -128,11 +153,38 @@ class TrainingState:
             raise ValueError(f"ripples_pg.checkpoint.TrainingState: the state has no "
                              f"{missing}; it was not saved by TrainingState")
         part = _decode(state_dict["ripples"])
+        diloco: Optional[Dict[str, Any]] = None
+        if self.sharded and _diloco_key() in state_dict:
+            diloco = _decode(state_dict[_diloco_key()])
         set_model_state_dict(self.model, state_dict["model"])
         set_optimizer_state_dict(self.model, self.optimizer.optim, state_dict["optim"])
+        if self.sharded:
+            if diloco is not None:
+                part["diloco"] = diloco
+            # (every rank at this point: with DiLoCo it agrees first that the anchors fit)
+            self.optimizer.load_ripples_state(part)
+            return
         # a dict holding only "ripples" restores the averager and the job clock and leaves the
         # inner optimizer as DCP set it
         self.optimizer.load_state_dict({"ripples": part})
 
     def __repr__(self) -> str:
-        return f"ripples_pg.checkpoint.TrainingState(average={self.average})"
+        kind = ", fsdp" if self.sharded else ""
+        return f"ripples_pg.checkpoint.TrainingState(average={self.average}{kind})"
+
+
+def _diloco_key() -> str:
+    """This rank's entry of partial DiLoCo's anchors (its local shards) under FSDP2."""
+    return f"ripples_diloco_rank{dist.get_rank()}"
+
+
+def _locals(tree: Any) -> Any:
+    """``tree`` with every DTensor replaced by its local shard (what torch.save can write
+    without the device mesh)."""
+    if isinstance(tree, dict):
+        return {k: _locals(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_locals(v) for v in tree)
+    if hasattr(tree, "to_local"):
+        return tree.to_local().detach().clone()
+    return tree

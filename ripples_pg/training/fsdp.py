@@ -412,6 +412,15 @@ class ShardedRipplesOptimizer:
         self.optim.zero_grad(set_to_none=set_to_none)
         self._grads_averaged = False  # new gradients: exact_gradients() has not seen them
 
+    def __iter__(self):
+        # DCP's get_state_dict(model, optimizer) takes an Optimizer or an iterable of them: say
+        # what to pass instead of Python's "object is not iterable"
+        raise TypeError("ripples_pg.fsdp: the optimizer wrap() returned is not a "
+                        "torch.optim.Optimizer. For torch.distributed.checkpoint use "
+                        "ripples_pg.checkpoint.TrainingState(model, optimizer), which keeps "
+                        "Ripples' part too; DCP's get_state_dict / get_optimizer_state_dict and "
+                        "LR schedulers take the inner optimizer, optimizer.optim")
+
     # -- the job-wide sampler
     def attach_sampler(self, sampler: DistributedSampler) -> None:
         """Links a :class:`ripples_pg.DistributedSampler` (made with the world's size and this
