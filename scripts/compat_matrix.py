@@ -89,7 +89,8 @@ CELLS = [
      "with `ripples_pg.checkpoint.TrainingState(model, opt)` in the state: the model, the "
      "optimizer and Ripples' part, one consensus model (averaged before the save), loaded in "
      "the order that works; a script keeping `get_optimizer_state_dict` (which drops Ripples' "
-     "part) saves `opt.state_dict()[\"ripples\"]` beside it "
+     "part) saves `opt.state_dict()[\"ripples\"]` beside it (a state loaded without it is "
+     "warned of at the next step; DCP's state-creating step is not counted) "
      "([fault-tolerance.md](fault-tolerance.md#what-the-script-must-do))",
      ["test_optimizer_compat.py::test_dcp_training_state",
       "test_optimizer_compat.py::test_training_state_refuses_what_it_cannot_save_or_load",

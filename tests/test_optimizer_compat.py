@@ -3,6 +3,8 @@ PostLocalSGDOptimizer never created their registries, so registering one raised
 AttributeError), and a torch.distributed.checkpoint script keeps Ripples' part of the state
 (get_optimizer_state_dict drops every key but "state" and "param_groups"). Multi-process through
 tests/_dist.py (default group = ripples)."""
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,6 +113,14 @@ def task_dcp_keeps_ripples_state(ctx):
                                                          set_optimizer_state_dict)
 
     chk = _dist.Checker(ctx)
+    warned = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING and "Ripples part" in record.getMessage():
+                warned.append(record.getMessage())
+
+    logging.getLogger("ripples_pg").addHandler(Seen())
     model, opt = _setup(ctx, warmup_steps=3)
     _train(ctx, model, opt, 5)
     osd = get_optimizer_state_dict(model, opt)
@@ -132,6 +142,19 @@ def task_dcp_keeps_ripples_state(ctx):
     _train(ctx, model2, opt2, 1, start=5)  # warm-up is over: the hook averages locally
     chk.true(opt2.hook_state.step == 6 and not opt2.hook_state.in_warmup,
              "warm-up was not repeated", str(opt2.hook_state.step))
+    chk.true(not warned, "no warning where Ripples' part was loaded", str(warned))
+    # DCP's state-creating step on a fresh optimizer (get_optimizer_state_dict, the template
+    # of a dcp.load) is the inner optimizer's alone: the averager and the job clock stay at 0
+    model3, opt3 = _setup(ctx, warmup_steps=3)
+    get_optimizer_state_dict(model3, opt3)
+    chk.true(len(opt3.optim.state) == 2 and opt3.averager.step == 0 and opt3.job_step == 0,
+             "DCP's state init is not a training step",
+             f"{len(opt3.optim.state)} {opt3.averager.step} {opt3.job_step}")
+    # the DCP state alone, without Ripples' part: the next step says the step starts over
+    set_optimizer_state_dict(model3, opt3, osd)
+    _train(ctx, model3, opt3, 1)
+    chk.true(len(warned) == 1 and "no Ripples part" in warned[0], "a lost Ripples part is said",
+             str(warned))
     chk.finish()
     return "ok"
 

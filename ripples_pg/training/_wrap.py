@@ -186,6 +186,9 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         self._whatif_rank0 = self._whatif_every > 0 and (
             dist.get_rank(hook_state.process_group) == 0 if hook_state is not None
             else dist.get_rank() == 0)
+        # a state without Ripples' part was loaded (DCP's format): warned at the next step
+        # unless Ripples' part follows (the documented recipe loads it last)
+        self._ripples_part_missing = False
 
     def step(self, closure=None):
         """Steps the inner optimizer, then averages (at this step's level) and counts the step
@@ -209,6 +212,21 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         return loss
 
     def _step(self, closure):
+        if self._is_state_init(closure):
+            # torch.distributed.checkpoint creating the inner optimizer's state (its
+            # get_/set_optimizer_state_dict and get_state_dict on a fresh optimizer): not a
+            # training step, so neither the averager nor the job clock counts it
+            return self.optim.step()
+        if self._ripples_part_missing:
+            self._ripples_part_missing = False
+            logger.warning(
+                "ripples_pg: the optimizer state loaded had no Ripples part (DCP's "
+                "set_optimizer_state_dict / set_state_dict keep only the inner optimizer's): "
+                "the step, the warm-up and the job step go on from %d, not from the "
+                "checkpoint's. Checkpoint with ripples_pg.checkpoint.TrainingState, or load "
+                "opt.state_dict()['ripples'] saved beside it with "
+                "opt.load_state_dict({'ripples': ...}) (docs/fault-tolerance.md)",
+                self.averager.step)
         av = self.averager
         exact = self.unwrapped or av.detached or av.step < av.warmup_steps
         loss = self.optim.step() if closure is None else self.optim.step(closure)
@@ -224,6 +242,18 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
             self._exact_watch.step()
         self._whatif_log()
         return loss
+
+    def _is_state_init(self, closure) -> bool:
+        """Whether this step is DCP's ``_init_optim_state``: no inner state yet, every learning
+        rate 0 and every gradient a zero tensor (what it sets before its step). A training
+        step has gradients that are not all zero."""
+        if closure is not None or self.optim.state:
+            return False
+        groups = self.param_groups
+        if any(float(g.get("lr", 1.0)) != 0.0 for g in groups):
+            return False
+        grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
+        return bool(grads) and all(g is not None and not bool(g.any()) for g in grads)
 
     def _whatif_log(self) -> None:
         """Every ``RIPPLES_WHATIF_LOG_S`` seconds, rank 0 of the DDP group logs the job's
@@ -428,6 +458,7 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         else:
             super().load_state_dict(state_dict)
         if extra is not None:
+            self._ripples_part_missing = False
             extra = dict(extra)
             clock = extra.pop("job_clock", None)
             self.averager.load_state_dict(extra)
@@ -437,7 +468,11 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
                 self.job_clock.rebase(float(self.averager.step))
         else:
             # saved without Ripples' part (plain DDP, torch's PostLocalSGDOptimizer): the
-            # step torch's PostLocalSGDOptimizer restored is the job's
+            # step torch's PostLocalSGDOptimizer restored is the job's. Without that step
+            # either (DCP's format) a resumed job would restart its step: said at the next
+            # step, unless Ripples' part is loaded first
+            self._ripples_part_missing = "step" not in state_dict and \
+                bool(state_dict.get("state"))
             self.job_clock.rebase(float(self.averager.step))
             if hasattr(self.averager, "reset_anchor"):
                 # an anchor of the model before this load must not drive the next outer step
