@@ -243,6 +243,56 @@ def task_rounds_average_shards(ctx, steps):
             {k: st[k] for k in ("fsdp_rounds", "fsdp_applied", "fsdp_discarded", "reduced")})
 
 
+def task_world_level(ctx, schedule):
+    # levels "3:world" after warm-up, lr 0: steps 1 and 2 leave each replica group's
+    # (perturbed) model alone, step 3 averages every replica group exactly (each shard with
+    # its own, the buffer too). A "world" level pairs every replica group's steps, so the job
+    # step is the own count under a coordinator's schedule as well. A "host" level and periods
+    # that do not fit sync_every are refused on every rank
+    import ripples_pg
+    import ripples_pg.fsdp as rfsdp
+
+    mesh = rfsdp.init_mesh(R, S, options=ripples_pg.Options(schedule=schedule,
+                                                            on_failure="skip", timeout=10))
+    replica = ctx.rank // S
+    refused = []
+    for bad in (dict(levels="1:partial,4:host"), dict(levels={2: "world"}, sync_every=3)):
+        try:
+            rfsdp.wrap(_perturbed(mesh, replica), torch.optim.SGD(
+                _net(mesh["shard"]).parameters(), lr=0.0), mesh, warmup_steps=0, **bad)
+            refused.append("")
+        except ValueError as exc:
+            refused.append(str(exc))
+    net = _perturbed(mesh, replica)
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.0), mesh, warmup_steps=0,
+                     levels="3:world")
+    base = _net(mesh["shard"])
+    _train(net, opt, ctx.rank, 2)
+    untouched = max((a - b - replica).abs().max().item()
+                    for a, b in zip(_full(net), _full(base)))
+    _train(net, opt, ctx.rank, 1)
+    averaged = max((a - b - 0.5).abs().max().item() for a, b in zip(_full(net), _full(base)))
+    st = opt.stats()
+    progress = (opt.clock is None, opt.step_count, opt.job_step)
+    opt.unwrap()
+    return (refused, untouched, averaged, net.scale.tolist(), progress,
+            (st["fsdp_world_rounds"], st["fsdp_rounds"]))
+
+
+@pytest.mark.parametrize("schedule", ["static", "smart"])
+def test_a_world_level_averages_every_replica_group_in_lockstep(pool, schedule):
+    for rank, (refused, untouched, averaged, scale, progress, counts) in enumerate(
+            pool.run(task_world_level, schedule)):
+        host, fit = refused
+        assert "'host' level is not supported for FSDP2" in host, host
+        assert "sync_every" in fit, fit
+        assert untouched < 1e-6, (rank, untouched)  # no round before the level's period
+        assert averaged < 1e-6, (rank, averaged)
+        assert scale == [0.5] * 3, (rank, scale)
+        assert progress == (True, 3, 3), (rank, progress)
+        assert counts == (1, 0), (rank, counts)
+
+
 def task_compressed_rounds_across_hosts(ctx, steps):
     # each replica group on a (simulated) host of its own, so the replicate groups' rounds
     # cross hosts: Options(compression=...) sends them quantised. lr 0, as above

@@ -85,7 +85,9 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         options: the replicate groups' :class:`ripples_pg.Options` (default: ``smart``
             groups of up to 3 replica groups, failed rounds skipped).
         warmup_steps, warmup_straggler, average_optimizer_state, sync_every,
-            outer_optimizer, on_alone, overlap: :func:`ripples_pg.fsdp.wrap`'s.
+            outer_optimizer, on_alone, overlap, levels: :func:`ripples_pg.fsdp.wrap`'s (a
+            ``"world"`` level pairs every replica group's steps: lockstep, as the static
+            schedule).
         stats_every_n_steps: log ``ripples/*`` statistics every this many steps (default:
             the Trainer's ``log_every_n_steps``; 0: never).
         save_distributed_checkpoint, process_group_backend, timeout: ``ModelParallelStrategy``'s
@@ -99,7 +101,8 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
                  warmup_straggler: Optional[float] = rfsdp.FSDP_WARMUP_STRAGGLER,
                  average_optimizer_state: bool = False, sync_every: Optional[int] = None,
                  outer_optimizer: rfsdp.OuterSpec = None, on_alone: str = "defer",
-                 overlap: bool = False, stats_every_n_steps: Optional[int] = None,
+                 overlap: bool = False, levels=None,
+                 stats_every_n_steps: Optional[int] = None,
                  save_distributed_checkpoint: bool = True,
                  process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = timedelta(minutes=30)) -> None:
@@ -121,7 +124,7 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
                              f"replicate groups on 'ripples' itself")
         # checked as wrap() checks them, so that a typo fails here, not in fit
         rfsdp.check_wrap_options(warmup_steps, warmup_straggler, average_optimizer_state,
-                                 sync_every, outer_optimizer, on_alone, overlap)
+                                 sync_every, outer_optimizer, on_alone, overlap, levels)
         super().__init__(save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.shards = shards
@@ -129,7 +132,7 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         self._wrap_kwargs = dict(warmup_steps=warmup_steps, warmup_straggler=warmup_straggler,
                                  average_optimizer_state=average_optimizer_state,
                                  sync_every=sync_every, outer_optimizer=outer_optimizer,
-                                 on_alone=on_alone, overlap=overlap)
+                                 on_alone=on_alone, overlap=overlap, levels=levels)
         self.stats_every_n_steps = stats_every_n_steps
         # JobProgress' settings: the job's steps and epochs, no time limit
         self.progress = "job"
@@ -293,7 +296,7 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
              "ripples/job_step": float(ropt.job_step)}
         m.update(self._numbers(st, ("rounds", "singletons", "skipped", "failed",
                                     "singleton_share", "fsdp_exact_steps", "fsdp_rounds",
-                                    "fsdp_applied", "fsdp_discarded")))
+                                    "fsdp_applied", "fsdp_discarded", "fsdp_world_rounds")))
         self._log_metrics(m)
 
     def _end_fit(self, ropt) -> None:

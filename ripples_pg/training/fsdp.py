@@ -24,7 +24,8 @@ told the same group in the same round, and apply the round on all its shard rank
 
 With ``overlap=True`` a round runs while the next step computes and lands at its end, as its
 change to the shards it started from (shard 0's hand-over then runs on a thread, over a gloo
-group of the replica group's own). Not yet here (docs/fsdp.md): levels.
+group of the replica group's own). A ``"world"`` level (``levels``) averages every replica
+group exactly.
 """
 from __future__ import annotations
 
@@ -247,7 +248,7 @@ def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]],
         raise ValueError(
             f"{_WHO}: ranks {odd} wrap with other (warmup_steps, warmup_straggler, "
             f"average_optimizer_state, a sampler given, sync_every, outer_optimizer, on_alone, "
-            f"overlap) than this rank's {settings}; every rank must pass the same")
+            f"overlap, levels) than this rank's {settings}; every rank must pass the same")
     shapes = {tuple(sh) for _, sh, _ in everyone if sh is not None}
     if len(shapes) > 1:
         raise ValueError(
@@ -269,7 +270,8 @@ class ShardedRipplesOptimizer:
                  average_optimizer_state: bool,
                  warmup_straggler: Optional[float] = None, sync_every: int = 1,
                  outer_optimizer: OuterSpec = None, on_alone: str = "defer",
-                 overlap: bool = False) -> None:
+                 overlap: bool = False,
+                 levels: Optional[Mapping[int, str]] = None) -> None:
         self.model = model
         self.optim = optimizer
         self.mesh = mesh
@@ -295,7 +297,11 @@ class ShardedRipplesOptimizer:
         self.clock: Optional[JobClock] = None
         self._job_step = 0
         self._ns = ""  # the job's keys of shard 0's replicate group (a sampler's too)
-        if _ripples_backend(self.group).schedule != "static":
+        # after warm-up, at local step n: the level of the largest period dividing n
+        # ("partial": a round; "world": an exact average over every replica group)
+        self.levels = OrderedDict(sorted((levels or {sync_every: "partial"}).items()))
+        lockstep = "world" in self.levels.values()  # every replica group's k-th steps meet
+        if _ripples_backend(self.group).schedule != "static" and not lockstep:
             # the replicate group's own nonce (on ripples, CPU): only shard 0's group counts
             self._ns = _namespace(self.group)
             key = self._ns + "fsdp-steps"
@@ -310,7 +316,7 @@ class ShardedRipplesOptimizer:
         # raises the bar for a round after every step with no outer step (measured there only,
         # as on DDP's path)
         worth = (lambda: partial_step_worth(optimizer, self.replicas)) \
-            if sync_every == 1 and outer_optimizer is None else None
+            if next(iter(self.levels)) == 1 and outer_optimizer is None else None
         self._warm = ReplicaWarmup(self.group, self.shard_group, self.shards, self._device(),
                                    warmup_straggler, worth) \
             if warmup_straggler and self.replicas > 1 else None
@@ -318,7 +324,8 @@ class ShardedRipplesOptimizer:
         self.step_count = 0
         self.unwrapped = False
         self._grads_averaged = False  # this step's, by exact_gradients() before step()
-        self.counts = {"exact_steps": 0, "rounds": 0, "applied": 0, "discarded": 0}
+        self.counts = {"exact_steps": 0, "rounds": 0, "applied": 0, "discarded": 0,
+                       "world_rounds": 0}
         self.sampler: Optional[DistributedSampler] = None
         # partial DiLoCo / periodic averaging: a round every sync_every local steps, an outer
         # step of the anchors after each (_fsdp_diloco.py)
@@ -615,7 +622,8 @@ class ShardedRipplesOptimizer:
             self._warmup_check()
         if not exact:
             self.local_steps += 1
-        round_now = not exact and self.local_steps % self.sync_every == 0
+        level = None if exact else self._level_at(self.local_steps)
+        round_now = level is not None
         samples = self._new_samples()
         if self.clock is not None and self.shard_rank == 0:
             self.clock.tick(samples=samples, exact=exact)
@@ -636,14 +644,34 @@ class ShardedRipplesOptimizer:
             self.counts["exact_steps"] += 1
         elif self.overlap:
             self._settle()  # the last round lands a step late, on top of this step
-            if round_now:
+            if level == "partial":
                 self._start_overlapped()
+            elif level == "world":
+                self._world_round()
         elif round_now:
-            averaged = self._partial_round()
+            averaged = self._partial_round() if level == "partial" else self._world_round()
             if self._diloco is not None:
                 self._diloco.after_round(self._locals(), averaged)
         self.step_count += 1
         return loss
+
+    def _level_at(self, local_steps: int) -> Optional[str]:
+        """The level due after this many local steps (None: no averaging)."""
+        for period in reversed(self.levels):
+            if local_steps % period == 0:
+                return self.levels[period]
+        return None
+
+    def _world_round(self) -> bool:
+        """A ``"world"`` level: an exact average of the local shards (and what the rounds
+        average besides) over every replica group, each shard with its own; every replica
+        group waits here for the slowest. Returns True (it averaged with every other)."""
+        with exact_if_ripples(self.group), torch.no_grad():
+            for flat, parts in _flats(self._tensors()):
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=self.group)
+                _unpack(flat, parts)
+        self.counts["world_rounds"] += 1
+        return True
 
     def exact_gradients(self) -> bool:
         """If this step is exact, averages its gradients over the replica groups now (HSDP's
@@ -1074,10 +1102,11 @@ def _unpack(flat: torch.Tensor, parts: List[torch.Tensor], add: bool = False) ->
 
 
 def check_wrap_options(warmup_steps, warmup_straggler, average_optimizer_state, sync_every,
-                       outer_optimizer, on_alone, overlap) -> tuple:
+                       outer_optimizer, on_alone, overlap, levels=None) -> tuple:
     """:func:`wrap`'s options that need no model or group, checked as it checks them (also by
     a trainer's strategy when it is made). Returns ``(warmup_steps, warmup_straggler,
-    sync_every)`` resolved."""
+    sync_every, levels)`` resolved (``levels``: ``{period: "partial" | "world"}`` by
+    period)."""
     if warmup_steps is not None:
         warmup_steps = check_int(_WHO, "warmup_steps (None: no fixed end)",
                                  operator.index(warmup_steps)
@@ -1095,11 +1124,16 @@ def check_wrap_options(warmup_steps, warmup_straggler, average_optimizer_state, 
         raise ValueError(f"{_WHO}: overlap=True does not combine with outer_optimizer: the "
                          f"outer step needs its round's average at once. Pass one of them")
     check_on_alone(on_alone, _WHO, outer_optimizer)
-    # the DDP path's rules for outer_optimizer and sync_every (one level: the partial rounds)
-    _, sync_every = resolve_sync_levels(
+    # the DDP path's rules for outer_optimizer, sync_every and levels
+    parsed, sync_every = resolve_sync_levels(
         outer_optimizer, operator.index(sync_every) if _is_integer(sync_every) else sync_every,
-        None, False, _WHO)
-    return warmup_steps, warmup_straggler, sync_every
+        levels, False, _WHO)
+    if "host" in parsed.values():
+        raise ValueError(f"{_WHO}: levels {dict(parsed)}: a 'host' level is not supported "
+                         f"for FSDP2 (docs/fsdp.md); use 'partial' and 'world' levels")
+    if levels is None and sync_every is not None:
+        parsed = OrderedDict([(sync_every, "partial")])
+    return warmup_steps, warmup_straggler, sync_every, parsed
 
 
 def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
@@ -1108,7 +1142,8 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
          average_optimizer_state: bool = False,
          sampler: Optional[DistributedSampler] = None,
          sync_every: Optional[int] = None, outer_optimizer: OuterSpec = None,
-         on_alone: str = "defer", overlap: bool = False) -> ShardedRipplesOptimizer:
+         on_alone: str = "defer", overlap: bool = False,
+         levels=None) -> ShardedRipplesOptimizer:
     """Averages an FSDP2 model between its replica groups with Ripples; returns the optimizer
     to step.
 
@@ -1152,15 +1187,24 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
             ``outer_optimizer``. ``state_dict()``, ``load_state_dict()``,
             ``average_replicas()`` and ``unwrap()`` land the round in flight first, so every
             rank must call them (as FSDP2's own state dicts need anyway).
+        levels: after warm-up, ``{period: level}`` (or ``"1:partial,16:world"``), as
+            ``ripples_pg.wrap()`` takes them, with the levels ``"partial"`` (a round) and
+            ``"world"`` (an exact average of the shards, and what the rounds average
+            besides, over every replica group: it bounds how far they drift, at one wait for
+            the slowest replica group each time); at local step ``n`` the level of the
+            largest period dividing ``n`` runs. A ``"world"`` level pairs every replica
+            group's ``k``-th step, so the job step is each replica group's own count. With
+            ``sync_every`` the smallest period must be ``sync_every`` and every period a
+            multiple of it. Default: ``{sync_every: "partial"}``.
 
     Every rank must call it at the same point: it agrees with the others in one collective,
     so that a refusal on any rank raises on every rank.
     """
     if not dist.is_initialized():
         raise RuntimeError(f"{_WHO}: torch.distributed is not initialized")
-    warmup_steps, warmup_straggler, sync_every = check_wrap_options(
+    warmup_steps, warmup_straggler, sync_every, levels = check_wrap_options(
         warmup_steps, warmup_straggler, average_optimizer_state, sync_every, outer_optimizer,
-        on_alone, overlap)
+        on_alone, overlap, levels)
     outer_name = outer_optimizer if outer_optimizer is None or \
         isinstance(outer_optimizer, str) else "callable"
     error: Optional[Exception] = None
@@ -1193,12 +1237,13 @@ def wrap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh, *,
         error = exc
     _agree_on_wrap(error, shape, (warmup_steps, warmup_straggler or None,
                                   average_optimizer_state, sampler is not None,
-                                  sync_every or 1, outer_name, on_alone, overlap))
+                                  sync_every or 1, outer_name, on_alone, overlap,
+                                  ",".join(f"{p}:{k}" for p, k in levels.items())))
     opt = ShardedRipplesOptimizer(model, optimizer, mesh, warmup_steps=warmup_steps,
                                   warmup_straggler=warmup_straggler or None,
                                   average_optimizer_state=average_optimizer_state,
                                   sync_every=sync_every or 1, outer_optimizer=outer_optimizer,
-                                  on_alone=on_alone, overlap=overlap)
+                                  on_alone=on_alone, overlap=overlap, levels=levels)
     if sampler is not None:
         opt.attach_sampler(sampler)
     return opt
