@@ -166,8 +166,8 @@ def _straggler_job(pl, rl, out_dir):
 
 
 def _full_checkpoint_job(pl, rl, out_dir):
-    """A full-state checkpoint (save_distributed_checkpoint=False) has no Ripples part: the
-    resumed fit goes on from its global step, in warm-up."""
+    """A full-state checkpoint (save_distributed_checkpoint=False), one file: Ripples' part
+    is in it, and the resumed fit goes on from its step with its counters."""
     ckpt = os.path.join(out_dir, "full.ckpt")
     # exact steps throughout, whatever the machine's load (no straggler check)
     kw = dict(save_distributed_checkpoint=False, warmup_steps=100, warmup_straggler=None)
@@ -284,11 +284,11 @@ def test_a_straggling_replica_group_ends_warmup_and_the_fit_ends_averaged(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_full_state_checkpoint_resumes_in_warmup_from_its_step(tmp_path):
+def test_a_full_state_checkpoint_resumes_with_ripples_part(tmp_path):
     for r in _run("full_checkpoint", tmp_path):
-        assert r["file"] and not r["loaded"], r  # one file, no Ripples part in it
-        # the step went on from the checkpoint's 8: 4 more exact steps to max_steps=12
-        assert r["global_step"] == 12 and r["step"] == 12 and r["exact"] == 4, r
+        assert r["file"] and r["loaded"], r  # one file, Ripples' part in it
+        # the step went on from the checkpoint's 8 to max_steps=12, the counters with it
+        assert r["global_step"] == 12 and r["step"] == 12 and r["exact"] == 12, r
 
 
 @pytest.mark.slow

@@ -351,10 +351,20 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
     def optimizer_state(self, optimizer) -> dict:
         state = super().optimizer_state(optimizer)
         if self._ropt is not None and self._save_distributed_checkpoint:
-            # (partial DiLoCo's anchors left out: a resumed fit takes them anew)
-            state[_RIPPLES_KEY] = {k: v for k, v in self._ropt.ripples_state().items()
-                                   if k != "diloco"}
+            state[_RIPPLES_KEY] = self._ripples_part()
         return state
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        if self._ropt is not None and not self._save_distributed_checkpoint:
+            # a full-state checkpoint (rank 0's file): Ripples' part beside Lightning's keys
+            # (every rank computes it: an overlapped round in flight lands first on each)
+            checkpoint = dict(checkpoint)
+            checkpoint[_RIPPLES_KEY] = self._ripples_part()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _ripples_part(self) -> dict:
+        # (partial DiLoCo's anchors left out: a resumed fit takes them anew)
+        return {k: v for k, v in self._ropt.ripples_state().items() if k != "diloco"}
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -363,8 +373,13 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         fitting = lm is not None and lm.trainer is not None and \
             lm.trainer.state.fn == FITTING
         # (validate/test after a fit load the model only: the last fit's Ripples is over)
-        if fitting and self._ropt is not None and not self._ropt.unwrapped and path.is_dir():
-            self._ripples_loaded = self._load_ripples_part(path)
+        if fitting and self._ropt is not None and not self._ropt.unwrapped:
+            if path.is_dir():
+                self._ripples_loaded = self._load_ripples_part(path)
+            elif isinstance(checkpoint.get(_RIPPLES_KEY), dict):  # a full-state file: every
+                self._ropt.load_ripples_state(checkpoint[_RIPPLES_KEY])  # rank reads it
+                self._ripples_loaded = True
+        checkpoint.pop(_RIPPLES_KEY, None)
         return checkpoint
 
     def _agreed_max(self, value: int) -> int:
