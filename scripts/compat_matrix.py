@@ -174,10 +174,12 @@ CELLS = [
     ("FSDP2 sharded checkpoints through DCP, resuming", WORKS,
      "`ripples_pg.checkpoint.TrainingState(model, optimizer)` in the state: sharded model and "
      "optimizer state, the replica groups averaged first, the step, the job step and partial "
-     "DiLoCo's anchors; DCP's `get_state_dict(model, optimizer)` is refused naming it. The "
+     "DiLoCo's anchors; DCP's own `get_state_dict(model, optimizer)` keeps the inner "
+     "optimizer's state only (a load without Ripples' part is warned of). The "
      "model alone (`planner=ripples_pg.fsdp.save_planner()`: replica group 0's) loads into "
      "plain FSDP2 and back ([fsdp.md](fsdp.md#checkpoints))",
      ["test_fsdp.py::test_training_state_resumes_a_sharded_job_where_it_stood",
+      "test_fsdp.py::test_dcp_helpers_and_a_scheduler_take_the_wrapper",
       "test_fsdp.py::test_a_checkpoint_saved_under_ripples_loads_into_plain_fsdp2_and_back",
       "test_fsdp.py::test_a_resumed_job_keeps_one_job_step_per_replica_group"]),
     ("FSDP2 partial DiLoCo (`fsdp.wrap(..., sync_every=H, outer_optimizer=\"nesterov\")`)",

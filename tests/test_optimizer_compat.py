@@ -236,6 +236,7 @@ def task_dcp_training_state(ctx, ckpt_dir, diloco):
 def task_training_state_refusals(ctx):
     import ripples_pg
     from ripples_pg.checkpoint import TrainingState
+    from ripples_pg.training.checkpoint import _encode
 
     model, opt = _setup(ctx)
     errors = {}
@@ -251,7 +252,9 @@ def task_training_state_refusals(ctx):
     state = TrainingState(model, opt)
     for name, sd in {"no ripples": {"model": {}, "optim": {}},
                      "not bytes": {"model": {}, "optim": {}, "ripples": {"step": 1}},
-                     "garbage": {"model": {}, "optim": {}, "ripples": b"xx"}}.items():
+                     "garbage": {"model": {}, "optim": {}, "ripples": b"xx"},
+                     "other path": {"model": {}, "optim": {}, "ripples": _encode({}, "fsdp")},
+                     }.items():
         try:
             state.load_state_dict(sd)
             errors[name] = None
@@ -278,6 +281,34 @@ def test_training_state_refuses_what_it_cannot_save_or_load(pool):
     assert "no ['ripples']" in errors["no ripples"], errors
     assert "not what TrainingState saves" in errors["not bytes"], errors
     assert "cannot be read" in errors["garbage"], errors
+    assert "saved under ripples_pg.fsdp.wrap() (FSDP2)" in errors["other path"], errors
+
+
+def test_only_dcps_state_init_is_taken_for_it():
+    # DCP creates a fresh optimizer's state by a step with zero gradients and lr 0; the
+    # wrappers let that step reach the inner optimizer alone. A learning rate of None
+    # (Adafactor's relative steps) is no such step, nor is a step with lr 0 and zero gradients
+    # that DCP did not take
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from ripples_pg.training._optimizers import is_state_init
+
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.zeros(3)
+    opt = torch.optim.SGD([p], lr=0.0)
+    assert not is_state_init(opt, None)  # not DCP's call
+    seen = []
+
+    class Probe(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(is_state_init(self, closure))
+            return super().step(closure)
+
+    probe = Probe([nn.Parameter(torch.ones(3))], lr=0.1)
+    _init_optim_state(probe)  # sets zero gradients and lr 0, then steps
+    assert seen == [True], seen
+    opt.param_groups[0]["lr"] = None
+    assert not is_state_init(opt, None)  # and no TypeError
 
 
 def test_step_hooks(pool):

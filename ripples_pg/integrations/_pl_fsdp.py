@@ -395,12 +395,18 @@ class RipplesFSDPStrategy(JobProgress, ExactAverages, ModelParallelStrategy):
         loaded: they are taken anew from the model at the next round (as without them)."""
         prefix = f"optimizer_0.{_RIPPLES_KEY}."
         keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        saved = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
-        if "step" not in saved:
+        saved = {k[len(prefix):] for k in keys if k.startswith(prefix)}  # DCP's flat keys
+        tops = {k.split(".")[0] for k in saved}
+        if "step" not in tops:
             return False
-        # the template DCP fills in: what this optimizer has and the checkpoint holds
-        mine = {k: v for k, v in self._ropt.ripples_state().items()
-                if k in saved and k != "diloco"}
+        # the template DCP fills in: what this optimizer has and the checkpoint holds, down
+        # to the counters (a checkpoint of an older version lacks the newer ones)
+        mine = {}
+        for k, v in self._ropt.ripples_state().items():
+            if k not in tops or k == "diloco":
+                continue
+            mine[k] = {sk: sv for sk, sv in v.items() if f"{k}.{sk}" in saved} \
+                if isinstance(v, dict) else v
         state = {"optimizer_0": {_RIPPLES_KEY: mine}}
         dcp.load(state, checkpoint_id=str(path))
         self._ropt.load_ripples_state(state["optimizer_0"][_RIPPLES_KEY])

@@ -328,6 +328,7 @@ class RipplesStrategy(JobProgress, ExactAverages, DDPStrategy):
             log.info("ripples_pg.lightning: no Ripples state in the checkpoint; the averager "
                      "continues at global step %d", trainer.global_step)
             ropt.averager.step = trainer.global_step
+            ropt._ripples_part_missing = False  # continued from here: nothing to warn of
             # The job step: where this strategy's last fit ended (a second fit on the same
             # Trainer: every rank agreed on it), else the checkpoint's step (plain DDP: every
             # rank's the same).

@@ -1,4 +1,6 @@
-"""Several optimizers stepped as one, for ``wrap(ddp_model, [opt_a, opt_b])``.
+"""Several optimizers stepped as one, for ``wrap(ddp_model, [opt_a, opt_b])``; and what the
+optimizers ``wrap()`` and ``fsdp.wrap()`` return share as ``torch.optim.Optimizer``s that wrap
+another (``WrapperHooks``).
 
 A model trained by two optimizers (Muon for its matrices and AdamW for the rest, a sparse
 optimizer for embeddings) needs Ripples to average after *both* have stepped, and every
@@ -8,11 +10,119 @@ parameters un-averaged after warm-up.
 """
 from __future__ import annotations
 
+import logging
+import sys
+from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["OptimizerList"]
+__all__ = ["OptimizerList", "WrapperHooks", "is_state_init"]
+
+logger = logging.getLogger("ripples_pg")
+
+# what torch's Optimizer.__init__ creates and its register_*_hook methods fill in
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+class WrapperHooks:
+    """A ``torch.optim.Optimizer`` that wraps another without running ``Optimizer.__init__``
+    (its parameters, state and defaults are the inner optimizer's): makes the dictionaries
+    behind ``register_step_pre_hook()`` and the state-dict hooks, and runs those hooks around
+    the subclass's ``_step``, ``_state_dict`` and ``_load_state_dict`` (step hooks around the
+    whole step: a post-hook sees the averaged parameters). Global hooks
+    (``register_optimizer_step_pre_hook``) are left to the inner optimizer's step, which
+    calls them once per step."""
+
+    def _init_hooks(self) -> None:
+        for name in _HOOK_DICTS:
+            if name not in self.__dict__:
+                setattr(self, name, OrderedDict())
+        # a state without Ripples' part was loaded (DCP's format): said at the next step
+        # unless Ripples' part follows (the documented recipes load it last)
+        self._ripples_part_missing = False
+
+    def _not_a_training_step(self, closure, step: int, doc: str) -> bool:
+        """True for DCP's state-creating step (:func:`is_state_init`), after stepping the
+        inner optimizer alone; else warns, once, if a state loaded without Ripples' part
+        left the step, the warm-up and the job step at ``step``."""
+        if is_state_init(self.optim, closure):
+            self.optim.step()
+            return True
+        if self._ripples_part_missing:
+            self._ripples_part_missing = False
+            logger.warning(
+                "ripples_pg: the optimizer state loaded had no Ripples part (DCP's "
+                "set_state_dict / set_optimizer_state_dict keep only the inner optimizer's): "
+                "the step, the warm-up and the job step go on from %d, not from the "
+                "checkpoint's. Checkpoint with ripples_pg.checkpoint.TrainingState (%s)",
+                step, doc)
+        return False
+
+    def step(self, closure=None):
+        args, kwargs = (self,), ({} if closure is None else {"closure": closure})
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            res = hook(self, args, kwargs)
+            if res is not None:
+                if not (isinstance(res, tuple) and len(res) == 2):
+                    raise RuntimeError(f"ripples_pg: an optimizer step pre-hook must return None "
+                                       f"or a tuple (new_args, new_kwargs), got {res!r}")
+                args, kwargs = res
+        loss = self._step(args[1] if len(args) > 1 else kwargs.get("closure"))
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, args, kwargs)
+        return loss
+
+    def state_dict(self):
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
+        sd = self._state_dict()
+        for hook in list(self._optimizer_state_dict_post_hooks.values()):
+            res = hook(self, sd)
+            if res is not None:
+                sd = res
+        return sd
+
+    def load_state_dict(self, state_dict):
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            res = hook(self, state_dict)
+            if res is not None:
+                state_dict = res
+        self._load_state_dict(state_dict)
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
+
+
+def is_state_init(inner: torch.optim.Optimizer, closure) -> bool:
+    """Whether a step of a wrapper over ``inner`` is torch.distributed.checkpoint's
+    ``_init_optim_state``, which creates a fresh optimizer's state by a step with zero
+    gradients and every learning rate 0: no inner state yet, no closure, every learning rate 0
+    and every gradient a zero tensor. A training step's gradients are not all zero. Such a
+    step must reach the inner optimizer only (not the averaging, the step counts or the job
+    clock)."""
+    if closure is not None or inner.state:
+        return False
+    groups = inner.param_groups
+    lrs = [g["lr"] for g in groups if "lr" in g]  # (DCP zeroes each group's "lr" it finds)
+    if not lrs or not all(isinstance(lr, (int, float, torch.Tensor)) and float(lr) == 0.0
+                          for lr in lrs):
+        return False
+    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
+    if not grads or not all(g is not None and not bool(g.any()) for g in grads):
+        return False
+    # and the caller is DCP's: a training step with a learning rate of 0 and zero gradients
+    # on this rank (a stateless SGD, a masked batch) must still count
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "_init_optim_state" and \
+                frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class OptimizerList(torch.optim.Optimizer):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections import OrderedDict
 from datetime import timedelta
 from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 
@@ -47,7 +46,7 @@ from .diloco import DiLoCoAverager
 from ._groups import host_group, is_ripples
 from ._models import check_int8_extras, refuse_sharded
 from .hooks import RipplesHookState
-from ._optimizers import OptimizerList
+from ._optimizers import OptimizerList, WrapperHooks
 from .sampler import DistributedSampler
 from .hooks import register as register_hook
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
@@ -70,9 +69,6 @@ WRAP_DEFAULTS = WRAP_GROUP_DEFAULTS
 DYNAMIC_SCHEDULES = ("random", "smart", "adpsgd")
 
 # The per-instance hook registries of torch.optim.Optimizer (created by its __init__).
-_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
 
 
@@ -137,7 +133,7 @@ class _ExactWatch:
             RuntimeWarning, stacklevel=4)
 
 
-class RipplesOptimizer(PostLocalSGDOptimizer):
+class RipplesOptimizer(WrapperHooks, PostLocalSGDOptimizer):
     """What :func:`wrap` returns: ``PostLocalSGDOptimizer(optimizer, averager)`` that also knows
     its hook state and partial group.
 
@@ -159,9 +155,7 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         # those calls raised AttributeError. This class runs them itself (step, state_dict,
         # load_state_dict). Global hooks (register_optimizer_step_pre_hook) are left to the
         # inner optimizer's step, which calls them once per step.
-        for name in _HOOK_DICTS:
-            if name not in self.__dict__:
-                setattr(self, name, OrderedDict())
+        self._init_hooks()
         self.hook_state = hook_state
         self.group = group
         # Exact averaging chosen for every step (levels {1: "world"}) is no accident to warn of.
@@ -186,9 +180,6 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         self._whatif_rank0 = self._whatif_every > 0 and (
             dist.get_rank(hook_state.process_group) == 0 if hook_state is not None
             else dist.get_rank() == 0)
-        # a state without Ripples' part was loaded (DCP's format): warned at the next step
-        # unless Ripples' part follows (the documented recipe loads it last)
-        self._ripples_part_missing = False
 
     def step(self, closure=None):
         """Steps the inner optimizer, then averages (at this step's level) and counts the step
@@ -198,35 +189,12 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         ``register_step_post_hook``) run around all of it: a post-hook sees the averaged
         parameters. Hooks registered on the inner optimizer run around its own step only,
         before the averaging."""
-        args, kwargs = (self,), ({} if closure is None else {"closure": closure})
-        for hook in list(self._optimizer_step_pre_hooks.values()):
-            res = hook(self, args, kwargs)
-            if res is not None:
-                if not (isinstance(res, tuple) and len(res) == 2):
-                    raise RuntimeError(f"ripples_pg: an optimizer step pre-hook must return None "
-                                       f"or a tuple (new_args, new_kwargs), got {res!r}")
-                args, kwargs = res
-        loss = self._step(args[1] if len(args) > 1 else kwargs.get("closure"))
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, args, kwargs)
-        return loss
+        return WrapperHooks.step(self, closure)
 
     def _step(self, closure):
-        if self._is_state_init(closure):
-            # torch.distributed.checkpoint creating the inner optimizer's state (its
-            # get_/set_optimizer_state_dict and get_state_dict on a fresh optimizer): not a
-            # training step, so neither the averager nor the job clock counts it
-            return self.optim.step()
-        if self._ripples_part_missing:
-            self._ripples_part_missing = False
-            logger.warning(
-                "ripples_pg: the optimizer state loaded had no Ripples part (DCP's "
-                "set_optimizer_state_dict / set_state_dict keep only the inner optimizer's): "
-                "the step, the warm-up and the job step go on from %d, not from the "
-                "checkpoint's. Checkpoint with ripples_pg.checkpoint.TrainingState, or load "
-                "opt.state_dict()['ripples'] saved beside it with "
-                "opt.load_state_dict({'ripples': ...}) (docs/fault-tolerance.md)",
-                self.averager.step)
+        if self._not_a_training_step(closure, self.averager.step,
+                                     "docs/fault-tolerance.md"):
+            return None  # DCP creating the inner optimizer's state (a fresh one's)
         av = self.averager
         exact = self.unwrapped or av.detached or av.step < av.warmup_steps
         loss = self.optim.step() if closure is None else self.optim.step(closure)
@@ -242,18 +210,6 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
             self._exact_watch.step()
         self._whatif_log()
         return loss
-
-    def _is_state_init(self, closure) -> bool:
-        """Whether this step is DCP's ``_init_optim_state``: no inner state yet, every learning
-        rate 0 and every gradient a zero tensor (what it sets before its step). A training
-        step has gradients that are not all zero."""
-        if closure is not None or self.optim.state:
-            return False
-        groups = self.param_groups
-        if any(float(g.get("lr", 1.0)) != 0.0 for g in groups):
-            return False
-        grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
-        return bool(grads) and all(g is not None and not bool(g.any()) for g in grads)
 
     def _whatif_log(self) -> None:
         """Every ``RIPPLES_WHATIF_LOG_S`` seconds, rank 0 of the DDP group logs the job's
@@ -417,15 +373,9 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
     def defaults(self):
         return self.optim.defaults
 
-    def state_dict(self):
-        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
-            hook(self)
-        sd = super().state_dict()
+    def _state_dict(self):
+        sd = PostLocalSGDOptimizer.state_dict(self)  # the inner optimizer's and "step"
         sd["ripples"] = self._ripples_state_dict()
-        for hook in list(self._optimizer_state_dict_post_hooks.values()):
-            res = hook(self, sd)
-            if res is not None:
-                sd = res
         return sd
 
     def _ripples_state_dict(self) -> dict:
@@ -434,15 +384,6 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
         sd = self.averager.state_dict()
         sd["job_clock"] = self.job_clock.state_dict()
         return sd
-
-    def load_state_dict(self, state_dict):
-        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            res = hook(self, state_dict)
-            if res is not None:
-                state_dict = res
-        self._load_state_dict(state_dict)
-        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
-            hook(self)
 
     def _load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
@@ -456,7 +397,7 @@ class RipplesOptimizer(PostLocalSGDOptimizer):
             if "step" in state_dict:
                 self.averager.step = state_dict["step"]
         else:
-            super().load_state_dict(state_dict)
+            PostLocalSGDOptimizer.load_state_dict(self, state_dict)
         if extra is not None:
             self._ripples_part_missing = False
             extra = dict(extra)

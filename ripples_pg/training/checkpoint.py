@@ -26,7 +26,7 @@ with partial DiLoCo each rank's anchors under a key of its own (they are its loc
 from __future__ import annotations
 
 import io
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -42,15 +42,16 @@ __all__ = ["TrainingState"]
 _FORMAT = 1  # the layout of Ripples' part below; a newer one is refused, not misread
 
 
-def _encode(part: Dict[str, Any]) -> bytes:
+def _encode(part: Dict[str, Any], kind: str) -> bytes:
     # One opaque leaf: DCP flattens nested dicts into one key per leaf and loads only the keys
     # the fresh state has, so counters a fresh optimizer has not seen yet would be dropped.
+    # ``kind``: the path that saved it ("ddp", "fsdp"), whose parts differ
     buf = io.BytesIO()
-    torch.save({"format": _FORMAT, "ripples": part}, buf)
+    torch.save({"format": _FORMAT, "kind": kind, "ripples": part}, buf)
     return buf.getvalue()
 
 
-def _decode(blob: Any) -> Dict[str, Any]:
+def _decode(blob: Any, kind: str) -> Dict[str, Any]:
     if not isinstance(blob, (bytes, bytearray)):
         raise ValueError(f"ripples_pg.checkpoint: the checkpoint's 'ripples' entry is a "
                          f"{type(blob).__name__}, not what TrainingState saves (bytes); was it "
@@ -73,6 +74,11 @@ def _decode(blob: Any) -> Dict[str, Any]:
     if not isinstance(doc.get("ripples"), dict):
         raise ValueError("ripples_pg.checkpoint: the checkpoint's 'ripples' entry is not "
                          "Ripples' state")
+    if doc.get("kind", "ddp") != kind:  # (saved before kinds were written: the DDP path's)
+        path = {"ddp": "ripples_pg.wrap() (DDP)", "fsdp": "ripples_pg.fsdp.wrap() (FSDP2)"}
+        raise ValueError(f"ripples_pg.checkpoint: the checkpoint's Ripples state was saved "
+                         f"under {path.get(doc.get('kind'), repr(doc.get('kind')))}; this job "
+                         f"runs {path[kind]}")
     return doc["ripples"]
 
 
@@ -138,13 +144,13 @@ class TrainingState:
         state = {"model": get_model_state_dict(self.model),
                  "optim": get_optimizer_state_dict(self.model, opt.optim)}
         if not self.sharded:
-            state["ripples"] = _encode(opt._ripples_state_dict())
+            state["ripples"] = _encode(opt._ripples_state_dict(), "ddp")
             return state
         part = opt.ripples_state()
         diloco = part.pop("diloco", None)
-        state["ripples"] = _encode(part)
+        state["ripples"] = _encode(part, "fsdp")
         if diloco is not None:  # this rank's shards: a key of its own (DCP keeps one copy
-            state[_diloco_key()] = _encode(_locals(diloco))  # of a key all ranks save)
+            state[_diloco_key()] = _encode(_locals(diloco), "fsdp")  # of a key all save)
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -152,16 +158,15 @@ class TrainingState:
         if missing:
             raise ValueError(f"ripples_pg.checkpoint.TrainingState: the state has no "
                              f"{missing}; it was not saved by TrainingState")
-        part = _decode(state_dict["ripples"])
-        diloco: Optional[Dict[str, Any]] = None
+        kind = "fsdp" if self.sharded else "ddp"
+        part = _decode(state_dict["ripples"], kind)
         if self.sharded and _diloco_key() in state_dict:
-            diloco = _decode(state_dict[_diloco_key()])
+            part["diloco"] = _decode(state_dict[_diloco_key()], kind)
+        if self.sharded:  # every rank agrees that its anchors fit before anything is set
+            self.optimizer.check_ripples_state(part)
         set_model_state_dict(self.model, state_dict["model"])
         set_optimizer_state_dict(self.model, self.optimizer.optim, state_dict["optim"])
         if self.sharded:
-            if diloco is not None:
-                part["diloco"] = diloco
-            # (every rank at this point: with DiLoCo it agrees first that the anchors fit)
             self.optimizer.load_ripples_state(part)
             return
         # a dict holding only "ripples" restores the averager and the job clock and leaves the

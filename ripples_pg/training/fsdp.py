@@ -53,6 +53,7 @@ from ._groups import exact_if_ripples, is_ripples, timeout_s
 from ._models import check_int8_extras, sharded_kind
 from ._fsdp_diloco import ShardAnchors
 from .diloco import make_outer_optimizer
+from ._optimizers import WrapperHooks
 from .progress import LOCKSTEP, SHARED, JobClock, _job_store, _namespace
 from .sampler import DistributedSampler
 
@@ -203,6 +204,9 @@ def _check_optimizer(optimizer, params) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_WHO}: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
+    if isinstance(optimizer, ShardedRipplesOptimizer):
+        raise TypeError(f"{_WHO}: the optimizer is wrapped already (what wrap() returned); "
+                        f"wrap the model's own optimizer once")
     mine = {id(p) for _, p in params}
     theirs = {id(p) for g in optimizer.param_groups for p in g["params"]}
     stray = theirs - mine
@@ -259,12 +263,15 @@ def _agree_on_wrap(error: Optional[Exception], shape: Optional[List[int]],
             f"use a coordinator's schedule (Options(schedule='smart')), which shard 0 leads")
 
 
-class ShardedRipplesOptimizer:
+class ShardedRipplesOptimizer(WrapperHooks, torch.optim.Optimizer):
     """The optimizer :func:`wrap` returns: ``step()`` steps the inner optimizer and averages
     between replica groups (exact gradients during the warm-up, partial rounds of the local
     shards after it). ``unwrap()`` ends with an exact average and returns the inner optimizer.
-    Everything else (``zero_grad``, ``param_groups``, ``state``, ``state_dict``) is the inner
-    optimizer's."""
+    ``zero_grad``, ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's, so
+    an LR scheduler takes this object; ``state_dict()`` is the inner optimizer's with Ripples'
+    part under ``"ripples_fsdp"``. A ``torch.optim.Optimizer`` that does not run
+    ``Optimizer.__init__`` (as torch's ``PostLocalSGDOptimizer``); step and state-dict hooks
+    registered on it run around its whole step and state dicts."""
 
     def __init__(self, model, optimizer, mesh, *, warmup_steps: Optional[int],
                  average_optimizer_state: bool,
@@ -272,6 +279,7 @@ class ShardedRipplesOptimizer:
                  outer_optimizer: OuterSpec = None, on_alone: str = "defer",
                  overlap: bool = False,
                  levels: Optional[Mapping[int, str]] = None) -> None:
+        self._init_hooks()
         self.model = model
         self.optim = optimizer
         self.mesh = mesh
@@ -419,15 +427,6 @@ class ShardedRipplesOptimizer:
         self.optim.zero_grad(set_to_none=set_to_none)
         self._grads_averaged = False  # new gradients: exact_gradients() has not seen them
 
-    def __iter__(self):
-        # DCP's get_state_dict(model, optimizer) takes an Optimizer or an iterable of them: say
-        # what to pass instead of Python's "object is not iterable"
-        raise TypeError("ripples_pg.fsdp: the optimizer wrap() returned is not a "
-                        "torch.optim.Optimizer. For torch.distributed.checkpoint use "
-                        "ripples_pg.checkpoint.TrainingState(model, optimizer), which keeps "
-                        "Ripples' part too; DCP's get_state_dict / get_optimizer_state_dict and "
-                        "LR schedulers take the inner optimizer, optimizer.optim")
-
     # -- the job-wide sampler
     def attach_sampler(self, sampler: DistributedSampler) -> None:
         """Links a :class:`ripples_pg.DistributedSampler` (made with the world's size and this
@@ -487,7 +486,7 @@ class ShardedRipplesOptimizer:
     def _sampler_free(self) -> bool:
         return self.in_free_phase()
 
-    def state_dict(self):
+    def _state_dict(self):
         """The inner optimizer's state dict, with Ripples' part under ``"ripples_fsdp"``: the
         step (where the warm-up stands), the job step and the counters; with partial DiLoCo
         the anchors and the outer optimizer's state, as DTensors laid out like the parameters
@@ -508,7 +507,7 @@ class ShardedRipplesOptimizer:
             mine["diloco"] = self._diloco.state_dict(self._params())
         return mine
 
-    def load_state_dict(self, state_dict) -> None:
+    def _load_state_dict(self, state_dict) -> None:
         """Loads a state dict of :meth:`state_dict` (or the inner optimizer's alone). Every
         rank loads at the same point, the shard ranks of a replica group what was saved at the
         same step, so they go on with one job step. With partial DiLoCo it agrees first, in
@@ -522,18 +521,27 @@ class ShardedRipplesOptimizer:
         self.optim.load_state_dict(state_dict)
         if mine is not None:
             self._load_ripples(mine)
+        else:  # DCP's format (it keeps only the inner optimizer's keys): said at the next step
+            self._ripples_part_missing = bool(state_dict.get("state"))
 
     def load_ripples_state(self, mine: Mapping) -> None:
         """Loads Ripples' part alone (:meth:`ripples_state`), beside an inner optimizer state
         the trainer has loaded itself; every rank at the same point, as
         :meth:`load_state_dict`."""
         self._settle()
+        self.check_ripples_state(mine)
+        self._load_ripples(mine)
+
+    def check_ripples_state(self, mine: Mapping) -> None:
+        """Raises on every rank if any rank cannot load its Ripples part (partial DiLoCo's
+        anchors not shaped like its shards); every rank calls it at the same point (one
+        collective over the world with partial DiLoCo, none without)."""
         if self._diloco is not None:
             self._agree_on_load(ShardAnchors.refusal(mine.get("diloco") or {},
                                                      self._locals()))
-        self._load_ripples(mine)
 
     def _load_ripples(self, mine: Mapping) -> None:
+        self._ripples_part_missing = False
         self.step_count = int(mine["step"])
         self._job_step = int(mine.get("job_step", self.step_count))
         if mine.get("job_samples") is not None:
@@ -603,10 +611,12 @@ class ShardedRipplesOptimizer:
                 + self._state(every_state)]
 
     # -- a step
-    def step(self, closure=None):
+    def _step(self, closure):
         if self.unwrapped:
             raise RuntimeError("ripples_pg.fsdp: step() after unwrap(); step the optimizer "
                                "unwrap() returned")
+        if self._not_a_training_step(closure, self.step_count, "docs/fsdp.md"):
+            return None  # DCP creating the inner optimizer's state (a fresh one's)
         loss = None
         if closure is not None:  # the gradients first: they are averaged before the step
             with torch.enable_grad():
@@ -849,7 +859,11 @@ class ShardedRipplesOptimizer:
         return msg
 
     def _take_progress(self, msg: torch.Tensor) -> None:
-        """The job step and samples shard 0 handed over with a round, on every shard rank."""
+        """The job step and samples shard 0 handed over with a round, on every shard rank
+        (in lockstep -- a "world" level -- every rank counts its own; an overlapped round's
+        message is a step old)."""
+        if self.clock is None:
+            return
         self._job_step = int(msg[3])
         if int(msg[4]) != -1:
             self._job_samples = int(msg[4]) if int(msg[4]) >= 0 else None
@@ -892,8 +906,8 @@ class ShardedRipplesOptimizer:
             else:
                 be.give_group([self.replica], 0)
         except Exception as exc:  # noqa: BLE001 - agreed on first, then raised on every rank
-            if started is None:
-                return (lambda: (False, False, exc)), msg
+            if started is None:  # (bound now: Python unbinds exc when the clause ends)
+                return (lambda failure=exc: (False, False, failure)), msg
             # the round that expected the group has ended without it: it reports why itself
         if started is None:
             started = _start_round(be, self.group, packed)
