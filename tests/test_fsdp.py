@@ -793,7 +793,8 @@ def task_dcp_helpers_and_a_scheduler_take_the_wrapper(ctx):
     # what wrap() returns is a torch.optim.Optimizer: an LR scheduler takes it (and sets the
     # inner optimizer's learning rate), DCP's get_state_dict creates a fresh one's state
     # without counting a Ripples step, and a DCP state loaded without Ripples' part is said at
-    # the next step; wrapping it again is refused
+    # the next step; wrapping it again, copying it and adding a param group are refused
+    import copy
     import logging
 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -825,18 +826,31 @@ def task_dcp_helpers_and_a_scheduler_take_the_wrapper(ctx):
     set_state_dict(net, opt, model_state_dict=msd, optim_state_dict=osd)
     before = list(said)
     _train(net, opt, ctx.rank, 1)
-    try:
-        rfsdp.wrap(net, opt, mesh)
-        again = ""
-    except (TypeError, ValueError, RuntimeError) as exc:
-        again = str(exc)
+    refused = []
+    for misuse in (lambda: rfsdp.wrap(net, opt, mesh), lambda: copy.deepcopy(opt),
+                   lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})):
+        try:
+            misuse()
+            refused.append("")
+        except (TypeError, ValueError, RuntimeError) as exc:
+            refused.append(str(exc))
     opt.unwrap()
-    return fresh, lr, before, said, again
+    # a stateless inner optimizer (SGD): DCP steps it at every call, after unwrap() too
+    net = _net(mesh["shard"])
+    opt = rfsdp.wrap(net, torch.optim.SGD(net.parameters(), lr=0.1), mesh, warmup_steps=2)
+    _train(net, opt, ctx.rank, 3)
+    opt.unwrap()
+    net.zero_grad(set_to_none=True)
+    get_state_dict(net, opt)
+    return fresh, lr, before, said, refused
 
 
 def test_dcp_helpers_and_a_scheduler_take_the_wrapper(pool):
-    for rank, (fresh, lr, before, said, again) in enumerate(
+    for rank, (fresh, lr, before, said, refused) in enumerate(
             pool.run(task_dcp_helpers_and_a_scheduler_take_the_wrapper)):
+        again, copied, grown = refused
+        assert "cannot be pickled or deep-copied" in copied, copied
+        assert "before ripples_pg.fsdp.wrap()" in grown, grown
         assert fresh == (0, 0, True), (rank, fresh)  # state made, no Ripples step counted
         assert abs(lr - 0.01 / 16) < 1e-12, (rank, lr)  # four halvings
         assert not before and len(said) == 1, (rank, before, said)

@@ -36,6 +36,12 @@ class WrapperHooks:
     (``register_optimizer_step_pre_hook``) are left to the inner optimizer's step, which
     calls them once per step."""
 
+    def __getstate__(self):
+        # torch's Optimizer.__setstate__ would patch this class's step for every instance and
+        # then fail half-way: a wrapper holds process groups and a live schedule
+        raise TypeError(f"ripples_pg: {type(self).__name__} cannot be pickled or deep-copied "
+                        f"(it holds process groups); save its state_dict() instead")
+
     def _init_hooks(self) -> None:
         for name in _HOOK_DICTS:
             if name not in self.__dict__:
@@ -114,10 +120,10 @@ def is_state_init(inner: torch.optim.Optimizer, closure) -> bool:
         return False
     # and the caller is DCP's: a training step with a learning rate of 0 and zero gradients
     # on this rank (a stateless SGD, a masked batch) must still count
+    # (the whole stack: wrappers of step() -- an LR scheduler's, Accelerate's, a profiler's
+    # -- sit in between; reached only once the tests above pass, so it costs nothing)
     frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            return False
+    while frame is not None:
         if frame.f_code.co_name == "_init_optim_state" and \
                 frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
             return True

@@ -427,6 +427,11 @@ class ShardedRipplesOptimizer(WrapperHooks, torch.optim.Optimizer):
         self.optim.zero_grad(set_to_none=set_to_none)
         self._grads_averaged = False  # new gradients: exact_gradients() has not seen them
 
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError("ripples_pg.fsdp: add_param_group() after wrap(): Ripples averages "
+                           "the parameters the optimizer had when wrapped. Add the group to "
+                           "the optimizer before ripples_pg.fsdp.wrap()")
+
     # -- the job-wide sampler
     def attach_sampler(self, sampler: DistributedSampler) -> None:
         """Links a :class:`ripples_pg.DistributedSampler` (made with the world's size and this
@@ -612,11 +617,13 @@ class ShardedRipplesOptimizer(WrapperHooks, torch.optim.Optimizer):
 
     # -- a step
     def _step(self, closure):
+        # (first: DCP's helpers step a stateless inner optimizer -- plain SGD -- at every
+        # call, after unwrap() too)
+        if self._not_a_training_step(closure, self.step_count, "docs/fsdp.md"):
+            return None  # DCP creating the inner optimizer's state (a fresh one's)
         if self.unwrapped:
             raise RuntimeError("ripples_pg.fsdp: step() after unwrap(); step the optimizer "
                                "unwrap() returned")
-        if self._not_a_training_step(closure, self.step_count, "docs/fsdp.md"):
-            return None  # DCP creating the inner optimizer's state (a fresh one's)
         loss = None
         if closure is not None:  # the gradients first: they are averaged before the step
             with torch.enable_grad():
