@@ -751,21 +751,21 @@ def task_training_state_round_trip(ctx, path, outer):
     # partial DiLoCo: anchors and Nesterov momentum, each rank's own shards): a fresh job loads
     # it and ends where the job that went on did, at its step and job step. (4 partial steps
     # before the save keep the fresh mesh's static rounds in step with the continued one's.)
+    # outer="at_resume": saved without partial DiLoCo, resumed with it
     import torch.distributed.checkpoint as dcp
 
     import ripples_pg.fsdp as rfsdp
     from ripples_pg.checkpoint import TrainingState
 
-    kw = dict(warmup_steps=2)
-    if outer:
-        kw.update(sync_every=2, outer_optimizer="nesterov")
+    diloco = dict(sync_every=2, outer_optimizer="nesterov")
 
-    def job():
+    def job(with_outer):
         mesh = rfsdp.init_mesh(R, S)
         net = _perturbed(mesh, ctx.rank // S)  # the replica groups differ
-        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh, **kw)
+        return net, rfsdp.wrap(net, torch.optim.AdamW(net.parameters(), lr=0.01), mesh,
+                               warmup_steps=2, **(diloco if with_outer else {}))
 
-    net, opt = job()
+    net, opt = job(outer is True)
     _train(net, opt, ctx.rank, 6)
     dcp.save({"app": TrainingState(net, opt)}, checkpoint_id=path)  # averages them first
     try:
@@ -777,7 +777,21 @@ def task_training_state_round_trip(ctx, path, outer):
     went_on = _full(net), opt.step_count, opt.job_step, opt.stats()["fsdp_exact_steps"]
     outer_steps = [opt.stats().get("fsdp_outer_steps")]
     opt.unwrap(average=False)
-    net2, opt2 = job()
+    if outer == "at_resume":
+        # partial DiLoCo turned on at the resume of a checkpoint without it: DCP's partial
+        # load leaves this rank's DiLoCo entry as the template's, and the anchors are taken
+        # anew from the loaded model at the next step
+        from torch.distributed.checkpoint import DefaultLoadPlanner
+
+        net2, opt2 = job(True)
+        dcp.load({"app": TrainingState(net2, opt2)}, checkpoint_id=path,
+                 planner=DefaultLoadPlanner(allow_partial_load=True))
+        loaded = (opt2.step_count, opt2._exact())
+        _train(net2, opt2, ctx.rank, 4)
+        outer_steps = opt2.stats().get("fsdp_outer_steps")
+        opt2.unwrap(average=False)
+        return loaded, outer_steps, other_model
+    net2, opt2 = job(outer)
     dcp.load({"app": TrainingState(net2, opt2)}, checkpoint_id=path)
     loaded = (opt2.step_count, opt2._exact())
     outer_steps.append(opt2.stats().get("fsdp_outer_steps"))
@@ -855,6 +869,13 @@ def test_dcp_helpers_and_a_scheduler_take_the_wrapper(pool):
         assert abs(lr - 0.01 / 16) < 1e-12, (rank, lr)  # four halvings
         assert not before and len(said) == 1, (rank, before, said)
         assert "wrapped already" in again, again
+
+
+def test_training_state_turns_diloco_on_at_a_resume_with_a_partial_load(pool, tmp_path):
+    for rank, (loaded, outer_steps, _) in enumerate(
+            pool.run(task_training_state_round_trip, str(tmp_path / "ckpt"), "at_resume")):
+        assert loaded == (6, False), (rank, loaded)
+        assert outer_steps and outer_steps > 0, (rank, outer_steps)
 
 
 @pytest.mark.parametrize("outer", [False, True], ids=["plain", "diloco"])
