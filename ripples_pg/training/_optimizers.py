@@ -115,20 +115,22 @@ def is_state_init(inner: torch.optim.Optimizer, closure) -> bool:
     if not lrs or not all(isinstance(lr, (int, float, torch.Tensor)) and float(lr) == 0.0
                           for lr in lrs):
         return False
-    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
-    if not grads or not all(g is not None and not bool(g.any()) for g in grads):
-        return False
-    # and the caller is DCP's: a training step with a learning rate of 0 and zero gradients
-    # on this rank (a stateless SGD, a masked batch) must still count
-    # (the whole stack: wrappers of step() -- an LR scheduler's, Accelerate's, a profiler's
-    # -- sit in between; reached only once the tests above pass, so it costs nothing)
+    # the caller is DCP's: a training step with a learning rate of 0 and zero gradients on
+    # this rank (a stateless SGD, a masked batch) must still count. The whole stack: wrappers
+    # of step() -- an LR scheduler's, Accelerate's, a profiler's -- sit in between
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_name == "_init_optim_state" and \
                 frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
-            return True
+            break
         frame = frame.f_back
-    return False
+    if frame is None:
+        return False
+    # and the gradients DCP set: zeros (each rank's own shard of a DTensor's: no collective)
+    grads = [p.grad for g in groups for p in g["params"] if p.requires_grad]
+    return bool(grads) and all(
+        g is not None and not bool((g.to_local() if hasattr(g, "to_local") else g).any())
+        for g in grads)
 
 
 class OptimizerList(torch.optim.Optimizer):
