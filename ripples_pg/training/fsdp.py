@@ -520,9 +520,7 @@ class ShardedRipplesOptimizer(WrapperHooks, torch.optim.Optimizer):
         self._settle()  # an overlapped round in flight must not land on the loaded state
         state_dict = dict(state_dict)
         mine = state_dict.pop("ripples_fsdp", None)
-        if self._diloco is not None:
-            self._agree_on_load(ShardAnchors.refusal((mine or {}).get("diloco") or {},
-                                                     self._locals()))
+        self.check_ripples_state(mine or {})
         self.optim.load_state_dict(state_dict)
         if mine is not None:
             self._load_ripples(mine)
