@@ -12,7 +12,8 @@ benchmarks/digits_worker.py (the runs go one after another, never at the same ti
     python benchmarks/train.py --workloads cnn,transformer-l --scenarios slow5,slow3 \\
         --strategies exact,smart --out benchmarks/results/train_headline     # headline
     python benchmarks/train.py --workloads tiny --scenarios short5 --pause-ms 2,5,10,20,50 \\
-        --strategies exact,smart --out benchmarks/results/train_short_steps  # lockstep check
+        --strategies exact,smart,default --repeats 3 \\
+        --out benchmarks/results/train_short_steps                            # lockstep check
 
 Writes results.json, results.md (also printed on stdout) and one <workload>_<scenario>.png
 per pair (the averaged model's loss and the consensus distance against wall time, one line
