@@ -166,6 +166,10 @@ import workloads
 from snapshots import Snapshots, consensus_of, model_tensors
 from workloads import loss_fn
 
+# snapshots reserved beyond the time limit's (the one at 0, steps past the limit until the
+# workers agree to stop)
+SNAPSHOT_SPARE = 4
+
 
 # ----------------------------------------------------------------------------- model helpers
 
@@ -950,10 +954,13 @@ class Training:
         args = self.args
         if self.tft is not None:
             self.tft.connect()
+        self.snaps = Snapshots(args.snapshot_every)
+        if args.snapshot_every > 0 and args.time_limit > 0:  # off the clock, before it starts
+            self.snaps.reserve(self.module,
+                               int(args.time_limit / args.snapshot_every) + SNAPSHOT_SPARE)
         dist.barrier()
         self.t0 = time.perf_counter()
         self.exact_steps = args.warmup_steps
-        self.snaps = Snapshots(args.snapshot_every)
         self.eval_s += self.snaps.take(self.module, 0.0, 0)  # the initial model
         it = self.batches()
         while self.step < args.steps:

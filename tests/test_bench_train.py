@@ -348,6 +348,34 @@ def test_trace_summary_gathers_the_runs_rows(tmp_path):
         assert sim == {"16", "32"}, (t, sim)
 
 
+def test_reserved_snapshots_hold_each_model_and_overflow_to_fresh_copies():
+    """Snapshots.reserve(): the rows set aside before training are used in order, each holds
+    the model as it was when taken (not a view of the live parameters), and snapshots past
+    the reserve are allocated as they are taken."""
+    import torch
+
+    snapshots = _dist.load_benchmark("bench_snapshots", "snapshots.py")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    snaps = snapshots.Snapshots(0.5)
+    snaps.reserve(model, 2)
+    want = []
+    for k in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        want.append(snapshots.model_vector(model, torch.float32))
+        assert snaps.take(model, 0.5 * k, k) >= 0.0
+    got = [item[2] for item in snaps.items]
+    assert len(got) == 4
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    pool = snaps._pool.untyped_storage().data_ptr()
+    assert [g.untyped_storage().data_ptr() == pool for g in got] == [True, True, False, False]
+    off = snapshots.Snapshots(0)  # snapshots off: nothing is set aside
+    off.reserve(model, 8)
+    assert off._pool is None
+
+
 def test_large_transformer_has_a_million_parameters_and_four_layers():
     """transformer-l's arguments build the model the docs describe (no training)."""
     b = bench()
