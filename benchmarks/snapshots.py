@@ -93,9 +93,14 @@ class Snapshots:
         they are taken."""
         if not self.every or count <= 0:
             return
-        n = sum(t.numel() for t in model_tensors(module))
-        count = min(count, max(1, RESERVE_MAX_BYTES // (4 * max(n, 1))))
-        self._pool = torch.zeros(count, n, dtype=torch.float32)  # zeros touch every page
+        tensors = model_tensors(module)
+        n = sum(t.numel() for t in tensors)
+        if n == 0:
+            return
+        count = min(count, max(1, RESERVE_MAX_BYTES // (4 * n)))
+        # where model_vector would put them (a GPU's memory with --device cuda); zeros touch
+        # every page
+        self._pool = torch.zeros(count, n, dtype=torch.float32, device=tensors[0].device)
         self._used = 0
 
     def _vector(self, module: nn.Module) -> torch.Tensor:
