@@ -10,8 +10,10 @@ set-up or measurement.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 from datetime import timedelta
@@ -75,7 +77,10 @@ def init(args) -> tuple:
 def main(args, run) -> None:
     """A workload script's body: ``run(args, rank, world)`` between :func:`init` and
     :func:`leave`; any exception ends the process at once with status 1 (its traceback on
-    stderr), so that torchrun ends the job instead of the others waiting for this rank."""
+    stderr), so that torchrun ends the job instead of the others waiting for this rank. A
+    rank torchrun stops that way (SIGTERM) first writes every thread's stack to stderr: where
+    it was when another rank gave up on it."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     rank, world = init(args)
     try:
         run(args, rank, world)
