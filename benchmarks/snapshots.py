@@ -37,10 +37,11 @@ def model_tensors(module: nn.Module) -> list:
             + [b for b in module.buffers() if b.is_floating_point()])
 
 
-def model_vector(module: nn.Module, dtype=torch.float64) -> torch.Tensor:
+def model_vector(module: nn.Module, dtype=torch.float64, out=None) -> torch.Tensor:
     """model_tensors flattened into one vector (float64 by default: the differences between
-    workers' models can be tiny). The parameters come first."""
-    return torch.cat([t.detach().reshape(-1).to(dtype) for t in model_tensors(module)])
+    workers' models can be tiny). The parameters come first. ``out``: written there."""
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in model_tensors(module)],
+                     out=out)
 
 
 def parameter_count(module: nn.Module) -> int:
@@ -107,10 +108,8 @@ class Snapshots:
         """model_vector(module, float32), in the next reserved row if one is left."""
         if self._pool is None or self._used >= self._pool.shape[0]:
             return model_vector(module, torch.float32)
-        out = self._pool[self._used]
         self._used += 1
-        return torch.cat([t.detach().reshape(-1).to(torch.float32)
-                          for t in model_tensors(module)], out=out)
+        return model_vector(module, torch.float32, out=self._pool[self._used - 1])
 
     def add_loss(self, loss: float) -> None:
         self.loss_sum += loss
