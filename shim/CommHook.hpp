@@ -6,8 +6,9 @@
 // future's `then` callback on the completion thread, each taking the GIL): on a
 // communication-bound MLP without a straggler this hook took wrap() from 0.83x to 0.87x
 // plain DDP (docs/limitations.md, "Speed"). It runs the exact phase as DDP's own built-in
-// all-reduce hook does — divide, all-reduce (exact, whatever the group's partial setting), no
-// Python — and calls the Python hook (ripples_pg.hooks.ripples_hook) for every other step.
+// all-reduce hook does — the bucket's mean, all-reduced exactly whatever the group's partial
+// setting (the core divides, see coreDivides), no Python — and calls the Python hook
+// (ripples_pg.hooks.ripples_hook) for every other step.
 //
 // Who decides: Python. ripples_pg.hooks.RipplesHookState sets the switch's `exact` flag
 // whenever the step, the end of warm-up or synchronous mode change (all on the training

@@ -104,6 +104,11 @@ class RipplesHookState:
         check_choice("ripples_pg.hooks", "post_warmup", post_warmup, POST_WARMUP_MODES)
         # wrap()'s C++ hook reads what to do from this switch (register()); None: plain Python
         self._switch = None
+        # what the switch was last told, (exact, clock, tid): told again only on a change,
+        # and whether its clock has been on since the windows were last taken (else it
+        # recorded none: an untimed exact step reads nothing)
+        self._switch_args: Optional[tuple] = None
+        self._clock_untaken = False
         self._synchronous = False
         self._averager = None
         self._warmup_steps = warmup_steps
@@ -199,7 +204,11 @@ class RipplesHookState:
         timing = getattr(av, "_warm_timing", None)
         clock = exact and not self._synchronous and timing is not None and bool(timing())
         # the run-queue wait of this thread: the training loop's (this runs in its step)
-        sw.set(exact, clock, threading.get_native_id() if clock else 0)
+        args = (exact, clock, threading.get_native_id() if clock else 0)
+        if args != self._switch_args:
+            sw.set(*args)
+            self._switch_args = args
+        self._clock_untaken = self._clock_untaken or clock
         # The forward hooks stay while warm-up may end, also over the steps it does not time
         # (they return at once then): adding and removing them would make torch.compile
         # recompile the model.
@@ -213,7 +222,10 @@ class RipplesHookState:
         """The waiting windows the C++ hook recorded since the last call (see
         ``CommHookSwitch``): ``(t0, t1, run-queue wait at t0, at t1)``."""
         sw = getattr(self, "_switch", None)
-        return sw.take_windows() if sw is not None else []
+        if sw is None or not self._clock_untaken:
+            return []
+        self._clock_untaken = bool(self._switch_args and self._switch_args[1])
+        return sw.take_windows()
 
     @property
     def ddp_model(self):
@@ -297,6 +309,8 @@ class RipplesHookState:
         d["_ddp"] = None
         d["_fwd_handles"] = []
         d["_switch"] = None  # the unpickled model's reducer has no C++ hook
+        d["_switch_args"] = None
+        d["_clock_untaken"] = False
         d["_exact_buckets"] = self.exact_buckets
         return d
 
@@ -310,6 +324,8 @@ class RipplesHookState:
         d.setdefault("_averager", None)
         d.setdefault("_exact_buckets", 0)
         d.setdefault("_switch", None)
+        d.setdefault("_switch_args", None)
+        d.setdefault("_clock_untaken", False)
         d.setdefault("_ddp", None)
         d.setdefault("user_broadcast_buffers", None)
         d.setdefault("_fwd_handles", [])
@@ -434,5 +450,6 @@ def register(ddp_model, state: RipplesHookState, native: bool = True) -> bool:
     if isinstance(hooks, list):
         hooks.append((ripples_hook, state))
     state._switch = switch
+    state._switch_args = None  # a new switch: tell it
     state._sync_switch()
     return True
