@@ -215,6 +215,84 @@ def test_calm_checks_spread_out_and_still_see_a_late_straggler(pool):
         assert r["hooks"] == [0, 2], r
 
 
+def task_quiet_steps(ctx, quiet, warmup, straggler, steps, log_dir=None):
+    # Every step's view of the averager, its hook state and the DDP model, with the quiet
+    # steps' short path (RipplesAverager._quiet_run) or without it (quiet=False); with
+    # log_dir, the step log's lines too.
+    import os
+
+    if log_dir is not None:
+        os.environ["RIPPLES_WHATIF_DIR"] = log_dir
+    try:
+        return _quiet_steps(ctx, quiet, warmup, straggler, steps, log_dir)
+    finally:
+        os.environ.pop("RIPPLES_WHATIF_DIR", None)
+
+
+def _quiet_steps(ctx, quiet, warmup, straggler, steps, log_dir):
+    import json
+
+    import ripples_pg
+    from ripples_pg.training.averager import RipplesAverager
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 4))
+    model = DDP(net)
+    wrapped = ripples_pg.wrap(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                              warmup_steps=warmup, warmup_straggler=straggler)
+    av, st = wrapped.averager, wrapped.hook_state
+    if not quiet:
+        av._quiet_run = lambda: None
+    taken = [0]
+    full = RipplesAverager._quiet_step
+
+    def counted(self, s):
+        taken[0] += 1
+        full(self, s)
+    av._quiet_step = counted.__get__(av)
+    g = torch.Generator().manual_seed(ctx.rank)
+    seen = []
+    for _ in range(steps):
+        wrapped.zero_grad()
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        wrapped.step()
+        seen.append((av.step, st.step, st.iter, av.warmup_steps, st.warmup_steps,
+                     av._warm_timing(), st._switch_args[:2], model.broadcast_buffers,
+                     len(model._forward_pre_hooks) + len(net._forward_pre_hooks),
+                     av.last_level, dict(av.counts),
+                     # the job step of partial steps follows the others' pace
+                     wrapped.job_step if av.last_level is None else None))
+    lines = []
+    if log_dir is not None:
+        wrapped.unwrap()  # writes out the lines held back
+        with open(f"{log_dir}/ripples-rank{ctx.rank}.jsonl") as f:
+            lines = [(r["step"], r["compute"] is None, r["partial"], r["wall"] > 0)
+                     for r in map(json.loads, f) if r["event"] == "step"]
+    return {"seen": seen, "quiet": taken[0], "lines": lines}
+
+
+@pytest.mark.parametrize("warmup,straggler,log", [(None, 1e9, False), (30, None, False),
+                                                  (None, 1e9, True)])
+def test_quiet_steps_change_nothing_but_the_count(pool, tmp_path, warmup, straggler, log):
+    # An exact warm-up step that is neither timed nor checked only counts (the full path's
+    # Python bookkeeping is most of wrap()'s own cost while the workers are even): every
+    # step's state must read as without that short path, also across the end of a fixed
+    # warm-up (buffer broadcast off, the comm hook's partial path) and around the checks (a
+    # bar no gain reaches: the same checks on every run).
+    steps = 120
+    fast = pool.run(task_quiet_steps, True, warmup, straggler, steps,
+                    str(tmp_path / "fast") if log else None)
+    slow = pool.run(task_quiet_steps, False, warmup, straggler, steps,
+                    str(tmp_path / "slow") if log else None)
+    for f, s in zip(fast, slow):
+        assert f["seen"] == s["seen"]
+        # every step's line (the first step has no start to measure from), as without it
+        assert f["lines"] == s["lines"] and len(f["lines"]) == (steps - 1 if log else 0)
+        assert s["quiet"] == 0 and f["quiet"] >= (20 if warmup else 40), f["quiet"]
+    if warmup:
+        assert fast[0]["seen"][-1][9] == "partial" and not fast[0]["seen"][-1][7]
+
+
 def test_default_is_no_fixed_end(pool):
     import ripples_pg
 

@@ -511,6 +511,9 @@ class RipplesAverager(ModelAverager):
         self.warmup_need: Optional[float] = None  # ... and the gain it needed
         self.whatif_exact = ExactPart()  # what waiting cost the exact steps (ripples_pg.whatif)
         self._last_compute: Optional[float] = None  # the last warm-up-timed step's compute
+        # steps before _quiet_end are quiet (only counted) while _quiet_key holds (_quiet_run)
+        self._quiet_end = 0
+        self._quiet_key: tuple = ()
 
     # -- step, linked to hook states so that restoring it restores theirs
     @property
@@ -526,6 +529,7 @@ class RipplesAverager(ModelAverager):
             self._discard_round()
         if hasattr(self, "_warm_next") and value != self._step + 1:
             self._warm_calm_reset()  # a step set, not taken: the checks' fixed cadence again
+        self._quiet_end = 0  # decided again by the next step taken
         self._step = value
         for st in getattr(self, "_hook_states", ()):
             st.step = self._step  # also switches the DDP buffer broadcast (warm-up or not)
@@ -552,6 +556,8 @@ class RipplesAverager(ModelAverager):
         try:
             self.flush()
         finally:
+            if self.step_log is not None:
+                self.step_log.flush()
             for st in list(self._hook_states):
                 self.unlink_hook_state(st)
             self.detached = True
@@ -631,6 +637,10 @@ class RipplesAverager(ModelAverager):
         """Averages ``params`` (parameters or optimizer param groups) at this step's level,
         then advances ``step``. With ``overlap``, first applies the round in flight, and a
         ``"partial"`` level starts its round in the background."""
+        s = self._step
+        if s < self._quiet_end and self._quiet_key == self._quiet_state():
+            self._quiet_step(s)
+            return
         t_start, prev_end = time.perf_counter(), self._warm_end
         self._last_compute = None
         if self.warmup_straggler and self.step < self.warmup_steps and not self.detached:
@@ -653,6 +663,46 @@ class RipplesAverager(ModelAverager):
             # rounds are in average_parameters); an exact one's only where the warm-up timed it
             compute = self._last_compute if not partial else max(1e-6, t_start - prev_end)
             self.step_log.step(step, self._warm_end - prev_end, compute, partial)
+        self._quiet_run()
+
+    # -- quiet steps: an exact warm-up step that nothing times, checks or logs is only counted.
+    # The full path's bookkeeping (the checks' schedule, the hook states' switches, the clock's
+    # restart) is about 50 us of Python a step, most of wrap()'s own cost while the workers are
+    # even, and several times that where more CPU-bound workers than cores share their caches.
+    def _quiet_state(self) -> tuple:
+        """What decides which steps are quiet; set only in full steps or from outside them."""
+        return (self.warmup_steps, self._warm_next, self.detached, self.warmup_straggler,
+                self.step_log, len(self._hook_states))
+
+    def _quiet_run(self) -> None:
+        """After a full step: the steps from this one up to ``_quiet_end`` are quiet -- each
+        still in warm-up with the next one too (the DDP buffer broadcast and the comm hook's
+        exact path stay as set), neither timed nor checked (the next timed step is set up by
+        the full step before it), no round in flight."""
+        self._quiet_end = 0
+        if self.detached or (self._round is not None and self._round.pending):
+            return
+        end = self.warmup_steps - 1
+        if self._warm_clock_on():
+            if self._warm_next is None:  # every step timed
+                return
+            end = min(end, self._warm_next - WARMUP_CHECK_LATER)
+        self._quiet_end = end
+        self._quiet_key = self._quiet_state()
+
+    def _quiet_step(self, s: int) -> None:
+        """What a quiet step changes: the step counts (the averager's and its hook states'),
+        and with a step log its line (an exact step's, its compute not measured)."""
+        log = self.step_log
+        if log is not None:
+            prev, self._warm_end = self._warm_end, time.perf_counter()
+            if prev is not None:
+                log.step(s, self._warm_end - prev, None, False)
+        self._step = s + 1
+        self._last_compute = None
+        self.last_level = None
+        for st in self._hook_states:
+            st.iter = s + 1
 
     # -- warm-up exit (warmup_straggler)
     def _warm_clock_on(self) -> bool:
