@@ -123,7 +123,8 @@ Output: one JSON object per line, on stdout of rank 0 and in --log-dir/rank<R>.j
   {"event": "step", "rank", "step", "factor", "seconds"}
       with --log-steps, in --log-dir only, one per step: a trace replay's factor at that step
       (null otherwise) and the step's wall time, its straggler sleep included
-  {"event": "summary", "rank", "steps", "train_time", "steps_per_s", "comm_wait_s",
+  {"event": "summary", "rank", "steps", "train_time", "steps_per_s", "train_cpu_s" (the
+   process's CPU seconds over training, every thread of it), "comm_wait_s",
    "consensus", "rounds", "singletons", "singleton_share", "singleton_run_max",
    "trace_factor_mean" (a trace replay's mean factor over this worker's steps), ...}
   "comm_wait_s" estimates the time not spent computing: the sum over steps of (forward +
@@ -928,6 +929,7 @@ class Training:
         self.busy = 0.0  # wall time of forward + backward + optimizer step (+ stop agreement)
         self.snaps = None
         self.train_time = 0.0
+        self.cpu0 = self.train_cpu = 0.0  # process CPU seconds (all threads) at t0 / in training
 
     def batches(self):
         """The training batches, epoch after epoch in the sampler's order (lazily)."""
@@ -960,6 +962,7 @@ class Training:
                                int(args.time_limit / args.snapshot_every) + SNAPSHOT_SPARE)
         dist.barrier()
         self.t0 = time.perf_counter()
+        self.cpu0 = time.process_time()  # every thread of this process: the training's CPU
         self.exact_steps = args.warmup_steps
         self.eval_s += self.snaps.take(self.module, 0.0, 0)  # the initial model
         it = self.batches()
@@ -976,7 +979,11 @@ class Training:
         self.eval_s += self.snaps.take(self.module, self.clock(), self.step)
         if args.strategy == "ripples":
             self.optimizer.flush()  # with --overlap, the last round's average into the model
+            log = getattr(self.optimizer.averager, "step_log", None)
+            if log is not None:  # its last second of steps, before os._exit
+                log.flush()
         self.train_time = self.clock()
+        self.train_cpu = time.process_time() - self.cpu0
 
     def train_step(self, x, y) -> None:
         """Step self.step: forward, backward, the optimizer's step, the straggler's sleep."""
@@ -1081,7 +1088,8 @@ class Training:
         summary = {
             "event": "summary", "rank": self.rank, "strategy": args.strategy,
             "backend": backend, "steps": step, "train_time": round(self.train_time, 4),
-            "steps_per_s": round(step / self.train_time, 3), "local_acc": round(local_acc, 5),
+            "steps_per_s": round(step / self.train_time, 3),
+            "train_cpu_s": round(self.train_cpu, 4), "local_acc": round(local_acc, 5),
             "time_to_target": None if self.time_to_target is None else round(
                 self.time_to_target, 4),
             "compute_s": round(straggler.compute_s, 6),
@@ -1143,7 +1151,8 @@ class Training:
                  "target_acc": args.target_acc,
                  "time_to_target": summary["time_to_target"],
                  "train_time": summary["train_time"],
-                 **per_rank("steps", "steps_per_s", "comm_wait_s", "compute_s", "local_acc"),
+                 **per_rank("steps", "steps_per_s", "comm_wait_s", "compute_s", "local_acc",
+                            "train_cpu_s"),
                  "consensus": summary["consensus"],
                  **per_rank("rounds", "singletons", "singleton_share", "singleton_run_max",
                             "passed"),

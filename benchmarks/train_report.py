@@ -249,6 +249,10 @@ def metrics(res: dict, cfg: dict, workers: int) -> dict:
     sps = [x for x in m["steps_per_s"] or [] if x is not None]
     m["job_steps_per_s"] = sum(sps) / len(sps) if sps else None  # the job's steps per second
     m["steps"] = fin.get("steps")
+    # CPU seconds of each worker process (all its threads) per step it took while training
+    cpu = [c / n for c, n in zip(fin.get("train_cpu_s") or [], m["steps"] or [])
+           if c is not None and n]
+    m["cpu_ms_per_step"] = 1000 * sum(cpu) / len(cpu) if cpu else None
     m["steps_max"] = max(m["steps"]) if m["steps"] else None
     m["final_acc"] = fin.get("acc")
     m["final_loss"] = fin.get("loss")  # the averaged model's test (validation) loss
@@ -326,7 +330,7 @@ VALUE_KEYS = ("final_acc", "final_loss", "comm_wait_frac", "consensus", "consens
               "bytes_per_round", "round_s", "outer_every", "steps_to_loss_r0", "steps_max",
               "job_steps_to_loss_avg", "job_steps_per_s", "doc_ideal", "doc_ideal_c",
               "compute_s", "trace_whole_step", "whatif_waste", "whatif_saved",
-              "whatif_recovered", "free_step_s")
+              "whatif_recovered", "free_step_s", "cpu_ms_per_step")
 
 
 def spread(values, missing_is_late: bool):
@@ -492,7 +496,7 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
         head += [f"avg model: time to {cfg['target_acc']:.0%} acc (s)"]
         head += [f"x {b} (acc)" for b in bases[:1]]
         head += ["all workers at acc (s)"]
-    head += ["steps/s per worker (rank 0..)", "comm+wait % (rank 0)",
+    head += ["steps/s per worker (rank 0..)", "CPU ms / step", "comm+wait % (rank 0)",
              "groups of one % (max / mean)", "longest run of ones", "passed %",
              "consensus end (max over time)", "MB / round", "round ms", "final acc",
              "final test loss", "launch s", "what-if: waste / recovered (measured)"]
@@ -514,6 +518,7 @@ def table(wl: str, sc: str, plan: dict, cells: dict, cfg: dict) -> list[str]:
             row += [speedup(c, base[b], "time_to_acc_avg", lim) for b in bases[:1]]
             row += [fmt_time(c["time_to_acc_all"])]
         row += [" ".join(f"{x:.3g}" for x in c["steps_per_s"] or []),
+                fmt_spread(c.get("cpu_ms_per_step"), ".2f"),
                 fmt_spread(c["comm_wait_frac"], ".0f", 100), fmt_share(c),
                 fmt(median(c, "singleton_run_max"), ".0f"),
                 fmt_spread(c.get("passed_share_mean"), ".0f", 100), fmt_consensus(c),
