@@ -9,7 +9,9 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <fcntl.h>
 #include <time.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "common.h"
@@ -45,6 +47,9 @@ struct rpl_coord {
   int running;
   pthread_t thread;
   int thread_started;
+  int wake[2];              /* a byte written to wake[1] ends the thread's wait: it sleeps
+                             * until its next tick or deadline, not in short polls (each
+                             * wake-up takes a core from training where cores are few) */
   rpl_error thread_err;
 };
 
@@ -68,8 +73,14 @@ rpl_status rpl_coord_create(const rpl_coord_config *cfg, rpl_coord **out, rpl_er
   *out = NULL;
   rpl_coord *c = calloc(1, sizeof *c);
   if (!c) return rpl_fail(err, RPL_ERR_NOMEM, "coordinator: out of memory");
+  if (pipe2(c->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+    free(c);
+    return rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: pipe: %s", strerror(errno));
+  }
   rpl_status st = coord_core_init(&c->core, cfg, err);
   if (st != RPL_OK) {
+    close(c->wake[0]);
+    close(c->wake[1]);
     free(c);
     return st;
   }
@@ -191,16 +202,22 @@ rpl_status rpl_coord_run(rpl_coord *c, rpl_error *err) {
   zmq_msg_t in;
   zmq_msg_init(&in);
   while (!atomic_load(&c->stop)) {
-    zmq_pollitem_t it[2] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0}};
-    long ms = 50;
-    if (next_wait >= 0) {
-      double left = (next_wait - now_s()) * 1000.0;
-      ms = left <= 0 ? 0 : left < 50 ? (long)left + 1 : 50;
-    }
-    int rc = zmq_poll(it, 2, ms);
+    /* Until the next liveness tick or a request's deadline, whichever is first (a message,
+     * a connection event or a stop wakes it sooner). */
+    double due = next_wait >= 0 && next_wait < next_tick ? next_wait : next_tick;
+    double left = (due - now_s()) * 1000.0;
+    long ms = left <= 0 ? 0 : (long)left + 1;
+    zmq_pollitem_t it[3] = {{c->sock, 0, ZMQ_POLLIN, 0}, {c->mon, 0, ZMQ_POLLIN, 0},
+                            {NULL, c->wake[0], ZMQ_POLLIN, 0}};
+    int rc = zmq_poll(it, 3, ms);
     if (rc < 0 && zmq_errno() != EINTR) {
       st = rpl_fail(err, RPL_ERR_SYSTEM, "coordinator: poll: %s", zmq_strerror(zmq_errno()));
       break;
+    }
+    if (rc > 0 && (it[2].revents & ZMQ_POLLIN)) { /* a stop (the loop's test) or a stale one */
+      char drain[16];
+      while (read(c->wake[0], drain, sizeof drain) > 0) {
+      }
     }
     if (rc > 0) read_conn_events(c); /* first: messages name their connection */
     /* Drain what is there, bounded so liveness ticks still run under load. */
@@ -267,6 +284,9 @@ rpl_status rpl_coord_start(rpl_coord *c, rpl_error *err) {
 void rpl_coord_stop(rpl_coord *c) {
   if (!c) return;
   atomic_store(&c->stop, 1);
+  /* async-signal-safe (the CLI stops from a signal handler); a full pipe has a byte already */
+  if (write(c->wake[1], "", 1) < 0) {
+  }
   if (c->thread_started) {
     pthread_join(c->thread, NULL);
     c->thread_started = 0;
@@ -280,6 +300,8 @@ void rpl_coord_destroy(rpl_coord *c) {
   if (c->mon) zmq_close(c->mon);
   if (c->sock) zmq_close(c->sock);
   if (c->ctx) zmq_ctx_term(c->ctx);
+  close(c->wake[0]);
+  close(c->wake[1]);
   coord_core_free(&c->core);
   coord_conns_free(&c->conns);
   free(c);

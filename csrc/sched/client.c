@@ -11,11 +11,13 @@
  * served. Attempts are short and spaced out, so that a worker keeps training (its rounds
  * failing fast) while no coordinator answers. */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <zmq.h>
 
 #include "sched_internal.h"
@@ -53,6 +55,9 @@ struct rpl_gg_client {
                                   group until the round timeout): fences do not wait for them */
   pthread_t beat;
   int beat_started;
+  int wake[2];                 /* a byte written to wake[1] ends the heartbeat thread's wait:
+                                  it sleeps until its next beat, not in short polls (each
+                                  wake-up takes a core from training where cores are few) */
   int refused_unauth;          /* the last HELLO's refusal was an unauthenticated echo */
   atomic_int stop;
   atomic_int lost;             /* heartbeats unanswered for longer than dead_ms */
@@ -307,8 +312,13 @@ static void *beat_main(void *arg) {
       }
       next_send = t + atomic_load(&c->beat_ms) / 1000.0;
     }
-    zmq_pollitem_t it = {s, 0, ZMQ_POLLIN, 0};
-    if (zmq_poll(&it, 1, 50) > 0) {
+    /* Until the next beat is due (a reply or a stop wakes it sooner): the checks above run
+     * at least once a beat, and the lost one needs RPL_DEAD_MIN_BEATS of them. */
+    long ms = (long)((next_send - now_s()) * 1000.0) + 1;
+    long beat_ms = (long)atomic_load(&c->beat_ms);
+    ms = ms < 1 ? 1 : ms > beat_ms ? beat_ms : ms;
+    zmq_pollitem_t it[2] = {{s, 0, ZMQ_POLLIN, 0}, {NULL, c->wake[0], ZMQ_POLLIN, 0}};
+    if (zmq_poll(it, 2, ms) > 0 && (it[0].revents & ZMQ_POLLIN)) {
       int n;
       while ((n = zmq_recv(s, buf, MAX_MSG, ZMQ_DONTWAIT)) >= 0) {
         int kind = rpl_client_beat_reply(buf, (size_t)n, c->key, c->token, c->nworkers,
@@ -431,8 +441,13 @@ static rpl_status start_beats(rpl_gg_client *c, const rpl_msg *m, rpl_error *err
                dead < dead_min ? dead_min : dead > RPL_DEAD_MAX_MS ? RPL_DEAD_MAX_MS : dead);
   atomic_store(&c->lost, 0);
   if (c->heartbeat_ms > 0) {
-    if (pthread_create(&c->beat, NULL, beat_main, c) != 0)
+    if (pipe2(c->wake, O_CLOEXEC | O_NONBLOCK) != 0)
+      return rpl_fail(err, RPL_ERR_SYSTEM, "group generator client: pipe: %s", strerror(errno));
+    if (pthread_create(&c->beat, NULL, beat_main, c) != 0) {
+      close(c->wake[0]);
+      close(c->wake[1]);
       return rpl_fail(err, RPL_ERR_SYSTEM, "group generator client: pthread_create failed");
+    }
     c->beat_started = 1;
   }
   return RPL_OK;
@@ -464,7 +479,11 @@ static rpl_status attach(rpl_gg_client *c, int hello_ms, rpl_error *err) {
 static void detach(rpl_gg_client *c, int linger_ms) {
   if (c->beat_started) {
     atomic_store(&c->stop, 1);
+    if (write(c->wake[1], "", 1) < 0) { /* cannot fail on a fresh pipe; else within a beat */
+    }
     pthread_join(c->beat, NULL);
+    close(c->wake[0]);
+    close(c->wake[1]);
     c->beat_started = 0;
     atomic_store(&c->stop, 0);
   }
