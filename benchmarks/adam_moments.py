@@ -18,7 +18,13 @@ warm-up as ``wrap()``'s (the mean gradient of every worker), each rule runs:
 - ``params_group_mv``: the same for both moments (``group_second_moment``, ripples_pg/
   _moments.py: what ``wrap()`` does since issue 49);
 - ``grads_group``: the group's mean gradient before each worker's Adam, then the parameters
-  averaged (a blocking round per step: the bound for averaging gradients within groups).
+  averaged (a blocking round per step: the bound for averaging gradients within groups);
+- ``params_all_mv``: ``params_all`` with both moments counting the mean gradient of every
+  worker, a step late (what is left is the overlap's staleness);
+- ``blocking_group``: ``params_group`` with blocking rounds: the group's average replaces the
+  parameters at once (``wrap(overlap=False)``);
+- ``blocking_group_mv``: the same with both moments counting the group's mean gradient at
+  once (``overlap=False`` with ``group_second_moment``).
 
 It reports the validation loss every ``--every`` steps and the *step worth*: the steps DDP
 needs to reach the rule's final loss, over the steps taken (interpolated; 1.0 = as good as
@@ -30,6 +36,8 @@ noisy as W independent draws), the median over the warm-up's second half. ``--wo
     python benchmarks/adam_moments.py --out benchmarks/results/adam_second_moment
     python benchmarks/adam_moments.py --workers 2,4,8,16 --batch-size 4,16 \
         --rules ddp,params_group --seeds 0,1,2 --out benchmarks/results/adam_worth_by_world
+    python benchmarks/adam_moments.py --seeds 0,1,2 --out benchmarks/results/adam_blocking_moments \
+        --rules ddp,params_group,params_group_mv,params_all_mv,blocking_group,blocking_group_mv
 """
 from __future__ import annotations
 
@@ -52,7 +60,9 @@ from result_files import store  # noqa: E402
 from workloads import loss_fn  # noqa: E402
 
 RULES = ("ddp", "params_group", "params_all", "params_group_v", "params_group_mv",
-         "grads_group")
+         "grads_group", "params_all_mv", "blocking_group", "blocking_group_mv")
+DEFAULT_RULES = RULES[:6]  # the first table's; the later ones are named with --rules
+OVERLAPPED_MOMENTS = ("params_group_v", "params_group_mv", "params_all_mv")
 BETA1, BETA2 = 0.9, 0.999
 
 
@@ -67,7 +77,7 @@ def parse_args(argv=None):
                    help="comma list of documents per worker and step")
     p.add_argument("--lr", type=float, default=0.003)
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--rules", default=",".join(RULES))
+    p.add_argument("--rules", default=",".join(DEFAULT_RULES))
     p.add_argument("--out", default=None, help="folder for results.md and results.json")
     p.add_argument("--table-only", action="store_true",
                    help="rewrite --out's results.md from its results.json (runs nothing)")
@@ -149,7 +159,7 @@ def run(rule, data, args, seed, W, bs):
             m.zero_grad()
             loss_fn(m(data.xtr[idx]), data.ytr[idx]).backward()
         exact = t < args.warmup or rule == "ddp"
-        groups = _groups(rng, W, W if rule == "params_all" else args.group_size)
+        groups = _groups(rng, W, W if rule.startswith("params_all") else args.group_size)
         if exact:
             grads = torch.stack([_grad(m) for m in models])
             mean = grads.mean(0)
@@ -167,11 +177,13 @@ def run(rule, data, args, seed, W, bs):
             o.step()
         if exact:
             pass
-        elif rule == "grads_group":  # blocking
+        elif rule in ("grads_group", "blocking_group", "blocking_group_mv"):  # blocking
             for g in groups:
                 mean = torch.stack([_flat(models[i]) for i in g]).mean(0)
                 for i in g:
                     _set_flat(models[i], mean)
+            if rule == "blocking_group_mv":
+                _fix_moments(models, opts, sent, groups, 0, True)
         else:  # overlapped: last round's average plus the local update since
             xs = [_flat(m) for m in models]
             if pending is not None:
@@ -179,8 +191,8 @@ def run(rule, data, args, seed, W, bs):
                 xs = [avgs[i] + (xs[i] - snaps[i]) for i in range(W)]
                 for i, m in enumerate(models):
                     _set_flat(m, xs[i])
-                if rule in ("params_group_v", "params_group_mv"):
-                    _fix_moments(models, opts, psent, pgroups, 1, rule == "params_group_mv")
+                if rule in OVERLAPPED_MOMENTS:
+                    _fix_moments(models, opts, psent, pgroups, 1, rule != "params_group_v")
             avgs = [None] * W
             for g in groups:
                 mean = torch.stack([xs[i] for i in g]).mean(0)
