@@ -133,9 +133,9 @@ def worker(a) -> None:
             blocks[name].append([s * 1e3 / a.steps for s in sums] + [wall * 1e3 / a.steps])
     threads1 = _thread_cpu_ms()
     averager = models["wrap"][1].averager
-    main = f"{_main_thread_name()}:{os.getpid()}"
+    main_tid = str(os.getpid())  # the training thread's id is the process's
     background = {k: (v - threads0.get(k, 0.0)) / (2 * a.blocks * a.steps)
-                  for k, v in threads1.items() if k != main}
+                  for k, v in threads1.items() if k.rsplit(":", 1)[1] != main_tid}
     rec = {"rank": rank, "variant": a.variant, "blocks": blocks,
            "exact": bool(averager.step < averager.warmup_steps),
            "background_ms_per_step": {k: v for k, v in background.items() if v > 0}}
@@ -144,12 +144,6 @@ def worker(a) -> None:
     models["wrap"][1].unwrap()
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _main_thread_name() -> str:
-    """The training thread's name in /proc (the process's own, ``comm``)."""
-    with open("/proc/self/comm") as f:
-        return f.read().strip()
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -187,10 +181,9 @@ def summarize(recs: list) -> dict:
     paired differences (wrap minus ddp, block by block)."""
     cols = list(PHASES) + ["cpu", "wall"]
 
-    def col(rows, k):  # a block's row: the phases' CPU, then wall; "cpu" is the phases' sum
-        if k == len(PHASES):
-            return [sum(r[:len(PHASES)]) for r in rows]
-        return [r[k if k < len(PHASES) else len(PHASES)] for r in rows]
+    def col(rows, k):  # a block's row is the phases' CPU, then wall; "cpu" is their sum
+        full = [[*r[:-1], sum(r[:-1]), r[-1]] for r in rows]
+        return [r[k] for r in full]
 
     out = {"ddp": {}, "wrap": {}, "diff": {}}
     for k, name in enumerate(cols):
