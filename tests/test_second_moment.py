@@ -206,3 +206,47 @@ def test_side_tensors_ride_in_their_flats_buffer():
     assert {id(t) for t, _ in tails} == {id(s32), id(s16)}
     again, _, _ = joined([f32, f64], [s16, s32], bufs)
     assert all(a is b for a, b in zip(again, bufs)), "buffers that fit are reused"
+
+
+def test_correction_of_many_parameters_and_dtypes():
+    """Several parameters of two dtypes in one round (the correction batched by weights and
+    read through slices kept from round to round), then a round of another layout in buffers
+    of the same sizes (another parameter without a gradient): every moment gains exactly its
+    own share of the group's mean, and a parameter that did not travel keeps its moments."""
+    from ripples_pg.training._moments import GroupSecondMoment
+
+    torch.manual_seed(0)
+    ps = [nn.Parameter(torch.randn(2, 3)), nn.Parameter(torch.randn(4)),
+          nn.Parameter(torch.randn(2, 2, dtype=torch.float64)), nn.Parameter(torch.randn(2, 3))]
+    opt = torch.optim.AdamW(ps, lr=0.01, betas=(B1, B2))
+    gsm = GroupSecondMoment(opt)
+    for rnd, stays in enumerate([3, 3, 0]):  # the parameter that does not travel
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        before = [(opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                  for p in ps]
+        grads = [p.grad.clone() for p in ps]
+        ps[stays].grad = None
+        bufs = gsm.pack(ps)
+        assert [(b.dtype, b.numel()) for b in bufs] == [(torch.float32, 10),
+                                                         (torch.float64, 4)], rnd
+        offs, means = {}, []
+        for p, g in zip(ps, grads):  # the "group's mean": the own gradient plus a known shift
+            if p.grad is None:
+                means.append(None)
+                continue
+            buf = next(b for b in bufs if b.dtype == p.dtype)
+            off = offs.get(p.dtype, 0)
+            mean = g + 0.25 * (1 + torch.arange(g.numel(), dtype=g.dtype).view(g.shape))
+            buf[off:off + g.numel()] = mean.reshape(-1)
+            offs[p.dtype] = off + g.numel()
+            means.append(mean)
+        assert gsm.apply() == 3, rnd
+        for p, g, mean, (m0, v0) in zip(ps, grads, means, before):
+            m, v = opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]
+            if mean is None:
+                assert torch.equal(m, m0) and torch.equal(v, v0), rnd
+                continue
+            torch.testing.assert_close(m, m0 + (1 - B1) * (mean - g))
+            torch.testing.assert_close(v, (v0 + (1 - B2) * (mean ** 2 - g ** 2)).clamp(min=0))

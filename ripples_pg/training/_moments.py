@@ -86,8 +86,13 @@ class GroupSecondMoment:
         self.optimizer = optimizer
         self._sent: "OrderedDict[torch.dtype, torch.Tensor]" = OrderedDict()
         self._base: "OrderedDict[torch.dtype, torch.Tensor]" = OrderedDict()
-        # per parameter: (its optimizer state, exp_avg, exp_avg_sq, dtype, offset, betas, the
-        # sign of the gradient in exp_avg, the state's step when packed)
+        self._sq: "OrderedDict[torch.dtype, torch.Tensor]" = OrderedDict()
+        # per packed parameter, its slices of the sent and squared buffers, kept while the
+        # layout stays the same (a view costs as much as a small operation)
+        self._layout: Optional[tuple] = None
+        self._views: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        # per parameter: (its optimizer state, exp_avg, exp_avg_sq, betas, the sign of the
+        # gradient in exp_avg, the state's step when packed)
         self._items: List[tuple] = []
         self.applied = 0  # rounds whose result corrected a second moment
 
@@ -121,17 +126,24 @@ class GroupSecondMoment:
             if cur is None or cur.numel() != n or cur.device != dev:
                 self._sent[dt] = torch.empty(n, dtype=dt, device=dev)
                 self._base[dt] = torch.empty(n, dtype=dt, device=dev)
+                self._sq[dt] = torch.empty(n, dtype=dt, device=dev)
+                self._layout = None
         for dt in [d for d in self._sent if d not in sizes]:
-            del self._sent[dt], self._base[dt]
-        self._items = []
-        offs: Dict[torch.dtype, int] = {dt: 0 for dt in sizes}
-        for p, st, betas, sign, step in targets:
-            off, n = offs[p.dtype], p.numel()
-            self._base[p.dtype][off:off + n].copy_(p.grad.detach().reshape(-1))
-            self._items.append((st, st["exp_avg"], st["exp_avg_sq"], p.dtype, off, betas, sign,
-                                step))
-            offs[p.dtype] = off + n
-        for dt, sent in self._sent.items():
+            del self._sent[dt], self._base[dt], self._sq[dt]
+        self._items = [(st, st["exp_avg"], st["exp_avg_sq"], betas, sign, step)
+                       for _, st, betas, sign, step in targets]
+        layout = tuple((p.dtype, p.shape) for p, *_ in targets)
+        if layout != self._layout:  # each parameter's slices, in the order packed
+            self._layout, self._views = layout, []
+            offs: Dict[torch.dtype, int] = {dt: 0 for dt in sizes}
+            for p, *_ in targets:
+                off, n = offs[p.dtype], p.numel()
+                self._views.append((self._sent[p.dtype][off:off + n].view(p.shape),
+                                    self._sq[p.dtype][off:off + n].view(p.shape)))
+                offs[p.dtype] = off + n
+        for dt, sent in self._sent.items():  # one copy per dtype, not one per parameter
+            torch.cat([p.grad.detach().reshape(-1) for p, *_ in targets if p.dtype == dt],
+                      out=self._base[dt])
             sent.copy_(self._base[dt])
         return list(self._sent.values())
 
@@ -146,12 +158,14 @@ class GroupSecondMoment:
             return 0
         done = 0
         # a round with nobody else brings back the gradient sent: both differences are zero
-        diff, sq = {}, {}
-        for dt, mean in self._sent.items():
+        for dt, mean in self._sent.items():  # into the buffers the views show
             own = self._base[dt]
-            sq[dt] = mean.square().sub_(own.square())
-            diff[dt] = mean.sub_(own)
-        for st, m, v, dt, off, (beta1, beta2), sign, step in items:
+            torch.mul(mean, mean, out=self._sq[dt]).addcmul_(own, own, value=-1.0)
+            mean.sub_(own)
+        # parameters whose corrections have the same weights go together, a few foreach calls
+        # in place of several small operations per parameter (kernel launches on a GPU)
+        batches: Dict[tuple, Tuple[list, list, list, list]] = {}
+        for (st, m, v, (beta1, beta2), sign, step), (d, sq) in zip(items, self._views):
             # the parameter's step counter tells how many steps decayed the packed gradient's
             # weight since (an overlapped round is applied one step late)
             now = _state_step(st)
@@ -159,11 +173,17 @@ class GroupSecondMoment:
                     now < step:
                 continue  # the optimizer's state was reset or reloaded meanwhile
             k = now - step
-            n = v.numel()
-            m.add_(diff[dt][off:off + n].view(m.shape), alpha=sign * (1.0 - beta1) * beta1 ** k)
-            v.add_(sq[dt][off:off + n].view(v.shape),
-                   alpha=(1.0 - beta2) * beta2 ** k).clamp_(min=0)
+            ms, ds, vs, ss = batches.setdefault(
+                (sign * (1.0 - beta1) * beta1 ** k, (1.0 - beta2) * beta2 ** k), ([], [], [], []))
+            ms.append(m)
+            ds.append(d)
+            vs.append(v)
+            ss.append(sq)
             done += 1
+        for (alpha_m, alpha_v), (ms, ds, vs, ss) in batches.items():
+            torch._foreach_add_(ms, ds, alpha=alpha_m)
+            torch._foreach_add_(vs, ss, alpha=alpha_v)
+            torch._foreach_clamp_min_(vs, 0.0)
         if done:
             self.applied += 1
         return done
