@@ -34,6 +34,22 @@ STRATEGIES = {
                     ["--strategy", "ripples", "--average-optimizer-state"]),
     "default_gsm": ("Ripples, wrap()'s defaults + group_second_moment",
                     ["--strategy", "ripples", "--group-second-moment"]),
+    # issue 49, doclen at 8 workers: partial rounds from step 6 whatever the warm-up check says,
+    # overlapped (the defaults' rounds) or blocking every step, each with and without the
+    # group's Adam moments (blocking with them: worth 0.93 in adam_blocking_moments)
+    "partial_ovl": ("Ripples overlapped rounds, partial from step 6",
+                    ["--strategy", "ripples", "--warmup-steps", "6", "--warmup-straggler", "0"]),
+    "partial_ovl_gsm": ("Ripples overlapped rounds + group_second_moment, partial from step 6",
+                        ["--strategy", "ripples", "--group-second-moment", "--warmup-steps", "6",
+                         "--warmup-straggler", "0"]),
+    "partial_blk": ("Ripples blocking rounds every step, partial from step 6",
+                    ["--strategy", "ripples", "--no-overlap", "--period-max", "1",
+                     "--warmup-steps", "6", "--warmup-straggler", "0"]),
+    "partial_blk_gsm": ("Ripples blocking rounds every step + group_second_moment, partial "
+                        "from step 6",
+                        ["--strategy", "ripples", "--no-overlap", "--period-max", "1",
+                         "--group-second-moment", "--warmup-steps", "6",
+                         "--warmup-straggler", "0"]),
     "smart": ("Ripples smart, blocking rounds",
               ["--strategy", "ripples", "--schedule", "smart", "--no-overlap"]),
     "smart_p1": ("Ripples smart, every step (period 1), blocking rounds",
@@ -71,7 +87,8 @@ STRATEGIES = {
 DILOCO_STRATEGIES = ("torchft_diloco", "diloco", "diloco_ii", "diloco_bf16", "diloco_int8", "smart_bf16",
                      "smart_int8")
 # Variants measured for one question (issue 49: what a step is worth with AdamW): named only.
-VARIANT_STRATEGIES = ("default_aos", "default_gsm")
+VARIANT_STRATEGIES = ("default_aos", "default_gsm", "partial_ovl", "partial_ovl_gsm",
+                      "partial_blk", "partial_blk_gsm")
 DEFAULT_STRATEGIES = [s for s in STRATEGIES
                       if s not in DILOCO_STRATEGIES and s not in VARIANT_STRATEGIES]
 # what each needs beyond the core: torchft, or these keywords of ripples_pg.wrap()
