@@ -239,3 +239,16 @@ def test_parse_levels():
     for bad in ("1:partial,1:world", "x:partial", "1-partial", {2: "galaxy"}, {}):
         with pytest.raises(ValueError):
             parse_levels(bad)
+
+
+def test_parameters_on_several_devices_are_refused():
+    """The parameters alias one flat buffer per dtype: a module spread over two devices is
+    refused by name instead of being moved to the first device (here CPU and meta, the two
+    devices every build has)."""
+    from ripples_pg.training.averager import _Layout
+
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, device="meta"))
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\)"):
+        _Layout([a, b], [])
+    lay = _Layout([a], [])  # one device: the parameter now aliases its flat buffer
+    assert a.data.data_ptr() == lay.flats[0].data_ptr()

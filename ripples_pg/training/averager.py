@@ -249,6 +249,13 @@ class _Layout:
         self.extras = extras
         # the parameters become views into the flat buffers: never a shard FSDP reads itself
         refuse_sharded("ripples_pg.RipplesAverager", tensors=params + extras)
+        # the parameters alias one flat buffer per dtype, on one device: a module spread over
+        # several devices would be moved to the first one (extras are copied, so they may differ)
+        devices = sorted({str(p.device) for p in params})
+        if len(devices) > 1:
+            raise ValueError(f"ripples_pg.RipplesAverager: the parameters are on several "
+                             f"devices ({', '.join(devices)}); one device per process is "
+                             f"supported (one rank per device, as DDP with device_ids)")
         by_dtype: "OrderedDict[torch.dtype, List[torch.Tensor]]" = OrderedDict()
         for t in params + extras:
             by_dtype.setdefault(t.dtype, []).append(t)
